@@ -1,0 +1,41 @@
+"""Which implementation of a kernel runs for a given tensor.
+
+CUDA tensors run the Triton kernels. CPU tensors run the plain-torch
+references, except when the Triton interpreter is on (``TRITON_INTERPRET=1``,
+read by ``triton.jit`` when the kernel modules are imported) and the caller
+asked for it with ``LANEKV_CPU_KERNELS=triton``: then the interpreted Triton
+kernels run on CPU tensors too. End-to-end tests use that to push a small run
+through the real kernels without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(tensor: torch.Tensor) -> bool:
+    if tensor.is_cuda:
+        return True
+    return interpreter_enabled() and os.environ.get("LANEKV_CPU_KERNELS") == "triton"
+
+
+def check_same_device(**tensors: torch.Tensor) -> torch.device:
+    """Raise ValueError naming the argument whose device differs from the first."""
+    device = None
+    first = None
+    for name, tensor in tensors.items():
+        if tensor is None:
+            continue
+        if device is None:
+            device, first = tensor.device, name
+        elif tensor.device != device:
+            raise ValueError(f"{name} is on {tensor.device} but {first} is on {device}")
+    if device is None:
+        raise ValueError("no tensor given")
+    return device
