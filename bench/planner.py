@@ -32,11 +32,13 @@ def _median_ms(fn, repeat: int = 20) -> float:
 def run(results: list[dict]) -> None:
     for batch, tokens, cp, ps in [(64, 4096, 8, 64), (64, 4096, 8, 1), (1, 131072, 8, 64)]:
         extend = [tokens - 17 * (i % 3) for i in range(batch)]
-        plan_ms = _median_ms(lambda: plan_batch(extend, cp_size=cp, page_size=ps))
+        plan_ms = _median_ms(lambda e=extend, c=cp, p=ps: plan_batch(e, cp_size=c, page_size=p))
         plan = plan_batch(extend, cp_size=cp, page_size=ps)
         alloc = LaneAllocator(cp, batch * tokens // ps // cp + 2 * batch)
         pages = alloc.allocate_batch(plan)
-        index_ms = _median_ms(lambda: build_rank_index(plan, 0, extend_pages=pages), repeat=10)
+        index_ms = _median_ms(
+            lambda p=plan, x=pages: build_rank_index(p, 0, extend_pages=x), repeat=10
+        )
         results.append(
             dict(batch=batch, tokens=tokens, cp_size=cp, page_size=ps, plan_ms=plan_ms, index_ms=index_ms)
         )
