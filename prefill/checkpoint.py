@@ -1,0 +1,100 @@
+"""Loads a Hugging Face safetensors checkpoint into ``CausalLM``.
+
+Each tensor file is read once; the same bytes feed both the weights digest and
+``safetensors.torch.load``, so the digest always describes exactly the weights
+that were loaded (a second read could see a file replaced in between).
+``transformers`` is never imported here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors.torch import load as load_safetensors
+
+from prefill.config import ModelConfig
+from prefill.model import CausalLM
+from prefill.tokenizer import Tokenizer, load_tokenizer
+
+INDEX_FILE = "model.safetensors.index.json"
+# Buffers some exporters write that are recomputed here, never loaded.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+class LoadedModel(NamedTuple):
+    config: ModelConfig
+    model: CausalLM
+    weights_digest: str  # sha256 hex of the tensor files, see read_state_dict
+    tokenizer: Tokenizer | None
+
+
+def tensor_files(path: str | Path) -> list[Path]:
+    """The checkpoint's safetensors files, sorted by name: those the index
+    names when there is one, else every ``*.safetensors`` in the folder."""
+    path = Path(path)
+    index_path = path / INDEX_FILE
+    if index_path.exists():
+        weight_map = json.loads(index_path.read_text()).get("weight_map")
+        if not weight_map:
+            raise ValueError(f"{index_path} has no weight_map")
+        names = sorted(set(weight_map.values()))
+    else:
+        names = sorted(p.name for p in path.glob("*.safetensors"))
+    if not names:
+        raise FileNotFoundError(f"no *.safetensors files in {path}")
+    return [path / name for name in names]
+
+
+def read_state_dict(path: str | Path, dtype: torch.dtype,
+                    device: torch.device | str) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors converted to ``dtype`` on ``device``, and the weights digest:
+    sha256 over the tensor files in sorted name order, each as its length
+    (8 bytes, little-endian) then its bytes, so file boundaries count too."""
+    digest = hashlib.sha256()
+    state: dict[str, torch.Tensor] = {}
+    for file in tensor_files(path):
+        data = file.read_bytes()
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+        for name, tensor in load_safetensors(data).items():
+            if name in state:
+                raise ValueError(f"tensor {name!r} appears in more than one file (again in {file.name})")
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            state[name] = tensor.to(device=device, dtype=dtype)
+        del data  # one file's bytes in memory at a time
+    return state, digest.hexdigest()
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> LoadedModel:
+    """Reads ``config.json``, the safetensors weights and, when present,
+    ``tokenizer.json``; the model is in eval mode without gradients."""
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    model = CausalLM(config, dtype=dtype, device="meta")
+    state, digest = read_state_dict(path, dtype, device)
+    expected = model.state_dict()
+    if config.tie_word_embeddings:
+        # Some exporters also write the tied head; like transformers, the
+        # embedding is what the head uses.
+        state.pop("lm_head.weight", None)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match {config.architecture}: "
+                         f"missing tensors {missing}, unexpected tensors {unexpected}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(expected[name].shape)}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)  # the rotary frequencies; the weights are there already
+    model.eval()
+    model.requires_grad_(False)
+    tokenizer = load_tokenizer(path, config.eos_token_ids)
+    return LoadedModel(config=config, model=model, weights_digest=digest, tokenizer=tokenizer)

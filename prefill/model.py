@@ -1,0 +1,249 @@
+"""The Llama-family decoder shared by prefill and decode.
+
+One flat batch of tokens goes in (``[T]`` ids and their absolute positions,
+several requests concatenated); attention is a callback the caller supplies,
+so context parallelism, KV caches and page tables all stay outside the model:
+
+    attention(layer, q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]) -> o [T, Hq, D]
+
+RoPE is already applied to ``q`` and ``k`` when the callback runs. The ops and
+their order follow ``transformers`` (RMSNorm in float32, cos/sin computed in
+float32 and cast to the model dtype, SwiGLU as ``down(silu(gate) * up)``) so that
+float32 logits agree with it to float32 rounding. Module and parameter names
+mirror the Hugging Face checkpoint keys, so a checkpoint's tensors load by name.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from prefill.config import ModelConfig
+
+AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics whatever the model dtype, cast back before the
+        # weight multiply: the order transformers uses.
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[head_dim // 2]`` float32 inverse frequencies, llama3 scaling included,
+    computed with the same float32 ops as transformers."""
+    dim = config.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling_dict
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low
+    high_freq_wavelen = old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths are slowed by `factor`, short ones kept, the band in
+    # between interpolated smoothly.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig, device: torch.device | str):
+        super().__init__()
+        # Not persistent (not a checkpoint tensor) and kept float32: build the
+        # model in its dtype rather than calling .to(dtype), which would round it.
+        self.register_buffer("inv_freq", rope_inv_freq(config, device), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin ``[T, head_dim]`` in ``dtype`` for int64 ``positions [T]``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]``, ``cos``/``sin`` ``[T, D]`` (non-interleaved halves)."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        q_size = config.num_heads * config.head_dim
+        kv_size = config.num_kv_heads * config.head_dim
+        bias = config.attention_bias
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias, **kw)
+        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias, **kw)
+        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias, **kw)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: AttentionFn) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        o = attention(self.layer_index, q, k, v)  # [T, Hq, D]
+        if o.shape != q.shape:
+            raise ValueError(
+                f"attention callback returned shape {tuple(o.shape)} for layer "
+                f"{self.layer_index}, expected {tuple(q.shape)}"
+            )
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, **kw)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, **kw)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.self_attn = Attention(config, layer_index, dtype, device)
+        self.mlp = MLP(config, dtype, device)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: AttentionFn) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderStack(nn.Module):
+    """The checkpoint's ``model.*`` tensors: embedding, layers, final norm."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, i, dtype, device) for i in range(config.num_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head. Build it in its final dtype (``device="meta"`` builds
+    the parameters without memory; the loader assigns real tensors)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype={dtype} is not supported (float32, float16, bfloat16)")
+        self.config = config
+        self.model = DecoderStack(config, dtype, device)
+        # Tied models have no lm_head tensor: compute_logits reads the embedding.
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False, dtype=dtype,
+                           device=device)
+        )
+        # The frequencies are computed, never loaded, so a meta build still
+        # gets real ones (on the CPU; .to(device) moves them with the weights).
+        rope_device = "cpu" if torch.device(device).type == "meta" else device
+        self.rotary = RotaryEmbedding(config, rope_device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """``[T]`` ids -> ``[T, hidden]``."""
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: AttentionFn) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` int64 -> hidden ``[T, hidden]``
+        after the final norm."""
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
+        if positions.shape != input_ids.shape:
+            raise ValueError(
+                f"positions shape {tuple(positions.shape)} != input_ids shape "
+                f"{tuple(input_ids.shape)}"
+            )
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[n, hidden]`` -> float32 ``[n, vocab]``."""
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     softmax_scale: float) -> torch.Tensor:
+    """Reference attention for one sequence, in plain torch.
+
+    ``q [Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]`` with ``Tk >= Tq``: the queries
+    are the last ``Tq`` positions, query ``i`` sees keys ``[0, Tk - Tq + i]``.
+    Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Same op order as
+    transformers' eager attention (softmax in float32, cast back).
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(
+            f"expected q [Tq, Hq, D], k and v [Tk, Hkv, D]; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    (q_len, num_heads, head_dim), (kv_len, num_kv_heads, _) = q.shape, k.shape
+    if k.shape[2] != head_dim or num_heads % num_kv_heads != 0 or kv_len < q_len:
+        raise ValueError(
+            f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)} "
+            "(need equal head_dim, Hq a multiple of Hkv, Tk >= Tq)"
+        )
+    group = num_heads // num_kv_heads
+    qh = q.transpose(0, 1)  # [Hq, Tq, D]
+    kh = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]
+    vh = v.repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * softmax_scale  # [Hq, Tq, Tk]
+    q_pos = torch.arange(q_len, device=q.device)[:, None] + (kv_len - q_len)
+    hidden_keys = torch.arange(kv_len, device=q.device)[None, :] > q_pos
+    scores = scores.masked_fill(hidden_keys, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, vh).transpose(0, 1).contiguous()
