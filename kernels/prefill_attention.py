@@ -1,0 +1,260 @@
+"""Causal varlen attention for one context-parallel rank's query rows.
+
+FlashAttention-2 style: one program per (query block of one segment, q head)
+streams its request's K/V blocks up to the causal limit with an online
+softmax in base 2. Key blocks every row of the query block may see run in an
+unmasked loop; only the diagonal blocks pay for the causal mask. K/V are read
+either contiguously or through a page table (any ``page_size >= 1``).
+
+Launch without a host sync: the program -> (segment, block) map is built with
+torch ops over an upper-bound grid (``cdiv(Tq, BLOCK_M) + S`` covers any set
+of disjoint segments); slots past the last block exit at once.
+
+Bounds of the segments (rows inside q and k, page ids inside the pool, rows
+disjoint) need the segment data: they are checked when the segment tensors
+live on the CPU, and on CUDA only with ``validate=True``, so the per-layer hot
+path launches without waiting on the device.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import use_triton
+from kernels.prefill_attention_ref import (
+    AttnOutput,
+    AttnSegments,
+    check_attention_args,
+    check_segment_bounds,
+    cp_prefill_attention_ref,
+)
+
+__all__ = [
+    "AttnOutput",
+    "AttnSegments",
+    "AttnLaunchConfig",
+    "cp_prefill_attention",
+    "cp_prefill_attention_ref",
+    "cp_prefill_attention_triton",
+]
+
+_LOG2E = 1.4426950408889634
+
+
+class AttnLaunchConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def default_config(q: torch.Tensor) -> AttnLaunchConfig:
+    if not q.is_cuda:
+        # The interpreter: small tiles so short test sequences still span
+        # several query and key blocks and both loops run.
+        return AttnLaunchConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+    if q.shape[2] > 128 or q.dtype == torch.float32:
+        return AttnLaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    return AttnLaunchConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _key_rows(pos, kv_start, page_table, stride_pt, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """Rows of k/v that hold key positions ``pos`` of one request (int64)."""
+    if PAGED:
+        page = tl.load(page_table + kv_start.to(tl.int64) * stride_pt + pos // PAGE_SIZE)
+        return page.to(tl.int64) * PAGE_SIZE + pos % PAGE_SIZE
+    else:
+        return kv_start.to(tl.int64) + pos
+
+
+@triton.jit
+def _attend_block(
+    acc, l_i, m_i, q, K, V, rows, pos_m, pos_n, offs_d, stride_kt, stride_vt, qk_scale,
+    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])  # [BLOCK_N, D]
+    v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
+    # Every row saw at least key 0 by its first block, so m_new is finite.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.exp2(qk - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _cp_prefill_attention_kernel(
+    Q, K, V, O, LSE, block_seg, block_idx,
+    seg_q_start, seg_q_len, seg_q_pos, seg_kv_start, page_table,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ot, stride_oh, stride_lt, stride_lh, stride_pt,
+    qk_scale,
+    GROUP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Slots are filled in segment order; the last block of a segment has the
+    # most keys, so launch from the end: long programs first, short ones fill.
+    slot = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seg = tl.load(block_seg + slot)
+    if seg < 0:
+        return
+    m_block = tl.load(block_idx + slot)
+    q_start = tl.load(seg_q_start + seg)
+    q_len = tl.load(seg_q_len + seg)
+    q_pos = tl.load(seg_q_pos + seg)
+    kv_start = tl.load(seg_kv_start + seg)
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < q_len
+    pos_m = q_pos + offs_m
+    q_rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    K += kv_head * stride_kh
+    V += kv_head * stride_vh
+
+    # Keys [0, full_end) are visible to every row of the block; keys
+    # [full_end, kv_end) need the mask. Padding rows only see keys < kv_end
+    # that exist, and their results are never stored.
+    first_pos = q_pos + m_block * BLOCK_M
+    kv_end = q_pos + tl.minimum(q_len, (m_block + 1) * BLOCK_M)
+    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, full_end, BLOCK_N):
+        pos_n = start_n + offs_n
+        rows = _key_rows(pos_n, kv_start, page_table, stride_pt, PAGED, PAGE_SIZE)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, rows, pos_m, pos_n, offs_d,
+                                      stride_kt, stride_vt, qk_scale, False, DOT_PRECISION)
+    for start_n in range(full_end, kv_end, BLOCK_N):
+        # Clamp past-the-end positions to the last key: an in-bounds load
+        # whose score the causal mask drops for every stored row.
+        pos_n = start_n + offs_n
+        rows = _key_rows(tl.minimum(pos_n, kv_end - 1), kv_start, page_table, stride_pt,
+                         PAGED, PAGE_SIZE)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, rows, pos_m, pos_n, offs_d,
+                                      stride_kt, stride_vt, qk_scale, True, DOT_PRECISION)
+
+    acc = acc / l_i[:, None]
+    tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log
+        tl.store(LSE + q_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+def _block_map(q_len: torch.Tensor, block_m: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot -> (segment, query block of it), or segment -1 for a spare slot."""
+    n_blocks = (q_len.to(torch.int64).clamp(min=0) + block_m - 1) // block_m  # [S]
+    ends = torch.cumsum(n_blocks, 0)
+    slots = torch.arange(num_slots, device=q_len.device)
+    seg = torch.searchsorted(ends, slots, right=True)  # first segment ending past the slot
+    has_work = seg < q_len.shape[0]
+    seg = seg.clamp(max=q_len.shape[0] - 1)
+    block = slots - (ends[seg] - n_blocks[seg])
+    return torch.where(has_work, seg, -1).to(torch.int32), block.to(torch.int32)
+
+
+def launch_cp_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: AttnSegments,
+    softmax_scale: float,
+    page_table: torch.Tensor | None,
+    page_size: int,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    config: AttnLaunchConfig,
+) -> None:
+    """Launch on checked arguments with an explicit tile config (tests, sweeps)."""
+    num_segments = segments.q_len.shape[0]
+    if num_segments == 0 or q.shape[0] == 0:
+        return
+    num_slots = triton.cdiv(q.shape[0], config.block_m) + num_segments
+    block_seg, block_idx = _block_map(segments.q_len, config.block_m, num_slots)
+    seg = [t.contiguous() for t in segments]
+    table = page_table if page_table is not None else seg[3]  # unread when not paged
+    lse_arg = lse if lse is not None else out  # unread without STORE_LSE
+    _cp_prefill_attention_kernel[(num_slots, q.shape[1])](
+        q, k, v, out, lse_arg, block_seg, block_idx, *seg, table,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+        table.stride(0) if page_table is not None else 0,
+        softmax_scale * _LOG2E,
+        GROUP=q.shape[1] // k.shape[1],
+        PAGED=page_table is not None,
+        PAGE_SIZE=page_size if page_table is not None else 1,
+        STORE_LSE=lse is not None,
+        HEAD_DIM=q.shape[2],
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+
+
+def cp_prefill_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: AttnSegments,
+    softmax_scale: float,
+    *,
+    page_table: torch.Tensor | None = None,
+    page_size: int = 0,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor | AttnOutput:
+    """Triton launcher; see the module docstring for when bounds are checked."""
+    check_attention_args(q, k, v, segments, softmax_scale, page_table, page_size, out, return_lse, lse_out)
+    if validate or not segments.q_len.is_cuda:
+        check_segment_bounds(q, k, segments, page_table, page_size)
+    if out is None:
+        out = torch.empty_like(q)
+    lse = None
+    if return_lse:
+        lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
+    launch_cp_prefill_attention(q, k, v, segments, float(softmax_scale), page_table, page_size,
+                                out, lse, default_config(q))
+    return AttnOutput(out, lse) if return_lse else out
+
+
+def cp_prefill_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: AttnSegments,
+    softmax_scale: float,
+    *,
+    page_table: torch.Tensor | None = None,
+    page_size: int = 0,
+    out: torch.Tensor | None = None,
+    return_lse: bool = False,
+    lse_out: torch.Tensor | None = None,
+    validate: bool = False,
+) -> torch.Tensor | AttnOutput:
+    """Dispatch: Triton for CUDA tensors (or the opted-in interpreter), else the reference."""
+    op = cp_prefill_attention_triton if use_triton(q) else cp_prefill_attention_ref
+    return op(q, k, v, segments, softmax_scale, page_table=page_table, page_size=page_size,
+              out=out, return_lse=return_lse, lse_out=lse_out, validate=validate)
