@@ -1,0 +1,270 @@
+"""The decode side's physical page pool and the per-request page tables.
+
+``PagePool`` owns one pool tensor ``[num_layers, 2, num_pages * page_size,
+kv_heads, head_dim]`` (see ``kernels.kv_layout``) and the free list of its
+physical pages. A daemon serves many requests at once (transfer threads
+allocate while the decode loop frees), so every change of the free list
+happens under one lock and is all-or-nothing: a failed call changes nothing.
+
+``PageTable`` is one request's view of the pool: its logical pages, in
+request order, each mapped to a physical page. This is the decode "remap" of
+DESIGN.md: for each logical page the prefill side reports (its own page ids,
+in any order and any numbering), one physical page is allocated here and
+recorded at the same index, so the transfer client knows where to scatter
+each received page and decode attention reads through the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kernels.kv_layout import KVCacheSpec
+
+
+class PoolExhausted(RuntimeError):
+    """Raised by ``PagePool.allocate`` when fewer pages are free than asked for."""
+
+    def __init__(self, needed: int, free: int) -> None:
+        super().__init__(f"page pool exhausted: needed {needed} pages, {free} free")
+        self.needed = needed
+        self.free = free
+
+
+def _check_count(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+class PagePool:
+    """A physical KV pool and the free list of its pages."""
+
+    def __init__(self, spec: KVCacheSpec, num_pages: int,
+                 device: torch.device | str = "cpu") -> None:
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
+        _check_count("num_pages", num_pages)
+        self.spec = spec
+        self.tensor = spec.alloc_pool(num_pages, device)  # [L, 2, num_pages * ps, Hkv, D]
+        self._num_pages = num_pages
+        self._lock = threading.Lock()
+        # Low page ids first: a fresh pool hands out 0, 1, 2, ... (easy to read in logs).
+        self._free_list: deque[int] = deque(range(num_pages))
+        self._is_free = [True] * num_pages
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self.spec.page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensor.device
+
+    @property
+    def free_count(self) -> int:
+        with self._lock:
+            return len(self._free_list)
+
+    @property
+    def used_count(self) -> int:
+        with self._lock:
+            return self._num_pages - len(self._free_list)
+
+    def k_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K rows ``[num_pages * ps, Hkv, D]`` (a view)."""
+        return self.tensor[layer, 0]
+
+    def v_cache(self, layer: int) -> torch.Tensor:
+        return self.tensor[layer, 1]
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` free physical pages, or ``PoolExhausted`` with nothing taken."""
+        _check_count("n", n)
+        with self._lock:
+            free = len(self._free_list)
+            if n > free:
+                raise PoolExhausted(needed=n, free=free)
+            pages = [self._free_list.popleft() for _ in range(n)]
+            for page in pages:
+                self._is_free[page] = False
+            return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        """Return pages to the pool. Refuses (changing nothing) a page id out of
+        range, a page that is already free, or one listed twice."""
+        pages = list(pages)
+        with self._lock:
+            seen: set[int] = set()
+            for page in pages:
+                if isinstance(page, bool) or not isinstance(page, int) or not (
+                    0 <= page < self._num_pages
+                ):
+                    raise ValueError(f"page {page!r} is not a page of this pool "
+                                     f"(0..{self._num_pages - 1})")
+                if self._is_free[page] or page in seen:
+                    raise ValueError(f"double free of page {page}")
+                seen.add(page)
+            for page in pages:
+                self._is_free[page] = True
+                self._free_list.append(page)
+
+
+class BatchTables(NamedTuple):
+    """What paged decode attention reads for a batch of requests."""
+
+    page_table: torch.Tensor  # [B, max_pages] int32 physical pages, 0 past a request's pages
+    seq_lens: torch.Tensor  # [B] int32 tokens in cache per request
+
+
+class PageTable:
+    """One request's logical pages, in order, mapped to physical pages of a pool.
+
+    Logical page ``i`` holds positions ``[i * ps, (i + 1) * ps)``; the table
+    owns its physical pages until ``release``. Not locked: a table belongs to
+    one request, and its owner (the transfer client, then the decode engine
+    under its own lock) is the only one changing it.
+    """
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        self._pages: list[int] = []
+        self._source_pages: list[int] | None = None
+        self._seq_len = 0
+
+    @classmethod
+    def allocate(cls, pool: PagePool, seq_len: int) -> PageTable:
+        """A table holding ``seq_len`` tokens on ``ceil(seq_len / ps)`` fresh pages."""
+        _check_count("seq_len", seq_len)
+        table = cls(pool)
+        table._pages = pool.allocate(-(-seq_len // pool.page_size))
+        table._seq_len = seq_len
+        return table
+
+    @classmethod
+    def remap(cls, pool: PagePool, source_pages: Sequence[int], seq_len: int) -> PageTable:
+        """The decode remap: one fresh physical page per logical page of the
+        prefill side (``source_pages``, the request's pages in request order,
+        numbered however that side numbers them). The last page may be partial."""
+        _check_count("seq_len", seq_len)
+        source = [_check_count("source_pages[i]", page) for page in source_pages]
+        if len(set(source)) != len(source):
+            raise ValueError(f"source_pages repeats a page: {source}")
+        needed = -(-seq_len // pool.page_size)
+        if len(source) != needed:
+            raise ValueError(
+                f"source_pages has {len(source)} pages but seq_len={seq_len} with "
+                f"page_size={pool.page_size} needs {needed}"
+            )
+        table = cls.allocate(pool, seq_len)
+        table._source_pages = source
+        return table
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """Physical page of each logical page, in request order."""
+        return tuple(self._pages)
+
+    @property
+    def source_pages(self) -> tuple[int, ...] | None:
+        """The prefill side's page ids this table was remapped from (None otherwise)."""
+        return None if self._source_pages is None else tuple(self._source_pages)
+
+    @property
+    def seq_len(self) -> int:
+        return self._seq_len
+
+    @property
+    def num_pages(self) -> int:
+        return len(self._pages)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the held pages can store."""
+        return len(self._pages) * self.pool.page_size
+
+    def physical_pages_for(self, source_pages: Iterable[int]) -> list[int]:
+        """Where the given prefill-side pages live here (for scattering received pages)."""
+        if self._source_pages is None:
+            raise ValueError("this table was not built by remap; it has no source pages")
+        index = {page: i for i, page in enumerate(self._source_pages)}
+        out = []
+        for page in source_pages:
+            if page not in index:
+                raise ValueError(f"source page {page!r} is not a page of this request")
+            out.append(self._pages[index[page]])
+        return out
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """Extra pages needed to hold ``num_tokens`` tokens in all."""
+        _check_count("num_tokens", num_tokens)
+        return max(0, -(-num_tokens // self.pool.page_size) - len(self._pages))
+
+    def reserve(self, num_tokens: int) -> None:
+        """Grow (all-or-nothing) until ``num_tokens`` tokens fit; raises PoolExhausted."""
+        extra = self.pages_needed(num_tokens)
+        if extra:
+            self._pages.extend(self.pool.allocate(extra))
+
+    def append_slot(self) -> int:
+        """Make room for one more token (a new page when the last is full) and
+        return its physical row. On PoolExhausted nothing changes."""
+        self.reserve(self._seq_len + 1)
+        loc = self.loc(self._seq_len)
+        self._seq_len += 1
+        return loc
+
+    def loc(self, position: int) -> int:
+        """Physical row of token ``position`` (must be within the held pages)."""
+        if isinstance(position, bool) or not isinstance(position, int) or not (
+            0 <= position < self.capacity
+        ):
+            raise ValueError(f"position {position!r} is outside the table's "
+                             f"{self.capacity} rows")
+        page_size = self.pool.page_size
+        return self._pages[position // page_size] * page_size + position % page_size
+
+    def locs_for(self, positions: torch.Tensor | Sequence[int]) -> torch.Tensor:
+        """Physical rows ``[n]`` int64 (on the pool's device) of token positions."""
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1).cpu()
+        if positions.numel() and (int(positions.min()) < 0
+                                  or int(positions.max()) >= self.capacity):
+            raise ValueError(f"positions span [{int(positions.min())}, {int(positions.max())}], "
+                             f"outside the table's {self.capacity} rows")
+        page_size = self.pool.page_size
+        pages = torch.tensor(self._pages, dtype=torch.int64)
+        locs = pages[positions // page_size] * page_size + positions % page_size
+        return locs.to(self.pool.device)
+
+    def release(self) -> int:
+        """Give every page back to the pool; returns how many. A second call frees nothing."""
+        pages, self._pages = self._pages, []
+        self._seq_len = 0
+        self.pool.free(pages)
+        return len(pages)
+
+
+def batch_tables(tables: Sequence[PageTable], device: torch.device | str | None = None,
+                 min_pages: int = 1) -> BatchTables:
+    """The int32 page-table tensor ``[B, max_pages]`` and ``seq_lens [B]`` of a batch.
+
+    Unused entries are 0 (a valid page, never read since ``seq_lens`` bounds
+    every row); at least ``min_pages`` columns so the tensor is never empty.
+    """
+    if not tables:
+        raise ValueError("tables must name at least one request")
+    device = tables[0].pool.device if device is None else device
+    width = max(min_pages, *(t.num_pages for t in tables))
+    page_table = torch.zeros((len(tables), width), dtype=torch.int32)
+    for row, table in enumerate(tables):
+        page_table[row, : table.num_pages] = torch.tensor(table.pages, dtype=torch.int32)
+    seq_lens = torch.tensor([t.seq_len for t in tables], dtype=torch.int32)
+    return BatchTables(page_table.to(device), seq_lens.to(device))
