@@ -1,0 +1,376 @@
+"""The layout contract: what both sides must agree on before any KV byte moves.
+
+``Agreement`` holds every field that decides how KV bytes are laid out or
+what they mean; it must be equal on both sides, and its fingerprint (sha256
+of its canonical msgpack encoding) travels with every FetchKV and Release.
+``Topology`` is the prefill side's own (CP size, split mode, owner rule, the
+owner ranks' endpoints): the decode side is told it, checks it for
+consistency and uses it to fetch, but never matches it against its own.
+
+Canonical encoding: msgpack maps with keys sorted at every depth, floats as
+float64, arrays for sequences. Equality of agreements is equality of their
+encodings, so ``10000`` and ``10000.0`` (or ``1`` and ``True``) differ, as
+their fingerprints do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import msgpack
+import torch
+
+from transfer.wire import (
+    KV_DTYPES,
+    MAX_HEAD_DIM,
+    MAX_KV_HEADS,
+    MAX_LAYERS,
+    MAX_PAGE_SIZE,
+    MAX_RANKS,
+    WIRE_VERSION,
+    check_int,
+    check_keys,
+    check_str,
+    dtype_name,
+    unpack_map,
+    untrusted,
+)
+
+# The pool tensor of docs/structure.md: [num_layers, 2 (K, V), num_pages * page_size, kv_heads, head_dim].
+POOL_LAYOUT = "layer,kv,page*row,head,dim"
+SPLIT_MODES = ("in_seq",)
+OWNER_RULES = ("page_mod_cp",)
+# The modules whose code defines the layout: a change to any of them changes
+# source_digest, so two builds with different code refuse each other.
+CONTRACT_SOURCES = (
+    "prefill/plan.py",
+    "prefill/layout.py",
+    "transfer/wire.py",
+    "transfer/contract.py",
+)
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Keys of ModelConfig.contract_fields() that become Agreement fields of their own.
+_OWN_MODEL_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope")
+_MAX_TEXT = 4096
+
+
+class FrozenDict(Mapping[str, Any]):
+    """An immutable, hashable mapping with sorted str keys; nested values frozen too."""
+
+    __slots__ = ("_items",)
+
+    def __init__(self, items: Mapping[str, Any], name: str = "value") -> None:
+        for key in items:
+            if type(key) is not str:
+                raise TypeError(f"{name} keys must be str, got {key!r}")
+        self._items = tuple((key, _freeze(items[key], f"{name}.{key}")) for key in sorted(items))
+
+    def __getitem__(self, key: str) -> Any:
+        for name, value in self._items:
+            if name == key:
+                return value
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (key for key, _ in self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __hash__(self) -> int:
+        return hash(self._items)
+
+    def __repr__(self) -> str:
+        return repr(_plain(self))
+
+
+def _freeze(value: Any, name: str) -> Any:
+    if isinstance(value, Mapping):
+        return FrozenDict(value, name)
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(item, f"{name}[{i}]") for i, item in enumerate(value))
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    raise TypeError(
+        f"{name} must be a str, number, bool, None, list or dict, got {type(value).__name__}"
+    )
+
+
+def _plain(value: Any) -> Any:
+    """Frozen value -> plain dicts (keys sorted) and lists, ready for msgpack."""
+    if isinstance(value, Mapping):
+        return {key: _plain(value[key]) for key in sorted(value)}
+    if isinstance(value, tuple):
+        return [_plain(item) for item in value]
+    return value
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(_plain(value), use_bin_type=True, use_single_float=False)
+
+
+@dataclass(frozen=True, eq=False)
+class Agreement:
+    architecture: str
+    model_config: FrozenDict  # the model fields that have no field of their own
+    rope: FrozenDict
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    weights_digest: str
+    kv_dtype: str
+    page_size: int
+    pool_layout: str
+    wire_version: int
+    source_digest: str
+
+    def __post_init__(self) -> None:
+        for name in ("model_config", "rope"):
+            value = getattr(self, name)
+            if not isinstance(value, Mapping):
+                raise TypeError(f"{name} must be a mapping, got {type(value).__name__}")
+            object.__setattr__(self, name, FrozenDict(value, name))
+        for name in ("architecture", "weights_digest", "pool_layout", "source_digest"):
+            check_str(name, getattr(self, name), _MAX_TEXT)
+        check_int("num_layers", self.num_layers, 1, MAX_LAYERS)
+        check_int("num_kv_heads", self.num_kv_heads, 1, MAX_KV_HEADS)
+        check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        check_int("wire_version", self.wire_version, 1, 1 << 31)
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+
+    @classmethod
+    def from_model(
+        cls,
+        model_fields: Mapping[str, Any],
+        weights_digest: str,
+        kv_dtype: str | torch.dtype,
+        page_size: int,
+        *,
+        pool_layout: str = POOL_LAYOUT,
+        source_digest: str | None = None,
+    ) -> Agreement:
+        """Build from ``ModelConfig.contract_fields()``; the source digest is computed if not given."""
+        missing = [key for key in _OWN_MODEL_FIELDS if key not in model_fields]
+        if missing:
+            raise ValueError(f"model_fields lacks {missing}; got keys {sorted(model_fields)}")
+        return cls(
+            architecture=model_fields["architecture"],
+            model_config={k: v for k, v in model_fields.items() if k not in _OWN_MODEL_FIELDS},
+            rope=model_fields["rope"],
+            num_layers=model_fields["num_layers"],
+            num_kv_heads=model_fields["num_kv_heads"],
+            head_dim=model_fields["head_dim"],
+            weights_digest=weights_digest,
+            kv_dtype=kv_dtype if isinstance(kv_dtype, str) else dtype_name(kv_dtype),
+            page_size=page_size,
+            pool_layout=pool_layout,
+            wire_version=WIRE_VERSION,
+            source_digest=source_digest if source_digest is not None else _hash_sources(None, None),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain nested dict, keys sorted at every depth."""
+        return {name: _plain(getattr(self, name)) for name in sorted(f.name for f in fields(self))}
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> Agreement:
+        check_keys("agreement", dict(value), [f.name for f in fields(cls)])
+        return cls(**value)
+
+    def encode(self) -> bytes:
+        return _pack(self.to_dict())
+
+    @classmethod
+    def decode(cls, data: bytes) -> Agreement:
+        """Parse an untrusted agreement; any defect is a ValueError naming the field."""
+        with untrusted("agreement"):
+            return cls.from_dict(unpack_map(data, "agreement"))
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.encode()).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Agreement):
+            return NotImplemented
+        return self.encode() == other.encode()
+
+    def __hash__(self) -> int:
+        return hash(self.encode())
+
+
+@dataclass(frozen=True)
+class Topology:
+    cp_size: int
+    split_mode: str  # one of SPLIT_MODES
+    owner_rule: str  # one of OWNER_RULES
+    endpoints: tuple[str, ...]  # "host:port" of each owner rank's KVTransfer service, by rank
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.endpoints, list | tuple):
+            raise TypeError(
+                f"endpoints must be a sequence of 'host:port', got {self.endpoints!r:.80}"
+            )
+        object.__setattr__(self, "endpoints", tuple(self.endpoints))
+        check_int("cp_size", self.cp_size, 1, MAX_RANKS)
+        check_str("split_mode", self.split_mode, 64)
+        check_str("owner_rule", self.owner_rule, 64)
+        for rank, endpoint in enumerate(self.endpoints):
+            host, _, port = check_str(f"endpoints[{rank}]", endpoint, 1024).rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                raise ValueError(f"endpoints[{rank}] must be 'host:port', got {endpoint!r}")
+        self.check()
+
+    def check(self, page_owners: Iterable[tuple[int, int]] = ()) -> None:
+        """Raise ValueError unless the topology is consistent.
+
+        ``page_owners`` are (logical page, owner rank) pairs, e.g. from a prefill
+        manifest: each owner must be a rank that exists and the one the owner
+        rule names.
+        """
+        if self.split_mode not in SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {SPLIT_MODES}, got {self.split_mode!r}")
+        if self.owner_rule not in OWNER_RULES:
+            raise ValueError(f"owner_rule must be one of {OWNER_RULES}, got {self.owner_rule!r}")
+        if len(self.endpoints) != self.cp_size:
+            raise ValueError(
+                f"endpoints has {len(self.endpoints)} entries but cp_size is {self.cp_size}"
+            )
+        for page, owner in page_owners:
+            check_int("owner", owner, 0, self.cp_size - 1)
+            if owner != self.owner_of(page):
+                raise ValueError(
+                    f"page {page} is listed with owner {owner}, rule {self.owner_rule} gives {self.owner_of(page)}"
+                )
+
+    def owner_of(self, page: int) -> int:
+        """The rank that owns logical page ``page`` (rule ``page_mod_cp``)."""
+        return check_int("page", page, 0, 1 << 62) % self.cp_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: _plain(getattr(self, name)) for name in sorted(f.name for f in fields(self))}
+
+    @classmethod
+    def from_dict(cls, value: Mapping[str, Any]) -> Topology:
+        check_keys("topology", dict(value), [f.name for f in fields(cls)])
+        return cls(**value)
+
+
+@dataclass(frozen=True)
+class LayoutContract:
+    agreement: Agreement
+    topology: Topology
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.agreement, Agreement):
+            raise TypeError(f"agreement must be an Agreement, got {type(self.agreement).__name__}")
+        if not isinstance(self.topology, Topology):
+            raise TypeError(f"topology must be a Topology, got {type(self.topology).__name__}")
+
+    @property
+    def fingerprint(self) -> str:
+        return self.agreement.fingerprint
+
+    def encode(self) -> bytes:
+        return _pack({"agreement": self.agreement.to_dict(), "topology": self.topology.to_dict()})
+
+    @classmethod
+    def decode(cls, data: bytes) -> LayoutContract:
+        """Parse an untrusted contract; any defect is a ValueError naming the field."""
+        with untrusted("layout contract"):
+            value = unpack_map(data, "layout contract")
+            check_keys("layout contract", value, ["agreement", "topology"])
+            for part in ("agreement", "topology"):
+                if not isinstance(value[part], dict):
+                    raise ValueError(f"{part} must be a map, got {type(value[part]).__name__}")
+            return cls(
+                Agreement.from_dict(value["agreement"]), Topology.from_dict(value["topology"])
+            )
+
+
+def agreement_of(data: bytes) -> Agreement:
+    """Decode the agreement from either an encoded ``Agreement`` or an encoded ``LayoutContract``."""
+    with untrusted("contract"):
+        value = unpack_map(data, "contract")
+        if "agreement" in value:
+            return LayoutContract.decode(data).agreement
+        return Agreement.from_dict(value)
+
+
+class _Absent:
+    def __repr__(self) -> str:
+        return "<absent>"
+
+
+ABSENT = _Absent()
+
+
+class FieldDiff(NamedTuple):
+    name: str  # an agreement field, or "field.key" inside model_config / rope
+    ours: Any
+    theirs: Any
+
+    def describe(self, ours: str = "ours", theirs: str = "theirs") -> str:
+        return f"{self.name}: {ours}={self.ours!r} {theirs}={self.theirs!r}"
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+def _diff_values(name: str, ours: Any, theirs: Any) -> list[FieldDiff]:
+    if _pack(ours) == _pack(theirs):
+        return []
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        out = []
+        for key in sorted(set(ours) | set(theirs)):
+            out += _diff_values(f"{name}.{key}", ours.get(key, ABSENT), theirs.get(key, ABSENT))
+        return out
+    return [FieldDiff(name, ours, theirs)]
+
+
+def diff(ours: Agreement, theirs: Agreement) -> list[FieldDiff]:
+    """Every differing agreement field with both values, by field name (nested keys as ``a.b``)."""
+    mine, other = ours.to_dict(), theirs.to_dict()
+    out = []
+    for name in mine:
+        out += _diff_values(name, mine[name], other[name])
+    return out
+
+
+def format_diff(diffs: Iterable[FieldDiff], ours: str = "ours", theirs: str = "theirs") -> str:
+    """One line per differing field, e.g. ``page_size: server=64 caller=16``."""
+    return "\n".join(d.describe(ours, theirs) for d in diffs)
+
+
+def source_digest(files: Iterable[str] | None = None, root: Path | None = None) -> str:
+    """sha256 over the contract's defining files: repo-relative name and raw bytes, sorted by name.
+
+    Defaults: ``CONTRACT_SOURCES`` under ``REPO_ROOT``. Nothing else (paths on
+    disk, mtimes, the interpreter) enters, so the digest is the same across
+    processes, machines and checkouts of the same code.
+    """
+    return _hash_sources(files, root)
+
+
+def _hash_sources(files: Iterable[str] | None, root: Path | None) -> str:
+    # Globals read at call time, so a test can point them elsewhere.
+    files = CONTRACT_SOURCES if files is None else files
+    root = REPO_ROOT if root is None else Path(root)
+    digest = hashlib.sha256()
+    for name in sorted(files):
+        path = root / name
+        if not path.is_file():
+            raise FileNotFoundError(f"source_digest: contract source {name} not found under {root}")
+        content = path.read_bytes()
+        digest.update(name.encode() + b"\0" + len(content).to_bytes(8, "big"))
+        digest.update(content)
+    return digest.hexdigest()

@@ -1,0 +1,321 @@
+"""The gRPC KVTransfer service: handshake, streamed FetchKV, Release.
+
+One server per prefill CP rank serves the pages that rank owns, read through
+a ``PageSource``. Nothing moves unless the caller's agreement equals ours: a
+handshake compares field by field, and every FetchKV and Release carries the
+agreement's fingerprint again.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent import futures
+from typing import NamedTuple, Protocol
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from transfer.contract import Agreement, LayoutContract, Topology, agreement_of, diff, format_diff
+from transfer.status import (
+    CONTRACT_METADATA_KEY,
+    DEFAULT_CHUNK_BYTES,
+    MAX_CHUNK_BYTES_LIMIT,
+    TRANSFER_SERVICE,
+    Refusal,
+    grpc_options,
+    refusals,
+)
+from transfer.wire import (
+    MAX_REQUEST_ID_LEN,
+    ChunkHeader,
+    ChunkPlan,
+    encode_chunk,
+    kv_dtype,
+    plan_chunks,
+)
+
+Code = grpc.StatusCode
+
+
+class PageSource(Protocol):
+    """What a prefill rank exposes to the transfer service."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def contract(self) -> LayoutContract: ...
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        """(logical page, physical page) pairs of the request owned by this rank.
+
+        KeyError for an unknown request; its message says 'released' for a
+        request that was released.
+        """
+        ...
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
+        """CPU tensor ``[layer_end - layer_start, 2, len(physical_pages) * page_size, kv_heads, head_dim]``."""
+        ...
+
+    def release(self, request_id: str) -> int:
+        """Free the request's pages; return how many. KeyError as for ``pages_of``."""
+        ...
+
+
+class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
+    def __init__(
+        self,
+        source: PageSource,
+        *,
+        default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES_LIMIT,
+    ) -> None:
+        self._source = source
+        # The agreement is fixed for the server's life; the topology may be
+        # completed later (endpoints are known only once every rank has bound).
+        self._agreement: Agreement = source.contract().agreement
+        self._fingerprint = self._agreement.fingerprint
+        self._default_chunk_bytes = default_chunk_bytes
+        self._max_chunk_bytes = max_chunk_bytes
+
+    def Handshake(self, request, context):
+        with refusals(context):
+            try:
+                theirs = agreement_of(request.contract)
+            except (ValueError, TypeError) as err:
+                raise Refusal(Code.INVALID_ARGUMENT, f"undecodable contract: {err}") from err
+            try:
+                contract = self._source.contract()
+            except RuntimeError as err:  # the topology is not complete yet
+                raise Refusal(Code.UNAVAILABLE, str(err)) from err
+            diffs = diff(self._agreement, theirs)
+            if diffs:
+                context.set_trailing_metadata(((CONTRACT_METADATA_KEY, contract.encode()),))
+                raise Refusal(
+                    Code.FAILED_PRECONDITION,
+                    f"layout contract mismatch on {len(diffs)} field(s):\n"
+                    + format_diff(diffs, ours="server", theirs="caller"),
+                )
+        return lanekv_pb2.HandshakeReply(
+            ok=True, contract=contract.encode(), fingerprint=self._fingerprint
+        )
+
+    def FetchKV(self, request, context):
+        with refusals(context):
+            # Everything is checked before the first yield: a refused fetch sends no byte.
+            self._check_caller(request.request_id, request.fingerprint)
+            chunks = self._plan(request)
+        rank = self._source.rank
+        for seq, (chunk, physical) in enumerate(chunks):
+            payload = self._source.read(physical, chunk.layer_start, chunk.layer_end)
+            with refusals(context):
+                # A release racing this fetch may have recycled the pages under
+                # the read; checking after it proves they were held throughout.
+                self._owned(request.request_id)
+                self._check_payload(payload, chunk)
+            header, data = encode_chunk(
+                request.request_id, rank, seq, chunk.layer_start, chunk.pages, payload
+            )
+            yield self.frame(header, data)
+
+    def Release(self, request, context):
+        with refusals(context):
+            self._check_caller(request.request_id, request.fingerprint)
+            try:
+                freed = self._source.release(request.request_id)
+            except KeyError as err:
+                raise Refusal(Code.NOT_FOUND, _key_message(request.request_id, err)) from err
+        return lanekv_pb2.ReleaseReply(pages_freed=freed)
+
+    def frame(self, header: ChunkHeader, data: bytes) -> lanekv_pb2.KVChunk:
+        """The message of one chunk (the last step before the bytes leave)."""
+        return lanekv_pb2.KVChunk(header=header.encode(), data=data)
+
+    def _check_caller(self, request_id: str, fingerprint: str) -> None:
+        if fingerprint != self._fingerprint:
+            raise Refusal(
+                Code.FAILED_PRECONDITION,
+                f"contract fingerprint {fingerprint!r:.80} is not this server's {self._fingerprint}; handshake again",
+            )
+        if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
+            raise Refusal(
+                Code.INVALID_ARGUMENT,
+                f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters, got {request_id!r:.80}",
+            )
+
+    def _owned(self, request_id: str) -> list[tuple[int, int]]:
+        try:
+            return self._source.pages_of(request_id)
+        except KeyError as err:
+            raise Refusal(Code.NOT_FOUND, _key_message(request_id, err)) from err
+
+    def _plan(self, request: lanekv_pb2.FetchRequest) -> list[tuple[ChunkPlan, list[int]]]:
+        """Validate a fetch and cut it into chunks, each with its physical pages."""
+        owned = dict(self._owned(request.request_id))
+        agreement = self._agreement
+        layer_end = request.layer_end if request.HasField("layer_end") else agreement.num_layers
+        if not 0 <= request.layer_start < layer_end <= agreement.num_layers:
+            raise Refusal(
+                Code.INVALID_ARGUMENT,
+                f"layer range [{request.layer_start}, {layer_end}) is not within [0, {agreement.num_layers})",
+            )
+        pages = list(request.pages) or list(owned)
+        if len(set(pages)) != len(pages):
+            raise Refusal(Code.INVALID_ARGUMENT, f"pages lists a page twice: {pages[:16]}")
+        foreign = [page for page in pages if page not in owned]
+        if foreign:
+            raise Refusal(
+                Code.INVALID_ARGUMENT,
+                f"pages {foreign[:16]} are not pages of request {request.request_id!r} on rank {self._source.rank}",
+            )
+        page_bytes = 2 * agreement.page_size * agreement.num_kv_heads * agreement.head_dim
+        page_bytes *= kv_dtype(agreement.kv_dtype).itemsize
+        chunk_bytes = request.max_chunk_bytes or self._default_chunk_bytes
+        if not page_bytes <= chunk_bytes <= self._max_chunk_bytes:
+            raise Refusal(
+                Code.INVALID_ARGUMENT,
+                f"max_chunk_bytes {chunk_bytes} is not within [{page_bytes} (one page of one layer), {self._max_chunk_bytes}]",
+            )
+        plans = plan_chunks(
+            layer_end - request.layer_start,
+            pages,
+            page_bytes,
+            chunk_bytes,
+            layer_start=request.layer_start,
+        )
+        return [(plan, [owned[page] for page in plan.pages]) for plan in plans]
+
+    def _check_payload(self, payload: torch.Tensor, chunk: ChunkPlan) -> None:
+        a = self._agreement
+        shape = (
+            chunk.layer_end - chunk.layer_start,
+            2,
+            len(chunk.pages) * a.page_size,
+            a.num_kv_heads,
+            a.head_dim,
+        )
+        if tuple(payload.shape) != shape or payload.dtype != kv_dtype(a.kv_dtype):
+            raise Refusal(
+                Code.INTERNAL,
+                f"page source returned {tuple(payload.shape)} {payload.dtype}, expected {shape} {a.kv_dtype}",
+            )
+
+
+def _key_message(request_id: str, err: KeyError) -> str:
+    detail = err.args[0] if err.args else "unknown request"
+    return f"request {request_id!r}: {detail}"
+
+
+class Served(NamedTuple):
+    server: grpc.Server
+    port: int
+
+
+def serve(
+    source: PageSource, host: str = "127.0.0.1", port: int = 0, *, max_workers: int = 16
+) -> Served:
+    """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
+
+    Each open FetchKV stream holds one of ``max_workers`` threads.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options()
+    )
+    lanekv_pb2_grpc.add_KVTransferServicer_to_server(KVTransferService(source), server)
+    checker = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"could not bind the transfer server to {host}:{port}")
+    server.start()
+    for service in ("", TRANSFER_SERVICE):
+        checker.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return Served(server, bound)
+
+
+class TensorPageSource:
+    """An in-memory ``PageSource`` over one pool tensor ``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
+
+    # Released ids remembered so that a late fetch hears 'released', not 'unknown'.
+    RELEASED_MEMORY = 4096
+
+    def __init__(
+        self, agreement: Agreement, rank: int, pool: torch.Tensor, topology: Topology | None = None
+    ) -> None:
+        rows = pool.shape[2] if pool.dim() == 5 else -1
+        expected = (agreement.num_layers, 2, rows, agreement.num_kv_heads, agreement.head_dim)
+        if pool.dim() != 5 or tuple(pool.shape) != expected or rows % agreement.page_size:
+            raise ValueError(
+                f"pool must be [num_layers, 2, num_pages * page_size, kv_heads, head_dim] = {expected}, got {tuple(pool.shape)}"
+            )
+        if pool.dtype != kv_dtype(agreement.kv_dtype):
+            raise ValueError(f"pool dtype is {pool.dtype}, the agreement says {agreement.kv_dtype}")
+        self._agreement = agreement
+        self._rank = rank
+        self._pool = pool
+        self._num_pages = rows // agreement.page_size
+        self._topology = topology
+        self._requests: dict[str, list[tuple[int, int]]] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def set_topology(self, topology: Topology) -> None:
+        with self._lock:
+            self._topology = topology
+
+    def contract(self) -> LayoutContract:
+        with self._lock:
+            if self._topology is None:
+                raise RuntimeError(f"rank {self._rank}: topology not set yet")
+            return LayoutContract(self._agreement, self._topology)
+
+    def add(self, request_id: str, pages: Sequence[tuple[int, int]]) -> None:
+        """Pin (logical page, physical page) pairs of a request on this rank."""
+        pages = [(int(logical), int(physical)) for logical, physical in pages]
+        for logical, physical in pages:
+            if not 0 <= physical < self._num_pages or logical < 0:
+                raise ValueError(
+                    f"page ({logical}, {physical}) is outside a pool of {self._num_pages} pages"
+                )
+        if len({p for p, _ in pages}) != len(pages) or len({p for _, p in pages}) != len(pages):
+            raise ValueError(f"request {request_id!r} lists a logical or physical page twice")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already held")
+            self._requests[request_id] = pages
+            self._released.pop(request_id, None)
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(self._lookup(request_id))
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
+        ps = self._agreement.page_size
+        rows = (
+            torch.as_tensor(list(physical_pages), dtype=torch.long)[:, None] * ps + torch.arange(ps)
+        ).reshape(-1)
+        return self._pool[layer_start:layer_end].index_select(2, rows)
+
+    def release(self, request_id: str) -> int:
+        with self._lock:
+            pages = self._lookup(request_id)
+            del self._requests[request_id]
+            self._released[request_id] = None
+            while len(self._released) > self.RELEASED_MEMORY:
+                self._released.popitem(last=False)
+            return len(pages)
+
+    def _lookup(self, request_id: str) -> list[tuple[int, int]]:
+        if request_id in self._requests:
+            return self._requests[request_id]
+        if request_id in self._released:
+            raise KeyError("released")
+        raise KeyError("unknown request")

@@ -1,0 +1,52 @@
+"""gRPC plumbing shared by the transfer server and client: status refusals and message limits.
+
+Service logic raises ``Refusal(code, message)`` for anything the caller got
+wrong (bad contract, unknown request, bad layer range); the handler turns it
+into that gRPC status with ``refusals(context)``. Untrusted input never reaches
+an ``assert`` and never kills the server: the next call is served as usual.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+
+# A chunk's payload is capped by the server at MAX_CHUNK_BYTES_LIMIT; the
+# message limit leaves room for the header (up to wire.MAX_HEADER_BYTES) and framing.
+MAX_CHUNK_BYTES_LIMIT = 64 << 20
+MAX_MESSAGE_BYTES = 2 * MAX_CHUNK_BYTES_LIMIT
+# Chunk size when the client leaves it to the server: large enough that
+# per-message overhead is small, small enough to pipeline a request's layers.
+DEFAULT_CHUNK_BYTES = 8 << 20
+# Trailing metadata of a refused handshake: the server's encoded LayoutContract,
+# so the caller can compute the field diff itself.
+CONTRACT_METADATA_KEY = "lanekv-contract-bin"
+TRANSFER_SERVICE = "lanekv.v1.KVTransfer"
+
+
+class Refusal(Exception):
+    """A request refused with a gRPC status code and a message for the caller."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+@contextmanager
+def refusals(context: grpc.ServicerContext) -> Iterator[None]:
+    """Abort the call with the refusal's code and message (``context.abort`` raises)."""
+    try:
+        yield
+    except Refusal as refusal:
+        context.abort(refusal.code, refusal.message)
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel and server options; both sides must allow the largest chunk message."""
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]

@@ -1,0 +1,299 @@
+"""The KV wire codec: chunk headers, payloads, checksums and the chunk plan.
+
+A chunk is one (layer range, logical page list) slice of a request's KV. Its
+payload is exactly what ``kernels.page_copy.gather_pages`` returns for those
+pages, as raw bytes: ``[num_layers, 2, num_pages * page_size, kv_heads,
+head_dim]`` in the pool dtype (layer, then K/V, then the pages in the header's
+order). The header travels as msgpack next to the payload and is decoded as
+hostile input: every field is type- and range-checked and ``nbytes`` must
+equal the size the other fields imply, so a receiver never sizes a buffer
+from an unchecked number.
+
+Checksum: CRC-32 (``zlib.crc32``). Measured on the 2-core build machine over
+16 MiB buffers: crc32 2.5-3.8 GB/s, adler32 2.8-3.3 GB/s, sha1 1.9 GB/s,
+blake2b 0.9 GB/s; a plain memcpy of the same buffer ran at 1.3-4 GB/s. CRC-32
+is as fast as adler32, detects all burst errors up to 32 bits, and zlib drops
+the GIL while it runs, so per-rank receiver threads verify in parallel.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+import msgpack
+import torch
+
+# Bumped on any change of the header fields or the payload layout; part of the
+# layout agreement, so peers of two wire versions refuse each other at handshake.
+WIRE_VERSION = 1
+
+KV_DTYPES = MappingProxyType(
+    {
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "float32": torch.float32,
+        "float8_e4m3fn": torch.float8_e4m3fn,
+        "float8_e5m2": torch.float8_e5m2,
+        "uint8": torch.uint8,
+    }
+)
+
+# Bounds on decoded values: generous for any real model, small enough that a
+# hostile header cannot make a receiver allocate or loop without end.
+MAX_CHUNK_BYTES = 1 << 30
+MAX_HEADER_BYTES = 1 << 20
+MAX_PAGES_PER_CHUNK = 1 << 20
+MAX_PAGE_ID = 1 << 48
+MAX_LAYERS = 1 << 12
+MAX_PAGE_SIZE = 1 << 16
+MAX_KV_HEADS = 1 << 12
+MAX_HEAD_DIM = 1 << 14
+MAX_RANKS = 1 << 16
+MAX_SEQ = 1 << 32
+MAX_REQUEST_ID_LEN = 256
+
+
+def check_int(name: str, value: Any, low: int, high: int) -> int:
+    """Return ``value`` if it is an int (not a bool) in ``[low, high]``, else raise naming ``name``."""
+    if type(value) is not int:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}")
+    return value
+
+
+def check_str(name: str, value: Any, max_len: int, *, allow_empty: bool = False) -> str:
+    if type(value) is not str:
+        raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r:.80}")
+    if not allow_empty and not value:
+        raise ValueError(f"{name} must not be empty")
+    if len(value) > max_len:
+        raise ValueError(f"{name} is {len(value)} characters long, more than {max_len}")
+    return value
+
+
+def kv_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a wire dtype name; ValueError for an unknown name."""
+    if name not in KV_DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(KV_DTYPES)}, got {name!r}")
+    return KV_DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, known in KV_DTYPES.items():
+        if known == dtype:
+            return name
+    raise ValueError(f"dtype {dtype} has no wire name; known: {sorted(KV_DTYPES)}")
+
+
+def unpack_map(data: Any, what: str, max_bytes: int = MAX_HEADER_BYTES) -> dict:
+    """Decode untrusted msgpack that must hold one map; ValueError on anything else."""
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise TypeError(f"{what} must be bytes, got {type(data).__name__}")
+    if len(data) > max_bytes:
+        raise ValueError(f"{what} is {len(data)} bytes, more than {max_bytes}")
+    try:
+        value = msgpack.unpackb(data, raw=False, use_list=False, strict_map_key=True, max_ext_len=0)
+    except (ValueError, msgpack.UnpackException) as err:
+        raise ValueError(f"{what} is not valid msgpack: {err}") from err
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a msgpack map, got {type(value).__name__}")
+    return value
+
+
+def check_keys(what: str, value: dict, expected: Sequence[str]) -> None:
+    missing = sorted(set(expected) - set(value))
+    extra = sorted(set(value) - set(expected), key=repr)
+    if missing or extra:
+        raise ValueError(f"{what} has missing keys {missing} and unknown keys {extra}")
+
+
+@contextmanager
+def untrusted(what: str) -> Iterator[None]:
+    """Report every rejection of untrusted input as ValueError (a TypeError names a wrong type)."""
+    try:
+        yield
+    except TypeError as err:
+        raise ValueError(f"{what}: {err}") from err
+
+
+def checksum(data: bytes | memoryview) -> int:
+    """CRC-32 of a payload (see the module docstring for why CRC-32)."""
+    return zlib.crc32(data)
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    request_id: str
+    rank: int
+    seq: int  # 0, 1, 2, ... per (request, rank) stream
+    layer_start: int
+    layer_end: int
+    pages: tuple[int, ...]  # logical page ids, in payload order
+    page_size: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    nbytes: int
+    checksum: int
+
+    def __post_init__(self) -> None:
+        check_str("request_id", self.request_id, MAX_REQUEST_ID_LEN)
+        check_int("rank", self.rank, 0, MAX_RANKS - 1)
+        check_int("seq", self.seq, 0, MAX_SEQ - 1)
+        check_int("layer_start", self.layer_start, 0, MAX_LAYERS - 1)
+        check_int("layer_end", self.layer_end, self.layer_start + 1, MAX_LAYERS)
+        if not isinstance(self.pages, tuple):
+            raise TypeError(f"pages must be a tuple, got {type(self.pages).__name__}")
+        check_int("len(pages)", len(self.pages), 1, MAX_PAGES_PER_CHUNK)
+        for page in self.pages:
+            check_int("page", page, 0, MAX_PAGE_ID)
+        check_int("page_size", self.page_size, 1, MAX_PAGE_SIZE)
+        check_int("kv_heads", self.kv_heads, 1, MAX_KV_HEADS)
+        check_int("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        kv_dtype(check_str("dtype", self.dtype, 32))
+        check_int("nbytes", self.nbytes, 1, MAX_CHUNK_BYTES)
+        if self.nbytes != self.expected_nbytes:
+            raise ValueError(
+                f"nbytes is {self.nbytes} but shape {self.shape} of {self.dtype} "
+                f"holds {self.expected_nbytes}"
+            )
+        check_int("checksum", self.checksum, 0, (1 << 32) - 1)
+
+    @property
+    def num_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
+        rows = len(self.pages) * self.page_size
+        return (self.num_layers, 2, rows, self.kv_heads, self.head_dim)
+
+    @property
+    def expected_nbytes(self) -> int:
+        numel = 1
+        for dim in self.shape:
+            numel *= dim
+        return numel * kv_dtype(self.dtype).itemsize
+
+    def encode(self) -> bytes:
+        fields_ = asdict(self)
+        fields_["pages"] = list(self.pages)
+        return msgpack.packb(fields_, use_bin_type=True)
+
+    @classmethod
+    def decode(cls, data: bytes) -> ChunkHeader:
+        """Parse an untrusted header; any defect is a ValueError naming the field."""
+        with untrusted("chunk header"):
+            value = unpack_map(data, "chunk header")
+            check_keys("chunk header", value, [f.name for f in fields(cls)])
+            if not isinstance(value["pages"], tuple):
+                raise TypeError(f"pages must be an array, got {type(value['pages']).__name__}")
+            return cls(**value)
+
+
+def encode_chunk(
+    request_id: str,
+    rank: int,
+    seq: int,
+    layer_start: int,
+    pages: Sequence[int],
+    payload: torch.Tensor,
+) -> tuple[ChunkHeader, bytes]:
+    """Frame a payload from ``gather_pages`` as (header, raw bytes)."""
+    if payload.dim() != 5 or payload.shape[1] != 2:
+        raise ValueError(
+            f"payload must be [layers, 2, rows, kv_heads, head_dim], got {tuple(payload.shape)}"
+        )
+    num_layers, _, rows, kv_heads, head_dim = payload.shape
+    if not pages or rows % len(pages):
+        raise ValueError(f"payload has {rows} rows, not a whole number of {len(pages)} pages")
+    # [num_layers * 2 * rows * kv_heads * head_dim * itemsize] bytes, one copy out of the tensor.
+    data = payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    header = ChunkHeader(
+        request_id=request_id,
+        rank=rank,
+        seq=seq,
+        layer_start=layer_start,
+        layer_end=layer_start + num_layers,
+        pages=tuple(pages),
+        page_size=rows // len(pages),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        dtype=dtype_name(payload.dtype),
+        nbytes=len(data),
+        checksum=checksum(data),
+    )
+    return header, data
+
+
+def payload_to_tensor(header: ChunkHeader, data: bytes) -> torch.Tensor:
+    """View a received payload as ``header.shape`` without copying.
+
+    The tensor shares memory with ``data``; for an immutable ``bytes`` object
+    torch warns once per process that the buffer is not writable. Treat the
+    tensor as read-only and copy it into the destination pool.
+    """
+    if len(data) != header.nbytes:
+        raise ValueError(f"payload is {len(data)} bytes but the header says {header.nbytes}")
+    return torch.frombuffer(data, dtype=kv_dtype(header.dtype)).view(header.shape)
+
+
+class ChunkPlan(NamedTuple):
+    layer_start: int
+    layer_end: int
+    pages: tuple[int, ...]
+
+
+def _even_split(count: int, max_part: int) -> list[tuple[int, int]]:
+    """Cut ``range(count)`` into the fewest parts of at most ``max_part``, sizes within one."""
+    parts = -(-count // max_part)
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        size = base + (1 if i < extra else 0)
+        bounds.append((start, start + size))
+        start += size
+    return bounds
+
+
+def plan_chunks(
+    num_layers: int,
+    pages: Sequence[int],
+    bytes_per_page_layer: int,
+    max_chunk_bytes: int,
+    *,
+    layer_start: int = 0,
+) -> list[ChunkPlan]:
+    """Cut layers ``[layer_start, layer_start + num_layers)`` x ``pages`` into chunks.
+
+    Layer-major: every chunk of layer l comes before any chunk of layer l+1, so
+    a sender that writes KV layer by layer can ship layer l as soon as it is
+    done, and a receiver can place each chunk as it arrives. When all pages of
+    one layer fit in ``max_chunk_bytes`` whole layers are grouped; otherwise
+    each layer's pages are split into near-equal runs.
+    ``bytes_per_page_layer`` is K and V of one page of one layer.
+    """
+    check_int("num_layers", num_layers, 1, MAX_LAYERS)
+    check_int("layer_start", layer_start, 0, MAX_LAYERS - num_layers)
+    check_int("bytes_per_page_layer", bytes_per_page_layer, 1, MAX_CHUNK_BYTES)
+    check_int("max_chunk_bytes", max_chunk_bytes, bytes_per_page_layer, MAX_CHUNK_BYTES)
+    pages = tuple(pages)
+    if not pages:
+        return []
+    layer_bytes = len(pages) * bytes_per_page_layer
+    if layer_bytes <= max_chunk_bytes:
+        spans = _even_split(num_layers, max_chunk_bytes // layer_bytes)
+        return [ChunkPlan(layer_start + a, layer_start + b, pages) for a, b in spans]
+    runs = _even_split(len(pages), max_chunk_bytes // bytes_per_page_layer)
+    return [
+        ChunkPlan(layer, layer + 1, pages[a:b])
+        for layer in range(layer_start, layer_start + num_layers)
+        for a, b in runs
+    ]
