@@ -18,6 +18,8 @@ from kernels.prefill_attention import (
 )
 from tests.markers import requires_gpu
 
+# Kernel cases run compiled on a GPU machine and interpreted on CPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = float("nan")
 LSE_SENTINEL = -12345.0
 
@@ -32,7 +34,7 @@ class Batch(NamedTuple):
     covered: torch.Tensor  # [Tq] bool
 
 
-def make_batch(requests, *, hq, hkv, head_dim, dtype, page_size=0, q_gap=2, seed=0, device="cpu"):
+def make_batch(requests, *, hq, hkv, head_dim, dtype, page_size=0, q_gap=2, seed=0, device=DEVICE):
     """requests: [(kv_len, [(q_pos, q_len), ...]), ...]; q rows get gaps nobody covers."""
     gen = torch.Generator().manual_seed(seed)
     q_start, q_len, q_pos, kv_start, row = [], [], [], [], q_gap
@@ -73,8 +75,15 @@ def make_batch(requests, *, hq, hkv, head_dim, dtype, page_size=0, q_gap=2, seed
     return Batch(q.to(device), k.to(device), v.to(device), segments, page_table, page_size, covered.to(device))
 
 
+def to_cpu(batch: Batch) -> Batch:
+    return Batch(batch.q.cpu(), batch.k.cpu(), batch.v.cpu(), AttnSegments(*(t.cpu() for t in batch.segments)),
+                 None if batch.page_table is None else batch.page_table.cpu(), batch.page_size,
+                 batch.covered.cpu())
+
+
 def naive_attention(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64, one query row at a time, written apart from the reference."""
+    """float64 on the CPU, one query row at a time, written apart from the reference."""
+    batch = to_cpu(batch)
     q, k, v = batch.q.double(), batch.k.double(), batch.v.double()
     hq, hkv = q.shape[1], k.shape[1]
     kv_head = torch.arange(hq) // (hq // hkv)
@@ -109,7 +118,7 @@ def run_op(op, batch: Batch, scale: float, **kwargs):
 
 def check_against_naive(batch: Batch, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
     want_out, want_lse = naive_attention(batch, scale)
-    cov = batch.covered
+    out, lse, cov = out.cpu(), lse.cpu(), batch.covered.cpu()
     assert not out[cov].isnan().any(), "a covered output element was not written"
     assert out[~cov].isnan().all(), "an uncovered output row was written"
     assert (lse[~cov] == LSE_SENTINEL).all(), "an uncovered lse row was written"
@@ -158,7 +167,7 @@ def test_other_tile_shapes(block_m: int, block_n: int) -> None:
     batch = make_batch(THREE_REQUESTS, hq=4, hkv=2, head_dim=64, dtype=torch.float32, page_size=3, seed=1)
     scale = 0.1
     out = torch.full_like(batch.q, POISON)
-    lse = torch.full(batch.q.shape[:2], LSE_SENTINEL, dtype=torch.float32)
+    lse = torch.full(batch.q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device=batch.q.device)
     launch_cp_prefill_attention(batch.q, batch.k, batch.v, batch.segments, scale, batch.page_table,
                                 batch.page_size, out, lse, AttnLaunchConfig(block_m, block_n, 4, 1))
     check_against_naive(batch, out, lse, scale)
@@ -194,7 +203,7 @@ def test_without_out_and_lse() -> None:
     out = cp_prefill_attention_triton(batch.q, batch.k, batch.v, batch.segments, 0.125)
     assert isinstance(out, torch.Tensor) and out.shape == batch.q.shape and out.dtype == batch.q.dtype
     want, _ = naive_attention(batch, 0.125)
-    cov = batch.covered
+    out, cov = out.cpu(), batch.covered.cpu()
     assert (out[cov].double() - want[cov]).norm() / want[cov].norm() < 2e-5
 
 
@@ -207,15 +216,23 @@ def test_no_segments_writes_nothing() -> None:
     assert out.isnan().all()
 
 
-def test_dispatcher(monkeypatch: pytest.MonkeyPatch) -> None:
-    batch = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=64, dtype=torch.float32, seed=3)
+def test_dispatcher_runs_reference_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LANEKV_CPU_KERNELS", raising=False)
-    via_ref = cp_prefill_attention(batch.q, batch.k, batch.v, batch.segments, 0.125)
+    batch = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=64, dtype=torch.float32, seed=3, device="cpu")
+    got = cp_prefill_attention(batch.q, batch.k, batch.v, batch.segments, 0.125)
+    want = cp_prefill_attention_ref(batch.q, batch.k, batch.v, batch.segments, 0.125)
+    assert torch.equal(got[batch.covered], want[batch.covered])
+
+
+def test_dispatcher_runs_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CUDA tensors always take the kernel; CPU ones only with the opt-in.
     monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    via_triton = cp_prefill_attention(batch.q, batch.k, batch.v, batch.segments, 0.125)
-    cov = batch.covered
-    torch.testing.assert_close(via_triton[cov], via_ref[cov], atol=2e-5, rtol=2e-5)
+    batch = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=64, dtype=torch.float16, seed=3)
+    got = cp_prefill_attention(batch.q, batch.k, batch.v, batch.segments, 0.125)
+    want = cp_prefill_attention_triton(batch.q, batch.k, batch.v, batch.segments, 0.125)
+    assert torch.equal(got[batch.covered], want[batch.covered])
+    ref = cp_prefill_attention_ref(batch.q, batch.k, batch.v, batch.segments, 0.125)
+    assert not torch.equal(got[batch.covered], ref[batch.covered]), "float16 kernel and float32 reference round apart"
 
 
 def _bad_calls():
