@@ -1,0 +1,230 @@
+"""GB/s of the paged-KV copy kernels and of paged decode attention, against a plain copy.
+
+    python bench/kernels_copy.py [--json out.json] [--sweep]
+
+Needs a CUDA GPU. Layout of an 8B-class model: 32 layers, 8 kv heads,
+head_dim 128, bf16. Each copy op is timed beside ``dst.copy_(src)`` of the
+same bytes in the same run (the measured ceiling); GB/s counts bytes read plus
+bytes written. Decode attention reports GB/s of K/V read against that copy's
+read+write rate. Every op is checked against its torch reference on fresh
+random data before it is timed; timings are triton.testing.do_bench medians
+(L2 flushed before each repetition).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.decode_attention import (  # noqa: E402
+    DecodeConfig,
+    paged_decode_attention_ref,
+    paged_decode_attention_triton,
+)
+from kernels.kv_layout import CopyConfig, KVCacheSpec  # noqa: E402
+from kernels.page_copy import (  # noqa: E402
+    gather_pages_ref,
+    gather_pages_triton,
+    scatter_pages_triton,
+)
+from kernels.rerange import rerange_ref, rerange_triton  # noqa: E402
+from kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
+
+LAYERS, KV_HEADS, HEAD_DIM, Q_HEADS = 32, 8, 128, 32
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+REQUEST_TOKENS = 32768
+
+
+def _ms(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def _copy_ms(num_bytes: int) -> float:
+    src = torch.empty(num_bytes, dtype=torch.uint8, device=DEVICE).random_()
+    dst = torch.empty_like(src)
+    ms = _ms(partial(dst.copy_, src))
+    del src, dst
+    return ms
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.unsqueeze(-1).view(torch.uint8), b.unsqueeze(-1).view(torch.uint8))
+
+
+def _row(results, op, case, moved_bytes, ms, copy_ms, **extra) -> None:
+    gbps = moved_bytes / ms / 1e6
+    copy_gbps = moved_bytes / copy_ms / 1e6
+    results.append(dict(op=op, case=case, bytes=moved_bytes, ms=ms, gbps=gbps,
+                        copy_gbps=copy_gbps, vs_copy=gbps / copy_gbps, **extra))
+    print(_format(results[-1]), file=sys.stderr, flush=True)  # progress, if a run is cut short
+
+
+def _format(r: dict) -> str:
+    knobs = r["config"] or "default"
+    if r.get("num_splits"):
+        knobs = f"{knobs} splits={r['num_splits']}"
+    return (f"{r['op']:<14} {r['case']:<28} {r['ms']:>8.3f} {r['gbps']:>7.0f} "
+            f"{r['copy_gbps']:>7.0f} {r['vs_copy']:>6.2f}  {knobs}")
+
+
+def _configs(tiles, row_words: int) -> list[CopyConfig | None]:
+    """None (the launcher's default) or a (tile_words, num_warps) pair shaped for the rows."""
+    return [None if t is None else CopyConfig.for_rows(row_words, *t) for t in tiles]
+
+
+def _copy_ops(results: list[dict], tiles: list[tuple[int, int] | None]) -> None:
+    row_words = KV_HEADS * HEAD_DIM * DTYPE.itemsize // 4
+    for page_size in (16, 64):
+        spec = KVCacheSpec(LAYERS, KV_HEADS, HEAD_DIM, DTYPE, page_size)
+        req_pages = REQUEST_TOKENS // page_size
+        num_pages = req_pages * 3 // 2
+        pool = spec.alloc_pool(num_pages, DEVICE).normal_()
+        pages = torch.randperm(num_pages, device=DEVICE)[:req_pages]  # scrambled
+        locs = (pages[:, None] * page_size + torch.arange(page_size, device=DEVICE)).reshape(-1)
+        k = torch.randn(REQUEST_TOKENS, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+        v = torch.randn_like(k)
+        want = pool.clone()
+        store_kv_ref(k, v, want[LAYERS - 1, 0], want[LAYERS - 1, 1], locs)
+        store_kv_triton(k, v, pool[LAYERS - 1, 0], pool[LAYERS - 1, 1], locs)
+        if not _same(pool, want):
+            raise RuntimeError(f"store_kv differs from the reference (page_size {page_size})")
+        del want
+        moved = 2 * 2 * k.numel() * k.element_size() + locs.numel() * 8
+        copy_ms = _copy_ms(moved // 2)
+        for cfg in _configs(tiles, row_words):
+            ms = _ms(partial(store_kv_triton, k, v, pool[LAYERS - 1, 0], pool[LAYERS - 1, 1], locs, config=cfg))
+            _row(results, "store_kv", f"ps{page_size} T{REQUEST_TOKENS}", moved, ms, copy_ms,
+                 config=None if cfg is None else cfg._asdict())
+
+        buf = gather_pages_triton(pool, pages, page_size, 0, LAYERS)
+        if not _same(buf, gather_pages_ref(pool, pages, page_size, 0, LAYERS)):
+            raise RuntimeError(f"gather_pages differs from the reference (page_size {page_size})")
+        moved = 2 * buf.numel() * buf.element_size() + pages.numel() * 8
+        copy_ms = _copy_ms(moved // 2)
+        for cfg in _configs(tiles, page_size * row_words):
+            ms = _ms(partial(gather_pages_triton, pool, pages, page_size, 0, LAYERS, buf,
+                             config=cfg))
+            _row(results, "gather_pages", f"ps{page_size} {LAYERS}L {req_pages}p", moved, ms,
+                 copy_ms, config=None if cfg is None else cfg._asdict())
+
+        dst = spec.alloc_pool(num_pages + 7, DEVICE)
+        dst_pages = torch.randperm(num_pages + 7, device=DEVICE)[:req_pages]
+        scatter_pages_triton(buf, dst, dst_pages, page_size, 0, LAYERS)
+        if not _same(buf, gather_pages_ref(dst, dst_pages, page_size, 0, LAYERS)):
+            raise RuntimeError(f"scatter_pages lost bytes (page_size {page_size})")
+        for cfg in _configs(tiles, page_size * row_words):
+            ms = _ms(partial(scatter_pages_triton, buf, dst, dst_pages, page_size, 0, LAYERS,
+                             config=cfg))
+            _row(results, "scatter_pages", f"ps{page_size} {LAYERS}L {req_pages}p", moved, ms,
+                 copy_ms, config=None if cfg is None else cfg._asdict())
+        del pool, dst, buf, k, v
+        torch.cuda.empty_cache()
+
+    # rerange: rank-major all-gather of 8 ranks (padded) back to request order.
+    for name, row_shape, dtype in [("k rows bf16", (KV_HEADS, HEAD_DIM), DTYPE),
+                                   ("k rows fp8-as-uint8", (KV_HEADS, HEAD_DIM), torch.uint8),
+                                   ("hidden 4096 bf16", (4096,), DTYPE)]:
+        pad = 8 * (REQUEST_TOKENS // 8 + 5)
+        if dtype == torch.uint8:
+            src = torch.randint(0, 256, (pad, *row_shape), device=DEVICE, dtype=dtype)
+        else:
+            src = torch.randn(pad, *row_shape, device=DEVICE, dtype=dtype)
+        index = torch.randperm(pad, device=DEVICE)[:REQUEST_TOKENS]
+        out = rerange_triton(src, index)
+        if not _same(out, rerange_ref(src, index)):
+            raise RuntimeError(f"rerange differs from the reference ({name})")
+        moved = 2 * out.numel() * out.element_size() + index.numel() * 8
+        copy_ms = _copy_ms(moved // 2)
+        words = out[0].numel() * out.element_size() // 4
+        for cfg in _configs(tiles, words):
+            ms = _ms(partial(rerange_triton, src, index, out, config=cfg))
+            _row(results, "rerange", f"{name} T{REQUEST_TOKENS}", moved, ms, copy_ms,
+                 config=None if cfg is None else cfg._asdict())
+        del src, out
+
+
+def _decode_problem(cache, batch, context, page_size):
+    k_cache, v_cache = cache
+    num_pages = k_cache.shape[0] // page_size
+    per_req = context // page_size
+    table = torch.randperm(num_pages, device=DEVICE)[: batch * per_req].view(batch, per_req)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+    q = torch.randn(batch, Q_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    return q, k_cache, v_cache, table.to(torch.int32), seq_lens
+
+
+def _decode(results: list[dict], shapes, variants) -> None:
+    rows = max(b * c for b, c, _ in shapes) + 64 * 64
+    cache = tuple(torch.randn(rows, KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+                  for _ in range(2))
+    scale = HEAD_DIM ** -0.5
+    copy_cache: dict[int, float] = {}
+    for batch, context, page_size in shapes:
+        args = _decode_problem(cache, batch, context, page_size)
+        check = min(batch, 4)  # the reference is slow; check the first requests
+        sub = (args[0][:check], *args[1:3], args[3][:check], args[4][:check])
+        want = paged_decode_attention_ref(*sub, page_size, scale).float()
+        kv_bytes = 2 * batch * context * KV_HEADS * HEAD_DIM * 2
+        if kv_bytes not in copy_cache:
+            copy_cache[kv_bytes] = _copy_ms(kv_bytes // 2)
+        for cfg, num_splits in variants:
+            got = paged_decode_attention_triton(*sub, page_size, scale, num_splits=num_splits,
+                                                config=cfg).float()
+            err = ((got - want).norm() / want.norm()).item()
+            if not err < 1e-2:
+                raise RuntimeError(f"decode B{batch} ctx{context} ps{page_size}: rel err {err}")
+            ms = _ms(partial(paged_decode_attention_triton, *args, page_size, scale,
+                             num_splits=num_splits, config=cfg))
+            _row(results, "paged_decode", f"B{batch} ctx{context} ps{page_size}", kv_bytes, ms,
+                 copy_cache[kv_bytes], rel_err=err, num_splits=num_splits,
+                 config=None if cfg is None else cfg._asdict())
+
+
+def run(results: list[dict], sweep: bool = False) -> None:
+    if not torch.cuda.is_available():
+        raise RuntimeError("bench/kernels_copy.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    tiles: list[tuple[int, int] | None] = [None]
+    if sweep:  # the default is (4096 words, 4 warps)
+        tiles += [(2048, 4), (8192, 4), (8192, 8), (16384, 8)]
+    _copy_ops(results, tiles)
+    shapes = [(b, c, ps) for b in (1, 16, 64) for c in (1024, 8192, 32768) for ps in (1, 16, 64)]
+    _decode(results, shapes, [(None, None)])
+    if sweep:
+        variants = [(DecodeConfig(block_n=n, num_warps=w), None)
+                    for n in (32, 64, 128) for w in (4, 8)]
+        variants += [(DecodeConfig(num_stages=s), None) for s in (1, 3, 4)]
+        _decode(results, [(64, 8192, 16), (1, 32768, 16)], variants)
+        splits = [(None, n) for n in (1, 2, 4, 8, 16, 32, 64, 128)]
+        _decode(results, [(1, 32768, 16), (16, 8192, 16)], splits)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--sweep", action="store_true", help="also sweep tiles, warps, splits")
+    args = parser.parse_args()
+    results: list[dict] = []
+    run(results, sweep=args.sweep)
+    print(f"{'op':<14} {'case':<28} {'ms':>8} {'GB/s':>7} {'copy':>7} {'x copy':>6}  config")
+    for r in results:
+        print(_format(r))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                    triton=triton.__version__, machine=platform.machine())
+        args.json.write_text(json.dumps(dict(info=info, results=results), indent=2))
+
+
+if __name__ == "__main__":
+    main()
