@@ -19,11 +19,14 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from kernels.kv_layout import KVCacheSpec
+
+if TYPE_CHECKING:
+    from prefill.config import ModelConfig
 
 
 class PoolExhausted(RuntimeError):
@@ -56,6 +59,14 @@ class PagePool:
         # Low page ids first: a fresh pool hands out 0, 1, 2, ... (easy to read in logs).
         self._free_list: deque[int] = deque(range(num_pages))
         self._is_free = [True] * num_pages
+
+    @classmethod
+    def for_model(cls, config: ModelConfig, num_pages: int, page_size: int,
+                  dtype: torch.dtype, device: torch.device | str = "cpu") -> PagePool:
+        """A pool shaped for ``config``'s layers and KV heads (``dtype`` = the model's)."""
+        spec = KVCacheSpec(num_layers=config.num_layers, kv_heads=config.num_kv_heads,
+                           head_dim=config.head_dim, dtype=dtype, page_size=page_size)
+        return cls(spec, num_pages, device)
 
     @property
     def num_pages(self) -> int:

@@ -1,0 +1,307 @@
+"""The continuous-batching decode engine.
+
+Each ``step`` runs one token for every running request, as four verbs:
+**schedule** (admit waiting requests while the pool can hold them to the end,
+secure a slot for every running one), **prepare** (input ids, positions, the
+new slots' rows and the page-table tensors), **run** (the model with an
+attention callback that stores the new K/V and calls paged decode attention)
+and **postprocess** (sample, emit, finish, free).
+
+A request enters with its prompt's KV already in the pool through its
+``PageTable`` (placed by the transfer client, or by ``prefill_into_pool``) and
+with ``last_token``, the first output token sampled by prefill, whose KV is
+not in the cache yet: the first decode step feeds it at position ``seq_len``.
+
+Admission reserves by arithmetic, not by pages: a request is admitted only if
+the free pages cover every page it may still need (up to ``max_new_tokens``)
+plus every page the running requests may still need. So running requests
+never run out of pages among themselves, and a request that does not fit
+waits in FIFO order until others finish. Pages are still taken one at a time
+as the sequence grows, so a request that stops early never holds pages it did
+not use. If something outside the engine empties the pool, a running request
+that cannot get its slot sits the step out (it is never given a wrong row).
+
+Threads: the daemon calls ``add``/``cancel`` from gRPC threads and ``step``
+from one loop thread. One lock guards all state and is held for a whole step,
+so ``cancel`` returns only once the request's pages are free and no kernel is
+writing into them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
+from kernels.decode_attention import paged_decode_attention
+from kernels.store_kv import store_kv
+from prefill.model import CausalLM
+from prefill.sampling import SamplingParams, sample
+
+FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
+FINISH_LENGTH = "length"  # max_new_tokens reached, or the model's max positions
+
+
+class TokenEvent(NamedTuple):
+    """One output of ``step`` for one request."""
+
+    request_id: str
+    # None only in the finish event of a request added with nothing left to
+    # decode (its last token was already a stop token, or max_new_tokens reached).
+    token_id: int | None
+    step: int  # generation step of this token; prefill's first token was step 0
+    finished: bool
+    finish_reason: str | None  # FINISH_STOP / FINISH_LENGTH once finished
+
+
+@dataclass(eq=False)
+class _Request:
+    """Mutable per-request decode state; only touched under the engine lock."""
+
+    request_id: str
+    table: PageTable
+    last_token: int  # sampled, fed at position table.seq_len on the next step
+    sampling: SamplingParams
+    step: int  # generation step of the next sampled token
+    max_new_tokens: int
+    stop_token_ids: frozenset[int]
+    final_len: int  # tokens in cache when the request ends at the latest
+
+    @property
+    def pages_to_come(self) -> int:
+        return self.table.pages_needed(self.final_len)
+
+
+class DecodeBatch(NamedTuple):
+    """The tensors of one decode step (B = requests in the step)."""
+
+    requests: list[_Request]
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64
+    locs: torch.Tensor  # [B] int64 physical rows of the new tokens' K/V
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32, the new token included
+
+
+class DecodeEngine:
+    """Continuous batching of decode requests over one ``PagePool``."""
+
+    def __init__(self, model: CausalLM, pool: PagePool, *, max_batch_size: int = 256,
+                 eos_token_ids: Iterable[int] | None = None) -> None:
+        config = model.config
+        if pool.spec.num_layers != config.num_layers or pool.spec.row_shape != (
+            config.num_kv_heads, config.head_dim
+        ):
+            raise ValueError(
+                f"pool is {pool.spec.num_layers} layers x {pool.spec.row_shape} rows but the "
+                f"model has {config.num_layers} layers x ({config.num_kv_heads}, {config.head_dim})"
+            )
+        if pool.spec.dtype != model.dtype:
+            raise ValueError(f"pool dtype {pool.spec.dtype} differs from model dtype {model.dtype}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or (
+            max_batch_size <= 0
+        ):
+            raise ValueError(f"max_batch_size must be a positive int, got {max_batch_size!r}")
+        self.model = model
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.eos_token_ids = frozenset(
+            config.eos_token_ids if eos_token_ids is None else eos_token_ids
+        )
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._done_at_add: list[TokenEvent] = []
+
+    # ---- requests in and out (any thread) ----
+
+    def add(self, request_id: str, page_table: PageTable, last_token: int,
+            sampling: SamplingParams, max_new_tokens: int,
+            stop_token_ids: Iterable[int] = (), start_step: int = 1,
+            ignore_eos: bool = False) -> None:
+        """Queue a request whose first ``page_table.seq_len`` tokens are in the pool.
+
+        ``max_new_tokens`` counts every output token, prefill's included, and
+        ``start_step`` how many there are already (1: prefill's ``last_token``).
+        The engine owns ``page_table`` from here on and releases it when the
+        request finishes or is cancelled; if ``add`` raises, the caller still owns it.
+        """
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
+        if not isinstance(page_table, PageTable) or page_table.pool is not self.pool:
+            raise ValueError(f"page_table of request {request_id!r} must be a PageTable "
+                             "of this engine's pool")
+        if page_table.seq_len < 1:
+            raise ValueError(f"request {request_id!r} has seq_len={page_table.seq_len}; "
+                             "its prompt must be in the pool")
+        vocab = self.model.config.vocab_size
+        if isinstance(last_token, bool) or not isinstance(last_token, int) or not (
+            0 <= last_token < vocab
+        ):
+            raise ValueError(f"last_token={last_token!r} is not a token id (vocab {vocab})")
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        for name, value, low in (("max_new_tokens", max_new_tokens, 1),
+                                 ("start_step", start_step, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        stops = frozenset(int(t) for t in stop_token_ids)
+        if not ignore_eos:
+            stops |= self.eos_token_ids
+        max_positions = self.model.config.max_position_embeddings
+        final_len = min(page_table.seq_len + max_new_tokens - start_step, max_positions)
+        request = _Request(request_id, page_table, last_token, sampling, start_step,
+                           max_new_tokens, stops, final_len)
+        with self._lock:
+            if self._find(request_id) is not None:
+                raise ValueError(f"request_id {request_id!r} is already in the engine")
+            reason = self._finish_reason(request)
+            if reason is not None:
+                # Nothing to decode: free now, report on the next step.
+                page_table.release()
+                self._done_at_add.append(
+                    TokenEvent(request_id, None, start_step - 1, True, reason))
+            else:
+                self._waiting.append(request)
+            self._work.notify_all()
+
+    def cancel(self, request_id: str) -> bool:
+        """Drop a request and free its pages at once (after the step in flight,
+        if any). Returns whether the engine knew the request."""
+        with self._lock:
+            for i, event in enumerate(self._done_at_add):
+                if event.request_id == request_id:
+                    del self._done_at_add[i]
+                    return True
+            request = self._find(request_id)
+            if request is None:
+                return False
+            if request in self._running:
+                self._running.remove(request)
+            else:
+                self._waiting.remove(request)
+            request.table.release()
+            return True
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Block until a request is queued or ``timeout`` seconds pass; returns has_work."""
+        with self._work:
+            return self._work.wait_for(self._has_work, timeout=timeout)
+
+    @property
+    def has_work(self) -> bool:
+        with self._lock:
+            return self._has_work()
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+    # ---- the loop (one thread) ----
+
+    def step(self) -> list[TokenEvent]:
+        """One decode step for every running request; returns their events."""
+        with self._lock:
+            events, self._done_at_add = self._done_at_add, []
+            batch = self._schedule()
+            if not batch:
+                return events
+            prepared = self._prepare(batch)
+            logits = self._run(prepared)
+            return events + self._postprocess(prepared, logits)
+
+    def _schedule(self) -> list[_Request]:
+        """Admit waiting requests that fit to the end; secure one slot per running request."""
+        free = self.pool.free_count - sum(r.pages_to_come for r in self._running)
+        while self._waiting and len(self._running) < self.max_batch_size:
+            head = self._waiting[0]
+            if head.pages_to_come > free:
+                break  # FIFO: later requests do not overtake a large one
+            free -= head.pages_to_come
+            self._running.append(self._waiting.popleft())
+        batch = []
+        for request in self._running:
+            try:
+                request.table.reserve(request.table.seq_len + 1)
+            except PoolExhausted:
+                continue  # pages taken outside the engine: sit this step out
+            batch.append(request)
+        return batch
+
+    def _prepare(self, batch: list[_Request]) -> DecodeBatch:
+        device = self.pool.device
+        positions = [r.table.seq_len for r in batch]
+        locs = [r.table.append_slot() for r in batch]  # slots were secured by _schedule
+        tables = batch_tables([r.table for r in batch], device)
+        return DecodeBatch(
+            requests=batch,
+            input_ids=torch.tensor([r.last_token for r in batch], dtype=torch.int64,
+                                   device=device),
+            positions=torch.tensor(positions, dtype=torch.int64, device=device),
+            locs=torch.tensor(locs, dtype=torch.int64, device=device),
+            page_table=tables.page_table,
+            seq_lens=tables.seq_lens,
+        )
+
+    def _run(self, batch: DecodeBatch) -> torch.Tensor:
+        """The model over the batch; returns float32 logits ``[B, vocab]``."""
+        pool, page_size = self.pool, self.pool.page_size
+        scale = self.model.config.softmax_scale
+
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> torch.Tensor:
+            k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
+            store_kv(k, v, k_cache, v_cache, batch.locs)  # the new token first: it attends itself
+            return paged_decode_attention(q, k_cache, v_cache, batch.page_table,
+                                          batch.seq_lens, page_size, scale)
+
+        with torch.inference_mode():
+            hidden = self.model(batch.input_ids, batch.positions, attention)  # [B, hidden]
+            return self.model.compute_logits(hidden)
+
+    def _postprocess(self, batch: DecodeBatch, logits: torch.Tensor) -> list[TokenEvent]:
+        requests = batch.requests
+        tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests])
+        events = []
+        for request, token in zip(requests, tokens.tolist()):
+            request.last_token = token
+            request.step += 1
+            reason = self._finish_reason(request)
+            events.append(TokenEvent(request.request_id, token, request.step - 1,
+                                     reason is not None, reason))
+            if reason is not None:
+                self._running.remove(request)
+                request.table.release()
+        return events
+
+    # ---- helpers (lock held) ----
+
+    def _finish_reason(self, request: _Request) -> str | None:
+        """Why ``request`` ends after sampling ``last_token``, or None."""
+        if request.last_token in request.stop_token_ids:
+            return FINISH_STOP
+        # The next step would feed last_token at position seq_len: room for it?
+        if request.step >= request.max_new_tokens or request.table.seq_len >= request.final_len:
+            return FINISH_LENGTH
+        return None
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._done_at_add)
+
+    def _find(self, request_id: str) -> _Request | None:
+        for request in (*self._running, *self._waiting):
+            if request.request_id == request_id:
+                return request
+        return None
