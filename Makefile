@@ -26,5 +26,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/planner.py
 
+proto: $(STAMP)
+	$(PY) proto/generate.py
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

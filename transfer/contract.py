@@ -327,6 +327,8 @@ class FieldDiff(NamedTuple):
 
 
 def _diff_values(name: str, ours: Any, theirs: Any) -> list[FieldDiff]:
+    if ours is ABSENT or theirs is ABSENT:
+        return [FieldDiff(name, ours, theirs)]
     if _pack(ours) == _pack(theirs):
         return []
     if isinstance(ours, dict) and isinstance(theirs, dict):

@@ -74,11 +74,10 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_chunk_bytes: int = MAX_CHUNK_BYTES_LIMIT,
     ) -> None:
+        # The contract is read from the source at every call: the topology may
+        # be completed after the server starts (endpoints are known only once
+        # every rank has bound its port).
         self._source = source
-        # The agreement is fixed for the server's life; the topology may be
-        # completed later (endpoints are known only once every rank has bound).
-        self._agreement: Agreement = source.contract().agreement
-        self._fingerprint = self._agreement.fingerprint
         self._default_chunk_bytes = default_chunk_bytes
         self._max_chunk_bytes = max_chunk_bytes
 
@@ -88,11 +87,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 theirs = agreement_of(request.contract)
             except (ValueError, TypeError) as err:
                 raise Refusal(Code.INVALID_ARGUMENT, f"undecodable contract: {err}") from err
-            try:
-                contract = self._source.contract()
-            except RuntimeError as err:  # the topology is not complete yet
-                raise Refusal(Code.UNAVAILABLE, str(err)) from err
-            diffs = diff(self._agreement, theirs)
+            contract = self._contract()
+            diffs = diff(contract.agreement, theirs)
             if diffs:
                 context.set_trailing_metadata(((CONTRACT_METADATA_KEY, contract.encode()),))
                 raise Refusal(
@@ -101,14 +97,14 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     + format_diff(diffs, ours="server", theirs="caller"),
                 )
         return lanekv_pb2.HandshakeReply(
-            ok=True, contract=contract.encode(), fingerprint=self._fingerprint
+            ok=True, contract=contract.encode(), fingerprint=contract.fingerprint
         )
 
     def FetchKV(self, request, context):
         with refusals(context):
             # Everything is checked before the first yield: a refused fetch sends no byte.
-            self._check_caller(request.request_id, request.fingerprint)
-            chunks = self._plan(request)
+            agreement = self._agreed(request.request_id, request.fingerprint)
+            chunks = self._plan(request, agreement)
         rank = self._source.rank
         for seq, (chunk, physical) in enumerate(chunks):
             payload = self._source.read(physical, chunk.layer_start, chunk.layer_end)
@@ -116,7 +112,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 # A release racing this fetch may have recycled the pages under
                 # the read; checking after it proves they were held throughout.
                 self._owned(request.request_id)
-                self._check_payload(payload, chunk)
+                _check_payload(payload, chunk, agreement)
             header, data = encode_chunk(
                 request.request_id, rank, seq, chunk.layer_start, chunk.pages, payload
             )
@@ -124,7 +120,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
     def Release(self, request, context):
         with refusals(context):
-            self._check_caller(request.request_id, request.fingerprint)
+            self._agreed(request.request_id, request.fingerprint)
             try:
                 freed = self._source.release(request.request_id)
             except KeyError as err:
@@ -135,17 +131,26 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         """The message of one chunk (the last step before the bytes leave)."""
         return lanekv_pb2.KVChunk(header=header.encode(), data=data)
 
-    def _check_caller(self, request_id: str, fingerprint: str) -> None:
-        if fingerprint != self._fingerprint:
+    def _contract(self) -> LayoutContract:
+        try:
+            return self._source.contract()
+        except RuntimeError as err:  # the topology is not complete yet
+            raise Refusal(Code.UNAVAILABLE, str(err)) from err
+
+    def _agreed(self, request_id: str, fingerprint: str) -> Agreement:
+        """Our agreement, if the caller's fingerprint is its fingerprint and the request id is sane."""
+        agreement = self._contract().agreement
+        if fingerprint != agreement.fingerprint:
             raise Refusal(
                 Code.FAILED_PRECONDITION,
-                f"contract fingerprint {fingerprint!r:.80} is not this server's {self._fingerprint}; handshake again",
+                f"contract fingerprint {fingerprint!r:.80} is not this server's {agreement.fingerprint}; handshake again",
             )
         if not request_id or len(request_id) > MAX_REQUEST_ID_LEN:
             raise Refusal(
                 Code.INVALID_ARGUMENT,
                 f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters, got {request_id!r:.80}",
             )
+        return agreement
 
     def _owned(self, request_id: str) -> list[tuple[int, int]]:
         try:
@@ -153,10 +158,11 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         except KeyError as err:
             raise Refusal(Code.NOT_FOUND, _key_message(request_id, err)) from err
 
-    def _plan(self, request: lanekv_pb2.FetchRequest) -> list[tuple[ChunkPlan, list[int]]]:
+    def _plan(
+        self, request: lanekv_pb2.FetchRequest, agreement: Agreement
+    ) -> list[tuple[ChunkPlan, list[int]]]:
         """Validate a fetch and cut it into chunks, each with its physical pages."""
         owned = dict(self._owned(request.request_id))
-        agreement = self._agreement
         layer_end = request.layer_end if request.HasField("layer_end") else agreement.num_layers
         if not 0 <= request.layer_start < layer_end <= agreement.num_layers:
             raise Refusal(
@@ -189,20 +195,20 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         )
         return [(plan, [owned[page] for page in plan.pages]) for plan in plans]
 
-    def _check_payload(self, payload: torch.Tensor, chunk: ChunkPlan) -> None:
-        a = self._agreement
-        shape = (
-            chunk.layer_end - chunk.layer_start,
-            2,
-            len(chunk.pages) * a.page_size,
-            a.num_kv_heads,
-            a.head_dim,
+
+def _check_payload(payload: torch.Tensor, chunk: ChunkPlan, a: Agreement) -> None:
+    shape = (
+        chunk.layer_end - chunk.layer_start,
+        2,
+        len(chunk.pages) * a.page_size,
+        a.num_kv_heads,
+        a.head_dim,
+    )
+    if tuple(payload.shape) != shape or payload.dtype != kv_dtype(a.kv_dtype):
+        raise Refusal(
+            Code.INTERNAL,
+            f"page source returned {tuple(payload.shape)} {payload.dtype}, expected {shape} {a.kv_dtype}",
         )
-        if tuple(payload.shape) != shape or payload.dtype != kv_dtype(a.kv_dtype):
-            raise Refusal(
-                Code.INTERNAL,
-                f"page source returned {tuple(payload.shape)} {payload.dtype}, expected {shape} {a.kv_dtype}",
-            )
 
 
 def _key_message(request_id: str, err: KeyError) -> str:
