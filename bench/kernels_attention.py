@@ -15,7 +15,7 @@ Correctness first: the kernel's rows must match SDPA-flash on fresh random
 bf16 inputs (relative Frobenius error < 1e-2) before anything is timed.
 
     python bench/kernels_attention.py --json bench/results/kernels_attention_h200.json
-    python bench/kernels_attention.py --sweep   # tile configs at 16k, cp=1
+    python bench/kernels_attention.py --sweep --shapes 16384:1 4096:4 --configs 128,128,8,3 64,64,4,2
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import argparse
 import itertools
 import json
 import sys
+import time
 from functools import partial
 
 import torch
@@ -181,33 +182,53 @@ def _run_seq_len(results: list[dict], seq_len: int, cp_sizes) -> None:
         results.append(row)
 
 
-def sweep(results: list[dict], seq_lens=(16384,)) -> None:
-    """Time tile configs on the cp=1 shapes (the launcher's default is picked from this)."""
-    configs = [AttnLaunchConfig(bm, bn, w, s) for bm, bn, w, s in
-               itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
-    configs += [AttnLaunchConfig(128, 64, 8, 4), AttnLaunchConfig(128, 128, 8, 4), AttnLaunchConfig(128, 32, 8, 3)]
-    for seq_len in seq_lens:
+SWEEP_CONFIGS = tuple(
+    [AttnLaunchConfig(bm, bn, w, s) for bm, bn, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+    + [AttnLaunchConfig(128, 64, 8, 4), AttnLaunchConfig(128, 128, 8, 4), AttnLaunchConfig(128, 32, 8, 3)]
+)
+
+
+def sweep(results: list[dict], shapes=((16384, 1),), configs=SWEEP_CONFIGS) -> None:
+    """Time tile configs on (seq_len, cp) shapes; the launcher's defaults come from this."""
+    for seq_len in sorted({n for n, _ in shapes}):
         q, k, v = _inputs(seq_len, seed=7)
-        segments = _segments_tensor([(0, seq_len)])
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
         k4x, v4x = (t.repeat_interleave(HQ // HKV, dim=1) for t in (k4, v4))
         want = _sdpa_call(SDPBackend.FLASH_ATTENTION, q4, k4, v4, k4x, v4x)[2][0].transpose(0, 1)
         del q4, k4, v4, k4x, v4x
-        flops = causal_flops([(0, seq_len)])
-        out = torch.empty_like(q)
-        for cfg in configs:
-            call = partial(launch_cp_prefill_attention, q, k, v, segments, SCALE, None, 0, out, None, cfg)
-            try:
-                out.fill_(float("nan"))
-                call()
-                torch.cuda.synchronize()
-            except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
-                results.append(dict(seq_len=seq_len, **cfg._asdict(), error=type(exc).__name__))
-                continue
-            err = _rel_err(out, want)
-            ms = _time_ms(call)
-            results.append(dict(seq_len=seq_len, **cfg._asdict(), ms=ms, tflops=flops / ms * 1e-9,
-                                rel_err=err, ok=err < MAX_REL_ERR))
+        for cp in sorted(c for n, c in shapes if n == seq_len):
+            segs = rank0_segments(seq_len, cp)
+            rows = torch.cat([torch.arange(a, a + n, device="cuda") for a, n in segs])
+            q_rank, segments, flops = q[rows].contiguous(), _segments_tensor(segs), causal_flops(segs)
+            out = torch.empty_like(q_rank)
+            for cfg in configs:
+                call = partial(launch_cp_prefill_attention, q_rank, k, v, segments, SCALE, None, 0, out, None, cfg)
+                key = dict(seq_len=seq_len, cp=cp, **cfg._asdict())
+                try:
+                    out.fill_(float("nan"))
+                    call()
+                    torch.cuda.synchronize()
+                except (triton.runtime.errors.OutOfResources, RuntimeError) as exc:
+                    results.append(dict(key, error=type(exc).__name__))
+                    continue
+                err = _rel_err(out, want[rows])
+                ms = _time_ms(call)
+                results.append(dict(key, ms=ms, tflops=flops / ms * 1e-9, rel_err=err, ok=err < MAX_REL_ERR))
+
+
+def host_overhead_us(repeats: int = 200) -> float:
+    """Wall time of one launcher call on a one-row problem: the per-layer host cost."""
+    q, k, v = _inputs(16, seed=1)
+    segments = _segments_tensor([(0, 16)])
+    out = torch.empty_like(q)
+    for _ in range(10):
+        cp_prefill_attention_triton(q, k, v, segments, SCALE, out=out)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        cp_prefill_attention_triton(q, k, v, segments, SCALE, out=out)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e6
 
 
 def _fmt(x, spec: str) -> str:
@@ -225,35 +246,52 @@ def print_table(results: list[dict]) -> None:
 
 
 def print_sweep(results: list[dict]) -> None:
-    for r in sorted(results, key=lambda r: (r["seq_len"], -(r.get("tflops") or 0))):
+    for r in sorted(results, key=lambda r: (r["seq_len"], r["cp"], -(r.get("tflops") or 0))):
         cfg = f"BM={r['block_m']:>3} BN={r['block_n']:>3} w={r['num_warps']} s={r['num_stages']}"
+        head = f"{r['seq_len']:>6} cp={r['cp']} {cfg}"
         if "error" in r:
-            print(f"{r['seq_len']:>6} {cfg}  {r['error']}")
+            print(f"{head}  {r['error']}")
         else:
-            print(f"{r['seq_len']:>6} {cfg}  {r['tflops']:7.1f} TFLOP/s  err {r['rel_err']:.1e}")
+            print(f"{head}  {r['tflops']:7.1f} TFLOP/s  {r['ms']:.3f} ms  err {r['rel_err']:.1e}")
+
+
+def _shape(text: str) -> tuple[int, int]:
+    seq_len, _, cp = text.partition(":")
+    return int(seq_len), int(cp or 1)
+
+
+def _config(text: str) -> AttnLaunchConfig:
+    return AttnLaunchConfig(*(int(x) for x in text.split(",")))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="write the rows here")
     parser.add_argument("--sweep", action="store_true", help="time tile configs instead")
-    parser.add_argument("--seq-lens", type=int, nargs="+", help=f"default {SEQ_LENS}; 16384 with --sweep")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=list(SEQ_LENS))
+    parser.add_argument("--shapes", type=_shape, nargs="+", default=[(16384, 1)],
+                        help="--sweep shapes as SEQ_LEN:CP (default 16384:1)")
+    parser.add_argument("--configs", type=_config, nargs="+", default=list(SWEEP_CONFIGS),
+                        help="--sweep configs as BLOCK_M,BLOCK_N,WARPS,STAGES")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2
     results: list[dict] = []
+    extra: dict = {}
     device = torch.cuda.get_device_name()
     if args.sweep:
-        sweep(results, tuple(args.seq_lens or (16384,)))
+        sweep(results, tuple(args.shapes), tuple(args.configs))
         print_sweep(results)
     else:
-        run(results, tuple(args.seq_lens or SEQ_LENS))
+        run(results, tuple(args.seq_lens))
+        overhead = extra["host_us_per_call"] = host_overhead_us()
         print_table(results)
+        print(f"host time of one launcher call (16 rows): {overhead:.1f} us")
     if args.json:
         meta = dict(device=device, torch=torch.__version__, triton=triton.__version__)
         with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=results), f, indent=1)
+            json.dump(dict(meta=meta, rows=results, **extra), f, indent=1)
     bad = [r for r in results if r.get("ok") is False]
     return 1 if bad else 0
 
