@@ -1,0 +1,53 @@
+"""Configuration of a CP prefill engine (frozen; the CLI takes its defaults from it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    cp_size: int = 1
+    page_size: int = 16
+    pages_per_lane: int = 1024  # physical pages in each rank's pool
+    dtype: str = "float32"  # model weights and KV pool
+    device: str = "auto"  # "cpu", "cuda" (rank r on cuda:r) or "auto"
+    dist_port: int = 0  # torch.distributed rendezvous port; 0 picks a free one
+    start_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    pool_fill: float = 0.0  # initial pool value; tests poison it with NaN
+    cpu_threads: int = 0  # torch threads per rank on CPU; 0 = cores / cp_size
+
+    def __post_init__(self) -> None:
+        for name in ("cp_size", "page_size", "pages_per_lane"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got device={self.device!r}")
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"model_path={self.model_path!r} has no config.json")
+        if self.resolved_device == "cuda":
+            visible = torch.cuda.device_count()
+            if self.cp_size > visible:
+                raise ValueError(
+                    f"cp_size={self.cp_size} needs one GPU per rank but {visible} are visible"
+                )
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]

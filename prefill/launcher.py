@@ -1,0 +1,246 @@
+"""Start N CP rank processes, send them batches, collect per-request results.
+
+The parent process owns the lane allocator (so it decides which logical pages
+a batch writes) and talks to each rank through its own command queue; every
+rank answers on a shared result queue. Ranks talk to each other only through
+torch.distributed (NCCL on CUDA, one GPU per rank; gloo on CPU). A rank that
+dies is reported as ``RankDiedError`` naming it, and the engine refuses
+further work instead of hanging.
+"""
+
+from __future__ import annotations
+
+import itertools
+import multiprocessing as mp
+import queue
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import torch
+
+from prefill.allocator import LaneAllocator
+from prefill.engine_config import EngineConfig
+from prefill.plan import plan_batch
+from prefill.rank_worker import rank_main
+from prefill.runner import PrefillBatch, RankResult
+from prefill.sampling import SamplingParams
+
+
+class RankDiedError(RuntimeError):
+    """A CP rank process exited or failed; the engine cannot serve any more."""
+
+
+class PageInfo(NamedTuple):
+    page: int  # logical page id
+    owner: int  # CP rank that holds it
+    valid_rows: int
+
+
+class PrefillInput(NamedTuple):
+    token_ids: Sequence[int]  # the whole prompt, prefix included
+    sampling: SamplingParams = SamplingParams()
+    prefix_pages: Sequence[int] = ()  # pinned pages already holding the prompt's first tokens
+    request_id: str | None = None
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    first_token: int
+    num_tokens: int
+    prefix_len: int
+    page_size: int
+    pages: list[PageInfo]  # the request's logical pages in order (prefix, then extend)
+    logits: torch.Tensor | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def new_pages(self) -> list[int]:
+        """Pages allocated by this prefill (the prefix pages belong to someone else)."""
+        return [p.page for p in self.pages[self.prefix_len // self.page_size :]]
+
+
+class PrefillEngine(ABC):
+    """The launcher API: ``prefill`` a batch on N ranks, ``free`` pages, ``close``.
+
+    Subclasses say how a command reaches the ranks (``_call``): rank processes
+    (``CPPrefillEngine``) or rank threads in this process (``ThreadedPrefillEngine``).
+    """
+
+    config: EngineConfig
+    allocator: LaneAllocator
+
+    @abstractmethod
+    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> Any:
+        """Send ``op`` to every rank (or ``only`` one) and return their answers in rank order."""
+
+    def close(self) -> None:  # noqa: B027 - nothing to release by default
+        pass
+
+    def __enter__(self) -> PrefillEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def prefill(self, inputs: Sequence[PrefillInput], *, return_logits: bool = False) -> list[PrefillResult]:
+        if not inputs:
+            raise ValueError("inputs is empty: a prefill batch needs at least one request")
+        ps, n = self.config.page_size, self.config.cp_size
+        ids, prefix_lens, prefix_pages, rids = [], [], [], []
+        for i, inp in enumerate(inputs):
+            tokens = list(inp.token_ids)
+            if not tokens:
+                raise ValueError(f"inputs[{i}].token_ids is empty: a prompt needs at least one token")
+            prefix_len = len(inp.prefix_pages) * ps
+            if prefix_len >= len(tokens):
+                raise ValueError(
+                    f"inputs[{i}]: prefix_pages cover {prefix_len} tokens but the prompt has "
+                    f"{len(tokens)}; at least one token must be prefilled"
+                )
+            ids.append(tuple(tokens[prefix_len:]))
+            prefix_lens.append(prefix_len)
+            prefix_pages.append(tuple(int(p) for p in inp.prefix_pages))
+            rids.append(inp.request_id or uuid.uuid4().hex)
+        plan = plan_batch([len(t) for t in ids], prefix_lens, cp_size=n, page_size=ps)
+        extend_pages = self.allocator.allocate_batch(plan)  # all-or-nothing
+        batch = PrefillBatch(
+            request_ids=tuple(rids),
+            token_ids=tuple(ids),
+            prefix_lens=tuple(prefix_lens),
+            prefix_pages=tuple(prefix_pages),
+            extend_pages=tuple(tuple(p) for p in extend_pages),
+            sampling=tuple(inp.sampling for inp in inputs),
+            return_logits=return_logits,
+        )
+        try:
+            rank_results: list[RankResult] = self._call("prefill", batch)
+        except BaseException:
+            self.allocator.free([p for pages in extend_pages for p in pages])
+            raise
+        results = []
+        for b, rid in enumerate(rids):
+            pages = list(prefix_pages[b]) + list(extend_pages[b])
+            total = prefix_lens[b] + len(ids[b])
+            infos = [PageInfo(p, p % n, min(ps, total - k * ps)) for k, p in enumerate(pages)]
+            results.append(PrefillResult(rid, -1, total, prefix_lens[b], ps, infos))
+        for rr in rank_results:
+            for out in rr.outputs:
+                results[out.index].first_token = out.first_token
+                results[out.index].logits = out.logits
+        timings = {f"rank{rr.rank}_s": rr.seconds for rr in rank_results}
+        timings["gather_s"] = max(rr.gather_seconds for rr in rank_results)
+        for res in results:
+            res.timings = dict(timings)
+        return results
+
+    def free(self, pages: Sequence[int]) -> None:
+        self.allocator.free(pages)
+
+    def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        """K/V of logical ``pages`` gathered from their owners:
+        ``[num_layers, 2, len(pages) * page_size, kv_heads, head_dim]`` on the CPU."""
+        n = self.config.cp_size
+        parts = self._call("read", [[p for p in pages if p % n == r] for r in range(n)], per_rank=True)
+        ps = self.config.page_size
+        shape = parts[0].shape
+        out = torch.empty((shape[0], 2, len(pages) * ps, *shape[3:]), dtype=parts[0].dtype)
+        cursor = [0] * n
+        for k, page in enumerate(pages):
+            r = page % n
+            out[:, :, k * ps : (k + 1) * ps] = parts[r][:, :, cursor[r] * ps : (cursor[r] + 1) * ps]
+            cursor[r] += 1
+        return out
+
+    def pool_snapshot(self, rank: int) -> torch.Tensor:
+        """A CPU copy of rank ``rank``'s whole pool (tests check what it holds)."""
+        return self._call("snapshot", rank, only=rank)
+
+
+class CPPrefillEngine(PrefillEngine):
+    """N rank processes (NCCL on CUDA, gloo on CPU) fed through queues."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
+        ctx = mp.get_context("spawn")
+        self._results: Any = ctx.Queue()
+        self._commands = [ctx.Queue() for _ in range(config.cp_size)]
+        port = config.dist_port or _free_port()
+        self._procs = [
+            ctx.Process(
+                target=rank_main,
+                args=(rank, config, port, self._commands[rank], self._results),
+                name=f"lanekv-cp-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(config.cp_size)
+        ]
+        self._seq = itertools.count()
+        self._broken: str | None = None
+        for proc in self._procs:
+            proc.start()
+        ready = self._collect("ready", None, config.start_timeout_s)
+        self.info = ready[0]  # model config fields, weights digest, pool shape
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        for q in self._commands:
+            try:
+                q.put(("shutdown", None, None))
+            except (ValueError, OSError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for proc in self._procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        self._broken = self._broken or "engine closed"
+
+    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> list:
+        if self._broken:
+            raise RankDiedError(f"CP prefill engine is unusable: {self._broken}")
+        seq = next(self._seq)
+        ranks = range(self.config.cp_size) if only is None else [only]
+        for r in ranks:
+            self._commands[r].put((op, seq, payload[r] if per_rank else payload))
+        out = self._collect(op, seq, self.config.request_timeout_s, ranks=list(ranks))
+        return out[0] if only is not None else out
+
+    def _collect(self, op: str, seq: int | None, timeout_s: float, ranks: list[int] | None = None) -> list:
+        ranks = list(range(self.config.cp_size)) if ranks is None else ranks
+        got: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(got) < len(ranks):
+            try:
+                kind, rank, rseq, value = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._broken = f"{dead[0].name} exited with code {dead[0].exitcode}"
+                    raise RankDiedError(self._broken) from None
+                if time.monotonic() > deadline:
+                    self._broken = f"no answer to {op!r} within {timeout_s:.0f}s from ranks {sorted(set(ranks) - set(got))}"
+                    raise RankDiedError(self._broken) from None
+                continue
+            if kind == "error":
+                # A rank whose peer died fails inside the collective: name the dead one first.
+                time.sleep(0.5)
+                dead = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
+                self._broken = "; ".join(dead + [f"rank {rank} failed: {value}"])
+                raise RankDiedError(self._broken)
+            if rseq == seq:
+                got[rank] = value
+        return [got[r] for r in ranks]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,112 @@
+"""The body of one CP rank process: join the group, load the model, serve commands."""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from prefill.checkpoint import LoadedModel, load_model
+from prefill.engine_config import EngineConfig
+from prefill.layout import OwnerLaneLayout
+from prefill.runner import RankRunner
+
+# How often an idle rank checks that its parent is still alive.
+_POLL_S = 1.0
+
+
+def rank_main(rank: int, config: EngineConfig, port: int, commands: Any, results: Any) -> None:
+    parent = os.getppid()
+    try:
+        runner = _start(rank, config, port)
+        results.put(("ready", rank, None, describe(runner, config)))
+    except Exception:  # report start-up failures to the parent, then exit
+        results.put(("error", rank, None, traceback.format_exc()))
+        return
+    try:
+        while True:
+            try:
+                op, seq, payload = commands.get(timeout=_POLL_S)
+            except queue.Empty:
+                if os.getppid() != parent:  # orphaned: the launcher is gone
+                    return
+                continue
+            if op == "shutdown":
+                return
+            try:
+                results.put(("ok", rank, seq, handle(runner, op, payload)))
+            except Exception:
+                results.put(("error", rank, seq, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _start(rank: int, config: EngineConfig, port: int) -> RankRunner:
+    device = torch.device(config.resolved_device, rank) if config.resolved_device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        threads = config.cpu_threads or max(1, (os.cpu_count() or 1) // config.cp_size)
+        torch.set_num_threads(threads)
+    group = None
+    if config.cp_size > 1:
+        dist.init_process_group(
+            "nccl" if device.type == "cuda" else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=config.cp_size,
+            timeout=timedelta(seconds=config.request_timeout_s),
+            **({"device_id": device} if device.type == "cuda" else {}),
+        )
+        group = dist.group.WORLD
+    loaded = load_model(config.model_path, dtype=config.torch_dtype, device=device)
+    return build_runner(loaded, config, rank, group)
+
+
+def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: Any) -> RankRunner:
+    """A rank's runner: the loaded model and a fresh owner-lane pool on its device."""
+    cfg = loaded.config
+    device = next(loaded.model.parameters()).device
+    rows = config.pages_per_lane * config.page_size
+    pool = torch.full(
+        (cfg.num_layers, 2, rows, cfg.num_kv_heads, cfg.head_dim),
+        config.pool_fill,
+        dtype=config.torch_dtype,
+        device=device,
+    )
+    runner = RankRunner(
+        loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group
+    )
+    runner.weights_digest = loaded.weights_digest
+    runner.tokenizer = loaded.tokenizer
+    return runner
+
+
+def describe(runner: RankRunner, config: EngineConfig) -> dict:
+    return dict(
+        model=runner.model.config.contract_fields(),
+        weights_digest=runner.weights_digest,
+        pool_shape=tuple(runner.pool.shape),
+        device=str(runner.device),
+    )
+
+
+def handle(runner: RankRunner, op: str, payload: Any) -> Any:
+    if op == "prefill":
+        return runner.run(payload)
+    if op == "read":
+        layout: OwnerLaneLayout = runner.layout
+        pages = torch.tensor(payload, dtype=torch.int64)
+        ps = runner.page_size
+        locs = (pages[:, None] * ps + torch.arange(ps)).flatten()
+        rows = layout.physical_rows(runner.cp_rank, locs).to(runner.device)
+        return runner.pool[:, :, rows].cpu()
+    if op == "snapshot":
+        return runner.pool.cpu()
+    raise ValueError(f"unknown command op={op!r}")

@@ -1,0 +1,184 @@
+"""One CP rank's prefill of a batch: plan, embed, attend across ranks, write owned pages.
+
+Each rank runs the whole model on its own rows (valid + compute padding). In
+every layer the attention callback (1) packs this rank's new K/V rows and the
+K/V rows of the cached-prefix pages it owns into one block, (2) all-gathers the
+blocks, (3) reranges the rank-major result into request order, (4) writes this
+rank's valid rows into its own pool through physical rows (every loc is checked
+to be owned by this rank once per batch) and (5) runs the CP attention kernel
+for its query segments. The rank holding a request's real last token samples
+the first output token.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from kernels.prefill_attention import cp_prefill_attention
+from kernels.prefill_attention_ref import AttnSegments
+from kernels.rerange import rerange
+from kernels.store_kv import store_kv
+from prefill.index import RankIndex, build_rank_index
+from prefill.layout import OwnerLaneLayout
+from prefill.model import CausalLM
+from prefill.plan import BatchPlan, plan_batch
+from prefill.sampling import SamplingParams, sample
+from prefill.thread_group import ThreadGroup
+
+
+@dataclass(frozen=True)
+class PrefillBatch:
+    """What every rank needs to prefill a batch (plain data, sent to each rank)."""
+
+    request_ids: tuple[str, ...]
+    token_ids: tuple[tuple[int, ...], ...]  # the extend of each request (prefix excluded)
+    prefix_lens: tuple[int, ...]
+    prefix_pages: tuple[tuple[int, ...], ...]  # logical pages holding each cached prefix
+    extend_pages: tuple[tuple[int, ...], ...]  # logical pages for each extend, from the owners' lanes
+    sampling: tuple[SamplingParams, ...]
+    return_logits: bool = False
+
+    def plan(self, cp_size: int, page_size: int) -> BatchPlan:
+        return plan_batch(
+            [len(t) for t in self.token_ids], list(self.prefix_lens), cp_size=cp_size, page_size=page_size
+        )
+
+
+class RequestOutput(NamedTuple):
+    index: int  # request index in the batch
+    first_token: int
+    logits: torch.Tensor | None  # [vocab] float32 of the last token, when asked
+
+
+@dataclass
+class RankResult:
+    rank: int
+    outputs: list[RequestOutput]  # requests whose last token this rank holds
+    seconds: float
+    gather_seconds: float = 0.0
+    rows: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class RankRunner:
+    """Holds one rank's model and owner-lane pool; ``run`` prefills a batch."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        pool: torch.Tensor,  # [num_layers, 2, pages * page_size, kv_heads, head_dim]
+        *,
+        cp_rank: int,
+        cp_size: int,
+        page_size: int,
+        group: dist.ProcessGroup | ThreadGroup | None = None,
+    ) -> None:
+        self.model = model
+        self.pool = pool
+        self.layout = OwnerLaneLayout(cp_size, page_size)
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
+        self.page_size = page_size
+        self.group = group
+        cfg = model.config
+        self.softmax_scale = cfg.head_dim**-0.5
+        self.device = pool.device
+
+    @torch.inference_mode()
+    def run(self, batch: PrefillBatch) -> RankResult:
+        start = time.perf_counter()
+        plan = batch.plan(self.cp_size, self.page_size)
+        ix = build_rank_index(
+            plan,
+            self.cp_rank,
+            extend_pages=[list(p) for p in batch.extend_pages],
+            prefix_pages=[list(p) for p in batch.prefix_pages],
+            device=self.device,
+        )
+        flat_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64)
+        flat_ids = flat_ids.to(self.device)
+        input_ids = torch.where(ix.input_index >= 0, flat_ids[ix.input_index.clamp(min=0)], 0)
+        attention = _CPAttention(self, plan, ix)
+        hidden = self.model(input_ids, ix.positions, attention)
+
+        outputs = []
+        mine = [b for b, row in enumerate(ix.last_rows) if row >= 0]
+        if mine:
+            rows = torch.tensor([ix.last_rows[b] for b in mine], device=self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            tokens = sample(logits, [batch.sampling[b] for b in mine], 0).tolist()
+            for i, b in enumerate(mine):
+                keep = logits[i].cpu() if batch.return_logits else None
+                outputs.append(RequestOutput(b, int(tokens[i]), keep))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return RankResult(
+            self.cp_rank,
+            outputs,
+            time.perf_counter() - start,
+            gather_seconds=attention.gather_seconds,
+            rows=int(input_ids.numel()),
+        )
+
+
+class _CPAttention:
+    """The attention callback of one batch on one rank (state built once per batch)."""
+
+    def __init__(self, runner: RankRunner, plan: BatchPlan, ix: RankIndex) -> None:
+        self.r = runner
+        self.ix = ix
+        dev = runner.device
+        # Every valid loc must belong to this rank: checked once, not per layer.
+        phys = runner.layout.physical_rows(runner.cp_rank, ix.write_locs)
+        self.store_rows = torch.full((ix.input_index.numel(),), -1, dtype=torch.int64, device=dev)
+        self.store_rows[ix.valid_rows] = phys
+        kv_start = [ix.kv_offsets[b] for b in ix.seg_request]
+        i32 = dict(dtype=torch.int32, device=dev)
+        self.segments = AttnSegments(
+            torch.tensor(ix.seg_q_start, **i32),
+            torch.tensor(ix.seg_q_len, **i32),
+            torch.tensor(ix.seg_q_pos, **i32),
+            torch.tensor(kv_start, **i32),
+        )
+        self.gather_seconds = 0.0
+        self.timed = dev.type == "cpu"  # on CUDA a host timer would force a sync per layer
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        r, ix = self.r, self.ix
+        n_local = k.shape[0]
+        # [block_rows, 2, kv_heads, head_dim]: new K/V rows, then owned prefix rows
+        block = k.new_zeros((ix.block_rows, 2, *k.shape[1:]))
+        block[:n_local, 0] = k
+        block[:n_local, 1] = v
+        if ix.prefix_send_rows.numel():
+            sent = r.pool[layer][:, ix.prefix_send_rows].transpose(0, 1)
+            block[ix.compute_block_rows : ix.compute_block_rows + sent.shape[0]] = sent
+        t0 = time.perf_counter() if self.timed else 0.0
+        gathered = _all_gather_rows(block, r.cp_rank, r.cp_size, r.group)
+        if self.timed:
+            self.gather_seconds += time.perf_counter() - t0
+        kv = rerange(gathered, ix.rerange_index)  # [kv rows in request order, 2, Hkv, D]
+        store_kv(k, v, r.pool[layer, 0], r.pool[layer, 1], self.store_rows)
+        return cp_prefill_attention(q, kv[:, 0], kv[:, 1], self.segments, r.softmax_scale)
+
+
+def _all_gather_rows(
+    block: torch.Tensor, rank: int, world: int, group: dist.ProcessGroup | ThreadGroup | None
+) -> torch.Tensor:
+    """Rank-major concatenation of every rank's equally sized block."""
+    if world == 1:
+        return block
+    if isinstance(group, ThreadGroup):
+        return group.all_gather(rank, block)
+    if block.is_cuda:
+        out = block.new_empty((world * block.shape[0], *block.shape[1:]))
+        dist.all_gather_into_tensor(out, block, group=group)
+        return out
+    parts = [torch.empty_like(block) for _ in range(world)]
+    dist.all_gather(parts, block, group=group)  # gloo has no all_gather_into_tensor
+    return torch.cat(parts)

@@ -1,0 +1,38 @@
+"""A CP prefill engine whose ranks are threads of this process.
+
+Same API and the same rank code as the process launcher; only the all-gather
+differs (``ThreadGroup``). It loads the model once and gives every rank its
+own owner-lane pool. Used by the tests to cover many CP shapes quickly, and
+as the colocated single-process path (cp_size 1) of the demo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefill.allocator import LaneAllocator
+from prefill.checkpoint import LoadedModel, load_model
+from prefill.engine_config import EngineConfig
+from prefill.launcher import PrefillEngine
+from prefill.rank_worker import build_runner, describe, handle
+from prefill.thread_group import ThreadGroup
+
+
+class ThreadedPrefillEngine(PrefillEngine):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
+        if loaded is None:
+            device = "cuda" if config.resolved_device == "cuda" else "cpu"
+            loaded = load_model(config.model_path, dtype=config.torch_dtype, device=device)
+        self.loaded = loaded
+        self.group = ThreadGroup(config.cp_size)
+        self.runners = [build_runner(loaded, config, r, self.group) for r in range(config.cp_size)]
+        self.info = describe(self.runners[0], config)
+
+    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> Any:
+        if only is not None:
+            return handle(self.runners[only], op, payload)
+        return self.group.run(
+            lambda rank: handle(self.runners[rank], op, payload[rank] if per_rank else payload)
+        )

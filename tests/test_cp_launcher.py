@@ -1,0 +1,86 @@
+"""The CP rank processes (gloo on CPU): same results as the rank threads, clean
+shutdown, a clear error when a rank dies; and one run through the Triton
+kernels under the interpreter."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from prefill.engine_config import EngineConfig
+from prefill.launcher import CPPrefillEngine, PrefillInput, RankDiedError
+from prefill.threaded import ThreadedPrefillEngine
+from tests.checkpoints import write_llama
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    write_llama(path)
+    return path
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 290, (n,), generator=g).tolist() for n in (3, 40, 97)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cp_size, page_size", [(2, 4), (3, 16)])
+def test_rank_processes_match_rank_threads(checkpoint, cp_size, page_size):
+    cfg = EngineConfig(str(checkpoint), cp_size=cp_size, page_size=page_size, pages_per_lane=64, start_timeout_s=120)
+    ref = ThreadedPrefillEngine(cfg)
+    want = ref.prefill([PrefillInput(p) for p in _prompts()], return_logits=True)
+    with CPPrefillEngine(cfg) as eng:
+        got = eng.prefill([PrefillInput(p) for p in _prompts()], return_logits=True)
+        for g, w in zip(got, want):
+            assert g.first_token == w.first_token
+            assert [p.page for p in g.pages] == [p.page for p in w.pages]
+            torch.testing.assert_close(g.logits, w.logits, rtol=1e-5, atol=1e-5)
+            n = g.num_tokens
+            torch.testing.assert_close(
+                eng.read_pages([p.page for p in g.pages])[:, :, :n],
+                ref.read_pages([p.page for p in w.pages])[:, :, :n],
+                rtol=1e-5,
+                atol=1e-5,
+            )
+        procs = list(eng._procs)
+    assert all(not p.is_alive() for p in procs), "close() left a rank running"
+
+
+@pytest.mark.timeout(180)
+def test_a_dead_rank_is_reported(checkpoint):
+    cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32, start_timeout_s=120)
+    with CPPrefillEngine(cfg) as eng:
+        eng.prefill([PrefillInput([5, 6, 7])])
+        os.kill(eng._procs[1].pid, signal.SIGKILL)
+        eng._procs[1].join(10)
+        with pytest.raises(RankDiedError, match="rank1"):
+            eng.prefill([PrefillInput([5, 6, 7, 8])])
+        # the failed batch's pages went back to the lanes
+        assert eng.allocator.num_used() == 1  # the first request's page only
+        with pytest.raises(RankDiedError, match="unusable"):
+            eng.prefill([PrefillInput([5])])
+
+
+@pytest.mark.timeout(240)
+def test_cp_prefill_through_interpreted_triton_kernels(checkpoint, monkeypatch):
+    """The whole CP path with the Triton kernels (interpreter) instead of the references.
+
+    Rank processes, not threads: the interpreter patches triton.language while
+    a kernel runs, so two interpreted kernels must not run in one process at once."""
+    cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32)
+    prompts = [[5, 9, 11, 200, 17, 3, 8], [100, 101, 102]]
+    want = ThreadedPrefillEngine(cfg).prefill([PrefillInput(p) for p in prompts], return_logits=True)
+    monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
+    from kernels.backend import use_triton
+
+    assert use_triton(torch.empty(1)), "the interpreter must be on (tests/conftest.py)"
+    with CPPrefillEngine(cfg) as eng:  # the rank processes inherit both variables
+        got = eng.prefill([PrefillInput(p) for p in prompts], return_logits=True)
+    for g, w in zip(got, want):
+        assert g.first_token == w.first_token
+        torch.testing.assert_close(g.logits, w.logits, rtol=1e-4, atol=1e-4)
