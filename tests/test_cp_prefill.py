@@ -88,7 +88,7 @@ def test_cp_prefill_matches_transformers_and_single_rank(checkpoint, hf_logits, 
     # each rank's pool holds exactly the rows of its own pages, nothing else
     written = {r: set() for r in range(cp_size)}
     for res in results:
-        for k, info in enumerate(res.pages):
+        for info in res.pages:
             phys = info.page // cp_size
             written[info.owner].update(range(phys * page_size, phys * page_size + info.valid_rows))
     for r in range(cp_size):
