@@ -98,3 +98,25 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     model.requires_grad_(False)
     tokenizer = load_tokenizer(path, config.eos_token_ids)
     return LoadedModel(config=config, model=model, weights_digest=digest, tokenizer=tokenizer)
+
+
+def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                     device: torch.device | str = "cpu", seed: int = 0) -> LoadedModel:
+    """The architecture of ``path/config.json`` with seeded random weights, made
+    on ``device`` (no weight files are read): for benchmarks of large shapes.
+    The digest names the seed, so two dummy models pair only when identical."""
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    model = CausalLM(config, dtype=dtype, device=device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.eval()
+    model.requires_grad_(False)
+    digest = hashlib.sha256(f"dummy-weights:{seed}:{config!r}".encode()).hexdigest()
+    return LoadedModel(config=config, model=model, weights_digest=digest,
+                       tokenizer=load_tokenizer(path, config.eos_token_ids))

@@ -23,6 +23,7 @@ class EngineConfig:
     request_timeout_s: float = 600.0
     pool_fill: float = 0.0  # initial pool value; tests poison it with NaN
     cpu_threads: int = 0  # torch threads per rank on CPU; 0 = cores / cp_size
+    load_format: str = "safetensors"  # or "dummy": config.json's shapes, seeded random weights
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "pages_per_lane"):
@@ -31,6 +32,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got load_format={self.load_format!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda, got device={self.device!r}")
         if not (Path(self.model_path) / "config.json").is_file():
@@ -51,3 +54,12 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+
+def load_for(config: EngineConfig, device: torch.device | str):
+    """The model of ``config`` on ``device`` (weights read, or dummy ones made there)."""
+    from prefill.checkpoint import load_dummy_model, load_model
+
+    if config.load_format == "dummy":
+        return load_dummy_model(config.model_path, dtype=config.torch_dtype, device=device)
+    return load_model(config.model_path, dtype=config.torch_dtype, device=device)

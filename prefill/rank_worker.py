@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from prefill.checkpoint import LoadedModel, load_model
-from prefill.engine_config import EngineConfig
+from prefill.checkpoint import LoadedModel
+from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from prefill.runner import RankRunner
 
@@ -65,7 +65,7 @@ def _start(rank: int, config: EngineConfig, port: int) -> RankRunner:
             **({"device_id": device} if device.type == "cuda" else {}),
         )
         group = dist.group.WORLD
-    loaded = load_model(config.model_path, dtype=config.torch_dtype, device=device)
+    loaded = load_for(config, device)
     return build_runner(loaded, config, rank, group)
 
 

@@ -121,7 +121,7 @@ class RankRunner:
             self.cp_rank,
             outputs,
             time.perf_counter() - start,
-            gather_seconds=attention.gather_seconds,
+            gather_seconds=attention.finish(),
             rows=int(input_ids.numel()),
         )
 
@@ -146,7 +146,14 @@ class _CPAttention:
             torch.tensor(kv_start, **i32),
         )
         self.gather_seconds = 0.0
-        self.timed = dev.type == "cpu"  # on CUDA a host timer would force a sync per layer
+        # On CUDA the all-gather is timed with events (a host timer would sync every layer).
+        self.events: list | None = [] if dev.type == "cuda" else None
+
+    def finish(self) -> float:
+        """Seconds spent in the all-gathers of this batch (call after a device sync)."""
+        if self.events:
+            self.gather_seconds = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
+        return self.gather_seconds
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         r, ix = self.r, self.ix
@@ -158,9 +165,15 @@ class _CPAttention:
         if ix.prefix_send_rows.numel():
             sent = r.pool[layer][:, ix.prefix_send_rows].transpose(0, 1)
             block[ix.compute_block_rows : ix.compute_block_rows + sent.shape[0]] = sent
-        t0 = time.perf_counter() if self.timed else 0.0
-        gathered = _all_gather_rows(block, r.cp_rank, r.cp_size, r.group)
-        if self.timed:
+        if self.events is not None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            gathered = _all_gather_rows(block, r.cp_rank, r.cp_size, r.group)
+            end.record()
+            self.events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            gathered = _all_gather_rows(block, r.cp_rank, r.cp_size, r.group)
             self.gather_seconds += time.perf_counter() - t0
         kv = rerange(gathered, ix.rerange_index)  # [kv rows in request order, 2, Hkv, D]
         store_kv(k, v, r.pool[layer, 0], r.pool[layer, 1], self.store_rows)

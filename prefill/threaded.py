@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefill.allocator import LaneAllocator
-from prefill.checkpoint import LoadedModel, load_model
-from prefill.engine_config import EngineConfig
+from prefill.checkpoint import LoadedModel
+from prefill.engine_config import EngineConfig, load_for
 from prefill.launcher import PrefillEngine
 from prefill.rank_worker import build_runner, describe, handle
 from prefill.thread_group import ThreadGroup
@@ -24,7 +24,7 @@ class ThreadedPrefillEngine(PrefillEngine):
         self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
         if loaded is None:
             device = "cuda" if config.resolved_device == "cuda" else "cpu"
-            loaded = load_model(config.model_path, dtype=config.torch_dtype, device=device)
+            loaded = load_for(config, device)
         self.loaded = loaded
         self.group = ThreadGroup(config.cp_size)
         self.runners = [build_runner(loaded, config, r, self.group) for r in range(config.cp_size)]
