@@ -21,6 +21,7 @@ bf16 inputs (relative Frobenius error < 1e-2) before anything is timed.
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import json
 import sys
@@ -289,7 +290,8 @@ def main() -> int:
         print_table(results)
         print(f"host time of one launcher call (16 rows): {overhead:.1f} us")
     if args.json:
-        meta = dict(device=device, torch=torch.__version__, triton=triton.__version__)
+        meta = dict(device=device, torch=torch.__version__, triton=triton.__version__,
+                    date=datetime.date.today().isoformat(), command=" ".join(sys.argv))
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=results, **extra), f, indent=1)
     bad = [r for r in results if r.get("ok") is False]
