@@ -38,9 +38,11 @@ _LOG2E = 1.4426950408889634
 class DecodeConfig(NamedTuple):
     """Launch knobs of stage 1 (benchmarks sweep them)."""
 
+    # H200 sweep (bench/notes_copy_kernels.md): 64 keys x 4 warps led at
+    # batch 64 x 8k; 8 warps or 32/128 keys lost 8-30%.
     block_n: int = 64  # keys per loop step
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
     # Auto split count: aim for this many stage-1 programs per SM, but never
     # give a split fewer than min_split_keys keys (merging costs a pass).
     programs_per_sm: int = 2
@@ -142,10 +144,12 @@ def _paged_decode_merge_kernel(
     live = lse > float("-inf")
     weight = tl.where(live, tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
     total = tl.sum(weight, 0)
-    o = tl.load(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
+    d_ok = d < HEAD_DIM  # partial rows are padded to BLOCK_D; the padding is never written
+    o = tl.load(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
     merged = tl.sum(o * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
     dst = out_ptr + b * stride_ob + head * stride_oh + d
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,

@@ -131,9 +131,10 @@ class CopyConfig(NamedTuple):
     num_warps: int
 
     @staticmethod
-    def for_rows(row_words: int, tile_words: int = 4096, num_warps: int = 4) -> CopyConfig:
-        # A 16 KiB tile per program keeps enough bytes in flight per SM on an
-        # H200 while staying well under the register budget (32 words/thread).
+    def for_rows(row_words: int, tile_words: int = 8192, num_warps: int = 8) -> CopyConfig:
+        # 32 KiB per program, 32 words per thread: on an H200 (2026-11-30 sweep,
+        # bench/notes_copy_kernels.md) this was at or near the best of the tiles
+        # tried for every op; 16 KiB / 4 warps lost up to 40% on 1 KiB rows.
         block_words = min(_next_power_of_2(row_words), tile_words)
         return CopyConfig(max(1, tile_words // block_words), block_words, num_warps)
 
