@@ -97,12 +97,14 @@ class FetchRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "pad")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PAD_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     data: bytes
-    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    pad: bytes
+    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "fingerprint")

@@ -8,13 +8,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from proto import lanekv_pb2
 from transfer.wire import (
     MAX_HEADER_BYTES,
     ChunkHeader,
     checksum,
     encode_chunk,
+    frame_chunk,
     payload_to_tensor,
     plan_chunks,
+    split_chunk,
 )
 
 pytestmark = [
@@ -77,6 +80,57 @@ def test_payload_round_trip(dtype):
     back = payload_to_tensor(ChunkHeader.decode(header.encode()), data)
     assert back.dtype == dtype and back.shape == payload.shape
     assert torch.equal(back.view(torch.uint8), payload.contiguous().view(torch.uint8))
+
+
+def test_framing_is_a_kvchunk_message():
+    payload = gather(random_pool(torch.bfloat16), [6, 2], 4, 0, 3)
+    header, data = encode_chunk("r", 2, 0, 0, [6, 2], payload)
+    message = frame_chunk(header.encode(), data)
+    parsed = lanekv_pb2.KVChunk.FromString(message)  # what any protobuf client sees
+    assert parsed.header == header.encode() and parsed.data == bytes(data)
+    header_view, data_view = split_chunk(message)
+    assert bytes(header_view) == header.encode() and bytes(data_view) == bytes(data)
+    # The payload starts 8-byte aligned, so views of it suit every KV dtype.
+    assert message.index(bytes(data)) % 8 == 0
+    tensor = payload_to_tensor(header, data_view)
+    assert tensor.data_ptr() % 8 == 0 and torch.equal(
+        tensor.view(torch.int16), payload.view(torch.int16)
+    )
+    generated = lanekv_pb2.KVChunk(header=b"h", data=b"payload").SerializeToString()
+    assert [bytes(v) for v in split_chunk(generated)] == [b"h", b"payload"]
+
+
+def test_misaligned_payload_is_copied():
+    payload = gather(random_pool(torch.float32), [1], 4, 0, 1)
+    header, data = encode_chunk("r", 0, 0, 0, [1], payload)
+    shifted = memoryview(b"\0" + bytes(data))[1:]
+    assert torch.equal(payload_to_tensor(header, shifted), payload)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        b"\x22\x00",
+        b"\x0a\x05abc",
+        b"\x0a\x00\x0a\x00",
+        b"\x0a" + b"\xff" * 11,
+        b"\x12",
+        b"\x08\x01",
+    ],
+)
+def test_split_chunk_rejects_malformed(message):
+    with pytest.raises(ValueError):
+        split_chunk(message)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=64))
+def test_split_chunk_only_raises_value_error(message):
+    try:
+        header, data = split_chunk(message)
+    except ValueError:
+        return
+    assert header.nbytes + data.nbytes <= len(message)
 
 
 def test_checksum_sees_one_flipped_bit():

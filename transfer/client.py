@@ -22,8 +22,9 @@ import torch
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, FieldDiff, LayoutContract, diff
 from transfer.status import CONTRACT_METADATA_KEY, grpc_options
-from transfer.wire import ChunkHeader, checksum, payload_to_tensor
+from transfer.wire import ChunkHeader, checksum, payload_to_tensor, split_chunk
 
+FETCH_METHOD = "/lanekv.v1.KVTransfer/FetchKV"
 Place = Callable[[ChunkHeader, torch.Tensor], None]
 
 
@@ -119,11 +120,21 @@ class KVClient:
         for channel in channels:
             channel.close()
 
-    def stub(self, endpoint: str) -> lanekv_pb2_grpc.KVTransferStub:
+    def channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             if endpoint not in self._channels:
                 self._channels[endpoint] = grpc.insecure_channel(endpoint, options=grpc_options())
-            return lanekv_pb2_grpc.KVTransferStub(self._channels[endpoint])
+            return self._channels[endpoint]
+
+    def stub(self, endpoint: str) -> lanekv_pb2_grpc.KVTransferStub:
+        return lanekv_pb2_grpc.KVTransferStub(self.channel(endpoint))
+
+    def _fetch_call(self, endpoint: str) -> grpc.UnaryStreamMultiCallable:
+        # Messages come back as raw bytes, split by wire.split_chunk into views:
+        # the payload is never copied out of the received message.
+        return self.channel(endpoint).unary_stream(
+            FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString
+        )
 
     def handshake(
         self, endpoint: str, contract: Agreement | LayoutContract, timeout: float
@@ -183,7 +194,7 @@ class KVClient:
             )
             if layer_end is not None:
                 request.layer_end = layer_end
-            calls[rank] = self.stub(endpoint).FetchKV(request, timeout=timeout)
+            calls[rank] = self._fetch_call(endpoint)(request, timeout=timeout)
         threads = [
             threading.Thread(
                 target=_receive,
@@ -261,13 +272,14 @@ def _receive(
     seen: dict[int, set[int]] = {}  # layer -> pages received, to catch repeats and gaps
     try:
         for seq, message in enumerate(call):
-            header = ChunkHeader.decode(message.header)
+            header_bytes, data = split_chunk(message)
+            header = ChunkHeader.decode(header_bytes)
             if (header.request_id, header.rank, header.seq) != (request_id, rank, seq):
                 raise TransferError(
                     f"rank {rank} sent chunk ({header.request_id!r}, rank {header.rank}, seq {header.seq}),"
                     f" expected ({request_id!r}, rank {rank}, seq {seq})"
                 )
-            if len(message.data) != header.nbytes or checksum(message.data) != header.checksum:
+            if data.nbytes != header.nbytes or checksum(data) != header.checksum:
                 raise ChecksumError(request_id, rank, seq)
             for layer in range(header.layer_start, header.layer_end):
                 got = seen.setdefault(layer, set())
@@ -278,7 +290,7 @@ def _receive(
                 got.update(header.pages)
             if not budget.acquire(header.nbytes):
                 return
-            ready.put(_Chunk(rank, header, payload_to_tensor(header, message.data), None))
+            ready.put(_Chunk(rank, header, payload_to_tensor(header, data), None))
         if len({frozenset(pages) for pages in seen.values()}) > 1:
             raise TransferError(
                 f"rank {rank} sent different pages for different layers of {request_id!r}"

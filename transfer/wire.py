@@ -18,6 +18,7 @@ the GIL while it runs, so per-rank receiver threads verify in parallel.
 
 from __future__ import annotations
 
+import warnings
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -205,8 +206,8 @@ def encode_chunk(
     layer_start: int,
     pages: Sequence[int],
     payload: torch.Tensor,
-) -> tuple[ChunkHeader, bytes]:
-    """Frame a payload from ``gather_pages`` as (header, raw bytes)."""
+) -> tuple[ChunkHeader, memoryview]:
+    """Describe a payload from ``gather_pages``: (header, a byte view of the payload)."""
     if payload.dim() != 5 or payload.shape[1] != 2:
         raise ValueError(
             f"payload must be [layers, 2, rows, kv_heads, head_dim], got {tuple(payload.shape)}"
@@ -214,8 +215,8 @@ def encode_chunk(
     num_layers, _, rows, kv_heads, head_dim = payload.shape
     if not pages or rows % len(pages):
         raise ValueError(f"payload has {rows} rows, not a whole number of {len(pages)} pages")
-    # [num_layers * 2 * rows * kv_heads * head_dim * itemsize] bytes, one copy out of the tensor.
-    data = payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # A flat byte view of the contiguous payload; the message framing copies it once.
+    data = memoryview(payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
     header = ChunkHeader(
         request_id=request_id,
         rank=rank,
@@ -227,22 +228,90 @@ def encode_chunk(
         kv_heads=kv_heads,
         head_dim=head_dim,
         dtype=dtype_name(payload.dtype),
-        nbytes=len(data),
+        nbytes=data.nbytes,
         checksum=checksum(data),
     )
     return header, data
 
 
-def payload_to_tensor(header: ChunkHeader, data: bytes) -> torch.Tensor:
-    """View a received payload as ``header.shape`` without copying.
+def payload_to_tensor(header: ChunkHeader, data: bytes | memoryview) -> torch.Tensor:
+    """View a received payload as ``header.shape``, without copying when it is aligned.
 
-    The tensor shares memory with ``data``; for an immutable ``bytes`` object
-    torch warns once per process that the buffer is not writable. Treat the
-    tensor as read-only and copy it into the destination pool.
+    The tensor shares memory with ``data``: treat it as read-only and copy it
+    into the destination pool.
     """
-    if len(data) != header.nbytes:
-        raise ValueError(f"payload is {len(data)} bytes but the header says {header.nbytes}")
-    return torch.frombuffer(data, dtype=kv_dtype(header.dtype)).view(header.shape)
+    if memoryview(data).nbytes != header.nbytes:
+        raise ValueError(
+            f"payload is {memoryview(data).nbytes} bytes but the header says {header.nbytes}"
+        )
+    dtype = kv_dtype(header.dtype)
+    tensor = torch.frombuffer(data, dtype=dtype).view(header.shape)
+    # frame_chunk aligns the payload to 8 bytes in the message; anything else may be misaligned.
+    return tensor.clone() if tensor.data_ptr() % dtype.itemsize else tensor
+
+
+# Received payloads are views of immutable message bytes, read-only by design
+# (placement copies them out); torch's warning about such buffers adds nothing.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+# KVChunk of proto/lanekv.proto is {bytes header = 1; bytes data = 2; bytes
+# pad = 3}. Its protobuf encoding is written and read here by hand so that the
+# payload is copied once into the message and never out of it (the generated
+# class copies it into the message, again to serialize, and again out of a
+# parsed one). Field order: pad, data, header; pad is sized so that data
+# starts at a multiple of 8 bytes into the message. Any protobuf parser reads
+# the result as a KVChunk.
+_HEADER_TAG, _DATA_TAG, _PAD_TAG = (
+    0x0A,
+    0x12,
+    0x1A,
+)  # fields 1, 2, 3; wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value >= 0x80:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def _read_varint(view: memoryview, pos: int) -> tuple[int, int]:
+    value = 0
+    for i in range(10):
+        if pos + i >= len(view):
+            raise ValueError("chunk message ends inside a varint")
+        byte = view[pos + i]
+        value |= (byte & 0x7F) << (7 * i)
+        if byte < 0x80:
+            return value, pos + i + 1
+    raise ValueError("chunk message has a varint longer than 10 bytes")
+
+
+def frame_chunk(header: bytes, data: bytes | memoryview) -> bytes:
+    """The serialized KVChunk message of an encoded header and a payload."""
+    size = _varint(memoryview(data).nbytes)
+    pad = (-(3 + len(size))) % 8  # pad tag + pad length + data tag = 3 bytes
+    prefix = bytes([_PAD_TAG, pad]) + bytes(pad) + bytes([_DATA_TAG]) + size
+    return b"".join((prefix, data, bytes([_HEADER_TAG]), _varint(len(header)), header))
+
+
+def split_chunk(message: bytes) -> tuple[memoryview, memoryview]:
+    """(header, data) views into a serialized KVChunk; ValueError if it is not one."""
+    view = memoryview(message)
+    found: dict[int, memoryview] = {}
+    pos = 0
+    while pos < len(view):
+        tag, pos = _read_varint(view, pos)
+        if tag not in (_HEADER_TAG, _DATA_TAG, _PAD_TAG) or tag in found:
+            raise ValueError(f"chunk message has an unexpected or repeated field tag {tag}")
+        size, pos = _read_varint(view, pos)
+        if pos + size > len(view):
+            raise ValueError(f"chunk message field {tag >> 3} runs past the end of the message")
+        found[tag] = view[pos : pos + size]
+        pos += size
+    return found.get(_HEADER_TAG, view[:0]), found.get(_DATA_TAG, view[:0])
 
 
 class ChunkPlan(NamedTuple):
