@@ -47,6 +47,7 @@ LLAMA3_8B = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
+LOGITS: dict[tuple[int, int], torch.Tensor] = {}  # (cp, tokens) -> last-token logits, for the check
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
@@ -64,7 +65,9 @@ def measure(model_dir: str, cp: int, tokens: list[int], args) -> list[dict]:
             walls, ranks, gathers = [], [], []
             for i in range(args.warmup + args.repeat):
                 t0 = time.perf_counter()
-                res = eng.prefill([PrefillInput(prompt)])[0]
+                res = eng.prefill([PrefillInput(prompt)], return_logits=i == 0)[0]
+                if i == 0:
+                    LOGITS[(cp, n)] = res.logits
                 wall = time.perf_counter() - t0
                 eng.free(res.new_pages)
                 if i >= args.warmup:
@@ -106,14 +109,19 @@ def main() -> None:
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[r["tokens"]] if r["tokens"] in base else None
         r["efficiency"] = r["speedup"] / r["cp_size"] if r["speedup"] else None
+    for r in rows:  # CP must compute what cp=1 computes (up to bf16 rounding of the sums)
+        ref, got = LOGITS.get((1, r["tokens"])), LOGITS[(r["cp_size"], r["tokens"])]
+        r["logits_rel_err_vs_cp1"] = None if ref is None else float((got - ref).norm() / ref.norm())
+        r["same_first_token_as_cp1"] = None if ref is None else bool(got.argmax() == ref.argmax())
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\nCP prefill, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny model'}, {args.dtype}, page {args.page_size}, {device}")
-    print(f"{'cp':>3} {'tokens':>7} {'tok/s':>10} {'ms':>9} {'speedup':>8} {'eff':>5} {'gather%':>8} {'KV GiB/rank':>12}")
+    print(f"{'cp':>3} {'tokens':>7} {'tok/s':>10} {'ms':>9} {'speedup':>8} {'eff':>5} {'gather%':>8} {'KV GiB/rank':>12} {'err vs cp1':>10}")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] else "-"
         print(f"{r['cp_size']:>3} {r['tokens']:>7} {r['tokens_per_s']:>10,.0f} {r['wall_s'] * 1e3:>9.1f} {sp:>8} {eff:>5} "
-              f"{100 * r['gather_share']:>7.1f}% {max(r['kv_bytes_per_rank']) / 2**30:>12.3f}")
+              f"{100 * r['gather_share']:>7.1f}% {max(r['kv_bytes_per_rank']) / 2**30:>12.3f} "
+              f"{r['logits_rel_err_vs_cp1'] if r['logits_rel_err_vs_cp1'] is not None else float('nan'):>10.2e}")
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), rows=rows), indent=2))
 

@@ -13,10 +13,11 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import queue
+import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -161,12 +162,29 @@ class PrefillEngine(ABC):
         return self._call("snapshot", rank, only=rank)
 
 
-class CPPrefillEngine(PrefillEngine):
-    """N rank processes (NCCL on CUDA, gloo on CPU) fed through queues."""
+class _Waiter:
+    """Answers to one command, rank by rank."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, ranks: list[int]) -> None:
+        self.ranks = ranks
+        self.got: dict[int, Any] = {}
+
+
+class CPPrefillEngine(PrefillEngine):
+    """N rank processes (NCCL on CUDA, gloo on CPU) fed through queues.
+
+    A reader thread routes what the ranks send: answers to the command that
+    asked (by sequence number) and events (``on_event(rank, value)``, e.g. a
+    rank's transfer service released a request's pages). A rank that exits or
+    fails makes the engine unusable, and every waiting call raises
+    ``RankDiedError`` naming it.
+    """
+
+    def __init__(self, config: EngineConfig, *, serve_transfer: tuple[str, int] | None = None,
+                 on_event: Callable[[int, Any], None] | None = None) -> None:
         self.config = config
         self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
+        self.on_event = on_event
         ctx = mp.get_context("spawn")
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]
@@ -174,7 +192,7 @@ class CPPrefillEngine(PrefillEngine):
         self._procs = [
             ctx.Process(
                 target=rank_main,
-                args=(rank, config, port, self._commands[rank], self._results),
+                args=(rank, config, port, self._commands[rank], self._results, serve_transfer),
                 name=f"lanekv-cp-rank{rank}",
                 daemon=True,
             )
@@ -182,10 +200,17 @@ class CPPrefillEngine(PrefillEngine):
         ]
         self._seq = itertools.count()
         self._broken: str | None = None
+        self._cond = threading.Condition()
+        self._call_lock = threading.Lock()  # one command in flight: the ranks run them in order
+        self._waiters: dict[int | None, _Waiter] = {None: _Waiter(list(range(config.cp_size)))}
+        self._stop = threading.Event()
         for proc in self._procs:
             proc.start()
-        ready = self._collect("ready", None, config.start_timeout_s)
-        self.info = ready[0]  # model config fields, weights digest, pool shape
+        self._reader = threading.Thread(target=self._read_loop, name="lanekv-cp-reader", daemon=True)
+        self._reader.start()
+        ready = self._wait(None, config.start_timeout_s, "start-up")
+        self.info = ready[0]  # model config fields, weights digest, pool shape, endpoint
+        self.endpoints = [r.get("endpoint") for r in ready]
 
     def close(self, timeout_s: float = 10.0) -> None:
         for q in self._commands:
@@ -199,43 +224,81 @@ class CPPrefillEngine(PrefillEngine):
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
-        self._broken = self._broken or "engine closed"
+        self._stop.set()
+        with self._cond:
+            self._broken = self._broken or "engine closed"
+            self._cond.notify_all()
+        self._reader.join(2.0)
+
+    def send(self, op: str, payload: Any, ranks: Sequence[int]) -> None:
+        """Fire-and-forget a command to ``ranks`` (ordered after earlier commands)."""
+        seq = next(self._seq)
+        for r in ranks:
+            self._commands[r].put((op, seq, payload))
 
     def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> list:
-        if self._broken:
-            raise RankDiedError(f"CP prefill engine is unusable: {self._broken}")
-        seq = next(self._seq)
-        ranks = range(self.config.cp_size) if only is None else [only]
-        for r in ranks:
-            self._commands[r].put((op, seq, payload[r] if per_rank else payload))
-        out = self._collect(op, seq, self.config.request_timeout_s, ranks=list(ranks))
+        ranks = list(range(self.config.cp_size)) if only is None else [only]
+        with self._call_lock:
+            with self._cond:
+                if self._broken:
+                    raise RankDiedError(f"CP prefill engine is unusable: {self._broken}")
+                seq = next(self._seq)
+                self._waiters[seq] = _Waiter(ranks)
+            for r in ranks:
+                self._commands[r].put((op, seq, payload[r] if per_rank else payload))
+            out = self._wait(seq, self.config.request_timeout_s, op)
         return out[0] if only is not None else out
 
-    def _collect(self, op: str, seq: int | None, timeout_s: float, ranks: list[int] | None = None) -> list:
-        ranks = list(range(self.config.cp_size)) if ranks is None else ranks
-        got: dict[int, Any] = {}
+    def _wait(self, seq: int | None, timeout_s: float, what: str) -> list:
         deadline = time.monotonic() + timeout_s
-        while len(got) < len(ranks):
+        with self._cond:
+            waiter = self._waiters[seq]
             try:
-                kind, rank, rseq, value = self._results.get(timeout=0.2)
+                while len(waiter.got) < len(waiter.ranks):
+                    if self._broken:
+                        raise RankDiedError(self._broken)
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        missing = sorted(set(waiter.ranks) - set(waiter.got))
+                        self._broken = f"no answer to {what!r} within {timeout_s:.0f}s from ranks {missing}"
+                        raise RankDiedError(self._broken)
+                    self._cond.wait(min(left, 0.5))
+            finally:
+                self._waiters.pop(seq, None)
+            return [waiter.got[r] for r in waiter.ranks]
+
+    def _read_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                kind, rank, seq, value = self._results.get(timeout=0.2)
             except queue.Empty:
                 dead = [p for p in self._procs if not p.is_alive()]
-                if dead:
-                    self._broken = f"{dead[0].name} exited with code {dead[0].exitcode}"
-                    raise RankDiedError(self._broken) from None
-                if time.monotonic() > deadline:
-                    self._broken = f"no answer to {op!r} within {timeout_s:.0f}s from ranks {sorted(set(ranks) - set(got))}"
-                    raise RankDiedError(self._broken) from None
+                if dead and not self._stop.is_set():
+                    self._fail(f"{dead[0].name} exited with code {dead[0].exitcode}")
+                continue
+            except (EOFError, OSError):
+                return
+            if kind == "event":
+                if self.on_event is not None:
+                    self.on_event(rank, value)
                 continue
             if kind == "error":
                 # A rank whose peer died fails inside the collective: name the dead one first.
                 time.sleep(0.5)
                 dead = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
-                self._broken = "; ".join(dead + [f"rank {rank} failed: {value}"])
-                raise RankDiedError(self._broken)
-            if rseq == seq:
-                got[rank] = value
-        return [got[r] for r in ranks]
+                self._fail("; ".join(dead + [f"rank {rank} failed: {value}"]))
+                continue
+            with self._cond:
+                waiter = self._waiters.get(seq)
+                if waiter is not None:
+                    waiter.got[rank] = value
+                    self._cond.notify_all()
+
+    def _fail(self, reason: str) -> None:
+        with self._cond:
+            if not self._broken:
+                self._broken = reason
+            self._cond.notify_all()
 
 
 def _free_port() -> int:

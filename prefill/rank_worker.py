@@ -20,11 +20,19 @@ from prefill.runner import RankRunner
 _POLL_S = 1.0
 
 
-def rank_main(rank: int, config: EngineConfig, port: int, commands: Any, results: Any) -> None:
+def rank_main(
+    rank: int,
+    config: EngineConfig,
+    port: int,
+    commands: Any,
+    results: Any,
+    serve_transfer: tuple[str, int] | None = None,
+) -> None:
     parent = os.getppid()
     try:
         runner = _start(rank, config, port)
-        results.put(("ready", rank, None, describe(runner, config)))
+        info = describe(runner, config)
+        results.put(("ready", rank, None, info))
     except Exception:  # report start-up failures to the parent, then exit
         results.put(("error", rank, None, traceback.format_exc()))
         return
