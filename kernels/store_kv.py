@@ -2,7 +2,8 @@
 
 ``k, v [T, Hkv, D]`` go to ``k_cache[locs[t]]`` / ``v_cache[locs[t]]`` in
 place; ``locs [T]`` int64, and ``loc < 0`` skips the row (compute-padding rows
-are never written). The caches are ``pool[l, 0]`` / ``pool[l, 1]`` views; any
+are never written). Locs written in one call must be distinct: two rows aimed
+at one cache row race. The caches are ``pool[l, 0]`` / ``pool[l, 1]`` views; any
 row stride works as long as one row (``Hkv * D`` values) is dense.
 
 Range checks: on CPU every ``loc`` is checked ``< R`` before anything is
