@@ -1,0 +1,24 @@
+"""Triton kernels, each beside a plain-torch reference with the same signature.
+
+Import the dispatchers from here; ``name_triton`` and ``name_ref`` live in the
+op's own module. ``kernels.backend`` says which one runs for a tensor.
+"""
+
+from kernels.decode_attention import paged_decode_attention
+from kernels.kv_layout import KVCacheSpec
+from kernels.page_copy import gather_pages, scatter_pages
+from kernels.prefill_attention import cp_prefill_attention
+from kernels.prefill_attention_ref import AttnSegments
+from kernels.rerange import rerange
+from kernels.store_kv import store_kv
+
+__all__ = [
+    "AttnSegments",
+    "KVCacheSpec",
+    "cp_prefill_attention",
+    "gather_pages",
+    "paged_decode_attention",
+    "rerange",
+    "scatter_pages",
+    "store_kv",
+]
