@@ -14,7 +14,10 @@ import torch.distributed as dist
 from prefill.checkpoint import LoadedModel
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
+from prefill.page_source import RankPageSource
 from prefill.runner import RankRunner
+from transfer.contract import Agreement, Topology
+from transfer.server import serve
 
 # How often an idle rank checks that its parent is still alive.
 _POLL_S = 1.0
@@ -32,6 +35,8 @@ def rank_main(
     try:
         runner = _start(rank, config, port)
         info = describe(runner, config)
+        if serve_transfer is not None:
+            info.update(_serve_transfer(runner, config, rank, serve_transfer, results))
         results.put(("ready", rank, None, info))
     except Exception:  # report start-up failures to the parent, then exit
         results.put(("error", rank, None, traceback.format_exc()))
@@ -51,6 +56,9 @@ def rank_main(
             except Exception:
                 results.put(("error", rank, seq, traceback.format_exc()))
     finally:
+        served = getattr(runner, "transfer_server", None)
+        if served is not None:
+            served.server.stop(grace=1.0)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -107,7 +115,19 @@ def describe(runner: RankRunner, config: EngineConfig) -> dict:
 
 def handle(runner: RankRunner, op: str, payload: Any) -> Any:
     if op == "prefill":
-        return runner.run(payload)
+        result = runner.run(payload)
+        source = getattr(runner, "page_source", None)
+        if source is not None:  # pin this rank's pages of each request for FetchKV
+            n = runner.cp_size
+            for rid, pages in zip(payload.request_ids, payload.extend_pages):
+                source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank])
+        return result
+    if op == "topology":
+        runner.page_source.set_topology(Topology.from_dict(payload))
+        return None
+    if op == "forget":
+        runner.page_source.forget(payload)
+        return None
     if op == "read":
         layout: OwnerLaneLayout = runner.layout
         pages = torch.tensor(payload, dtype=torch.int64)
@@ -118,3 +138,19 @@ def handle(runner: RankRunner, op: str, payload: Any) -> Any:
     if op == "snapshot":
         return runner.pool.cpu()
     raise ValueError(f"unknown command op={op!r}")
+
+
+def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
+                    where: tuple[str, int], results: Any) -> dict:
+    """Start this rank's KVTransfer server over its own pool; its endpoint and fingerprint."""
+    host, port_base = where
+    agreement = Agreement.from_model(
+        runner.model.config.contract_fields(), runner.weights_digest, config.torch_dtype, config.page_size
+    )
+
+    def on_release(request_id: str, pages: list[int]) -> None:
+        results.put(("event", rank, None, ("released", request_id, pages)))
+
+    runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release)
+    runner.transfer_server = serve(runner.page_source, host, port_base + rank if port_base else 0)
+    return dict(endpoint=f"{host}:{runner.transfer_server.port}", agreement=agreement.encode())

@@ -1,0 +1,79 @@
+"""Proto request fields -> the project's own values, shared by both daemons.
+
+Everything here is untrusted input: a bad field becomes a ``Refusal`` with
+INVALID_ARGUMENT (or OUT_OF_RANGE for a prompt longer than the model allows)
+naming the field and the value.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from prefill.sampling import SamplingParams
+from prefill.tokenizer import Tokenizer
+from transfer.status import Refusal
+from transfer.wire import MAX_REQUEST_ID_LEN
+
+Code = grpc.StatusCode
+
+
+def sampling_from_proto(msg) -> SamplingParams:
+    """``lanekv.v1.SamplingParams`` -> ``SamplingParams`` (all-zero message = greedy)."""
+    try:
+        return SamplingParams(
+            temperature=float(msg.temperature),
+            top_k=int(msg.top_k),
+            top_p=float(msg.top_p) if msg.top_p else 1.0,
+            seed=int(msg.seed) if msg.has_seed else None,
+        )
+    except (TypeError, ValueError) as err:
+        raise Refusal(Code.INVALID_ARGUMENT, f"sampling: {err}") from err
+
+
+def sampling_to_proto(params: SamplingParams, message_class):
+    return message_class(
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed or 0,
+        has_seed=params.seed is not None,
+    )
+
+
+def prompt_from_proto(request, tokenizer: Tokenizer | None, vocab_size: int, max_tokens: int) -> list[int]:
+    """The prompt's token ids, from ``text`` (needs a tokenizer) or ``token_ids``."""
+    which = request.WhichOneof("prompt")
+    if which is None:
+        raise Refusal(Code.INVALID_ARGUMENT, "prompt: give text or token_ids")
+    if which == "text":
+        if tokenizer is None:
+            raise Refusal(
+                Code.INVALID_ARGUMENT, "prompt.text: this model has no tokenizer.json; send token_ids"
+            )
+        ids = tokenizer.encode(request.text)
+    else:
+        ids = list(request.token_ids.ids)
+    if not ids:
+        raise Refusal(Code.INVALID_ARGUMENT, "prompt: it has no tokens")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise Refusal(
+            Code.INVALID_ARGUMENT, f"prompt.token_ids: {bad[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    if len(ids) > max_tokens:
+        raise Refusal(
+            Code.OUT_OF_RANGE, f"prompt: {len(ids)} tokens, more than the {max_tokens} this daemon accepts"
+        )
+    return ids
+
+
+def request_id_from_proto(request) -> str | None:
+    if not request.HasField("request_id"):
+        return None
+    rid = request.request_id
+    if not rid or len(rid) > MAX_REQUEST_ID_LEN or not rid.isprintable():
+        raise Refusal(
+            Code.INVALID_ARGUMENT,
+            f"request_id must be 1..{MAX_REQUEST_ID_LEN} printable characters, got {rid!r:.80}",
+        )
+    return rid
