@@ -1,0 +1,102 @@
+"""``lanekv``: one entry point, one subcommand per role.
+
+    lanekv prefill  --model DIR --cp-size N --page-size P --port PORT ...
+    lanekv decode   --model DIR --prefill HOST:PORT --page-size P --port PORT ...
+    lanekv generate --decode HOST:PORT "prompt"
+    lanekv handshake --prefill HOST:PORT --decode HOST:PORT
+
+Defaults come from the frozen config dataclasses of each role, so the CLI and
+the Python API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import sys
+
+from prefill.daemon import DaemonConfig
+from prefill.engine_config import DTYPES, EngineConfig
+
+# subcommand -> (module, function(args) -> exit code); imported on use so that
+# `lanekv generate` does not load torch models.
+COMMANDS = {
+    "prefill": ("prefill.serve", "main"),
+    "decode": ("decode.serve", "main"),
+    "generate": ("lanekv.client_commands", "generate"),
+    "handshake": ("lanekv.client_commands", "handshake"),
+}
+
+
+def _default(cls, name):
+    return {f.name: f.default for f in dataclasses.fields(cls)}[name]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    d = lambda name: _default(EngineConfig, name)
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory (config.json + *.safetensors)")
+    p.add_argument("--page-size", type=int, default=d("page_size"), help="tokens per KV page")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=d("dtype"), help="weights and KV dtype")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d("device"))
+    p.add_argument("--load-format", choices=["safetensors", "dummy"], default=d("load_format"),
+                   help="dummy: config.json's shapes with seeded random weights (benchmarks)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lanekv", description="Disaggregated prefill/decode KV-cache daemon.")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("prefill", help="run a CP prefill daemon (N rank processes)")
+    add_engine_args(p)
+    dd = lambda name: _default(DaemonConfig, name)
+    p.add_argument("--cp-size", type=int, default=_default(EngineConfig, "cp_size"))
+    p.add_argument("--pool-pages", type=int, default=_default(EngineConfig, "pages_per_lane"),
+                   help="physical KV pages in each rank's pool")
+    p.add_argument("--host", default=dd("host"), help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=dd("port"), help="Prefill + Handshake port (0 = free port)")
+    p.add_argument("--transfer-port-base", type=int, default=dd("transfer_port_base"),
+                   help="rank r serves KVTransfer on BASE + r (0 = free ports)")
+    p.add_argument("--lease-s", type=float, default=dd("lease_s"), help="seconds pages stay pinned without a Release")
+    p.add_argument("--batch-wait-ms", type=float, default=dd("batch_wait_ms"))
+    p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
+
+    p = sub.add_parser("decode", help="run a decode daemon paired with a prefill daemon")
+    add_engine_args(p)
+    p.add_argument("--prefill", required=True, help="HOST:PORT of the prefill daemon")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument("--pool-pages", type=int, default=4096, help="physical KV pages in the decode pool")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
+
+    p = sub.add_parser("generate", help="stream a generation from a decode daemon")
+    p.add_argument("--decode", required=True, help="HOST:PORT of the decode daemon")
+    p.add_argument("prompt", nargs="?", default=None, help="prompt text")
+    p.add_argument("--ids", default=None, help="comma-separated prompt token ids instead of text")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--print-ids", action="store_true", help="print token ids, not text")
+    p.add_argument("--timeout", type=float, default=600.0)
+
+    p = sub.add_parser("handshake", help="compare a prefill and a decode daemon's layout contracts")
+    p.add_argument("--prefill", required=True, help="HOST:PORT of the prefill daemon")
+    p.add_argument("--decode", required=True, help="HOST:PORT of the decode daemon")
+    p.add_argument("--timeout", type=float, default=10.0)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    module, func = COMMANDS[args.command]
+    return int(getattr(importlib.import_module(module), func)(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
