@@ -159,12 +159,13 @@ def run_raw(ports: list[int], total_bytes: int, chunk_bytes: int) -> dict:
 
 
 def run_fetch(endpoints: dict[int, str], dest: torch.Tensor | None, chunk_bytes: int) -> dict:
-    rows = torch.arange(PAGE_SIZE)
-
     def place(header, tensor) -> None:
         if dest is not None:
-            index = (torch.as_tensor(header.pages)[:, None] * PAGE_SIZE + rows).reshape(-1)
-            dest[header.layer_start : header.layer_end].index_copy_(2, index, tensor)
+            # Whole pages as blocks of page_size * kv_heads * head_dim, as scatter_pages does.
+            layers = dest[header.layer_start : header.layer_end]
+            blocks = layers.view(header.num_layers, 2, -1, PAGE_SIZE * KV_HEADS * HEAD_DIM)
+            pages = torch.as_tensor(header.pages)
+            blocks.index_copy_(2, pages, tensor.view(header.num_layers, 2, len(pages), -1))
 
     with KVClient() as client:
         fingerprint = client.handshake(endpoints[0], agreement(), timeout=30).fingerprint

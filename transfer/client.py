@@ -49,10 +49,13 @@ class ChecksumError(TransferError):
 
 
 class RemoteError(TransferError):
-    """A gRPC status from one owner rank."""
+    """A gRPC status from a transfer server (``rank`` is None for a handshake)."""
 
-    def __init__(self, rank: int, endpoint: str, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"rank {rank} ({endpoint}): {code.name}: {details}")
+    def __init__(
+        self, rank: int | None, endpoint: str, code: grpc.StatusCode, details: str
+    ) -> None:
+        where = endpoint if rank is None else f"rank {rank} ({endpoint})"
+        super().__init__(f"{where}: {code.name}: {details}")
         self.rank, self.endpoint, self.code, self.details = rank, endpoint, code, details
 
 
@@ -149,8 +152,13 @@ class KVClient:
                 raise ContractMismatch(
                     _diffs_from(ours, err), f"{endpoint}: {err.details()}"
                 ) from err
-            raise RemoteError(-1, endpoint, err.code(), err.details() or "") from err
-        theirs = LayoutContract.decode(reply.contract)
+            raise RemoteError(None, endpoint, err.code(), err.details() or "") from err
+        try:
+            theirs = LayoutContract.decode(reply.contract)
+        except ValueError as err:
+            raise TransferError(
+                f"{endpoint} answered the handshake with a bad contract: {err}"
+            ) from err
         # The server said yes; refuse anyway if its contract or fingerprint says otherwise.
         if theirs.agreement != ours or reply.fingerprint != ours.fingerprint:
             diffs = diff(ours, theirs.agreement)
@@ -228,7 +236,7 @@ class KVClient:
                 )
         except queue.Empty as err:
             raise TransferError(
-                f"request {request_id!r}: no chunk for {timeout:.1f}s from ranks {sorted(pending)}"
+                f"request {request_id!r}: ranks {sorted(pending)} did not finish within {timeout:.1f}s"
             ) from err
         finally:
             budget.close()

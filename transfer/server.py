@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import NamedTuple, Protocol
 
@@ -106,18 +106,25 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
             chunks = self._plan(request, agreement)
-        rank = self._source.rank
-        for seq, (chunk, physical) in enumerate(chunks):
-            payload = self._source.read(physical, chunk.layer_start, chunk.layer_end)
-            with refusals(context):
+
+            def message(seq: int) -> bytes:
+                chunk, physical = chunks[seq]
+                payload = self._source.read(physical, chunk.layer_start, chunk.layer_end)
                 # A release racing this fetch may have recycled the pages under
                 # the read; checking after it proves they were held throughout.
                 self._owned(request.request_id)
                 _check_payload(payload, chunk, agreement)
-            header, data = encode_chunk(
-                request.request_id, rank, seq, chunk.layer_start, chunk.pages, payload
-            )
-            yield self.frame(header, data)
+                header, data = encode_chunk(
+                    request.request_id,
+                    self._source.rank,
+                    seq,
+                    chunk.layer_start,
+                    chunk.pages,
+                    payload,
+                )
+                return self.frame(header, data)
+
+            yield from _one_ahead(message, len(chunks))
 
     def Release(self, request, context):
         with refusals(context):
@@ -195,6 +202,20 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             layer_start=request.layer_start,
         )
         return [(plan, [owned[page] for page in plan.pages]) for plan in plans]
+
+
+def _one_ahead(produce: Callable[[int], bytes], count: int) -> Iterator[bytes]:
+    """Yield ``produce(0)``, ..., ``produce(count - 1)``, building each next one while
+    gRPC sends the last (a send blocks the handler thread until it completes)."""
+    if count == 0:
+        return
+    with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetchkv") as pool:
+        pending = pool.submit(produce, 0)
+        for seq in range(count):
+            message = pending.result()
+            if seq + 1 < count:
+                pending = pool.submit(produce, seq + 1)
+            yield message
 
 
 def _check_payload(payload: torch.Tensor, chunk: ChunkPlan, a: Agreement) -> None:
@@ -335,7 +356,7 @@ class TensorPageSource:
         num_layers, _, _, kv_heads, head_dim = layers.shape
         # Index whole pages, not rows: one block of page_size * kv_heads * head_dim
         # per page is ~6x faster on CPU. [num_layers, 2, num_pages, page_size * kv_heads * head_dim]
-        blocks = layers.view(num_layers, 2, self._num_pages, -1)
+        blocks = layers.reshape(num_layers, 2, self._num_pages, -1)
         picked = blocks.index_select(2, torch.as_tensor(list(physical_pages), dtype=torch.long))
         return picked.view(num_layers, 2, -1, kv_heads, head_dim)
 
