@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-requires_gpu = pytest.mark.skipif(
+_no_gpu = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU; on CPU the same op is covered by the Triton interpreter and the torch reference",
 )
+
+
+def requires_gpu(test):
+    """Run only on a CUDA machine (marked ``gpu``, so ``pytest -m gpu`` selects these)."""
+    return pytest.mark.gpu(_no_gpu(test))
