@@ -88,6 +88,34 @@ def measure(model_dir: str, cp: int, tokens: list[int], args) -> list[dict]:
     return rows
 
 
+def matmul_ceiling_tflops() -> float | None:
+    """bf16 8192^3 matmul rate on GPU 0 (random data), the ceiling beside the prefill."""
+    if not torch.cuda.is_available():
+        return None
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        a @ b
+    end.record()
+    torch.cuda.synchronize()
+    return 10 * 2 * 8192**3 / (start.elapsed_time(end) / 1e3) / 1e12
+
+
+def prefill_flops(cfg: dict, tokens: int) -> float:
+    """Matrix-product FLOPs of the layers plus causal attention (the lm_head runs on one row)."""
+    h, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    per_token = 2 * layers * (h * h + 2 * h * kv + h * h + 3 * h * inter)
+    attention = 4 * d * cfg["num_attention_heads"] * layers * tokens * (tokens + 1) / 2
+    return per_token * tokens + attention
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group(required=True)
@@ -109,19 +137,27 @@ def main() -> None:
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[r["tokens"]] if r["tokens"] in base else None
         r["efficiency"] = r["speedup"] / r["cp_size"] if r["speedup"] else None
+    model_cfg = LLAMA3_8B if args.llama3_8b else TINY
+    ceiling = matmul_ceiling_tflops()
+    for r in rows:
+        r["tflops"] = prefill_flops(model_cfg, r["tokens"]) / r["wall_s"] / 1e12
+        r["matmul_ceiling_tflops"] = ceiling
     for r in rows:  # CP must compute what cp=1 computes (up to bf16 rounding of the sums)
         ref, got = LOGITS.get((1, r["tokens"])), LOGITS[(r["cp_size"], r["tokens"])]
         r["logits_rel_err_vs_cp1"] = None if ref is None else float((got - ref).norm() / ref.norm())
         r["same_first_token_as_cp1"] = None if ref is None else bool(got.argmax() == ref.argmax())
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\nCP prefill, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny model'}, {args.dtype}, page {args.page_size}, {device}")
-    print(f"{'cp':>3} {'tokens':>7} {'tok/s':>10} {'ms':>9} {'speedup':>8} {'eff':>5} {'gather%':>8} {'KV GiB/rank':>12} {'err vs cp1':>10}")
+    print(f"{'cp':>3} {'tokens':>7} {'tok/s':>10} {'ms':>9} {'speedup':>8} {'eff':>5} {'gather%':>8} {'KV GiB/rank':>12} {'err vs cp1':>10} {'TFLOP/s':>8}")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r["speedup"] else "-"
         eff = f"{r['efficiency']:.2f}" if r["efficiency"] else "-"
         print(f"{r['cp_size']:>3} {r['tokens']:>7} {r['tokens_per_s']:>10,.0f} {r['wall_s'] * 1e3:>9.1f} {sp:>8} {eff:>5} "
               f"{100 * r['gather_share']:>7.1f}% {max(r['kv_bytes_per_rank']) / 2**30:>12.3f} "
-              f"{r['logits_rel_err_vs_cp1'] if r['logits_rel_err_vs_cp1'] is not None else float('nan'):>10.2e}")
+              f"{r['logits_rel_err_vs_cp1'] if r['logits_rel_err_vs_cp1'] is not None else float('nan'):>10.2e} "
+              f"{r['tflops']:>8.1f}")
+    if ceiling:
+        print(f"bf16 matmul ceiling on GPU 0 in this run: {ceiling:.0f} TFLOP/s")
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), rows=rows), indent=2))
 
