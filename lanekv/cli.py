@@ -71,6 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-pages", type=int, default=4096, help="physical KV pages in the decode pool")
     p.add_argument("--max-batch-size", type=int, default=256)
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
+    p.add_argument("--page-wait-s", type=float, default=None,
+                   help="seconds a request waits for pages while the pool is full (then RESOURCE_EXHAUSTED)")
+    p.add_argument("--connect-timeout-s", type=float, default=None,
+                   help="seconds start-up waits for the prefill daemon to answer")
+    p.add_argument("--grace-s", type=float, default=None,
+                   help="on SIGINT/SIGTERM, seconds open streams get to finish")
 
     p = sub.add_parser("generate", help="stream a generation from a decode daemon")
     p.add_argument("--decode", required=True, help="HOST:PORT of the decode daemon")
@@ -82,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--print-ids", action="store_true", help="print token ids, not text")
+    p.add_argument("--stop-ids", default=None, help="comma-separated token ids that end the generation")
+    p.add_argument("--request-id", default=None, help="request id (the server picks one when absent)")
     p.add_argument("--timeout", type=float, default=600.0)
 
     p = sub.add_parser("handshake", help="compare a prefill and a decode daemon's layout contracts")

@@ -1,0 +1,346 @@
+"""The decode daemon: one process, one page pool, one decode loop, many Generate streams.
+
+At start-up it loads the model, builds its layout agreement and handshakes
+with the prefill daemon (and with every owner rank the prefill contract
+names): a ``ContractMismatch`` ends start-up before anything is served. Then it
+serves ``DecodeService.Generate`` (see ``decode.service``), ``KVTransfer.Handshake``
+with its own contract (so ``lanekv handshake`` can read it; it holds no pages
+for others, so FetchKV and Release answer NOT_FOUND) and the gRPC health service.
+
+Threads: gRPC handler threads run each request's prefill call, transfer and
+placement; one loop thread runs ``DecodeEngine.step`` while there is work and
+routes every ``TokenEvent`` to its request's queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from decode.engine import DecodeEngine
+from decode.pool import PagePool
+from prefill.checkpoint import LoadedModel, load_dummy_model, load_model
+from prefill.engine_config import DTYPES
+from proto import lanekv_pb2_grpc
+from transfer.client import KVClient, RemoteError
+from transfer.contract import Agreement, LayoutContract
+from transfer.server import KVTransferService, add_transfer_service
+from transfer.status import TRANSFER_SERVICE, grpc_options
+
+log = logging.getLogger("lanekv.decode")
+DECODE_SERVICE = "lanekv.v1.DecodeService"
+_IDLE_WAIT_S = 0.1  # how often an idle loop checks for shutdown
+SHUTDOWN = object()  # queued to every open stream when the daemon stops
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    model_path: str
+    prefill_endpoint: str  # "host:port" of the prefill daemon (Prefill + Handshake)
+    page_size: int = 16  # must equal the prefill daemon's (the contract checks it)
+    dtype: str = "float32"  # model weights and KV pool
+    device: str = "auto"  # "cpu", "cuda" or "auto"
+    pool_pages: int = 4096  # physical pages in the decode pool
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port
+    load_format: str = "safetensors"  # or "dummy" (seeded random weights, as the prefill daemon's)
+    max_batch_size: int = 256
+    max_workers: int = 64  # gRPC threads; each open Generate stream holds one
+    page_wait_s: float = 30.0  # how long a request waits for pages while the pool is full
+    connect_timeout_s: float = 30.0  # how long start-up waits for the prefill daemon to answer
+    request_timeout_s: float = 600.0  # prefill + transfer of one request, without a client deadline
+    max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got device={self.device!r}")
+        if self.load_format not in ("safetensors", "dummy"):
+            raise ValueError(f"load_format must be safetensors or dummy, got load_format={self.load_format!r}")
+        for name in ("page_size", "pool_pages", "max_batch_size", "max_workers", "max_inflight_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got port={self.port!r}")
+        for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
+        if not (Path(self.model_path) / "config.json").is_file():
+            raise ValueError(f"model_path={self.model_path!r} has no config.json")
+        host, _, port = self.prefill_endpoint.rpartition(":")
+        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+
+class DecodeStats(NamedTuple):
+    free_pages: int  # pages of the pool not held by any request
+    total_pages: int
+    reserved_pages: int  # pages promised to admitted requests (see PageBudget)
+    active_requests: int  # Generate calls between admission and their end
+    finished: int  # streams that ended with a finish reason
+    cancelled: int  # streams the client left (or the daemon stopped) before their end
+    refused: int  # calls answered with an error status
+
+
+class PageBudget:
+    """Pages promised to admitted requests, each counted at its longest possible length.
+
+    A request is admitted only when every page it may ever hold (prompt plus
+    ``max_new_tokens``) fits beside the promises already made, so the pool never
+    runs dry under a running request and ``DecodeEngine`` admits it at once.
+    Waiters are served in arrival order: a large request is not overtaken forever.
+    """
+
+    def __init__(self, total_pages: int) -> None:
+        self.total_pages = total_pages
+        self._used = 0
+        self._waiters: deque[object] = deque()
+        self._cond = threading.Condition()
+
+    @property
+    def used(self) -> int:
+        with self._cond:
+            return self._used
+
+    def acquire(self, pages: int, timeout_s: float, abandoned: threading.Event) -> bool:
+        """Promise ``pages``; False when ``timeout_s`` passes or ``abandoned`` is set first."""
+        if pages > self.total_pages:
+            raise ValueError(f"{pages} pages can never fit a pool of {self.total_pages}")
+        ticket = object()
+        with self._cond:
+            self._waiters.append(ticket)
+            try:
+                self._cond.wait_for(
+                    lambda: abandoned.is_set()
+                    or (self._waiters[0] is ticket and self._used + pages <= self.total_pages),
+                    timeout=timeout_s,
+                )
+                if abandoned.is_set() or self._waiters[0] is not ticket or self._used + pages > self.total_pages:
+                    return False
+                self._used += pages
+                return True
+            finally:
+                self._waiters.remove(ticket)
+                self._cond.notify_all()
+
+    def release(self, pages: int) -> None:
+        with self._cond:
+            self._used -= pages
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Let waiters re-check (one of them was abandoned)."""
+        with self._cond:
+            self._cond.notify_all()
+
+
+class DecodeDaemon:
+    def __init__(self, config: DecodeConfig) -> None:
+        self.config = config
+        device = torch.device(config.resolved_device)
+        self.loaded = _load(config, device)
+        model_config = self.loaded.config
+        self.vocab_size = model_config.vocab_size
+        self.max_positions = model_config.max_position_embeddings
+        self.tokenizer = self.loaded.tokenizer
+        self.agreement = Agreement.from_model(
+            model_config.contract_fields(), self.loaded.weights_digest, config.torch_dtype, config.page_size
+        )
+        self.kv = KVClient()  # channels to the owner ranks, shared by every request
+        self._prefill_channel = None
+        self.server = None
+        self._stop = threading.Event()
+        try:
+            self.prefill_contract = self._handshake()
+            self._prefill_channel = grpc.insecure_channel(config.prefill_endpoint, options=grpc_options())
+            self.prefill_stub = lanekv_pb2_grpc.PrefillServiceStub(self._prefill_channel)
+            self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
+                                           config.torch_dtype, device)
+            self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size)
+            self.budget = PageBudget(config.pool_pages)
+            self._streams: dict[str, queue.SimpleQueue] = {}
+            self._counts = {"finished": 0, "cancelled": 0, "refused": 0}
+            self._lock = threading.Lock()
+            self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
+            self._loop.start()
+            self._serve()
+        except BaseException:
+            self._stop.set()
+            self._close_clients()
+            raise
+
+    # -- start-up -------------------------------------------------------------
+
+    def _handshake(self) -> LayoutContract:
+        """The prefill daemon's contract, once it and every owner rank accept ours.
+
+        Raises ``ContractMismatch`` at the first refusal; retries only while the
+        prefill daemon is unreachable, until ``connect_timeout_s``.
+        """
+        cfg = self.config
+        deadline = time.monotonic() + cfg.connect_timeout_s
+        while True:
+            try:
+                theirs = self.kv.handshake(cfg.prefill_endpoint, self.agreement, timeout=cfg.connect_timeout_s)
+                break
+            except RemoteError as err:
+                if err.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        for endpoint in theirs.topology.endpoints:
+            self.kv.handshake(endpoint, self.agreement, timeout=cfg.connect_timeout_s)
+        return theirs
+
+    def _serve(self) -> None:
+        from decode.service import DecodeServicer  # the servicer imports this module's types
+
+        cfg = self.config
+        # Our own contract: our agreement and the topology our prefill daemon told us.
+        self.contract = LayoutContract(self.agreement, self.prefill_contract.topology)
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=grpc_options())
+        lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.server)
+        add_transfer_service(self.server, KVTransferService(_NoPages(self.contract)))
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        try:
+            self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+        except RuntimeError as err:
+            raise OSError(f"cannot bind the decode port {cfg.host}:{cfg.port}: {err}") from err
+        if self.port == 0:
+            raise OSError(f"cannot bind the decode port {cfg.host}:{cfg.port} (in use?)")
+        self.server.start()
+        for service in ("", DECODE_SERVICE, TRANSFER_SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("decode daemon on %s, paired with prefill %s (cp %d), fingerprint %s",
+                 self.endpoint, cfg.prefill_endpoint, self.prefill_contract.topology.cp_size,
+                 self.agreement.fingerprint[:16])
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    # -- streams and the decode loop -----------------------------------------
+
+    def open_stream(self, request_id: str) -> queue.SimpleQueue | None:
+        """A fresh event queue for ``request_id``; None if that id is in use."""
+        with self._lock:
+            if request_id in self._streams:
+                return None
+            events: queue.SimpleQueue = queue.SimpleQueue()
+            self._streams[request_id] = events
+            return events
+
+    def close_stream(self, request_id: str | None, outcome: str) -> None:
+        """Forget the request (None: refused before it had a stream); ``outcome`` is
+        one of finished, cancelled, refused."""
+        with self._lock:
+            if request_id is not None:
+                self._streams.pop(request_id, None)
+            self._counts[outcome] += 1
+
+    def _decode_loop(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.wait_for_work(_IDLE_WAIT_S):
+                continue
+            try:
+                events = self.engine.step()
+            except Exception as err:  # keep serving: fail the requests of this step, not the daemon
+                log.exception("decode step failed")
+                self._broadcast(err)
+                self._stop.wait(_IDLE_WAIT_S)
+                continue
+            if not events:  # requests wait for pages freed by others: do not spin
+                self._stop.wait(0.001)
+            with self._lock:
+                for event in events:
+                    events_of = self._streams.get(event.request_id)
+                    if events_of is not None:
+                        events_of.put(event)
+
+    def _broadcast(self, item: object) -> None:
+        with self._lock:
+            for events in self._streams.values():
+                events.put(item)
+
+    # -- accounting -----------------------------------------------------------
+
+    def free_pages(self) -> int:
+        return self.pool.free_count
+
+    def stats(self) -> DecodeStats:
+        with self._lock:
+            active, counts = len(self._streams), dict(self._counts)
+        return DecodeStats(self.pool.free_count, self.pool.num_pages, self.budget.used, active,
+                           counts["finished"], counts["cancelled"], counts["refused"])
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """Drain: refuse new calls, let open streams finish for ``grace_s``, then end them."""
+        if self.server is None:
+            return
+        for service in ("", DECODE_SERVICE, TRANSFER_SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace_s).wait(grace_s + 1.0)
+        self._stop.set()
+        self._broadcast(SHUTDOWN)  # wake streams still waiting
+        self._loop.join(5.0)
+        self._close_clients()
+
+    def _close_clients(self) -> None:
+        self.kv.close()
+        if self._prefill_channel is not None:
+            self._prefill_channel.close()
+
+
+class _NoPages:
+    """The decode daemon's PageSource: it answers Handshake and holds no pages for anyone."""
+
+    rank = 0
+
+    def __init__(self, contract: LayoutContract) -> None:
+        self._contract = contract
+
+    def contract(self) -> LayoutContract:
+        return self._contract
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        raise KeyError("a decode daemon serves no pages")
+
+    def read(self, physical_pages, layer_start, layer_end):
+        raise KeyError("a decode daemon serves no pages")
+
+    def release(self, request_id: str) -> int:
+        raise KeyError("a decode daemon holds no prefill pages")
+
+
+def _load(config: DecodeConfig, device: torch.device) -> LoadedModel:
+    if config.load_format == "dummy":
+        # Seed 0, as the prefill ranks' dummy weights: the two sides pair.
+        return load_dummy_model(config.model_path, dtype=config.torch_dtype, device=device)
+    return load_model(config.model_path, dtype=config.torch_dtype, device=device)

@@ -1,0 +1,76 @@
+"""``lanekv decode``: start the daemon, serve until SIGINT/SIGTERM, drain, shut down.
+
+Exit codes: 0 after a clean shutdown, 1 when start-up fails (a refused layout
+contract prints the field-by-field diff to stderr first), 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from decode.daemon import DecodeConfig, DecodeDaemon
+from transfer.client import ContractMismatch, TransferError
+from transfer.contract import format_diff
+
+log = logging.getLogger("lanekv.decode")
+# Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
+_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s")
+DEFAULT_GRACE_S = 5.0
+
+
+def config_from_args(args: argparse.Namespace) -> DecodeConfig:
+    optional = {
+        name: getattr(args, name) for name in _CONFIG_FLAGS if getattr(args, name, None) is not None
+    }
+    return DecodeConfig(
+        model_path=args.model, prefill_endpoint=args.prefill, page_size=args.page_size,
+        dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,
+        port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size, **optional,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+    except ValueError as err:
+        print(f"lanekv decode: {err}", file=sys.stderr)
+        return 2
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("binding %s without TLS: anyone who reaches this address can run generations", args.host)
+    try:
+        daemon = DecodeDaemon(config)
+    except ContractMismatch as err:
+        detail = format_diff(err.diffs, ours="decode", theirs="prefill") if err.diffs else str(err)
+        print(
+            f"lanekv decode: the prefill daemon at {config.prefill_endpoint} and this decode daemon "
+            f"disagree on the layout contract; nothing was served.\n{detail}",
+            file=sys.stderr,
+        )
+        return 1
+    except (OSError, TransferError, ValueError) as err:
+        print(f"lanekv decode: could not start: {err}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if args.ready_file:
+        _write_atomically(Path(args.ready_file), daemon.endpoint)
+    print(f"lanekv decode serving on {daemon.endpoint} (prefill: {config.prefill_endpoint})", flush=True)
+    stop.wait()
+    grace_s = getattr(args, "grace_s", None)
+    log.info("shutting down: finishing open streams")
+    daemon.stop(DEFAULT_GRACE_S if grace_s is None else grace_s)
+    return 0
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Readers polling for the file never see it half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,373 @@
+"""``DecodeService.Generate``: prompt -> remote prefill -> KV into our pool -> streamed tokens.
+
+One call, in order; each step succeeds or ends the call with a status, and
+whatever the call holds by then is given back (``_settle``):
+
+1. parse the prompt, sampling, request id, max_new_tokens and stop ids
+   (INVALID_ARGUMENT, OUT_OF_RANGE for lengths past the model's positions);
+2. admit: promise every page the request may ever hold (``PageBudget``):
+   RESOURCE_EXHAUSTED at once if the pool can never hold it, or after
+   ``page_wait_s`` of a full pool. Checked before prefill, so no prefill work
+   is wasted on a request that cannot be decoded;
+3. prefill on the prefill daemon; from its answer on, the prefill ranks pin
+   the request's pages until we release them (or their lease expires);
+4. remap and fetch: one fresh page here per logical page of the manifest; the
+   KV streams from every owner rank at once and each verified chunk is
+   scattered straight into those pages;
+5. release the prefill pages at every rank (ranks without pages of the
+   request hold its id too);
+6. hand the page table to the engine with prefill's first token and stream
+   the engine's events.
+
+A client that goes away is noticed between steps 2-6 and, once streaming, at
+once (gRPC's termination callback cancels the request in the engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import grpc
+import torch
+
+from decode.daemon import SHUTDOWN, DecodeDaemon
+from decode.engine import TokenEvent
+from decode.pool import PageTable, PoolExhausted
+from kernels.page_copy import scatter_pages
+from prefill.sampling import SamplingParams
+from prefill.tokenizer import Tokenizer
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from transfer.client import ChecksumError, FetchStats, RemoteError, TransferError
+from transfer.manifest import Manifest
+from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from transfer.status import Refusal, refusals
+
+log = logging.getLogger("lanekv.decode")
+Code = grpc.StatusCode
+MAX_STOP_TOKEN_IDS = 1024
+_ABANDONED = object()  # queued when the RPC ends under a waiting stream
+_TRANSIENT = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED)
+
+
+class GenerateSpec(NamedTuple):
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    sampling_proto: lanekv_pb2.SamplingParams  # forwarded to prefill as given
+    max_new_tokens: int  # output tokens, prefill's first one included
+    stop_token_ids: tuple[int, ...]
+
+
+class Prepared(NamedTuple):
+    first_token: int
+    prefill_s: float
+    fetch: FetchStats
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata of the stream: what the transfer cost."""
+        return (
+            ("lanekv-prefill-seconds", f"{self.prefill_s:.6f}"),
+            ("lanekv-transfer-bytes", str(self.fetch.bytes)),
+            ("lanekv-transfer-chunks", str(self.fetch.chunks)),
+            ("lanekv-transfer-seconds", f"{self.fetch.seconds:.6f}"),
+        )
+
+
+@dataclass(eq=False)
+class _Call:
+    """What one Generate call holds; ``lock`` guards the hand-over of pages to the engine."""
+
+    spec: GenerateSpec
+    events: queue.SimpleQueue
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    reserved_pages: int = 0  # promised by the daemon's PageBudget
+    pinned_at: dict[int, str] | None = None  # prefill ranks still pinning the request's pages
+    fingerprint: str = ""
+    table: PageTable | None = None  # our pages, until the engine owns them
+    in_engine: bool = False
+    settled: bool = False
+
+
+def parse_request(request: lanekv_pb2.GenerateRequest, d: DecodeDaemon) -> GenerateSpec:
+    ids = prompt_from_proto(request, d.tokenizer, d.vocab_size, d.max_positions)
+    sampling = sampling_from_proto(request.sampling)
+    request_id = request_id_from_proto(request) or uuid.uuid4().hex
+    max_new = request.max_new_tokens
+    if max_new < 1:
+        raise Refusal(Code.INVALID_ARGUMENT, f"max_new_tokens must be >= 1, got {max_new}")
+    if len(ids) + max_new > d.max_positions:
+        raise Refusal(
+            Code.OUT_OF_RANGE,
+            f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new}) is more than the model's "
+            f"{d.max_positions} positions",
+        )
+    stops = tuple(request.stop_token_ids)
+    if len(stops) > MAX_STOP_TOKEN_IDS:
+        raise Refusal(Code.INVALID_ARGUMENT, f"stop_token_ids: {len(stops)} ids, at most {MAX_STOP_TOKEN_IDS}")
+    bad = [t for t in stops if not 0 <= t < d.vocab_size]
+    if bad:
+        raise Refusal(
+            Code.INVALID_ARGUMENT, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {d.vocab_size})"
+        )
+    return GenerateSpec(request_id, ids, sampling, request.sampling, max_new, stops)
+
+
+class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
+    def __init__(self, daemon: DecodeDaemon) -> None:
+        self.d = daemon
+
+    def Generate(self, request, context):
+        d, call, finished = self.d, None, False
+        try:
+            with refusals(context):
+                spec = parse_request(request, d)
+                events = d.open_stream(spec.request_id)
+                if events is None:
+                    raise Refusal(Code.ALREADY_EXISTS, f"request_id={spec.request_id!r} is already in use")
+                call = _Call(spec, events)
+                context.add_callback(lambda: self._abandon(call))
+                prepared = self._prepare(call, context)
+                context.set_trailing_metadata(prepared.metadata())
+                text = _Detokenizer(d.tokenizer)
+                yield _reply(spec.request_id, TokenEvent(spec.request_id, prepared.first_token, 0, False, None), text)
+                for event in self._events(call):
+                    yield _reply(spec.request_id, event, text)
+                finished = True
+        finally:
+            if call is not None:
+                self._settle(call)
+                outcome = "finished" if finished else "cancelled" if call.abandoned.is_set() else "refused"
+                d.close_stream(call.spec.request_id, outcome)
+            else:
+                d.close_stream(None, "refused")
+
+    # -- steps 2-6 --------------------------------------------------------------
+
+    def _prepare(self, call: _Call, context) -> Prepared:
+        d, spec = self.d, call.spec
+        remaining = context.time_remaining()
+        budget_s = d.config.request_timeout_s if remaining is None else min(remaining, d.config.request_timeout_s)
+        deadline = time.monotonic() + budget_s
+        # Cache tokens at the end: the prompt plus every output token but the last.
+        pages = -(-(len(spec.token_ids) + spec.max_new_tokens - 1) // d.config.page_size)
+        if pages > d.pool.num_pages:
+            raise Refusal(
+                Code.RESOURCE_EXHAUSTED,
+                f"the request may need {pages} KV pages; the decode pool has {d.pool.num_pages}",
+            )
+        wait_s = min(d.config.page_wait_s, _left(deadline))
+        if not d.budget.acquire(pages, wait_s, call.abandoned):
+            _check_alive(call)
+            raise Refusal(
+                Code.RESOURCE_EXHAUSTED,
+                f"the decode pool stayed full for {wait_s:.1f}s ({pages} of {d.pool.num_pages} pages wanted)",
+            )
+        call.reserved_pages = pages
+
+        start = time.perf_counter()
+        reply = self._prefill(spec, _left(deadline))
+        prefill_s = time.perf_counter() - start
+        call.fingerprint = reply.contract_fingerprint
+        call.pinned_at = dict(enumerate(reply.endpoints))
+        manifest = self._manifest(reply, spec)
+        _check_alive(call)
+
+        try:
+            call.table = PageTable.remap(d.pool, [p.page for p in manifest.pages], manifest.num_tokens)
+        except PoolExhausted as err:  # the budget should make this impossible
+            raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
+        fetched = self._fetch(call, manifest, list(reply.endpoints), _left(deadline))
+        self._release_prefill(call)
+        with call.lock:
+            _check_alive(call)
+            try:
+                d.engine.add(spec.request_id, call.table, reply.first_token, spec.sampling,
+                             spec.max_new_tokens, spec.stop_token_ids, start_step=1)
+            except ValueError as err:
+                raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
+            call.in_engine, call.table = True, None
+        return Prepared(reply.first_token, prefill_s, fetched)
+
+    def _prefill(self, spec: GenerateSpec, timeout_s: float) -> lanekv_pb2.PrefillReply:
+        request = lanekv_pb2.PrefillRequest(
+            token_ids=lanekv_pb2.TokenIds(ids=spec.token_ids), request_id=spec.request_id
+        )
+        request.sampling.CopyFrom(spec.sampling_proto)
+        try:
+            return self.d.prefill_stub.Prefill(request, timeout=timeout_s)
+        except grpc.RpcError as err:
+            raise Refusal(err.code(), f"prefill daemon {self.d.config.prefill_endpoint}: {err.details()}") from err
+
+    def _manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
+        d = self.d
+        if reply.contract_fingerprint != d.agreement.fingerprint:
+            raise Refusal(
+                Code.FAILED_PRECONDITION,
+                f"prefill answered with contract {reply.contract_fingerprint[:16]!r}, ours is "
+                f"{d.agreement.fingerprint[:16]!r}; restart this daemon to handshake again",
+            )
+        try:
+            manifest = Manifest.decode(reply.manifest)
+        except ValueError as err:
+            raise Refusal(Code.INTERNAL, f"prefill daemon sent a bad manifest: {err}") from err
+        if manifest.page_size != d.config.page_size:
+            raise Refusal(
+                Code.FAILED_PRECONDITION,
+                f"manifest page_size={manifest.page_size}, ours is {d.config.page_size}",
+            )
+        if manifest.request_id != spec.request_id or manifest.num_tokens != len(spec.token_ids):
+            raise Refusal(
+                Code.INTERNAL,
+                f"manifest is for {manifest.request_id!r} with {manifest.num_tokens} tokens, asked for "
+                f"{spec.request_id!r} with {len(spec.token_ids)}",
+            )
+        topology = d.prefill_contract.topology
+        try:
+            if len(reply.endpoints) != topology.cp_size:
+                raise ValueError(f"{len(reply.endpoints)} endpoints for cp_size {topology.cp_size}")
+            topology.check((p.page, p.owner) for p in manifest.pages)
+        except ValueError as err:
+            raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
+        return manifest
+
+    def _fetch(self, call: _Call, manifest: Manifest, endpoints: list[str], timeout_s: float) -> FetchStats:
+        pool, table, page_size = self.d.pool, call.table, self.d.config.page_size
+        owner_of = {p.page: p.owner for p in manifest.pages}
+        layers_placed = dict.fromkeys(owner_of, 0)
+
+        def place(header, payload: torch.Tensor) -> None:
+            for page in header.pages:
+                if owner_of.get(page) != header.rank:
+                    raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent page {page}, not one of its pages")
+                layers_placed[page] += header.layer_end - header.layer_start
+            physical = torch.tensor(table.physical_pages_for(header.pages), dtype=torch.int64, device=pool.device)
+            try:
+                scatter_pages(payload.to(pool.device), pool.tensor, physical, page_size,
+                              header.layer_start, header.layer_end)
+            except ValueError as err:
+                raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent a chunk that does not fit: {err}") from err
+
+        owners = sorted({p.owner for p in manifest.pages})
+        try:
+            stats = self.d.kv.fetch(
+                {rank: endpoints[rank] for rank in owners}, call.spec.request_id, call.fingerprint, place,
+                max_inflight_bytes=self.d.config.max_inflight_bytes, timeout=timeout_s,
+            )
+        except ChecksumError as err:
+            raise Refusal(Code.DATA_LOSS, f"KV transfer: {err}") from err
+        except RemoteError as err:
+            code = Code.UNAVAILABLE if err.code in _TRANSIENT else Code.ABORTED
+            raise Refusal(code, f"KV transfer: {err}") from err
+        except TransferError as err:
+            raise Refusal(Code.ABORTED, f"KV transfer: {err}") from err
+        num_layers = self.d.agreement.num_layers
+        missing = [page for page, layers in layers_placed.items() if layers != num_layers]
+        if missing:
+            raise Refusal(Code.DATA_LOSS, f"KV transfer ended without every layer of pages {missing[:16]}")
+        return stats
+
+    def _release_prefill(self, call: _Call) -> None:
+        with call.lock:
+            pinned, call.pinned_at = call.pinned_at, None
+        for rank, endpoint in (pinned or {}).items():
+            try:
+                self.d.kv.release({rank: endpoint}, call.spec.request_id, call.fingerprint)
+            except TransferError as err:  # the lease frees them in the end
+                log.warning("release of %s at rank %d failed: %s", call.spec.request_id, rank, err)
+
+    # -- streaming and the end of a call -----------------------------------------
+
+    def _events(self, call: _Call) -> Iterator[TokenEvent]:
+        finished = False
+        while not finished:
+            try:
+                item = call.events.get(timeout=1.0)
+            except queue.Empty:
+                if self.d.stopping:
+                    raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down") from None
+                continue
+            if item is _ABANDONED:
+                raise Refusal(Code.CANCELLED, "the client went away")
+            if item is SHUTDOWN:
+                raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down")
+            if isinstance(item, Exception):
+                raise Refusal(Code.INTERNAL, f"decode step failed: {item}")
+            finished = item.finished
+            yield item
+
+    def _abandon(self, call: _Call) -> None:
+        """gRPC's callback when the RPC ends, for any reason (run in a gRPC thread)."""
+        call.abandoned.set()
+        call.events.put(_ABANDONED)
+        self.d.budget.wake()
+        with call.lock:
+            engine_owned = call.in_engine
+        # Earlier, the handler thread holds the pages and settles at its next step;
+        # once the engine owns them they can be freed from here, at once.
+        if engine_owned:
+            self._settle(call)
+
+    def _settle(self, call: _Call) -> None:
+        """Give back everything the call holds, once."""
+        with call.lock:
+            if call.settled:
+                return
+            call.settled = True
+            table, call.table = call.table, None
+            in_engine = call.in_engine
+        if in_engine:
+            self.d.engine.cancel(call.spec.request_id)  # after a finish event: a no-op
+        if table is not None:
+            table.release()
+        self._release_prefill(call)
+        if call.reserved_pages:
+            self.d.budget.release(call.reserved_pages)
+
+
+class _Detokenizer:
+    """Text pieces of a stream of ids: each piece is what the new id adds to the text."""
+
+    def __init__(self, tokenizer: Tokenizer | None) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._text = ""
+
+    def piece(self, token_id: int | None) -> str:
+        if self._tokenizer is None or token_id is None:
+            return ""
+        self._ids.append(token_id)
+        text = self._tokenizer.decode(self._ids)
+        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+            return ""
+        piece, self._text = text[len(self._text):], text
+        return piece
+
+
+def _reply(request_id: str, event: TokenEvent, text: _Detokenizer) -> lanekv_pb2.GenerateReply:
+    return lanekv_pb2.GenerateReply(
+        request_id=request_id,
+        token_ids=[] if event.token_id is None else [event.token_id],
+        text=text.piece(event.token_id),
+        finished=event.finished,
+        finish_reason=event.finish_reason or "",
+    )
+
+
+def _check_alive(call: _Call) -> None:
+    if call.abandoned.is_set():
+        raise Refusal(Code.CANCELLED, "the client went away")
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Refusal(Code.DEADLINE_EXCEEDED, "the request ran out of time before decoding")
+    return left
