@@ -17,6 +17,11 @@ bf16, page 64: 128 KiB per token, 4 GiB at 32k tokens) is held by 1 or N
 GB/s is payload bytes over wall time; per rank it is that rank's bytes over the
 time to its last chunk. Best of ``--repeats``. The processes share the
 machine's cores, so on a small CPU box servers and client compete.
+
+glibc hands freed multi-MiB chunk buffers back to the kernel, so every chunk
+page-faults fresh memory on both sides (about one fault per 4 KiB moved). Run
+with ``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=4294967296``
+(inherited by the server processes) to see the transfer without that cost.
 """
 
 from __future__ import annotations

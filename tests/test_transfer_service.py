@@ -104,6 +104,20 @@ def start_cluster():
         server.stop(None)
 
 
+@pytest.fixture
+def raw_stub():
+    """Generated KVTransfer stubs on channels closed at teardown."""
+    channels = []
+
+    def make(endpoint: str) -> lanekv_pb2_grpc.KVTransferStub:
+        channels.append(grpc.insecure_channel(endpoint))
+        return lanekv_pb2_grpc.KVTransferStub(channels[-1])
+
+    yield make
+    for channel in channels:
+        channel.close()
+
+
 def placer(dest: torch.Tensor, log: list | None = None):
     def place(header, tensor):
         if log is not None:
@@ -149,7 +163,7 @@ MISMATCHES = {
 
 
 @pytest.mark.parametrize("field", sorted(MISMATCHES))
-def test_handshake_refuses_each_mismatched_field(start_cluster, field):
+def test_handshake_refuses_each_mismatched_field(start_cluster, raw_stub, field):
     cluster = start_cluster(1)
     theirs = make_agreement(**{field: MISMATCHES[field]})
     with pytest.raises(ContractMismatch) as caught:
@@ -157,7 +171,7 @@ def test_handshake_refuses_each_mismatched_field(start_cluster, field):
     assert [d.name.split(".")[0] for d in caught.value.diffs] == [field]
     assert field in str(caught.value)
     # The raw status: FAILED_PRECONDITION, with the field and both values in the message.
-    stub = lanekv_pb2_grpc.KVTransferStub(grpc.insecure_channel(cluster.endpoints[0]))
+    stub = raw_stub(cluster.endpoints[0])
     with pytest.raises(grpc.RpcError) as raw:
         stub.Handshake(lanekv_pb2.HandshakeRequest(contract=theirs.encode()), timeout=TIMEOUT)
     assert raw.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -175,10 +189,10 @@ def test_handshake_lists_every_differing_field(start_cluster):
     assert "3 field(s)" in str(caught.value)
 
 
-def test_stale_fingerprint_gets_no_chunk(start_cluster):
+def test_stale_fingerprint_gets_no_chunk(start_cluster, raw_stub):
     cluster = start_cluster(1)
     stale = make_agreement(page_size=8).fingerprint
-    stub = lanekv_pb2_grpc.KVTransferStub(grpc.insecure_channel(cluster.endpoints[0]))
+    stub = raw_stub(cluster.endpoints[0])
     received = []
     with pytest.raises(grpc.RpcError) as raw:
         for chunk in stub.FetchKV(
@@ -195,9 +209,12 @@ def test_stale_fingerprint_gets_no_chunk(start_cluster):
     assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
-@pytest.mark.parametrize("cp_size, chunk_pages", [(2, 3), (3, 64)])
-def test_fetch_from_owner_ranks_is_bit_exact(start_cluster, monkeypatch, cp_size, chunk_pages):
-    cluster = start_cluster(cp_size, num_pages=13)
+# (2, 3, 13): pages split within layers; (3, 64, 13): layers grouped; (2, 4, 1): rank 1 holds nothing.
+@pytest.mark.parametrize("cp_size, chunk_pages, num_pages", [(2, 3, 13), (3, 64, 13), (2, 4, 1)])
+def test_fetch_from_owner_ranks_is_bit_exact(
+    start_cluster, monkeypatch, cp_size, chunk_pages, num_pages
+):
+    cluster = start_cluster(cp_size, num_pages=num_pages)
     fingerprint = handshake(cluster.endpoints[0], make_agreement(), TIMEOUT)
     held = []
 
@@ -218,7 +235,7 @@ def test_fetch_from_owner_ranks_is_bit_exact(start_cluster, monkeypatch, cp_size
     assert same_bits(dest, cluster.full)
     assert stats.bytes == cluster.full.numel() * 2 and stats.chunks == len(log)
     assert sorted(stats.per_rank) == list(range(cp_size))
-    assert {h.rank for h in log} == set(range(cp_size))
+    assert {h.rank for h in log} == {p % cp_size for p in range(num_pages)}
     assert all(h.nbytes <= max_chunk for h in log)
     assert all(p % cp_size == h.rank for h in log for p in h.pages)
     assert max(held) <= 2 * max_chunk
@@ -250,7 +267,7 @@ def expect_code(endpoints, code, text="", **fetch_args):
     assert text in caught.value.details
 
 
-def test_bad_requests_are_refused_and_the_server_keeps_serving(start_cluster):
+def test_bad_requests_are_refused_and_the_server_keeps_serving(start_cluster, raw_stub):
     cluster = start_cluster(1)
     endpoints = cluster.endpoints
     expect_code(endpoints, grpc.StatusCode.NOT_FOUND, "unknown", request_id="nope")
@@ -277,7 +294,7 @@ def test_bad_requests_are_refused_and_the_server_keeps_serving(start_cluster):
             caught.value.code == grpc.StatusCode.INVALID_ARGUMENT and "99" in caught.value.details
         )
     expect_code(endpoints, grpc.StatusCode.INVALID_ARGUMENT, "max_chunk_bytes", max_chunk_bytes=7)
-    stub = lanekv_pb2_grpc.KVTransferStub(grpc.insecure_channel(endpoints[0]))
+    stub = raw_stub(endpoints[0])
     with pytest.raises(grpc.RpcError) as raw:
         stub.Handshake(lanekv_pb2.HandshakeRequest(contract=b"\xc1garbage"), timeout=TIMEOUT)
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT

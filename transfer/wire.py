@@ -260,12 +260,8 @@ warnings.filterwarnings("ignore", message="The given buffer is not writable", ca
 # class copies it into the message, again to serialize, and again out of a
 # parsed one). Field order: pad, data, header; pad is sized so that data
 # starts at a multiple of 8 bytes into the message. Any protobuf parser reads
-# the result as a KVChunk.
-_HEADER_TAG, _DATA_TAG, _PAD_TAG = (
-    0x0A,
-    0x12,
-    0x1A,
-)  # fields 1, 2, 3; wire type 2 (length-delimited)
+# the result as a KVChunk. Tags: field number << 3 | wire type 2 (length-delimited).
+_HEADER_TAG, _DATA_TAG, _PAD_TAG = 0x0A, 0x12, 0x1A
 
 
 def _varint(value: int) -> bytes:
