@@ -321,6 +321,11 @@ class TensorPageSource:
     def rank(self) -> int:
         return self._rank
 
+    @property
+    def pool(self) -> torch.Tensor:
+        """``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``, for subclasses' reads."""
+        return self._pool
+
     def set_topology(self, topology: Topology) -> None:
         with self._lock:
             self._topology = topology
