@@ -26,6 +26,12 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(PY) bench/planner.py
 
+# A 2-rank prefill daemon and a decode daemon as processes, one generation, checked
+# against a single-process run. MODEL=DIR uses a real checkpoint; DEMO_ARGS adds flags
+# (e.g. DEMO_ARGS="--dtype bfloat16 --prompt 'Hello'"; see python -m lanekv.demo --help).
+demo: $(STAMP)
+	$(PY) -m lanekv.demo $(if $(MODEL),--model "$(MODEL)") $(DEMO_ARGS)
+
 proto: $(STAMP)
 	$(PY) proto/generate.py
 

@@ -162,3 +162,12 @@ def test_prefill_with_a_missing_model_exits_non_zero():
     result = _run("prefill", "--model", "/nonexistent", "--cp-size", "1")
     assert result.returncode != 0
     assert "/nonexistent" in result.stderr and "config.json" in result.stderr
+
+
+@pytest.mark.timeout(180)
+def test_demo_matches_the_colocated_run():
+    result = subprocess.run([sys.executable, "-m", "lanekv.demo", "--page-size", "4", "--prompt-len", "21",
+                             "--max-new-tokens", "8"], cwd=REPO, capture_output=True, text=True, timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "KV transfer:" in result.stdout
+    assert "check: the 8 tokens equal the colocated run: OK" in result.stdout
