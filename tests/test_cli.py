@@ -1,8 +1,9 @@
 """The ``lanekv`` command line against live daemons: ``handshake`` says
 compatible or prints the diff, ``generate`` prints ids or text equal to a
 colocated run, and bad arguments exit non-zero with a message that names the
-problem. A few commands run as real subprocesses (the entry point as users
-run it); the rest call ``lanekv.cli.main`` in-process to keep the suite fast.
+problem, and ``make demo``'s program passes its own check. A few commands run
+as real subprocesses (the entry point as users run it); the rest call
+``lanekv.cli.main`` in-process to keep the suite fast.
 """
 
 from __future__ import annotations
