@@ -9,7 +9,7 @@ agreement's fingerprint again.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import NamedTuple, Protocol
@@ -204,17 +204,24 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         return [(plan, [owned[page] for page in plan.pages]) for plan in plans]
 
 
+# Chunks built ahead of the one gRPC is sending. Reading pages, hashing and
+# framing a chunk take about as long as sending it, and the read and the hash
+# drop the GIL, so two builders in flight keep the stream fed (measured on
+# the GPU machine: one builder held FetchKV at 0.36x of a raw stream).
+LOOKAHEAD = 3
+
+
 def _one_ahead(produce: Callable[[int], bytes], count: int) -> Iterator[bytes]:
-    """Yield ``produce(0)``, ..., ``produce(count - 1)``, building each next one while
-    gRPC sends the last (a send blocks the handler thread until it completes)."""
+    """Yield ``produce(0)``, ..., ``produce(count - 1)`` in order, building the next
+    ``LOOKAHEAD`` while gRPC sends the current one (a send blocks the handler thread)."""
     if count == 0:
         return
-    with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetchkv") as pool:
-        pending = pool.submit(produce, 0)
+    with futures.ThreadPoolExecutor(max_workers=LOOKAHEAD - 1, thread_name_prefix="fetchkv") as pool:
+        pending = deque(pool.submit(produce, seq) for seq in range(min(LOOKAHEAD, count)))
         for seq in range(count):
-            message = pending.result()
-            if seq + 1 < count:
-                pending = pool.submit(produce, seq + 1)
+            message = pending.popleft().result()
+            if seq + LOOKAHEAD < count:
+                pending.append(pool.submit(produce, seq + LOOKAHEAD))
             yield message
 
 
