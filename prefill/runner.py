@@ -88,6 +88,11 @@ class RankRunner:
         cfg = model.config
         self.softmax_scale = cfg.head_dim**-0.5
         self.device = pool.device
+        # Set by the rank process: what the contract and the transfer service need.
+        self.weights_digest = ""
+        self.tokenizer = None
+        self.page_source = None  # prefill.page_source.RankPageSource when serving KVTransfer
+        self.transfer_server = None  # transfer.server.Served
 
     @torch.inference_mode()
     def run(self, batch: PrefillBatch) -> RankResult:
