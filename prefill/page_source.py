@@ -31,8 +31,8 @@ class RankPageSource(TensorPageSource):
         self._on_release = on_release
 
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
-        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64, device=self._pool.device)
-        out = gather_pages(self._pool, pages, self._page_size, layer_start, layer_end)
+        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64, device=self.pool.device)
+        out = gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
         return out.cpu()
 
     def release(self, request_id: str) -> int:
