@@ -125,6 +125,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         self.d = daemon
 
     def Generate(self, request, context):
+        """Stream one reply per output token; the last one says finished and why."""
         d, call, finished = self.d, None, False
         try:
             with refusals(context):
@@ -133,7 +134,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 if events is None:
                     raise Refusal(Code.ALREADY_EXISTS, f"request_id={spec.request_id!r} is already in use")
                 call = _Call(spec, events)
-                context.add_callback(lambda: self._abandon(call))
+                if not context.add_callback(lambda: self._abandon(call)):
+                    call.abandoned.set()  # the RPC has ended already
                 prepared = self._prepare(call, context)
                 context.set_trailing_metadata(prepared.metadata())
                 text = _Detokenizer(d.tokenizer)
@@ -336,22 +338,31 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
 
 
 class _Detokenizer:
-    """Text pieces of a stream of ids: each piece is what the new id adds to the text."""
+    """Text pieces of a stream of ids: each piece is what the new ids add to the text.
+
+    Only a short window is decoded per token (the ids since the last piece and
+    the one before them, whose text is subtracted), so a long stream costs
+    linear time; the window keeps a leading context because tokenizers render
+    a token's leading space differently at the start of a text.
+    """
 
     def __init__(self, tokenizer: Tokenizer | None) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
-        self._text = ""
+        self._prefix = 0  # window start
+        self._read = 0  # ids before this one are in the text already
 
     def piece(self, token_id: int | None) -> str:
         if self._tokenizer is None or token_id is None:
             return ""
         self._ids.append(token_id)
-        text = self._tokenizer.decode(self._ids)
-        if text.endswith("\ufffd"):  # a multi-byte character is not complete yet
+        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
+        text = self._tokenizer.decode(self._ids[self._prefix:])
+        # Hold a multi-byte character until it is complete.
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        piece, self._text = text[len(self._text):], text
-        return piece
+        self._prefix, self._read = self._read, len(self._ids)
+        return text[len(before):]
 
 
 def _reply(request_id: str, event: TokenEvent, text: _Detokenizer) -> lanekv_pb2.GenerateReply:
