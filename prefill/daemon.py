@@ -161,9 +161,11 @@ class PrefillDaemon:
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.25):
-            for request_id, ranks in self.leases.expire():
+            for request_id, _ranks in self.leases.expire():
                 log.info("lease of %s expired; pages freed", request_id)
-                self.engine.send("forget", request_id, ranks)
+                # Every rank recorded the id (a rank may hold none of its pages),
+                # so every rank forgets it, or a reuse of the id would clash there.
+                self.engine.send("forget", request_id, range(self.engine.config.cp_size))
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Drain: stop accepting calls, finish what is queued, stop the ranks."""

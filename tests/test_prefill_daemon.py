@@ -116,6 +116,7 @@ def test_leases_expire_and_bad_requests_get_a_status(checkpoint):
         channel = grpc.insecure_channel(daemon.endpoint)
         stub = lanekv_pb2_grpc.PrefillServiceStub(channel)
         reply = _prefill(stub, [5, 6, 7, 8, 9, 10], request_id="lease-me")
+        _prefill(stub, [5, 6, 7], request_id="one-page")  # rank 1 holds none of its pages
         assert daemon.engine.allocator.free_counts() != start_free
         # the same id again while pinned
         with pytest.raises(grpc.RpcError) as err:
@@ -142,8 +143,12 @@ def test_leases_expire_and_bad_requests_get_a_status(checkpoint):
         time.sleep(0.5)  # the ranks' forget is ordered behind nothing else
         with KVClient() as client, pytest.raises(Exception, match="released|NOT_FOUND|not found"):
             client.fetch({0: reply.endpoints[0]}, reply.request_id, reply.contract_fingerprint, lambda h, t: None)
-        # still serving
+        # still serving, and an expired request id can be used again (on every rank,
+        # including one that held none of its pages)
         assert _prefill(stub, [7, 8, 9]).first_token >= 0
+        again = _prefill(stub, [5, 6, 7], request_id="one-page")
+        assert again.request_id == "one-page"
+        assert _prefill(stub, [1, 2, 3, 4, 5]).first_token >= 0
         channel.close()
     finally:
         daemon.stop()
