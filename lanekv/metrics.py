@@ -425,6 +425,7 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
 def _watched(
     responses: Any, context: grpc.ServicerContext, record: Callable[[grpc.StatusCode], None]
 ) -> Iterator[Any]:
+    """Pass ``responses`` through and record the code the stream ends with."""
     code = Code.UNKNOWN
     try:
         yield from responses
@@ -451,7 +452,10 @@ def _final_code(context: grpc.ServicerContext, fallback: grpc.StatusCode) -> grp
 
 # -- the lanekv metric set --------------------------------------------------
 
-LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+# Calls range from a millisecond (Handshake, Release) to minutes (a long Generate stream).
+LATENCY_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+)
 GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0)
 
 
