@@ -89,6 +89,18 @@ class Segment(NamedTuple):
     valid_len: int
 
 
+class RankView(NamedTuple):
+    """One rank's share of one request (in-seq split). Page ranges count extend
+    pages (compute view); ``valid_spans`` are [start, end) rows of real tokens
+    inside the rank's compute rows of this request (prev rows, then next rows)."""
+
+    prev: Segment
+    next: Segment
+    prev_pages: range
+    next_pages: range
+    valid_spans: tuple[tuple[int, int], tuple[int, int]]
+
+
 class LastToken(NamedTuple):
     rank: int
     local_row: int  # row inside that rank's rows of the batch
@@ -127,6 +139,22 @@ class RequestPlan:
 
     def rank_valid_len(self, cp_rank: int) -> int:
         return sum(s.valid_len for s in self.segments if s.rank == cp_rank)
+
+    def rank_view(self, cp_rank: int) -> RankView:
+        """What ``cp_rank`` computes of this request (in-seq modes): its (prev, next)
+        segments, their extend page ranges, and where its valid rows sit inside its
+        compute rows."""
+        if self.segments and len(self.segments) != 2 * self.cp_size:
+            raise ValueError("rank_view needs an in-seq plan (2 * cp_size segments)")
+        prev_seg, next_seg = (self.segments[i] for i in zigzag_segments(cp_rank, self.cp_size))
+        ps = self.page_size
+        return RankView(
+            prev=prev_seg,
+            next=next_seg,
+            prev_pages=range(prev_seg.start // ps, (prev_seg.start + prev_seg.compute_len) // ps),
+            next_pages=range(next_seg.start // ps, (next_seg.start + next_seg.compute_len) // ps),
+            valid_spans=((0, prev_seg.valid_len), (prev_seg.compute_len, prev_seg.compute_len + next_seg.valid_len)),
+        )
 
     def page_owner_ranks(self) -> list[int]:
         """For each extend page (in order), the rank that computes it (IN_SEQ only)."""

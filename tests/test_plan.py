@@ -50,6 +50,18 @@ def test_page_aligned_split_example():
     assert req.page_owner_ranks() == [0, 1, 1]
 
 
+def test_rank_view_names_segments_pages_and_valid_spans():
+    req = plan_request(10, 8, cp_size=2, page_size=4)  # pages 4+4+2 valid, dealt 1,1,1,0
+    r0, r1 = req.rank_view(0), req.rank_view(1)
+    assert (r0.prev.start, r0.prev.compute_len, r0.next.compute_len) == (0, 4, 0)
+    assert list(r0.prev_pages) == [0] and list(r0.next_pages) == []
+    assert r0.valid_spans == ((0, 4), (4, 4))
+    assert list(r1.prev_pages) == [1] and list(r1.next_pages) == [2]
+    assert r1.valid_spans == ((0, 4), (4, 6))  # the last page holds 2 real rows
+    with pytest.raises(ValueError, match="in-seq"):
+        plan_request(10, 0, cp_size=2, page_size=1, mode=SplitMode.ROUND_ROBIN).rank_view(0)
+
+
 def test_short_request_is_padded_to_one_page_per_rank():
     # 1 token, cp 4: one real page, three dummy pages so every rank computes.
     req = plan_request(1, 0, cp_size=4, page_size=16)
