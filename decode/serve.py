@@ -17,6 +17,7 @@ from pathlib import Path
 from decode.daemon import DecodeConfig, DecodeDaemon
 from transfer.client import ContractMismatch, TransferError
 from transfer.contract import format_diff
+from transfer.security import SecurityConfig
 
 log = logging.getLogger("lanekv.decode")
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
@@ -31,18 +32,17 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(
         model_path=args.model, prefill_endpoint=args.prefill, page_size=args.page_size,
         dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,
-        port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size, **optional,
+        port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
+        metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args), **optional,
     )
 
 
 def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         print(f"lanekv decode: {err}", file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s without TLS: anyone who reaches this address can run generations", args.host)
     try:
         daemon = DecodeDaemon(config)
     except ContractMismatch as err:
@@ -61,7 +61,8 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if args.ready_file:
         _write_atomically(Path(args.ready_file), daemon.endpoint)
-    print(f"lanekv decode serving on {daemon.endpoint} (prefill: {config.prefill_endpoint})", flush=True)
+    metrics = f"; metrics: http://{config.host}:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
+    print(f"lanekv decode serving on {daemon.endpoint} (prefill: {config.prefill_endpoint}){metrics}", flush=True)
     stop.wait()
     grace_s = getattr(args, "grace_s", None)
     log.info("shutting down: finishing open streams")

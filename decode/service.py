@@ -137,6 +137,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 if not context.add_callback(lambda: self._abandon(call)):
                     call.abandoned.set()  # the RPC has ended already
                 prepared = self._prepare(call, context)
+                d.transferred(spec, prepared)
                 context.set_trailing_metadata(prepared.metadata())
                 text = _Detokenizer(d.tokenizer)
                 yield _reply(spec.request_id, TokenEvent(spec.request_id, prepared.first_token, 0, False, None), text)
@@ -147,9 +148,9 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             if call is not None:
                 self._settle(call)
                 outcome = "finished" if finished else "cancelled" if call.abandoned.is_set() else "refused"
-                d.close_stream(call.spec.request_id, outcome)
+                d.close_stream(call.spec.request_id, outcome, context)
             else:
-                d.close_stream(None, "refused")
+                d.close_stream(None, "refused", context)
 
     # -- steps 2-6 --------------------------------------------------------------
 
@@ -286,7 +287,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             try:
                 self.d.kv.release({rank: endpoint}, call.spec.request_id, call.fingerprint)
             except TransferError as err:  # the lease frees them in the end
-                log.warning("release of %s at rank %d failed: %s", call.spec.request_id, rank, err)
+                log.warning("release failed request_id=%s rank=%d: %s", call.spec.request_id, rank, err,
+                            extra={"request_id": call.spec.request_id})
 
     # -- streaming and the end of a call -----------------------------------------
 

@@ -6,7 +6,10 @@
     lanekv handshake --prefill HOST:PORT --decode HOST:PORT
 
 Defaults come from the frozen config dataclasses of each role, so the CLI and
-the Python API cannot drift apart.
+the Python API cannot drift apart. Every subcommand takes the security options
+of ``transfer.security.add_security_args`` (TLS, mutual TLS, a shared token
+read from a file or an environment variable); the daemons take
+``--metrics-port`` for Prometheus ``/metrics``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import sys
 
 from prefill.daemon import DaemonConfig
 from prefill.engine_config import DTYPES, EngineConfig
+from transfer.security import add_security_args
 
 # subcommand -> (module, function(args) -> exit code); imported on use so that
 # `lanekv generate` does not load torch models.
@@ -44,6 +48,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="dummy: config.json's shapes with seeded random weights (benchmarks)")
 
 
+def add_metrics_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus /metrics on --host at this port (0 = a free port; off when absent)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lanekv", description="Disaggregated prefill/decode KV-cache daemon.")
     parser.add_argument("--log-level", default="INFO")
@@ -62,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease-s", type=float, default=dd("lease_s"), help="seconds pages stay pinned without a Release")
     p.add_argument("--batch-wait-ms", type=float, default=dd("batch_wait_ms"))
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
+    add_metrics_arg(p)
+    add_security_args(p)
 
     p = sub.add_parser("decode", help="run a decode daemon paired with a prefill daemon")
     add_engine_args(p)
@@ -77,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds start-up waits for the prefill daemon to answer")
     p.add_argument("--grace-s", type=float, default=None,
                    help="on SIGINT/SIGTERM, seconds open streams get to finish")
+    add_metrics_arg(p)
+    add_security_args(p)
 
     p = sub.add_parser("generate", help="stream a generation from a decode daemon")
     p.add_argument("--decode", required=True, help="HOST:PORT of the decode daemon")
@@ -91,11 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", default=None, help="comma-separated token ids that end the generation")
     p.add_argument("--request-id", default=None, help="request id (the server picks one when absent)")
     p.add_argument("--timeout", type=float, default=600.0)
+    add_security_args(p)
 
     p = sub.add_parser("handshake", help="compare a prefill and a decode daemon's layout contracts")
     p.add_argument("--prefill", required=True, help="HOST:PORT of the prefill daemon")
     p.add_argument("--decode", required=True, help="HOST:PORT of the decode daemon")
     p.add_argument("--timeout", type=float, default=10.0)
+    add_security_args(p)
     return parser
 
 

@@ -6,6 +6,9 @@ model can match, and the refusal carries the server's contract in its
 trailing metadata (``transfer.status.CONTRACT_METADATA_KEY``). Then it
 compares the two agreements here.
 
+Both speak TLS and send the token as the security options say
+(``transfer.security.add_security_args``).
+
 Exit codes: ``generate`` 0 after a finished stream, 1 when the call failed
 (the status is printed), 2 for bad arguments; ``handshake`` 0 compatible,
 1 incompatible (the diff is printed), 2 when a contract could not be read.
@@ -20,7 +23,8 @@ import grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, LayoutContract, diff, format_diff
-from transfer.status import CONTRACT_METADATA_KEY, grpc_options
+from transfer.security import SecurityConfig, open_channel
+from transfer.status import CONTRACT_METADATA_KEY
 
 # A well-formed agreement that differs from every real one (its digests name no code or weights).
 _PROBE = Agreement(
@@ -41,13 +45,14 @@ class CommandError(Exception):
 def generate(args: argparse.Namespace) -> int:
     try:
         request = _generate_request(args)
+        security = _security(args)
     except CommandError as err:
         print(f"lanekv generate: {err}", file=sys.stderr)
         return err.exit_code
     out = sys.stdout
     tokens: list[int] = []
     printed_text = False
-    with grpc.insecure_channel(args.decode, options=grpc_options()) as channel:
+    with open_channel(args.decode, security) as channel:
         call = lanekv_pb2_grpc.DecodeServiceStub(channel).Generate(request, timeout=args.timeout)
         finish_reason = ""
         try:
@@ -94,6 +99,13 @@ def _generate_request(args: argparse.Namespace) -> lanekv_pb2.GenerateRequest:
     return request
 
 
+def _security(args: argparse.Namespace) -> SecurityConfig:
+    try:
+        return SecurityConfig.from_args(args)
+    except (ValueError, TypeError) as err:
+        raise CommandError(str(err), 2) from err
+
+
 def _int_list(flag: str, text: str) -> list[int]:
     try:
         return [int(part) for part in text.split(",") if part.strip()]
@@ -114,8 +126,9 @@ def _summary(num_tokens: int, finish_reason: str, stats: dict) -> str:
 
 def handshake(args: argparse.Namespace) -> int:
     try:
-        prefill = fetch_contract(args.prefill, args.timeout)
-        decode = fetch_contract(args.decode, args.timeout)
+        security = _security(args)
+        prefill = fetch_contract(args.prefill, args.timeout, security)
+        decode = fetch_contract(args.decode, args.timeout, security)
     except CommandError as err:
         print(f"lanekv handshake: {err}", file=sys.stderr)
         return err.exit_code
@@ -132,10 +145,10 @@ def handshake(args: argparse.Namespace) -> int:
     return 1
 
 
-def fetch_contract(endpoint: str, timeout: float) -> LayoutContract:
+def fetch_contract(endpoint: str, timeout: float, security: SecurityConfig | None = None) -> LayoutContract:
     """The contract a daemon serves at ``endpoint`` (read from a refused probe handshake)."""
     request = lanekv_pb2.HandshakeRequest(contract=_PROBE.encode())
-    with grpc.insecure_channel(endpoint, options=grpc_options()) as channel:
+    with open_channel(endpoint, SecurityConfig() if security is None else security) as channel:
         stub = lanekv_pb2_grpc.KVTransferStub(channel)
         try:
             encoded = stub.Handshake(request, timeout=timeout).contract  # only a twin of the probe says yes

@@ -7,12 +7,20 @@ Layout of the processes:
   leases, and batches concurrent calls into CP batches;
 - each CP rank process serves ``KVTransfer`` (Handshake, FetchKV, Release) for
   the pages it owns, on its own port.
+
+Every port speaks the daemon's ``SecurityConfig`` (TLS, mutual TLS, the token;
+health stays open). The parent owns the metrics: its own calls, and what the
+ranks report through their event queue (their calls by code, the bytes and
+time of every finished FetchKV stream); ``metrics_port`` serves them.
+Request log lines read ``<what> request_id=<id> key=value ...`` and carry
+``request_id`` as a record attribute too.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
@@ -21,22 +29,31 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from lanekv.metrics import MetricsEndpoint, Registry, lanekv_metrics, serve_metrics
 from prefill.allocator import OutOfPagesError
 from prefill.batcher import Batcher
 from prefill.engine_config import EngineConfig
 from prefill.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
 from prefill.leases import LeaseTable
+from prefill.rank_worker import TransferServing
 from prefill.tokenizer import load_tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, LayoutContract, Topology
 from transfer.manifest import Manifest
 from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from transfer.security import SecurityConfig, bind, make_server
 from transfer.server import KVTransferService, add_transfer_service
-from transfer.status import TRANSFER_SERVICE, Refusal, grpc_options, refusals
+from transfer.status import TRANSFER_SERVICE, Refusal, refusals
 
 log = logging.getLogger("lanekv.prefill")
 Code = grpc.StatusCode
 PREFILL_SERVICE = "lanekv.v1.PrefillService"
+# The failure cause of a refused Prefill, by its status; any other refusal is bad input.
+_CAUSES = {
+    Code.RESOURCE_EXHAUSTED: "out_of_pages",
+    Code.UNAVAILABLE: "rank_died",
+    Code.DEADLINE_EXCEEDED: "deadline",
+}
 
 
 @dataclass(frozen=True)
@@ -49,17 +66,26 @@ class DaemonConfig:
     max_batch_tokens: int = 65536
     max_workers: int = 32
     request_timeout_s: float = 600.0
+    metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
+    security: SecurityConfig = SecurityConfig()  # every port: the parent's and the ranks'
 
     def __post_init__(self) -> None:
         for name in ("port", "transfer_port_base"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ValueError(f"{name} must be in [0, 65535], got {name}={value!r}")
+        if self.metrics_port is not None and (
+            isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
+            or not 0 <= self.metrics_port <= 65535
+        ):
+            raise ValueError(f"metrics_port must be None or in [0, 65535], got metrics_port={self.metrics_port!r}")
         for name in ("lease_s", "request_timeout_s", "max_batch_tokens", "max_workers"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got batch_wait_ms={self.batch_wait_ms!r}")
+        if not isinstance(self.security, SecurityConfig):
+            raise TypeError(f"security must be a SecurityConfig, got security={self.security!r}")
 
 
 class _ContractOnly:
@@ -85,13 +111,27 @@ class _ContractOnly:
 class PrefillDaemon:
     def __init__(self, engine_config: EngineConfig, config: DaemonConfig = DaemonConfig()) -> None:
         self.config = config
-        self.engine = CPPrefillEngine(
-            engine_config, serve_transfer=(config.host, config.transfer_port_base), on_event=self._on_event
-        )
+        self.registry = Registry()
+        self.metrics = lanekv_metrics(self.registry)
+        self._rank_calls: dict[int, dict[tuple[str, str, str], float]] = {}  # the ranks' last totals
+        self._stopped = False
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        # Ports first: a busy one fails before any rank process starts.
+        self.server = make_server(config.security, config.max_workers, interceptors=[self.metrics.interceptor()])
+        try:
+            self.port = bind(self.server, config.host, config.port, config.security)
+            if config.metrics_port is not None:
+                self.metrics_endpoint = serve_metrics(self.registry, config.host, config.metrics_port)
+            serving = TransferServing(config.host, config.transfer_port_base, config.security)
+            self.engine = CPPrefillEngine(engine_config, serve_transfer=serving, on_event=self._on_event)
+        except BaseException:
+            self._close_ports()
+            raise
         try:
             self._setup(engine_config)
         except BaseException:
             self.engine.close()
+            self._close_ports()
             raise
 
     def _setup(self, engine_config: EngineConfig) -> None:
@@ -105,6 +145,7 @@ class PrefillDaemon:
         self.max_tokens = model["rope"]["max_position_embeddings"]
         self.tokenizer = load_tokenizer(engine_config.model_path)
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
+        self._watch_pools()
         self._in_flight: set[str] = set()
         self._lock = threading.Lock()
         self.batcher = Batcher(self._run_batch, batch_wait_s=cfg.batch_wait_ms / 1e3,
@@ -112,32 +153,43 @@ class PrefillDaemon:
         self._stop = threading.Event()
         self._expirer = threading.Thread(target=self._expire_loop, name="lanekv-leases", daemon=True)
         self._expirer.start()
-        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=cfg.max_workers), options=grpc_options())
         lanekv_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.server)
         add_transfer_service(self.server, KVTransferService(_ContractOnly(self.contract)))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        try:
-            self.port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        except RuntimeError as err:
-            raise OSError(f"cannot bind the prefill port {cfg.host}:{cfg.port}: {err}") from err
-        if self.port == 0:
-            raise OSError(f"cannot bind the prefill port {cfg.host}:{cfg.port} (in use?)")
         self.server.start()
         for service in ("", PREFILL_SERVICE, TRANSFER_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("prefill daemon on %s:%d, ranks %s, fingerprint %s", cfg.host, self.port,
-                 list(self.topology.endpoints), self.contract.fingerprint[:16])
+        log.info("prefill daemon on %s:%d, ranks %s, fingerprint %s, %s%s", cfg.host, self.port,
+                 list(self.topology.endpoints), self.contract.fingerprint[:16], _describe(cfg.security),
+                 f", metrics on http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
+
+    def _watch_pools(self) -> None:
+        """Pool gauges read at every scrape: each lane's free and used pages, and the leases held."""
+        allocator, m = self.engine.allocator, self.metrics
+        for lane in range(allocator.cp_size):
+            m.pool_pages_free.labels(rank=lane).set_function(lambda lane=lane: allocator.free_counts()[lane])
+            m.pool_pages_used.labels(rank=lane).set_function(
+                lambda lane=lane: allocator.pages_per_lane - allocator.free_counts()[lane])
+        self.registry.gauge("lanekv_prefill_leases", "requests whose pages are pinned for a decode side").set_function(
+            lambda: len(self.leases.held()))
 
     @property
     def endpoint(self) -> str:
         return f"{self.config.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving /metrics (the one picked when ``metrics_port`` was 0), or None."""
+        return None if self.metrics_endpoint is None else self.metrics_endpoint.port
 
     # -- work ----------------------------------------------------------------
 
     def prefill(self, inp: PrefillInput, timeout_s: float | None = None) -> PrefillResult:
         rid = inp.request_id or uuid.uuid4().hex
         with self._lock:
+            if self._stopped:
+                raise Refusal(Code.UNAVAILABLE, "the prefill daemon is shutting down")
             if rid in self._in_flight or rid in self.leases:
                 raise Refusal(Code.ALREADY_EXISTS, f"request_id={rid!r} is already in use")
             self._in_flight.add(rid)
@@ -155,28 +207,64 @@ class PrefillDaemon:
         return results
 
     def _on_event(self, rank: int, value: Any) -> None:
-        kind, request_id, _pages = value
+        """What a rank reports (run in the engine's reader thread, one event at a time)."""
+        kind, request_id, detail = value
         if kind == "released":
-            self.leases.release(request_id, rank)
+            freed = self.leases.release(request_id, rank)
+            log.debug("released request_id=%s rank=%d pages=%d", request_id, rank, freed,
+                      extra={"request_id": request_id})
+            if freed and request_id not in self.leases:
+                log.info("released request_id=%s (every rank)", request_id, extra={"request_id": request_id})
+        elif kind == "fetched":
+            nbytes, seconds = detail
+            self.metrics.record_transfer({rank: nbytes}, seconds)
+            log.info("transfer done request_id=%s rank=%d bytes=%d seconds=%.4f gbps=%.3f", request_id, rank,
+                     nbytes, seconds, nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+                     extra={"request_id": request_id})
+        elif kind == "rpcs":
+            self._add_rank_calls(rank, detail)
+
+    def _add_rank_calls(self, rank: int, totals: dict[tuple[str, str, str], float]) -> None:
+        last = self._rank_calls.get(rank, {})
+        for (service, method, code), total in totals.items():
+            grown = total - last.get((service, method, code), 0.0)
+            if grown > 0:
+                self.metrics.requests.labels(service=service, method=method, code=code).inc(grown)
+        self._rank_calls[rank] = dict(totals)
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.25):
-            for request_id, _ranks in self.leases.expire():
-                log.info("lease of %s expired; pages freed", request_id)
+            for request_id, ranks in self.leases.expire():
+                self.metrics.failures.labels(cause="lease_expired").inc()
+                log.warning("lease expired request_id=%s ranks=%s: pages freed without a release",
+                            request_id, ranks, extra={"request_id": request_id})
                 # Every rank recorded the id (a rank may hold none of its pages),
                 # so every rank forgets it, or a reuse of the id would clash there.
                 self.engine.send("forget", request_id, range(self.engine.config.cp_size))
 
     def stop(self, grace_s: float = 5.0) -> None:
-        """Drain: stop accepting calls, finish what is queued, stop the ranks."""
-        for service in ("", PREFILL_SERVICE, TRANSFER_SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        """Drain: say NOT_SERVING, refuse new calls, finish what is queued, stop the ranks.
+
+        A second call does nothing.
+        """
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+        log.info("draining: %d prefills in flight, %d leases held", len(self._in_flight), len(self.leases.held()))
         stopped = self.server.stop(grace_s)
         self.batcher.close(grace_s)
         stopped.wait(grace_s)
         self._stop.set()
         self._expirer.join(1.0)
         self.engine.close()
+        self._close_ports()
+
+    def _close_ports(self) -> None:
+        self.server.stop(None)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
 
 
 class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
@@ -184,21 +272,25 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         self.d = daemon
 
     def Prefill(self, request, context):
-        d = self.d
+        d, request_id = self.d, None
+        start = time.perf_counter()
         with refusals(context):
-            ids = prompt_from_proto(request, d.tokenizer, d.vocab_size, d.max_tokens)
-            inp = PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id_from_proto(request))
-            remaining = context.time_remaining()
             try:
-                res = d.prefill(inp, timeout_s=remaining)
-            except OutOfPagesError as err:
-                raise Refusal(Code.RESOURCE_EXHAUSTED, f"prefill pool: {err}") from err
-            except RankDiedError as err:
-                raise Refusal(Code.UNAVAILABLE, f"prefill ranks are down: {err}") from err
-            except futures.TimeoutError as err:
-                raise Refusal(Code.DEADLINE_EXCEEDED, "prefill did not finish within the deadline") from err
+                request_id = request_id_from_proto(request)
+                res = self._prefill(request, request_id, context.time_remaining())
+            except Refusal as refusal:
+                cause = _CAUSES.get(refusal.code, "invalid_argument")
+                d.metrics.failures.labels(cause=cause).inc()
+                log.warning("prefill failed request_id=%s cause=%s code=%s: %s", request_id or "-", cause,
+                            refusal.code.name, refusal.message, extra={"request_id": request_id})
+                raise
             manifest = Manifest(res.request_id, res.page_size, res.num_tokens,
                                 tuple((p.page, p.owner, p.valid_rows) for p in res.pages))
+        d.metrics.tokens.labels(kind="prompt").inc(res.num_tokens - res.prefix_len)
+        d.metrics.tokens.labels(kind="generated").inc()  # the first token, sampled here
+        log.info("prefill done request_id=%s prompt_tokens=%d pages=%d seconds=%.4f", res.request_id,
+                 res.num_tokens, len(res.pages), time.perf_counter() - start,
+                 extra={"request_id": res.request_id})
         return lanekv_pb2.PrefillReply(
             request_id=res.request_id,
             first_token=res.first_token,
@@ -207,3 +299,22 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             endpoints=list(d.topology.endpoints),
             timings=res.timings,
         )
+
+    def _prefill(self, request, request_id: str | None, remaining: float | None) -> PrefillResult:
+        d = self.d
+        ids = prompt_from_proto(request, d.tokenizer, d.vocab_size, d.max_tokens)
+        inp = PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id)
+        try:
+            return d.prefill(inp, timeout_s=remaining)
+        except OutOfPagesError as err:
+            raise Refusal(Code.RESOURCE_EXHAUSTED, f"prefill pool: {err}") from err
+        except RankDiedError as err:
+            raise Refusal(Code.UNAVAILABLE, f"prefill ranks are down: {err}") from err
+        except futures.TimeoutError as err:
+            raise Refusal(Code.DEADLINE_EXCEEDED, "prefill did not finish within the deadline") from err
+
+
+def _describe(security: SecurityConfig) -> str:
+    """How a port is protected, for the start-up line (never the token itself)."""
+    tls = "mutual TLS" if security.require_client_cert else "TLS" if security.tls else "plaintext"
+    return f"{tls}{' + token' if security.token else ''}"

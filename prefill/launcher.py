@@ -26,7 +26,7 @@ import torch
 from prefill.allocator import LaneAllocator
 from prefill.engine_config import EngineConfig
 from prefill.plan import plan_batch
-from prefill.rank_worker import rank_main
+from prefill.rank_worker import TransferServing, rank_main
 from prefill.runner import PrefillBatch, RankResult
 from prefill.sampling import SamplingParams
 
@@ -180,7 +180,7 @@ class CPPrefillEngine(PrefillEngine):
     ``RankDiedError`` naming it.
     """
 
-    def __init__(self, config: EngineConfig, *, serve_transfer: tuple[str, int] | None = None,
+    def __init__(self, config: EngineConfig, *, serve_transfer: TransferServing | tuple[str, int] | None = None,
                  on_event: Callable[[int, Any], None] | None = None) -> None:
         self.config = config
         self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)

@@ -6,21 +6,71 @@ import os
 import queue
 import traceback
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
+import grpc
 import torch
 import torch.distributed as dist
 
+from lanekv.metrics import Registry, lanekv_metrics
 from prefill.checkpoint import LoadedModel
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from prefill.page_source import RankPageSource
 from prefill.runner import RankRunner
 from transfer.contract import Agreement, Topology
+from transfer.security import SecurityConfig
 from transfer.server import serve
+from transfer.status import TRANSFER_SERVICE
 
-# How often an idle rank checks that its parent is still alive.
+# How often an idle rank checks that its parent is still alive (and reports its call counts).
 _POLL_S = 1.0
+# A stopping rank lets open FetchKV streams finish this long.
+_STOP_GRACE_S = 1.0
+# What a rank's server answers; RpcMetricsInterceptor counts unknown methods as 'unknown'.
+_RANK_METHODS = (
+    *((TRANSFER_SERVICE, method) for method in ("Handshake", "FetchKV", "Release")),
+    ("grpc.health.v1.Health", "Check"),
+    ("grpc.health.v1.Health", "Watch"),
+    ("unknown", "unknown"),
+)
+
+
+class TransferServing(NamedTuple):
+    """How each rank serves KVTransfer: rank r binds ``host:port_base + r`` (any free port when 0)."""
+
+    host: str
+    port_base: int
+    security: SecurityConfig = SecurityConfig()
+
+
+class RpcReporter:
+    """A rank's gRPC calls by method and code, sent to the parent as running totals.
+
+    The rank's server counts into its own registry (nobody scrapes a rank);
+    ``report`` sends ``("rpcs", "", {(service, method, code): total})`` through
+    the result queue whenever the totals changed, and the parent adds the
+    differences to its own ``lanekv_requests_total``.
+    """
+
+    def __init__(self, rank: int, results: Any) -> None:
+        self._rank, self._results = rank, results
+        self._metrics = lanekv_metrics(Registry())
+        self._sent: dict[tuple[str, str, str], float] = {}
+
+    def interceptor(self) -> grpc.ServerInterceptor:
+        return self._metrics.interceptor()
+
+    def report(self) -> None:
+        totals = {}
+        for service, method in _RANK_METHODS:
+            for code in grpc.StatusCode:
+                value = self._metrics.requests.labels(service=service, method=method, code=code.name).value
+                if value:
+                    totals[service, method, code.name] = value
+        if totals != self._sent:
+            self._sent = totals
+            self._results.put(("event", self._rank, None, ("rpcs", "", totals)))
 
 
 def rank_main(
@@ -29,20 +79,25 @@ def rank_main(
     port: int,
     commands: Any,
     results: Any,
-    serve_transfer: tuple[str, int] | None = None,
+    serve_transfer: TransferServing | tuple[str, int] | None = None,
 ) -> None:
     parent = os.getppid()
+    reporter = None
     try:
         runner = _start(rank, config, port)
         info = describe(runner, config)
         if serve_transfer is not None:
-            info.update(_serve_transfer(runner, config, rank, serve_transfer, results))
+            reporter = RpcReporter(rank, results)
+            where = TransferServing(*serve_transfer)
+            info.update(_serve_transfer(runner, config, rank, where, results, reporter))
         results.put(("ready", rank, None, info))
     except Exception:  # report start-up failures to the parent, then exit
         results.put(("error", rank, None, traceback.format_exc()))
         return
     try:
         while True:
+            if reporter is not None:
+                reporter.report()
             try:
                 op, seq, payload = commands.get(timeout=_POLL_S)
             except queue.Empty:
@@ -58,7 +113,7 @@ def rank_main(
     finally:
         served = getattr(runner, "transfer_server", None)
         if served is not None:
-            served.server.stop(grace=1.0)
+            served.stop(_STOP_GRACE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -141,9 +196,13 @@ def handle(runner: RankRunner, op: str, payload: Any) -> Any:
 
 
 def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
-                    where: tuple[str, int], results: Any) -> dict:
-    """Start this rank's KVTransfer server over its own pool; its endpoint and fingerprint."""
-    host, port_base = where
+                    where: TransferServing, results: Any, reporter: RpcReporter) -> dict:
+    """Start this rank's KVTransfer server over its own pool; its endpoint and fingerprint.
+
+    Releases and finished fetches go to the parent as events:
+    ``("released", request_id, logical pages)`` and
+    ``("fetched", request_id, (payload bytes, seconds))``.
+    """
     agreement = Agreement.from_model(
         runner.model.config.contract_fields(), runner.weights_digest, config.torch_dtype, config.page_size
     )
@@ -151,6 +210,13 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
     def on_release(request_id: str, pages: list[int]) -> None:
         results.put(("event", rank, None, ("released", request_id, pages)))
 
+    def on_fetched(request_id: str, nbytes: int, seconds: float) -> None:
+        results.put(("event", rank, None, ("fetched", request_id, (nbytes, seconds))))
+
     runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release)
-    runner.transfer_server = serve(runner.page_source, host, port_base + rank if port_base else 0)
-    return dict(endpoint=f"{host}:{runner.transfer_server.port}", agreement=agreement.encode())
+    port = where.port_base + rank if where.port_base else 0
+    runner.transfer_server = serve(
+        runner.page_source, where.host, port, security=where.security,
+        interceptors=[reporter.interceptor()], on_fetched=on_fetched,
+    )
+    return dict(endpoint=f"{where.host}:{runner.transfer_server.port}", agreement=agreement.encode())

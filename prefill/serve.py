@@ -1,4 +1,8 @@
-"""``lanekv prefill``: start the daemon, serve until SIGINT/SIGTERM, shut down cleanly."""
+"""``lanekv prefill``: start the daemon, serve until SIGINT/SIGTERM, shut down cleanly.
+
+Exit codes: 0 after a clean shutdown, 1 when start-up fails (a busy port, a
+rank that failed to start), 2 for bad arguments.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from prefill.launcher import RankDiedError
+from transfer.security import SecurityConfig
 
 log = logging.getLogger("lanekv.prefill")
 
@@ -24,12 +29,12 @@ def main(args: argparse.Namespace) -> int:
             load_format=args.load_format,
         )
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,
-                              lease_s=args.lease_s, batch_wait_ms=args.batch_wait_ms)
-    except ValueError as err:
+                              lease_s=args.lease_s, batch_wait_ms=args.batch_wait_ms,
+                              metrics_port=getattr(args, "metrics_port", None),
+                              security=SecurityConfig.from_args(args))
+    except (ValueError, TypeError) as err:
         print(f"lanekv prefill: {err}", file=sys.stderr)
         return 2
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("binding %s without TLS: anyone who reaches this address can read KV pages", args.host)
     try:
         daemon = PrefillDaemon(engine, config)
     except (OSError, RankDiedError, ValueError) as err:
@@ -40,7 +45,9 @@ def main(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     if args.ready_file:
         Path(args.ready_file).write_text(daemon.endpoint)
-    print(f"lanekv prefill serving on {daemon.endpoint} (ranks: {', '.join(daemon.topology.endpoints)})", flush=True)
+    metrics = f"; metrics: http://{config.host}:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
+    print(f"lanekv prefill serving on {daemon.endpoint} (ranks: {', '.join(daemon.topology.endpoints)}){metrics}",
+          flush=True)
     stop.wait()
     log.info("shutting down: draining queued prefills, stopping ranks")
     daemon.stop()

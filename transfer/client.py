@@ -21,7 +21,8 @@ import torch
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, FieldDiff, LayoutContract, diff
-from transfer.status import CONTRACT_METADATA_KEY, grpc_options
+from transfer.security import SecurityConfig, open_channel
+from transfer.status import CONTRACT_METADATA_KEY
 from transfer.wire import ChunkHeader, checksum, payload_to_tensor, split_chunk
 
 FETCH_METHOD = "/lanekv.v1.KVTransfer/FetchKV"
@@ -105,9 +106,14 @@ class _Chunk(NamedTuple):
 
 
 class KVClient:
-    """Channels to transfer servers, opened once per endpoint and reused by every call."""
+    """Channels to transfer servers, opened once per endpoint and reused by every call.
 
-    def __init__(self) -> None:
+    ``security`` says how every channel speaks: TLS, a client certificate and
+    the token (``transfer.security``); None: plaintext without a token.
+    """
+
+    def __init__(self, security: SecurityConfig | None = None) -> None:
+        self.security = SecurityConfig() if security is None else security
         self._channels: dict[str, grpc.Channel] = {}
         self._lock = threading.Lock()
 
@@ -126,7 +132,7 @@ class KVClient:
     def channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             if endpoint not in self._channels:
-                self._channels[endpoint] = grpc.insecure_channel(endpoint, options=grpc_options())
+                self._channels[endpoint] = open_channel(endpoint, self.security)
             return self._channels[endpoint]
 
     def stub(self, endpoint: str) -> lanekv_pb2_grpc.KVTransferStub:
@@ -312,9 +318,15 @@ def _receive(
         ready.put(_Chunk(rank, None, None, err))
 
 
-def handshake(endpoint: str, contract: Agreement | LayoutContract, timeout: float = 10.0) -> str:
+def handshake(
+    endpoint: str,
+    contract: Agreement | LayoutContract,
+    timeout: float = 10.0,
+    *,
+    security: SecurityConfig | None = None,
+) -> str:
     """Check our contract against a server's; return the agreed fingerprint or raise ``ContractMismatch``."""
-    with KVClient() as client:
+    with KVClient(security) as client:
         return client.handshake(endpoint, contract, timeout).fingerprint
 
 
@@ -327,9 +339,10 @@ def fetch_kv(
     max_inflight_bytes: int = 256 << 20,
     max_chunk_bytes: int = 0,
     timeout: float = 60.0,
+    security: SecurityConfig | None = None,
 ) -> FetchStats:
     """One-shot ``KVClient.fetch``; a daemon keeps a ``KVClient`` to reuse its channels."""
-    with KVClient() as client:
+    with KVClient(security) as client:
         return client.fetch(
             endpoints,
             request_id,
@@ -342,7 +355,12 @@ def fetch_kv(
 
 
 def release(
-    endpoints: Mapping[int, str], request_id: str, fingerprint: str, timeout: float = 10.0
+    endpoints: Mapping[int, str],
+    request_id: str,
+    fingerprint: str,
+    timeout: float = 10.0,
+    *,
+    security: SecurityConfig | None = None,
 ) -> int:
-    with KVClient() as client:
+    with KVClient(security) as client:
         return client.release(endpoints, request_id, fingerprint, timeout)

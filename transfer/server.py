@@ -9,10 +9,11 @@ agreement's fingerprint again.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import NamedTuple, Protocol
+from typing import NamedTuple, Protocol, TypeVar
 
 import grpc
 import torch
@@ -20,13 +21,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, LayoutContract, Topology, agreement_of, diff, format_diff
+from transfer.security import SecurityConfig, bind, make_server
 from transfer.status import (
     CONTRACT_METADATA_KEY,
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES_LIMIT,
     TRANSFER_SERVICE,
     Refusal,
-    grpc_options,
     refusals,
 )
 from transfer.wire import (
@@ -40,6 +41,9 @@ from transfer.wire import (
 )
 
 Code = grpc.StatusCode
+T = TypeVar("T")
+# Called when a FetchKV stream has sent its last chunk: (request_id, payload bytes, seconds).
+OnFetched = Callable[[str, int, float], None]
 
 
 class PageSource(Protocol):
@@ -74,6 +78,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         *,
         default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_chunk_bytes: int = MAX_CHUNK_BYTES_LIMIT,
+        on_fetched: OnFetched | None = None,
     ) -> None:
         # The contract is read from the source at every call: the topology may
         # be completed after the server starts (endpoints are known only once
@@ -81,6 +86,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._source = source
         self._default_chunk_bytes = default_chunk_bytes
         self._max_chunk_bytes = max_chunk_bytes
+        self._on_fetched = on_fetched
 
     def Handshake(self, request, context):
         with refusals(context):
@@ -103,11 +109,13 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
     def FetchKV(self, request, context):
         with refusals(context):
+            start = time.perf_counter()
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
             chunks = self._plan(request, agreement)
+            sent_bytes = 0
 
-            def message(seq: int) -> bytes:
+            def message(seq: int) -> tuple[bytes, int]:
                 chunk, physical = chunks[seq]
                 payload = self._source.read(physical, chunk.layer_start, chunk.layer_end)
                 # A release racing this fetch may have recycled the pages under
@@ -122,9 +130,13 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     chunk.pages,
                     payload,
                 )
-                return self.frame(header, data)
+                return self.frame(header, data), header.nbytes
 
-            yield from _one_ahead(message, len(chunks))
+            for framed, nbytes in _one_ahead(message, len(chunks)):
+                yield framed
+                sent_bytes += nbytes
+            if self._on_fetched is not None:
+                self._on_fetched(request.request_id, sent_bytes, time.perf_counter() - start)
 
     def Release(self, request, context):
         with refusals(context):
@@ -211,7 +223,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 LOOKAHEAD = 3
 
 
-def _one_ahead(produce: Callable[[int], bytes], count: int) -> Iterator[bytes]:
+def _one_ahead(produce: Callable[[int], T], count: int) -> Iterator[T]:
     """Yield ``produce(0)``, ..., ``produce(count - 1)`` in order, building the next
     ``LOOKAHEAD`` while gRPC sends the current one (a send blocks the handler thread)."""
     if count == 0:
@@ -274,28 +286,41 @@ def add_transfer_service(server: grpc.Server, service: KVTransferService) -> Non
 class Served(NamedTuple):
     server: grpc.Server
     port: int
+    health: health.HealthServicer
+
+    def stop(self, grace_s: float) -> None:
+        """Say NOT_SERVING, then let open streams finish for ``grace_s`` and stop."""
+        self.health.enter_graceful_shutdown()
+        self.server.stop(grace_s).wait(grace_s + 1.0)
 
 
 def serve(
-    source: PageSource, host: str = "127.0.0.1", port: int = 0, *, max_workers: int = 16
+    source: PageSource,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    *,
+    max_workers: int = 16,
+    security: SecurityConfig | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    on_fetched: OnFetched | None = None,
 ) -> Served:
     """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
 
-    Each open FetchKV stream holds one of ``max_workers`` threads.
+    Each open FetchKV stream holds one of ``max_workers`` threads. ``security``
+    sets TLS and the token (``transfer.security``; None: plaintext, no token); ``interceptors`` go
+    outside the token check (metrics). Raises ``OSError`` naming
+    ``host:port`` when the port cannot be bound.
     """
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers), options=grpc_options()
-    )
-    add_transfer_service(server, KVTransferService(source))
+    security = SecurityConfig() if security is None else security
+    server = make_server(security, max_workers, interceptors=interceptors)
+    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched))
     checker = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise RuntimeError(f"could not bind the transfer server to {host}:{port}")
+    bound = bind(server, host, port, security)
     server.start()
     for service in ("", TRANSFER_SERVICE):
         checker.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return Served(server, bound)
+    return Served(server, bound, checker)
 
 
 class TensorPageSource:
