@@ -400,7 +400,10 @@ class DecodeDaemon:
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Drain: say NOT_SERVING, refuse new calls, let open streams finish for
-        ``grace_s``, then end them. A second call does nothing."""
+        ``grace_s``, then end them. A second call does nothing.
+
+        An open health Watch is an open call too: it holds the stop for ``grace_s``.
+        """
         with self._lock:
             if self._stopped:
                 return

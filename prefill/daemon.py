@@ -245,7 +245,8 @@ class PrefillDaemon:
     def stop(self, grace_s: float = 5.0) -> None:
         """Drain: say NOT_SERVING, refuse new calls, finish what is queued, stop the ranks.
 
-        A second call does nothing.
+        A second call does nothing. An open health Watch is an open call too:
+        it holds the stop for ``grace_s``.
         """
         with self._lock:
             if self._stopped:

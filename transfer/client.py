@@ -1,7 +1,7 @@
 """The decode side of KV transfer: handshake, concurrent fetch from every owner rank, release.
 
 ``fetch_kv`` opens one stream per owner rank, each drained by its own thread
-that decodes and verifies every chunk (header checks, CRC-32). Verified
+that decodes and verifies every chunk (header checks, XXH3-64). Verified
 chunks queue up for the calling thread, which alone runs ``place``, so a
 ``place`` that writes a GPU pool needs no locking. A byte budget bounds what
 has been received but not yet placed; a receiver that would exceed it stops
@@ -44,7 +44,7 @@ class ContractMismatch(TransferError):
 class ChecksumError(TransferError):
     def __init__(self, request_id: str, rank: int, seq: int) -> None:
         super().__init__(
-            f"request {request_id!r}: chunk {seq} from rank {rank} failed its CRC-32 check"
+            f"request {request_id!r}: chunk {seq} from rank {rank} failed its checksum"
         )
         self.request_id, self.rank, self.seq = request_id, rank, seq
 
