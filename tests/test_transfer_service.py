@@ -357,7 +357,10 @@ def test_release_during_fetch_stops_the_stream(start_cluster):
             max_chunk_bytes=11 * PAGE_LAYER_BYTES, timeout=TIMEOUT,
         )  # fmt: skip
     assert caught.value.code == grpc.StatusCode.NOT_FOUND and "released" in caught.value.details
-    assert [h.layer_start for h in log] == [0]
+    # Chunks are built a few ahead: the release may land before chunk 0's own
+    # ownership check, so chunk 0 may be refused too; nothing read after the
+    # release is ever placed.
+    assert [h.layer_start for h in log] in ([], [0])
 
 
 def test_handshake_before_topology_is_unavailable():
