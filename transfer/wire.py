@@ -118,11 +118,18 @@ def check_keys(what: str, value: dict, expected: Sequence[str]) -> None:
 
 @contextmanager
 def untrusted(what: str) -> Iterator[None]:
-    """Report every rejection of untrusted input as ValueError (a TypeError names a wrong type)."""
+    """Report every rejection of untrusted input as ValueError (a TypeError names a wrong type).
+
+    msgpack decodes maps nested up to ~1000 deep; code that walks the decoded
+    value recursively (freezing a contract, say) runs out of Python's stack far
+    sooner, and that too is a rejection of the input, not a failure of ours.
+    """
     try:
         yield
     except TypeError as err:
         raise ValueError(f"{what}: {err}") from err
+    except RecursionError as err:
+        raise ValueError(f"{what}: nested too deeply") from err
 
 
 def checksum(data: bytes | memoryview) -> int:
