@@ -15,10 +15,20 @@ from transfer.status import Refusal
 from transfer.wire import MAX_REQUEST_ID_LEN
 
 Code = grpc.StatusCode
+# The smallest temperature that samples: below it logits / temperature can
+# overflow float32 to inf, the sampler's probabilities turn NaN and sampling
+# raises inside the CP rank, which stops the prefill daemon. Such a
+# temperature is greedy in all but name; 0 says greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 def sampling_from_proto(msg) -> SamplingParams:
     """``lanekv.v1.SamplingParams`` -> ``SamplingParams`` (all-zero message = greedy)."""
+    if 0 < msg.temperature < MIN_TEMPERATURE:
+        raise Refusal(
+            Code.INVALID_ARGUMENT,
+            f"sampling: temperature={msg.temperature!r} must be 0 (greedy) or at least {MIN_TEMPERATURE}",
+        )
     try:
         return SamplingParams(
             temperature=float(msg.temperature),
