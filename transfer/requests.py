@@ -7,7 +7,10 @@ naming the field and the value.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import grpc
+from google.protobuf.message import DecodeError
 
 from prefill.sampling import SamplingParams
 from prefill.tokenizer import Tokenizer
@@ -87,3 +90,42 @@ def request_id_from_proto(request) -> str | None:
             f"request_id must be 1..{MAX_REQUEST_ID_LEN} printable characters, got {rid!r:.80}",
         )
     return rid
+
+
+class _Unparsable(NamedTuple):
+    """Stands for a request message that did not parse, until the handler refuses it."""
+
+    error: str
+
+
+class MalformedRequestInterceptor(grpc.ServerInterceptor):
+    """Refuse request bytes that are not the method's protobuf message with INVALID_ARGUMENT.
+
+    gRPC itself answers such a call with INTERNAL ('Exception deserializing
+    request!'), the code of a server bug. Install it inside any interceptor
+    that counts calls, so those see the refusal's code.
+    """
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, handler_call_details.method
+
+        def lenient(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except DecodeError as err:
+                return _Unparsable(str(err))
+
+        if handler.response_streaming:
+            behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        else:
+            behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+
+        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            if isinstance(request, _Unparsable):
+                context.abort(Code.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
+            return behavior(request, context)
+
+        return make(checked, request_deserializer=lenient, response_serializer=handler.response_serializer)
