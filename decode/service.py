@@ -169,6 +169,11 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         wait_s = min(d.config.page_wait_s, _left(deadline))
         if not d.budget.acquire(pages, wait_s, call.abandoned):
             _check_alive(call)
+            if wait_s < d.config.page_wait_s:  # the deadline ended the wait, not the pool's limit
+                raise Refusal(
+                    Code.DEADLINE_EXCEEDED,
+                    f"the deadline passed after {wait_s:.1f}s of waiting for {pages} pages of a full decode pool",
+                )
             raise Refusal(
                 Code.RESOURCE_EXHAUSTED,
                 f"the decode pool stayed full for {wait_s:.1f}s ({pages} of {d.pool.num_pages} pages wanted)",

@@ -10,6 +10,7 @@ no CP, no transfer, the requests of one length batched together.
 
 from __future__ import annotations
 
+import collections
 import random
 import sys
 import threading
@@ -28,7 +29,8 @@ from decode.pool import PagePool
 from prefill.checkpoint import load_model
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
-from prefill.sampling import SamplingParams
+from prefill.model import causal_attention
+from prefill.sampling import SamplingParams, sample
 from proto import lanekv_pb2 as pb
 from proto import lanekv_pb2_grpc
 from tests.checkpoints import VOCAB_SIZE, write_llama
@@ -40,6 +42,7 @@ PAGES_PER_LANE = 256  # the prefill pools hold 512 pages = 2048 tokens
 LOAD_POOL = 480  # < the prefill pools: whatever decode admits, prefill has pages for
 TIGHT_POOL = 320
 STREAMS = 128
+DEFAULT_TIMEOUT_S = 120.0
 # Greedy on write_llama's weights this prompt runs 900 tokens without an end-of-sequence token.
 LONG = ([11, 12, 13, 14, 15], 900)  # (5 + 899) / 4 = 226 of the tight pool's 320 pages
 
@@ -49,7 +52,8 @@ class Job(NamedTuple):
     prompt: list[int]
     sampling: SamplingParams
     max_new_tokens: int
-    cancel_after: int | None = None  # the client cancels once it holds this many tokens
+    cancel_after: int | None = None  # the client cancels once it holds this many tokens (0: at once)
+    timeout_s: float = DEFAULT_TIMEOUT_S  # the client's deadline
 
     def request(self) -> pb.GenerateRequest:
         return pb.GenerateRequest(token_ids=pb.TokenIds(ids=self.prompt), max_new_tokens=self.max_new_tokens,
@@ -88,24 +92,73 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
         prefill.stop()
 
 
-def _references(checkpoint: str, jobs: Sequence[Job]) -> dict[str, list[int]]:
-    """Each job's output from a colocated run, jobs of one max_new_tokens batched together."""
-    loaded = load_model(checkpoint)
-    out = {}
-    for max_new in sorted({job.max_new_tokens for job in jobs}):
-        group = [job for job in jobs if job.max_new_tokens == max_new]
-        pool = PagePool.for_model(loaded.config, 2048, PAGE_SIZE, torch.float32, torch.device("cpu"))
-        outputs = generate_colocated(loaded.model, pool, [job.prompt for job in group],
-                                     [job.sampling for job in group], max_new)
-        out.update((job.request_id, tokens) for job, tokens in zip(group, outputs))
-    return out
+class Reference:
+    """Colocated outputs of jobs, and the judge of a daemon's output against them.
+
+    Batching changes the order of float sums, so two runs of one request may
+    pick different tokens where two logits tie within float noise (seen: a gap
+    of 1e-6 between the top two). An output that differs from the reference
+    passes only if, at its first differing token, nudging the reference's logits
+    by ``TIE`` makes the sampler pick the daemon's token; what follows that
+    token cannot be compared. A corrupted KV page moves logits far more.
+    """
+
+    TIE = 1e-3
+
+    def __init__(self, checkpoint: str) -> None:
+        self.loaded = load_model(checkpoint)
+        self.outputs: dict[str, list[int]] = {}
+        self.ties = 0
+
+    def run(self, jobs: Sequence[Job]) -> None:
+        """Generate every job, those of one max_new_tokens batched together."""
+        config, model = self.loaded.config, self.loaded.model
+        for max_new in sorted({job.max_new_tokens for job in jobs}):
+            group = [job for job in jobs if job.max_new_tokens == max_new]
+            pool = PagePool.for_model(config, 2048, PAGE_SIZE, torch.float32, torch.device("cpu"))
+            outputs = generate_colocated(model, pool, [job.prompt for job in group],
+                                         [job.sampling for job in group], max_new)
+            self.outputs.update((job.request_id, tokens) for job, tokens in zip(group, outputs))
+
+    def mismatch(self, job: Job, got: list[int], complete: bool = True) -> str | None:
+        """None if ``got`` (all of a finished stream, or the start of one) agrees with the reference."""
+        want = self.outputs[job.request_id]
+        k = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+        if k is None:
+            if len(got) > len(want) or (complete and len(got) != len(want)):
+                return f"{len(got)} tokens where the reference has {len(want)}"
+            return None
+        logits = self._logits(job.prompt + want[:k])
+        for token, nudge in ((got[k], self.TIE), (want[k], -self.TIE)):
+            nudged = logits.clone()
+            nudged[token] += nudge
+            if int(sample(nudged[None], [job.sampling], k)[0]) == got[k]:
+                self.ties += 1
+                return None
+        return (f"token {k} is {got[k]} where the reference has {want[k]} "
+                f"(logits {logits[got[k]].item():.6f} and {logits[want[k]].item():.6f})")
+
+    def _logits(self, ids: list[int]) -> torch.Tensor:
+        model = self.loaded.model
+        scale = model.config.softmax_scale
+        with torch.inference_mode():
+            hidden = model(torch.tensor(ids), torch.arange(len(ids)),
+                           lambda layer, q, k, v: causal_attention(q, k, v, scale))
+            return model.compute_logits(hidden[-1:])[0]
+
+
+@pytest.fixture(scope="module")
+def reference(rig) -> Reference:
+    return Reference(rig.checkpoint)
 
 
 def _run(daemon: DecodeDaemon, job: Job, started: threading.Event | None = None) -> Outcome:
     """One Generate stream to its end, or cancelled by the client at ``job.cancel_after`` tokens."""
     tokens: list[int] = []
     with grpc.insecure_channel(daemon.endpoint) as channel:
-        call = lanekv_pb2_grpc.DecodeServiceStub(channel).Generate(job.request(), timeout=120)
+        call = lanekv_pb2_grpc.DecodeServiceStub(channel).Generate(job.request(), timeout=job.timeout_s)
+        if job.cancel_after == 0:
+            call.cancel()
         try:
             for reply in call:
                 tokens += reply.token_ids
@@ -123,7 +176,9 @@ def _run_all(daemon: DecodeDaemon, jobs: Sequence[Job]) -> list[Outcome]:
         return list(pool.map(lambda job: _run(daemon, job), jobs))
 
 
-def _jobs(seed: int, count: int, cancel_share: float) -> list[Job]:
+def _jobs(seed: int, count: int) -> list[Job]:
+    """Mixed prompts, lengths, greedy and seeded sampling; of every ten streams two are
+    cancelled midway, one at once and one has a deadline that may end it at any step."""
     rng = random.Random(seed)
     jobs = []
     for i in range(count):
@@ -132,8 +187,15 @@ def _jobs(seed: int, count: int, cancel_share: float) -> list[Job]:
         sampling = SamplingParams() if i % 2 else SamplingParams(
             temperature=rng.choice([0.7, 1.0]), top_k=rng.choice([0, 40]), top_p=rng.choice([1.0, 0.9]),
             seed=rng.randrange(2**63))
-        cancel = rng.randint(1, max_new - 1) if rng.random() < cancel_share else None
-        jobs.append(Job(f"load-{seed}-{i}", prompt, sampling, max_new, cancel))
+        job = Job(f"load-{seed}-{i}", prompt, sampling, max_new)
+        kind = rng.randrange(10)
+        if kind < 2:
+            job = job._replace(cancel_after=rng.randint(1, max_new - 1))
+        elif kind == 2:
+            job = job._replace(cancel_after=0)
+        elif kind == 3:
+            job = job._replace(timeout_s=rng.uniform(0.01, 1.0))
+        jobs.append(job)
     return jobs
 
 
@@ -170,36 +232,32 @@ def _busy_threads() -> set[int]:
 
 
 @pytest.mark.timeout(120)
-def test_concurrent_streams_with_cancellations_equal_their_sequential_runs(rig):
-    jobs = _jobs(seed=3, count=STREAMS, cancel_share=0.2)
-    want = _references(rig.checkpoint, jobs)
+def test_concurrent_streams_with_cancellations_equal_their_sequential_runs(rig, reference):
+    jobs = _jobs(seed=3, count=STREAMS)
+    reference.run(jobs)
     assert _wait_until(lambda: _settled(rig))
     threads_before = _busy_threads()
     before = rig.load.stats()
 
     outcomes = _run_all(rig.load, jobs)
 
-    cancelled = 0
+    ended = collections.Counter(out.code for out in outcomes)
     for job, out in zip(jobs, outcomes):
-        reference = want[job.request_id]
-        if job.cancel_after is None:
-            assert (out.code, out.tokens) == (Code.OK, reference), (job, out.details)
-        else:  # the stream may have ended before the cancel arrived
-            assert out.code in (Code.OK, Code.CANCELLED), (job, out.details)
-            assert out.tokens == reference[: len(out.tokens)], job
-            cancelled += out.code == Code.CANCELLED
-    assert cancelled >= STREAMS // 10
+        if job.cancel_after is None and job.timeout_s == DEFAULT_TIMEOUT_S:
+            assert out.code == Code.OK, (job.request_id, out)
+        else:  # the stream may have ended before the cancel or the deadline arrived
+            assert out.code in (Code.OK, Code.CANCELLED, Code.DEADLINE_EXCEEDED), (job.request_id, out)
+        assert reference.mismatch(job, out.tokens, complete=out.code == Code.OK) is None, (job.request_id, out)
+    assert ended[Code.CANCELLED] >= STREAMS // 10, ended
+    assert reference.ties <= STREAMS // 16, "float noise should decide only rare tokens"
     assert _wait_until(lambda: _settled(rig)), (rig.load.stats(), rig.prefill.engine.allocator.free_counts())
-    after = rig.load.stats()
-    assert after.finished - before.finished == STREAMS - cancelled
-    assert after.cancelled - before.cancelled == cancelled
-    assert after.refused == before.refused
+    assert rig.load.stats().finished - before.finished >= ended[Code.OK]
     assert _wait_until(lambda: _busy_threads() == threads_before), (
         [t.name for t in threading.enumerate() if t.ident in _busy_threads() - threads_before])
 
 
 @pytest.mark.timeout(120)
-def test_a_full_decode_pool_refuses_without_corrupting_the_running(rig):
+def test_a_full_decode_pool_refuses_without_corrupting_the_running(rig, reference):
     rng = random.Random(5)
     long = Job("long", LONG[0], SamplingParams(), LONG[1])
     # 5 pages each: they fit beside the long one (94 pages free)
@@ -208,8 +266,8 @@ def test_a_full_decode_pool_refuses_without_corrupting_the_running(rig):
     # 100 pages each: they cannot, while the long one runs
     big = [Job(f"big-{i}", [rng.randrange(3, VOCAB_SIZE) for _ in range(40)], SamplingParams(), 361)
            for i in range(4)]
-    want = _references(rig.checkpoint, [long, *small])
-    assert len(want["long"]) == LONG[1]  # no early end-of-sequence: it holds its pages throughout
+    reference.run([long, *small])
+    assert len(reference.outputs["long"]) == LONG[1]  # no early end-of-sequence: it holds its pages throughout
     before = rig.tight.stats()
 
     started = threading.Event()
@@ -218,57 +276,56 @@ def test_a_full_decode_pool_refuses_without_corrupting_the_running(rig):
         assert started.wait(60)
         small_out = _run_all(rig.tight, small)
         big_out = _run_all(rig.tight, big)
+        # Its deadline, not the pool's wait limit, ends this one's wait.
+        late_out = _run(rig.tight, big[0]._replace(request_id="late", timeout_s=0.15))
         long_out = running.result(timeout=120)
 
-    assert (long_out.code, long_out.tokens) == (Code.OK, want["long"]), long_out.details
-    for job, out in zip(small, small_out):
-        assert (out.code, out.tokens) == (Code.OK, want[job.request_id]), (job, out.details)
+    for job, out in [(long, long_out), *zip(small, small_out)]:
+        assert out.code == Code.OK, (job.request_id, out)
+        assert reference.mismatch(job, out.tokens) is None, (job.request_id, out)
     for out in big_out:
         assert out.code == Code.RESOURCE_EXHAUSTED and "stayed full" in out.details, out
         assert out.tokens == []
+    assert late_out.code == Code.DEADLINE_EXCEEDED, late_out
     assert _wait_until(lambda: _settled(rig)), rig.tight.stats()
     after = rig.tight.stats()
-    assert (after.finished - before.finished, after.refused - before.refused) == (1 + len(small), len(big))
+    assert (after.finished - before.finished, after.refused - before.refused) == (1 + len(small), len(big) + 1)
 
 
 @pytest.mark.timeout(120)
-def test_full_prefill_pools_refuse_without_corrupting_the_pinned(rig):
+def test_full_prefill_pools_refuse_without_corrupting_the_pinned(rig, reference):
     rng = random.Random(6)
     # Two pinned prompts of 1000 tokens hold 500 of the 512 prefill pages (6 left per lane).
     pinned = [[rng.randrange(3, VOCAB_SIZE) for _ in range(1000)] for _ in range(2)]
     flood = [Job(f"flood-{i}", [rng.randrange(3, VOCAB_SIZE) for _ in range(60)], SamplingParams(), 6)
              for i in range(8)]  # 15 prefill pages each: more than is left
     fits = Job("fits", [7, 8, 9, 10, 11, 12], SamplingParams(temperature=1.0, seed=9), 6)  # 2 pages
-    want = _references(rig.checkpoint, [*flood, fits])
+    reference.run([*flood, fits])
     with grpc.insecure_channel(rig.prefill.endpoint) as channel:
         stub = lanekv_pb2_grpc.PrefillServiceStub(channel)
         replies = [stub.Prefill(pb.PrefillRequest(token_ids=pb.TokenIds(ids=ids), request_id=f"pin-{i}"),
                                 timeout=120) for i, ids in enumerate(pinned)]
-    with grpc.insecure_channel(replies[0].endpoints[0]) as rank0:
-        held = [list(lanekv_pb2_grpc.KVTransferStub(rank0).FetchKV(
-            pb.FetchRequest(request_id=r.request_id, fingerprint=r.contract_fingerprint), timeout=60))
-            for r in replies]
+    rank0_channel = grpc.insecure_channel(replies[0].endpoints[0])
+    rank0 = lanekv_pb2_grpc.KVTransferStub(rank0_channel)
+    fetches = [pb.FetchRequest(request_id=r.request_id, fingerprint=r.contract_fingerprint) for r in replies]
+    held = [list(rank0.FetchKV(request, timeout=60)) for request in fetches]
 
     outcomes = _run_all(rig.load, [*flood, fits])
     for out in outcomes[:-1]:
         assert out.code == Code.RESOURCE_EXHAUSTED and "prefill pool" in out.details, out
-    assert (outcomes[-1].code, outcomes[-1].tokens) == (Code.OK, want["fits"]), outcomes[-1].details
+    assert outcomes[-1].code == Code.OK and reference.mismatch(fits, outcomes[-1].tokens) is None, outcomes[-1]
     assert rig.load.stats().reserved_pages == 0  # refused by prefill: the decode pages came back
 
-    # The pinned pages are as they were; released, the refused requests run.
-    with grpc.insecure_channel(replies[0].endpoints[0]) as rank0:
-        kv = lanekv_pb2_grpc.KVTransferStub(rank0)
-        for reply, chunks in zip(replies, held):
-            request = pb.FetchRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint)
-            assert list(kv.FetchKV(request, timeout=60)) == chunks
+    # The pinned pages hold what they held; released, the refused requests run.
+    assert [list(rank0.FetchKV(request, timeout=60)) for request in fetches] == held
+    rank0_channel.close()
     for reply in replies:
         for endpoint in reply.endpoints:
-            with grpc.insecure_channel(endpoint) as rank:
-                lanekv_pb2_grpc.KVTransferStub(rank).Release(
+            with grpc.insecure_channel(endpoint) as channel:
+                lanekv_pb2_grpc.KVTransferStub(channel).Release(
                     pb.ReleaseRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint),
                     timeout=30)
     assert _wait_until(lambda: _settled(rig))
-    retried = _run_all(rig.load, flood)
-    for job, out in zip(flood, retried):
-        assert (out.code, out.tokens) == (Code.OK, want[job.request_id]), (job, out.details)
+    for job, out in zip(flood, _run_all(rig.load, flood)):
+        assert out.code == Code.OK and reference.mismatch(job, out.tokens) is None, (job.request_id, out)
     assert _wait_until(lambda: _settled(rig))
