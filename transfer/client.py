@@ -1,11 +1,19 @@
 """The decode side of KV transfer: handshake, concurrent fetch from every owner rank, release.
 
-``fetch_kv`` opens one stream per owner rank, each drained by its own thread
-that decodes and verifies every chunk (header checks, XXH3-64). Verified
-chunks queue up for the calling thread, which alone runs ``place``, so a
-``place`` that writes a GPU pool needs no locking. A byte budget bounds what
-has been received but not yet placed; a receiver that would exceed it stops
-reading, and gRPC flow control then holds the server back.
+``fetch`` opens one stream per owner rank, each received by its own thread
+(``transfer.fetch.RankFetch``) that decodes and verifies every chunk (header
+checks, XXH3-64). Verified chunks queue up for the calling thread, which
+alone runs ``place``, so a ``place`` that writes a GPU pool needs no locking.
+A byte budget bounds what has been received but not yet placed; a receiver
+that would exceed it stops reading, and gRPC flow control then holds the
+server back.
+
+Under a ``RetryPolicy`` with more than one attempt, a rank's stream that
+breaks, stalls or delivers a damaged chunk is asked again for only the cells
+(layer, page) not yet received, so every cell is placed once (a caller that
+names neither the pages nor the layer end may see a cell twice after a
+retry: the same verified bytes). The default, ``NO_RETRY``, fails at the
+first error; a stalled stream is cut after ``stall_s`` either way.
 """
 
 from __future__ import annotations
@@ -13,57 +21,72 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import torch
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, FieldDiff, LayoutContract, diff
+from transfer.errors import (
+    ChecksumError,
+    ContractMismatch,
+    CorruptChunk,
+    RemoteError,
+    TransferError,
+)
+from transfer.fetch import NO_RETRY, Item, Job, RankFetch, RetryPolicy, Span
 from transfer.security import SecurityConfig, open_channel
-from transfer.status import CONTRACT_METADATA_KEY
-from transfer.wire import ChunkHeader, checksum, payload_to_tensor, split_chunk
+from transfer.server import EPOCH_METADATA_KEY
+from transfer.status import CONTRACT_METADATA_KEY, grpc_options
+from transfer.wire import ChunkHeader
+
+__all__ = [
+    "NO_RETRY",
+    "ChecksumError",
+    "ContractMismatch",
+    "CorruptChunk",
+    "FetchStats",
+    "KVClient",
+    "RankStats",
+    "RemoteError",
+    "RetryPolicy",
+    "TransferError",
+    "channel_options",
+    "fetch_kv",
+    "handshake",
+    "release",
+]
 
 FETCH_METHOD = "/lanekv.v1.KVTransfer/FetchKV"
 Place = Callable[[ChunkHeader, torch.Tensor], None]
+# Channels replaced after a broken or stalled stream stay open (calls of other
+# requests may still run on them) until this many newer ones pile up.
+MAX_RETIRED_CHANNELS = 8
 
 
-class TransferError(RuntimeError):
-    """Base of the errors a transfer raises."""
+def channel_options() -> list[tuple[str, int]]:
+    """Options of every channel a daemon opens to a peer.
 
-
-class ContractMismatch(TransferError):
-    """The server refused our contract; ``diffs`` compare ours (client) with theirs (server)."""
-
-    def __init__(self, diffs: list[FieldDiff], message: str) -> None:
-        super().__init__(message)
-        self.diffs = diffs
-
-
-class ChecksumError(TransferError):
-    def __init__(self, request_id: str, rank: int, seq: int) -> None:
-        super().__init__(
-            f"request {request_id!r}: chunk {seq} from rank {rank} failed its checksum"
-        )
-        self.request_id, self.rank, self.seq = request_id, rank, seq
-
-
-class RemoteError(TransferError):
-    """A gRPC status from a transfer server (``rank`` is None for a handshake)."""
-
-    def __init__(
-        self, rank: int | None, endpoint: str, code: grpc.StatusCode, details: str
-    ) -> None:
-        where = endpoint if rank is None else f"rank {rank} ({endpoint})"
-        super().__init__(f"{where}: {code.name}: {details}")
-        self.rank, self.endpoint, self.code, self.details = rank, endpoint, code, details
+    gRPC waits 1 s after a failed connection and grows the wait up to 120 s,
+    failing every call meanwhile: a peer that was down for a minute would stay
+    unreachable long after it came back. Capped at 2 s here.
+    """
+    return [
+        *grpc_options(),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
 
 
 class RankStats(NamedTuple):
     bytes: int
     chunks: int
     seconds: float  # from the start of the fetch to this rank's last placed chunk
+    retries: int = 0  # streams of this rank asked again after a failure
 
 
 class FetchStats(NamedTuple):
@@ -71,6 +94,7 @@ class FetchStats(NamedTuple):
     chunks: int
     seconds: float
     per_rank: dict[int, RankStats]
+    retries: int = 0
 
 
 class _ByteBudget:
@@ -98,23 +122,19 @@ class _ByteBudget:
             self._cond.notify_all()
 
 
-class _Chunk(NamedTuple):
-    rank: int
-    header: ChunkHeader | None  # None: the rank's stream ended cleanly
-    tensor: torch.Tensor | None
-    error: Exception | None
-
-
 class KVClient:
     """Channels to transfer servers, opened once per endpoint and reused by every call.
 
     ``security`` says how every channel speaks: TLS, a client certificate and
     the token (``transfer.security``); None: plaintext without a token.
+    ``retry`` is the default policy of ``fetch``.
     """
 
-    def __init__(self, security: SecurityConfig | None = None) -> None:
+    def __init__(self, security: SecurityConfig | None = None, retry: RetryPolicy = NO_RETRY) -> None:
         self.security = SecurityConfig() if security is None else security
+        self.retry = retry
         self._channels: dict[str, grpc.Channel] = {}
+        self._retired: deque[grpc.Channel] = deque()
         self._lock = threading.Lock()
 
     def __enter__(self) -> KVClient:
@@ -125,25 +145,34 @@ class KVClient:
 
     def close(self) -> None:
         with self._lock:
-            channels, self._channels = list(self._channels.values()), {}
+            channels, self._channels = [*self._channels.values(), *self._retired], {}
+            self._retired.clear()
         for channel in channels:
             channel.close()
 
     def channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
             if endpoint not in self._channels:
-                self._channels[endpoint] = open_channel(endpoint, self.security)
+                self._channels[endpoint] = open_channel(endpoint, self.security, channel_options())
             return self._channels[endpoint]
+
+    def reconnect(self, endpoint: str, stale: grpc.Channel | None) -> grpc.Channel:
+        """A channel on a new connection in place of ``stale`` (unless another call replaced it already)."""
+        closing = []
+        with self._lock:
+            current = self._channels.get(endpoint)
+            if current is None or current is stale:
+                if current is not None:
+                    self._retired.append(current)
+                    while len(self._retired) > MAX_RETIRED_CHANNELS:
+                        closing.append(self._retired.popleft())
+                current = self._channels[endpoint] = open_channel(endpoint, self.security, channel_options())
+        for channel in closing:
+            channel.close()
+        return current
 
     def stub(self, endpoint: str) -> lanekv_pb2_grpc.KVTransferStub:
         return lanekv_pb2_grpc.KVTransferStub(self.channel(endpoint))
-
-    def _fetch_call(self, endpoint: str) -> grpc.UnaryStreamMultiCallable:
-        # Messages come back as raw bytes, split by wire.split_chunk into views:
-        # the payload is never copied out of the received message.
-        return self.channel(endpoint).unary_stream(
-            FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString
-        )
 
     def handshake(
         self, endpoint: str, contract: Agreement | LayoutContract, timeout: float
@@ -186,49 +215,41 @@ class KVClient:
         layer_start: int = 0,
         layer_end: int | None = None,
         pages: Mapping[int, Sequence[int]] | None = None,
+        epoch: str | None = None,
+        retry: RetryPolicy | None = None,
     ) -> FetchStats:
         """Fetch a request's KV from every owner rank at once; ``place`` each verified chunk.
 
         ``pages`` optionally names the logical pages to fetch per rank (all
-        the rank holds by default); ``max_chunk_bytes`` 0 lets servers choose.
-        Raises ``ChecksumError``, ``RemoteError`` or ``TransferError``; on any
-        error every stream is cancelled and no later chunk is placed.
+        the rank holds by default); ``max_chunk_bytes`` 0 lets servers choose;
+        ``epoch`` is the prefill daemon start that pinned the pages (servers of
+        another start refuse); ``retry`` overrides the client's policy.
+        Raises ``CorruptChunk`` (``ChecksumError``), ``RemoteError`` or
+        ``TransferError``; on any error every stream is cancelled and no later
+        chunk is placed.
         """
         start = time.perf_counter()
+        policy = self.retry if retry is None else retry
         budget = _ByteBudget(max_inflight_bytes)
-        ready: queue.Queue[_Chunk] = queue.Queue()
-        calls = {}
-        for rank, endpoint in endpoints.items():
-            request = lanekv_pb2.FetchRequest(
-                request_id=request_id,
-                fingerprint=fingerprint,
-                layer_start=layer_start,
-                pages=list(pages.get(rank, ())) if pages else [],
-                max_chunk_bytes=max_chunk_bytes,
-            )
-            if layer_end is not None:
-                request.layer_end = layer_end
-            calls[rank] = self._fetch_call(endpoint)(request, timeout=timeout)
+        job = Job(request_id, fingerprint, max_chunk_bytes, policy, timeout,
+                  self._stream_opener(epoch), budget)
+        ranks = {
+            rank: RankFetch(job, rank, endpoint, Span(layer_start, layer_end, _pages_of(pages, rank)))
+            for rank, endpoint in endpoints.items()
+        }
         threads = [
-            threading.Thread(
-                target=_receive,
-                args=(rank, endpoints[rank], call, request_id, budget, ready),
-                name=f"fetch-rank{rank}",
-                daemon=True,
-            )
-            for rank, call in calls.items()
+            threading.Thread(target=part.run, name=f"fetch-rank{rank}", daemon=True)
+            for rank, part in ranks.items()
         ]
         for thread in threads:
             thread.start()
-        per_rank = {rank: RankStats(0, 0, 0.0) for rank in calls}
-        pending = set(calls)
+        per_rank = {rank: RankStats(0, 0, 0.0) for rank in ranks}
+        pending = set(ranks)
         try:
             while pending:
-                # Streams carry the same deadline, so this wait ends soon after theirs.
-                item = ready.get(timeout=max(0.0, start + timeout - time.perf_counter()) + 5.0)
+                item = _next_item(job, ranks, pending, timeout)
                 if item.error is not None:
                     raise item.error
-                stats = per_rank[item.rank]
                 if item.header is None:
                     pending.discard(item.rank)
                     continue
@@ -236,36 +257,86 @@ class KVClient:
                     place(item.header, item.tensor)
                 finally:
                     budget.release(item.header.nbytes)
-                elapsed = time.perf_counter() - start
+                stats = per_rank[item.rank]
                 per_rank[item.rank] = RankStats(
-                    stats.bytes + item.header.nbytes, stats.chunks + 1, elapsed
+                    stats.bytes + item.header.nbytes, stats.chunks + 1, time.perf_counter() - start
                 )
-        except queue.Empty as err:
-            raise TransferError(
-                f"request {request_id!r}: ranks {sorted(pending)} did not finish within {timeout:.1f}s"
-            ) from err
         finally:
+            job.stopping.set()
             budget.close()
-            for call in calls.values():
-                call.cancel()
+            for part in ranks.values():
+                part.cancel()
             for thread in threads:
                 thread.join(timeout=10.0)
-        total = sum(s.bytes for s in per_rank.values())
-        chunks = sum(s.chunks for s in per_rank.values())
-        return FetchStats(total, chunks, time.perf_counter() - start, per_rank)
+        per_rank = {rank: s._replace(retries=ranks[rank].retries) for rank, s in per_rank.items()}
+        return FetchStats(
+            sum(s.bytes for s in per_rank.values()),
+            sum(s.chunks for s in per_rank.values()),
+            time.perf_counter() - start,
+            per_rank,
+            sum(s.retries for s in per_rank.values()),
+        )
+
+    def _stream_opener(self, epoch: str | None) -> Callable[..., Any]:
+        """``open_stream`` of one fetch: a retry after a broken connection gets a new one."""
+        metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
+        used: dict[str, grpc.Channel] = {}
+
+        def open_stream(endpoint: str, request: lanekv_pb2.FetchRequest, timeout: float, fresh: bool) -> Any:
+            channel = self.reconnect(endpoint, used.get(endpoint)) if fresh else self.channel(endpoint)
+            used[endpoint] = channel
+            # Messages come back as raw bytes, split by wire.split_chunk into views:
+            # the payload is never copied out of the received message.
+            call = channel.unary_stream(
+                FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString
+            )
+            return call(request, timeout=timeout, metadata=metadata)
+
+        return open_stream
 
     def release(
-        self, endpoints: Mapping[int, str], request_id: str, fingerprint: str, timeout: float = 10.0
+        self,
+        endpoints: Mapping[int, str],
+        request_id: str,
+        fingerprint: str,
+        timeout: float = 10.0,
+        *,
+        epoch: str | None = None,
     ) -> int:
         """Release the request on every owner rank; return the pages freed in all."""
         freed = 0
         request = lanekv_pb2.ReleaseRequest(request_id=request_id, fingerprint=fingerprint)
+        metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
         for rank, endpoint in endpoints.items():
             try:
-                freed += self.stub(endpoint).Release(request, timeout=timeout).pages_freed
+                freed += self.stub(endpoint).Release(request, timeout=timeout, metadata=metadata).pages_freed
             except grpc.RpcError as err:
                 raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
         return freed
+
+
+def _pages_of(pages: Mapping[int, Sequence[int]] | None, rank: int) -> tuple[int, ...] | None:
+    """The pages asked of ``rank``; None (every page it holds) when not named."""
+    named = tuple(pages.get(rank, ())) if pages else ()
+    return named or None
+
+
+def _next_item(job: Job, ranks: Mapping[int, RankFetch], pending: set[int], timeout: float) -> Item:
+    """The next item from the ranks' threads; meanwhile cut streams that stalled."""
+    tick = min(0.25, job.policy.stall_s / 4)
+    while True:
+        now = time.monotonic()
+        for part in ranks.values():
+            part.cut_if_stalled(now)
+        # Streams carry the fetch's deadline, so their threads report soon after it.
+        if now > job.deadline + 5.0:
+            rank = min(pending)
+            raise RemoteError(rank, ranks[rank].endpoint, grpc.StatusCode.DEADLINE_EXCEEDED,
+                              f"ranks {sorted(pending)} did not finish within {timeout:.1f}s")
+        try:
+            return job.ready.get(timeout=tick)
+        except queue.Empty:
+            continue
 
 
 def _diffs_from(ours: Agreement, err: grpc.RpcError) -> list[FieldDiff]:
@@ -277,45 +348,6 @@ def _diffs_from(ours: Agreement, err: grpc.RpcError) -> list[FieldDiff]:
             except (ValueError, TypeError):
                 return []
     return []
-
-
-def _receive(
-    rank: int, endpoint: str, call, request_id: str, budget: _ByteBudget, ready: queue.Queue
-) -> None:
-    """Drain one rank's stream: check and verify each chunk, then hand it to the placer."""
-    seen: dict[int, set[int]] = {}  # layer -> pages received, to catch repeats and gaps
-    try:
-        for seq, message in enumerate(call):
-            header_bytes, data = split_chunk(message)
-            header = ChunkHeader.decode(header_bytes)
-            if (header.request_id, header.rank, header.seq) != (request_id, rank, seq):
-                raise TransferError(
-                    f"rank {rank} sent chunk ({header.request_id!r}, rank {header.rank}, seq {header.seq}),"
-                    f" expected ({request_id!r}, rank {rank}, seq {seq})"
-                )
-            if data.nbytes != header.nbytes or checksum(data) != header.checksum:
-                raise ChecksumError(request_id, rank, seq)
-            for layer in range(header.layer_start, header.layer_end):
-                got = seen.setdefault(layer, set())
-                if not got.isdisjoint(header.pages):
-                    raise TransferError(
-                        f"rank {rank} sent layer {layer} of a page twice (chunk {seq})"
-                    )
-                got.update(header.pages)
-            if not budget.acquire(header.nbytes):
-                return
-            ready.put(_Chunk(rank, header, payload_to_tensor(header, data), None))
-        if len({frozenset(pages) for pages in seen.values()}) > 1:
-            raise TransferError(
-                f"rank {rank} sent different pages for different layers of {request_id!r}"
-            )
-        ready.put(_Chunk(rank, None, None, None))
-    except grpc.RpcError as err:
-        ready.put(
-            _Chunk(rank, None, None, RemoteError(rank, endpoint, err.code(), err.details() or ""))
-        )
-    except (TransferError, ValueError, TypeError) as err:
-        ready.put(_Chunk(rank, None, None, err))
 
 
 def handshake(
@@ -340,9 +372,10 @@ def fetch_kv(
     max_chunk_bytes: int = 0,
     timeout: float = 60.0,
     security: SecurityConfig | None = None,
+    retry: RetryPolicy = NO_RETRY,
 ) -> FetchStats:
     """One-shot ``KVClient.fetch``; a daemon keeps a ``KVClient`` to reuse its channels."""
-    with KVClient(security) as client:
+    with KVClient(security, retry) as client:
         return client.fetch(
             endpoints,
             request_id,

@@ -42,6 +42,11 @@ from transfer.wire import (
 
 Code = grpc.StatusCode
 T = TypeVar("T")
+# Request metadata of FetchKV and Release: the start of the prefill daemon that
+# pinned the pages (the prefill daemon hands it out in Prefill's trailing
+# metadata). A server of another start refuses, so a restarted daemon that
+# reuses ports, and maybe request ids, never serves its pages for old ones.
+EPOCH_METADATA_KEY = "lanekv-epoch"
 # Called when a FetchKV stream has sent its last chunk: (request_id, payload bytes, seconds).
 OnFetched = Callable[[str, int, float], None]
 
@@ -79,6 +84,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         max_chunk_bytes: int = MAX_CHUNK_BYTES_LIMIT,
         on_fetched: OnFetched | None = None,
+        epoch: str | None = None,
     ) -> None:
         # The contract is read from the source at every call: the topology may
         # be completed after the server starts (endpoints are known only once
@@ -87,6 +93,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._default_chunk_bytes = default_chunk_bytes
         self._max_chunk_bytes = max_chunk_bytes
         self._on_fetched = on_fetched
+        self._epoch = epoch
 
     def Handshake(self, request, context):
         with refusals(context):
@@ -112,6 +119,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             start = time.perf_counter()
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
+            self._same_start(context)
             chunks = self._plan(request, agreement)
             sent_bytes = 0
 
@@ -141,6 +149,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
     def Release(self, request, context):
         with refusals(context):
             self._agreed(request.request_id, request.fingerprint)
+            self._same_start(context)
             try:
                 freed = self._source.release(request.request_id)
             except KeyError as err:
@@ -171,6 +180,18 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 f"request_id must be 1..{MAX_REQUEST_ID_LEN} characters, got {request_id!r:.80}",
             )
         return agreement
+
+    def _same_start(self, context: grpc.ServicerContext) -> None:
+        """Refuse a caller that names another start of the prefill daemon than ours."""
+        if self._epoch is None:
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == EPOCH_METADATA_KEY and value != self._epoch:
+                raise Refusal(
+                    Code.FAILED_PRECONDITION,
+                    f"the request was prefilled by prefill daemon start {value!r:.40}, this is start "
+                    f"{self._epoch!r}: the daemon restarted and the request's pages are gone",
+                )
 
     def _owned(self, request_id: str) -> list[tuple[int, int]]:
         try:
@@ -303,17 +324,19 @@ def serve(
     security: SecurityConfig | None = None,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     on_fetched: OnFetched | None = None,
+    epoch: str | None = None,
 ) -> Served:
     """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
 
     Each open FetchKV stream holds one of ``max_workers`` threads. ``security``
     sets TLS and the token (``transfer.security``; None: plaintext, no token); ``interceptors`` go
-    outside the token check (metrics). Raises ``OSError`` naming
+    outside the token check (metrics); ``epoch`` names this start of the
+    prefill daemon (see ``EPOCH_METADATA_KEY``; None: no check). Raises ``OSError`` naming
     ``host:port`` when the port cannot be bound.
     """
     security = SecurityConfig() if security is None else security
     server = make_server(security, max_workers, interceptors=interceptors)
-    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched))
+    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch))
     checker = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     bound = bind(server, host, port, security)

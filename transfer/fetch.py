@@ -1,0 +1,355 @@
+"""One owner rank's part of a KV fetch: its streams, retried and resumed.
+
+A rank's part starts as one ``Span`` (a layer range x a page list) and is
+received by its own thread (``RankFetch.run``), which checks and verifies
+every chunk and records its cells (layer, page) once it is handed to the
+placer. When a stream fails in a way that may pass (UNAVAILABLE, a broken or
+closed connection, a stall, a damaged chunk), the thread waits and asks again
+for only the cells it lacks (``leftovers``), up to ``RetryPolicy.attempts``
+tries in a row that bring no new cell, within the fetch's deadline. Any other
+status (NOT_FOUND, FAILED_PRECONDITION, INVALID_ARGUMENT, UNAUTHENTICATED, the
+deadline) fails at once. Other ranks' streams go on meanwhile.
+
+A stream that delivers nothing for ``RetryPolicy.stall_s`` while we wait on
+the network (not on our own placer) is cancelled by the fetch's watchdog
+(``cut_if_stalled``) and counts as DEADLINE_EXCEEDED; its retry, like that of
+any broken connection, asks for a fresh connection, since a frozen one would
+freeze the retry too.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import grpc
+import torch
+
+from proto import lanekv_pb2
+from transfer.errors import ChecksumError, CorruptChunk, RemoteError, TransferError
+from transfer.wire import ChunkHeader, checksum, payload_to_tensor, split_chunk
+
+Code = grpc.StatusCode
+# (endpoint, request, timeout_s, fresh_connection) -> a started server-streaming call
+OpenStream = Callable[[str, lanekv_pb2.FetchRequest, float, bool], Any]
+# Statuses of a stream that a retry may cure: the server or the path to it is
+# down or restarting, or our channel was closed under the call (CANCELLED that
+# this fetch did not ask for).
+RETRYABLE_CODES = (Code.UNAVAILABLE, Code.CANCELLED)
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    attempts: int = 4  # tries of one rank's stream in a row that bring no new cell
+    backoff_s: float = 0.05  # wait before the first retry, doubled for each next one
+    max_backoff_s: float = 1.0
+    stall_s: float = 30.0  # a stream silent this long is cut (and retried, tries permitting)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attempts, bool) or not isinstance(self.attempts, int) or self.attempts < 1:
+            raise ValueError(f"attempts must be an integer >= 1, got attempts={self.attempts!r}")
+        for name in ("backoff_s", "max_backoff_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {name}={getattr(self, name)!r}")
+        if not self.stall_s > 0:
+            raise ValueError(f"stall_s must be > 0, got stall_s={self.stall_s!r}")
+
+    def backoff(self, failures: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1))
+
+
+NO_RETRY = RetryPolicy(attempts=1)
+
+
+class Span(NamedTuple):
+    """Layers ``[layer_start, layer_end)`` x ``pages`` of one rank."""
+
+    layer_start: int
+    layer_end: int | None  # None: up to the server's last layer
+    pages: tuple[int, ...] | None  # None: every page the rank holds of the request
+
+    def request(self, request_id: str, fingerprint: str, max_chunk_bytes: int) -> lanekv_pb2.FetchRequest:
+        request = lanekv_pb2.FetchRequest(
+            request_id=request_id,
+            fingerprint=fingerprint,
+            layer_start=self.layer_start,
+            pages=list(self.pages or ()),
+            max_chunk_bytes=max_chunk_bytes,
+        )
+        if self.layer_end is not None:
+            request.layer_end = self.layer_end
+        return request
+
+
+class Cells:
+    """Cells (layer, page) received, by layer."""
+
+    def __init__(self) -> None:
+        self._by_layer: dict[int, set[int]] = {}
+        self.count = 0
+
+    def of(self, layer: int) -> set[int]:
+        return self._by_layer.get(layer, set())
+
+    def layers(self) -> list[int]:
+        return sorted(self._by_layer)
+
+    def has_all(self, header: ChunkHeader) -> bool:
+        return all(self.of(layer).issuperset(header.pages) for layer in range(header.layer_start, header.layer_end))
+
+    def has_any(self, header: ChunkHeader) -> bool:
+        return any(not self.of(layer).isdisjoint(header.pages) for layer in range(header.layer_start, header.layer_end))
+
+    def add(self, header: ChunkHeader) -> None:
+        for layer in range(header.layer_start, header.layer_end):
+            got = self._by_layer.setdefault(layer, set())
+            self.count -= len(got)
+            got.update(header.pages)
+            self.count += len(got)
+
+
+def leftovers(span: Span, cells: Cells) -> list[Span]:
+    """What of ``span`` is not in ``cells``, as few spans as the shape allows (layer-major order)."""
+    seen = [
+        layer for layer in cells.layers()
+        if layer >= span.layer_start and (span.layer_end is None or layer < span.layer_end)
+    ]
+    if not seen:
+        return [span]
+    pages = span.pages
+    if pages is None:
+        if seen[-1] == span.layer_start:
+            return [span]  # the first layer may be short, and only it would tell the rank's pages
+        # Chunks come layer-major (``_StreamCheck`` holds the server to it), so once
+        # a later layer arrived the first one is whole: its pages are all the rank's.
+        pages = tuple(sorted(cells.of(span.layer_start)))
+    top = seen[-1] + 1
+    if span.layer_end is None:
+        # Without the layer count a span must not start past the last layer: ask
+        # again for the last layer seen in full (its chunks already here are dropped).
+        top -= 1
+    out: list[Span] = []
+    for layer in range(span.layer_start, top):
+        have = cells.of(layer)
+        missing = tuple(page for page in pages if page not in have)
+        if missing:
+            _append(out, Span(layer, layer + 1, missing))
+    if span.layer_end is None or top < span.layer_end:
+        _append(out, Span(top, span.layer_end, pages))
+    return out
+
+
+def _append(out: list[Span], span: Span) -> None:
+    """Add ``span``, merged into the last one when it continues it with the same pages."""
+    if out and out[-1].pages == span.pages and out[-1].layer_end == span.layer_start:
+        out[-1] = Span(out[-1].layer_start, span.layer_end, span.pages)
+    else:
+        out.append(span)
+
+
+class Item(NamedTuple):
+    """What a rank's thread hands to the placer: a chunk, its end (header None), or an error."""
+
+    rank: int
+    header: ChunkHeader | None
+    tensor: torch.Tensor | None
+    error: TransferError | None
+
+
+class Job:
+    """What every rank's thread of one fetch shares."""
+
+    def __init__(self, request_id: str, fingerprint: str, max_chunk_bytes: int, policy: RetryPolicy,
+                 timeout_s: float, open_stream: OpenStream, budget: Any) -> None:
+        self.request_id, self.fingerprint, self.max_chunk_bytes = request_id, fingerprint, max_chunk_bytes
+        self.policy, self.open_stream, self.budget = policy, open_stream, budget
+        self.deadline = time.monotonic() + timeout_s
+        self.ready: queue.Queue[Item] = queue.Queue()
+        self.stopping = threading.Event()
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+class _Retry(Exception):
+    """A stream failed in a way a retry may cure; ``final`` is raised when no try is left."""
+
+    def __init__(self, final: TransferError, reconnect: bool) -> None:
+        super().__init__(str(final))
+        self.final, self.reconnect = final, reconnect
+
+
+class RankFetch:
+    """One owner rank's part of a fetch (``run`` in its own thread)."""
+
+    def __init__(self, job: Job, rank: int, endpoint: str, span: Span) -> None:
+        self.job, self.rank, self.endpoint = job, rank, endpoint
+        self.cells = Cells()  # verified and handed to the placer
+        self.retries = 0
+        self._pending = [span]
+        self._lock = threading.Lock()  # guards the call under way, for the watchdog
+        self._call: Any = None
+        self._waiting_since: float | None = None
+        self._stalled = False
+
+    def run(self) -> None:
+        job, failures, fresh = self.job, 0, False
+        mark = 0  # cells received at the last failure: tries count anew after progress
+        try:
+            while self._pending:
+                span = self._pending[0]
+                try:
+                    if not self._stream(span, fresh):
+                        return  # the fetch ended under this stream
+                    self._pending.pop(0)
+                    continue
+                except _Retry as retry:
+                    failures = 1 if self.cells.count > mark else failures + 1
+                    mark = self.cells.count
+                    wait = job.policy.backoff(failures)
+                    if failures >= job.policy.attempts or job.remaining() <= wait:
+                        raise _after_tries(retry.final, failures) from retry
+                    if job.stopping.wait(wait):
+                        return
+                    self.retries += 1
+                    self._pending[0:1] = leftovers(span, self.cells)
+                    fresh = retry.reconnect
+            job.ready.put(Item(self.rank, None, None, None))
+        except TransferError as err:
+            job.ready.put(Item(self.rank, None, None, err))
+
+    def cancel(self) -> None:
+        """End the stream under way (the fetch is over; ``job.stopping`` is set)."""
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def cut_if_stalled(self, now: float) -> None:
+        """Cancel the stream under way if it has delivered nothing for ``stall_s`` (the watchdog's call)."""
+        with self._lock:
+            since, call = self._waiting_since, self._call
+            if call is None or since is None or now - since < self.job.policy.stall_s:
+                return
+            self._stalled = True
+        call.cancel()
+
+    def _stream(self, span: Span, fresh: bool) -> bool:
+        """Receive one span; False when the fetch ended under it. Raises ``_Retry`` or ``TransferError``."""
+        job = self.job
+        timeout = job.remaining()
+        if timeout <= 0:
+            raise RemoteError(self.rank, self.endpoint, Code.DEADLINE_EXCEEDED, "the fetch ran out of time")
+        request = span.request(job.request_id, job.fingerprint, job.max_chunk_bytes)
+        call = job.open_stream(self.endpoint, request, timeout, fresh)
+        with self._lock:
+            self._call, self._stalled = call, False
+        try:
+            if job.stopping.is_set():
+                return False
+            check = _StreamCheck(job.request_id, self.rank, span)
+            for message in self._messages(call):
+                header, data = check.chunk(message)
+                if self.cells.has_all(header):
+                    continue  # resent by a retry that could not say which pages it lacked
+                if not job.budget.acquire(header.nbytes):
+                    return False
+                self.cells.add(header)
+                job.ready.put(Item(self.rank, header, payload_to_tensor(header, data), None))
+            check.finish()
+            return True
+        except grpc.RpcError as err:
+            if job.stopping.is_set():
+                return False
+            details = err.details() or ""
+            if self._stalled:
+                details = f"no chunk for {job.policy.stall_s:.1f}s: the stream stalled"
+                raise _Retry(RemoteError(self.rank, self.endpoint, Code.DEADLINE_EXCEEDED, details), True) from err
+            error = RemoteError(self.rank, self.endpoint, err.code(), details)
+            if err.code() in RETRYABLE_CODES:
+                raise _Retry(error, True) from err
+            raise error from err
+        except CorruptChunk as err:
+            raise _Retry(err, False) from err
+        finally:
+            with self._lock:
+                self._call, self._waiting_since = None, None
+            call.cancel()
+
+    def _messages(self, call: Any) -> Iterator[bytes]:
+        """The stream's messages; the watchdog's clock runs only while we wait for one."""
+        stream = iter(call)
+        while True:
+            with self._lock:
+                self._waiting_since = time.monotonic()
+            try:
+                message = next(stream)
+            except StopIteration:
+                return
+            finally:
+                with self._lock:
+                    self._waiting_since = None
+            yield message
+
+
+def _after_tries(error: TransferError, tries: int) -> TransferError:
+    if tries > 1:
+        error.args = (f"{error.args[0] if error.args else error} (after {tries} tries)",)
+    return error
+
+
+class _StreamCheck:
+    """What one stream may send: chunk ``seq`` 0, 1, ... of cells of its span, layer-major, each once."""
+
+    def __init__(self, request_id: str, rank: int, span: Span) -> None:
+        self.request_id, self.rank, self.span = request_id, rank, span
+        self._pages = None if span.pages is None else frozenset(span.pages)
+        self._seq, self._layer = 0, span.layer_start
+        self._seen = Cells()
+
+    def chunk(self, message: bytes) -> tuple[ChunkHeader, memoryview]:
+        seq, span = self._seq, self.span
+        self._seq += 1
+        try:
+            header_bytes, data = split_chunk(message)
+            header = ChunkHeader.decode(header_bytes)
+        except ValueError as err:
+            raise CorruptChunk(self.request_id, self.rank, seq, f"does not parse: {err}") from err
+        if (header.request_id, header.rank, header.seq) != (self.request_id, self.rank, seq):
+            raise CorruptChunk(
+                self.request_id, self.rank, seq,
+                f"is labelled ({header.request_id!r}, rank {header.rank}, seq {header.seq})",
+            )
+        if data.nbytes != header.nbytes or checksum(data) != header.checksum:
+            raise ChecksumError(self.request_id, self.rank, seq)
+        outside = (
+            header.layer_start < self._layer
+            or (span.layer_end is not None and header.layer_end > span.layer_end)
+            or (self._pages is not None and not self._pages.issuperset(header.pages))
+        )
+        if outside or self._seen.has_any(header):
+            raise CorruptChunk(
+                self.request_id, self.rank, seq,
+                f"holds layers [{header.layer_start}, {header.layer_end}) of pages {list(header.pages)[:8]}:"
+                " not asked for, out of layer order, or sent before",
+            )
+        self._layer = header.layer_start
+        self._seen.add(header)
+        return header, data
+
+    def finish(self) -> None:
+        """The stream ended cleanly: it must have sent its whole span (a rank may hold no page)."""
+        span, layers = self.span, self._seen.layers()
+        if not layers and span.pages is None:
+            return
+        pages = self._pages if self._pages is not None else frozenset(self._seen.of(layers[0]))
+        last = span.layer_end if span.layer_end is not None else layers[-1] + 1
+        short = [layer for layer in range(span.layer_start, last) if self._seen.of(layer) != pages]
+        if short:
+            raise TransferError(
+                f"rank {self.rank} ended its stream of {self.request_id!r} without every page of layers {short[:8]}"
+            )
