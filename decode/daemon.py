@@ -40,7 +40,7 @@ from lanekv.metrics import MetricsEndpoint, Registry, lanekv_metrics, serve_metr
 from prefill.checkpoint import LoadedModel, load_dummy_model, load_model
 from prefill.engine_config import DTYPES
 from proto import lanekv_pb2_grpc
-from transfer.client import KVClient, RemoteError
+from transfer.client import KVClient, RemoteError, RetryPolicy, channel_options
 from transfer.contract import Agreement, LayoutContract
 from transfer.security import SecurityConfig, bind, make_server, open_channel
 from transfer.server import KVTransferService, add_transfer_service
@@ -86,6 +86,10 @@ class DecodeConfig:
     connect_timeout_s: float = 30.0  # how long start-up waits for the prefill daemon to answer
     request_timeout_s: float = 600.0  # prefill + transfer of one request, without a client deadline
     max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request
+    fetch_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default
+    fetch_attempts: int = 4  # tries of a rank's stream in a row that bring nothing new
+    stall_timeout_s: float = 10.0  # a rank's stream silent this long is cut and retried
+    release_timeout_s: float = 10.0  # deadline of each Release at a prefill rank
     metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
     security: SecurityConfig = SecurityConfig()  # our port, and our channels to prefill and its ranks
 
@@ -109,7 +113,12 @@ class DecodeConfig:
             raise ValueError(f"metrics_port must be None or in [0, 65535], got metrics_port={self.metrics_port!r}")
         if not isinstance(self.security, SecurityConfig):
             raise TypeError(f"security must be a SecurityConfig, got security={self.security!r}")
-        for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s"):
+        if isinstance(self.fetch_chunk_bytes, bool) or not isinstance(self.fetch_chunk_bytes, int) \
+                or self.fetch_chunk_bytes < 0:
+            raise ValueError(f"fetch_chunk_bytes must be an integer >= 0, got fetch_chunk_bytes={self.fetch_chunk_bytes!r}")
+        if isinstance(self.fetch_attempts, bool) or not isinstance(self.fetch_attempts, int) or self.fetch_attempts < 1:
+            raise ValueError(f"fetch_attempts must be an integer >= 1, got fetch_attempts={self.fetch_attempts!r}")
+        for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
         if not (Path(self.model_path) / "config.json").is_file():
@@ -117,6 +126,11 @@ class DecodeConfig:
         host, _, port = self.prefill_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
+
+    @property
+    def fetch_retry(self) -> RetryPolicy:
+        """How a KV fetch retries a rank's stream (``transfer.fetch``)."""
+        return RetryPolicy(attempts=self.fetch_attempts, stall_s=self.stall_timeout_s)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -197,7 +211,8 @@ class DecodeDaemon:
         self.registry = Registry()
         self.metrics = lanekv_metrics(self.registry)
         self.metrics_endpoint: MetricsEndpoint | None = None
-        self.kv = KVClient(config.security)  # channels to the owner ranks, shared by every request
+        # Channels to the owner ranks, shared by every request.
+        self.kv = KVClient(config.security, retry=config.fetch_retry)
         self._prefill_channel = None
         self._stop = threading.Event()
         self._stopped = False
@@ -228,7 +243,7 @@ class DecodeDaemon:
             model_config.contract_fields(), self.loaded.weights_digest, config.torch_dtype, config.page_size
         )
         self.prefill_contract = self._handshake()
-        self._prefill_channel = open_channel(config.prefill_endpoint, config.security)
+        self._prefill_channel = open_channel(config.prefill_endpoint, config.security, channel_options())
         self.prefill_stub = lanekv_pb2_grpc.PrefillServiceStub(self._prefill_channel)
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device)
@@ -321,8 +336,8 @@ class DecodeDaemon:
         self.metrics.tokens.labels(kind="prompt").inc(len(spec.token_ids))
         self._count_tokens(rid, 1)  # prefill's first token
         self.metrics.record_transfer({rank: s.bytes for rank, s in fetch.per_rank.items()}, fetch.seconds)
-        log.info("transfer done request_id=%s bytes=%d chunks=%d ranks=%d seconds=%.4f gbps=%.3f prefill_s=%.4f",
-                 rid, fetch.bytes, fetch.chunks, len(fetch.per_rank), fetch.seconds,
+        log.info("transfer done request_id=%s bytes=%d chunks=%d ranks=%d retries=%d seconds=%.4f gbps=%.3f "
+                 "prefill_s=%.4f", rid, fetch.bytes, fetch.chunks, len(fetch.per_rank), fetch.retries, fetch.seconds,
                  fetch.bytes / fetch.seconds / 1e9 if fetch.seconds > 0 else 0.0, prepared.prefill_s,
                  extra={"request_id": rid})
 

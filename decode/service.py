@@ -13,14 +13,23 @@ whatever the call holds by then is given back (``_settle``):
    the request's pages until we release them (or their lease expires);
 4. remap and fetch: one fresh page here per logical page of the manifest; the
    KV streams from every owner rank at once and each verified chunk is
-   scattered straight into those pages;
+   scattered straight into those pages. A rank's stream that breaks, stalls
+   or delivers a damaged chunk is asked again for only what is missing
+   (``transfer.fetch``); when tries run out the call ends with DATA_LOSS
+   (damaged chunks), UNAVAILABLE (the rank or the path to it is down),
+   DEADLINE_EXCEEDED (the call's time is up) or ABORTED (the rank refused,
+   e.g. NOT_FOUND after its lease expired). No damaged chunk is ever placed;
 5. release the prefill pages at every rank (ranks without pages of the
-   request hold its id too);
+   request hold its id too). FetchKV and Release carry the prefill daemon's
+   epoch from step 3, so a restarted prefill daemon refuses them;
 6. hand the page table to the engine with prefill's first token and stream
    the engine's events.
 
 A client that goes away is noticed between steps 2-6 and, once streaming, at
-once (gRPC's termination callback cancels the request in the engine).
+once (gRPC's termination callback cancels the request in the engine). A call
+that fails gives its pages back at once; its Release calls run in the
+background (a rank that does not answer must not hold the status back, and
+the lease frees its pages anyway).
 """
 
 from __future__ import annotations
@@ -44,16 +53,18 @@ from kernels.page_copy import scatter_pages
 from prefill.sampling import SamplingParams
 from prefill.tokenizer import Tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.client import ChecksumError, FetchStats, RemoteError, TransferError
+from transfer.client import CorruptChunk, FetchStats, RemoteError, TransferError
 from transfer.manifest import Manifest
 from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from transfer.server import EPOCH_METADATA_KEY
 from transfer.status import Refusal, refusals
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 MAX_STOP_TOKEN_IDS = 1024
 _ABANDONED = object()  # queued when the RPC ends under a waiting stream
-_TRANSIENT = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED)
+# A rank's status after every try that says it (or the path to it) is down for now.
+_TRANSIENT = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED, Code.CANCELLED)
 
 
 class GenerateSpec(NamedTuple):
@@ -91,6 +102,7 @@ class _Call:
     reserved_pages: int = 0  # promised by the daemon's PageBudget
     pinned_at: dict[int, str] | None = None  # prefill ranks still pinning the request's pages
     fingerprint: str = ""
+    epoch: str | None = None  # the prefill daemon start that pinned the pages
     table: PageTable | None = None  # our pages, until the engine owns them
     in_engine: bool = False
     settled: bool = False
@@ -184,7 +196,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
-        reply = self._prefill(spec, d.config.request_timeout_s)
+        reply, call.epoch = self._prefill(spec, d.config.request_timeout_s)
         prefill_s = time.perf_counter() - start
         call.fingerprint = reply.contract_fingerprint
         call.pinned_at = dict(enumerate(reply.endpoints))
@@ -195,8 +207,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             call.table = PageTable.remap(d.pool, [p.page for p in manifest.pages], manifest.num_tokens)
         except PoolExhausted as err:  # the budget should make this impossible
             raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
-        fetched = self._fetch(call, manifest, list(reply.endpoints), _left(deadline))
-        self._release_prefill(call)
+        fetched = self._fetch(call, manifest, list(reply.endpoints), deadline)
+        self._release_prefill(call, wait=True)
         with call.lock:
             _check_alive(call)
             try:
@@ -207,15 +219,18 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             call.in_engine, call.table = True, None
         return Prepared(reply.first_token, prefill_s, fetched)
 
-    def _prefill(self, spec: GenerateSpec, timeout_s: float) -> lanekv_pb2.PrefillReply:
+    def _prefill(self, spec: GenerateSpec, timeout_s: float) -> tuple[lanekv_pb2.PrefillReply, str | None]:
+        """The prefill daemon's reply and its epoch (None from a daemon that sends none)."""
         request = lanekv_pb2.PrefillRequest(
             token_ids=lanekv_pb2.TokenIds(ids=spec.token_ids), request_id=spec.request_id
         )
         request.sampling.CopyFrom(spec.sampling_proto)
         try:
-            return self.d.prefill_stub.Prefill(request, timeout=timeout_s)
+            reply, rpc = self.d.prefill_stub.Prefill.with_call(request, timeout=timeout_s)
         except grpc.RpcError as err:
             raise Refusal(err.code(), f"prefill daemon {self.d.config.prefill_endpoint}: {err.details()}") from err
+        epoch = next((value for key, value in rpc.trailing_metadata() or () if key == EPOCH_METADATA_KEY), None)
+        return reply, epoch
 
     def _manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
         d = self.d
@@ -249,16 +264,20 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
         return manifest
 
-    def _fetch(self, call: _Call, manifest: Manifest, endpoints: list[str], timeout_s: float) -> FetchStats:
-        pool, table, page_size = self.d.pool, call.table, self.d.config.page_size
+    def _fetch(self, call: _Call, manifest: Manifest, endpoints: list[str], deadline: float) -> FetchStats:
+        d = self.d
+        pool, table, page_size, num_layers = d.pool, call.table, d.config.page_size, d.agreement.num_layers
         owner_of = {p.page: p.owner for p in manifest.pages}
-        layers_placed = dict.fromkeys(owner_of, 0)
+        # Layers placed per page, one bit each: a retry never places a layer twice,
+        # and if it did, the bytes would be the same verified ones.
+        layers_of = dict.fromkeys(owner_of, 0)
 
         def place(header, payload: torch.Tensor) -> None:
+            bits = (1 << header.layer_end) - (1 << header.layer_start)
             for page in header.pages:
                 if owner_of.get(page) != header.rank:
                     raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent page {page}, not one of its pages")
-                layers_placed[page] += header.layer_end - header.layer_start
+                layers_of[page] |= bits
             physical = torch.tensor(table.physical_pages_for(header.pages), dtype=torch.int64, device=pool.device)
             try:
                 scatter_pages(payload.to(pool.device), pool.tensor, physical, page_size,
@@ -268,32 +287,47 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
 
         owners = sorted({p.owner for p in manifest.pages})
         try:
-            stats = self.d.kv.fetch(
+            stats = d.kv.fetch(
                 {rank: endpoints[rank] for rank in owners}, call.spec.request_id, call.fingerprint, place,
-                max_inflight_bytes=self.d.config.max_inflight_bytes, timeout=timeout_s,
+                max_inflight_bytes=d.config.max_inflight_bytes, max_chunk_bytes=d.config.fetch_chunk_bytes,
+                timeout=_left(deadline), layer_end=num_layers, epoch=call.epoch,
+                pages={rank: manifest.pages_of_owner(rank) for rank in owners},
             )
-        except ChecksumError as err:
+        except CorruptChunk as err:
             raise Refusal(Code.DATA_LOSS, f"KV transfer: {err}") from err
         except RemoteError as err:
-            code = Code.UNAVAILABLE if err.code in _TRANSIENT else Code.ABORTED
+            code = Code.ABORTED
+            if err.code in _TRANSIENT:
+                code = Code.DEADLINE_EXCEEDED if time.monotonic() >= deadline else Code.UNAVAILABLE
             raise Refusal(code, f"KV transfer: {err}") from err
         except TransferError as err:
             raise Refusal(Code.ABORTED, f"KV transfer: {err}") from err
-        num_layers = self.d.agreement.num_layers
-        missing = [page for page, layers in layers_placed.items() if layers != num_layers]
+        whole = (1 << num_layers) - 1
+        missing = [page for page, layers in layers_of.items() if layers != whole]
         if missing:
             raise Refusal(Code.DATA_LOSS, f"KV transfer ended without every layer of pages {missing[:16]}")
         return stats
 
-    def _release_prefill(self, call: _Call) -> None:
+    def _release_prefill(self, call: _Call, *, wait: bool) -> None:
+        """Release the request's prefill pages at every rank; in the background unless ``wait``."""
         with call.lock:
             pinned, call.pinned_at = call.pinned_at, None
-        for rank, endpoint in (pinned or {}).items():
+        if not pinned:
+            return
+        args = (call.spec.request_id, call.fingerprint, call.epoch, pinned)
+        if wait:
+            self._release(*args)
+        else:
+            threading.Thread(target=self._release, args=args, name="lanekv-release", daemon=True).start()
+
+    def _release(self, request_id: str, fingerprint: str, epoch: str | None, pinned: dict[int, str]) -> None:
+        for rank, endpoint in pinned.items():
             try:
-                self.d.kv.release({rank: endpoint}, call.spec.request_id, call.fingerprint)
+                self.d.kv.release({rank: endpoint}, request_id, fingerprint,
+                                  timeout=self.d.config.release_timeout_s, epoch=epoch)
             except TransferError as err:  # the lease frees them in the end
-                log.warning("release failed request_id=%s rank=%d: %s", call.spec.request_id, rank, err,
-                            extra={"request_id": call.spec.request_id})
+                log.warning("release failed request_id=%s rank=%d: %s", request_id, rank, err,
+                            extra={"request_id": request_id})
 
     # -- streaming and the end of a call -----------------------------------------
 
@@ -339,7 +373,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             self.d.engine.cancel(call.spec.request_id)  # after a finish event: a no-op
         if table is not None:
             table.release()
-        self._release_prefill(call)
+        self._release_prefill(call, wait=False)
         if call.reserved_pages:
             self.d.budget.release(call.reserved_pages)
 

@@ -14,6 +14,15 @@ ranks report through their event queue (their calls by code, the bytes and
 time of every finished FetchKV stream); ``metrics_port`` serves them.
 Request log lines read ``<what> request_id=<id> key=value ...`` and carry
 ``request_id`` as a record attribute too.
+
+Each start of the daemon has its own ``epoch`` (a random id). Prefill hands
+it out in its trailing metadata (``lanekv-epoch``); the ranks refuse a
+FetchKV or Release that carries another start's epoch with
+FAILED_PRECONDITION, and a request id of an old start is unknown to a new
+one (NOT_FOUND), so a restarted daemon on the same ports never serves its
+pages for an old request. A rank process that dies makes the engine
+unusable: from then on Prefill answers UNAVAILABLE naming the rank, and the
+pages still pinned are freed when their leases expire.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from transfer.contract import Agreement, LayoutContract, Topology
 from transfer.manifest import Manifest
 from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
 from transfer.security import SecurityConfig, bind, make_server
-from transfer.server import KVTransferService, add_transfer_service
+from transfer.server import EPOCH_METADATA_KEY, KVTransferService, add_transfer_service
 from transfer.status import TRANSFER_SERVICE, Refusal, refusals
 
 log = logging.getLogger("lanekv.prefill")
@@ -115,6 +124,9 @@ class PrefillDaemon:
         self.metrics = lanekv_metrics(self.registry)
         self._rank_calls: dict[int, dict[tuple[str, str, str], float]] = {}  # the ranks' last totals
         self._stopped = False
+        # This start of the daemon: its ranks refuse FetchKV and Release naming another
+        # one, so pages of a restarted daemon never answer for a request of an old start.
+        self.epoch = uuid.uuid4().hex
         self.metrics_endpoint: MetricsEndpoint | None = None
         # Ports first: a busy one fails before any rank process starts.
         self.server = make_server(config.security, config.max_workers, interceptors=[self.metrics.interceptor()])
@@ -122,7 +134,7 @@ class PrefillDaemon:
             self.port = bind(self.server, config.host, config.port, config.security)
             if config.metrics_port is not None:
                 self.metrics_endpoint = serve_metrics(self.registry, config.host, config.metrics_port)
-            serving = TransferServing(config.host, config.transfer_port_base, config.security)
+            serving = TransferServing(config.host, config.transfer_port_base, config.security, self.epoch)
             self.engine = CPPrefillEngine(engine_config, serve_transfer=serving, on_event=self._on_event)
         except BaseException:
             self._close_ports()
@@ -160,8 +172,8 @@ class PrefillDaemon:
         self.server.start()
         for service in ("", PREFILL_SERVICE, TRANSFER_SERVICE):
             self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("prefill daemon on %s:%d, ranks %s, fingerprint %s, %s%s", cfg.host, self.port,
-                 list(self.topology.endpoints), self.contract.fingerprint[:16], _describe(cfg.security),
+        log.info("prefill daemon on %s:%d, ranks %s, fingerprint %s, epoch %s, %s%s", cfg.host, self.port,
+                 list(self.topology.endpoints), self.contract.fingerprint[:16], self.epoch, _describe(cfg.security),
                  f", metrics on http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
 
     def _watch_pools(self) -> None:
@@ -287,6 +299,8 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
                 raise
             manifest = Manifest(res.request_id, res.page_size, res.num_tokens,
                                 tuple((p.page, p.owner, p.valid_rows) for p in res.pages))
+        # FetchKV and Release of this request carry it back (the reply message has no field for it).
+        context.set_trailing_metadata(((EPOCH_METADATA_KEY, d.epoch),))
         d.metrics.tokens.labels(kind="prompt").inc(res.num_tokens - res.prefix_len)
         d.metrics.tokens.labels(kind="generated").inc()  # the first token, sampled here
         log.info("prefill done request_id=%s prompt_tokens=%d pages=%d seconds=%.4f", res.request_id,

@@ -37,11 +37,16 @@ _RANK_METHODS = (
 
 
 class TransferServing(NamedTuple):
-    """How each rank serves KVTransfer: rank r binds ``host:port_base + r`` (any free port when 0)."""
+    """How each rank serves KVTransfer: rank r binds ``host:port_base + r`` (any free port when 0).
+
+    ``epoch`` names this start of the prefill daemon; FetchKV and Release that
+    name another start are refused (``transfer.server.EPOCH_METADATA_KEY``).
+    """
 
     host: str
     port_base: int
     security: SecurityConfig = SecurityConfig()
+    epoch: str | None = None
 
 
 class RpcReporter:
@@ -217,6 +222,6 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
     port = where.port_base + rank if where.port_base else 0
     runner.transfer_server = serve(
         runner.page_source, where.host, port, security=where.security,
-        interceptors=[reporter.interceptor()], on_fetched=on_fetched,
+        interceptors=[reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
     )
     return dict(endpoint=f"{where.host}:{runner.transfer_server.port}", agreement=agreement.encode())

@@ -135,6 +135,7 @@ class KVClient:
         self.retry = retry
         self._channels: dict[str, grpc.Channel] = {}
         self._retired: deque[grpc.Channel] = deque()
+        self._closed = False
         self._lock = threading.Lock()
 
     def __enter__(self) -> KVClient:
@@ -145,6 +146,7 @@ class KVClient:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             channels, self._channels = [*self._channels.values(), *self._retired], {}
             self._retired.clear()
         for channel in channels:
@@ -152,6 +154,7 @@ class KVClient:
 
     def channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
+            self._check_open()
             if endpoint not in self._channels:
                 self._channels[endpoint] = open_channel(endpoint, self.security, channel_options())
             return self._channels[endpoint]
@@ -160,6 +163,7 @@ class KVClient:
         """A channel on a new connection in place of ``stale`` (unless another call replaced it already)."""
         closing = []
         with self._lock:
+            self._check_open()
             current = self._channels.get(endpoint)
             if current is None or current is stale:
                 if current is not None:
@@ -170,6 +174,11 @@ class KVClient:
         for channel in closing:
             channel.close()
         return current
+
+    def _check_open(self) -> None:
+        # A retry must not open a channel that nobody would close.
+        if self._closed:
+            raise TransferError("the KV client is closed")
 
     def stub(self, endpoint: str) -> lanekv_pb2_grpc.KVTransferStub:
         return lanekv_pb2_grpc.KVTransferStub(self.channel(endpoint))
