@@ -383,9 +383,25 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
         fuzz_fetch()
         fuzz_release()
         _assert_explored(seen, OK, INVALID, Code.NOT_FOUND, Code.FAILED_PRECONDITION)
+        # A client that leaves after one chunk of page-sized chunks.
+        stream = _kv(rig, "rank0").FetchKV(pb.FetchRequest(request_id=hostile.LIVE, fingerprint=fingerprint,
+                                                          max_chunk_bytes=1024), timeout=TIMEOUT_S)
+        next(stream)
+        stream.cancel()
         # The pinned request is whole: every byte as before the fuzzing.
         assert {rank: fetch(rank)() for rank in owned} == before
-        assert live.request_id == hostile.LIVE
+
+    # A release racing a fetch of the same pages: the stream ends whole or NOT_FOUND,
+    # and the pages come back once (a second free would raise in the parent).
+    racy = lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(
+        pb.PrefillRequest(token_ids=pb.TokenIds(ids=list(range(3, 43))), request_id="racy"), timeout=TIMEOUT_S)
+    stream = _kv(rig, "rank0").FetchKV(pb.FetchRequest(request_id="racy", fingerprint=fingerprint,
+                                                      max_chunk_bytes=1024), timeout=TIMEOUT_S)
+    next(stream)
+    assert _outcome(release("rank0", "racy")) == OK
+    assert _outcome(lambda: list(stream)) in (OK, Code.NOT_FOUND)
+    assert _outcome(release("rank0", "racy")) == Code.NOT_FOUND
+    assert _outcome(release("rank1", "racy")) == OK
     _assert_serves_on(rig)
 
 
