@@ -72,10 +72,14 @@ def channel_options() -> list[tuple[str, int]]:
 
     gRPC waits 1 s after a failed connection and grows the wait up to 120 s,
     failing every call meanwhile: a peer that was down for a minute would stay
-    unreachable long after it came back. Capped at 2 s here.
+    unreachable long after it came back. Capped at 2 s here. Each channel keeps
+    its own connections: gRPC otherwise shares one connection among channels
+    to the same target, and a new channel after a frozen connection would get
+    the frozen one again.
     """
     return [
         *grpc_options(),
+        ("grpc.use_local_subchannel_pool", 1),
         ("grpc.initial_reconnect_backoff_ms", 200),
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
