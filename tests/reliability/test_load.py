@@ -231,6 +231,23 @@ def _busy_threads() -> set[int]:
     return busy
 
 
+@pytest.mark.timeout(60)
+def test_the_judge_refuses_a_substituted_token(reference):
+    jobs = _jobs(seed=4, count=16)
+    reference.run(jobs)
+    rng = random.Random(4)
+    for job in jobs:
+        want = reference.outputs[job.request_id]
+        assert reference.mismatch(job, want) is None
+        assert reference.mismatch(job, want[:-1], complete=False) is None
+        assert reference.mismatch(job, want[:-1]) is not None  # a finished stream cut short
+        for k in rng.sample(range(len(want)), min(4, len(want))):
+            for other in (want[k] + 1) % VOCAB_SIZE, rng.randrange(VOCAB_SIZE):
+                if other != want[k]:
+                    assert reference.mismatch(job, want[:k] + [other] + want[k + 1:]) is not None, (job, k)
+    assert reference.ties == 0
+
+
 @pytest.mark.timeout(120)
 def test_concurrent_streams_with_cancellations_equal_their_sequential_runs(rig, reference):
     jobs = _jobs(seed=3, count=STREAMS)
