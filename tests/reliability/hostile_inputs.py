@@ -86,7 +86,8 @@ def mutations(plain: dict) -> st.SearchStrategy[bytes]:
             return packed(plain, drop=key)
         return packed(plain, **{key if how == "set" else f"_{key}": value})
 
-    return st.builds(mutate, st.sampled_from(sorted(plain)), MSGPACK_VALUES, st.sampled_from(["set", "drop", "add"]))
+    return st.builds(mutate, st.sampled_from(sorted(plain)), MSGPACK_VALUES,
+                     st.sampled_from(["set", "drop", "add"]))
 
 
 def oversized(size: int) -> bytes:

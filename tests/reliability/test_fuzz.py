@@ -124,7 +124,8 @@ def _release(rig: Rig, request_id: str, fingerprint: str) -> None:
             _kv(rig, rank).Release(pb.ReleaseRequest(request_id=request_id, fingerprint=fingerprint),
                                    timeout=TIMEOUT_S)
         except grpc.RpcError as err:
-            raise AssertionError(f"release of {request_id!r} at {rank}: {err.code().name} {err.details()}") from None
+            raise AssertionError(
+                f"release of {request_id!r} at {rank}: {err.code().name} {err.details()}") from None
 
 
 def _prefill(rig: Rig, request: pb.PrefillRequest) -> Callable[[], None]:
@@ -202,12 +203,13 @@ def test_prefill_refuses_hostile_requests(rig):
     with _pinned(rig, hostile.LIVE, 9):
         _expect([(str(request)[:200], _prefill(rig, request), code) for request, code in cases])
 
+        seen: list[Code] = []
+
         @FUZZ
         @given(request=hostile.prompted(pb.PrefillRequest))
         def fuzz(request: pb.PrefillRequest) -> None:
             seen.append(_outcome(_prefill(rig, request)))
 
-        seen: list[Code] = []
         fuzz()
         _assert_explored(seen, OK, INVALID, distinct=3)
     _assert_serves_on(rig)
@@ -245,12 +247,16 @@ def test_generate_refuses_hostile_requests(rig):
     with _pinned(rig, hostile.LIVE, 9):
         _expect([(str(request)[:200], lambda r=request: _generate(channel, r), code) for request, code in cases])
 
+        requests = hostile.prompted(pb.GenerateRequest, max_new_tokens=hostile.MAX_NEW,
+                                    stop_token_ids=st.lists(hostile.I32, max_size=6))
+
+        seen: list[Code] = []
+
         @FUZZ
-        @given(request=hostile.prompted(pb.GenerateRequest, max_new_tokens=hostile.MAX_NEW, stop_token_ids=st.lists(hostile.I32, max_size=6)))
+        @given(request=requests)
         def fuzz(request: pb.GenerateRequest) -> None:
             seen.append(_outcome(lambda: _generate(channel, request)))
 
-        seen: list[Code] = []
         fuzz()
         _assert_explored(seen, OK, INVALID, distinct=3)
     _assert_serves_on(rig)
@@ -272,11 +278,12 @@ def test_handshake_refuses_hostile_contracts(rig):
         (hostile.packed(plain, surplus=1), INVALID),
         (hostile.packed(plain, weights_digest="x" * 5000), INVALID),
         (hostile.packed(plain, weights_digest="x" * (2 << 20)), INVALID),  # beyond the 1 MiB a contract may take
-        (hostile.packed(plain, model_config=hostile.nested(900)), INVALID),  # hostile.nested deeper than Python's recursion
+        (hostile.packed(plain, model_config=hostile.nested(900)), INVALID),  # nested deeper than Python's recursion
         (hostile.packed(plain, model_config={"x": float("nan")}), INVALID),
         (msgpack.packb({"agreement": plain, "topology": {"cp_size": "two"}}), INVALID),
         (hostile.packed(plain, page_size=16), Code.FAILED_PRECONDITION),
-        (hostile.packed(plain, model_config={**plain["model_config"], "vocab_size": 301}), Code.FAILED_PRECONDITION),
+        (hostile.packed(plain, model_config={**plain["model_config"], "vocab_size": 301}),
+         Code.FAILED_PRECONDITION),
         (encoded, OK),
         (rig.prefill.contract.encode(), OK),  # a whole LayoutContract carries the same agreement
     ]
@@ -297,12 +304,13 @@ def test_handshake_refuses_hostile_contracts(rig):
         hostile.DEPTHS.map(lambda depth: hostile.packed(plain, model_config=hostile.nested(depth))),
     )
 
+    seen: list[Code] = []
+
     @FUZZ
     @given(target=st.sampled_from(targets), contract=contracts)
     def fuzz(target: str, contract: bytes) -> None:
         seen.append(_outcome(handshake(target, contract)))
 
-    seen: list[Code] = []
     fuzz()
     _assert_explored(seen, OK, INVALID, Code.FAILED_PRECONDITION)
     _assert_serves_on(rig)
@@ -367,9 +375,11 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
         pages = st.lists(st.one_of(st.sampled_from(known), st.integers(-(2**63), 2**63 - 1)), max_size=12)
         targets = st.sampled_from(["rank0", "rank1", "rank0", "rank1", "parent", "decode"])
 
+        seen: list[Code] = []
+
         @FUZZ
-        @given(target=targets, request_id=ids, fp=fingerprints, layer_start=hostile.U32, layer_end=st.none() | hostile.U32,
-               page_list=pages, max_chunk_bytes=hostile.U64)
+        @given(target=targets, request_id=ids, fp=fingerprints, layer_start=hostile.U32,
+               layer_end=st.none() | hostile.U32, page_list=pages, max_chunk_bytes=hostile.U64)
         def fuzz_fetch(target, request_id, fp, layer_start, layer_end, page_list, max_chunk_bytes) -> None:
             seen.append(_outcome(fetch(target, request_id, fp, layer_end, layer_start=layer_start,
                                        pages=page_list, max_chunk_bytes=max_chunk_bytes)))
@@ -379,7 +389,6 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
         def fuzz_release(target, request_id, fp) -> None:
             seen.append(_outcome(release(target, request_id, fp)))
 
-        seen: list[Code] = []
         fuzz_fetch()
         fuzz_release()
         _assert_explored(seen, OK, INVALID, Code.NOT_FOUND, Code.FAILED_PRECONDITION)
@@ -393,7 +402,7 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
 
     # A release racing a fetch of the same pages: the stream ends whole or NOT_FOUND,
     # and the pages come back once (a second free would raise in the parent).
-    racy = lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(
+    lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(
         pb.PrefillRequest(token_ids=pb.TokenIds(ids=list(range(3, 43))), request_id="racy"), timeout=TIMEOUT_S)
     stream = _kv(rig, "rank0").FetchKV(pb.FetchRequest(request_id="racy", fingerprint=fingerprint,
                                                       max_chunk_bytes=1024), timeout=TIMEOUT_S)
@@ -450,7 +459,8 @@ def test_raw_bytes_that_are_not_protobuf_are_refused(rig):
                 for data in hostile.NOT_PROTOBUF:
                     if method.endswith("Handshake") and data == hostile.NOT_PROTOBUF[-1]:
                         continue  # a bytes field takes any bytes: this one parses
-                    assert _outcome(_raw(rig.channels[target], method, streaming, data)) == INVALID, (method, target, data)
+                    call = _raw(rig.channels[target], method, streaming, data)
+                    assert _outcome(call) == INVALID, (method, target, data)
     finally:
         _assert_serves_on(rig)
 
@@ -469,7 +479,11 @@ class _ContractOnly:
     def pages_of(self, request_id: str):
         raise KeyError("no pages here")
 
-    read = release = pages_of
+    def read(self, physical_pages, layer_start: int, layer_end: int):
+        raise KeyError("no pages here")
+
+    def release(self, request_id: str) -> int:
+        raise KeyError("no pages here")
 
 
 @pytest.mark.timeout(60)
@@ -498,7 +512,7 @@ def test_malformed_request_interceptor_refuses_what_does_not_parse(rig):
 
 @pytest.mark.timeout(60)
 def test_messages_over_the_receive_limit_are_refused(rig):
-    data = hostile.oversized((128 << 20) + 1)  # one byte past the receive limit, with its framing
+    data = hostile.oversized((128 << 20) + 1)  # field 1 alone is a byte over the receive limit
     options = [("grpc.max_send_message_length", -1)]
     rank0, rank1 = rig.prefill.topology.endpoints
     endpoints = {"parent": rig.prefill.endpoint, "decode": rig.decode.endpoint, "rank0": rank0, "rank1": rank1}
