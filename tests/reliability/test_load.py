@@ -269,7 +269,8 @@ def test_concurrent_streams_with_cancellations_equal_their_sequential_runs(rig, 
     assert reference.ties <= STREAMS // 16, "float noise should decide only rare tokens"
     assert _wait_until(lambda: _settled(rig)), (rig.load.stats(), rig.prefill.engine.allocator.free_counts())
     assert rig.load.stats().finished - before.finished >= ended[Code.OK]
-    assert _wait_until(lambda: _busy_threads() == threads_before), (
+    # No thread that runs anything now was not running before (one that ended is fine).
+    assert _wait_until(lambda: _busy_threads() <= threads_before), (
         [t.name for t in threading.enumerate() if t.ident in _busy_threads() - threads_before])
 
 
