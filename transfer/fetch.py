@@ -37,9 +37,10 @@ Code = grpc.StatusCode
 # (endpoint, request, timeout_s, fresh_connection) -> a started server-streaming call
 OpenStream = Callable[[str, lanekv_pb2.FetchRequest, float, bool], Any]
 # Statuses of a stream that a retry may cure: the server or the path to it is
-# down or restarting, or our channel was closed under the call (CANCELLED that
-# this fetch did not ask for).
-RETRYABLE_CODES = (Code.UNAVAILABLE, Code.CANCELLED)
+# down or restarting, our channel was closed under the call (CANCELLED that
+# this fetch did not ask for), or the connection broke in a way gRPC reports
+# as UNKNOWN ("Stream removed") or INTERNAL (a reset stream, bad HTTP/2 framing).
+RETRYABLE_CODES = (Code.UNAVAILABLE, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL)
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,7 @@ class FaultProxy:
     def _pump(self, conn: _Conn, src: socket.socket, dst: socket.socket, downstream: bool) -> None:
         held = conn.held[downstream]
         while not conn.closed and not self._stop.is_set():
-            if held and not conn.stalled:
+            if held and not conn.stalled:  # thawed: what was held goes first
                 if not self._send(conn, dst, bytes(held)):
                     break
                 held.clear()
@@ -135,7 +135,7 @@ class FaultProxy:
                 break
             if not data:
                 break
-            if conn.stalled:
+            if conn.stalled or held:  # held bytes keep their place in the stream
                 held.extend(data)
                 continue
             if downstream and conn.budget is not None:

@@ -20,23 +20,43 @@ Each checks that no page is left held on either side.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import multiprocessing
+import subprocess
+import sys
+import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from decode.daemon import DecodeConfig, DecodeDaemon
+from prefill.daemon import DaemonConfig, PrefillDaemon
+from prefill.engine_config import EngineConfig
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from tests.checkpoints import write_llama
 from tests.reliability.kv_cluster import (
     LAYERS,
     PAGE_LAYER_BYTES,
+    free_ports,
+    generate_request,
     placer,
     same_bits,
+    settled,
     start_servers,
+    status_of,
+    tokens,
+    wait_until,
 )
 from tests.reliability.proxy import FaultProxy
 from transfer.client import KVClient, RemoteError, RetryPolicy
 from transfer.security import SecurityConfig
-from transfer.server import KVTransferService
+from transfer.server import EPOCH_METADATA_KEY, KVTransferService
+
+REPO = Path(__file__).resolve().parents[2]
 
 Code = grpc.StatusCode
 NUM_PAGES = 13  # rank 0 holds 7 pages, rank 1 holds 6
@@ -180,3 +200,250 @@ def test_refusals_fail_at_once_and_a_dead_rank_after_bounded_tries(asked):
     finally:
         cluster.stop()
         locked.stop()
+
+
+# -- real daemons ------------------------------------------------------------------
+
+PAGE_SIZE = 4
+PROMPT = list(range(20, 60))  # 10 pages of 4: 5 on each rank, in 3 chunks per layer
+NEW_TOKENS = 6
+LEASE_S = 3.0
+# Greedy on write_llama's weights this prompt runs long without an end-of-sequence token.
+LONG_PROMPT = [11, 12, 13, 14, 15]
+# Two pages of one layer of write_llama (2 KV heads x head_dim 16, float32).
+DAEMON_CHUNK_BYTES = 2 * (2 * PAGE_SIZE * 2 * 16 * 4)
+
+
+def _prefill_daemon(checkpoint, **config) -> PrefillDaemon:
+    return PrefillDaemon(
+        EngineConfig(str(checkpoint), cp_size=2, page_size=PAGE_SIZE, pages_per_lane=64, start_timeout_s=120),
+        DaemonConfig(**{"lease_s": LEASE_S, **config}),
+    )
+
+
+def _decode_daemon(checkpoint, prefill: PrefillDaemon) -> DecodeDaemon:
+    return DecodeDaemon(DecodeConfig(
+        str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=160, device="cpu", page_wait_s=1.0,
+        fetch_chunk_bytes=DAEMON_CHUNK_BYTES, fetch_attempts=3, stall_timeout_s=0.5, release_timeout_s=1.0,
+    ))
+
+
+def _behind_proxies(prefill: PrefillDaemon) -> list[FaultProxy]:
+    """Proxies in front of the ranks, named in every Prefill reply from now on."""
+    proxies = [FaultProxy(endpoint) for endpoint in prefill.topology.endpoints]
+    prefill.topology = dataclasses.replace(prefill.topology, endpoints=tuple(p.endpoint for p in proxies))
+    return proxies
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("faults-llama"))
+
+
+@pytest.fixture(scope="module")
+def pair(checkpoint):
+    prefill = _prefill_daemon(checkpoint)
+    proxies = _behind_proxies(prefill)
+    decode = _decode_daemon(checkpoint, prefill)
+    channel = grpc.insecure_channel(decode.endpoint)
+    yield prefill, decode, proxies, lanekv_pb2_grpc.DecodeServiceStub(channel)
+    channel.close()
+    decode.stop(grace_s=1.0)
+    prefill.stop()
+    for proxy in proxies:
+        proxy.close()
+
+
+@pytest.fixture(scope="module")
+def expected(pair) -> list[int]:
+    """The tokens of PROMPT, generated with no fault."""
+    return tokens(pair[3], generate_request(PROMPT, NEW_TOKENS))
+
+
+@pytest.mark.timeout(60)
+def test_a_stalled_rank_is_resumed_with_the_same_tokens(pair, expected, caplog):
+    prefill, decode, proxies, stub = pair
+    free = prefill.engine.allocator.free_counts()
+    caplog.set_level(logging.INFO, logger="lanekv.decode")
+    # The decode daemon's connection to rank 1 freezes after about two chunks.
+    proxies[1].stall_after(2 * DAEMON_CHUNK_BYTES)
+    assert tokens(stub, generate_request(PROMPT, NEW_TOKENS, request_id="stalled")) == expected
+    proxies[1].thaw()
+    assert proxies[1].faulted.is_set() or proxies[1].accepted >= 2
+    done = [r.getMessage() for r in caplog.records if r.getMessage().startswith("transfer done request_id=stalled ")]
+    assert len(done) == 1 and " retries=1 " in done[0], done
+    assert wait_until(lambda: settled(decode, prefill, free))
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_frozen_for_good_fails_the_call_in_time_and_leaks_nothing(pair, expected):
+    prefill, decode, proxies, stub = pair
+    free = prefill.engine.allocator.free_counts()
+    proxies[1].stall_after(DAEMON_CHUNK_BYTES, new_connections=True)
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as caught:
+        tokens(stub, generate_request(PROMPT, NEW_TOKENS), timeout=20)
+    # Three tries of 0.5 s of silence, far inside the call's 20 s.
+    assert caught.value.code() == Code.UNAVAILABLE and time.monotonic() - start < 5.0
+    assert "rank 1" in caught.value.details() and "stalled" in caught.value.details()
+    # The decode pages are back at once; the prefill pages of rank 1 when the lease ends.
+    assert decode.stats().free_pages == decode.stats().total_pages
+    assert wait_until(lambda: settled(decode, prefill, free), LEASE_S + 5)
+    proxies[1].thaw()
+    assert tokens(stub, generate_request(PROMPT, NEW_TOKENS)) == expected
+    assert wait_until(lambda: settled(decode, prefill, free))
+
+
+@pytest.mark.timeout(120)
+def test_a_decode_daemon_killed_mid_fetch_leaves_pages_the_leases_free(pair, expected, checkpoint, tmp_path):
+    prefill, _, proxies, _ = pair
+    free = prefill.engine.allocator.free_counts()
+
+    def start_decode(name: str) -> tuple[subprocess.Popen, str]:
+        ready = tmp_path / name
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "lanekv.cli", "decode", "--model", str(checkpoint), "--prefill", prefill.endpoint,
+             "--page-size", str(PAGE_SIZE), "--device", "cpu", "--pool-pages", "160", "--ready-file", str(ready)],
+            cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        assert wait_until(lambda: ready.exists() or proc.poll() is not None, 60), "decode did not start"
+        assert proc.poll() is None, proc.communicate(timeout=10)[1]
+        return proc, ready.read_text().strip()
+
+    proc, endpoint = start_decode("first")
+    try:
+        for proxy in proxies:  # both ranks freeze a little way into the fetch
+            proxy.stall_after(DAEMON_CHUNK_BYTES, new_connections=True)
+        outcome: list[grpc.StatusCode] = []
+        with grpc.insecure_channel(endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            call = threading.Thread(target=lambda: outcome.append(
+                status_of(lambda: tokens(stub, generate_request(PROMPT, NEW_TOKENS), timeout=30))))
+            call.start()
+            assert wait_until(lambda: proxies[0].faulted.is_set() and proxies[1].faulted.is_set())
+            assert len(prefill.leases.held()) == 1  # its pages are pinned, mid-fetch
+            proc.kill()
+            proc.wait(10)
+            call.join(10)
+        assert outcome == [Code.UNAVAILABLE]
+        # Nobody releases them: the lease frees every page.
+        assert wait_until(lambda: prefill.leases.held() == {}, LEASE_S + 5)
+        assert prefill.engine.allocator.free_counts() == free
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    for proxy in proxies:
+        proxy.thaw()
+    proc, endpoint = start_decode("second")
+    try:
+        with grpc.insecure_channel(endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            assert tokens(stub, generate_request(PROMPT, NEW_TOKENS)) == expected
+        assert wait_until(lambda: prefill.leases.held() == {} and prefill.engine.allocator.free_counts() == free)
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+@pytest.mark.timeout(120)
+def test_a_prefill_rank_killed_mid_fetch_fails_the_call_and_the_daemon_says_so(checkpoint):
+    before = {child.pid for child in multiprocessing.active_children()}
+    prefill = _prefill_daemon(checkpoint)
+    rank1 = [c for c in multiprocessing.active_children() if c.pid not in before and c.name == "lanekv-cp-rank1"]
+    proxies = _behind_proxies(prefill)
+    decode = _decode_daemon(checkpoint, prefill)
+    channel = grpc.insecure_channel(decode.endpoint)
+    stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+    try:
+        assert len(rank1) == 1
+        # A request that is decoding already: its KV is here, it runs to its end.
+        running = stub.Generate(generate_request(LONG_PROMPT, 200), timeout=60)
+        first = next(running)
+        proxies[1].stall_after(DAEMON_CHUNK_BYTES, new_connections=True)
+        outcome: list[grpc.StatusCode] = []
+        failing = threading.Thread(target=lambda: outcome.append(
+            status_of(lambda: tokens(stub, generate_request(PROMPT, NEW_TOKENS), timeout=30))))
+        start = time.monotonic()
+        failing.start()
+        assert wait_until(lambda: proxies[1].faulted.is_set())
+        rank1[0].kill()
+        failing.join(30)
+        assert outcome and outcome[0] in (Code.UNAVAILABLE, Code.ABORTED) and time.monotonic() - start < 10
+        rest = [t for reply in running for t in reply.token_ids]
+        assert len(first.token_ids) + len(rest) == 200
+        assert wait_until(lambda: decode.stats().free_pages == decode.stats().total_pages
+                          and decode.stats().active_requests == 0)
+        # The prefill daemon knows: every Prefill, direct or through the decode daemon, is UNAVAILABLE.
+        with grpc.insecure_channel(prefill.endpoint) as direct:
+            prefill_stub = lanekv_pb2_grpc.PrefillServiceStub(direct)
+            request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT))
+            with pytest.raises(grpc.RpcError) as caught:
+                prefill_stub.Prefill(request, timeout=30)
+            assert caught.value.code() == Code.UNAVAILABLE and "lanekv-cp-rank1" in caught.value.details()
+        with pytest.raises(grpc.RpcError) as caught:
+            tokens(stub, generate_request(PROMPT, NEW_TOKENS))
+        assert caught.value.code() == Code.UNAVAILABLE
+        assert decode.stats().free_pages == decode.stats().total_pages
+    finally:
+        channel.close()
+        decode.stop(grace_s=1.0)
+        prefill.stop()
+        for proxy in proxies:
+            proxy.close()
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_prefill_daemon_refuses_the_old_start(checkpoint):
+    port, base = free_ports(1), free_ports(2)
+    ports = dict(port=port, transfer_port_base=base, lease_s=60.0)
+    old = _prefill_daemon(checkpoint, **ports)
+    decode = _decode_daemon(checkpoint, old)
+    channel = grpc.insecure_channel(decode.endpoint)
+    stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+    new = None
+    try:
+        want = tokens(stub, generate_request(PROMPT, NEW_TOKENS))
+        reply, old_epoch = _prefill_with_epoch(old.endpoint, "reused-id")
+        assert old_epoch == old.epoch
+        endpoints = dict(enumerate(reply.endpoints))
+        old.stop()
+        new = _prefill_daemon(checkpoint, **ports)
+        assert new.epoch != old_epoch and list(new.topology.endpoints) == list(reply.endpoints)
+        with KVClient() as kv:
+            # The new start never saw the id, and says so either way.
+            with pytest.raises(RemoteError) as caught:
+                kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: None, epoch=old_epoch)
+            assert caught.value.code == Code.FAILED_PRECONDITION and "restarted" in caught.value.details
+            with pytest.raises(RemoteError) as caught:
+                kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: None)
+            assert caught.value.code == Code.NOT_FOUND
+            # The new start reuses the id: the old start's callers still get none of its pages.
+            again, new_epoch = _prefill_with_epoch(new.endpoint, "reused-id")
+            placed: list = []
+            with pytest.raises(RemoteError) as caught:
+                kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: placed.append(h),
+                         epoch=old_epoch)
+            assert caught.value.code == Code.FAILED_PRECONDITION and placed == []
+            with pytest.raises(RemoteError) as caught:
+                kv.release(endpoints, "reused-id", reply.contract_fingerprint, epoch=old_epoch)
+            assert caught.value.code == Code.FAILED_PRECONDITION and "reused-id" in new.leases.held()
+            stats = kv.fetch(endpoints, "reused-id", again.contract_fingerprint, lambda h, t: None, epoch=new_epoch)
+            assert stats.chunks > 0
+            kv.release(endpoints, "reused-id", again.contract_fingerprint, epoch=new_epoch)
+            assert wait_until(lambda: new.leases.held() == {})
+        # The decode daemon serves on through the new start (once its channel reconnects).
+        assert wait_until(lambda: status_of(lambda: tokens(stub, generate_request(PROMPT, 1))) == Code.OK)
+        assert tokens(stub, generate_request(PROMPT, NEW_TOKENS)) == want
+    finally:
+        channel.close()
+        decode.stop(grace_s=1.0)
+        old.stop()
+        if new is not None:
+            new.stop()
+
+
+def _prefill_with_epoch(endpoint: str, request_id: str) -> tuple[lanekv_pb2.PrefillReply, str | None]:
+    with grpc.insecure_channel(endpoint) as channel:
+        request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT), request_id=request_id)
+        reply, call = lanekv_pb2_grpc.PrefillServiceStub(channel).Prefill.with_call(request, timeout=30)
+    return reply, dict(call.trailing_metadata()).get(EPOCH_METADATA_KEY)
