@@ -304,16 +304,22 @@ def _after_tries(error: TransferError, tries: int) -> TransferError:
 
 
 class _StreamCheck:
-    """What one stream may send: chunk ``seq`` 0, 1, ... of cells of its span, layer-major, each once."""
+    """What one stream may send: chunk ``seq`` 0, 1, ... of cells of its span, layer-major, each once.
+
+    The checksum covers a chunk's payload, not its header. With the pages
+    named, the header is held to more: chunks must tile the span exactly as
+    ``wire.plan_chunks`` cuts it (whole layers of every page, or one layer's
+    pages in consecutive runs, in the order asked), so a damaged page id or
+    layer number never passes. Without them a chunk must only lie in the span.
+    """
 
     def __init__(self, request_id: str, rank: int, span: Span) -> None:
         self.request_id, self.rank, self.span = request_id, rank, span
-        self._pages = None if span.pages is None else frozenset(span.pages)
-        self._seq, self._layer = 0, span.layer_start
-        self._seen = Cells()
+        self._seq, self._layer, self._cursor = 0, span.layer_start, 0
+        self._seen = Cells()  # only without named pages
 
     def chunk(self, message: bytes) -> tuple[ChunkHeader, memoryview]:
-        seq, span = self._seq, self.span
+        seq = self._seq
         self._seq += 1
         try:
             header_bytes, data = split_chunk(message)
@@ -327,27 +333,55 @@ class _StreamCheck:
             )
         if data.nbytes != header.nbytes or checksum(data) != header.checksum:
             raise ChecksumError(self.request_id, self.rank, seq)
-        outside = (
-            header.layer_start < self._layer
-            or (span.layer_end is not None and header.layer_end > span.layer_end)
-            or (self._pages is not None and not self._pages.issuperset(header.pages))
-        )
-        if outside or self._seen.has_any(header):
+        if not (self._tiles(header) if self.span.pages is not None else self._inside(header)):
             raise CorruptChunk(
                 self.request_id, self.rank, seq,
                 f"holds layers [{header.layer_start}, {header.layer_end}) of pages {list(header.pages)[:8]}:"
-                " not asked for, out of layer order, or sent before",
+                " not what was asked, out of order, or sent before",
             )
+        return header, data
+
+    def _tiles(self, header: ChunkHeader) -> bool:
+        pages, end = self.span.pages, self.span.layer_end
+        if self._cursor == 0 and header.pages == pages:  # whole layers
+            if header.layer_start != self._layer or (end is not None and header.layer_end > end):
+                return False
+            self._layer = header.layer_end
+            return True
+        run = pages[self._cursor:self._cursor + len(header.pages)]
+        if (header.pages != run or header.layer_start != self._layer or header.layer_end != self._layer + 1
+                or (end is not None and self._layer >= end)):
+            return False
+        self._cursor += len(run)
+        if self._cursor == len(pages):
+            self._cursor, self._layer = 0, self._layer + 1
+        return True
+
+    def _inside(self, header: ChunkHeader) -> bool:
+        end = self.span.layer_end
+        if header.layer_start < self._layer or (end is not None and header.layer_end > end):
+            return False
+        if self._seen.has_any(header):
+            return False
         self._layer = header.layer_start
         self._seen.add(header)
-        return header, data
+        return True
 
     def finish(self) -> None:
         """The stream ended cleanly: it must have sent its whole span (a rank may hold no page)."""
-        span, layers = self.span, self._seen.layers()
-        if not layers and span.pages is None:
+        span = self.span
+        if span.pages is not None:
+            end = span.layer_end if span.layer_end is not None else max(self._layer, span.layer_start + 1)
+            if self._cursor or self._layer != end:
+                raise TransferError(
+                    f"rank {self.rank} ended its stream of {self.request_id!r} at layer {self._layer}"
+                    f" ({self._cursor} pages into it), short of layers [{span.layer_start}, {end})"
+                )
             return
-        pages = self._pages if self._pages is not None else frozenset(self._seen.of(layers[0]))
+        layers = self._seen.layers()
+        if not layers:
+            return
+        pages = self._seen.of(layers[0])
         last = span.layer_end if span.layer_end is not None else layers[-1] + 1
         short = [layer for layer in range(span.layer_start, last) if self._seen.of(layer) != pages]
         if short:
