@@ -22,6 +22,10 @@ from dataclasses import dataclass
 import torch
 
 _MAX_SEED = 2**64
+# The smallest temperature that samples: below it logits / temperature can
+# overflow float32 to inf and the probabilities turn NaN. Such a temperature
+# is greedy in all but name; 0 says greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,10 @@ class SamplingParams:
             raise TypeError(f"temperature={self.temperature!r} must be a number")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature={self.temperature!r} must be finite and >= 0")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature={self.temperature!r} must be 0 (greedy) or at least {MIN_TEMPERATURE}"
+            )
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int):
             raise TypeError(f"top_k={self.top_k!r} must be an integer")
         if self.top_k < 0:

@@ -133,3 +133,10 @@ def test_sample_checks_its_arguments() -> None:
         sample(_logits(2, 10).half(), [GREEDY, GREEDY], step=0)
     with pytest.raises(ValueError, match="logits must be"):
         sample(torch.zeros(10), [GREEDY], step=0)
+
+
+def test_tiny_positive_temperature_is_refused():
+    # logits / 1e-38 overflows to inf; such a temperature must be 0 (greedy) instead
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=1e-38, seed=1)
+    assert SamplingParams(temperature=1e-5).temperature == 1e-5

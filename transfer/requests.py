@@ -18,20 +18,10 @@ from transfer.status import Refusal
 from transfer.wire import MAX_REQUEST_ID_LEN
 
 Code = grpc.StatusCode
-# The smallest temperature that samples: below it logits / temperature can
-# overflow float32 to inf, the sampler's probabilities turn NaN and sampling
-# raises inside the CP rank, which stops the prefill daemon. Such a
-# temperature is greedy in all but name; 0 says greedy.
-MIN_TEMPERATURE = 1e-5
-
-
+# A generous bound on characters per token, to refuse absurd texts before tokenizing.
+MAX_CHARS_PER_TOKEN = 64
 def sampling_from_proto(msg) -> SamplingParams:
     """``lanekv.v1.SamplingParams`` -> ``SamplingParams`` (all-zero message = greedy)."""
-    if 0 < msg.temperature < MIN_TEMPERATURE:
-        raise Refusal(
-            Code.INVALID_ARGUMENT,
-            f"sampling: temperature={msg.temperature!r} must be 0 (greedy) or at least {MIN_TEMPERATURE}",
-        )
     try:
         return SamplingParams(
             temperature=float(msg.temperature),
@@ -59,6 +49,12 @@ def prompt_from_proto(request, tokenizer: Tokenizer | None, vocab_size: int, max
     if which is None:
         raise Refusal(Code.INVALID_ARGUMENT, "prompt: give text or token_ids")
     if which == "text":
+        # Refuse before tokenizing: a huge text would cost seconds of CPU first.
+        if len(request.text) > max_tokens * MAX_CHARS_PER_TOKEN:
+            raise Refusal(
+                Code.OUT_OF_RANGE,
+                f"prompt.text: {len(request.text)} characters cannot fit the {max_tokens} tokens this daemon accepts",
+            )
         if tokenizer is None:
             raise Refusal(
                 Code.INVALID_ARGUMENT, "prompt.text: this model has no tokenizer.json; send token_ids"

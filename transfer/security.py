@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from transfer.requests import MalformedRequestInterceptor
 from transfer.status import grpc_options
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,8 @@ def make_server(
     *,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
 ) -> grpc.Server:
-    """A gRPC server with ``interceptors`` (outermost first) and then the token check.
+    """A gRPC server with ``interceptors`` (outermost first), the malformed-request
+    check and then the token check.
 
     Metrics interceptors go in ``interceptors`` so that they also count the
     calls the token check refuses. ``options`` defaults to ``grpc_options()``.
@@ -290,7 +292,9 @@ def make_server(
         options.append(("grpc.so_reuseport", 0))
     return grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
-        interceptors=[*interceptors, *server_interceptors(config)],
+        # Calls counted first, then bytes that do not parse refused with
+        # INVALID_ARGUMENT (gRPC alone answers INTERNAL), then the token check.
+        interceptors=[*interceptors, MalformedRequestInterceptor(), *server_interceptors(config)],
         options=options,
     )
 

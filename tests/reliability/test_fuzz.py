@@ -449,9 +449,6 @@ def _raw(channel: grpc.Channel, method: str, streaming: bool, data: bytes) -> Ca
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "gRPC answers a request it cannot parse with INTERNAL 'Exception deserializing request!'; "
-    "fixed once the daemons' servers install transfer.requests.MalformedRequestInterceptor"))
 def test_raw_bytes_that_are_not_protobuf_are_refused(rig):
     try:
         for method, streaming, targets in RAW_METHODS:
