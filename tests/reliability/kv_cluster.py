@@ -9,7 +9,6 @@ check that nothing is held on either side.
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import time
 from collections.abc import Callable
@@ -102,10 +101,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def with_config(config, **changes):
-    return dataclasses.replace(config, **changes)
-
-
 def free_ports(count: int) -> int:
     """The first of ``count`` consecutive ports that are free now."""
     for _ in range(100):
@@ -144,13 +139,14 @@ def tokens(stub, request, timeout: float = 30.0) -> list[int]:
     return [t for reply in stub.Generate(request, timeout=timeout) for t in reply.token_ids]
 
 
-def status_of(call: Callable[[], object]) -> grpc.StatusCode:
-    """The status a call ends with (OK when it returns)."""
+def status_of(call: Callable[[], object], details: bool = False):
+    """The status code a call ends with (OK when it returns); with ``details``, (code, details)."""
+    code, text = grpc.StatusCode.OK, ""
     try:
         call()
     except grpc.RpcError as err:
-        return err.code()
-    return grpc.StatusCode.OK
+        code, text = err.code(), err.details() or ""
+    return (code, text) if details else code
 
 
 def settled(decode, prefill, prefill_free) -> bool:

@@ -58,6 +58,11 @@ class FaultProxy:
         """As ``stall_after``, but reset the connection instead."""
         self._arm("cut", nbytes, new_connections)
 
+    def spare_new_connections(self) -> None:
+        """Connections opened from now on forward freely; open ones keep their fault."""
+        with self._lock:
+            self._rule = None
+
     def thaw(self) -> None:
         """Forget every fault: stalled connections forward again, held bytes first."""
         with self._lock:

@@ -10,7 +10,8 @@ retried, a dead rank fails UNAVAILABLE after a bounded number of tries.
 The rest runs real daemons (a CP-2 prefill daemon, a decode daemon in this
 process or as a ``lanekv decode`` subprocess) with proxies in front of the
 ranks: a stalled rank is resumed with the same tokens, a path frozen for good
-fails the call in time, a decode daemon killed mid-fetch leaves pages that
+fails the call in time, a lease that ends while its stream is frozen ends the
+call with ABORTED (NOT_FOUND), a decode daemon killed mid-fetch leaves pages that
 its leases free (and a new one serves), a prefill rank killed mid-fetch
 fails the call UNAVAILABLE and the prefill daemon says so from then on, and
 a restarted prefill daemon on the same ports refuses the old start's
@@ -292,6 +293,33 @@ def test_a_rank_frozen_for_good_fails_the_call_in_time_and_leaks_nothing(pair, e
     proxies[1].thaw()
     assert tokens(stub, generate_request(PROMPT, NEW_TOKENS)) == expected
     assert wait_until(lambda: settled(decode, prefill, free))
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_that_expires_mid_fetch_ends_the_call_with_aborted(pair, expected, checkpoint):
+    prefill, _, proxies, _ = pair
+    free = prefill.engine.allocator.free_counts()
+    # A decode daemon that waits out a silent stream longer than the lease lasts.
+    patient = DecodeDaemon(dataclasses.replace(pair[1].config, stall_timeout_s=LEASE_S + 1.0))
+    channel = grpc.insecure_channel(patient.endpoint)
+    try:
+        stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+        proxies[1].stall_after(DAEMON_CHUNK_BYTES, new_connections=True)
+        outcome: list = []
+        call = threading.Thread(target=lambda: outcome.append(
+            status_of(lambda: tokens(stub, generate_request(PROMPT, NEW_TOKENS), timeout=30), details=True)))
+        call.start()
+        assert wait_until(lambda: proxies[1].faulted.is_set())
+        proxies[1].spare_new_connections()  # the retry gets through, after the lease has ended
+        call.join(30)
+        code, details = outcome[0]
+        assert code == Code.ABORTED and "NOT_FOUND" in details and "rank 1" in details, details
+        assert wait_until(lambda: settled(patient, prefill, free))
+        assert prefill.engine.allocator.free_counts() == free
+    finally:
+        proxies[1].thaw()
+        channel.close()
+        patient.stop(grace_s=1.0)
 
 
 @pytest.mark.timeout(120)
