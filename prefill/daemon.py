@@ -22,7 +22,8 @@ FAILED_PRECONDITION, and a request id of an old start is unknown to a new
 one (NOT_FOUND), so a restarted daemon on the same ports never serves its
 pages for an old request. A rank process that dies makes the engine
 unusable: from then on Prefill answers UNAVAILABLE naming the rank, and the
-pages still pinned are freed when their leases expire.
+pages still pinned are freed when their leases expire; health says
+NOT_SERVING once a Prefill has met the dead rank.
 """
 
 from __future__ import annotations
@@ -159,6 +160,7 @@ class PrefillDaemon:
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
         self._in_flight: set[str] = set()
+        self._ranks_down = False
         self._lock = threading.Lock()
         self.batcher = Batcher(self._run_batch, batch_wait_s=cfg.batch_wait_ms / 1e3,
                                max_batch_tokens=cfg.max_batch_tokens)
@@ -244,6 +246,16 @@ class PrefillDaemon:
                 self.metrics.requests.labels(service=service, method=method, code=code).inc(grown)
         self._rank_calls[rank] = dict(totals)
 
+    def ranks_down(self, reason: str) -> None:
+        """A rank died: the engine serves no more, so health says NOT_SERVING (once)."""
+        with self._lock:
+            if self._ranks_down or self._stopped:
+                return
+            self._ranks_down = True
+        log.error("prefill ranks are down, NOT_SERVING until restarted: %s", reason)
+        for service in ("", PREFILL_SERVICE):
+            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.25):
             for request_id, ranks in self.leases.expire():
@@ -324,6 +336,7 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         except OutOfPagesError as err:
             raise Refusal(Code.RESOURCE_EXHAUSTED, f"prefill pool: {err}") from err
         except RankDiedError as err:
+            d.ranks_down(str(err))
             raise Refusal(Code.UNAVAILABLE, f"prefill ranks are down: {err}") from err
         except futures.TimeoutError as err:
             raise Refusal(Code.DEADLINE_EXCEEDED, "prefill did not finish within the deadline") from err

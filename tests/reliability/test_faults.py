@@ -13,7 +13,8 @@ ranks: a stalled rank is resumed with the same tokens, a path frozen for good
 fails the call in time, a lease that ends while its stream is frozen ends the
 call with ABORTED (NOT_FOUND), a decode daemon killed mid-fetch leaves pages that
 its leases free (and a new one serves), a prefill rank killed mid-fetch
-fails the call UNAVAILABLE and the prefill daemon says so from then on, and
+fails the call UNAVAILABLE and the prefill daemon says so from then on (and
+its health goes NOT_SERVING), and
 a restarted prefill daemon on the same ports refuses the old start's
 requests (even one whose id it reuses) while the decode daemon serves on.
 Each checks that no page is left held on either side.
@@ -33,9 +34,10 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decode.daemon import DecodeConfig, DecodeDaemon
-from prefill.daemon import DaemonConfig, PrefillDaemon
+from prefill.daemon import PREFILL_SERVICE, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
@@ -408,6 +410,9 @@ def test_a_prefill_rank_killed_mid_fetch_fails_the_call_and_the_daemon_says_so(c
             with pytest.raises(grpc.RpcError) as caught:
                 prefill_stub.Prefill(request, timeout=30)
             assert caught.value.code() == Code.UNAVAILABLE and "lanekv-cp-rank1" in caught.value.details()
+            health = health_pb2_grpc.HealthStub(direct).Check(
+                health_pb2.HealthCheckRequest(service=PREFILL_SERVICE), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         with pytest.raises(grpc.RpcError) as caught:
             tokens(stub, generate_request(PROMPT, NEW_TOKENS))
         assert caught.value.code() == Code.UNAVAILABLE
