@@ -207,6 +207,7 @@ class RankFetch:
                     if not self._stream(span, fresh):
                         return  # the fetch ended under this stream
                     self._pending.pop(0)
+                    fresh = False
                     continue
                 except _Retry as retry:
                     failures = 1 if self.cells.count > mark else failures + 1
@@ -222,6 +223,8 @@ class RankFetch:
             job.ready.put(Item(self.rank, None, None, None))
         except TransferError as err:
             job.ready.put(Item(self.rank, None, None, err))
+        except Exception as err:  # a fault of ours must end the fetch now, not at its deadline
+            job.ready.put(Item(self.rank, None, None, TransferError(f"rank {self.rank}: receiver failed: {err!r}")))
 
     def cancel(self) -> None:
         """End the stream under way (the fetch is over; ``job.stopping`` is set)."""
