@@ -36,7 +36,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode.engine import DecodeEngine
 from decode.pool import PagePool
-from lanekv.metrics import MetricsEndpoint, Registry, lanekv_metrics, serve_metrics
+from lanekv.metrics import MetricsEndpoint, Registry, serve_metrics
+from lanekv.rpc_metrics import lanekv_metrics
 from prefill.checkpoint import LoadedModel, load_dummy_model, load_model
 from prefill.engine_config import DTYPES
 from proto import lanekv_pb2_grpc

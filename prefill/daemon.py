@@ -39,7 +39,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lanekv.metrics import MetricsEndpoint, Registry, lanekv_metrics, serve_metrics
+from lanekv.metrics import MetricsEndpoint, Registry, serve_metrics
+from lanekv.rpc_metrics import lanekv_metrics
 from prefill.allocator import OutOfPagesError
 from prefill.batcher import Batcher
 from prefill.engine_config import EngineConfig

@@ -12,7 +12,8 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from lanekv.metrics import Registry, lanekv_metrics
+from lanekv.metrics import Registry
+from lanekv.rpc_metrics import lanekv_metrics
 from prefill.checkpoint import LoadedModel
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout

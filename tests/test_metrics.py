@@ -14,7 +14,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lanekv.metrics import CONTENT_TYPE, Registry, lanekv_metrics, serve_metrics
+from lanekv.metrics import CONTENT_TYPE, Registry, serve_metrics
+from lanekv.rpc_metrics import lanekv_metrics
 from transfer.security import SecurityConfig, bind, make_server, open_channel
 
 pytestmark = pytest.mark.timeout(60)
