@@ -38,13 +38,13 @@ from decode.engine import DecodeEngine
 from decode.pool import PagePool
 from lanekv.metrics import MetricsEndpoint, Registry, serve_metrics
 from lanekv.rpc_metrics import lanekv_metrics
-from prefill.checkpoint import LoadedModel, load_dummy_model, load_model
+from prefill.checkpoint import load_checkpoint
 from prefill.engine_config import DTYPES
 from proto import lanekv_pb2_grpc
 from transfer.client import KVClient, RemoteError, RetryPolicy, channel_options
 from transfer.contract import Agreement, LayoutContract
 from transfer.security import SecurityConfig, bind, make_server, open_channel
-from transfer.server import KVTransferService, add_transfer_service
+from transfer.server import ContractOnlySource, KVTransferService, add_transfer_service
 from transfer.status import TRANSFER_SERVICE
 
 if TYPE_CHECKING:
@@ -235,7 +235,7 @@ class DecodeDaemon:
     def _start(self) -> None:
         config = self.config
         device = torch.device(config.resolved_device)
-        self.loaded = _load(config, device)
+        self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
         model_config = self.loaded.config
         self.vocab_size = model_config.vocab_size
         self.max_positions = model_config.max_position_embeddings
@@ -297,7 +297,7 @@ class DecodeDaemon:
         # Our own contract: our agreement and the topology our prefill daemon told us.
         self.contract = LayoutContract(self.agreement, self.prefill_contract.topology)
         lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.server)
-        add_transfer_service(self.server, KVTransferService(_NoPages(self.contract)))
+        add_transfer_service(self.server, KVTransferService(ContractOnlySource(self.contract, "a decode daemon serves no pages")))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.start()
@@ -460,29 +460,3 @@ def _ended_with(context: grpc.ServicerContext | None, outcome: str) -> tuple[grp
     return (Code.UNKNOWN if code is None else code), details
 
 
-class _NoPages:
-    """The decode daemon's PageSource: it answers Handshake and holds no pages for anyone."""
-
-    rank = 0
-
-    def __init__(self, contract: LayoutContract) -> None:
-        self._contract = contract
-
-    def contract(self) -> LayoutContract:
-        return self._contract
-
-    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
-        raise KeyError("a decode daemon serves no pages")
-
-    def read(self, physical_pages, layer_start, layer_end):
-        raise KeyError("a decode daemon serves no pages")
-
-    def release(self, request_id: str) -> int:
-        raise KeyError("a decode daemon holds no prefill pages")
-
-
-def _load(config: DecodeConfig, device: torch.device) -> LoadedModel:
-    if config.load_format == "dummy":
-        # Seed 0, as the prefill ranks' dummy weights: the two sides pair.
-        return load_dummy_model(config.model_path, dtype=config.torch_dtype, device=device)
-    return load_model(config.model_path, dtype=config.torch_dtype, device=device)

@@ -120,3 +120,14 @@ def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     digest = hashlib.sha256(f"dummy-weights:{seed}:{config!r}".encode()).hexdigest()
     return LoadedModel(config=config, model=model, weights_digest=digest,
                        tokenizer=load_tokenizer(path, config.eos_token_ids))
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                    load_format: str = "safetensors") -> LoadedModel:
+    """``load_model`` or, for ``load_format="dummy"``, ``load_dummy_model`` (seed 0,
+    so a prefill and a decode daemon given the same config.json pair)."""
+    if load_format == "dummy":
+        return load_dummy_model(path, dtype=dtype, device=device)
+    if load_format != "safetensors":
+        raise ValueError(f"load_format must be safetensors or dummy, got load_format={load_format!r}")
+    return load_model(path, dtype=dtype, device=device)

@@ -53,7 +53,12 @@ from transfer.contract import Agreement, LayoutContract, Topology
 from transfer.manifest import Manifest
 from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
 from transfer.security import SecurityConfig, bind, make_server
-from transfer.server import EPOCH_METADATA_KEY, KVTransferService, add_transfer_service
+from transfer.server import (
+    EPOCH_METADATA_KEY,
+    ContractOnlySource,
+    KVTransferService,
+    add_transfer_service,
+)
 from transfer.status import TRANSFER_SERVICE, Refusal, refusals
 
 log = logging.getLogger("lanekv.prefill")
@@ -97,26 +102,6 @@ class DaemonConfig:
             raise ValueError(f"batch_wait_ms must be >= 0, got batch_wait_ms={self.batch_wait_ms!r}")
         if not isinstance(self.security, SecurityConfig):
             raise TypeError(f"security must be a SecurityConfig, got security={self.security!r}")
-
-
-class _ContractOnly:
-    """The parent's PageSource: it answers Handshake; pages live on the ranks."""
-
-    def __init__(self, contract: LayoutContract) -> None:
-        self._contract = contract
-        self.rank = -1
-
-    def contract(self) -> LayoutContract:
-        return self._contract
-
-    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
-        raise KeyError("pages are served by the owner ranks' endpoints (see the contract topology)")
-
-    def read(self, physical_pages, layer_start, layer_end):
-        raise KeyError("no pages here")
-
-    def release(self, request_id: str) -> int:
-        raise KeyError("release at the owner ranks' endpoints")
 
 
 class PrefillDaemon:
@@ -169,7 +154,9 @@ class PrefillDaemon:
         self._expirer = threading.Thread(target=self._expire_loop, name="lanekv-leases", daemon=True)
         self._expirer.start()
         lanekv_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.server)
-        add_transfer_service(self.server, KVTransferService(_ContractOnly(self.contract)))
+        add_transfer_service(self.server, KVTransferService(
+            ContractOnlySource(self.contract, "pages are served by the owner ranks' endpoints (see the contract topology)")
+        ))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         self.server.start()

@@ -58,8 +58,6 @@ class EngineConfig:
 
 def load_for(config: EngineConfig, device: torch.device | str):
     """The model of ``config`` on ``device`` (weights read, or dummy ones made there)."""
-    from prefill.checkpoint import load_dummy_model, load_model
+    from prefill.checkpoint import load_checkpoint
 
-    if config.load_format == "dummy":
-        return load_dummy_model(config.model_path, dtype=config.torch_dtype, device=device)
-    return load_model(config.model_path, dtype=config.torch_dtype, device=device)
+    return load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)

@@ -346,6 +346,29 @@ def serve(
     return Served(server, bound, checker)
 
 
+class ContractOnlySource:
+    """A ``PageSource`` that answers Handshake and holds no pages (a daemon's own
+    port: the prefill parent, the decode daemon); FetchKV and Release are NOT_FOUND."""
+
+    rank = 0
+
+    def __init__(self, contract: LayoutContract, why: str) -> None:
+        self._contract = contract
+        self._why = why
+
+    def contract(self) -> LayoutContract:
+        return self._contract
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        raise KeyError(self._why)
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
+        raise KeyError(self._why)
+
+    def release(self, request_id: str) -> int:
+        raise KeyError(self._why)
+
+
 class TensorPageSource:
     """An in-memory ``PageSource`` over one pool tensor ``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
 
