@@ -21,6 +21,7 @@ import re
 import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -138,7 +139,7 @@ class HistogramChild:
         return HistogramSnapshot(tuple(cumulative), total, running)
 
 
-class _Metric:
+class _Metric(ABC):
     """A metric family: one child per combination of label values.
 
     An unlabelled metric has one child, and forwards the child's methods
@@ -163,8 +164,9 @@ class _Metric:
         if not labels:
             self._children[()] = self._new_child()
 
+    @abstractmethod
     def _new_child(self) -> Any:
-        raise NotImplementedError
+        """A fresh child of this metric's kind."""
 
     def labels(self, **values: object) -> Any:
         """The child of these label values (created at first use); values are turned into str."""
