@@ -1,7 +1,5 @@
 """KVTransfer over real gRPC servers on loopback: handshake refusals, fetch, errors, release."""
 
-import dataclasses
-from typing import NamedTuple
 
 import grpc
 import pytest
@@ -9,6 +7,18 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from tests.reliability.kv_cluster import (
+    DIM,
+    HEADS,
+    LAYERS,
+    PAGE,
+    PAGE_LAYER_BYTES,
+    Servers,
+    make_agreement,
+    rows_of,
+    same_bits,
+    start_servers,
+)
 from transfer import client as client_module
 from transfer.client import (
     ChecksumError,
@@ -19,7 +29,6 @@ from transfer.client import (
     handshake,
     release,
 )
-from transfer.contract import POOL_LAYOUT, Agreement, Topology
 from transfer.server import KVTransferService, TensorPageSource, serve
 from transfer.wire import WIRE_VERSION
 
@@ -28,80 +37,22 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The given buffer is not writable"),
 ]
 
-LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4
-PAGE_LAYER_BYTES = 2 * PAGE * HEADS * DIM * 2  # K and V of one page of one layer, bfloat16
 TIMEOUT = 20.0
-
-
-def make_agreement(**changes) -> Agreement:
-    base = Agreement(
-        architecture="LlamaForCausalLM",
-        model_config={"hidden_size": 64, "vocab_size": 128},
-        rope={"theta": 10000.0},
-        num_layers=LAYERS,
-        num_kv_heads=HEADS,
-        head_dim=DIM,
-        weights_digest="w" * 64,
-        kv_dtype="bfloat16",
-        page_size=PAGE,
-        pool_layout=POOL_LAYOUT,
-        wire_version=WIRE_VERSION,
-        source_digest="s" * 64,
-    )
-    return dataclasses.replace(base, **changes)
-
-
-def rows_of(pages, page_size=PAGE) -> torch.Tensor:
-    return (
-        torch.as_tensor(pages, dtype=torch.long)[:, None] * page_size + torch.arange(page_size)
-    ).reshape(-1)
-
-
-class Cluster(NamedTuple):
-    sources: list[TensorPageSource]
-    endpoints: dict[int, str]
-    full: (
-        torch.Tensor
-    )  # [LAYERS, 2, num_pages * PAGE, HEADS, DIM]: the request's KV by logical page
-    pages: list[int]
 
 
 @pytest.fixture
 def start_cluster():
-    servers = []
+    """``start(cp_size, num_pages)``: one KVTransfer server per owner rank holding
+    request "req" (owner-lane placement), stopped at teardown."""
+    started = []
 
-    def start(cp_size: int, num_pages: int = 11, request_id: str = "req") -> Cluster:
-        gen = torch.Generator().manual_seed(cp_size)
-        shape = (LAYERS, 2, num_pages * PAGE, HEADS, DIM)
-        # Random bf16 bit patterns, NaNs included: the test compares bytes.
-        full = torch.randint(-(2**15), 2**15, shape, generator=gen, dtype=torch.int16).view(
-            torch.bfloat16
-        )
-        agreement = make_agreement()
-        sources, endpoints = [], {}
-        for rank in range(cp_size):
-            owned = [p for p in range(num_pages) if p % cp_size == rank]
-            pool = torch.zeros(
-                (LAYERS, 2, (len(owned) + 2) * PAGE, HEADS, DIM), dtype=torch.bfloat16
-            )
-            # Owner-lane placement: logical page P at physical page P // cp_size of rank P % cp_size.
-            pool[:, :, rows_of([p // cp_size for p in owned])] = full[:, :, rows_of(owned)]
-            source = TensorPageSource(agreement, rank, pool)
-            source.add(request_id, [(p, p // cp_size) for p in owned])
-            served = serve(source)
-            servers.append(served.server)
-            sources.append(source)
-            endpoints[rank] = f"127.0.0.1:{served.port}"
-        topology = Topology(
-            cp_size, "in_seq", "page_mod_cp", tuple(endpoints[r] for r in range(cp_size))
-        )
-        for source in sources:
-            source.set_topology(topology)
-        return Cluster(sources, endpoints, full, list(range(num_pages)))
+    def start(cp_size: int, num_pages: int = 11) -> Servers:
+        started.append(start_servers(cp_size, num_pages))
+        return started[-1]
 
     yield start
-    for server in servers:
-        server.stop(None)
+    for servers in started:
+        servers.stop()
 
 
 @pytest.fixture
@@ -127,10 +78,6 @@ def placer(dest: torch.Tensor, log: list | None = None):
         )
 
     return place
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_handshake_returns_fingerprint_and_topology(start_cluster):

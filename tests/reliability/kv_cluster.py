@@ -9,6 +9,7 @@ check that nothing is held on either side.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import time
 from collections.abc import Callable
@@ -27,8 +28,9 @@ LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4
 PAGE_LAYER_BYTES = 2 * PAGE * HEADS * DIM * 2  # K and V of one page of one layer, bfloat16
 
 
-def make_agreement() -> Agreement:
-    return Agreement(
+def make_agreement(**changes) -> Agreement:
+    """The agreement of the test servers, with ``changes`` to some fields."""
+    base = Agreement(
         architecture="LlamaForCausalLM",
         model_config={"hidden_size": 64, "vocab_size": 128},
         rope={"theta": 10000.0},
@@ -42,6 +44,7 @@ def make_agreement() -> Agreement:
         wire_version=WIRE_VERSION,
         source_digest="s" * 64,
     )
+    return dataclasses.replace(base, **changes)
 
 
 def rows_of(pages) -> torch.Tensor:
