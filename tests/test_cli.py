@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from decode.colocated import generate_colocated
-from decode.daemon import DecodeConfig, DecodeDaemon
 from decode.pool import PagePool
 from lanekv.cli import main as lanekv
 from prefill.checkpoint import load_model
-from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from prefill.sampling import SamplingParams
 from tests.checkpoints import write_llama
+from tests.daemons import running_pair
 from transfer.contract import LayoutContract
 from transfer.server import TensorPageSource, serve
 
@@ -47,19 +46,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def daemons(checkpoint):
-    prefill = PrefillDaemon(
-        EngineConfig(str(checkpoint), cp_size=1, page_size=PAGE_SIZE, pages_per_lane=64, start_timeout_s=120),
-        DaemonConfig(lease_s=600),
-    )
-    try:
-        decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE,
-                                           pool_pages=64, device="cpu"))
-    except BaseException:
-        prefill.stop()
-        raise
-    yield prefill, decode
-    decode.stop(grace_s=1.0)
-    prefill.stop()
+    engine = EngineConfig(str(checkpoint), cp_size=1, page_size=PAGE_SIZE, pages_per_lane=64, start_timeout_s=120)
+    with running_pair(engine, pool_pages=64) as pair:
+        yield pair
 
 
 @pytest.fixture(scope="module")

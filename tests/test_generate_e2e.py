@@ -19,12 +19,11 @@ import grpc
 import pytest
 import torch
 
-from decode.daemon import DecodeConfig, DecodeDaemon
-from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from prefill.tokenizer import load_tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
+from tests.daemons import running_pair
 
 PAIRS = [(1, 4), (2, 1), (2, 16), (3, 4), (3, 16)]
 PROMPT_LENS = [1, 9, 31, 100]
@@ -62,20 +61,10 @@ def reference(checkpoint) -> list[list[int]]:
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"cp{cp}-ps{ps}" for cp, ps in PAIRS])
 def daemons(request, checkpoint):
     cp_size, page_size = request.param
-    prefill = PrefillDaemon(
-        EngineConfig(str(checkpoint), cp_size=cp_size, page_size=page_size,
-                     pages_per_lane=-(-400 // page_size), start_timeout_s=120),
-        DaemonConfig(lease_s=600),
-    )
-    try:
-        decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=page_size,
-                                           pool_pages=-(-1200 // page_size), device="cpu"))
-    except BaseException:
-        prefill.stop()
-        raise
-    yield prefill, decode
-    decode.stop(grace_s=1.0)
-    prefill.stop()
+    engine = EngineConfig(str(checkpoint), cp_size=cp_size, page_size=page_size,
+                          pages_per_lane=-(-400 // page_size), start_timeout_s=120)
+    with running_pair(engine, pool_pages=-(-1200 // page_size)) as pair:
+        yield pair
 
 
 def _generate(stub, request) -> tuple[list[int], str, str, dict]:

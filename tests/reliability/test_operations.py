@@ -23,12 +23,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.daemon import DecodeDaemon
 from lanekv.cli import main as lanekv
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
+from tests.daemons import start_pair, stop_pair
 from tests.test_metrics import parse
 from transfer.client import KVClient, RemoteError
 from transfer.status import TRANSFER_SERVICE
@@ -54,26 +55,19 @@ def checkpoint(tmp_path_factory):
 
 
 def _pair(checkpoint, cp_size: int, metrics_port: int | None) -> tuple[PrefillDaemon, DecodeDaemon]:
-    prefill = PrefillDaemon(
+    return start_pair(
         EngineConfig(str(checkpoint), cp_size=cp_size, page_size=PAGE_SIZE, pages_per_lane=PAGES_PER_LANE,
                      start_timeout_s=120),
         DaemonConfig(lease_s=600, metrics_port=metrics_port),
+        pool_pages=POOL_PAGES, metrics_port=metrics_port,
     )
-    try:
-        decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE,
-                                           pool_pages=POOL_PAGES, device="cpu", metrics_port=metrics_port))
-    except BaseException:
-        prefill.stop()
-        raise
-    return prefill, decode
 
 
 @pytest.fixture(scope="module")
 def daemons(checkpoint) -> Iterator[tuple[PrefillDaemon, DecodeDaemon]]:
     prefill, decode = _pair(checkpoint, cp_size=2, metrics_port=0)
     yield prefill, decode
-    decode.stop(grace_s=1.0)
-    prefill.stop()
+    stop_pair(prefill, decode)
 
 
 class Scrape:
@@ -245,8 +239,7 @@ def drained(checkpoint) -> Iterator[tuple[PrefillDaemon, DecodeDaemon]]:
     """A pair of its own: the test stops it (a second stop does nothing)."""
     prefill, decode = _pair(checkpoint, cp_size=1, metrics_port=None)
     yield prefill, decode
-    decode.stop(grace_s=1.0)
-    prefill.stop()
+    stop_pair(prefill, decode)
 
 
 def test_stop_says_not_serving_and_drains_open_streams(drained):

@@ -16,13 +16,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode.daemon import DecodeConfig, DecodeDaemon
 from lanekv.cli import main as lanekv
 from lanekv.client_commands import CommandError, fetch_contract
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
+from tests.daemons import running_pair
 from tests.tls import CertSet, make_certs
 from transfer.client import KVClient, RemoteError
 from transfer.security import SecurityConfig, open_channel
@@ -58,19 +58,10 @@ def client(certs) -> SecurityConfig:
 
 @pytest.fixture(scope="module")
 def daemons(checkpoint, daemon_security):
-    prefill = PrefillDaemon(
-        EngineConfig(str(checkpoint), cp_size=2, page_size=PAGE_SIZE, pages_per_lane=32, start_timeout_s=120),
-        DaemonConfig(lease_s=600, security=daemon_security),
-    )
-    try:
-        decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=64,
-                                           device="cpu", security=daemon_security))
-    except BaseException:
-        prefill.stop()
-        raise
-    yield prefill, decode
-    decode.stop(grace_s=1.0)
-    prefill.stop()
+    engine = EngineConfig(str(checkpoint), cp_size=2, page_size=PAGE_SIZE, pages_per_lane=32, start_timeout_s=120)
+    with running_pair(engine, DaemonConfig(lease_s=600, security=daemon_security),
+                      pool_pages=64, security=daemon_security) as pair:
+        yield pair
 
 
 def _generate(endpoint: str, security: SecurityConfig, max_new_tokens: int = 4) -> tuple[grpc.Call, list]:
