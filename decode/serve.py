@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 import sys
-import threading
-from pathlib import Path
 
 from decode.daemon import DecodeConfig, DecodeDaemon
+from lanekv.serving import serve_until_signal
 from transfer.client import ContractMismatch, TransferError
 from transfer.contract import format_diff
 from transfer.security import SecurityConfig
@@ -56,22 +53,13 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, TransferError, ValueError) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    if args.ready_file:
-        _write_atomically(Path(args.ready_file), daemon.endpoint)
     metrics = f"; metrics: http://{config.host}:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
-    print(f"lanekv decode serving on {daemon.endpoint} (prefill: {config.prefill_endpoint}){metrics}", flush=True)
-    stop.wait()
+    serve_until_signal(
+        daemon.endpoint,
+        f"lanekv decode serving on {daemon.endpoint} (prefill: {config.prefill_endpoint}){metrics}",
+        args.ready_file,
+    )
     grace_s = getattr(args, "grace_s", None)
     log.info("shutting down: finishing open streams")
     daemon.stop(DEFAULT_GRACE_S if grace_s is None else grace_s)
     return 0
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Readers polling for the file never see it half written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
-from pathlib import Path
 
+from lanekv.serving import serve_until_signal
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from prefill.launcher import RankDiedError
@@ -40,15 +38,12 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, RankDiedError, ValueError) as err:
         print(f"lanekv prefill: could not start: {err}", file=sys.stderr)
         return 1
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    if args.ready_file:
-        Path(args.ready_file).write_text(daemon.endpoint)
     metrics = f"; metrics: http://{config.host}:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
-    print(f"lanekv prefill serving on {daemon.endpoint} (ranks: {', '.join(daemon.topology.endpoints)}){metrics}",
-          flush=True)
-    stop.wait()
+    serve_until_signal(
+        daemon.endpoint,
+        f"lanekv prefill serving on {daemon.endpoint} (ranks: {', '.join(daemon.topology.endpoints)}){metrics}",
+        args.ready_file,
+    )
     log.info("shutting down: draining queued prefills, stopping ranks")
     daemon.stop()
     return 0
