@@ -164,7 +164,8 @@ class _CPAttention:
         r, ix = self.r, self.ix
         n_local = k.shape[0]
         # [block_rows, 2, kv_heads, head_dim]: new K/V rows, then owned prefix rows
-        block = k.new_zeros((ix.block_rows, 2, *k.shape[1:]))
+        # Padding rows stay unwritten: the rerange index never points at them.
+        block = k.new_empty((ix.block_rows, 2, *k.shape[1:]))
         block[:n_local, 0] = k
         block[:n_local, 1] = v
         if ix.prefix_send_rows.numel():
