@@ -43,6 +43,7 @@ from prefill.engine_config import DTYPES
 from proto import lanekv_pb2_grpc
 from transfer.client import KVClient, RemoteError, RetryPolicy, channel_options
 from transfer.contract import Agreement, LayoutContract
+from transfer.fastpath_client import FastPath
 from transfer.security import SecurityConfig, bind, make_server, open_channel
 from transfer.server import ContractOnlySource, KVTransferService, add_transfer_service
 from transfer.status import TRANSFER_SERVICE
@@ -93,8 +94,13 @@ class DecodeConfig:
     release_timeout_s: float = 10.0  # deadline of each Release at a prefill rank
     metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
     security: SecurityConfig = SecurityConfig()  # our port, and our channels to prefill and its ranks
+    # "auto": ranks on this host that share their pool are read in place
+    # (transfer.fastpath), the others over gRPC; "grpc": every rank over gRPC.
+    transport: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.transport not in ("auto", "grpc"):
+            raise ValueError(f"transport must be auto or grpc, got transport={self.transport!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -244,6 +250,7 @@ class DecodeDaemon:
             model_config.contract_fields(), self.loaded.weights_digest, config.torch_dtype, config.page_size
         )
         self.prefill_contract = self._handshake()
+        self.fastpath = FastPath(self.kv, self.agreement) if config.transport == "auto" else None
         self._prefill_channel = open_channel(config.prefill_endpoint, config.security, channel_options())
         self.prefill_stub = lanekv_pb2_grpc.PrefillServiceStub(self._prefill_channel)
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,

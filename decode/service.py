@@ -9,16 +9,23 @@ whatever the call holds by then is given back (``_settle``):
    RESOURCE_EXHAUSTED at once if the pool can never hold it, or after
    ``page_wait_s`` of a full pool. Checked before prefill, so no prefill work
    is wasted on a request that cannot be decoded;
-3. prefill on the prefill daemon; from its answer on, the prefill ranks pin
-   the request's pages until we release them (or their lease expires);
-4. remap and fetch: one fresh page here per logical page of the manifest; the
-   KV streams from every owner rank at once and each verified chunk is
-   scattered straight into those pages. A rank's stream that breaks, stalls
-   or delivers a damaged chunk is asked again for only what is missing
-   (``transfer.fetch``); when tries run out the call ends with DATA_LOSS
-   (damaged chunks), UNAVAILABLE (the rank or the path to it is down),
-   DEADLINE_EXCEEDED (the call's time is up) or ABORTED (the rank refused,
-   e.g. NOT_FOUND after its lease expired). No damaged chunk is ever placed;
+3. prefill on the prefill daemon (``PrefillStream``): its first message
+   comes as soon as every owner rank holds the request's pages, before the
+   prefill runs; from then on the ranks pin them until we release them (or
+   their lease expires);
+4. remap and fetch, while the prefill runs: one fresh page here per logical
+   page of the manifest; every owner rank sends each layer as soon as it has
+   written it. Ranks on this host that share their pool (``transfer.fastpath``)
+   are read in place, each copied layer checked against the rank's digest
+   (a mismatch fetches that rank again over gRPC); the others stream over
+   gRPC, each verified chunk scattered straight into our pages. A rank's
+   stream that breaks, stalls or delivers a damaged chunk is asked again for
+   only what is missing (``transfer.fetch``); when tries run out the call
+   ends with DATA_LOSS (damaged chunks), UNAVAILABLE (the rank or the path to
+   it is down), DEADLINE_EXCEEDED (the call's time is up) or ABORTED (the
+   rank refused, e.g. NOT_FOUND after its lease expired, or the prefill
+   failed: then the prefill's own status is the call's). No damaged chunk is
+   ever placed. Then the prefill's last message brings the first token;
 5. release the prefill pages at every rank (ranks without pages of the
    request hold its id too). FetchKV and Release carry the prefill daemon's
    epoch from step 3, so a restarted prefill daemon refuses them;
@@ -49,22 +56,20 @@ import torch
 from decode.daemon import SHUTDOWN, DecodeDaemon
 from decode.engine import TokenEvent
 from decode.pool import PageTable, PoolExhausted
+from decode.remote import ATTACH_TIMEOUT_S, FastFetches, PrefillCall, transfer_refusal
 from kernels.page_copy import scatter_pages
 from prefill.sampling import SamplingParams
 from prefill.tokenizer import Tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.client import CorruptChunk, FetchStats, RemoteError, TransferError
+from transfer.client import FetchStats, RankStats, TransferError
 from transfer.manifest import Manifest
 from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
-from transfer.server import EPOCH_METADATA_KEY
 from transfer.status import Refusal, refusals
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 MAX_STOP_TOKEN_IDS = 1024
 _ABANDONED = object()  # queued when the RPC ends under a waiting stream
-# A rank's status after every try that says it (or the path to it) is down for now.
-_TRANSIENT = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED, Code.CANCELLED)
 
 
 class GenerateSpec(NamedTuple):
@@ -192,22 +197,33 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             )
         call.reserved_pages = pages
 
-        start = time.perf_counter()
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
-        reply, call.epoch = self._prefill(spec, d.config.request_timeout_s)
-        prefill_s = time.perf_counter() - start
-        call.fingerprint = reply.contract_fingerprint
-        call.pinned_at = dict(enumerate(reply.endpoints))
-        manifest = self._manifest(reply, spec)
-        _check_alive(call)
-
+        prefill = PrefillCall(d, spec, d.config.request_timeout_s)
         try:
-            call.table = PageTable.remap(d.pool, [p.page for p in manifest.pages], manifest.num_tokens)
-        except PoolExhausted as err:  # the budget should make this impossible
-            raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
-        fetched = self._fetch(call, manifest, list(reply.endpoints), deadline)
+            started = prefill.started()
+            call.epoch = prefill.epoch
+            call.fingerprint = started.contract_fingerprint
+            call.pinned_at = dict(enumerate(started.endpoints))
+            manifest = self._manifest(started, spec)
+            _check_alive(call)
+            try:
+                call.table = PageTable.remap(d.pool, [p.page for p in manifest.pages], manifest.num_tokens)
+            except PoolExhausted as err:  # the budget should make this impossible
+                raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
+            # The ranks send each layer as soon as it is written: the fetch overlaps the prefill.
+            try:
+                fetched = self._fetch(call, manifest, list(started.endpoints), deadline)
+            except Refusal:
+                prefill.raise_if_failed()  # a failed prefill is the cause to report
+                raise
+            reply = prefill.done()
+        finally:
+            prefill.close()
+        if reply.first_token < 0 or reply.request_id != spec.request_id:
+            raise Refusal(Code.INTERNAL, f"prefill daemon answered first_token={reply.first_token} "
+                          f"for {reply.request_id!r}")
         self._release_prefill(call, wait=True)
         with call.lock:
             _check_alive(call)
@@ -217,20 +233,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
-        return Prepared(reply.first_token, prefill_s, fetched)
-
-    def _prefill(self, spec: GenerateSpec, timeout_s: float) -> tuple[lanekv_pb2.PrefillReply, str | None]:
-        """The prefill daemon's reply and its epoch (None from a daemon that sends none)."""
-        request = lanekv_pb2.PrefillRequest(
-            token_ids=lanekv_pb2.TokenIds(ids=spec.token_ids), request_id=spec.request_id
-        )
-        request.sampling.CopyFrom(spec.sampling_proto)
-        try:
-            reply, rpc = self.d.prefill_stub.Prefill.with_call(request, timeout=timeout_s)
-        except grpc.RpcError as err:
-            raise Refusal(err.code(), f"prefill daemon {self.d.config.prefill_endpoint}: {err.details()}") from err
-        epoch = next((value for key, value in rpc.trailing_metadata() or () if key == EPOCH_METADATA_KEY), None)
-        return reply, epoch
+        return Prepared(reply.first_token, prefill.seconds, fetched)
 
     def _manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
         d = self.d
@@ -265,6 +268,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         return manifest
 
     def _fetch(self, call: _Call, manifest: Manifest, endpoints: list[str], deadline: float) -> FetchStats:
+        """Every layer of every page of the manifest into our pages: over the fast
+        path from the ranks that share their pool with us, over gRPC from the others."""
         d = self.d
         pool, table, page_size, num_layers = d.pool, call.table, d.config.page_size, d.agreement.num_layers
         owner_of = {p.page: p.owner for p in manifest.pages}
@@ -272,41 +277,73 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         # and if it did, the bytes would be the same verified ones.
         layers_of = dict.fromkeys(owner_of, 0)
 
+        def placed(pages, layer_start: int, layer_end: int) -> None:
+            bits = (1 << layer_end) - (1 << layer_start)
+            for page in pages:
+                layers_of[page] |= bits
+
         def place(header, payload: torch.Tensor) -> None:
-            bits = (1 << header.layer_end) - (1 << header.layer_start)
             for page in header.pages:
                 if owner_of.get(page) != header.rank:
                     raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent page {page}, not one of its pages")
-                layers_of[page] |= bits
             physical = torch.tensor(table.physical_pages_for(header.pages), dtype=torch.int64, device=pool.device)
             try:
                 scatter_pages(payload.to(pool.device), pool.tensor, physical, page_size,
                               header.layer_start, header.layer_end)
             except ValueError as err:
                 raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent a chunk that does not fit: {err}") from err
+            placed(header.pages, header.layer_start, header.layer_end)
 
         owners = sorted({p.owner for p in manifest.pages})
+        pages = {rank: manifest.pages_of_owner(rank) for rank in owners}
+        shared = self._shared_pools(call, owners, endpoints, deadline)
+        start = time.perf_counter()
+        fast = FastFetches(d, call, shared, endpoints, pages, placed, deadline)
+        over_grpc = [rank for rank in owners if rank not in shared]
+        per_rank: dict[int, RankStats] = {}
+        retries = 0
         try:
-            stats = d.kv.fetch(
-                {rank: endpoints[rank] for rank in owners}, call.spec.request_id, call.fingerprint, place,
-                max_inflight_bytes=d.config.max_inflight_bytes, max_chunk_bytes=d.config.fetch_chunk_bytes,
-                timeout=_left(deadline), layer_end=num_layers, epoch=call.epoch,
-                pages={rank: manifest.pages_of_owner(rank) for rank in owners},
-            )
-        except CorruptChunk as err:
-            raise Refusal(Code.DATA_LOSS, f"KV transfer: {err}") from err
-        except RemoteError as err:
-            code = Code.ABORTED
-            if err.code in _TRANSIENT:
-                code = Code.DEADLINE_EXCEEDED if time.monotonic() >= deadline else Code.UNAVAILABLE
-            raise Refusal(code, f"KV transfer: {err}") from err
-        except TransferError as err:
-            raise Refusal(Code.ABORTED, f"KV transfer: {err}") from err
+            if over_grpc:
+                stats = self._grpc_fetch(call, {r: endpoints[r] for r in over_grpc}, pages, place, deadline)
+                per_rank.update(stats.per_rank)
+                retries += stats.retries
+            failed = fast.join(deadline)
+        finally:
+            fast.stop()
+        if failed:  # a digest that did not match: fetch those ranks again, over gRPC
+            retries += len(failed)
+            stats = self._grpc_fetch(call, {r: endpoints[r] for r in failed}, pages, place, deadline)
+            per_rank.update(stats.per_rank)
+        per_rank.update(fast.stats)
         whole = (1 << num_layers) - 1
         missing = [page for page, layers in layers_of.items() if layers != whole]
         if missing:
             raise Refusal(Code.DATA_LOSS, f"KV transfer ended without every layer of pages {missing[:16]}")
-        return stats
+        return FetchStats(sum(s.bytes for s in per_rank.values()), sum(s.chunks for s in per_rank.values()),
+                          time.perf_counter() - start, per_rank, retries)
+
+    def _shared_pools(self, call: _Call, owners: list[int], endpoints: list[str],
+                      deadline: float) -> dict[int, torch.Tensor]:
+        """The pools of the owner ranks that the fast path reaches, by rank."""
+        fastpath = self.d.fastpath
+        if fastpath is None:
+            return {}
+        pools = {rank: fastpath.pool(endpoints[rank], call.epoch, min(ATTACH_TIMEOUT_S, _left(deadline)))
+                 for rank in owners}
+        return {rank: pool for rank, pool in pools.items() if pool is not None}
+
+    def _grpc_fetch(self, call: _Call, endpoints: dict[int, str], pages: dict[int, list[int]], place,
+                    deadline: float) -> FetchStats:
+        d = self.d
+        try:
+            return d.kv.fetch(
+                endpoints, call.spec.request_id, call.fingerprint, place,
+                max_inflight_bytes=d.config.max_inflight_bytes, max_chunk_bytes=d.config.fetch_chunk_bytes,
+                timeout=_left(deadline), layer_end=d.agreement.num_layers, epoch=call.epoch,
+                pages={rank: pages[rank] for rank in endpoints},
+            )
+        except TransferError as err:
+            raise transfer_refusal(err, deadline) from err
 
     def _release_prefill(self, call: _Call, *, wait: bool) -> None:
         """Release the request's prefill pages at every rank; in the background unless ``wait``."""

@@ -145,7 +145,7 @@ class PrefillDaemon:
         self.tokenizer = load_tokenizer(engine_config.model_path)
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages
         self._ranks_down = False
         self._lock = threading.Lock()
         self.batcher = Batcher(self._run_batch, batch_wait_s=cfg.batch_wait_ms / 1e3,
@@ -187,25 +187,52 @@ class PrefillDaemon:
 
     # -- work ----------------------------------------------------------------
 
-    def prefill(self, inp: PrefillInput, timeout_s: float | None = None) -> PrefillResult:
+    def submit(self, inp: PrefillInput) -> tuple[str, futures.Future, futures.Future]:
+        """Queue a prefill: its request id, a future of its pages (set once every
+        rank can serve them, before the prefill runs) and a future of its result."""
         rid = inp.request_id or uuid.uuid4().hex
+        started: futures.Future = futures.Future()
         with self._lock:
             if self._stopped:
                 raise Refusal(Code.UNAVAILABLE, "the prefill daemon is shutting down")
             if rid in self._in_flight or rid in self.leases:
                 raise Refusal(Code.ALREADY_EXISTS, f"request_id={rid!r} is already in use")
-            self._in_flight.add(rid)
-        try:
-            fut = self.batcher.submit(inp._replace(request_id=rid))
-            return fut.result(timeout=timeout_s or self.config.request_timeout_s)
-        finally:
+            self._in_flight[rid] = started
+        done = self.batcher.submit(inp._replace(request_id=rid))
+
+        def finished(_: futures.Future) -> None:
             with self._lock:
-                self._in_flight.discard(rid)
+                self._in_flight.pop(rid, None)
+
+        done.add_done_callback(finished)
+        return rid, started, done
+
+    def prefill(self, inp: PrefillInput, timeout_s: float | None = None) -> PrefillResult:
+        _, _, done = self.submit(inp)
+        return done.result(timeout=timeout_s or self.config.request_timeout_s)
 
     def _run_batch(self, inputs: list[PrefillInput]) -> list[PrefillResult]:
-        results = self.engine.prefill(inputs)
+        pinned: list[str] = []
+
+        def started(results: list[PrefillResult]) -> None:
+            # Pinned before any decode side hears of the pages: a Release may come before the prefill ends.
+            for res in results:
+                self.leases.pin(res.request_id, res.new_pages)
+                pinned.append(res.request_id)
+            with self._lock:
+                waiting = [(self._in_flight.get(res.request_id), res) for res in results]
+            for fut, res in waiting:
+                if fut is not None and not fut.done():
+                    fut.set_result(res)
+
+        try:
+            results = self.engine.prefill(inputs, on_started=started)
+        except BaseException:
+            for rid in pinned:  # the ranks forgot the request; free what no Release freed yet
+                self.leases.cancel(rid)
+            raise
         for res in results:
-            self.leases.pin(res.request_id, res.new_pages)
+            self.leases.renew(res.request_id)  # the lease counts from the end of the prefill
         return results
 
     def _on_event(self, rank: int, value: Any) -> None:
@@ -290,22 +317,44 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         with refusals(context):
             try:
                 request_id = request_id_from_proto(request)
-                res = self._prefill(request, request_id, context.time_remaining())
+                _, _, done = self._submit(request, request_id)
+                res = self._result(done, context.time_remaining())
             except Refusal as refusal:
-                cause = _CAUSES.get(refusal.code, "invalid_argument")
-                d.metrics.failures.labels(cause=cause).inc()
-                log.warning("prefill failed request_id=%s cause=%s code=%s: %s", request_id or "-", cause,
-                            refusal.code.name, refusal.message, extra={"request_id": request_id})
+                self._refused(refusal, request_id)
                 raise
-            manifest = Manifest(res.request_id, res.page_size, res.num_tokens,
-                                tuple((p.page, p.owner, p.valid_rows) for p in res.pages))
+            reply = self._reply(res)
         # FetchKV and Release of this request carry it back (the reply message has no field for it).
         context.set_trailing_metadata(((EPOCH_METADATA_KEY, d.epoch),))
-        d.metrics.tokens.labels(kind="prompt").inc(res.num_tokens - res.prefix_len)
-        d.metrics.tokens.labels(kind="generated").inc()  # the first token, sampled here
-        log.info("prefill done request_id=%s prompt_tokens=%d pages=%d seconds=%.4f", res.request_id,
-                 res.num_tokens, len(res.pages), time.perf_counter() - start,
-                 extra={"request_id": res.request_id})
+        self._done(res, start)
+        return reply
+
+    def PrefillStream(self, request, context):
+        """First the pages (once every rank can stream them, layer by layer as they
+        are written), then the whole reply when the prefill is done."""
+        d, request_id = self.d, None
+        start = time.perf_counter()
+        with refusals(context):
+            try:
+                request_id = request_id_from_proto(request)
+                _, started, done = self._submit(request, request_id)
+                remaining = context.time_remaining()
+                futures.wait((started, done), remaining or d.config.request_timeout_s, futures.FIRST_COMPLETED)
+                # FetchKV and Release of this request carry it back.
+                context.send_initial_metadata(((EPOCH_METADATA_KEY, d.epoch),))
+                if started.done():
+                    yield lanekv_pb2.PrefillProgress(reply=self._reply(started.result()), done=False)
+                res = self._result(done, context.time_remaining())
+            except Refusal as refusal:
+                self._refused(refusal, request_id)
+                raise
+            reply = self._reply(res)
+        self._done(res, start)
+        yield lanekv_pb2.PrefillProgress(reply=reply, done=True)
+
+    def _reply(self, res: PrefillResult) -> lanekv_pb2.PrefillReply:
+        d = self.d
+        manifest = Manifest(res.request_id, res.page_size, res.num_tokens,
+                            tuple((p.page, p.owner, p.valid_rows) for p in res.pages))
         return lanekv_pb2.PrefillReply(
             request_id=res.request_id,
             first_token=res.first_token,
@@ -315,12 +364,29 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             timings=res.timings,
         )
 
-    def _prefill(self, request, request_id: str | None, remaining: float | None) -> PrefillResult:
+    def _refused(self, refusal: Refusal, request_id: str | None) -> None:
+        cause = _CAUSES.get(refusal.code, "invalid_argument")
+        self.d.metrics.failures.labels(cause=cause).inc()
+        log.warning("prefill failed request_id=%s cause=%s code=%s: %s", request_id or "-", cause,
+                    refusal.code.name, refusal.message, extra={"request_id": request_id})
+
+    def _done(self, res: PrefillResult, start: float) -> None:
+        d = self.d
+        d.metrics.tokens.labels(kind="prompt").inc(res.num_tokens - res.prefix_len)
+        d.metrics.tokens.labels(kind="generated").inc()  # the first token, sampled here
+        log.info("prefill done request_id=%s prompt_tokens=%d pages=%d seconds=%.4f", res.request_id,
+                 res.num_tokens, len(res.pages), time.perf_counter() - start,
+                 extra={"request_id": res.request_id})
+
+    def _submit(self, request, request_id: str | None) -> tuple[str, futures.Future, futures.Future]:
         d = self.d
         ids = prompt_from_proto(request, d.tokenizer, d.vocab_size, d.max_tokens)
-        inp = PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id)
+        return d.submit(PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id))
+
+    def _result(self, done: futures.Future, remaining: float | None) -> PrefillResult:
+        d = self.d
         try:
-            return d.prefill(inp, timeout_s=remaining)
+            return done.result(timeout=remaining or d.config.request_timeout_s)
         except OutOfPagesError as err:
             raise Refusal(Code.RESOURCE_EXHAUSTED, f"prefill pool: {err}") from err
         except RankDiedError as err:

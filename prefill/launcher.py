@@ -10,7 +10,9 @@ further work instead of hanging.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import multiprocessing as mp
 import queue
 import threading
@@ -29,6 +31,8 @@ from prefill.plan import plan_batch
 from prefill.rank_worker import TransferServing, rank_main
 from prefill.runner import PrefillBatch, RankResult
 from prefill.sampling import SamplingParams
+
+log = logging.getLogger("lanekv.prefill")
 
 
 class RankDiedError(RuntimeError):
@@ -76,8 +80,13 @@ class PrefillEngine(ABC):
     allocator: LaneAllocator
 
     @abstractmethod
-    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> Any:
-        """Send ``op`` to every rank (or ``only`` one) and return their answers in rank order."""
+    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None,
+              on_registered: Callable[[], None] | None = None) -> Any:
+        """Send ``op`` to every rank (or ``only`` one) and return their answers in rank order.
+
+        ``on_registered`` (prefill): called once every rank holds the batch's
+        pages for FetchKV, before the ranks prefill.
+        """
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         pass
@@ -88,7 +97,13 @@ class PrefillEngine(ABC):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def prefill(self, inputs: Sequence[PrefillInput], *, return_logits: bool = False) -> list[PrefillResult]:
+    def prefill(self, inputs: Sequence[PrefillInput], *, return_logits: bool = False,
+                on_started: Callable[[list[PrefillResult]], None] | None = None) -> list[PrefillResult]:
+        """Prefill a batch. ``on_started(results)`` comes before the ranks prefill, once
+        every rank holds the pages for FetchKV: the results have their pages, and
+        first_token -1 (it is filled in before ``prefill`` returns them). From
+        then on the caller of ``on_started`` owns the new pages, even if the
+        prefill fails; without it, a failed prefill frees them."""
         if not inputs:
             raise ValueError("inputs is empty: a prefill batch needs at least one request")
         ps, n = self.config.page_size, self.config.cp_size
@@ -118,17 +133,25 @@ class PrefillEngine(ABC):
             sampling=tuple(inp.sampling for inp in inputs),
             return_logits=return_logits,
         )
-        try:
-            rank_results: list[RankResult] = self._call("prefill", batch)
-        except BaseException:
-            self.allocator.free([p for pages in extend_pages for p in pages])
-            raise
         results = []
         for b, rid in enumerate(rids):
             pages = list(prefix_pages[b]) + list(extend_pages[b])
             total = prefix_lens[b] + len(ids[b])
             infos = [PageInfo(p, p % n, min(ps, total - k * ps)) for k, p in enumerate(pages)]
             results.append(PrefillResult(rid, -1, total, prefix_lens[b], ps, infos))
+        handed_over = threading.Event()  # on_started owns the pages from then on
+
+        def started() -> None:
+            handed_over.set()
+            on_started([dataclasses.replace(r) for r in results])
+
+        try:
+            rank_results: list[RankResult] = self._call(
+                "prefill", batch, on_registered=None if on_started is None else started)
+        except BaseException:
+            if not handed_over.is_set():
+                self.allocator.free([p for pages in extend_pages for p in pages])
+            raise
         for rr in rank_results:
             for out in rr.outputs:
                 results[out.index].first_token = out.first_token
@@ -165,9 +188,11 @@ class PrefillEngine(ABC):
 class _Waiter:
     """Answers to one command, rank by rank."""
 
-    def __init__(self, ranks: list[int]) -> None:
+    def __init__(self, ranks: list[int], on_registered: Callable[[], None] | None = None) -> None:
         self.ranks = ranks
         self.got: dict[int, Any] = {}
+        self.on_registered = on_registered
+        self.registered: set[int] = set()
 
 
 class CPPrefillEngine(PrefillEngine):
@@ -236,14 +261,15 @@ class CPPrefillEngine(PrefillEngine):
         for r in ranks:
             self._commands[r].put((op, seq, payload))
 
-    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> list:
+    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None,
+              on_registered: Callable[[], None] | None = None) -> list:
         ranks = list(range(self.config.cp_size)) if only is None else [only]
         with self._call_lock:
             with self._cond:
                 if self._broken:
                     raise RankDiedError(f"CP prefill engine is unusable: {self._broken}")
                 seq = next(self._seq)
-                self._waiters[seq] = _Waiter(ranks)
+                self._waiters[seq] = _Waiter(ranks, on_registered)
             for r in ranks:
                 self._commands[r].put((op, seq, payload[r] if per_rank else payload))
             out = self._wait(seq, self.config.request_timeout_s, op)
@@ -279,7 +305,9 @@ class CPPrefillEngine(PrefillEngine):
             except (EOFError, OSError):
                 return
             if kind == "event":
-                if self.on_event is not None:
+                if value[0] == "registered":
+                    self._registered(rank, value[1])
+                elif self.on_event is not None:
                     self.on_event(rank, value)
                 continue
             if kind == "error":
@@ -293,6 +321,21 @@ class CPPrefillEngine(PrefillEngine):
                 if waiter is not None:
                     waiter.got[rank] = value
                     self._cond.notify_all()
+
+    def _registered(self, rank: int, seq: int) -> None:
+        """Rank ``rank`` holds the pages of batch ``seq``; once every rank does, say so."""
+        with self._cond:
+            waiter = self._waiters.get(seq)
+            if waiter is None or waiter.on_registered is None:
+                return
+            waiter.registered.add(rank)
+            if len(waiter.registered) < len(waiter.ranks):
+                return
+            callback, waiter.on_registered = waiter.on_registered, None
+        try:
+            callback()
+        except Exception:  # the batch goes on; its callers hear of it when it ends
+            log.exception("on_registered callback failed")
 
     def _fail(self, reason: str) -> None:
         with self._cond:

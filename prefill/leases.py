@@ -44,6 +44,23 @@ class LeaseTable:
                 raise ValueError(f"request_id={request_id!r} already holds pages")
             self._leases[request_id] = _Lease(by_rank, self._clock() + self.lease_s)
 
+    def renew(self, request_id: str) -> None:
+        """Start the request's lease again (its prefill just finished)."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is not None:
+                lease.deadline = self._clock() + self.lease_s
+
+    def cancel(self, request_id: str) -> int:
+        """Free whatever the request still holds (its prefill failed); how many pages."""
+        with self._lock:
+            lease = self._leases.pop(request_id, None)
+            if lease is None:
+                return 0
+            pages = [p for pages in lease.pages_by_rank.values() for p in pages]
+            self.allocator.free(pages)
+        return len(pages)
+
     def release(self, request_id: str, rank: int) -> int:
         """Rank ``rank`` released the request: free its pages. Returns how many."""
         with self._lock:

@@ -2,7 +2,10 @@
 
 The rank's own pool (on its GPU, or the CPU) behind the ``PageSource`` the
 KVTransfer server reads. Reads copy pages in wire order with the
-``gather_pages`` kernel, then to the host. A release by the decode side is
+``gather_pages`` kernel, then to the host. On a GPU they run on a stream of
+their own, after the event of the last layer they read: the prefill that
+writes later layers keeps the default stream, and a read never waits for it
+(layer-wise streaming, ``transfer.progress``). A release by the decode side is
 reported to the parent process (``on_release``), which owns the allocator and
 the leases; an expired lease makes the rank ``forget`` the request.
 """
@@ -10,11 +13,14 @@ the leases; an expired lease makes the rank ``forget`` the request.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from kernels.page_copy import gather_pages
 from transfer.contract import Agreement
+from transfer.fastpath import kv_digest
 from transfer.server import TensorPageSource
 
 
@@ -25,15 +31,34 @@ class RankPageSource(TensorPageSource):
         rank: int,
         pool: torch.Tensor,
         on_release: Callable[[str, list[int]], None],
+        shared_path: Path | None = None,
     ) -> None:
-        super().__init__(agreement, rank, pool)
+        super().__init__(agreement, rank, pool, shared_path=shared_path)
         self._page_size = agreement.page_size
         self._on_release = on_release
+        self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
 
-    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
-        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64, device=self.pool.device)
-        out = gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
-        return out.cpu()
+    def _gather(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any) -> torch.Tensor:
+        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64)
+        if self._stream is None:
+            return gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
+        if after is not None:
+            self._stream.wait_event(after)
+        return gather_pages(self.pool, pages.to(self.pool.device, non_blocking=True), self._page_size,
+                            layer_start, layer_end)
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
+        if self._stream is None:
+            return self._gather(physical_pages, layer_start, layer_end, after)
+        with torch.cuda.stream(self._stream):
+            return self._gather(physical_pages, layer_start, layer_end, after).cpu()
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+        if self._stream is None:
+            return kv_digest(self._gather(physical_pages, layer_start, layer_end, after))
+        with torch.cuda.stream(self._stream):
+            return kv_digest(self._gather(physical_pages, layer_start, layer_end, after))
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

@@ -5,7 +5,10 @@ from __future__ import annotations
 import os
 import queue
 import traceback
+import uuid
+from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import grpc
@@ -18,8 +21,10 @@ from prefill.checkpoint import LoadedModel
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from prefill.page_source import RankPageSource
-from prefill.runner import RankRunner
+from prefill.runner import PrefillBatch, RankRunner
 from transfer.contract import Agreement, Topology
+from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool
+from transfer.progress import LayerProgress
 from transfer.security import SecurityConfig
 from transfer.server import serve
 from transfer.status import TRANSFER_SERVICE
@@ -89,8 +94,13 @@ def rank_main(
 ) -> None:
     parent = os.getppid()
     reporter = None
+    shared_path = None
+    if serve_transfer is not None and config.resolved_device != "cuda" and SHM_DIR.is_dir():
+        # A CPU pool in /dev/shm: a decode daemon of this host reads it in place (AttachPool).
+        epoch = TransferServing(*serve_transfer).epoch or uuid.uuid4().hex
+        shared_path = SHM_DIR / f"lanekv-{epoch}-rank{rank}-{os.getpid()}"
     try:
-        runner = _start(rank, config, port)
+        runner = _start(rank, config, port, shared_path)
         info = describe(runner, config)
         if serve_transfer is not None:
             reporter = RpcReporter(rank, results)
@@ -99,6 +109,7 @@ def rank_main(
         results.put(("ready", rank, None, info))
     except Exception:  # report start-up failures to the parent, then exit
         results.put(("error", rank, None, traceback.format_exc()))
+        remove_shared_pool(shared_path)
         return
     try:
         while True:
@@ -112,8 +123,11 @@ def rank_main(
                 continue
             if op == "shutdown":
                 return
+            def registered(seq=seq) -> None:
+                results.put(("event", rank, None, ("registered", seq, None)))
+
             try:
-                results.put(("ok", rank, seq, handle(runner, op, payload)))
+                results.put(("ok", rank, seq, handle(runner, op, payload, registered)))
             except Exception:
                 results.put(("error", rank, seq, traceback.format_exc()))
     finally:
@@ -122,9 +136,10 @@ def rank_main(
             served.stop(_STOP_GRACE_S)
         if dist.is_initialized():
             dist.destroy_process_group()
+        remove_shared_pool(shared_path)  # mappings a decode daemon holds stay valid
 
 
-def _start(rank: int, config: EngineConfig, port: int) -> RankRunner:
+def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None) -> RankRunner:
     device = torch.device(config.resolved_device, rank) if config.resolved_device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -143,25 +158,28 @@ def _start(rank: int, config: EngineConfig, port: int) -> RankRunner:
         )
         group = dist.group.WORLD
     loaded = load_for(config, device)
-    return build_runner(loaded, config, rank, group)
+    return build_runner(loaded, config, rank, group, shared_path)
 
 
-def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: Any) -> RankRunner:
-    """A rank's runner: the loaded model and a fresh owner-lane pool on its device."""
+def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: Any,
+                 shared_path: Path | None = None) -> RankRunner:
+    """A rank's runner: the loaded model and a fresh owner-lane pool on its device
+    (a CPU pool in the /dev/shm file ``shared_path`` when given)."""
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     rows = config.pages_per_lane * config.page_size
-    pool = torch.full(
-        (cfg.num_layers, 2, rows, cfg.num_kv_heads, cfg.head_dim),
-        config.pool_fill,
-        dtype=config.torch_dtype,
-        device=device,
-    )
+    shape = (cfg.num_layers, 2, rows, cfg.num_kv_heads, cfg.head_dim)
+    if shared_path is not None and device.type == "cpu":
+        pool = shared_cpu_pool(shared_path, shape, config.torch_dtype, config.pool_fill)
+    else:
+        shared_path = None
+        pool = torch.full(shape, config.pool_fill, dtype=config.torch_dtype, device=device)
     runner = RankRunner(
         loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group
     )
     runner.weights_digest = loaded.weights_digest
     runner.tokenizer = loaded.tokenizer
+    runner.shared_path = shared_path
     return runner
 
 
@@ -174,15 +192,9 @@ def describe(runner: RankRunner, config: EngineConfig) -> dict:
     )
 
 
-def handle(runner: RankRunner, op: str, payload: Any) -> Any:
+def handle(runner: RankRunner, op: str, payload: Any, registered: Callable[[], None] | None = None) -> Any:
     if op == "prefill":
-        result = runner.run(payload)
-        source = getattr(runner, "page_source", None)
-        if source is not None:  # pin this rank's pages of each request for FetchKV
-            n = runner.cp_size
-            for rid, pages in zip(payload.request_ids, payload.extend_pages):
-                source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank])
-        return result
+        return _prefill(runner, payload, registered)
     if op == "topology":
         runner.page_source.set_topology(Topology.from_dict(payload))
         return None
@@ -199,6 +211,29 @@ def handle(runner: RankRunner, op: str, payload: Any) -> Any:
     if op == "snapshot":
         return runner.pool.cpu()
     raise ValueError(f"unknown command op={op!r}")
+
+
+def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], None] | None) -> Any:
+    """Pin this rank's pages of each request for FetchKV, say so (``registered``),
+    then prefill: FetchKV sends each layer once it is written."""
+    source = getattr(runner, "page_source", None)
+    progress = None
+    if source is not None:
+        n = runner.cp_size
+        progress = LayerProgress(runner.model.config.num_layers, runner.device)
+        for rid, pages in zip(batch.request_ids, batch.extend_pages):
+            source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank], progress)
+    if registered is not None:
+        registered()
+    try:
+        result = runner.run(batch, None if progress is None else progress.layer_written)
+    except BaseException as err:
+        if progress is not None:
+            progress.fail(f"rank {runner.cp_rank}: {type(err).__name__}: {err}")
+            for rid in batch.request_ids:
+                source.forget(rid)
+        raise
+    return result
 
 
 def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
@@ -219,7 +254,7 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
     def on_fetched(request_id: str, nbytes: int, seconds: float) -> None:
         results.put(("event", rank, None, ("fetched", request_id, (nbytes, seconds))))
 
-    runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release)
+    runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release, runner.shared_path)
     port = where.port_base + rank if where.port_base else 0
     runner.transfer_server = serve(
         runner.page_source, where.host, port, security=where.security,

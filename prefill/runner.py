@@ -13,6 +13,7 @@ the first output token.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -93,9 +94,11 @@ class RankRunner:
         self.tokenizer = None
         self.page_source = None  # prefill.page_source.RankPageSource when serving KVTransfer
         self.transfer_server = None  # transfer.server.Served
+        self.shared_path = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
 
     @torch.inference_mode()
-    def run(self, batch: PrefillBatch) -> RankResult:
+    def run(self, batch: PrefillBatch, on_layer: Callable[[int], None] | None = None) -> RankResult:
+        """Prefill ``batch``; ``on_layer(l)`` right after layer ``l``'s K/V store is queued."""
         start = time.perf_counter()
         plan = batch.plan(self.cp_size, self.page_size)
         ix = build_rank_index(
@@ -108,7 +111,7 @@ class RankRunner:
         flat_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64)
         flat_ids = flat_ids.to(self.device)
         input_ids = torch.where(ix.input_index >= 0, flat_ids[ix.input_index.clamp(min=0)], 0)
-        attention = _CPAttention(self, plan, ix)
+        attention = _CPAttention(self, plan, ix, on_layer)
         hidden = self.model(input_ids, ix.positions, attention)
 
         outputs = []
@@ -134,9 +137,11 @@ class RankRunner:
 class _CPAttention:
     """The attention callback of one batch on one rank (state built once per batch)."""
 
-    def __init__(self, runner: RankRunner, plan: BatchPlan, ix: RankIndex) -> None:
+    def __init__(self, runner: RankRunner, plan: BatchPlan, ix: RankIndex,
+                 on_layer: Callable[[int], None] | None = None) -> None:
         self.r = runner
         self.ix = ix
+        self.on_layer = on_layer
         dev = runner.device
         # Every valid loc must belong to this rank: checked once, not per layer.
         phys = runner.layout.physical_rows(runner.cp_rank, ix.write_locs)
@@ -183,6 +188,8 @@ class _CPAttention:
             self.gather_seconds += time.perf_counter() - t0
         kv = rerange(gathered, ix.rerange_index)  # [kv rows in request order, 2, Hkv, D]
         store_kv(k, v, r.pool[layer, 0], r.pool[layer, 1], self.store_rows)
+        if self.on_layer is not None:
+            self.on_layer(layer)
         return cp_prefill_attention(q, kv[:, 0], kv[:, 1], self.segments, r.softmax_scale)
 
 

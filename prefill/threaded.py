@@ -8,6 +8,7 @@ as the colocated single-process path (cp_size 1) of the demo.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from prefill.allocator import LaneAllocator
@@ -30,7 +31,10 @@ class ThreadedPrefillEngine(PrefillEngine):
         self.runners = [build_runner(loaded, config, r, self.group) for r in range(config.cp_size)]
         self.info = describe(self.runners[0], config)
 
-    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None) -> Any:
+    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None,
+              on_registered: Callable[[], None] | None = None) -> Any:
+        if on_registered is not None:  # rank threads serve no FetchKV: nothing to wait for
+            on_registered()
         if only is not None:
             return handle(self.runners[only], op, payload)
         return self.group.run(

@@ -62,6 +62,14 @@ class PrefillReply(_message.Message):
     timings: _containers.ScalarMap[str, float]
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
+class PrefillProgress(_message.Message):
+    __slots__ = ("reply", "done")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    reply: PrefillReply
+    done: bool
+    def __init__(self, reply: _Optional[_Union[PrefillReply, _Mapping]] = ..., done: _Optional[bool] = ...) -> None: ...
+
 class HandshakeRequest(_message.Message):
     __slots__ = ("contract",)
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
@@ -81,20 +89,22 @@ class HandshakeReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., contract: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., diff: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "layer_start", "layer_end", "pages", "max_chunk_bytes")
+    __slots__ = ("request_id", "fingerprint", "layer_start", "layer_end", "pages", "max_chunk_bytes", "descriptors")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: str
     layer_start: int
     layer_end: int
     pages: _containers.RepeatedScalarFieldContainer[int]
     max_chunk_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    descriptors: bool
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., descriptors: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "pad")
@@ -105,6 +115,22 @@ class KVChunk(_message.Message):
     data: bytes
     pad: bytes
     def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("fingerprint", "host_id", "transports")
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    host_id: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, fingerprint: _Optional[str] = ..., host_id: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class AttachReply(_message.Message):
+    __slots__ = ("handle",)
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    handle: bytes
+    def __init__(self, handle: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "fingerprint")

@@ -19,6 +19,10 @@ class PrefillServiceStub:
                 '/lanekv.v1.PrefillService/Prefill',
                 request_serializer=proto_dot_lanekv__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=proto_dot_lanekv__pb2.PrefillReply.FromString)
+        self.PrefillStream = channel.unary_stream(
+                '/lanekv.v1.PrefillService/PrefillStream',
+                request_serializer=proto_dot_lanekv__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=proto_dot_lanekv__pb2.PrefillProgress.FromString)
 
 
 class PrefillServiceServicer:
@@ -30,6 +34,14 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request, context):
+        """The same prefill, answered twice: once the pages can be fetched, and when
+        it is done. The daemon's epoch comes in the initial metadata.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -37,6 +49,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=proto_dot_lanekv__pb2.PrefillRequest.FromString,
                     response_serializer=proto_dot_lanekv__pb2.PrefillReply.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=proto_dot_lanekv__pb2.PrefillRequest.FromString,
+                    response_serializer=proto_dot_lanekv__pb2.PrefillProgress.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -76,6 +93,32 @@ class PrefillService:
             timeout,
             metadata)
 
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/lanekv.v1.PrefillService/PrefillStream',
+            proto_dot_lanekv__pb2.PrefillRequest.SerializeToString,
+            proto_dot_lanekv__pb2.PrefillProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata)
+
 
 class KVTransferStub:
     """Missing associated documentation comment in .proto file."""
@@ -98,6 +141,10 @@ class KVTransferStub:
                 '/lanekv.v1.KVTransfer/Release',
                 request_serializer=proto_dot_lanekv__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=proto_dot_lanekv__pb2.ReleaseReply.FromString)
+        self.AttachPool = channel.unary_unary(
+                '/lanekv.v1.KVTransfer/AttachPool',
+                request_serializer=proto_dot_lanekv__pb2.AttachRequest.SerializeToString,
+                response_deserializer=proto_dot_lanekv__pb2.AttachReply.FromString)
 
 
 class KVTransferServicer:
@@ -121,6 +168,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AttachPool(self, request, context):
+        """Same-host fast path: a handle to this rank's pool (FAILED_PRECONDITION
+        when the caller is on another host or can open none of its transports).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +193,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=proto_dot_lanekv__pb2.ReleaseRequest.FromString,
                     response_serializer=proto_dot_lanekv__pb2.ReleaseReply.SerializeToString,
+            ),
+            'AttachPool': grpc.unary_unary_rpc_method_handler(
+                    servicer.AttachPool,
+                    request_deserializer=proto_dot_lanekv__pb2.AttachRequest.FromString,
+                    response_serializer=proto_dot_lanekv__pb2.AttachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -220,6 +280,32 @@ class KVTransfer:
             '/lanekv.v1.KVTransfer/Release',
             proto_dot_lanekv__pb2.ReleaseRequest.SerializeToString,
             proto_dot_lanekv__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata)
+
+    @staticmethod
+    def AttachPool(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lanekv.v1.KVTransfer/AttachPool',
+            proto_dot_lanekv__pb2.AttachRequest.SerializeToString,
+            proto_dot_lanekv__pb2.AttachReply.FromString,
             options,
             channel_credentials,
             insecure,

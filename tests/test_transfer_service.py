@@ -289,8 +289,8 @@ def test_release_during_fetch_stops_the_stream(start_cluster):
     source = cluster.sources[0]
     read = source.read
 
-    def read_then_release(physical_pages, layer_start, layer_end):
-        out = read(physical_pages, layer_start, layer_end)
+    def read_then_release(physical_pages, layer_start, layer_end, after=None):
+        out = read(physical_pages, layer_start, layer_end, after)
         if layer_start == 1:  # the pages are freed (and may be reused) under this read
             source.release("req")
         return out

@@ -13,7 +13,8 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import NamedTuple, Protocol, TypeVar
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import grpc
 import torch
@@ -21,6 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, LayoutContract, Topology, agreement_of, diff, format_diff
+from transfer.fastpath import MAX_TRANSPORTS, Descriptor, PoolHandle, host_id, kv_digest, share_pool
+from transfer.progress import LayerProgress, PrefillFailed
 from transfer.security import SecurityConfig, bind, make_server
 from transfer.status import (
     CONTRACT_METADATA_KEY,
@@ -29,6 +32,9 @@ from transfer.status import (
     TRANSFER_SERVICE,
     Refusal,
     refusals,
+)
+from transfer.wire import (
+    MAX_CHUNK_BYTES as MAX_WIRE_CHUNK_BYTES,
 )
 from transfer.wire import (
     MAX_REQUEST_ID_LEN,
@@ -47,6 +53,9 @@ T = TypeVar("T")
 # metadata). A server of another start refuses, so a restarted daemon that
 # reuses ports, and maybe request ids, never serves its pages for old ones.
 EPOCH_METADATA_KEY = "lanekv-epoch"
+# The longest a FetchKV waits for one layer of a prefill that is still running
+# (less when the call's deadline comes first).
+LAYER_WAIT_S = 600.0
 # Called when a FetchKV stream has sent its last chunk: (request_id, payload bytes, seconds).
 OnFetched = Callable[[str, int, float], None]
 
@@ -67,8 +76,23 @@ class PageSource(Protocol):
         """
         ...
 
-    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
+    def ready(self, request_id: str, layer_end: int, timeout_s: float, alive: Callable[[], bool]) -> Any:
+        """Block until the request's layers ``< layer_end`` are written (layer-wise
+        streaming); a token for ``read``'s ``after``. KeyError as for ``pages_of``,
+        ``PrefillFailed`` or ``TimeoutError`` when they will not be."""
+        ...
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
         """CPU tensor ``[layer_end - layer_start, 2, len(physical_pages) * page_size, kv_heads, head_dim]``."""
+        ...
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+        """``fastpath.kv_digest`` of what ``read`` would return, computed where the pool is."""
+        ...
+
+    def share(self, transports: Sequence[str]) -> PoolHandle:
+        """A handle to the pool for the same-host fast path; ValueError naming why not."""
         ...
 
     def release(self, request_id: str) -> int:
@@ -85,6 +109,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         max_chunk_bytes: int = MAX_CHUNK_BYTES_LIMIT,
         on_fetched: OnFetched | None = None,
         epoch: str | None = None,
+        layer_wait_s: float = LAYER_WAIT_S,
     ) -> None:
         # The contract is read from the source at every call: the topology may
         # be completed after the server starts (endpoints are known only once
@@ -94,6 +119,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._max_chunk_bytes = max_chunk_bytes
         self._on_fetched = on_fetched
         self._epoch = epoch
+        self._layer_wait_s = layer_wait_s
 
     def Handshake(self, request, context):
         with refusals(context):
@@ -121,30 +147,64 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             agreement = self._agreed(request.request_id, request.fingerprint)
             self._same_start(context)
             chunks = self._plan(request, agreement)
-            sent_bytes = 0
+            rid, sent_bytes = request.request_id, 0
+
+            def alive() -> bool:
+                return context.is_active() and self._holds(rid)
+
+            def ready(chunk: ChunkPlan) -> Any:
+                """Wait until the chunk's layers are written (the prefill may still run)."""
+                left = context.time_remaining()
+                wait_s = self._layer_wait_s if left is None else min(left, self._layer_wait_s)
+                try:
+                    return self._source.ready(rid, chunk.layer_end, wait_s, alive)
+                except KeyError as err:
+                    raise Refusal(Code.NOT_FOUND, _key_message(rid, err)) from err
+                except PrefillFailed as err:
+                    raise Refusal(Code.ABORTED, f"request {rid!r}: the prefill did not write its KV: {err}") from err
+                except TimeoutError as err:
+                    raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
             def message(seq: int) -> tuple[bytes, int]:
                 chunk, physical = chunks[seq]
-                payload = self._source.read(physical, chunk.layer_start, chunk.layer_end)
+                after = ready(chunk)
+                if request.descriptors:
+                    digest = self._source.digest(physical, chunk.layer_start, chunk.layer_end, after)
+                    self._owned(rid)  # held while the digest read them
+                    header = Descriptor(rid, self._source.rank, seq, chunk.layer_start, chunk.layer_end,
+                                        chunk.pages, tuple(physical), digest)
+                    described = len(chunk.pages) * (chunk.layer_end - chunk.layer_start) * _page_bytes(agreement)
+                    return frame_chunk(header.encode(), memoryview(b"")), described
+                payload = self._source.read(physical, chunk.layer_start, chunk.layer_end, after)
                 # A release racing this fetch may have recycled the pages under
                 # the read; checking after it proves they were held throughout.
-                self._owned(request.request_id)
+                self._owned(rid)
                 _check_payload(payload, chunk, agreement)
-                header, data = encode_chunk(
-                    request.request_id,
-                    self._source.rank,
-                    seq,
-                    chunk.layer_start,
-                    chunk.pages,
-                    payload,
-                )
+                header, data = encode_chunk(rid, self._source.rank, seq, chunk.layer_start, chunk.pages, payload)
                 return self.frame(header, data), header.nbytes
 
             for framed, nbytes in _one_ahead(message, len(chunks)):
                 yield framed
                 sent_bytes += nbytes
             if self._on_fetched is not None:
-                self._on_fetched(request.request_id, sent_bytes, time.perf_counter() - start)
+                self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
+
+    def AttachPool(self, request, context):
+        with refusals(context):
+            self._agreed("attach", request.fingerprint)
+            here = host_id()
+            if request.host_id != here:
+                raise Refusal(Code.FAILED_PRECONDITION,
+                              f"host_id {request.host_id!r:.120} is not this rank's host {here!r}: "
+                              "the fast path needs one host")
+            transports = list(request.transports)
+            if len(transports) > MAX_TRANSPORTS:
+                raise Refusal(Code.INVALID_ARGUMENT, f"transports lists {len(transports)} entries, at most {MAX_TRANSPORTS}")
+            try:
+                handle = self._source.share(transports)
+            except ValueError as err:
+                raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank}: {err}") from err
+        return lanekv_pb2.AttachReply(handle=handle.encode())
 
     def Release(self, request, context):
         with refusals(context):
@@ -193,6 +253,13 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     f"{self._epoch!r}: the daemon restarted and the request's pages are gone",
                 )
 
+    def _holds(self, request_id: str) -> bool:
+        try:
+            self._source.pages_of(request_id)
+        except KeyError:
+            return False
+        return True
+
     def _owned(self, request_id: str) -> list[tuple[int, int]]:
         try:
             return self._source.pages_of(request_id)
@@ -219,14 +286,15 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 Code.INVALID_ARGUMENT,
                 f"pages {foreign[:16]} are not pages of request {request.request_id!r} on rank {self._source.rank}",
             )
-        page_bytes = 2 * agreement.page_size * agreement.num_kv_heads * agreement.head_dim
-        page_bytes *= kv_dtype(agreement.kv_dtype).itemsize
+        page_bytes = _page_bytes(agreement)
         chunk_bytes = request.max_chunk_bytes or self._default_chunk_bytes
         if not page_bytes <= chunk_bytes <= self._max_chunk_bytes:
             raise Refusal(
                 Code.INVALID_ARGUMENT,
                 f"max_chunk_bytes {chunk_bytes} is not within [{page_bytes} (one page of one layer), {self._max_chunk_bytes}]",
             )
+        if request.descriptors:  # one descriptor per layer: each layer goes as soon as it is written
+            chunk_bytes = max(page_bytes, min(len(pages) * page_bytes, MAX_WIRE_CHUNK_BYTES))
         plans = plan_chunks(
             layer_end - request.layer_start,
             pages,
@@ -256,6 +324,11 @@ def _one_ahead(produce: Callable[[int], T], count: int) -> Iterator[T]:
             if seq + LOOKAHEAD < count:
                 pending.append(pool.submit(produce, seq + LOOKAHEAD))
             yield message
+
+
+def _page_bytes(a: Agreement) -> int:
+    """K and V of one page of one layer."""
+    return 2 * a.page_size * a.num_kv_heads * a.head_dim * kv_dtype(a.kv_dtype).itemsize
 
 
 def _check_payload(payload: torch.Tensor, chunk: ChunkPlan, a: Agreement) -> None:
@@ -297,6 +370,11 @@ def add_transfer_service(server: grpc.Server, service: KVTransferService) -> Non
             service.Release,
             request_deserializer=lanekv_pb2.ReleaseRequest.FromString,
             response_serializer=lanekv_pb2.ReleaseReply.SerializeToString,
+        ),
+        "AttachPool": grpc.unary_unary_rpc_method_handler(
+            service.AttachPool,
+            request_deserializer=lanekv_pb2.AttachRequest.FromString,
+            response_serializer=lanekv_pb2.AttachReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers(
@@ -362,8 +440,18 @@ class ContractOnlySource:
     def pages_of(self, request_id: str) -> list[tuple[int, int]]:
         raise KeyError(self._why)
 
-    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
+    def ready(self, request_id: str, layer_end: int, timeout_s: float, alive: Callable[[], bool]) -> Any:
         raise KeyError(self._why)
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
+        raise KeyError(self._why)
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+        raise KeyError(self._why)
+
+    def share(self, transports: Sequence[str]) -> PoolHandle:
+        raise ValueError(self._why)
 
     def release(self, request_id: str) -> int:
         raise KeyError(self._why)
@@ -376,7 +464,8 @@ class TensorPageSource:
     RELEASED_MEMORY = 4096
 
     def __init__(
-        self, agreement: Agreement, rank: int, pool: torch.Tensor, topology: Topology | None = None
+        self, agreement: Agreement, rank: int, pool: torch.Tensor, topology: Topology | None = None,
+        shared_path: Path | None = None,
     ) -> None:
         rows = pool.shape[2] if pool.dim() == 5 else -1
         expected = (agreement.num_layers, 2, rows, agreement.num_kv_heads, agreement.head_dim)
@@ -391,7 +480,9 @@ class TensorPageSource:
         self._pool = pool
         self._num_pages = rows // agreement.page_size
         self._topology = topology
+        self._shared_path = shared_path  # the /dev/shm file of a CPU pool made by fastpath.shared_cpu_pool
         self._requests: dict[str, list[tuple[int, int]]] = {}
+        self._progress: dict[str, LayerProgress] = {}
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -414,8 +505,12 @@ class TensorPageSource:
                 raise RuntimeError(f"rank {self._rank}: topology not set yet")
             return LayoutContract(self._agreement, self._topology)
 
-    def add(self, request_id: str, pages: Sequence[tuple[int, int]]) -> None:
-        """Pin (logical page, physical page) pairs of a request on this rank."""
+    def add(self, request_id: str, pages: Sequence[tuple[int, int]], progress: LayerProgress | None = None) -> None:
+        """Pin (logical page, physical page) pairs of a request on this rank.
+
+        ``progress`` tracks a prefill that is still writing them (FetchKV sends
+        each layer once it is written); None: every layer is written already.
+        """
         pages = [(int(logical), int(physical)) for logical, physical in pages]
         for logical, physical in pages:
             if not 0 <= physical < self._num_pages or logical < 0:
@@ -428,13 +523,27 @@ class TensorPageSource:
             if request_id in self._requests:
                 raise ValueError(f"request {request_id!r} is already held")
             self._requests[request_id] = pages
+            self._progress[request_id] = progress or LayerProgress.done(self._agreement.num_layers)
             self._released.pop(request_id, None)
 
     def pages_of(self, request_id: str) -> list[tuple[int, int]]:
         with self._lock:
             return list(self._lookup(request_id))
 
-    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> torch.Tensor:
+    def ready(self, request_id: str, layer_end: int, timeout_s: float, alive: Callable[[], bool]) -> Any:
+        with self._lock:
+            self._lookup(request_id)
+            progress = self._progress[request_id]
+        return progress.wait(layer_end, timeout_s, alive)
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+        return kv_digest(self.read(physical_pages, layer_start, layer_end, after).contiguous())
+
+    def share(self, transports: Sequence[str]) -> PoolHandle:
+        return share_pool(self._pool, self._shared_path, transports)
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
         layers = self._pool[layer_start:layer_end]
         num_layers, _, _, kv_heads, head_dim = layers.shape
         # Index whole pages, not rows: one block of page_size * kv_heads * head_dim
@@ -447,6 +556,7 @@ class TensorPageSource:
         with self._lock:
             pages = self._lookup(request_id)
             del self._requests[request_id]
+            self._progress.pop(request_id).fail("released")
             self._released[request_id] = None
             while len(self._released) > self.RELEASED_MEMORY:
                 self._released.popitem(last=False)

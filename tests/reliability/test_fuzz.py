@@ -476,8 +476,17 @@ class _ContractOnly:
     def pages_of(self, request_id: str):
         raise KeyError("no pages here")
 
-    def read(self, physical_pages, layer_start: int, layer_end: int):
+    def ready(self, request_id, layer_end, timeout_s, alive):
         raise KeyError("no pages here")
+
+    def read(self, physical_pages, layer_start: int, layer_end: int, after=None):
+        raise KeyError("no pages here")
+
+    def digest(self, physical_pages, layer_start: int, layer_end: int, after=None):
+        raise KeyError("no pages here")
+
+    def share(self, transports):
+        raise ValueError("no pool here")
 
     def release(self, request_id: str) -> int:
         raise KeyError("no pages here")

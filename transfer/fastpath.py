@@ -1,0 +1,301 @@
+"""The same-host fast path: a decode daemon reads a prefill rank's pool in place.
+
+gRPC stays the control plane. A decode daemon on the same host as a prefill
+rank asks it (``KVTransfer.AttachPool``, with its host id and the transports
+it can open) for a handle to the rank's pool:
+
+- ``cuda_ipc``: the pool lives on a GPU; the handle is the CUDA IPC handle of
+  its storage (``UntypedStorage._share_cuda_``) plus the GPU's UUID, so the
+  decode side maps the same memory and copies pages with device-to-device
+  copies (NVLink between two GPUs, a local copy on one);
+- ``shm``: the pool lives on the CPU in a file under /dev/shm
+  (``shared_cpu_pool``); the handle is the file's path.
+
+A FetchKV that asks for ``descriptors`` then streams, for each layer as soon
+as that layer is written, a ``Descriptor`` instead of the bytes: the logical
+pages, where they are in the rank's pool, and a ``kv_digest`` of their bytes
+taken by the rank after the layer was written and while it held the pages.
+The decode side copies the pages itself and compares the digest of what it
+copied, so a page read too early, too late (recycled) or from the wrong place
+is caught (DATA_LOSS, then a fetch over gRPC). The layout contract applies
+unchanged: AttachPool and FetchKV both carry its fingerprint.
+
+Decisions: the digest is a position-weighted 64-bit sum of the chunk's words
+(``kv_digest``), computed by the same torch code on either side and on either
+device, because a host hash would move every byte over PCIe and undo the fast
+path; like XXH3 on the gRPC path it finds accidents, not forgers. A host id is
+the host name and the kernel's boot id; a peer that cannot open the handle
+anyway (another IPC namespace, no CUDA) falls back to gRPC.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from transfer.wire import (
+    MAX_LAYERS,
+    MAX_PAGE_ID,
+    MAX_PAGES_PER_CHUNK,
+    MAX_RANKS,
+    MAX_REQUEST_ID_LEN,
+    MAX_SEQ,
+    check_int,
+    check_keys,
+    check_str,
+    dtype_name,
+    kv_dtype,
+    unpack_map,
+    untrusted,
+)
+
+CUDA_IPC = "cuda_ipc"
+SHM = "shm"
+TRANSPORTS = (CUDA_IPC, SHM)
+MAX_TRANSPORTS = 8  # entries of an AttachRequest a server reads
+SHM_DIR = Path("/dev/shm")
+_U64 = (1 << 64) - 1
+# Words per digest step: bounds the int64 temporaries (8x the words' bytes... 3 of them).
+_DIGEST_BLOCK = 1 << 24
+_WEIGHT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as a signed int64
+
+
+def host_id() -> str:
+    """This host, as both sides of the fast path name it: host name and boot id."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def kv_digest(t: torch.Tensor) -> int:
+    """A 64-bit digest of a contiguous tensor's bytes: sum of word[i] * w(i) mod 2^64.
+
+    ``w(i)`` is odd and depends on the position, so any one changed word, and
+    words that swapped places, change the digest. Integer sums wrap and
+    commute, so the value does not depend on the device or the summation
+    order: the prefill rank and the decode daemon get the same number.
+    """
+    if not t.is_contiguous():
+        raise ValueError("kv_digest needs a contiguous tensor")
+    flat = t.reshape(-1).view(torch.uint8)
+    nbytes = flat.numel()
+    words = flat.view(torch.int32) if nbytes % 4 == 0 else flat.view(torch.int16) if nbytes % 2 == 0 else flat
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
+    for start in range(0, words.numel(), _DIGEST_BLOCK):
+        part = words[start:start + _DIGEST_BLOCK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
+        weights.mul_(_WEIGHT).bitwise_or_(1)
+        total += (part * weights).sum()
+    return int(total.item()) & _U64
+
+
+# -- the pool handle --------------------------------------------------------------------
+
+
+def shared_cpu_pool(path: Path, shape: Sequence[int], dtype: torch.dtype, fill: float) -> torch.Tensor:
+    """A CPU pool backed by a new file under /dev/shm (removed by ``remove_shared_pool``)."""
+    numel = 1
+    for n in shape:
+        numel *= int(n)
+    if path.exists():
+        raise FileExistsError(f"{path} exists already: another pool uses that name")
+    pool = torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(*shape)
+    pool.fill_(fill)
+    return pool
+
+
+def remove_shared_pool(path: Path | None) -> None:
+    if path is not None:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+@dataclass(frozen=True)
+class PoolHandle:
+    """How to open a rank's pool from another process of the same host."""
+
+    transport: str
+    shape: tuple[int, ...]
+    dtype: str
+    path: str = ""  # shm: the file
+    device_uuid: str = ""  # cuda_ipc: the GPU, by UUID (device indexes differ between processes)
+    ipc: tuple = ()  # cuda_ipc: what UntypedStorage._share_cuda_ returned, device index first
+    storage_offset: int = 0  # elements into the storage
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            dict(transport=self.transport, shape=list(self.shape), dtype=self.dtype, path=self.path,
+                 device_uuid=self.device_uuid, ipc=list(self.ipc), storage_offset=self.storage_offset),
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: bytes) -> PoolHandle:
+        with untrusted("pool handle"):
+            raw = unpack_map(data, "pool handle")
+            check_keys("pool handle", raw, ("transport", "shape", "dtype", "path", "device_uuid", "ipc",
+                                           "storage_offset"))
+            transport = check_str("transport", raw["transport"], 16)
+            if transport not in TRANSPORTS:
+                raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+            shape = raw["shape"]
+            if not isinstance(shape, tuple) or len(shape) != 5:
+                raise ValueError(f"shape must be 5 integers, got {shape!r:.80}")
+            shape = tuple(check_int(f"shape[{i}]", n, 1, 1 << 40) for i, n in enumerate(shape))
+            dtype = check_str("dtype", raw["dtype"], 32)
+            kv_dtype(dtype)
+            path = check_str("path", raw["path"], 4096, allow_empty=True)
+            if transport == SHM and (Path(path).parent != SHM_DIR or not Path(path).name.startswith("lanekv-")):
+                raise ValueError(f"path must be a lanekv- file in {SHM_DIR}, got {path!r:.200}")
+            ipc = raw["ipc"]
+            if not isinstance(ipc, tuple) or len(ipc) > 16:
+                raise ValueError(f"ipc must be a short list, got {type(ipc).__name__}")
+            return cls(transport, shape, dtype, path, check_str("device_uuid", raw["device_uuid"], 64, allow_empty=True),
+                       ipc, check_int("storage_offset", raw["storage_offset"], 0, 1 << 48))
+
+
+def share_pool(pool: torch.Tensor, path: Path | None, transports: Sequence[str]) -> PoolHandle:
+    """A handle to ``pool`` over the first of ``transports`` it can be shared by.
+
+    ValueError names why none fits (a CUDA pool wants ``cuda_ipc``, a CPU pool
+    ``shm`` and a pool made by ``shared_cpu_pool``).
+    """
+    shape, dtype = tuple(pool.shape), dtype_name(pool.dtype)
+    if pool.is_cuda:
+        if CUDA_IPC not in transports:
+            raise ValueError(f"this rank's pool is on {pool.device}: the caller must offer {CUDA_IPC!r}, "
+                             f"it offered {list(transports)}")
+        storage = pool.untyped_storage()
+        ipc = storage._share_cuda_()
+        uuid = str(torch.cuda.get_device_properties(pool.device).uuid)
+        return PoolHandle(CUDA_IPC, shape, dtype, device_uuid=uuid, ipc=tuple(ipc),
+                          storage_offset=pool.storage_offset())
+    if SHM not in transports:
+        raise ValueError(f"this rank's pool is on the CPU: the caller must offer {SHM!r}, it offered {list(transports)}")
+    if path is None:
+        raise ValueError("this rank's pool is not in shared memory")
+    return PoolHandle(SHM, shape, dtype, path=str(path))
+
+
+def open_pool(handle: PoolHandle) -> torch.Tensor:
+    """Map the pool a handle names (read by the caller, never written). OSError/RuntimeError when it cannot."""
+    dtype = kv_dtype(handle.dtype)
+    numel = 1
+    for n in handle.shape:
+        numel *= n
+    if handle.transport == SHM:
+        size = os.stat(handle.path).st_size
+        if size != numel * dtype.itemsize:
+            raise OSError(f"{handle.path} holds {size} bytes, the handle says {numel * dtype.itemsize}")
+        return torch.from_file(handle.path, shared=True, size=numel, dtype=dtype).view(*handle.shape)
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device here to map a cuda_ipc pool")
+    local = _cuda_index(handle.device_uuid)
+    ipc = list(handle.ipc)
+    if len(ipc) != 8:
+        raise ValueError(f"cuda_ipc handle has {len(ipc)} fields, expected 8")
+    ipc[0] = local
+    with torch.cuda.device(local):
+        storage = torch.UntypedStorage._new_shared_cuda(*ipc)
+        pool = torch.empty(0, dtype=dtype, device=torch.device("cuda", local))
+        pool.set_(storage, handle.storage_offset, handle.shape)
+    return pool
+
+
+def _cuda_index(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise RuntimeError(f"GPU {uuid} is not visible to this process")
+
+
+# -- copying pages ------------------------------------------------------------------------
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, count) runs where both page lists go up by one."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
+               dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
+    """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
+
+    Each (layer, K/V, run of consecutive pages on both sides) is one dense block
+    in both pools, so it moves as one copy: between GPUs a peer copy on the
+    copy engines, with no kernel on the source GPU.
+    """
+    if len(src_pages) != len(dst_pages):
+        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    for s, d, n in page_runs(src_pages, dst_pages):
+        rows_s, rows_d = slice(s * page_size, (s + n) * page_size), slice(d * page_size, (d + n) * page_size)
+        for layer in range(layer_start, layer_end):
+            for kv in (0, 1):
+                dst_pool[layer, kv, rows_d].copy_(src_pool[layer, kv, rows_s], non_blocking=True)
+
+
+# -- the descriptor ---------------------------------------------------------------------
+
+_DESCRIPTOR_KEYS = ("request_id", "rank", "seq", "layer_start", "layer_end", "pages", "physical", "digest")
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """One layer range of a request's pages in a shared pool: the header of a descriptor chunk."""
+
+    request_id: str
+    rank: int
+    seq: int
+    layer_start: int
+    layer_end: int
+    pages: tuple[int, ...]  # logical pages, in the order the digest reads them
+    physical: tuple[int, ...]  # where each is in the rank's pool
+    digest: int  # kv_digest of gather_pages(pool, physical, layer_start, layer_end)
+
+    def encode(self) -> bytes:
+        return msgpack.packb(
+            dict(request_id=self.request_id, rank=self.rank, seq=self.seq, layer_start=self.layer_start,
+                 layer_end=self.layer_end, pages=list(self.pages), physical=list(self.physical),
+                 digest=self.digest),
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def decode(cls, data: Any) -> Descriptor:
+        with untrusted("descriptor"):
+            raw = unpack_map(data, "descriptor")
+            check_keys("descriptor", raw, _DESCRIPTOR_KEYS)
+            layer_start = check_int("layer_start", raw["layer_start"], 0, MAX_LAYERS - 1)
+            pages, physical = raw["pages"], raw["physical"]
+            for name, value in (("pages", pages), ("physical", physical)):
+                if not isinstance(value, tuple) or not 1 <= len(value) <= MAX_PAGES_PER_CHUNK:
+                    raise ValueError(f"{name} must be a list of 1..{MAX_PAGES_PER_CHUNK} page ids")
+            if len(pages) != len(physical):
+                raise ValueError(f"{len(pages)} pages but {len(physical)} physical pages")
+            return cls(
+                check_str("request_id", raw["request_id"], MAX_REQUEST_ID_LEN),
+                check_int("rank", raw["rank"], 0, MAX_RANKS - 1),
+                check_int("seq", raw["seq"], 0, MAX_SEQ),
+                layer_start,
+                check_int("layer_end", raw["layer_end"], layer_start + 1, MAX_LAYERS),
+                tuple(check_int("pages[]", p, 0, MAX_PAGE_ID) for p in pages),
+                tuple(check_int("physical[]", p, 0, MAX_PAGE_ID) for p in physical),
+                check_int("digest", raw["digest"], 0, _U64),
+            )

@@ -1,0 +1,182 @@
+"""The decode side of the same-host fast path (see ``transfer.fastpath``).
+
+``FastPath.pool`` asks a rank once per prefill-daemon start for its pool
+(``AttachPool``) and maps it; a rank that refuses, or a handle this process
+cannot open, is remembered as ``None`` and the caller uses gRPC for it.
+``FastPath.fetch`` streams a rank's descriptors (each layer as soon as the
+rank has written it), copies the pages from the mapped pool into the
+caller's pages and checks the digest of every copied chunk
+(``DigestMismatch``: the caller fetches that rank again over gRPC).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import grpc
+import torch
+
+from kernels.page_copy import gather_pages
+from proto import lanekv_pb2
+from transfer.client import FETCH_METHOD, KVClient
+from transfer.contract import Agreement
+from transfer.errors import CorruptChunk, RemoteError
+from transfer.fastpath import (
+    CUDA_IPC,
+    SHM,
+    Descriptor,
+    PoolHandle,
+    copy_pages,
+    host_id,
+    kv_digest,
+    open_pool,
+)
+from transfer.server import EPOCH_METADATA_KEY
+from transfer.wire import kv_dtype
+
+log = logging.getLogger("lanekv.transfer")
+ATTACH_METHOD = "/lanekv.v1.KVTransfer/AttachPool"
+# Destination pages of logical pages (the caller's page table).
+PagesFor = Callable[[Sequence[int]], list[int]]
+# Told of every copied and verified chunk: (logical pages, layer_start, layer_end).
+OnCopied = Callable[[Sequence[int], int, int], None]
+
+
+class DigestMismatch(CorruptChunk):
+    """Pages copied from a shared pool do not match the digest the rank sent."""
+
+
+class FastStats(NamedTuple):
+    bytes: int
+    chunks: int
+    seconds: float
+
+
+class _Attached(NamedTuple):
+    epoch: str | None
+    pool: torch.Tensor | None  # None: this rank is fetched over gRPC
+    transport: str
+
+
+class FastPath:
+    """Mapped pools of same-host prefill ranks, by endpoint."""
+
+    def __init__(self, kv: KVClient, agreement: Agreement, transports: Sequence[str] | None = None) -> None:
+        self._kv = kv
+        self._agreement = agreement
+        if transports is None:
+            transports = ([CUDA_IPC] if torch.cuda.is_available() else []) + [SHM]
+        self._transports = list(transports)
+        self._host = host_id()
+        self._attached: dict[str, _Attached] = {}
+        self._lock = threading.Lock()
+
+    def pool(self, endpoint: str, epoch: str | None, timeout: float) -> torch.Tensor | None:
+        """The rank's pool mapped here, or None when the fast path does not reach it."""
+        with self._lock:
+            known = self._attached.get(endpoint)
+            if known is not None and known.epoch == epoch:
+                return known.pool
+        pool, transport = self._attach(endpoint, epoch, timeout)
+        with self._lock:
+            self._attached[endpoint] = _Attached(epoch, pool, transport)
+        return pool
+
+    def transport(self, endpoint: str) -> str:
+        """How the last attach to ``endpoint`` went: a transport name, or 'grpc'."""
+        with self._lock:
+            known = self._attached.get(endpoint)
+        return known.transport if known is not None else "grpc"
+
+    def _attach(self, endpoint: str, epoch: str | None, timeout: float) -> tuple[torch.Tensor | None, str]:
+        request = lanekv_pb2.AttachRequest(fingerprint=self._agreement.fingerprint, host_id=self._host,
+                                           transports=self._transports)
+        metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
+        try:
+            attach = self._kv.channel(endpoint).unary_unary(
+                ATTACH_METHOD, request_serializer=lanekv_pb2.AttachRequest.SerializeToString,
+                response_deserializer=lanekv_pb2.AttachReply.FromString)
+            handle = PoolHandle.decode(attach(request, timeout=timeout, metadata=metadata).handle)
+            pool = open_pool(handle)
+            self._check(pool)
+        except grpc.RpcError as err:
+            log.info("fast path to %s: not offered (%s: %s); using gRPC", endpoint, err.code().name, err.details())
+            return None, "grpc"
+        except (ValueError, TypeError, OSError, RuntimeError) as err:
+            log.warning("fast path to %s: cannot open the pool (%s); using gRPC", endpoint, err)
+            return None, "grpc"
+        log.info("fast path to %s: %s, pool %s %s", endpoint, handle.transport, tuple(pool.shape), pool.dtype)
+        return pool, handle.transport
+
+    def _check(self, pool: torch.Tensor) -> None:
+        a = self._agreement
+        if pool.dim() != 5 or pool.shape[0] != a.num_layers or pool.shape[1] != 2 \
+                or tuple(pool.shape[3:]) != (a.num_kv_heads, a.head_dim) or pool.shape[2] % a.page_size:
+            raise ValueError(f"shared pool is {tuple(pool.shape)}, not a pool of the agreed layout")
+        if pool.dtype != kv_dtype(a.kv_dtype):
+            raise ValueError(f"shared pool is {pool.dtype}, the agreement says {a.kv_dtype}")
+
+    def fetch(self, endpoint: str, rank: int, src: torch.Tensor, request_id: str, fingerprint: str,
+              pages: Sequence[int], dst_pool: torch.Tensor, pages_for: PagesFor, on_copied: OnCopied,
+              *, epoch: str | None, timeout: float, on_call: Callable[[Any], None] | None = None) -> FastStats:
+        """Copy layers of the rank's ``pages`` of a request from ``src`` into ``dst_pool``, verified."""
+        start = time.perf_counter()
+        a, ps = self._agreement, self._agreement.page_size
+        src_pages = src.shape[2] // ps
+        asked = set(pages)
+        request = lanekv_pb2.FetchRequest(request_id=request_id, fingerprint=fingerprint, layer_start=0,
+                                          layer_end=a.num_layers, pages=list(pages), descriptors=True)
+        metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
+        stream = self._kv.channel(endpoint).unary_stream(
+            FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
+            response_deserializer=lanekv_pb2.KVChunk.FromString)
+        nbytes = chunks = 0
+        page_layer_bytes = 2 * ps * src.shape[3] * src.shape[4] * src.element_size()
+        call = stream(request, timeout=timeout, metadata=metadata)
+        if on_call is not None:
+            on_call(call)  # the caller may cancel it
+        try:
+            for message in call:
+                try:
+                    d = Descriptor.decode(message.header)
+                except ValueError as err:
+                    raise CorruptChunk(request_id, rank, chunks, f"has a bad descriptor: {err}") from err
+                bad = _mismatch(d, request_id, rank, chunks, asked, src_pages, a.num_layers)
+                if bad:
+                    raise CorruptChunk(request_id, rank, chunks, bad)
+                dst = pages_for(d.pages)
+                copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+                dst_index = torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device)
+                if kv_digest(gather_pages(dst_pool, dst_index, ps, d.layer_start, d.layer_end)) != d.digest:
+                    raise DigestMismatch(request_id, rank, chunks, "was copied from the shared pool but does "
+                                         "not match the rank's digest")
+                on_copied(d.pages, d.layer_start, d.layer_end)
+                chunks += 1
+                nbytes += len(d.pages) * (d.layer_end - d.layer_start) * page_layer_bytes
+        except grpc.RpcError as err:
+            raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
+        finally:
+            call.cancel()
+        return FastStats(nbytes, chunks, time.perf_counter() - start)
+
+
+def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,
+              num_layers: int) -> str:
+    """Why a descriptor is not one this fetch can use ('' when it is)."""
+    if d.request_id != request_id or d.rank != rank or d.seq != seq:
+        return f"is {d.request_id!r} rank {d.rank} seq {d.seq}"
+    if d.layer_end > num_layers:
+        return f"names layers up to {d.layer_end} of {num_layers}"
+    foreign = [p for p in d.pages if p not in asked]
+    if foreign:
+        return f"names pages {foreign[:8]} that were not asked for"
+    outside = [p for p in d.physical if p >= src_pages]
+    if outside:
+        return f"names physical pages {outside[:8]} outside the shared pool of {src_pages}"
+    if len(set(d.pages)) != len(d.pages):
+        return "names a page twice"
+    return ""
