@@ -86,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request waits for pages while the pool is full (then RESOURCE_EXHAUSTED)")
     p.add_argument("--connect-timeout-s", type=float, default=None,
                    help="seconds start-up waits for the prefill daemon to answer")
+    p.add_argument("--transport", choices=("auto", "grpc"), default=None,
+                   help="auto (default): read prefill ranks on this host in place (CUDA IPC or /dev/shm), "
+                        "the others over gRPC; grpc: every rank over gRPC")
     p.add_argument("--grace-s", type=float, default=None,
                    help="on SIGINT/SIGTERM, seconds open streams get to finish")
     add_metrics_arg(p)

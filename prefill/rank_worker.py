@@ -35,7 +35,7 @@ _POLL_S = 1.0
 _STOP_GRACE_S = 1.0
 # What a rank's server answers; RpcMetricsInterceptor counts unknown methods as 'unknown'.
 _RANK_METHODS = (
-    *((TRANSFER_SERVICE, method) for method in ("Handshake", "FetchKV", "Release")),
+    *((TRANSFER_SERVICE, method) for method in ("Handshake", "FetchKV", "Release", "AttachPool")),
     ("grpc.health.v1.Health", "Check"),
     ("grpc.health.v1.Health", "Watch"),
     ("unknown", "unknown"),

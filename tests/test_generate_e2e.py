@@ -25,7 +25,9 @@ from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
 from tests.daemons import running_pair
 
-PAIRS = [(1, 4), (2, 1), (2, 16), (3, 4), (3, 16)]
+# (cp_size, page_size, how the decode daemon reads the ranks: "auto" takes the
+# same-host fast path, a /dev/shm pool on the CPU; "grpc" streams every byte)
+PAIRS = [(1, 4, "auto"), (2, 1, "grpc"), (2, 16, "auto"), (3, 4, "grpc"), (3, 16, "auto")]
 PROMPT_LENS = [1, 9, 31, 100]
 MAX_NEW_TOKENS = 12
 TEXT_PROMPT = "w17 w42 w99 w5 w250 w18 w7"  # the word-level test tokenizer: <s> then one id per word
@@ -58,12 +60,12 @@ def reference(checkpoint) -> list[list[int]]:
     return outs
 
 
-@pytest.fixture(scope="module", params=PAIRS, ids=[f"cp{cp}-ps{ps}" for cp, ps in PAIRS])
+@pytest.fixture(scope="module", params=PAIRS, ids=[f"cp{cp}-ps{ps}-{how}" for cp, ps, how in PAIRS])
 def daemons(request, checkpoint):
-    cp_size, page_size = request.param
+    cp_size, page_size, transport = request.param
     engine = EngineConfig(str(checkpoint), cp_size=cp_size, page_size=page_size,
                           pages_per_lane=-(-400 // page_size), start_timeout_s=120)
-    with running_pair(engine, pool_pages=-(-1200 // page_size)) as pair:
+    with running_pair(engine, pool_pages=-(-1200 // page_size), transport=transport) as pair:
         yield pair
 
 
@@ -102,6 +104,9 @@ def test_concurrent_generations_equal_transformers(daemons, checkpoint, referenc
         for thread in threads:
             thread.join(120)
     assert not errors, errors
+    # Each rank was read the way the pair was set up to read it.
+    used = {decode.fastpath.transport(e) for e in prefill.topology.endpoints} if decode.fastpath else {"grpc"}
+    assert used == ({"shm"} if decode.config.transport == "auto" else {"grpc"})
     tokenizer = load_tokenizer(checkpoint)
     agreement = decode.agreement
     page_bytes = 2 * agreement.num_layers * agreement.page_size * agreement.num_kv_heads * agreement.head_dim * 4

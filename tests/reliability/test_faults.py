@@ -227,6 +227,7 @@ def _prefill_daemon(checkpoint, **config) -> PrefillDaemon:
 def _decode_daemon(checkpoint, prefill: PrefillDaemon) -> DecodeDaemon:
     return DecodeDaemon(DecodeConfig(
         str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=160, device="cpu", page_wait_s=1.0,
+        transport="grpc",  # the faults are injected into the gRPC streams
         fetch_chunk_bytes=DAEMON_CHUNK_BYTES, fetch_attempts=3, stall_timeout_s=0.5, release_timeout_s=1.0,
     ))
 
@@ -333,7 +334,8 @@ def test_a_decode_daemon_killed_mid_fetch_leaves_pages_the_leases_free(pair, exp
         ready = tmp_path / name
         proc = subprocess.Popen(
             [sys.executable, "-m", "lanekv.cli", "decode", "--model", str(checkpoint), "--prefill", prefill.endpoint,
-             "--page-size", str(PAGE_SIZE), "--device", "cpu", "--pool-pages", "160", "--ready-file", str(ready)],
+             "--page-size", str(PAGE_SIZE), "--device", "cpu", "--pool-pages", "160", "--ready-file", str(ready),
+             "--transport", "grpc"],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         assert wait_until(lambda: ready.exists() or proc.poll() is not None, 60), "decode did not start"
         assert proc.poll() is None, proc.communicate(timeout=10)[1]

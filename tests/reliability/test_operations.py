@@ -130,7 +130,7 @@ def test_metrics_show_a_generation(daemons):
     assert grew(d, d0, "lanekv_request_duration_seconds_count", service=GENERATE, method="Generate") == 1
     assert grew(d, d0, "lanekv_tokens_total", kind="prompt") == len(PROMPT)
     assert grew(d, d0, "lanekv_tokens_total", kind="generated") == len(tokens)
-    assert grew(p, p0, "lanekv_requests_total", service=PREFILL, method="Prefill", code="OK") == 1
+    assert grew(p, p0, "lanekv_requests_total", service=PREFILL, method="PrefillStream", code="OK") == 1
     assert grew(p, p0, "lanekv_tokens_total", kind="prompt") == len(PROMPT)
     assert grew(p, p0, "lanekv_requests_total", service=TRANSFER_SERVICE, method="FetchKV", code="OK") == 2
     # The KV bytes of each owner rank, as the rank sent them and as the decode side placed them.

@@ -1,0 +1,298 @@
+"""Time to first token: colocated prefill vs disaggregated over gRPC vs the same-host fast path.
+
+GPU (prefill cp=2 on GPUs 0 and 1, both decode daemons on GPU 0; Llama-3-8B shapes, dummy bf16):
+    python bench/ttft.py --llama3-8b --cp 2 --tokens 8192 32768 65536 --json out.json
+CPU (the tiny model):
+    python bench/ttft.py --tiny --cp 2 --tokens 256 1024
+
+One prefill daemon and two decode daemons against it, one reading every rank
+over gRPC (``transport="grpc"``), one taking the fast path (``"auto"``: CUDA
+IPC between processes of one host, /dev/shm pools on the CPU). Per prompt
+length, median of ``--repeat`` after one warm-up:
+
+- (a) colocated: the prefill daemon's own Prefill call, first token out (the
+  KV stays where it was written: what a colocated server pays);
+- (b) grpc / (c) fast: Generate on a decode daemon with max_new_tokens=1,
+  prompt sent to the first token received; the decode daemon answers once the
+  whole KV is in its pool, so this is the prefill plus what of the transfer
+  did not overlap it (layer-wise streaming).
+
+Then the transfer alone, of one request already prefilled (``--transfer-tokens``):
+the fast path and FetchKV (placing into a pool on GPU 0), each beside its
+ceiling measured in the same run: a raw gRPC stream of the same bytes from
+as many server processes as owner ranks (``bench/transfer.py``'s), and the
+copies the fast path makes with nothing else in the way (rank 0's share
+GPU 0 -> GPU 0 and rank 1's GPU 1 -> GPU 0 at once; on the CPU a copy out of
+a /dev/shm file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
+from bench.transfer import _raw_server, run_raw, start, stop  # noqa: E402
+from decode.daemon import DecodeConfig, DecodeDaemon  # noqa: E402
+from kernels.page_copy import scatter_pages  # noqa: E402
+from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
+from prefill.engine_config import EngineConfig  # noqa: E402
+from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
+from transfer.client import KVClient  # noqa: E402
+from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
+from transfer.manifest import Manifest  # noqa: E402
+from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
+from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+
+
+def prompt(vocab: int, tokens: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab - 10, (tokens,), generator=g).tolist()
+
+
+def colocated(prefill: PrefillDaemon, stub, ids: list[int]) -> float:
+    """Seconds of one Prefill call; its pages are released at once."""
+    t0 = time.perf_counter()
+    reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=ids)),
+                                         timeout=900)
+    seconds = time.perf_counter() - t0
+    release(prefill, reply, call)
+    return seconds
+
+
+def release(prefill: PrefillDaemon, reply, call) -> None:
+    epoch = dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY)
+    with KVClient() as kv:
+        kv.release(dict(enumerate(reply.endpoints)), reply.request_id, reply.contract_fingerprint, epoch=epoch)
+
+
+def generate(stub, ids: list[int]) -> tuple[float, dict]:
+    """Seconds to the first token of a Generate call, and its trailing metadata."""
+    req = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids), max_new_tokens=1)
+    t0 = time.perf_counter()
+    call = stub.Generate(req, timeout=900)
+    first = None
+    for _ in call:
+        first = first or time.perf_counter() - t0
+    return first, dict(call.trailing_metadata() or ())
+
+
+def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
+    rows = []
+    for i in range(repeat + 1):  # the first is a warm-up
+        ids = prompt(vocab, tokens, tokens * 100 + i)
+        row = dict(colocated_s=colocated(prefill, stubs["prefill"], ids))
+        for name in ("grpc", "fast"):
+            seconds, meta = generate(stubs[name], ids)
+            row[f"{name}_s"] = seconds
+            row[f"{name}_transfer_s"] = float(meta.get("lanekv-transfer-seconds", "nan"))
+            row[f"{name}_prefill_s"] = float(meta.get("lanekv-prefill-seconds", "nan"))
+            row["bytes"] = int(meta.get("lanekv-transfer-bytes", "0"))
+        rows.append(row)
+    out = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
+    out["tokens"] = tokens
+    out["grpc_over_colocated"] = out["grpc_s"] / out["colocated_s"]
+    out["fast_over_colocated"] = out["fast_s"] / out["colocated_s"]
+    return out
+
+
+def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: DecodeDaemon, vocab: int,
+                   tokens: int, repeat: int) -> dict:
+    """The fast path and FetchKV of one prefilled request, nothing overlapping them."""
+    stub = lanekv_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(prefill.endpoint, options=grpc_options()))
+    reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(
+        token_ids=lanekv_pb2.TokenIds(ids=prompt(vocab, tokens, 7)), request_id=f"alone-{uuid.uuid4().hex[:8]}"),
+        timeout=900)
+    epoch = dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY)
+    manifest = Manifest.decode(reply.manifest)
+    endpoints = list(reply.endpoints)
+    owners = sorted({p.owner for p in manifest.pages})
+    pages = {r: manifest.pages_of_owner(r) for r in owners}
+    slot = {p.page: i for i, p in enumerate(manifest.pages)}
+    pool = fast.pool.tensor
+    dst = torch.empty((pool.shape[0], 2, len(manifest.pages) * manifest.page_size, *pool.shape[3:]),
+                      dtype=pool.dtype, device=pool.device)
+    nbytes = dst.numel() * dst.element_size()
+    sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
+
+    def fast_once() -> float:
+        shared = {r: fast.fastpath.pool(endpoints[r], epoch, 30.0) for r in owners}
+        if any(v is None for v in shared.values()):
+            raise RuntimeError(f"the fast path does not reach every rank: {shared}")
+        errors = []
+
+        def one(rank: int) -> None:
+            try:
+                fast.fastpath.fetch(endpoints[rank], rank, shared[rank], reply.request_id,
+                                    reply.contract_fingerprint, pages[rank], dst,
+                                    lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600)
+            except Exception as err:  # noqa: BLE001 - raised below
+                errors.append(err)
+
+        sync()
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=one, args=(r,)) for r in owners]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        sync()
+        if errors:
+            raise errors[0]
+        return time.perf_counter() - t0
+
+    def grpc_once() -> float:
+        def place(header, payload):
+            idx = torch.tensor([slot[p] for p in header.pages], dtype=torch.int64, device=dst.device)
+            scatter_pages(payload.to(dst.device), dst, idx, manifest.page_size, header.layer_start,
+                          header.layer_end)
+
+        sync()
+        t0 = time.perf_counter()
+        grpc_decode.kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
+                             place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
+        sync()
+        return time.perf_counter() - t0
+
+    fast_s = min(fast_once() for _ in range(repeat + 1))
+    grpc_s = min(grpc_once() for _ in range(repeat + 1))
+    release(prefill, reply, call)
+    procs, conns, ports = start(_raw_server, [() for _ in owners])
+    try:
+        raw = min((run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES) for _ in range(repeat + 1)),
+                  key=lambda r: r["seconds"])
+    finally:
+        stop(procs, conns)
+    ceiling_s = copy_ceiling(dst, len(owners), repeat)
+    gb = nbytes / 1e9
+    return dict(tokens=tokens, bytes=nbytes, fast_gbps=gb / fast_s, grpc_gbps=gb / grpc_s,
+                raw_grpc_gbps=gb / raw["seconds"], copy_ceiling_gbps=gb / ceiling_s,
+                fast_over_ceiling=ceiling_s / fast_s, grpc_over_raw=raw["seconds"] / grpc_s,
+                shm_copy_gbps=shm_copy_gbps(nbytes // len(owners)))
+
+
+def copy_ceiling(dst: torch.Tensor, ranks: int, repeat: int) -> float:
+    """Seconds of the copies the fast path makes, alone: each rank's share from its GPU into ``dst``."""
+    share = dst.numel() // ranks
+    flat = dst.view(-1)
+    if not dst.is_cuda:
+        src = torch.empty_like(flat)
+        return min(_timed(lambda: flat.copy_(src), None) for _ in range(repeat + 1))
+    srcs = [torch.empty(share, dtype=dst.dtype, device=torch.device("cuda", r % torch.cuda.device_count()))
+            for r in range(ranks)]
+    streams = [torch.cuda.Stream(s.device) for s in srcs]
+
+    def copies() -> None:
+        for r, (src, stream) in enumerate(zip(srcs, streams)):
+            with torch.cuda.stream(stream):
+                flat[r * share:(r + 1) * share].copy_(src, non_blocking=True)
+        for stream in streams:
+            stream.synchronize()
+
+    return min(_timed(copies, torch.cuda.synchronize) for _ in range(repeat + 1))
+
+
+def shm_copy_gbps(nbytes: int) -> float | None:
+    """A copy out of a /dev/shm file into private memory (the CPU fast path's ceiling)."""
+    if not SHM_DIR.is_dir():
+        return None
+    path = SHM_DIR / f"lanekv-bench-{uuid.uuid4().hex}"
+    try:
+        src = shared_cpu_pool(path, (nbytes,), torch.uint8, 1)
+        dst = torch.empty_like(src)
+        seconds = min(_timed(lambda: dst.copy_(src), None) for _ in range(3))
+    finally:
+        remove_shared_pool(path)
+    return nbytes / seconds / 1e9
+
+
+def _timed(fn, sync) -> float:
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        sync()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--llama3-8b", action="store_true")
+    which.add_argument("--tiny", action="store_true")
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
+    ap.add_argument("--transfer-tokens", type=int, default=None, help="default: the second of --tokens")
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    model_cfg = LLAMA3_8B if args.llama3_8b else TINY
+    dtype = "bfloat16" if args.llama3_8b else "float32"
+    transfer_tokens = args.transfer_tokens or args.tokens[min(1, len(args.tokens) - 1)]
+    pages = -(-(max(args.tokens) + 2) // args.page_size) + 16
+    vocab = model_cfg["vocab_size"]
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(model_cfg))
+        prefill = PrefillDaemon(
+            EngineConfig(d, cp_size=args.cp, page_size=args.page_size, dtype=dtype, load_format="dummy",
+                         pages_per_lane=2 * pages // args.cp + 16, start_timeout_s=900),
+            DaemonConfig(lease_s=600, max_batch_tokens=max(args.tokens)),
+        )
+        decoders = {}
+        try:
+            for name, transport in (("grpc", "grpc"), ("fast", "auto")):
+                decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
+                                                           dtype=dtype, load_format="dummy", pool_pages=pages,
+                                                           transport=transport, request_timeout_s=900))
+            channels = [grpc.insecure_channel(e, options=grpc_options())
+                        for e in (prefill.endpoint, decoders["grpc"].endpoint, decoders["fast"].endpoint)]
+            stubs = dict(prefill=lanekv_pb2_grpc.PrefillServiceStub(channels[0]),
+                         grpc=lanekv_pb2_grpc.DecodeServiceStub(channels[1]),
+                         fast=lanekv_pb2_grpc.DecodeServiceStub(channels[2]))
+            rows = [ttft(prefill, stubs, vocab, n, args.repeat) for n in args.tokens]
+            alone = transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, transfer_tokens, args.repeat)
+            transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
+            for ch in channels:
+                ch.close()
+        finally:
+            for dec in decoders.values():
+                dec.stop()
+            prefill.stop()
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    print(f"\nTTFT, prefill cp={args.cp}, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, {dtype}, "
+          f"page {args.page_size}, {device}; fast path: {transports}")
+    print(f"{'tokens':>7} {'(a) coloc ms':>13} {'(b) grpc ms':>12} {'b/a':>6} {'(c) fast ms':>12} {'c/a':>6} "
+          f"{'KV MiB':>8}")
+    for r in rows:
+        print(f"{r['tokens']:>7} {r['colocated_s'] * 1e3:>13.1f} {r['grpc_s'] * 1e3:>12.1f} "
+              f"{r['grpc_over_colocated']:>6.3f} {r['fast_s'] * 1e3:>12.1f} {r['fast_over_colocated']:>6.3f} "
+              f"{r['bytes'] / 2**20:>8.0f}")
+    a = alone
+    print(f"\ntransfer alone, {a['tokens']} tokens ({a['bytes'] / 2**30:.2f} GiB), GB/s:")
+    print(f"{'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} {'raw gRPC':>9} {'fetch/raw':>10} "
+          f"{'shm copy':>9}")
+    shm = f"{a['shm_copy_gbps']:.1f}" if a["shm_copy_gbps"] else "-"
+    print(f"{a['fast_gbps']:>8.1f} {a['copy_ceiling_gbps']:>13.1f} {a['fast_over_ceiling']:>10.2f} "
+          f"{a['grpc_gbps']:>8.2f} {a['raw_grpc_gbps']:>9.2f} {a['grpc_over_raw']:>10.2f} {shm:>9}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), cp_size=args.cp,
+                                             page_size=args.page_size, dtype=dtype, transports=transports,
+                                             ttft=rows, transfer_alone=alone), indent=2))
+
+
+if __name__ == "__main__":
+    main()
