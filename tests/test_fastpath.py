@@ -1,0 +1,272 @@
+"""The same-host fast path and layer-wise streaming, piece by piece.
+
+- ``kv_digest`` against a plain-Python sum, across block boundaries, and what
+  it must notice (one changed word, two swapped pages);
+- ``copy_pages`` against ``gather_pages``/``scatter_pages``;
+- handles and descriptors: round trips, and hostile bytes refused with ValueError;
+- ``LayerProgress``: waits until a layer is written, fails, times out;
+- one in-process KVTransfer server: a FetchKV that starts before any layer is
+  written gets each layer once it is, bytes equal; a failed prefill is ABORTED;
+  AttachPool refuses another host, another contract and a transport it lacks;
+  the fast path copies a /dev/shm pool with digests equal, and a wrong digest
+  is a ``DigestMismatch``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import grpc
+import msgpack
+import pytest
+import torch
+
+import transfer.fastpath as fastpath
+from kernels.page_copy import gather_pages, scatter_pages
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
+from transfer.client import KVClient
+from transfer.contract import Topology
+from transfer.fastpath import (
+    SHM,
+    SHM_DIR,
+    Descriptor,
+    PoolHandle,
+    copy_pages,
+    host_id,
+    kv_digest,
+    page_runs,
+    remove_shared_pool,
+    shared_cpu_pool,
+)
+from transfer.fastpath_client import DigestMismatch, FastPath
+from transfer.progress import LayerProgress, PrefillFailed
+from transfer.server import TensorPageSource, serve
+
+Code = grpc.StatusCode
+U64 = (1 << 64) - 1
+
+
+def _python_digest(t: torch.Tensor) -> int:
+    words = t.reshape(-1).view(torch.uint8).view(torch.int32).tolist()
+    weight = 0x9E3779B97F4A7C15
+    return sum(w * (((i * weight) & U64) | 1) for i, w in enumerate(words)) & U64
+
+
+def test_kv_digest_is_the_weighted_word_sum_across_blocks(monkeypatch):
+    t = torch.randint(-(2**31), 2**31 - 1, (1000,), dtype=torch.int32)
+    want = _python_digest(t)
+    assert kv_digest(t) == want
+    monkeypatch.setattr(fastpath, "_DIGEST_BLOCK", 96)  # many blocks, a ragged last one
+    assert kv_digest(t) == want
+    assert kv_digest(t.view(torch.bfloat16)) == want  # bytes, not values
+
+
+def test_kv_digest_notices_one_word_and_swapped_pages():
+    pages = torch.randn(4, 2, 8, dtype=torch.float16)
+    base = kv_digest(pages)
+    flipped = pages.clone()
+    flipped.view(torch.int16)[2, 1, 3] ^= 1
+    assert kv_digest(flipped) != base
+    assert kv_digest(pages[[1, 0, 2, 3]].contiguous()) != base
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_digest(pages.transpose(0, 1))
+
+
+def test_page_runs_group_consecutive_pairs():
+    assert page_runs([3, 4, 5, 9, 10], [0, 1, 7, 8, 9]) == [(3, 0, 2), (5, 7, 1), (9, 8, 2)]
+    assert page_runs([], []) == []
+
+
+@pytest.mark.parametrize("src_pages,dst_pages", [([0, 1, 2], [5, 6, 7]), ([4, 1, 3], [0, 2, 6]), ([2], [2])])
+def test_copy_pages_equals_gather_then_scatter(src_pages, dst_pages):
+    src = torch.randn(3, 2, 8 * PAGE, 2, 4)
+    dst = torch.zeros(3, 2, 8 * PAGE, 2, 4)
+    want = dst.clone()
+    buf = gather_pages(src, torch.tensor(src_pages), PAGE, 1, 3)
+    scatter_pages(buf, want, torch.tensor(dst_pages), PAGE, 1, 3)
+    copy_pages(src, src_pages, dst, dst_pages, PAGE, 1, 3)
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="2 source pages but 1"):
+        copy_pages(src, [0, 1], dst, [0], PAGE, 0, 1)
+
+
+def test_handle_and_descriptor_round_trip():
+    handle = PoolHandle(SHM, (2, 2, 8, 2, 4), "float16", path=str(SHM_DIR / "lanekv-x"))
+    assert PoolHandle.decode(handle.encode()) == handle
+    d = Descriptor("req", 1, 3, 0, 2, (4, 6), (1, 0), U64)
+    assert Descriptor.decode(d.encode()) == d
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(transport="nvlink"), "transport"),
+    (dict(path="/etc/passwd"), "path"),
+    (dict(shape=[1, 2, 3]), "shape"),
+    (dict(dtype="int4"), "dtype"),
+    (dict(storage_offset=-1), "storage_offset"),
+])
+def test_hostile_handles_are_refused(changes, match):
+    raw = dict(transport=SHM, shape=[2, 2, 8, 2, 4], dtype="float16", path=str(SHM_DIR / "lanekv-x"),
+               device_uuid="", ipc=[], storage_offset=0)
+    raw.update(changes)
+    with pytest.raises(ValueError, match=match):
+        PoolHandle.decode(msgpack.packb(raw))
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(pages=[1, 2], physical=[0]), "physical"),
+    (dict(layer_end=0), "layer_end"),
+    (dict(digest=-1), "digest"),
+    (dict(pages=[]), "pages"),
+    (dict(extra=1), "unknown keys"),
+])
+def test_hostile_descriptors_are_refused(changes, match):
+    raw = dict(request_id="r", rank=0, seq=0, layer_start=0, layer_end=1, pages=[1], physical=[0], digest=5)
+    raw.update(changes)
+    with pytest.raises(ValueError, match=match):
+        Descriptor.decode(msgpack.packb(raw))
+
+
+def test_layer_progress_waits_fails_and_times_out():
+    progress = LayerProgress(3)
+    with pytest.raises(TimeoutError, match="layer 0 not written"):
+        progress.wait(1, 0.05)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(progress.wait(2, 5.0) or "written"))
+    waiter.start()
+    progress.layer_written(0)
+    time.sleep(0.05)
+    assert got == []  # layer 1 is not written yet
+    progress.layer_written(1)
+    waiter.join(5)
+    assert got == ["written"]
+    with pytest.raises(ValueError, match="in order"):
+        progress.layer_written(0)
+    with pytest.raises(PrefillFailed, match="released"):
+        progress.wait(3, 5.0, alive=lambda: False)
+    progress.fail("rank 1: boom")
+    with pytest.raises(PrefillFailed, match="boom"):
+        progress.wait(3, 5.0)
+    assert progress.wait(2, 0.0) is None  # written layers stay readable
+
+
+# -- one in-process server ------------------------------------------------------------
+
+
+@pytest.fixture
+def rank():
+    """A rank-0 server of a cp=1 layout whose pool lives in /dev/shm; request "req" holds 5 pages."""
+    path = SHM_DIR / f"lanekv-test-{uuid.uuid4().hex}"
+    agreement = make_agreement(kv_dtype="float16")
+    pool = shared_cpu_pool(path, (LAYERS, 2, 8 * PAGE, 2, 8), torch.float16, 0.0)
+    source = TensorPageSource(agreement, 0, pool, shared_path=path)
+    served = serve(source)
+    endpoint = f"127.0.0.1:{served.port}"
+    source.set_topology(Topology(1, "in_seq", "page_mod_cp", (endpoint,)))
+    kv = KVClient()
+    try:
+        yield source, pool, endpoint, agreement, kv
+    finally:
+        kv.close()
+        served.server.stop(None)
+        remove_shared_pool(path)
+
+
+def _fill(pool: torch.Tensor, physical: list[int], layer: int) -> None:
+    g = torch.Generator().manual_seed(layer)
+    pool[layer, :, rows_of(physical)] = torch.randn(2, len(physical) * PAGE, 2, 8, generator=g).half()
+
+
+def test_fetch_started_before_the_prefill_gets_each_layer_once_written(rank):
+    source, pool, endpoint, agreement, kv = rank
+    pages = [(p, 7 - p) for p in range(5)]  # logical p at physical 7 - p
+    progress = LayerProgress(LAYERS)
+    source.add("req", pages, progress)
+    arrived: list[tuple[int, float]] = []
+    dest = torch.zeros(LAYERS, 2, 5 * PAGE, 2, 8, dtype=torch.float16)
+
+    def place(header, tensor):
+        arrived.append((header.layer_start, time.monotonic()))
+        dest[header.layer_start:header.layer_end].index_copy_(2, rows_of(header.pages), tensor)
+
+    fetch = threading.Thread(target=kv.fetch, args=({0: endpoint}, "req", agreement.fingerprint, place),
+                             kwargs=dict(timeout=30, max_chunk_bytes=5 * 2 * PAGE * 2 * 8 * 2))  # a layer a chunk
+    fetch.start()
+    written = {}
+    for layer in range(LAYERS):
+        time.sleep(0.15)
+        assert [a for a in arrived if a[0] >= layer] == [], f"layer {layer} arrived before it was written"
+        _fill(pool, [p for _, p in pages], layer)
+        written[layer] = time.monotonic()
+        progress.layer_written(layer)
+    fetch.join(30)
+    assert sorted(layer for layer, _ in arrived) == list(range(LAYERS))
+    assert all(t >= written[layer] for layer, t in arrived)
+    assert torch.equal(dest, pool[:, :, rows_of([p for _, p in pages])])
+
+
+def test_fetch_of_a_prefill_that_fails_is_aborted(rank):
+    source, _, endpoint, agreement, kv = rank
+    progress = LayerProgress(LAYERS)
+    source.add("req", [(0, 0)], progress)
+    progress.layer_written(0)
+    threading.Timer(0.2, progress.fail, args=("rank 0: out of memory",)).start()
+    stub = lanekv_pb2_grpc.KVTransferStub(kv.channel(endpoint))
+    request = lanekv_pb2.FetchRequest(request_id="req", fingerprint=agreement.fingerprint, max_chunk_bytes=1 << 20)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.FetchKV(request, timeout=30))
+    assert err.value.code() == Code.ABORTED and "out of memory" in err.value.details()
+
+
+def test_attach_pool_refuses_other_hosts_contracts_and_transports(rank):
+    _, _, endpoint, agreement, kv = rank
+    stub = lanekv_pb2_grpc.KVTransferStub(kv.channel(endpoint))
+    cases = [
+        (dict(host_id="elsewhere/0", transports=[SHM]), Code.FAILED_PRECONDITION, "host"),
+        (dict(host_id=host_id(), transports=[SHM], fingerprint="0" * 64), Code.FAILED_PRECONDITION, "fingerprint"),
+        (dict(host_id=host_id(), transports=["cuda_ipc"]), Code.FAILED_PRECONDITION, "'shm'"),
+        (dict(host_id=host_id(), transports=["x"] * 9), Code.INVALID_ARGUMENT, "transports"),
+    ]
+    for fields, code, words in cases:
+        request = lanekv_pb2.AttachRequest(**{"fingerprint": agreement.fingerprint, **fields})
+        with pytest.raises(grpc.RpcError) as err:
+            stub.AttachPool(request, timeout=10)
+        assert err.value.code() == code and words in err.value.details(), fields
+    reply = stub.AttachPool(lanekv_pb2.AttachRequest(fingerprint=agreement.fingerprint, host_id=host_id(),
+                                                     transports=["cuda_ipc", SHM]), timeout=10)
+    assert PoolHandle.decode(reply.handle).transport == SHM
+
+
+def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
+    source, pool, endpoint, agreement, kv = rank
+    pages = [(p, (3 * p) % 8) for p in range(5)]
+    for layer in range(LAYERS):
+        _fill(pool, [p for _, p in pages], layer)
+    source.add("req", pages)
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    assert shared is not None and fast.transport(endpoint) == SHM
+    assert shared.data_ptr() != pool.data_ptr()  # a second mapping of the same file
+    dst = torch.full((LAYERS, 2, 12 * PAGE, 2, 8), -1.0, dtype=torch.float16)
+    slot = {logical: 11 - logical for logical, _ in pages}
+    copied = []
+    stats = fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [p for p, _ in pages], dst,
+                       lambda ps: [slot[p] for p in ps], lambda ps, a, b: copied.append((tuple(ps), a, b)),
+                       epoch=None, timeout=30)
+    assert stats.chunks == LAYERS and sorted(c[1] for c in copied) == list(range(LAYERS))
+    want = pool[:, :, rows_of([phys for _, phys in pages])]
+    assert torch.equal(dst[:, :, rows_of([slot[p] for p, _ in pages])], want)
+    # A digest that does not match what was copied is caught.
+    monkeypatch.setattr("transfer.fastpath_client.kv_digest", lambda t: 12345)
+    with pytest.raises(DigestMismatch, match="digest"):
+        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
+                   epoch=None, timeout=30)
+
+
+def test_a_rank_on_another_host_is_read_over_grpc(rank, monkeypatch):
+    _, _, endpoint, agreement, kv = rank
+    monkeypatch.setattr("transfer.fastpath_client.host_id", lambda: "elsewhere/0")
+    fast = FastPath(kv, agreement, transports=[SHM])
+    assert fast.pool(endpoint, None, 10) is None and fast.transport(endpoint) == "grpc"

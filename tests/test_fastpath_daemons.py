@@ -1,0 +1,126 @@
+"""Layer-wise streaming and the fast path through real daemons.
+
+- PrefillStream: the pages first (first_token -1), then the first token;
+  a FetchKV between the two gets every byte, equal to a fetch after it;
+- a decode daemon whose digests never match (patched here) fetches every
+  rank again over gRPC and generates the same tokens, counting the cause;
+- on a GPU: the decode daemon maps the ranks' pools over CUDA IPC and
+  generates what a gRPC decode daemon generates.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+
+from decode.daemon import DecodeConfig, DecodeDaemon
+from prefill.daemon import DaemonConfig, PrefillDaemon
+from prefill.engine_config import EngineConfig
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from tests.checkpoints import write_llama
+from tests.daemons import running_pair
+from tests.markers import requires_gpu
+from tests.reliability.kv_cluster import generate_request, wait_until
+from transfer.client import KVClient
+from transfer.manifest import Manifest
+from transfer.server import EPOCH_METADATA_KEY
+
+PAGE_SIZE = 4
+PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53]
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("fastpath-llama"))
+
+
+def _engine(checkpoint, **kw) -> EngineConfig:
+    return EngineConfig(str(checkpoint), cp_size=2, page_size=PAGE_SIZE, pages_per_lane=64, start_timeout_s=120, **kw)
+
+
+def _tokens(endpoint: str, ids=PROMPT, **kw) -> list[int]:
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+        return [t for reply in stub.Generate(generate_request(ids, NEW_TOKENS, **kw), timeout=60)
+                for t in reply.token_ids]
+
+
+def _fetch_all(kv: KVClient, reply, epoch, num_layers: int) -> dict:
+    cells = {}
+
+    def place(header, tensor):
+        for i, page in enumerate(header.pages):
+            for layer in range(header.layer_start, header.layer_end):
+                rows = tensor[layer - header.layer_start, :, i * PAGE_SIZE:(i + 1) * PAGE_SIZE]
+                cells[layer, page] = rows.clone()
+
+    manifest = Manifest.decode(reply.manifest)
+    owners = sorted({p.owner for p in manifest.pages})
+    kv.fetch({r: reply.endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint, place,
+             timeout=30, layer_end=num_layers, epoch=epoch, max_chunk_bytes=1 << 12)
+    return cells
+
+
+@pytest.mark.timeout(120)
+def test_prefill_stream_sends_pages_first_and_a_fetch_between_gets_every_byte(checkpoint):
+    with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
+        num_layers = decode.agreement.num_layers
+        with grpc.insecure_channel(prefill.endpoint) as channel, KVClient() as kv:
+            stub = lanekv_pb2_grpc.PrefillServiceStub(channel)
+            request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT), request_id="streamed")
+            call = stub.PrefillStream(request, timeout=60)
+            first = next(call)
+            epoch = dict(call.initial_metadata())[EPOCH_METADATA_KEY]
+            assert not first.done and first.reply.first_token == -1 and first.reply.request_id == "streamed"
+            during = _fetch_all(kv, first.reply, epoch, num_layers)  # may run while the ranks prefill
+            last = next(call)
+            assert last.done and last.reply.manifest == first.reply.manifest
+            assert list(call) == []
+            after = _fetch_all(kv, last.reply, epoch, num_layers)
+            assert during.keys() == after.keys() and len(after) == num_layers * len(Manifest.decode(
+                first.reply.manifest).pages)
+            assert all(torch.equal(during[k], after[k]) for k in after)
+            kv.release(dict(enumerate(last.reply.endpoints)), "streamed", last.reply.contract_fingerprint,
+                       epoch=epoch)
+            # The unary call samples the same first token.
+            unary = stub.Prefill(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT)), timeout=60)
+            assert unary.first_token == last.reply.first_token >= 0
+        assert wait_until(lambda: list(prefill.leases.held()) == [unary.request_id])
+
+
+@pytest.mark.timeout(180)
+def test_a_digest_that_never_matches_falls_back_to_grpc(checkpoint, monkeypatch):
+    with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
+        expected = _tokens(decode.endpoint)
+    with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
+        assert _tokens(decode.endpoint) == expected  # the fast path, digests matching
+        assert {decode.fastpath.transport(e) for e in prefill.topology.endpoints} == {"shm"}
+        monkeypatch.setattr("transfer.fastpath_client.kv_digest", lambda t: 0)
+        failures = decode.metrics.failures.labels(cause="fastpath_digest")
+        before = failures.value
+        assert _tokens(decode.endpoint, request_id="mismatch") == expected
+        assert failures.value - before == 2  # both ranks, fetched again over gRPC
+        assert wait_until(lambda: prefill.leases.held() == {})
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+def test_cuda_ipc_fast_path_generates_what_grpc_does(checkpoint):
+    cp = min(2, torch.cuda.device_count())
+    prefill = PrefillDaemon(EngineConfig(str(checkpoint), cp_size=cp, page_size=PAGE_SIZE, pages_per_lane=64,
+                                         device="cuda", start_timeout_s=300), DaemonConfig(lease_s=600))
+    decoders = []
+    try:
+        for transport in ("grpc", "auto"):
+            decoders.append(DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE,
+                                                      device="cuda", pool_pages=64, transport=transport)))
+        over_grpc, fast = decoders
+        assert _tokens(fast.endpoint) == _tokens(over_grpc.endpoint)
+        assert {fast.fastpath.transport(e) for e in prefill.topology.endpoints} == {"cuda_ipc"}
+        assert wait_until(lambda: prefill.leases.held() == {})
+    finally:
+        for decoder in decoders:
+            decoder.stop(grace_s=1.0)
+        prefill.stop()
