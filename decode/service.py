@@ -224,7 +224,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         if reply.first_token < 0 or reply.request_id != spec.request_id:
             raise Refusal(Code.INTERNAL, f"prefill daemon answered first_token={reply.first_token} "
                           f"for {reply.request_id!r}")
-        self._release_prefill(call, wait=True)
+        self._release_prefill(call, wait=False)  # the KV is ours: the ranks free their pages meanwhile
         with call.lock:
             _check_alive(call)
             try:

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 
 from kernels.page_copy import gather_pages
+from kernels.page_digest import page_digest
 from transfer.contract import Agreement
-from transfer.fastpath import kv_digest
+from transfer.fastpath import as_u64
 from transfer.server import TensorPageSource
 
 
@@ -56,9 +57,12 @@ class RankPageSource(TensorPageSource):
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
         if self._stream is None:
-            return kv_digest(self._gather(physical_pages, layer_start, layer_end, after))
+            return super().digest(physical_pages, layer_start, layer_end, after)
         with torch.cuda.stream(self._stream):
-            return kv_digest(self._gather(physical_pages, layer_start, layer_end, after))
+            if after is not None:
+                self._stream.wait_event(after)
+            pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self.pool.device, non_blocking=True)
+            return as_u64(page_digest(self.pool, pages, self._page_size, layer_start, layer_end))
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import torch
 
-import transfer.fastpath as fastpath
+import kernels.page_digest as page_digest_module
 from kernels.page_copy import gather_pages, scatter_pages
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
@@ -59,7 +59,7 @@ def test_kv_digest_is_the_weighted_word_sum_across_blocks(monkeypatch):
     t = torch.randint(-(2**31), 2**31 - 1, (1000,), dtype=torch.int32)
     want = _python_digest(t)
     assert kv_digest(t) == want
-    monkeypatch.setattr(fastpath, "_DIGEST_BLOCK", 96)  # many blocks, a ragged last one
+    monkeypatch.setattr(page_digest_module, "_DIGEST_BLOCK", 96)  # many blocks, a ragged last one
     assert kv_digest(t) == want
     assert kv_digest(t.view(torch.bfloat16)) == want  # bytes, not values
 
@@ -259,7 +259,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     want = pool[:, :, rows_of([phys for _, phys in pages])]
     assert torch.equal(dst[:, :, rows_of([slot[p] for p, _ in pages])], want)
     # A digest that does not match what was copied is caught.
-    monkeypatch.setattr("transfer.fastpath_client.kv_digest", lambda t: 12345)
+    monkeypatch.setattr("transfer.fastpath_client.page_digest", lambda *a: torch.tensor(12345))
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)

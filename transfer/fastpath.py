@@ -21,9 +21,9 @@ is caught (DATA_LOSS, then a fetch over gRPC). The layout contract applies
 unchanged: AttachPool and FetchKV both carry its fingerprint.
 
 Decisions: the digest is a position-weighted 64-bit sum of the chunk's words
-(``kv_digest``), computed by the same torch code on either side and on either
-device, because a host hash would move every byte over PCIe and undo the fast
-path; like XXH3 on the gRPC path it finds accidents, not forgers. A host id is
+(``kernels.page_digest``: one pass over the pages where they lie, equal bit
+for bit on either side and either device), because a host hash would move
+every byte over PCIe and undo the fast path; like XXH3 on the gRPC path it finds accidents, not forgers. A host id is
 the host name and the kernel's boot id; a peer that cannot open the handle
 anyway (another IPC namespace, no CUDA) falls back to gRPC.
 """
@@ -40,6 +40,7 @@ from typing import Any
 import msgpack
 import torch
 
+from kernels.page_digest import kv_digest  # noqa: F401 - the digest of the fast path, re-exported
 from transfer.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
@@ -62,9 +63,6 @@ TRANSPORTS = (CUDA_IPC, SHM)
 MAX_TRANSPORTS = 8  # entries of an AttachRequest a server reads
 SHM_DIR = Path("/dev/shm")
 _U64 = (1 << 64) - 1
-# Words per digest step: bounds the int64 temporaries (8x the words' bytes... 3 of them).
-_DIGEST_BLOCK = 1 << 24
-_WEIGHT = 0x9E3779B97F4A7C15 - (1 << 64)  # odd, as a signed int64
 
 
 def host_id() -> str:
@@ -76,26 +74,9 @@ def host_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def kv_digest(t: torch.Tensor) -> int:
-    """A 64-bit digest of a contiguous tensor's bytes: sum of word[i] * w(i) mod 2^64.
-
-    ``w(i)`` is odd and depends on the position, so any one changed word, and
-    words that swapped places, change the digest. Integer sums wrap and
-    commute, so the value does not depend on the device or the summation
-    order: the prefill rank and the decode daemon get the same number.
-    """
-    if not t.is_contiguous():
-        raise ValueError("kv_digest needs a contiguous tensor")
-    flat = t.reshape(-1).view(torch.uint8)
-    nbytes = flat.numel()
-    words = flat.view(torch.int32) if nbytes % 4 == 0 else flat.view(torch.int16) if nbytes % 2 == 0 else flat
-    total = torch.zeros((), dtype=torch.int64, device=t.device)
-    for start in range(0, words.numel(), _DIGEST_BLOCK):
-        part = words[start:start + _DIGEST_BLOCK].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
-        weights.mul_(_WEIGHT).bitwise_or_(1)
-        total += (part * weights).sum()
-    return int(total.item()) & _U64
+def as_u64(digest: torch.Tensor) -> int:
+    """A digest from ``page_digest`` (a signed int64 tensor) as the unsigned number descriptors carry."""
+    return int(digest.item()) & _U64
 
 
 # -- the pool handle --------------------------------------------------------------------

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 
-from kernels.page_copy import gather_pages
+from kernels.page_digest import page_digest
 from proto import lanekv_pb2
 from transfer.client import FETCH_METHOD, KVClient
 from transfer.contract import Agreement
@@ -30,9 +30,9 @@ from transfer.fastpath import (
     SHM,
     Descriptor,
     PoolHandle,
+    as_u64,
     copy_pages,
     host_id,
-    kv_digest,
     open_pool,
 )
 from transfer.server import EPOCH_METADATA_KEY
@@ -65,8 +65,12 @@ class _Attached(NamedTuple):
 class FastPath:
     """Mapped pools of same-host prefill ranks, by endpoint."""
 
-    def __init__(self, kv: KVClient, agreement: Agreement, transports: Sequence[str] | None = None) -> None:
+    def __init__(self, kv: KVClient, agreement: Agreement, transports: Sequence[str] | None = None,
+                 *, copy_at_end: bool = False) -> None:
         self._kv = kv
+        # False: copy each layer as its descriptor arrives (overlapping the prefill);
+        # True: copy every layer once the rank has sent its last descriptor.
+        self.copy_at_end = copy_at_end
         self._agreement = agreement
         if transports is None:
             transports = ([CUDA_IPC] if torch.cuda.is_available() else []) + [SHM]
@@ -134,8 +138,8 @@ class FastPath:
         stream = self._kv.channel(endpoint).unary_stream(
             FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
             response_deserializer=lanekv_pb2.KVChunk.FromString)
-        nbytes = chunks = 0
-        page_layer_bytes = 2 * ps * src.shape[3] * src.shape[4] * src.element_size()
+        chunks = 0
+        received: list[tuple[Descriptor, list[int]]] = []
         call = stream(request, timeout=timeout, metadata=metadata)
         if on_call is not None:
             on_call(call)  # the caller may cancel it
@@ -148,19 +152,29 @@ class FastPath:
                 bad = _mismatch(d, request_id, rank, chunks, asked, src_pages, a.num_layers)
                 if bad:
                     raise CorruptChunk(request_id, rank, chunks, bad)
-                dst = pages_for(d.pages)
-                copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
-                dst_index = torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device)
-                if kv_digest(gather_pages(dst_pool, dst_index, ps, d.layer_start, d.layer_end)) != d.digest:
-                    raise DigestMismatch(request_id, rank, chunks, "was copied from the shared pool but does "
-                                         "not match the rank's digest")
-                on_copied(d.pages, d.layer_start, d.layer_end)
+                received.append((d, pages_for(d.pages)))
+                if not self.copy_at_end:  # copy each layer as soon as the rank has written it
+                    copy_pages(src, d.physical, dst_pool, received[-1][1], ps, d.layer_start, d.layer_end)
                 chunks += 1
-                nbytes += len(d.pages) * (d.layer_end - d.layer_start) * page_layer_bytes
         except grpc.RpcError as err:
             raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
         finally:
             call.cancel()
+        if self.copy_at_end:
+            for d, dst in received:
+                copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+        # Every digest on the device first, then one wait: no sync per layer.
+        digests = [page_digest(dst_pool, torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device), ps,
+                               d.layer_start, d.layer_end) for d, dst in received]
+        got = [as_u64(t) for t in torch.stack(digests).cpu()] if digests else []
+        for (d, _), value in zip(received, got):
+            if value != d.digest:
+                raise DigestMismatch(request_id, rank, d.seq, "was copied from the shared pool but does not "
+                                     "match the rank's digest")
+        for d, _ in received:
+            on_copied(d.pages, d.layer_start, d.layer_end)
+        page_layer_bytes = 2 * ps * src.shape[3] * src.shape[4] * src.element_size()
+        nbytes = sum(len(d.pages) * (d.layer_end - d.layer_start) for d, _ in received) * page_layer_bytes
         return FastStats(nbytes, chunks, time.perf_counter() - start)
 
 

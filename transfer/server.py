@@ -20,9 +20,10 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from kernels.page_digest import page_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, LayoutContract, Topology, agreement_of, diff, format_diff
-from transfer.fastpath import MAX_TRANSPORTS, Descriptor, PoolHandle, host_id, kv_digest, share_pool
+from transfer.fastpath import MAX_TRANSPORTS, Descriptor, PoolHandle, as_u64, host_id, share_pool
 from transfer.progress import LayerProgress, PrefillFailed
 from transfer.security import SecurityConfig, bind, make_server
 from transfer.status import (
@@ -537,7 +538,8 @@ class TensorPageSource:
         return progress.wait(layer_end, timeout_s, alive)
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
-        return kv_digest(self.read(physical_pages, layer_start, layer_end, after).contiguous())
+        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
+        return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end))
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
         return share_pool(self._pool, self._shared_path, transports)

@@ -1,0 +1,61 @@
+"""page_digest: the kernel equals kv_digest of the gathered pages, bit for bit."""
+
+import pytest
+import torch
+
+from kernels.kv_layout import KVCacheSpec
+from kernels.page_copy import gather_pages_ref
+from kernels.page_digest import kv_digest, page_digest, page_digest_ref, page_digest_triton
+from tests.markers import requires_gpu
+
+U64 = (1 << 64) - 1
+
+
+def _pool(dtype, num_pages, page_size, device="cpu", seed=0):
+    spec = KVCacheSpec(num_layers=3, kv_heads=2, head_dim=4, dtype=dtype, page_size=page_size)
+    pool = spec.alloc_pool(num_pages, device)
+    gen = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, pool.view(torch.uint8).shape, generator=gen, dtype=torch.uint8)
+    pool.view(torch.uint8).copy_(raw.to(device))
+    return pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+@pytest.mark.parametrize("layers", [(0, 3), (1, 2)])
+def test_kernel_equals_the_digest_of_the_gathered_pages(dtype, page_size, layers):
+    pool = _pool(dtype, 7, page_size, seed=page_size)
+    pages = torch.tensor([5, 0, 3, 6], dtype=torch.int64)
+    want = kv_digest(gather_pages_ref(pool, pages, page_size, *layers))
+    assert int(page_digest_triton(pool, pages, page_size, *layers)) & U64 == want
+    assert int(page_digest_ref(pool, pages, page_size, *layers)) & U64 == want
+
+
+def test_digest_depends_on_page_order_and_bytes():
+    pool = _pool(torch.float16, 6, 4)
+    a = int(page_digest_triton(pool, torch.tensor([1, 2]), 4, 0, 3))
+    assert a != int(page_digest_triton(pool, torch.tensor([2, 1]), 4, 0, 3))
+    pool.view(torch.int16)[2, 1, 5, 0, 0] ^= 4  # a bit of page 1, layer 2, V
+    assert a != int(page_digest_triton(pool, torch.tensor([1, 2]), 4, 0, 3))
+
+
+def test_launcher_checks_its_arguments():
+    pool = _pool(torch.float16, 4, 2)
+    with pytest.raises(ValueError, match="layer range"):
+        page_digest_triton(pool, torch.tensor([0]), 2, 2, 2)
+    with pytest.raises(ValueError, match="pages"):
+        page_digest_triton(pool, torch.tensor([0.0]), 2, 0, 1)
+    odd = KVCacheSpec(num_layers=1, kv_heads=1, head_dim=1, dtype=torch.float16, page_size=2).alloc_pool(2, "cpu")
+    with pytest.raises(ValueError, match="4-byte words"):
+        page_digest_triton(odd, torch.tensor([0]), 2, 0, 1)
+    # The dispatcher takes the reference for such rows.
+    assert int(page_digest(odd, torch.tensor([1]), 2, 0, 1)) & U64 == kv_digest(odd[:, :, 2:4].contiguous())
+
+
+@requires_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compiled_kernel_equals_the_cpu_reference(dtype):
+    pool = _pool(dtype, 64, 16, device="cuda")
+    pages = torch.randperm(64)[:40].cuda()
+    got = int(page_digest_triton(pool, pages, 16, 0, 3)) & U64
+    assert got == int(page_digest_ref(pool.cpu(), pages.cpu(), 16, 0, 3)) & U64
