@@ -12,9 +12,9 @@ length, median of ``--repeat`` after one warm-up:
 
 - (a) colocated: the prefill daemon's own Prefill call, first token out (the
   KV stays where it was written: what a colocated server pays);
-- (b) grpc / (c) fast (and "fast, copy at end": the fast path copying every
-  layer once the rank has sent its last descriptor, instead of layer by
-  layer as they come): Generate on a decode daemon with max_new_tokens=1,
+- (b) grpc / (c) fast (the decode daemon copies every layer once the rank
+  has sent its last descriptor; "fast, per layer": it copies each layer as
+  its descriptor comes, during the prefill): Generate on a decode daemon with max_new_tokens=1,
   prompt sent to the first token received; the decode daemon answers once the
   whole KV is in its pool, so this is the prefill plus what of the transfer
   did not overlap it (layer-wise streaming).
@@ -96,7 +96,7 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
     for i in range(repeat + 1):  # the first is a warm-up
         ids = prompt(vocab, tokens, tokens * 100 + i)
         row = dict(colocated_s=colocated(prefill, stubs["prefill"], ids))
-        for name in ("grpc", "fast", "fast_end"):
+        for name in ("grpc", "fast", "fast_layer"):
             seconds, meta = generate(stubs[name], ids)
             row[f"{name}_s"] = seconds
             row[f"{name}_transfer_s"] = float(meta.get("lanekv-transfer-seconds", "nan"))
@@ -107,7 +107,7 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
     out["tokens"] = tokens
     out["grpc_over_colocated"] = out["grpc_s"] / out["colocated_s"]
     out["fast_over_colocated"] = out["fast_s"] / out["colocated_s"]
-    out["fast_end_over_colocated"] = out["fast_end_s"] / out["colocated_s"]
+    out["fast_layer_over_colocated"] = out["fast_layer_s"] / out["colocated_s"]
     return out
 
 
@@ -257,11 +257,11 @@ def main() -> None:
         )
         decoders = {}
         try:
-            for name, transport in (("grpc", "grpc"), ("fast", "auto"), ("fast_end", "auto")):
+            for name, transport in (("grpc", "grpc"), ("fast", "auto"), ("fast_layer", "auto")):
                 decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
                                                            dtype=dtype, load_format="dummy", pool_pages=pages,
                                                            transport=transport, request_timeout_s=900))
-            decoders["fast_end"].fastpath.copy_at_end = True  # copies after the rank's last layer
+            decoders["fast_layer"].fastpath.copy_at_end = False  # copies each layer as it comes
             channels = {name: grpc.insecure_channel(dec.endpoint, options=grpc_options())
                         for name, dec in decoders.items()}
             channels["prefill"] = grpc.insecure_channel(prefill.endpoint, options=grpc_options())
@@ -280,11 +280,11 @@ def main() -> None:
     print(f"\nTTFT, prefill cp={args.cp}, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, {dtype}, "
           f"page {args.page_size}, {device}; fast path: {transports}")
     print(f"{'tokens':>7} {'(a) coloc ms':>13} {'(b) grpc ms':>12} {'b/a':>6} {'(c) fast ms':>12} {'c/a':>6} "
-          f"{'fast, copy at end':>18} {'/a':>6} {'KV MiB':>8}")
+          f"{'fast, per layer':>18} {'/a':>6} {'KV MiB':>8}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['colocated_s'] * 1e3:>13.1f} {r['grpc_s'] * 1e3:>12.1f} "
               f"{r['grpc_over_colocated']:>6.3f} {r['fast_s'] * 1e3:>12.1f} {r['fast_over_colocated']:>6.3f} "
-              f"{r['fast_end_s'] * 1e3:>18.1f} {r['fast_end_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
+              f"{r['fast_layer_s'] * 1e3:>18.1f} {r['fast_layer_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
     a = alone
     print(f"\ntransfer alone, {a['tokens']} tokens ({a['bytes'] / 2**30:.2f} GiB), GB/s:")
     print(f"{'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} {'raw gRPC':>9} {'fetch/raw':>10} "

@@ -53,7 +53,12 @@ class RankPageSource(TensorPageSource):
         if self._stream is None:
             return self._gather(physical_pages, layer_start, layer_end, after)
         with torch.cuda.stream(self._stream):
-            return self._gather(physical_pages, layer_start, layer_end, after).cpu()
+            out = self._gather(physical_pages, layer_start, layer_end, after)
+            # Pinned (and reused by torch's host cache): a device-to-host copy several times faster.
+            host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host.copy_(out, non_blocking=True)
+            self._stream.synchronize()
+            return host
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
         if self._stream is None:

@@ -80,10 +80,13 @@ def test_page_runs_group_consecutive_pairs():
     assert page_runs([], []) == []
 
 
-@pytest.mark.parametrize("src_pages,dst_pages", [([0, 1, 2], [5, 6, 7]), ([4, 1, 3], [0, 2, 6]), ([2], [2])])
+@pytest.mark.parametrize("src_pages,dst_pages", [
+    ([0, 1, 2], [5, 6, 7]), ([4, 1, 3], [0, 2, 6]), ([2], [2]),
+    ([9, 1, 7, 3, 5, 0], [0, 2, 4, 6, 8, 10]),  # more runs than are copied one by one
+])
 def test_copy_pages_equals_gather_then_scatter(src_pages, dst_pages):
-    src = torch.randn(3, 2, 8 * PAGE, 2, 4)
-    dst = torch.zeros(3, 2, 8 * PAGE, 2, 4)
+    src = torch.randn(3, 2, 12 * PAGE, 2, 4)
+    dst = torch.zeros(3, 2, 12 * PAGE, 2, 4)
     want = dst.clone()
     buf = gather_pages(src, torch.tensor(src_pages), PAGE, 1, 3)
     scatter_pages(buf, want, torch.tensor(dst_pages), PAGE, 1, 3)

@@ -30,6 +30,7 @@ anyway (another IPC namespace, no CUDA) falls back to gRPC.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from typing import Any
 import msgpack
 import torch
 
+from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import kv_digest  # noqa: F401 - the digest of the fast path, re-exported
 from transfer.wire import (
     MAX_LAYERS,
@@ -215,21 +217,43 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
     return runs
 
 
+# Up to this many runs of consecutive pages a copy moves run by run (dense
+# copies on the copy engines); more, and it gathers, copies once and scatters.
+MAX_RUN_COPIES = 4
+
+
 def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
                dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
     """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
 
-    Each (layer, K/V, run of consecutive pages on both sides) is one dense block
-    in both pools, so it moves as one copy: between GPUs a peer copy on the
-    copy engines, with no kernel on the source GPU.
+    When both page lists are a few runs of consecutive pages, each (layer,
+    K/V, run) is one dense block in both pools and moves as one copy (between
+    GPUs a peer copy on the copy engines). Scattered pages go in three steps
+    whatever their number: ``gather_pages`` on the source device into one
+    dense buffer, one copy of it to the destination device, ``scatter_pages``
+    there.
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
-    for s, d, n in page_runs(src_pages, dst_pages):
-        rows_s, rows_d = slice(s * page_size, (s + n) * page_size), slice(d * page_size, (d + n) * page_size)
-        for layer in range(layer_start, layer_end):
-            for kv in (0, 1):
-                dst_pool[layer, kv, rows_d].copy_(src_pool[layer, kv, rows_s], non_blocking=True)
+    runs = page_runs(src_pages, dst_pages)
+    if len(runs) <= MAX_RUN_COPIES:
+        for s, d, n in runs:
+            rows_s, rows_d = slice(s * page_size, (s + n) * page_size), slice(d * page_size, (d + n) * page_size)
+            for layer in range(layer_start, layer_end):
+                for kv in (0, 1):
+                    dst_pool[layer, kv, rows_d].copy_(src_pool[layer, kv, rows_s], non_blocking=True)
+        return
+    with _on(src_pool.device):
+        src_index = torch.as_tensor(list(src_pages), dtype=torch.int64).to(src_pool.device)
+        buf = gather_pages(src_pool, src_index, page_size, layer_start, layer_end)
+    with _on(dst_pool.device):
+        dst_index = torch.as_tensor(list(dst_pages), dtype=torch.int64).to(dst_pool.device)
+        scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, layer_start, layer_end)
+
+
+def _on(device: torch.device):
+    """Kernels launched inside run on ``device`` (CUDA); a no-op for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # -- the descriptor ---------------------------------------------------------------------

@@ -66,10 +66,14 @@ class FastPath:
     """Mapped pools of same-host prefill ranks, by endpoint."""
 
     def __init__(self, kv: KVClient, agreement: Agreement, transports: Sequence[str] | None = None,
-                 *, copy_at_end: bool = False) -> None:
+                 *, copy_at_end: bool = True) -> None:
         self._kv = kv
-        # False: copy each layer as its descriptor arrives (overlapping the prefill);
-        # True: copy every layer once the rank has sent its last descriptor.
+        # True: copy every layer once the rank has sent its last descriptor; False:
+        # copy each layer as its descriptor arrives, overlapping the prefill. On
+        # H200s the copies of a whole 32k request take milliseconds, while copies
+        # made during the prefill, from another process on the prefill's GPUs,
+        # slowed it by more (bench/ttft.py: TTFT 1.048x colocated at the end,
+        # 1.085x layer by layer).
         self.copy_at_end = copy_at_end
         self._agreement = agreement
         if transports is None:
