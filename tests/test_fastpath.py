@@ -137,14 +137,14 @@ def test_layer_progress_waits_fails_and_times_out():
     with pytest.raises(TimeoutError, match="layer 0 not written"):
         progress.wait(1, 0.05)
     got = []
-    waiter = threading.Thread(target=lambda: got.append(progress.wait(2, 5.0) or "written"))
+    waiter = threading.Thread(target=lambda: got.append(progress.wait(2, 5.0)))
     waiter.start()
     progress.layer_written(0)
     time.sleep(0.05)
     assert got == []  # layer 1 is not written yet
     progress.layer_written(1)
     waiter.join(5)
-    assert got == ["written"]
+    assert got == [(2, None)]  # two layers written, no device event on the CPU
     with pytest.raises(ValueError, match="in order"):
         progress.layer_written(0)
     with pytest.raises(PrefillFailed, match="released"):
@@ -152,7 +152,7 @@ def test_layer_progress_waits_fails_and_times_out():
     progress.fail("rank 1: boom")
     with pytest.raises(PrefillFailed, match="boom"):
         progress.wait(3, 5.0)
-    assert progress.wait(2, 0.0) is None  # written layers stay readable
+    assert progress.wait(2, 0.0) == (2, None)  # written layers stay readable
 
 
 # -- one in-process server ------------------------------------------------------------
@@ -258,7 +258,8 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     stats = fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [p for p, _ in pages], dst,
                        lambda ps: [slot[p] for p in ps], lambda ps, a, b: copied.append((tuple(ps), a, b)),
                        epoch=None, timeout=30)
-    assert stats.chunks == LAYERS and sorted(c[1] for c in copied) == list(range(LAYERS))
+    # The prefill was done: one descriptor covers every layer.
+    assert stats.chunks == 1 and copied == [(tuple(p for p, _ in pages), 0, LAYERS)]
     want = pool[:, :, rows_of([phys for _, phys in pages])]
     assert torch.equal(dst[:, :, rows_of([slot[p] for p, _ in pages])], want)
     # A digest that does not match what was copied is caught.
@@ -266,6 +267,32 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)
+
+
+def test_descriptors_follow_the_prefill_layer_by_layer(rank):
+    source, pool, endpoint, agreement, kv = rank
+    pages = [(0, 2), (1, 3)]
+    progress = LayerProgress(LAYERS)
+    source.add("req", pages, progress)
+    fast = FastPath(kv, agreement, transports=[SHM], copy_at_end=False)
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.zeros((LAYERS, 2, 4 * PAGE, 2, 8), dtype=torch.float16)
+    copied = []
+    fetch = threading.Thread(target=fast.fetch, args=(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1],
+                                                       dst, lambda ps: list(ps), lambda ps, a, b: copied.append((a, b))),
+                             kwargs=dict(epoch=None, timeout=30))
+    _fill(pool, [2, 3], 0)
+    progress.layer_written(0)
+    fetch.start()
+    time.sleep(0.3)
+    for layer in range(1, LAYERS):
+        _fill(pool, [2, 3], layer)
+        progress.layer_written(layer)
+        time.sleep(0.3)
+    fetch.join(30)
+    # Each descriptor covers the layers written since the one before: here one at a time.
+    assert copied == [(layer, layer + 1) for layer in range(LAYERS)]
+    assert torch.equal(dst[:, :, :2 * PAGE], pool[:, :, rows_of([2, 3])])
 
 
 def test_a_rank_on_another_host_is_read_over_grpc(rank, monkeypatch):

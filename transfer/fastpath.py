@@ -220,6 +220,8 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
 # Up to this many runs of consecutive pages a copy moves run by run (dense
 # copies on the copy engines); more, and it gathers, copies once and scatters.
 MAX_RUN_COPIES = 4
+# The largest buffer such a gathered copy stages at once (on each device).
+MAX_STAGING_BYTES = 256 << 20
 
 
 def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
@@ -245,10 +247,16 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
         return
     with _on(src_pool.device):
         src_index = torch.as_tensor(list(src_pages), dtype=torch.int64).to(src_pool.device)
-        buf = gather_pages(src_pool, src_index, page_size, layer_start, layer_end)
     with _on(dst_pool.device):
         dst_index = torch.as_tensor(list(dst_pages), dtype=torch.int64).to(dst_pool.device)
-        scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, layer_start, layer_end)
+    layer_bytes = 2 * len(src_pages) * page_size * src_pool[0, 0, 0].numel() * src_pool.element_size()
+    step = max(1, MAX_STAGING_BYTES // layer_bytes)  # layers per buffer
+    for first in range(layer_start, layer_end, step):
+        last = min(layer_end, first + step)
+        with _on(src_pool.device):
+            buf = gather_pages(src_pool, src_index, page_size, first, last)
+        with _on(dst_pool.device):
+            scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, first, last)
 
 
 def _on(device: torch.device):

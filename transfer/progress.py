@@ -3,8 +3,9 @@
 The prefill runner calls ``layer_written(l)`` right after it queued layer
 ``l``'s K/V store (on CUDA it records an event on the compute stream there);
 the transfer service calls ``wait(layer_end)`` before it reads layers
-``< layer_end`` and gets back the event that marks them written on the device
-(None on the CPU, where the store has finished when the call returns). Layers
+``< layer_end`` and gets back how many layers are written by then and the
+event that marks them written on the device (None on the CPU, where the
+store has finished when the call returns). Layers
 are written in order on one stream, so the event of layer ``layer_end - 1``
 covers every earlier layer too.
 
@@ -74,8 +75,10 @@ class LayerProgress:
             self._cond.notify_all()
 
     def wait(self, layer_end: int, timeout_s: float,
-             alive: Callable[[], bool] = lambda: True) -> Any:
-        """Block until layers ``< layer_end`` are queued; the device event that marks them written (None on CPU).
+             alive: Callable[[], bool] = lambda: True) -> tuple[int, Any]:
+        """Block until layers ``< layer_end`` are queued; how many layers are queued by
+        then (``>= layer_end``) and the device event that marks all of those written
+        (None on CPU).
 
         ``alive`` is polled while waiting: once it says False the wait raises
         ``PrefillFailed`` (the caller went away, or the request was released).
@@ -96,4 +99,4 @@ class LayerProgress:
                         f"({self._written} of {self.num_layers} layers written)"
                     )
                 self._cond.wait(min(left, 0.5))
-            return self._events[layer_end - 1]
+            return self._written, self._events[self._written - 1]

@@ -77,9 +77,11 @@ class PageSource(Protocol):
         """
         ...
 
-    def ready(self, request_id: str, layer_end: int, timeout_s: float, alive: Callable[[], bool]) -> Any:
+    def ready(self, request_id: str, layer_end: int, timeout_s: float,
+              alive: Callable[[], bool]) -> tuple[int, Any]:
         """Block until the request's layers ``< layer_end`` are written (layer-wise
-        streaming); a token for ``read``'s ``after``. KeyError as for ``pages_of``,
+        streaming); how many are written by then, and a token for ``read``'s
+        ``after`` that covers them all. KeyError as for ``pages_of``,
         ``PrefillFailed`` or ``TimeoutError`` when they will not be."""
         ...
 
@@ -153,12 +155,12 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             def alive() -> bool:
                 return context.is_active() and self._holds(rid)
 
-            def ready(chunk: ChunkPlan) -> Any:
-                """Wait until the chunk's layers are written (the prefill may still run)."""
+            def ready(layer_end: int) -> tuple[int, Any]:
+                """Wait until layers < layer_end are written (the prefill may still run)."""
                 left = context.time_remaining()
                 wait_s = self._layer_wait_s if left is None else min(left, self._layer_wait_s)
                 try:
-                    return self._source.ready(rid, chunk.layer_end, wait_s, alive)
+                    return self._source.ready(rid, layer_end, wait_s, alive)
                 except KeyError as err:
                     raise Refusal(Code.NOT_FOUND, _key_message(rid, err)) from err
                 except PrefillFailed as err:
@@ -166,29 +168,44 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 except TimeoutError as err:
                     raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
-            def message(seq: int) -> tuple[bytes, int]:
-                chunk, physical = chunks[seq]
-                after = ready(chunk)
-                if request.descriptors:
-                    digest = self._source.digest(physical, chunk.layer_start, chunk.layer_end, after)
-                    self._owned(rid)  # held while the digest read them
-                    header = Descriptor(rid, self._source.rank, seq, chunk.layer_start, chunk.layer_end,
-                                        chunk.pages, tuple(physical), digest)
-                    described = len(chunk.pages) * (chunk.layer_end - chunk.layer_start) * _page_bytes(agreement)
-                    return frame_chunk(header.encode(), memoryview(b"")), described
-                payload = self._source.read(physical, chunk.layer_start, chunk.layer_end, after)
-                # A release racing this fetch may have recycled the pages under
-                # the read; checking after it proves they were held throughout.
-                self._owned(rid)
-                _check_payload(payload, chunk, agreement)
-                header, data = encode_chunk(rid, self._source.rank, seq, chunk.layer_start, chunk.pages, payload)
-                return self.frame(header, data), header.nbytes
+            if request.descriptors:
+                yield from self._descriptors(request, agreement, chunks, ready)
+                sent_bytes = sum(len(c.pages) * (c.layer_end - c.layer_start) for c, _ in chunks)
+                sent_bytes *= _page_bytes(agreement)
+            else:
+                def message(seq: int) -> tuple[bytes, int]:
+                    chunk, physical = chunks[seq]
+                    _, after = ready(chunk.layer_end)
+                    payload = self._source.read(physical, chunk.layer_start, chunk.layer_end, after)
+                    # A release racing this fetch may have recycled the pages under
+                    # the read; checking after it proves they were held throughout.
+                    self._owned(rid)
+                    _check_payload(payload, chunk, agreement)
+                    header, data = encode_chunk(rid, self._source.rank, seq, chunk.layer_start, chunk.pages, payload)
+                    return self.frame(header, data), header.nbytes
 
-            for framed, nbytes in _one_ahead(message, len(chunks)):
-                yield framed
-                sent_bytes += nbytes
+                for framed, nbytes in _one_ahead(message, len(chunks)):
+                    yield framed
+                    sent_bytes += nbytes
             if self._on_fetched is not None:
                 self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
+
+    def _descriptors(self, request, agreement: Agreement, chunks: list[tuple[ChunkPlan, list[int]]],
+                     ready: Callable[[int], tuple[int, Any]]) -> Iterator[bytes]:
+        """Descriptor chunks (the fast path): each covers every layer written since the
+        one before, so a finished prefill goes in one and a running one layer by layer."""
+        rid, seq = request.request_id, 0
+        for pages, spans in _by_pages(chunks):
+            physical = spans[0][1]
+            layer, layer_end = spans[0][0], spans[-1][0] + 1
+            while layer < layer_end:
+                written, after = ready(layer + 1)
+                upto = min(layer_end, written)
+                digest = self._source.digest(physical, layer, upto, after)
+                self._owned(rid)  # held while the digest read them
+                header = Descriptor(rid, self._source.rank, seq, layer, upto, pages, tuple(physical), digest)
+                yield frame_chunk(header.encode(), memoryview(b""))
+                seq, layer = seq + 1, upto
 
     def AttachPool(self, request, context):
         with refusals(context):
@@ -294,7 +311,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 Code.INVALID_ARGUMENT,
                 f"max_chunk_bytes {chunk_bytes} is not within [{page_bytes} (one page of one layer), {self._max_chunk_bytes}]",
             )
-        if request.descriptors:  # one descriptor per layer: each layer goes as soon as it is written
+        if request.descriptors:  # one layer of every page per planned chunk: see _descriptors
             chunk_bytes = max(page_bytes, min(len(pages) * page_bytes, MAX_WIRE_CHUNK_BYTES))
         plans = plan_chunks(
             layer_end - request.layer_start,
@@ -325,6 +342,18 @@ def _one_ahead(produce: Callable[[int], T], count: int) -> Iterator[T]:
             if seq + LOOKAHEAD < count:
                 pending.append(pool.submit(produce, seq + LOOKAHEAD))
             yield message
+
+
+def _by_pages(chunks: list[tuple[ChunkPlan, list[int]]]) -> list[tuple[tuple[int, ...], list[tuple[int, list[int]]]]]:
+    """Consecutive single-layer chunks of the same pages, grouped: (pages, [(layer, physical)])."""
+    groups: list[tuple[tuple[int, ...], list[tuple[int, list[int]]]]] = []
+    for chunk, physical in chunks:
+        for layer in range(chunk.layer_start, chunk.layer_end):
+            if groups and groups[-1][0] == chunk.pages and groups[-1][1][-1][0] == layer - 1:
+                groups[-1][1].append((layer, physical))
+            else:
+                groups.append((chunk.pages, [(layer, physical)]))
+    return groups
 
 
 def _page_bytes(a: Agreement) -> int:
@@ -441,7 +470,8 @@ class ContractOnlySource:
     def pages_of(self, request_id: str) -> list[tuple[int, int]]:
         raise KeyError(self._why)
 
-    def ready(self, request_id: str, layer_end: int, timeout_s: float, alive: Callable[[], bool]) -> Any:
+    def ready(self, request_id: str, layer_end: int, timeout_s: float,
+              alive: Callable[[], bool]) -> tuple[int, Any]:
         raise KeyError(self._why)
 
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
@@ -531,7 +561,8 @@ class TensorPageSource:
         with self._lock:
             return list(self._lookup(request_id))
 
-    def ready(self, request_id: str, layer_end: int, timeout_s: float, alive: Callable[[], bool]) -> Any:
+    def ready(self, request_id: str, layer_end: int, timeout_s: float,
+              alive: Callable[[], bool]) -> tuple[int, Any]:
         with self._lock:
             self._lookup(request_id)
             progress = self._progress[request_id]
