@@ -138,9 +138,9 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
 
         def one(rank: int) -> None:
             try:
-                fast.fastpath.fetch(endpoints[rank], rank, shared[rank], reply.request_id,
-                                    reply.contract_fingerprint, pages[rank], dst,
-                                    lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600)
+                phases[rank] = fast.fastpath.fetch(
+                    endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
+                    dst, lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600)._asdict()
             except Exception as err:  # noqa: BLE001 - raised below
                 errors.append(err)
 
@@ -156,8 +156,10 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
             raise errors[0]
         return time.perf_counter() - t0
 
-    def grpc_once() -> float:
+    def grpc_once(drop: bool = False) -> float:
         def place(header, payload):
+            if drop:  # receive and verify only
+                return
             idx = torch.tensor([slot[p] for p in header.pages], dtype=torch.int64, device=dst.device)
             scatter_pages(payload.to(dst.device), dst, idx, manifest.page_size, header.layer_start,
                           header.layer_end)
@@ -169,8 +171,10 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         sync()
         return time.perf_counter() - t0
 
+    phases: dict[int, dict] = {}
     fast_s = min(fast_once() for _ in range(repeat + 1))
     grpc_s = min(grpc_once() for _ in range(repeat + 1))
+    dropped_s = min(grpc_once(drop=True) for _ in range(repeat + 1))
     release(prefill, reply, call)
     procs, conns, ports = start(_raw_server, [() for _ in owners])
     try:
@@ -181,6 +185,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     ceiling_s = copy_ceiling(dst, len(owners), repeat)
     gb = nbytes / 1e9
     return dict(tokens=tokens, bytes=nbytes, fast_gbps=gb / fast_s, grpc_gbps=gb / grpc_s,
+                grpc_dropped_gbps=gb / dropped_s, fast_phases_last=phases,
                 raw_grpc_gbps=gb / raw["seconds"], copy_ceiling_gbps=gb / ceiling_s,
                 fast_over_ceiling=ceiling_s / fast_s, grpc_over_raw=raw["seconds"] / grpc_s,
                 shm_copy_gbps=shm_copy_gbps(nbytes // len(owners)))
@@ -242,6 +247,7 @@ def main() -> None:
     ap.add_argument("--transfer-tokens", type=int, default=None, help="default: the second of --tokens")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--skip-ttft", action="store_true", help="measure the transfer alone")
     args = ap.parse_args()
     model_cfg = LLAMA3_8B if args.llama3_8b else TINY
     dtype = "bfloat16" if args.llama3_8b else "float32"
@@ -267,7 +273,7 @@ def main() -> None:
             channels["prefill"] = grpc.insecure_channel(prefill.endpoint, options=grpc_options())
             stubs = {name: lanekv_pb2_grpc.DecodeServiceStub(ch) for name, ch in channels.items()}
             stubs["prefill"] = lanekv_pb2_grpc.PrefillServiceStub(channels["prefill"])
-            rows = [ttft(prefill, stubs, vocab, n, args.repeat) for n in args.tokens]
+            rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat) for n in args.tokens]
             alone = transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, transfer_tokens, args.repeat)
             transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
             for ch in channels.values():
@@ -287,11 +293,16 @@ def main() -> None:
               f"{r['fast_layer_s'] * 1e3:>18.1f} {r['fast_layer_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
     a = alone
     print(f"\ntransfer alone, {a['tokens']} tokens ({a['bytes'] / 2**30:.2f} GiB), GB/s:")
-    print(f"{'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} {'raw gRPC':>9} {'fetch/raw':>10} "
-          f"{'shm copy':>9}")
+    print(f"{'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} {'(not placed)':>13} "
+          f"{'raw gRPC':>9} {'fetch/raw':>10} {'shm copy':>9}")
     shm = f"{a['shm_copy_gbps']:.1f}" if a["shm_copy_gbps"] else "-"
     print(f"{a['fast_gbps']:>8.1f} {a['copy_ceiling_gbps']:>13.1f} {a['fast_over_ceiling']:>10.2f} "
-          f"{a['grpc_gbps']:>8.2f} {a['raw_grpc_gbps']:>9.2f} {a['grpc_over_raw']:>10.2f} {shm:>9}")
+          f"{a['grpc_gbps']:>8.2f} {a['grpc_dropped_gbps']:>13.2f} {a['raw_grpc_gbps']:>9.2f} "
+          f"{a['grpc_over_raw']:>10.2f} {shm:>9}")
+    for rank, ph in sorted(a["fast_phases_last"].items()):
+        print(f"fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = descriptors "
+              f"{ph['received_s'] * 1e3:.1f} + copies and digests {ph['copy_s'] * 1e3:.1f}; "
+              f"{ph['chunks']} descriptor(s), {ph['runs']} run(s) of pages")
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), cp_size=args.cp,
                                              page_size=args.page_size, dtype=dtype, transports=transports,

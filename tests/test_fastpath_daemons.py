@@ -119,6 +119,8 @@ def test_cuda_ipc_fast_path_generates_what_grpc_does(checkpoint):
         over_grpc, fast = decoders
         assert _tokens(fast.endpoint) == _tokens(over_grpc.endpoint)
         assert {fast.fastpath.transport(e) for e in prefill.topology.endpoints} == {"cuda_ipc"}
+        # Every rank's copies matched their digests: nothing was fetched again over gRPC.
+        assert fast.metrics.failures.labels(cause="fastpath_digest").value == 0
         assert wait_until(lambda: prefill.leases.held() == {})
     finally:
         for decoder in decoders:

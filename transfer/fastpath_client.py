@@ -11,10 +11,11 @@ caller's pages and checks the digest of every copied chunk
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -34,6 +35,7 @@ from transfer.fastpath import (
     copy_pages,
     host_id,
     open_pool,
+    page_runs,
 )
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.wire import kv_dtype
@@ -54,6 +56,9 @@ class FastStats(NamedTuple):
     bytes: int
     chunks: int
     seconds: float
+    received_s: float = 0.0  # until the rank's last descriptor
+    copy_s: float = 0.0  # then the copies not made while receiving, and every digest
+    runs: int = 0  # most runs of consecutive pages in a descriptor (1: one dense block per layer)
 
 
 class _Attached(NamedTuple):
@@ -134,7 +139,6 @@ class FastPath:
         """Copy layers of the rank's ``pages`` of a request from ``src`` into ``dst_pool``, verified."""
         start = time.perf_counter()
         a, ps = self._agreement, self._agreement.page_size
-        src_pages = src.shape[2] // ps
         asked = set(pages)
         request = lanekv_pb2.FetchRequest(request_id=request_id, fingerprint=fingerprint, layer_start=0,
                                           layer_end=a.num_layers, pages=list(pages), descriptors=True)
@@ -142,35 +146,27 @@ class FastPath:
         stream = self._kv.channel(endpoint).unary_stream(
             FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
             response_deserializer=lanekv_pb2.KVChunk.FromString)
-        chunks = 0
-        received: list[tuple[Descriptor, list[int]]] = []
-        call = stream(request, timeout=timeout, metadata=metadata)
-        if on_call is not None:
-            on_call(call)  # the caller may cancel it
-        try:
-            for message in call:
-                try:
-                    d = Descriptor.decode(message.header)
-                except ValueError as err:
-                    raise CorruptChunk(request_id, rank, chunks, f"has a bad descriptor: {err}") from err
-                bad = _mismatch(d, request_id, rank, chunks, asked, src_pages, a.num_layers)
-                if bad:
-                    raise CorruptChunk(request_id, rank, chunks, bad)
-                received.append((d, pages_for(d.pages)))
-                if not self.copy_at_end:  # copy each layer as soon as the rank has written it
-                    copy_pages(src, d.physical, dst_pool, received[-1][1], ps, d.layer_start, d.layer_end)
-                chunks += 1
-        except grpc.RpcError as err:
-            raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
-        finally:
-            call.cancel()
-        if self.copy_at_end:
+        with _streams_for(src.device, dst_pool.device) as sync:
+            received = self._receive(stream(request, timeout=timeout, metadata=metadata), on_call, endpoint,
+                                     rank, request_id, asked, src, dst_pool, pages_for)
+            received_s = time.perf_counter() - start
+            # Copies (unless made while receiving) and digests go by groups of layers,
+            # so each group's digest runs while the next group is copied.
+            parts: list[list[torch.Tensor]] = []
             for d, dst in received:
-                copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
-        # Every digest on the device first, then one wait: no sync per layer.
-        digests = [page_digest(dst_pool, torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device), ps,
-                               d.layer_start, d.layer_end) for d, dst in received]
-        got = [as_u64(t) for t in torch.stack(digests).cpu()] if digests else []
+                index = torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device)
+                spans = _spans(d, dst_pool, ps) if self.copy_at_end else [(d.layer_start, d.layer_end, 0)]
+                parts.append([])
+                for first, last, base in spans:
+                    if self.copy_at_end:
+                        copy_pages(src, d.physical, dst_pool, dst, ps, first, last)
+                    with _on(dst_pool.device):
+                        parts[-1].append(page_digest(dst_pool, index, ps, first, last, base))
+            with _on(dst_pool.device):
+                digests = [torch.stack(p).sum() for p in parts]
+                got = [as_u64(t) for t in torch.stack(digests).cpu()] if digests else []
+            sync()
+            copied_s = time.perf_counter() - start
         for (d, _), value in zip(received, got):
             if value != d.digest:
                 raise DigestMismatch(request_id, rank, d.seq, "was copied from the shared pool but does not "
@@ -179,7 +175,74 @@ class FastPath:
             on_copied(d.pages, d.layer_start, d.layer_end)
         page_layer_bytes = 2 * ps * src.shape[3] * src.shape[4] * src.element_size()
         nbytes = sum(len(d.pages) * (d.layer_end - d.layer_start) for d, _ in received) * page_layer_bytes
-        return FastStats(nbytes, chunks, time.perf_counter() - start)
+        runs = max((len(page_runs(d.physical, dst)) for d, dst in received), default=0)
+        seconds = time.perf_counter() - start
+        return FastStats(nbytes, len(received), seconds, received_s, copied_s - received_s, runs)
+
+    def _receive(self, call, on_call, endpoint: str, rank: int, request_id: str, asked: set[int],
+                 src: torch.Tensor, dst_pool: torch.Tensor, pages_for: PagesFor) -> list[tuple[Descriptor, list[int]]]:
+        """Every descriptor of the stream, checked (and copied at once unless ``copy_at_end``)."""
+        a, ps = self._agreement, self._agreement.page_size
+        received: list[tuple[Descriptor, list[int]]] = []
+        if on_call is not None:
+            on_call(call)  # the caller may cancel it
+        try:
+            for message in call:
+                seq = len(received)
+                try:
+                    d = Descriptor.decode(message.header)
+                except ValueError as err:
+                    raise CorruptChunk(request_id, rank, seq, f"has a bad descriptor: {err}") from err
+                bad = _mismatch(d, request_id, rank, seq, asked, src.shape[2] // ps, a.num_layers)
+                if bad:
+                    raise CorruptChunk(request_id, rank, seq, bad)
+                received.append((d, pages_for(d.pages)))
+                if not self.copy_at_end:  # copy each layer as soon as the rank has written it
+                    copy_pages(src, d.physical, dst_pool, received[-1][1], ps, d.layer_start, d.layer_end)
+        except grpc.RpcError as err:
+            raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
+        finally:
+            call.cancel()
+        return received
+
+
+@contextlib.contextmanager
+def _streams_for(src: torch.device, dst: torch.device) -> Iterator[Callable[[], None]]:
+    """Side streams on both devices (CUDA) for one fetch, so the copies of several
+    ranks' fetches overlap; yields a function that waits for them."""
+    if dst.type != "cuda" and src.type != "cuda":
+        yield lambda: None
+        return
+    # Entering a stream also makes its device current: the destination's goes last,
+    # so what runs unguarded inside (the digests) runs on the destination's stream.
+    devices = [dev for dev in (src, dst) if dev.type == "cuda"]
+    streams = {dev: torch.cuda.Stream(dev) for dev in devices}
+    with contextlib.ExitStack() as stack:
+        for dev in dict.fromkeys(devices):
+            stack.enter_context(torch.cuda.stream(streams[dev]))
+        yield lambda: [stream.synchronize() for stream in streams.values()]
+
+
+# Layers copied (and their digest taken) together at the end: a digest of one
+# group runs on the SMs while the copy engines move the next.
+_LAYERS_PER_GROUP = 4
+
+
+def _spans(d: Descriptor, pool: torch.Tensor, page_size: int) -> list[tuple[int, int, int]]:
+    """(first layer, end layer, digest position base) groups of a descriptor's layers.
+
+    Digests of parts add up to the digest of the whole only when they count
+    positions in the same words: 4-byte ones, which rows of whole words give."""
+    row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
+    if row_bytes % 4:
+        return [(d.layer_start, d.layer_end, 0)]
+    layer_words = 2 * len(d.pages) * page_size * row_bytes // 4  # K and V of every page of one layer
+    return [(first, min(d.layer_end, first + _LAYERS_PER_GROUP), (first - d.layer_start) * layer_words)
+            for first in range(d.layer_start, d.layer_end, _LAYERS_PER_GROUP)]
+
+
+def _on(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,
