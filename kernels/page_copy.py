@@ -19,8 +19,6 @@ distinct (checked on CPU): two writers to one page race.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -225,81 +223,3 @@ def scatter_pages(
     else:
         scatter_pages_ref(buf, pool, pages, page_size, layer_start, layer_end)
 
-
-# -- pool to pool ----------------------------------------------------------------------------
-
-
-@triton.jit
-def _pool_copy_kernel(
-    src_ptr, dst_ptr, src_pages_ptr, dst_pages_ptr,
-    num_src_pages, num_dst_pages, page_words, chunks_per_page, layer_start,
-    stride_src_layer, stride_src_kv, stride_dst_layer, stride_dst_kv,
-    BLOCK: tl.constexpr,
-):
-    pid = tl.program_id(0)  # (index in the page lists) * chunks_per_page + chunk
-    lkv = tl.program_id(1)  # (layer - layer_start) * 2 + (0 for K, 1 for V)
-    slot = pid // chunks_per_page
-    chunk = pid % chunks_per_page
-    layer = (lkv // 2).to(tl.int64) + layer_start
-    kv = (lkv % 2).to(tl.int64)
-    src_page = tl.load(src_pages_ptr + slot).to(tl.int64)
-    dst_page = tl.load(dst_pages_ptr + slot).to(tl.int64)
-    word = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    inside = (src_page >= 0) & (src_page < num_src_pages) & (dst_page >= 0) & (dst_page < num_dst_pages)
-    mask = word < tl.where(inside, page_words, 0)
-    src = layer * stride_src_layer + kv * stride_src_kv + src_page * page_words + word
-    dst = layer * stride_dst_layer + kv * stride_dst_kv + dst_page * page_words + word
-    tl.store(dst_ptr + dst, tl.load(src_ptr + src, mask=mask), mask=mask)
-
-
-def copy_pool_pages_triton(
-    src_pool: torch.Tensor, src_pages: torch.Tensor, dst_pool: torch.Tensor, dst_pages: torch.Tensor,
-    page_size: int, layer_start: int, layer_end: int, *, config: CopyConfig | None = None,
-) -> None:
-    """Triton launcher: page ``src_pages[i]`` of ``src_pool`` to page ``dst_pages[i]`` of
-    ``dst_pool``, layers ``[layer_start, layer_end)``, both pools on one device."""
-    num_src = _check_common(src_pool, src_pages, page_size, layer_start, layer_end, distinct=False)
-    num_dst = _check_common(dst_pool, dst_pages, page_size, layer_start, layer_end, distinct=True)
-    check_same_device(src_pool=src_pool, dst_pool=dst_pool)
-    if src_pages.shape != dst_pages.shape:
-        raise ValueError(f"src_pages has {src_pages.shape[0]} pages but dst_pages {dst_pages.shape[0]}")
-    if src_pool.dtype != dst_pool.dtype or src_pool.shape[3:] != dst_pool.shape[3:]:
-        raise ValueError(f"pools differ in rows: {src_pool.dtype} {tuple(src_pool.shape[3:])} vs "
-                         f"{dst_pool.dtype} {tuple(dst_pool.shape[3:])}")
-    layers = layer_end - layer_start
-    if layers == 0 or src_pages.shape[0] == 0:
-        return
-    row_bytes = src_pool.shape[3] * src_pool.shape[4] * src_pool.element_size()
-    width = word_bytes_for(row_bytes, {"src_pool": src_pool, "dst_pool": dst_pool}, lead_dims=3)
-    src_w = as_word_rows(src_pool, 3, width, "src_pool").words
-    dst_w = as_word_rows(dst_pool, 3, width, "dst_pool").words
-    page_words = page_size * src_w.shape[3]
-    cfg = config or CopyConfig.for_rows(page_words)
-    block = cfg.block_rows * cfg.block_words
-    chunks = triton.cdiv(page_words, block)
-    with torch.cuda.device(src_pool.device) if src_pool.is_cuda else contextlib.nullcontext():
-        _pool_copy_kernel[(src_pages.shape[0] * chunks, layers * 2)](
-            src_w, dst_w, src_pages, dst_pages,
-            num_src, num_dst, page_words, chunks, layer_start,
-            src_w.stride(0), src_w.stride(1), dst_w.stride(0), dst_w.stride(1),
-            BLOCK=block, num_warps=cfg.num_warps,
-        )
-
-
-def copy_pool_pages_ref(
-    src_pool: torch.Tensor, src_pages: torch.Tensor, dst_pool: torch.Tensor, dst_pages: torch.Tensor,
-    page_size: int, layer_start: int, layer_end: int,
-) -> None:
-    buf = gather_pages_ref(src_pool, src_pages, page_size, layer_start, layer_end)
-    scatter_pages_ref(buf, dst_pool, dst_pages, page_size, layer_start, layer_end)
-
-
-def copy_pool_pages(
-    src_pool: torch.Tensor, src_pages: torch.Tensor, dst_pool: torch.Tensor, dst_pages: torch.Tensor,
-    page_size: int, layer_start: int, layer_end: int,
-) -> None:
-    """Copy pages from one pool to another on the same device (one pass, no buffer)."""
-    if use_triton(dst_pool):
-        copy_pool_pages_triton(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
-    else:
-        copy_pool_pages_ref(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)

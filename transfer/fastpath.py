@@ -41,8 +41,7 @@ from typing import Any
 import msgpack
 import torch
 
-from kernels.backend import use_triton
-from kernels.page_copy import copy_pool_pages, gather_pages, scatter_pages
+from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import kv_digest  # noqa: F401 - the digest of the fast path, re-exported
 from transfer.wire import (
     MAX_LAYERS,
@@ -229,8 +228,7 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
                dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
     """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
 
-    On one GPU it is one kernel (``copy_pool_pages``). Between devices, when
-    both page lists are a few runs of consecutive pages, each (layer,
+    When both page lists are a few runs of consecutive pages, each (layer,
     K/V, run) is one dense block in both pools and moves as one copy (between
     GPUs a peer copy on the copy engines). Scattered pages go in three steps
     whatever their number: ``gather_pages`` on the source device into one
@@ -239,12 +237,6 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
-    if src_pool.device == dst_pool.device and use_triton(dst_pool):  # one kernel, one pass
-        index = {name: torch.as_tensor(list(p), dtype=torch.int64).to(dst_pool.device)
-                 for name, p in (("src", src_pages), ("dst", dst_pages))}
-        with _on(dst_pool.device):
-            copy_pool_pages(src_pool, index["src"], dst_pool, index["dst"], page_size, layer_start, layer_end)
-        return
     runs = page_runs(src_pages, dst_pages)
     if len(runs) <= MAX_RUN_COPIES:
         for s, d, n in runs:

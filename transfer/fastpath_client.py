@@ -150,20 +150,13 @@ class FastPath:
             received = self._receive(stream(request, timeout=timeout, metadata=metadata), on_call, endpoint,
                                      rank, request_id, asked, src, dst_pool, pages_for)
             received_s = time.perf_counter() - start
-            # Copies (unless made while receiving) and digests go by groups of layers,
-            # so each group's digest runs while the next group is copied.
-            parts: list[list[torch.Tensor]] = []
-            for d, dst in received:
-                index = torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device)
-                spans = _spans(d, dst_pool, ps) if self.copy_at_end else [(d.layer_start, d.layer_end, 0)]
-                parts.append([])
-                for first, last, base in spans:
-                    if self.copy_at_end:
-                        copy_pages(src, d.physical, dst_pool, dst, ps, first, last)
-                    with _on(dst_pool.device):
-                        parts[-1].append(page_digest(dst_pool, index, ps, first, last, base))
+            if self.copy_at_end:
+                for d, dst in received:
+                    copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+            # Every digest on the device first, then one wait: no sync per layer.
             with _on(dst_pool.device):
-                digests = [torch.stack(p).sum() for p in parts]
+                digests = [page_digest(dst_pool, torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device), ps,
+                                       d.layer_start, d.layer_end) for d, dst in received]
                 got = [as_u64(t) for t in torch.stack(digests).cpu()] if digests else []
             sync()
             copied_s = time.perf_counter() - start
@@ -221,24 +214,6 @@ def _streams_for(src: torch.device, dst: torch.device) -> Iterator[Callable[[], 
         for dev in dict.fromkeys(devices):
             stack.enter_context(torch.cuda.stream(streams[dev]))
         yield lambda: [stream.synchronize() for stream in streams.values()]
-
-
-# Layers copied (and their digest taken) together at the end: a digest of one
-# group runs on the SMs while the copy engines move the next.
-_LAYERS_PER_GROUP = 4
-
-
-def _spans(d: Descriptor, pool: torch.Tensor, page_size: int) -> list[tuple[int, int, int]]:
-    """(first layer, end layer, digest position base) groups of a descriptor's layers.
-
-    Digests of parts add up to the digest of the whole only when they count
-    positions in the same words: 4-byte ones, which rows of whole words give."""
-    row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
-    if row_bytes % 4:
-        return [(d.layer_start, d.layer_end, 0)]
-    layer_words = 2 * len(d.pages) * page_size * row_bytes // 4  # K and V of every page of one layer
-    return [(first, min(d.layer_end, first + _LAYERS_PER_GROUP), (first - d.layer_start) * layer_words)
-            for first in range(d.layer_start, d.layer_end, _LAYERS_PER_GROUP)]
 
 
 def _on(device: torch.device):

@@ -188,23 +188,3 @@ def test_gather_scatter_gpu_bf16_round_trip(page_size):
     scatter_pages_ref(buf, want, dst_pages, page_size, 2, 7)
     assert torch.equal(_bytes(dst), _bytes(want))
 
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.uint8])
-@pytest.mark.parametrize("page_size", [1, 4])
-def test_copy_pool_pages_moves_pages_between_pools(dtype, page_size):
-    from kernels.page_copy import copy_pool_pages_ref, copy_pool_pages_triton
-
-    gen = torch.Generator().manual_seed(page_size)
-    src = _random_pool(KVCacheSpec(3, 2, 4, dtype, page_size), 9, gen)
-    dst = _random_pool(KVCacheSpec(3, 2, 4, dtype, page_size), 6, gen)
-    src_pages, dst_pages = torch.tensor([7, 0, 3, 8]), torch.tensor([5, 1, 0, 2])
-    want = dst.clone()
-    copy_pool_pages_ref(src, src_pages, want, dst_pages, page_size, 1, 3)
-    copy_pool_pages_triton(src, src_pages, dst, dst_pages, page_size, 1, 3)
-    assert torch.equal(_bytes(dst), _bytes(want))
-    assert torch.equal(_bytes(want[:, :, dst_pages[0] * page_size:(dst_pages[0] + 1) * page_size][1:3]),
-                       _bytes(src[1:3, :, 7 * page_size:8 * page_size]))
-    with pytest.raises(ValueError, match="distinct"):
-        copy_pool_pages_triton(src, src_pages[:2], dst, torch.tensor([1, 1]), page_size, 0, 1)
-    with pytest.raises(ValueError, match="but dst_pages"):
-        copy_pool_pages_triton(src, src_pages, dst, dst_pages[:3], page_size, 0, 1)
