@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transfer.client import KVClient  # noqa: E402
 from transfer.contract import POOL_LAYOUT, Agreement, Topology  # noqa: E402
-from transfer.server import TensorPageSource, serve  # noqa: E402
+from transfer.server import serve  # noqa: E402
+from transfer.sources import TensorPageSource  # noqa: E402
 from transfer.status import grpc_options  # noqa: E402
 from transfer.wire import WIRE_VERSION  # noqa: E402
 

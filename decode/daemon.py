@@ -45,7 +45,8 @@ from transfer.client import KVClient, RemoteError, RetryPolicy, channel_options
 from transfer.contract import Agreement, LayoutContract
 from transfer.fastpath_client import FastPath
 from transfer.security import SecurityConfig, bind, make_server, open_channel
-from transfer.server import ContractOnlySource, KVTransferService, add_transfer_service
+from transfer.server import KVTransferService, add_transfer_service
+from transfer.sources import ContractOnlySource
 from transfer.status import TRANSFER_SERVICE
 
 if TYPE_CHECKING:

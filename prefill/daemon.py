@@ -55,10 +55,10 @@ from transfer.requests import prompt_from_proto, request_id_from_proto, sampling
 from transfer.security import SecurityConfig, bind, make_server
 from transfer.server import (
     EPOCH_METADATA_KEY,
-    ContractOnlySource,
     KVTransferService,
     add_transfer_service,
 )
+from transfer.sources import ContractOnlySource
 from transfer.status import TRANSFER_SERVICE, Refusal, refusals
 
 log = logging.getLogger("lanekv.prefill")

@@ -22,7 +22,7 @@ from kernels.page_copy import gather_pages
 from kernels.page_digest import page_digest
 from transfer.contract import Agreement
 from transfer.fastpath import as_u64
-from transfer.server import TensorPageSource
+from transfer.sources import TensorPageSource
 
 
 class RankPageSource(TensorPageSource):

@@ -26,7 +26,8 @@ from prefill.sampling import SamplingParams
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
 from transfer.contract import LayoutContract
-from transfer.server import TensorPageSource, serve
+from transfer.server import serve
+from transfer.sources import TensorPageSource
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE_SIZE = 4

@@ -43,7 +43,8 @@ from transfer.fastpath import (
 )
 from transfer.fastpath_client import DigestMismatch, FastPath
 from transfer.progress import LayerProgress, PrefillFailed
-from transfer.server import TensorPageSource, serve
+from transfer.server import serve
+from transfer.sources import TensorPageSource
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1

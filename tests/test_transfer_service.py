@@ -29,7 +29,8 @@ from transfer.client import (
     handshake,
     release,
 )
-from transfer.server import KVTransferService, TensorPageSource, serve
+from transfer.server import KVTransferService, serve
+from transfer.sources import TensorPageSource
 from transfer.wire import WIRE_VERSION
 
 pytestmark = [

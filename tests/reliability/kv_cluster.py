@@ -21,7 +21,8 @@ import torch
 from proto import lanekv_pb2
 from transfer.contract import POOL_LAYOUT, Agreement, Topology
 from transfer.security import SecurityConfig
-from transfer.server import Served, TensorPageSource, serve
+from transfer.server import Served, serve
+from transfer.sources import TensorPageSource
 from transfer.wire import WIRE_VERSION
 
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4

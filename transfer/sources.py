@@ -1,0 +1,173 @@
+"""Page sources of the KVTransfer service (``transfer.server.PageSource``).
+
+``TensorPageSource`` serves the pages of one pool tensor (a prefill rank's,
+through ``prefill.page_source.RankPageSource``, or a test's); each request
+it holds has a ``LayerProgress`` so FetchKV can send layers as they are
+written. ``ContractOnlySource`` holds no pages: a daemon's own port answers
+Handshake with it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernels.page_digest import page_digest
+from transfer.contract import Agreement, LayoutContract, Topology
+from transfer.fastpath import PoolHandle, as_u64, share_pool
+from transfer.progress import LayerProgress
+from transfer.wire import kv_dtype
+
+
+class ContractOnlySource:
+    """A ``PageSource`` that answers Handshake and holds no pages (a daemon's own
+    port: the prefill parent, the decode daemon); FetchKV and Release are NOT_FOUND."""
+
+    rank = 0
+
+    def __init__(self, contract: LayoutContract, why: str) -> None:
+        self._contract = contract
+        self._why = why
+
+    def contract(self) -> LayoutContract:
+        return self._contract
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        raise KeyError(self._why)
+
+    def ready(self, request_id: str, layer_end: int, timeout_s: float,
+              alive: Callable[[], bool]) -> tuple[int, Any]:
+        raise KeyError(self._why)
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
+        raise KeyError(self._why)
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+        raise KeyError(self._why)
+
+    def share(self, transports: Sequence[str]) -> PoolHandle:
+        raise ValueError(self._why)
+
+    def release(self, request_id: str) -> int:
+        raise KeyError(self._why)
+
+
+class TensorPageSource:
+    """An in-memory ``PageSource`` over one pool tensor ``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
+
+    # Released ids remembered so that a late fetch hears 'released', not 'unknown'.
+    RELEASED_MEMORY = 4096
+
+    def __init__(
+        self, agreement: Agreement, rank: int, pool: torch.Tensor, topology: Topology | None = None,
+        shared_path: Path | None = None,
+    ) -> None:
+        rows = pool.shape[2] if pool.dim() == 5 else -1
+        expected = (agreement.num_layers, 2, rows, agreement.num_kv_heads, agreement.head_dim)
+        if pool.dim() != 5 or tuple(pool.shape) != expected or rows % agreement.page_size:
+            raise ValueError(
+                f"pool must be [num_layers, 2, num_pages * page_size, kv_heads, head_dim] = {expected}, got {tuple(pool.shape)}"
+            )
+        if pool.dtype != kv_dtype(agreement.kv_dtype):
+            raise ValueError(f"pool dtype is {pool.dtype}, the agreement says {agreement.kv_dtype}")
+        self._agreement = agreement
+        self._rank = rank
+        self._pool = pool
+        self._num_pages = rows // agreement.page_size
+        self._topology = topology
+        self._shared_path = shared_path  # the /dev/shm file of a CPU pool made by fastpath.shared_cpu_pool
+        self._requests: dict[str, list[tuple[int, int]]] = {}
+        self._progress: dict[str, LayerProgress] = {}
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def pool(self) -> torch.Tensor:
+        """``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``, for subclasses' reads."""
+        return self._pool
+
+    def set_topology(self, topology: Topology) -> None:
+        with self._lock:
+            self._topology = topology
+
+    def contract(self) -> LayoutContract:
+        with self._lock:
+            if self._topology is None:
+                raise RuntimeError(f"rank {self._rank}: topology not set yet")
+            return LayoutContract(self._agreement, self._topology)
+
+    def add(self, request_id: str, pages: Sequence[tuple[int, int]], progress: LayerProgress | None = None) -> None:
+        """Pin (logical page, physical page) pairs of a request on this rank.
+
+        ``progress`` tracks a prefill that is still writing them (FetchKV sends
+        each layer once it is written); None: every layer is written already.
+        """
+        pages = [(int(logical), int(physical)) for logical, physical in pages]
+        for logical, physical in pages:
+            if not 0 <= physical < self._num_pages or logical < 0:
+                raise ValueError(
+                    f"page ({logical}, {physical}) is outside a pool of {self._num_pages} pages"
+                )
+        if len({p for p, _ in pages}) != len(pages) or len({p for _, p in pages}) != len(pages):
+            raise ValueError(f"request {request_id!r} lists a logical or physical page twice")
+        with self._lock:
+            if request_id in self._requests:
+                raise ValueError(f"request {request_id!r} is already held")
+            self._requests[request_id] = pages
+            self._progress[request_id] = progress or LayerProgress.done(self._agreement.num_layers)
+            self._released.pop(request_id, None)
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        with self._lock:
+            return list(self._lookup(request_id))
+
+    def ready(self, request_id: str, layer_end: int, timeout_s: float,
+              alive: Callable[[], bool]) -> tuple[int, Any]:
+        with self._lock:
+            self._lookup(request_id)
+            progress = self._progress[request_id]
+        return progress.wait(layer_end, timeout_s, alive)
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
+        return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end))
+
+    def share(self, transports: Sequence[str]) -> PoolHandle:
+        return share_pool(self._pool, self._shared_path, transports)
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
+        layers = self._pool[layer_start:layer_end]
+        num_layers, _, _, kv_heads, head_dim = layers.shape
+        # Index whole pages, not rows: one block of page_size * kv_heads * head_dim
+        # per page is ~6x faster on CPU. [num_layers, 2, num_pages, page_size * kv_heads * head_dim]
+        blocks = layers.reshape(num_layers, 2, self._num_pages, -1)
+        picked = blocks.index_select(2, torch.as_tensor(list(physical_pages), dtype=torch.long))
+        return picked.view(num_layers, 2, -1, kv_heads, head_dim)
+
+    def release(self, request_id: str) -> int:
+        with self._lock:
+            pages = self._lookup(request_id)
+            del self._requests[request_id]
+            self._progress.pop(request_id).fail("released")
+            self._released[request_id] = None
+            while len(self._released) > self.RELEASED_MEMORY:
+                self._released.popitem(last=False)
+            return len(pages)
+
+    def _lookup(self, request_id: str) -> list[tuple[int, int]]:
+        if request_id in self._requests:
+            return self._requests[request_id]
+        if request_id in self._released:
+            raise KeyError("released")
+        raise KeyError("unknown request")
