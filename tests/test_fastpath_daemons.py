@@ -90,6 +90,34 @@ def test_prefill_stream_sends_pages_first_and_a_fetch_between_gets_every_byte(ch
         assert wait_until(lambda: list(prefill.leases.held()) == [unary.request_id])
 
 
+@pytest.mark.timeout(120)
+def test_a_release_before_the_prefill_ends_frees_every_page_once(checkpoint):
+    with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, _):
+        free = prefill.engine.allocator.free_counts()
+        with grpc.insecure_channel(prefill.endpoint) as channel, KVClient() as kv:
+            stub = lanekv_pb2_grpc.PrefillServiceStub(channel)
+            ids = PROMPT * 8  # a few pages on each rank
+            call = stub.PrefillStream(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=ids),
+                                                                request_id="let-go"), timeout=60)
+            first = next(call)
+            epoch = dict(call.initial_metadata())[EPOCH_METADATA_KEY]
+            assert prefill.leases.held()["let-go"] == len(Manifest.decode(first.reply.manifest).pages)
+            # The decode side gives up at once: every rank releases, the prefill may still run.
+            freed = kv.release(dict(enumerate(first.reply.endpoints)), "let-go", first.reply.contract_fingerprint,
+                               epoch=epoch)
+            assert freed == len(Manifest.decode(first.reply.manifest).pages)
+            last = next(call)  # the prefill still answers
+            assert last.done and last.reply.first_token >= 0
+        assert wait_until(lambda: prefill.engine.allocator.free_counts() == free)
+        assert prefill.leases.held() == {}
+        # The id is free again, and the pages work for the next request.
+        with grpc.insecure_channel(prefill.endpoint) as channel:
+            stub = lanekv_pb2_grpc.PrefillServiceStub(channel)
+            again = stub.Prefill(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT),
+                                                           request_id="let-go"), timeout=60)
+            assert again.first_token >= 0
+
+
 @pytest.mark.timeout(180)
 def test_a_digest_that_never_matches_falls_back_to_grpc(checkpoint, monkeypatch):
     with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
