@@ -25,7 +25,8 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
-from decode.daemon import DecodeConfig, DecodeDaemon  # noqa: E402
+from decode.config import DecodeConfig  # noqa: E402
+from decode.daemon import DecodeDaemon  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402

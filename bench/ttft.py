@@ -47,7 +47,8 @@ import torch  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
 from bench.transfer import _raw_server, run_raw, start, stop  # noqa: E402
-from decode.daemon import DecodeConfig, DecodeDaemon  # noqa: E402
+from decode.config import DecodeConfig  # noqa: E402
+from decode.daemon import DecodeDaemon  # noqa: E402
 from kernels.page_copy import scatter_pages  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402

@@ -25,26 +25,24 @@ import logging
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from decode.budget import PageBudget
+from decode.config import DecodeConfig
 from decode.engine import DecodeEngine
 from decode.pool import PagePool
 from lanekv.metrics import MetricsEndpoint, Registry, serve_metrics
 from lanekv.rpc_metrics import lanekv_metrics
 from prefill.checkpoint import load_checkpoint
-from prefill.engine_config import DTYPES
 from proto import lanekv_pb2_grpc
-from transfer.client import KVClient, RemoteError, RetryPolicy, channel_options
+from transfer.client import KVClient, RemoteError, channel_options
 from transfer.contract import Agreement, LayoutContract
 from transfer.fastpath_client import FastPath
-from transfer.security import SecurityConfig, bind, make_server, open_channel
+from transfer.security import bind, make_server, open_channel
 from transfer.server import KVTransferService, add_transfer_service
 from transfer.sources import ContractOnlySource
 from transfer.status import TRANSFER_SERVICE
@@ -72,85 +70,6 @@ FAILURE_CAUSES = {
 }
 
 
-@dataclass(frozen=True)
-class DecodeConfig:
-    model_path: str
-    prefill_endpoint: str  # "host:port" of the prefill daemon (Prefill + Handshake)
-    page_size: int = 16  # must equal the prefill daemon's (the contract checks it)
-    dtype: str = "float32"  # model weights and KV pool
-    device: str = "auto"  # "cpu", "cuda" or "auto"
-    pool_pages: int = 4096  # physical pages in the decode pool
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 picks a free port
-    load_format: str = "safetensors"  # or "dummy" (seeded random weights, as the prefill daemon's)
-    max_batch_size: int = 256
-    max_workers: int = 64  # gRPC threads; each open Generate stream holds one
-    page_wait_s: float = 30.0  # how long a request waits for pages while the pool is full
-    connect_timeout_s: float = 30.0  # how long start-up waits for the prefill daemon to answer
-    request_timeout_s: float = 600.0  # prefill + transfer of one request, without a client deadline
-    max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request
-    fetch_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default
-    fetch_attempts: int = 4  # tries of a rank's stream in a row that bring nothing new
-    stall_timeout_s: float = 10.0  # a rank's stream silent this long is cut and retried
-    release_timeout_s: float = 10.0  # deadline of each Release at a prefill rank
-    metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
-    security: SecurityConfig = SecurityConfig()  # our port, and our channels to prefill and its ranks
-    # "auto": ranks on this host that share their pool are read in place
-    # (transfer.fastpath), the others over gRPC; "grpc": every rank over gRPC.
-    transport: str = "auto"
-
-    def __post_init__(self) -> None:
-        if self.transport not in ("auto", "grpc"):
-            raise ValueError(f"transport must be auto or grpc, got transport={self.transport!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
-        if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got device={self.device!r}")
-        if self.load_format not in ("safetensors", "dummy"):
-            raise ValueError(f"load_format must be safetensors or dummy, got load_format={self.load_format!r}")
-        for name in ("page_size", "pool_pages", "max_batch_size", "max_workers", "max_inflight_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got port={self.port!r}")
-        if self.metrics_port is not None and (
-            isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int)
-            or not 0 <= self.metrics_port <= 65535
-        ):
-            raise ValueError(f"metrics_port must be None or in [0, 65535], got metrics_port={self.metrics_port!r}")
-        if not isinstance(self.security, SecurityConfig):
-            raise TypeError(f"security must be a SecurityConfig, got security={self.security!r}")
-        if isinstance(self.fetch_chunk_bytes, bool) or not isinstance(self.fetch_chunk_bytes, int) \
-                or self.fetch_chunk_bytes < 0:
-            raise ValueError(f"fetch_chunk_bytes must be an integer >= 0, got fetch_chunk_bytes={self.fetch_chunk_bytes!r}")
-        if isinstance(self.fetch_attempts, bool) or not isinstance(self.fetch_attempts, int) or self.fetch_attempts < 1:
-            raise ValueError(f"fetch_attempts must be an integer >= 1, got fetch_attempts={self.fetch_attempts!r}")
-        for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
-        if not (Path(self.model_path) / "config.json").is_file():
-            raise ValueError(f"model_path={self.model_path!r} has no config.json")
-        host, _, port = self.prefill_endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
-            raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
-
-    @property
-    def fetch_retry(self) -> RetryPolicy:
-        """How a KV fetch retries a rank's stream (``transfer.fetch``)."""
-        return RetryPolicy(attempts=self.fetch_attempts, stall_s=self.stall_timeout_s)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
-
-    @property
-    def resolved_device(self) -> str:
-        if self.device == "auto":
-            return "cuda" if torch.cuda.is_available() else "cpu"
-        return self.device
-
-
 class DecodeStats(NamedTuple):
     free_pages: int  # pages of the pool not held by any request
     total_pages: int
@@ -159,58 +78,6 @@ class DecodeStats(NamedTuple):
     finished: int  # streams that ended with a finish reason
     cancelled: int  # streams the client left (or the daemon stopped) before their end
     refused: int  # calls answered with an error status
-
-
-class PageBudget:
-    """Pages promised to admitted requests, each counted at its longest possible length.
-
-    A request is admitted only when every page it may ever hold (prompt plus
-    ``max_new_tokens``) fits beside the promises already made, so the pool never
-    runs dry under a running request and ``DecodeEngine`` admits it at once.
-    Waiters are served in arrival order: a large request is not overtaken forever.
-    """
-
-    def __init__(self, total_pages: int) -> None:
-        self.total_pages = total_pages
-        self._used = 0
-        self._waiters: deque[object] = deque()
-        self._cond = threading.Condition()
-
-    @property
-    def used(self) -> int:
-        with self._cond:
-            return self._used
-
-    def acquire(self, pages: int, timeout_s: float, abandoned: threading.Event) -> bool:
-        """Promise ``pages``; False when ``timeout_s`` passes or ``abandoned`` is set first."""
-        if pages > self.total_pages:
-            raise ValueError(f"{pages} pages can never fit a pool of {self.total_pages}")
-        ticket = object()
-        with self._cond:
-            self._waiters.append(ticket)
-            try:
-                self._cond.wait_for(
-                    lambda: abandoned.is_set()
-                    or (self._waiters[0] is ticket and self._used + pages <= self.total_pages),
-                    timeout=timeout_s,
-                )
-                if abandoned.is_set() or self._waiters[0] is not ticket or self._used + pages > self.total_pages:
-                    return False
-                self._used += pages
-                return True
-            finally:
-                self._waiters.remove(ticket)
-                self._cond.notify_all()
-
-    def release(self, pages: int) -> None:
-        with self._cond:
-            self._used -= pages
-            self._cond.notify_all()
-
-    def wake(self) -> None:
-        """Let waiters re-check (one of them was abandoned)."""
-        with self._cond:
-            self._cond.notify_all()
 
 
 class DecodeDaemon:

@@ -10,7 +10,8 @@ import argparse
 import logging
 import sys
 
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
 from lanekv.serving import serve_until_signal
 from transfer.client import ContractMismatch, TransferError
 from transfer.contract import format_diff

@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 

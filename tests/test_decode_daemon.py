@@ -18,7 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
 from lanekv.client_commands import fetch_contract
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig

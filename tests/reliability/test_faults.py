@@ -36,7 +36,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
 from prefill.daemon import PREFILL_SERVICE, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc

@@ -27,7 +27,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2 as pb

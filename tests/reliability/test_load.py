@@ -24,7 +24,8 @@ import pytest
 import torch
 
 from decode.colocated import generate_colocated
-from decode.daemon import DecodeConfig, DecodeDaemon
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
 from decode.pool import PagePool
 from prefill.checkpoint import load_model
 from prefill.daemon import DaemonConfig, PrefillDaemon
