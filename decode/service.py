@@ -54,12 +54,12 @@ import grpc
 import torch
 
 from decode.daemon import SHUTDOWN, DecodeDaemon
+from decode.detokenize import Detokenizer
 from decode.engine import TokenEvent
 from decode.pool import PageTable, PoolExhausted
 from decode.remote import ATTACH_TIMEOUT_S, FastFetches, PrefillCall, transfer_refusal
 from kernels.page_copy import scatter_pages
 from prefill.sampling import SamplingParams
-from prefill.tokenizer import Tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.client import FetchStats, RankStats, TransferError
 from transfer.manifest import Manifest
@@ -156,7 +156,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 prepared = self._prepare(call, context)
                 d.transferred(spec, prepared)
                 context.set_trailing_metadata(prepared.metadata())
-                text = _Detokenizer(d.tokenizer)
+                text = Detokenizer(d.tokenizer)
                 yield _reply(spec.request_id, TokenEvent(spec.request_id, prepared.first_token, 0, False, None), text)
                 for event in self._events(call):
                     yield _reply(spec.request_id, event, text)
@@ -415,35 +415,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             self.d.budget.release(call.reserved_pages)
 
 
-class _Detokenizer:
-    """Text pieces of a stream of ids: each piece is what the new ids add to the text.
-
-    Only a short window is decoded per token (the ids since the last piece and
-    the one before them, whose text is subtracted), so a long stream costs
-    linear time; the window keeps a leading context because tokenizers render
-    a token's leading space differently at the start of a text.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._prefix = 0  # window start
-        self._read = 0  # ids before this one are in the text already
-
-    def piece(self, token_id: int | None) -> str:
-        if self._tokenizer is None or token_id is None:
-            return ""
-        self._ids.append(token_id)
-        before = self._tokenizer.decode(self._ids[self._prefix:self._read])
-        text = self._tokenizer.decode(self._ids[self._prefix:])
-        # Hold a multi-byte character until it is complete.
-        if len(text) <= len(before) or text.endswith("\ufffd"):
-            return ""
-        self._prefix, self._read = self._read, len(self._ids)
-        return text[len(before):]
-
-
-def _reply(request_id: str, event: TokenEvent, text: _Detokenizer) -> lanekv_pb2.GenerateReply:
+def _reply(request_id: str, event: TokenEvent, text: Detokenizer) -> lanekv_pb2.GenerateReply:
     return lanekv_pb2.GenerateReply(
         request_id=request_id,
         token_ids=[] if event.token_id is None else [event.token_id],
