@@ -296,6 +296,26 @@ def test_descriptors_follow_the_prefill_layer_by_layer(rank):
     assert torch.equal(dst[:, :, :2 * PAGE], pool[:, :, rows_of([2, 3])])
 
 
+def test_a_new_prefill_start_is_attached_again_and_an_old_one_refused():
+    path = SHM_DIR / f"lanekv-test-{uuid.uuid4().hex}"
+    agreement = make_agreement(kv_dtype="float16")
+    pool = shared_cpu_pool(path, (LAYERS, 2, 8 * PAGE, 2, 8), torch.float16, 0.0)
+    source = TensorPageSource(agreement, 0, pool, shared_path=path)
+    served = serve(source, epoch="start-2")
+    endpoint = f"127.0.0.1:{served.port}"
+    source.set_topology(Topology(1, "in_seq", "page_mod_cp", (endpoint,)))
+    try:
+        with KVClient() as kv:
+            fast = FastPath(kv, agreement, transports=[SHM])
+            assert fast.pool(endpoint, "start-1", 10) is None  # refused: pages of another start
+            assert fast.transport(endpoint) == "grpc"
+            assert fast.pool(endpoint, "start-2", 10) is not None  # a new epoch asks again
+            assert fast.transport(endpoint) == SHM
+    finally:
+        served.server.stop(None)
+        remove_shared_pool(path)
+
+
 def test_a_rank_on_another_host_is_read_over_grpc(rank, monkeypatch):
     _, _, endpoint, agreement, kv = rank
     monkeypatch.setattr("transfer.fastpath_client.host_id", lambda: "elsewhere/0")

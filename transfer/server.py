@@ -210,6 +210,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
     def AttachPool(self, request, context):
         with refusals(context):
             self._agreed("attach", request.fingerprint)
+            self._same_start(context)
             here = host_id()
             if request.host_id != here:
                 raise Refusal(Code.FAILED_PRECONDITION,
