@@ -85,6 +85,7 @@ class Prepared(NamedTuple):
     first_token: int
     prefill_s: float
     fetch: FetchStats
+    paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm" or "cuda_ipc"
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Trailing metadata of the stream: what the transfer cost."""
@@ -93,6 +94,7 @@ class Prepared(NamedTuple):
             ("lanekv-transfer-bytes", str(self.fetch.bytes)),
             ("lanekv-transfer-chunks", str(self.fetch.chunks)),
             ("lanekv-transfer-seconds", f"{self.fetch.seconds:.6f}"),
+            ("lanekv-transfer-paths", ",".join(f"{rank}:{how}" for rank, how in sorted(self.paths.items()))),
         )
 
 
@@ -106,6 +108,7 @@ class _Call:
     lock: threading.Lock = field(default_factory=threading.Lock)
     reserved_pages: int = 0  # promised by the daemon's PageBudget
     pinned_at: dict[int, str] | None = None  # prefill ranks still pinning the request's pages
+    paths: dict[int, str] = field(default_factory=dict)  # how each owner rank's KV came
     fingerprint: str = ""
     epoch: str | None = None  # the prefill daemon start that pinned the pages
     table: PageTable | None = None  # our pages, until the engine owns them
@@ -233,7 +236,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
-        return Prepared(reply.first_token, prefill.seconds, fetched)
+        return Prepared(reply.first_token, prefill.seconds, fetched, call.paths)
 
     def _manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
         d = self.d
@@ -300,6 +303,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         start = time.perf_counter()
         fast = FastFetches(d, call, shared, endpoints, pages, placed, deadline)
         over_grpc = [rank for rank in owners if rank not in shared]
+        call.paths = {rank: "grpc" if rank in over_grpc else d.fastpath.transport(endpoints[rank]) for rank in owners}
         per_rank: dict[int, RankStats] = {}
         retries = 0
         try:
@@ -311,6 +315,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         finally:
             fast.stop()
         if failed:  # a digest that did not match: fetch those ranks again, over gRPC
+            call.paths.update(dict.fromkeys(failed, "grpc"))
             retries += len(failed)
             stats = self._grpc_fetch(call, {r: endpoints[r] for r in failed}, pages, place, deadline)
             per_rank.update(stats.per_rank)

@@ -215,7 +215,8 @@ def _print_transfer(out: Generation) -> None:
     rate = nbytes / seconds / 1e6 if seconds > 0 else float("nan")
     prefill_ms = float(meta.get("lanekv-prefill-seconds", 0)) * 1e3
     print(f"KV transfer: {nbytes:,} bytes in {seconds * 1e3:.2f} ms ({rate:.1f} MB/s), "
-          f"{meta.get('lanekv-transfer-chunks', '?')} chunks; prefill {prefill_ms:.1f} ms")
+          f"{meta.get('lanekv-transfer-chunks', '?')} chunks, by rank:path {meta.get('lanekv-transfer-paths', '?')}; "
+          f"prefill {prefill_ms:.1f} ms")
     print(f"end to end: {len(out.tokens)} tokens in {out.seconds * 1e3:.0f} ms "
           f"({len(out.tokens) / out.seconds:.1f} tokens/s incl. prefill and transfer)")
 

@@ -116,6 +116,10 @@ def test_concurrent_generations_equal_transformers(daemons, checkpoint, referenc
         assert text == tokenizer.decode(tokens)
         assert int(stats["lanekv-transfer-bytes"]) == -(-len(ids) // agreement.page_size) * page_bytes
         assert float(stats["lanekv-transfer-seconds"]) > 0 and float(stats["lanekv-prefill-seconds"]) > 0
+        how = "shm" if decode.config.transport == "auto" else "grpc"
+        paths = dict(item.split(":") for item in stats["lanekv-transfer-paths"].split(","))
+        assert paths and set(paths.values()) == {how}
+        assert {int(r) for r in paths} <= set(range(prefill.topology.cp_size))
     # Both sides have every page back: decode at once, prefill once the ranks' releases arrive.
     stats = decode.stats()
     assert (stats.free_pages, stats.reserved_pages, stats.active_requests) == (stats.total_pages, 0, 0)
