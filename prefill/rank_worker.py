@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import traceback
@@ -23,7 +24,7 @@ from prefill.layout import OwnerLaneLayout
 from prefill.page_source import RankPageSource
 from prefill.runner import PrefillBatch, RankRunner
 from transfer.contract import Agreement, Topology
-from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool
+from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
 from transfer.progress import LayerProgress
 from transfer.security import SecurityConfig
 from transfer.server import serve
@@ -169,9 +170,10 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     device = next(loaded.model.parameters()).device
     rows = config.pages_per_lane * config.page_size
     shape = (cfg.num_layers, 2, rows, cfg.num_kv_heads, cfg.head_dim)
-    if shared_path is not None and device.type == "cpu":
+    nbytes = math.prod(shape) * config.torch_dtype.itemsize
+    if shared_path is not None and device.type == "cpu" and shm_room(shared_path.parent) >= nbytes:
         pool = shared_cpu_pool(shared_path, shape, config.torch_dtype, config.pool_fill)
-    else:
+    else:  # a GPU pool (shared by CUDA IPC), or a /dev/shm too small: a private pool, served over gRPC only
         shared_path = None
         pool = torch.full(shape, config.pool_fill, dtype=config.torch_dtype, device=device)
     runner = RankRunner(

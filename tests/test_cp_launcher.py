@@ -84,3 +84,23 @@ def test_cp_prefill_through_interpreted_triton_kernels(checkpoint, monkeypatch):
     for g, w in zip(got, want):
         assert g.first_token == w.first_token
         torch.testing.assert_close(g.logits, w.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cpu_pool_goes_to_shm_only_when_it_fits(checkpoint, monkeypatch, tmp_path):
+    import prefill.rank_worker as rank_worker
+    from prefill.engine_config import load_for
+    from transfer.fastpath import SHM_DIR, remove_shared_pool
+
+    cfg = EngineConfig(str(checkpoint), cp_size=1, page_size=4, pages_per_lane=8)
+    loaded = load_for(cfg, "cpu")
+    path = SHM_DIR / f"lanekv-test-{os.getpid()}-fits"
+    try:
+        shared = rank_worker.build_runner(loaded, cfg, 0, None, path)
+        assert shared.shared_path == path and path.stat().st_size == shared.pool.numel() * shared.pool.element_size()
+    finally:
+        remove_shared_pool(path)
+    # A /dev/shm with too little room (64 MiB in many containers) would fault on the first write.
+    monkeypatch.setattr(rank_worker, "shm_room", lambda directory: 1024)
+    private = rank_worker.build_runner(loaded, cfg, 0, None, path)
+    assert private.shared_path is None and not path.exists()
+    assert torch.equal(private.pool, shared.pool)  # the same fill either way

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import kernels.page_digest as page_digest_module
+import transfer.fastpath as fastpath
 from kernels.page_copy import gather_pages, scatter_pages
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
@@ -74,6 +75,11 @@ def test_kv_digest_notices_one_word_and_swapped_pages():
     assert kv_digest(pages[[1, 0, 2, 3]].contiguous()) != base
     with pytest.raises(ValueError, match="contiguous"):
         kv_digest(pages.transpose(0, 1))
+
+
+def test_shm_room_counts_free_bytes(tmp_path):
+    assert fastpath.shm_room(SHM_DIR) > 0
+    assert fastpath.shm_room(tmp_path / "missing") == 0
 
 
 def test_page_runs_group_consecutive_pairs():

@@ -96,6 +96,16 @@ def shared_cpu_pool(path: Path, shape: Sequence[int], dtype: torch.dtype, fill: 
     return pool
 
 
+def shm_room(directory: Path = SHM_DIR) -> int:
+    """Bytes free under ``directory``: a pool larger than that would fault (SIGBUS) when
+    written, so it is not put there (containers often give /dev/shm 64 MiB)."""
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return 0
+    return stats.f_bavail * stats.f_frsize
+
+
 def remove_shared_pool(path: Path | None) -> None:
     if path is not None:
         try:
