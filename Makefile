@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) bench/transfer.py --tokens 4096 --servers 1,2 --repeats 1
 	$(PY) bench/prefill.py --tiny --tokens 256 1024 --cp 1 2 --page-size 16 --repeat 2
 	$(PY) bench/e2e.py --tiny --cp 2 --page-size 16 --prompt-tokens 256 1024 --batches 1 16 --max-new-tokens 16 --repeat 1
+	$(PY) bench/ttft.py --tiny --cp 2 --page-size 16 --tokens 256 1024 --repeat 1
 
 # A 2-rank prefill daemon and a decode daemon as processes, one generation, checked
 # against a single-process run. MODEL=DIR uses a real checkpoint; DEMO_ARGS adds flags
