@@ -32,12 +32,8 @@ _BLOCK = 1024
 _DIGEST_BLOCK = 1 << 24
 
 
-def kv_digest(t: torch.Tensor, position_base: int = 0) -> int:
+def kv_digest(t: torch.Tensor) -> int:
     """A 64-bit digest of a contiguous tensor's bytes: sum of word[i] * w(i) mod 2^64.
-
-    ``position_base`` counts the words before ``t`` (``w(position_base + i)``):
-    digests of consecutive parts of a buffer add up (mod 2^64) to the digest
-    of the whole.
 
     ``w(i)`` is odd and depends on the position, so any one changed word, and
     words that swapped places, change the digest. Integer sums wrap and
@@ -52,8 +48,7 @@ def kv_digest(t: torch.Tensor, position_base: int = 0) -> int:
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     for start in range(0, words.numel(), _DIGEST_BLOCK):
         part = words[start:start + _DIGEST_BLOCK].to(torch.int64)
-        first = position_base + start
-        weights = torch.arange(first, first + part.numel(), dtype=torch.int64, device=t.device)
+        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
         weights.mul_(DIGEST_WEIGHT).bitwise_or_(1)
         total += (part * weights).sum()
     return int(total.item()) & _U64
@@ -63,7 +58,7 @@ def kv_digest(t: torch.Tensor, position_base: int = 0) -> int:
 def _page_digest_kernel(
     pool_ptr, pages_ptr, out_ptr,
     num_pool_pages, page_words, chunks_per_page, layer_start, num_slots,
-    stride_pool_layer, stride_pool_kv, weight, position_base,
+    stride_pool_layer, stride_pool_kv, weight,
     BLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)  # (index in pages) * chunks_per_page + chunk
@@ -79,7 +74,7 @@ def _page_digest_kernel(
     src = (layer + layer_start) * stride_pool_layer + kv * stride_pool_kv + page * page_words + word
     values = tl.load(pool_ptr + src, mask=mask, other=0).to(tl.int64)
     # Where the word sits in the gathered buffer [layers, 2, pages, page_words].
-    position = position_base + (lkv.to(tl.int64) * num_slots + slot) * page_words + word
+    position = (lkv.to(tl.int64) * num_slots + slot) * page_words + word
     weights = (position * weight) | 1
     partial = tl.sum(tl.where(mask, values * weights, 0), axis=0)
     tl.store(out_ptr + lkv.to(tl.int64) * num_slots * chunks_per_page + pid, partial)
@@ -96,9 +91,8 @@ def _check(pool, pages, page_size, layer_start, layer_end) -> int:
 
 
 def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                       layer_end: int, position_base: int = 0) -> torch.Tensor:
-    """0-dim int64 on the pool's device: the digest as a signed 64-bit integer
-    (``position_base``: 4-byte words before these, as in ``kv_digest``)."""
+                       layer_end: int) -> torch.Tensor:
+    """0-dim int64 on the pool's device: the digest as a signed 64-bit integer."""
     num_pages = _check(pool, pages, page_size, layer_start, layer_end)
     row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
     if row_bytes % 4 or not pool.is_contiguous():
@@ -114,29 +108,25 @@ def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, 
     grid = (pages.shape[0] * chunks, layers * 2)
     # The launch and the sum below on one stream: the current one of the pool's device.
     with torch.cuda.device(pool.device) if pool.is_cuda else contextlib.nullcontext():
-        _launch_digest(grid, words, pages, partials, num_pages, page_words, chunks, layer_start, position_base)
+        _page_digest_kernel[grid](
+            words, pages, partials,
+            num_pages, page_words, chunks, layer_start, pages.shape[0],
+            words.stride(0), words.stride(1), DIGEST_WEIGHT,
+            BLOCK=_BLOCK, num_warps=4,
+        )
         return partials.sum()
 
 
-def _launch_digest(grid, words, pages, partials, num_pages, page_words, chunks, layer_start, position_base) -> None:
-    _page_digest_kernel[grid](
-        words, pages, partials,
-        num_pages, page_words, chunks, layer_start, pages.shape[0],
-        words.stride(0), words.stride(1), DIGEST_WEIGHT, position_base,
-        BLOCK=_BLOCK, num_warps=4,
-    )
-
-
 def page_digest_ref(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                    layer_end: int, position_base: int = 0) -> torch.Tensor:
+                    layer_end: int) -> torch.Tensor:
     _check(pool, pages, page_size, layer_start, layer_end)
-    value = kv_digest(gather_pages_ref(pool, pages, page_size, layer_start, layer_end), position_base)
+    value = kv_digest(gather_pages_ref(pool, pages, page_size, layer_start, layer_end))
     return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.int64, device=pool.device)
 
 
 def page_digest(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                layer_end: int, position_base: int = 0) -> torch.Tensor:
+                layer_end: int) -> torch.Tensor:
     row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size() if pool.dim() == 5 else 0
     if use_triton(pool) and row_bytes % 4 == 0 and pool.is_contiguous():
-        return page_digest_triton(pool, pages, page_size, layer_start, layer_end, position_base)
-    return page_digest_ref(pool, pages, page_size, layer_start, layer_end, position_base)
+        return page_digest_triton(pool, pages, page_size, layer_start, layer_end)
+    return page_digest_ref(pool, pages, page_size, layer_start, layer_end)

@@ -207,10 +207,6 @@ class PrefillDaemon:
         done.add_done_callback(finished)
         return rid, started, done
 
-    def prefill(self, inp: PrefillInput, timeout_s: float | None = None) -> PrefillResult:
-        _, _, done = self.submit(inp)
-        return done.result(timeout=timeout_s or self.config.request_timeout_s)
-
     def _run_batch(self, inputs: list[PrefillInput]) -> list[PrefillResult]:
         pinned: list[str] = []
 

@@ -12,16 +12,15 @@ the leases; an expired lease makes the rank ``forget`` the request.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernels.page_copy import gather_pages
-from kernels.page_digest import page_digest
 from transfer.contract import Agreement
-from transfer.fastpath import as_u64
 from transfer.sources import TensorPageSource
 
 
@@ -39,21 +38,21 @@ class RankPageSource(TensorPageSource):
         self._on_release = on_release
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
 
-    def _gather(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any) -> torch.Tensor:
-        pages = torch.as_tensor(list(physical_pages), dtype=torch.int64)
-        if self._stream is None:
-            return gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
-        if after is not None:
-            self._stream.wait_event(after)
-        return gather_pages(self.pool, pages.to(self.pool.device, non_blocking=True), self._page_size,
-                            layer_start, layer_end)
+    @contextlib.contextmanager
+    def _on_stream(self, after: Any) -> Iterator[None]:
+        """Work inside runs on the read stream, after the event of the layers it reads."""
+        with torch.cuda.stream(self._stream):
+            if after is not None:
+                self._stream.wait_event(after)
+            yield
 
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
              after: Any = None) -> torch.Tensor:
         if self._stream is None:
-            return self._gather(physical_pages, layer_start, layer_end, after)
-        with torch.cuda.stream(self._stream):
-            out = self._gather(physical_pages, layer_start, layer_end, after)
+            return super().read(physical_pages, layer_start, layer_end, after)
+        with self._on_stream(after):
+            pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self.pool.device, non_blocking=True)
+            out = gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
             # Pinned (and reused by torch's host cache): a device-to-host copy several times faster.
             host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host.copy_(out, non_blocking=True)
@@ -63,11 +62,8 @@ class RankPageSource(TensorPageSource):
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
         if self._stream is None:
             return super().digest(physical_pages, layer_start, layer_end, after)
-        with torch.cuda.stream(self._stream):
-            if after is not None:
-                self._stream.wait_event(after)
-            pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self.pool.device, non_blocking=True)
-            return as_u64(page_digest(self.pool, pages, self._page_size, layer_start, layer_end))
+        with self._on_stream(after):
+            return super().digest(physical_pages, layer_start, layer_end)
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

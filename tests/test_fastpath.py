@@ -26,6 +26,7 @@ import torch
 import kernels.page_digest as page_digest_module
 import transfer.fastpath as fastpath
 from kernels.page_copy import gather_pages, scatter_pages
+from kernels.page_digest import kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from transfer.client import KVClient
@@ -37,7 +38,6 @@ from transfer.fastpath import (
     PoolHandle,
     copy_pages,
     host_id,
-    kv_digest,
     page_runs,
     remove_shared_pool,
     shared_cpu_pool,

@@ -42,7 +42,6 @@ import msgpack
 import torch
 
 from kernels.page_copy import gather_pages, scatter_pages
-from kernels.page_digest import kv_digest  # noqa: F401 - the digest of the fast path, re-exported
 from transfer.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
@@ -255,21 +254,21 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
                 for kv in (0, 1):
                     dst_pool[layer, kv, rows_d].copy_(src_pool[layer, kv, rows_s], non_blocking=True)
         return
-    with _on(src_pool.device):
+    with on_device(src_pool.device):
         src_index = torch.as_tensor(list(src_pages), dtype=torch.int64).to(src_pool.device)
-    with _on(dst_pool.device):
+    with on_device(dst_pool.device):
         dst_index = torch.as_tensor(list(dst_pages), dtype=torch.int64).to(dst_pool.device)
     layer_bytes = 2 * len(src_pages) * page_size * src_pool[0, 0, 0].numel() * src_pool.element_size()
     step = max(1, MAX_STAGING_BYTES // layer_bytes)  # layers per buffer
     for first in range(layer_start, layer_end, step):
         last = min(layer_end, first + step)
-        with _on(src_pool.device):
+        with on_device(src_pool.device):
             buf = gather_pages(src_pool, src_index, page_size, first, last)
-        with _on(dst_pool.device):
+        with on_device(dst_pool.device):
             scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, first, last)
 
 
-def _on(device: torch.device):
+def on_device(device: torch.device):
     """Kernels launched inside run on ``device`` (CUDA); a no-op for the CPU."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 

@@ -34,6 +34,7 @@ from transfer.fastpath import (
     as_u64,
     copy_pages,
     host_id,
+    on_device,
     open_pool,
     page_runs,
 )
@@ -154,7 +155,7 @@ class FastPath:
                 for d, dst in received:
                     copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
             # Every digest on the device first, then one wait: no sync per layer.
-            with _on(dst_pool.device):
+            with on_device(dst_pool.device):
                 digests = [page_digest(dst_pool, torch.as_tensor(dst, dtype=torch.int64).to(dst_pool.device), ps,
                                        d.layer_start, d.layer_end) for d, dst in received]
                 got = [as_u64(t) for t in torch.stack(digests).cpu()] if digests else []
@@ -214,10 +215,6 @@ def _streams_for(src: torch.device, dst: torch.device) -> Iterator[Callable[[], 
         for dev in dict.fromkeys(devices):
             stack.enter_context(torch.cuda.stream(streams[dev]))
         yield lambda: [stream.synchronize() for stream in streams.values()]
-
-
-def _on(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,

@@ -45,11 +45,6 @@ class LayerProgress:
         progress._written = num_layers
         return progress
 
-    @property
-    def written(self) -> int:
-        with self._cond:
-            return self._written
-
     def layer_written(self, layer: int) -> None:
         event = None
         if self._cuda:
@@ -61,12 +56,6 @@ class LayerProgress:
             self._events[layer] = event
             self._written = layer + 1
             self._cond.notify_all()
-
-    def finish(self) -> None:
-        """Every layer is queued (a prefill of a request that skips no layer calls this last)."""
-        with self._cond:
-            if self._written != self.num_layers:
-                raise ValueError(f"finish after {self._written} of {self.num_layers} layers")
 
     def fail(self, why: str) -> None:
         with self._cond:

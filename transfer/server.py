@@ -35,9 +35,6 @@ from transfer.status import (
     refusals,
 )
 from transfer.wire import (
-    MAX_CHUNK_BYTES as MAX_WIRE_CHUNK_BYTES,
-)
-from transfer.wire import (
     MAX_REQUEST_ID_LEN,
     ChunkHeader,
     ChunkPlan,
@@ -59,6 +56,15 @@ EPOCH_METADATA_KEY = "lanekv-epoch"
 LAYER_WAIT_S = 600.0
 # Called when a FetchKV stream has sent its last chunk: (request_id, payload bytes, seconds).
 OnFetched = Callable[[str, int, float], None]
+
+
+class _Span(NamedTuple):
+    """What one FetchKV asks of this rank: layers ``[layer_start, layer_end)`` of ``pages``."""
+
+    layer_start: int
+    layer_end: int
+    pages: tuple[int, ...]  # logical, in the caller's order
+    physical: tuple[int, ...]  # where each is in this rank's pool
 
 
 class PageSource(Protocol):
@@ -149,7 +155,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
             self._same_start(context)
-            chunks = self._plan(request, agreement)
+            span = self._span(request, agreement)
+            chunks = [] if request.descriptors else self._plan(request, agreement, span)
             rid, sent_bytes = request.request_id, 0
 
             def alive() -> bool:
@@ -169,9 +176,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
             if request.descriptors:
-                yield from self._descriptors(request, agreement, chunks, ready)
-                sent_bytes = sum(len(c.pages) * (c.layer_end - c.layer_start) for c, _ in chunks)
-                sent_bytes *= _page_bytes(agreement)
+                yield from self._descriptors(rid, span, ready)
+                sent_bytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement)
             else:
                 def message(seq: int) -> tuple[bytes, int]:
                     chunk, physical = chunks[seq]
@@ -190,22 +196,18 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             if self._on_fetched is not None:
                 self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
 
-    def _descriptors(self, request, agreement: Agreement, chunks: list[tuple[ChunkPlan, list[int]]],
-                     ready: Callable[[int], tuple[int, Any]]) -> Iterator[bytes]:
+    def _descriptors(self, rid: str, span: _Span, ready: Callable[[int], tuple[int, Any]]) -> Iterator[bytes]:
         """Descriptor chunks (the fast path): each covers every layer written since the
         one before, so a finished prefill goes in one and a running one layer by layer."""
-        rid, seq = request.request_id, 0
-        for pages, spans in _by_pages(chunks):
-            physical = spans[0][1]
-            layer, layer_end = spans[0][0], spans[-1][0] + 1
-            while layer < layer_end:
-                written, after = ready(layer + 1)
-                upto = min(layer_end, written)
-                digest = self._source.digest(physical, layer, upto, after)
-                self._owned(rid)  # held while the digest read them
-                header = Descriptor(rid, self._source.rank, seq, layer, upto, pages, tuple(physical), digest)
-                yield frame_chunk(header.encode(), memoryview(b""))
-                seq, layer = seq + 1, upto
+        seq, layer = 0, span.layer_start
+        while layer < span.layer_end:
+            written, after = ready(layer + 1)
+            upto = min(span.layer_end, written)
+            digest = self._source.digest(span.physical, layer, upto, after)
+            self._owned(rid)  # held while the digest read them
+            header = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, digest)
+            yield frame_chunk(header.encode(), memoryview(b""))
+            seq, layer = seq + 1, upto
 
     def AttachPool(self, request, context):
         with refusals(context):
@@ -285,10 +287,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         except KeyError as err:
             raise Refusal(Code.NOT_FOUND, _key_message(request_id, err)) from err
 
-    def _plan(
-        self, request: lanekv_pb2.FetchRequest, agreement: Agreement
-    ) -> list[tuple[ChunkPlan, list[int]]]:
-        """Validate a fetch and cut it into chunks, each with its physical pages."""
+    def _span(self, request: lanekv_pb2.FetchRequest, agreement: Agreement) -> _Span:
+        """The layers and pages a fetch asks for, checked against what this rank holds."""
         owned = dict(self._owned(request.request_id))
         layer_end = request.layer_end if request.HasField("layer_end") else agreement.num_layers
         if not 0 <= request.layer_start < layer_end <= agreement.num_layers:
@@ -305,6 +305,12 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 Code.INVALID_ARGUMENT,
                 f"pages {foreign[:16]} are not pages of request {request.request_id!r} on rank {self._source.rank}",
             )
+        return _Span(request.layer_start, layer_end, tuple(pages), tuple(owned[page] for page in pages))
+
+    def _plan(
+        self, request: lanekv_pb2.FetchRequest, agreement: Agreement, span: _Span
+    ) -> list[tuple[ChunkPlan, list[int]]]:
+        """Cut a fetch of bytes into chunks, each with its physical pages."""
         page_bytes = _page_bytes(agreement)
         chunk_bytes = request.max_chunk_bytes or self._default_chunk_bytes
         if not page_bytes <= chunk_bytes <= self._max_chunk_bytes:
@@ -312,16 +318,15 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 Code.INVALID_ARGUMENT,
                 f"max_chunk_bytes {chunk_bytes} is not within [{page_bytes} (one page of one layer), {self._max_chunk_bytes}]",
             )
-        if request.descriptors:  # one layer of every page per planned chunk: see _descriptors
-            chunk_bytes = max(page_bytes, min(len(pages) * page_bytes, MAX_WIRE_CHUNK_BYTES))
         plans = plan_chunks(
-            layer_end - request.layer_start,
-            pages,
+            span.layer_end - span.layer_start,
+            span.pages,
             page_bytes,
             chunk_bytes,
-            layer_start=request.layer_start,
+            layer_start=span.layer_start,
         )
-        return [(plan, [owned[page] for page in plan.pages]) for plan in plans]
+        physical = dict(zip(span.pages, span.physical))
+        return [(plan, [physical[page] for page in plan.pages]) for plan in plans]
 
 
 # Chunks built ahead of the one gRPC is sending. Reading pages, hashing and
@@ -343,18 +348,6 @@ def _one_ahead(produce: Callable[[int], T], count: int) -> Iterator[T]:
             if seq + LOOKAHEAD < count:
                 pending.append(pool.submit(produce, seq + LOOKAHEAD))
             yield message
-
-
-def _by_pages(chunks: list[tuple[ChunkPlan, list[int]]]) -> list[tuple[tuple[int, ...], list[tuple[int, list[int]]]]]:
-    """Consecutive single-layer chunks of the same pages, grouped: (pages, [(layer, physical)])."""
-    groups: list[tuple[tuple[int, ...], list[tuple[int, list[int]]]]] = []
-    for chunk, physical in chunks:
-        for layer in range(chunk.layer_start, chunk.layer_end):
-            if groups and groups[-1][0] == chunk.pages and groups[-1][1][-1][0] == layer - 1:
-                groups[-1][1].append((layer, physical))
-            else:
-                groups.append((chunk.pages, [(layer, physical)]))
-    return groups
 
 
 def _page_bytes(a: Agreement) -> int:
