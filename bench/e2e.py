@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
+from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.daemon import DecodeDaemon  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
@@ -91,9 +91,7 @@ def decode_rate(stub, vocab: int, batch: int, prompt: int, max_new: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    which = ap.add_mutually_exclusive_group(required=True)
-    which.add_argument("--llama3-8b", action="store_true")
-    which.add_argument("--tiny", action="store_true")
+    add_model_args(ap)
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[8192, 32768])

@@ -116,11 +116,16 @@ def prefill_flops(cfg: dict, tokens: int) -> float:
     return per_token * tokens + attention
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(ap: argparse.ArgumentParser) -> None:
+    """--llama3-8b or --tiny: the model shape every end-to-end bench runs."""
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--llama3-8b", action="store_true")
     which.add_argument("--tiny", action="store_true")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--page-size", type=int, default=64)
