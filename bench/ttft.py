@@ -19,7 +19,7 @@ length, median of ``--repeat`` after one warm-up:
   whole KV is in its pool, so this is the prefill plus what of the transfer
   did not overlap it (layer-wise streaming).
 
-Then the transfer alone, of one request already prefilled (``--transfer-tokens``):
+Then the transfer alone, of one request already prefilled, at each of ``--transfer-tokens``:
 the fast path and FetchKV (placing into a pool on GPU 0), each beside its
 ceiling measured in the same run: a raw gRPC stream of the same bytes from
 as many server processes as owner ranks (``bench/transfer.py``'s), and the
@@ -35,9 +35,9 @@ import json
 import statistics
 import sys
 import tempfile
-import threading
 import time
 import uuid
+from concurrent import futures
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -49,7 +49,7 @@ from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, start, stop  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.daemon import DecodeDaemon  # noqa: E402
-from kernels.page_copy import scatter_pages  # noqa: E402
+from decode.placement import place_chunk  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
@@ -147,11 +147,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
 
         sync()
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=one, args=(r,)) for r in owners]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        list(workers.map(one, owners))  # threads kept from one try to the next, as a server keeps them
         sync()
         if errors:
             raise errors[0]
@@ -161,9 +157,8 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         def place(header, payload):
             if drop:  # receive and verify only
                 return
-            idx = torch.tensor([slot[p] for p in header.pages], dtype=torch.int64, device=dst.device)
-            scatter_pages(payload.to(dst.device), dst, idx, manifest.page_size, header.layer_start,
-                          header.layer_end)
+            place_chunk(dst, [slot[p] for p in header.pages], payload, manifest.page_size, header.layer_start,
+                        header.layer_end)
 
         sync()
         t0 = time.perf_counter()
@@ -173,7 +168,8 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         return time.perf_counter() - t0
 
     phases: dict[int, dict] = {}
-    fast_s = min(fast_once() for _ in range(repeat + 1))
+    with futures.ThreadPoolExecutor(max_workers=len(owners)) as workers:
+        fast_s = min(fast_once() for _ in range(repeat + 1))
     grpc_s = min(grpc_once() for _ in range(repeat + 1))
     dropped_s = min(grpc_once(drop=True) for _ in range(repeat + 1))
     release(prefill, reply, call)
@@ -243,15 +239,15 @@ def main() -> None:
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
-    ap.add_argument("--transfer-tokens", type=int, default=None, help="default: the second of --tokens")
+    ap.add_argument("--transfer-tokens", type=int, nargs="+", default=None, help="default: --tokens")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-ttft", action="store_true", help="measure the transfer alone")
     args = ap.parse_args()
     model_cfg = LLAMA3_8B if args.llama3_8b else TINY
     dtype = "bfloat16" if args.llama3_8b else "float32"
-    transfer_tokens = args.transfer_tokens or args.tokens[min(1, len(args.tokens) - 1)]
-    pages = -(-(max(args.tokens) + 2) // args.page_size) + 16
+    transfer_tokens = args.transfer_tokens or args.tokens
+    pages = -(-(max(args.tokens + transfer_tokens) + 2) // args.page_size) + 16
     vocab = model_cfg["vocab_size"]
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(model_cfg))
@@ -273,7 +269,8 @@ def main() -> None:
             stubs = {name: lanekv_pb2_grpc.DecodeServiceStub(ch) for name, ch in channels.items()}
             stubs["prefill"] = lanekv_pb2_grpc.PrefillServiceStub(channels["prefill"])
             rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat) for n in args.tokens]
-            alone = transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, transfer_tokens, args.repeat)
+            alone = [transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, n, args.repeat)
+                     for n in transfer_tokens]
             transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
             for ch in channels.values():
                 ch.close()
@@ -290,18 +287,19 @@ def main() -> None:
         print(f"{r['tokens']:>7} {r['colocated_s'] * 1e3:>13.1f} {r['grpc_s'] * 1e3:>12.1f} "
               f"{r['grpc_over_colocated']:>6.3f} {r['fast_s'] * 1e3:>12.1f} {r['fast_over_colocated']:>6.3f} "
               f"{r['fast_layer_s'] * 1e3:>18.1f} {r['fast_layer_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
-    a = alone
-    print(f"\ntransfer alone, {a['tokens']} tokens ({a['bytes'] / 2**30:.2f} GiB), GB/s:")
-    print(f"{'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} {'(not placed)':>13} "
-          f"{'raw gRPC':>9} {'fetch/raw':>10} {'shm copy':>9}")
-    shm = f"{a['shm_copy_gbps']:.1f}" if a["shm_copy_gbps"] else "-"
-    print(f"{a['fast_gbps']:>8.1f} {a['copy_ceiling_gbps']:>13.1f} {a['fast_over_ceiling']:>10.2f} "
-          f"{a['grpc_gbps']:>8.2f} {a['grpc_dropped_gbps']:>13.2f} {a['raw_grpc_gbps']:>9.2f} "
-          f"{a['grpc_over_raw']:>10.2f} {shm:>9}")
-    for rank, ph in sorted(a["fast_phases_last"].items()):
-        print(f"fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = descriptors "
-              f"{ph['received_s'] * 1e3:.1f} + copies and digests {ph['copy_s'] * 1e3:.1f}; "
-              f"{ph['chunks']} descriptor(s), {ph['runs']} run(s) of pages")
+    print("\ntransfer alone (one request already prefilled), GB/s:")
+    print(f"{'tokens':>7} {'GiB':>5} {'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} "
+          f"{'(not placed)':>13} {'raw gRPC':>9} {'fetch/raw':>10} {'shm copy':>9}")
+    for a in alone:
+        shm = f"{a['shm_copy_gbps']:.1f}" if a["shm_copy_gbps"] else "-"
+        print(f"{a['tokens']:>7} {a['bytes'] / 2**30:>5.1f} {a['fast_gbps']:>8.1f} {a['copy_ceiling_gbps']:>13.1f} "
+              f"{a['fast_over_ceiling']:>10.2f} {a['grpc_gbps']:>8.2f} {a['grpc_dropped_gbps']:>13.2f} "
+              f"{a['raw_grpc_gbps']:>9.2f} {a['grpc_over_raw']:>10.2f} {shm:>9}")
+    for a in alone:
+        for rank, ph in sorted(a["fast_phases_last"].items()):
+            print(f"{a['tokens']} tokens, fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = "
+                  f"descriptors {ph['received_s'] * 1e3:.1f} (the copies start at the last announcement) + "
+                  f"{ph['copy_s'] * 1e3:.1f}; {ph['chunks']} range(s), {ph['runs']} run(s) of pages")
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), cp_size=args.cp,
                                              page_size=args.page_size, dtype=dtype, transports=transports,

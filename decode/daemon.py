@@ -42,6 +42,7 @@ from proto import lanekv_pb2_grpc
 from transfer.client import KVClient, RemoteError, channel_options
 from transfer.contract import Agreement, LayoutContract
 from transfer.fastpath_client import FastPath
+from transfer.hostmem import keep_freed_buffers
 from transfer.security import bind, make_server, open_channel
 from transfer.server import KVTransferService, add_transfer_service
 from transfer.sources import ContractOnlySource
@@ -83,6 +84,7 @@ class DecodeStats(NamedTuple):
 class DecodeDaemon:
     def __init__(self, config: DecodeConfig) -> None:
         self.config = config
+        keep_freed_buffers()  # gRPC hands this process a multi-MiB bytes object per chunk
         self.registry = Registry()
         self.metrics = lanekv_metrics(self.registry)
         self.metrics_endpoint: MetricsEndpoint | None = None

@@ -56,9 +56,9 @@ import torch
 from decode.daemon import SHUTDOWN, DecodeDaemon
 from decode.detokenize import Detokenizer
 from decode.engine import TokenEvent
+from decode.placement import place_chunk
 from decode.pool import PageTable, PoolExhausted
 from decode.remote import ATTACH_TIMEOUT_S, FastFetches, PrefillCall, transfer_refusal
-from kernels.page_copy import scatter_pages
 from prefill.sampling import SamplingParams
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.client import FetchStats, RankStats, TransferError
@@ -279,20 +279,21 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         # Layers placed per page, one bit each: a retry never places a layer twice,
         # and if it did, the bytes would be the same verified ones.
         layers_of = dict.fromkeys(owner_of, 0)
+        lock = threading.Lock()  # chunks are placed, and fast-path ranges copied, by several threads
 
         def placed(pages, layer_start: int, layer_end: int) -> None:
             bits = (1 << layer_end) - (1 << layer_start)
-            for page in pages:
-                layers_of[page] |= bits
+            with lock:
+                for page in pages:
+                    layers_of[page] |= bits
 
         def place(header, payload: torch.Tensor) -> None:
             for page in header.pages:
                 if owner_of.get(page) != header.rank:
                     raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent page {page}, not one of its pages")
-            physical = torch.tensor(table.physical_pages_for(header.pages), dtype=torch.int64, device=pool.device)
             try:
-                scatter_pages(payload.to(pool.device), pool.tensor, physical, page_size,
-                              header.layer_start, header.layer_end)
+                place_chunk(pool.tensor, table.physical_pages_for(header.pages), payload, page_size,
+                            header.layer_start, header.layer_end)
             except ValueError as err:
                 raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent a chunk that does not fit: {err}") from err
             placed(header.pages, header.layer_start, header.layer_end)

@@ -32,13 +32,15 @@ _BLOCK = 1024
 _DIGEST_BLOCK = 1 << 24
 
 
-def kv_digest(t: torch.Tensor) -> int:
-    """A 64-bit digest of a contiguous tensor's bytes: sum of word[i] * w(i) mod 2^64.
+def kv_digest(t: torch.Tensor, position: int = 0) -> int:
+    """A 64-bit digest of a contiguous tensor's bytes: sum of word[i] * w(position + i) mod 2^64.
 
     ``w(i)`` is odd and depends on the position, so any one changed word, and
     words that swapped places, change the digest. Integer sums wrap and
     commute, so the value does not depend on the device or the summation
-    order: the prefill rank and the decode daemon get the same number.
+    order: the prefill rank and the decode daemon get the same number, and
+    the digests of the parts of a buffer (each from its ``position``, in
+    words) add up to the digest of the whole.
     """
     if not t.is_contiguous():
         raise ValueError("kv_digest needs a contiguous tensor")
@@ -48,7 +50,8 @@ def kv_digest(t: torch.Tensor) -> int:
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     for start in range(0, words.numel(), _DIGEST_BLOCK):
         part = words[start:start + _DIGEST_BLOCK].to(torch.int64)
-        weights = torch.arange(start, start + part.numel(), dtype=torch.int64, device=t.device)
+        weights = torch.arange(position + start, position + start + part.numel(), dtype=torch.int64,
+                               device=t.device)
         weights.mul_(DIGEST_WEIGHT).bitwise_or_(1)
         total += (part * weights).sum()
     return int(total.item()) & _U64
@@ -57,7 +60,7 @@ def kv_digest(t: torch.Tensor) -> int:
 @triton.jit
 def _page_digest_kernel(
     pool_ptr, pages_ptr, out_ptr,
-    num_pool_pages, page_words, chunks_per_page, layer_start, num_slots,
+    num_pool_pages, page_words, chunks_per_page, layer_start, lkv_base, num_slots,
     stride_pool_layer, stride_pool_kv, weight,
     BLOCK: tl.constexpr,
 ):
@@ -74,14 +77,16 @@ def _page_digest_kernel(
     src = (layer + layer_start) * stride_pool_layer + kv * stride_pool_kv + page * page_words + word
     values = tl.load(pool_ptr + src, mask=mask, other=0).to(tl.int64)
     # Where the word sits in the gathered buffer [layers, 2, pages, page_words].
-    position = (lkv.to(tl.int64) * num_slots + slot) * page_words + word
+    position = ((lkv + lkv_base).to(tl.int64) * num_slots + slot) * page_words + word
     weights = (position * weight) | 1
     partial = tl.sum(tl.where(mask, values * weights, 0), axis=0)
     tl.store(out_ptr + lkv.to(tl.int64) * num_slots * chunks_per_page + pid, partial)
 
 
-def _check(pool, pages, page_size, layer_start, layer_end) -> int:
+def _check(pool, pages, page_size, layer_start, layer_end, first_layer) -> int:
     num_pages = check_pool_tensor(pool, page_size, "pool")
+    if first_layer is not None and not (isinstance(first_layer, int) and 0 <= first_layer <= layer_start):
+        raise ValueError(f"first_layer must be an integer in [0, layer_start={layer_start}], got {first_layer!r}")
     if not isinstance(pages, torch.Tensor) or pages.dim() != 1 or pages.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"pages must be a 1-D int32/int64 tensor, got {pages!r:.80}")
     if not 0 <= layer_start < layer_end <= pool.shape[0]:
@@ -91,9 +96,16 @@ def _check(pool, pages, page_size, layer_start, layer_end) -> int:
 
 
 def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                       layer_end: int) -> torch.Tensor:
-    """0-dim int64 on the pool's device: the digest as a signed 64-bit integer."""
-    num_pages = _check(pool, pages, page_size, layer_start, layer_end)
+                       layer_end: int, first_layer: int | None = None) -> torch.Tensor:
+    """0-dim int64 on the pool's device: the digest as a signed 64-bit integer.
+
+    ``first_layer`` (default ``layer_start``): the digest is of these layers'
+    part of the buffer that would start at that layer, so the digests of
+    consecutive layer ranges with one ``first_layer`` add up to the digest of
+    all of them.
+    """
+    num_pages = _check(pool, pages, page_size, layer_start, layer_end, first_layer)
+    lkv_base = 2 * (layer_start - (layer_start if first_layer is None else first_layer))
     row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
     if row_bytes % 4 or not pool.is_contiguous():
         raise ValueError(f"page_digest_triton needs a contiguous pool with rows of whole 4-byte words, "
@@ -110,7 +122,7 @@ def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, 
     with torch.cuda.device(pool.device) if pool.is_cuda else contextlib.nullcontext():
         _page_digest_kernel[grid](
             words, pages, partials,
-            num_pages, page_words, chunks, layer_start, pages.shape[0],
+            num_pages, page_words, chunks, layer_start, lkv_base, pages.shape[0],
             words.stride(0), words.stride(1), DIGEST_WEIGHT,
             BLOCK=_BLOCK, num_warps=4,
         )
@@ -118,15 +130,71 @@ def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, 
 
 
 def page_digest_ref(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                    layer_end: int) -> torch.Tensor:
-    _check(pool, pages, page_size, layer_start, layer_end)
-    value = kv_digest(gather_pages_ref(pool, pages, page_size, layer_start, layer_end))
+                    layer_end: int, first_layer: int | None = None) -> torch.Tensor:
+    _check(pool, pages, page_size, layer_start, layer_end, first_layer)
+    position = 0
+    if first_layer is not None and first_layer != layer_start:
+        row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
+        if row_bytes % 4:
+            raise ValueError(f"first_layer needs rows of whole 4-byte words, got rows of {row_bytes} bytes")
+        position = 2 * (layer_start - first_layer) * pages.shape[0] * page_size * row_bytes // 4
+    value = kv_digest(gather_pages_ref(pool, pages, page_size, layer_start, layer_end), position)
     return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.int64, device=pool.device)
 
 
 def page_digest(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                layer_end: int) -> torch.Tensor:
+                layer_end: int, first_layer: int | None = None) -> torch.Tensor:
     row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size() if pool.dim() == 5 else 0
     if use_triton(pool) and row_bytes % 4 == 0 and pool.is_contiguous():
-        return page_digest_triton(pool, pages, page_size, layer_start, layer_end)
-    return page_digest_ref(pool, pages, page_size, layer_start, layer_end)
+        return page_digest_triton(pool, pages, page_size, layer_start, layer_end, first_layer)
+    return page_digest_ref(pool, pages, page_size, layer_start, layer_end, first_layer)
+
+
+class PageDigest:
+    """``page_digest`` of one range of layers, added up a group of layers at a time.
+
+    Each ``add(first, last)`` queues the digest of those layers (on the
+    current stream), as parts of the whole range's buffer; ``total()`` is the
+    range's digest (0-dim int64 on the pool's device). The Triton path checks
+    the arguments once and writes every group's partial sums into one buffer,
+    summed once, so a group costs one launch.
+    """
+
+    def __init__(self, pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
+                 layer_end: int) -> None:
+        self._num_pages = _check(pool, pages, page_size, layer_start, layer_end, None)
+        self._pool, self._pages, self._page_size = pool, pages, page_size
+        self._start, self._end = layer_start, layer_end
+        row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
+        self._triton = use_triton(pool) and row_bytes % 4 == 0 and pool.is_contiguous() and pages.shape[0] > 0
+        self._parts: list[torch.Tensor] = []
+        if self._triton:
+            self._words = pool.view(torch.uint8).view(torch.int32).view(*pool.shape[:3], -1)
+            self._page_words = page_size * self._words.shape[3]
+            self._chunks = triton.cdiv(self._page_words, _BLOCK)
+            self._per_layer = 2 * pages.shape[0] * self._chunks
+            self._partials = torch.zeros((layer_end - layer_start) * self._per_layer, dtype=torch.int64,
+                                         device=pool.device)
+
+    def add(self, first: int, last: int) -> None:
+        if not self._start <= first < last <= self._end:
+            raise ValueError(f"layers [{first}, {last}) are not within [{self._start}, {self._end})")
+        if not self._triton:
+            self._parts.append(page_digest_ref(self._pool, self._pages, self._page_size, first, last,
+                                               first_layer=self._start))
+            return
+        out = self._partials[(first - self._start) * self._per_layer:]
+        with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
+            _page_digest_kernel[(self._pages.shape[0] * self._chunks, (last - first) * 2)](
+                self._words, self._pages, out,
+                self._num_pages, self._page_words, self._chunks, first, 2 * (first - self._start),
+                self._pages.shape[0], self._words.stride(0), self._words.stride(1), DIGEST_WEIGHT,
+                BLOCK=_BLOCK, num_warps=4,
+            )
+
+    def total(self) -> torch.Tensor:
+        if self._triton:
+            return self._partials.sum()
+        if not self._parts:
+            return torch.zeros((), dtype=torch.int64, device=self._pool.device)
+        return torch.stack(self._parts).sum()

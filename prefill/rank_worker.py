@@ -25,6 +25,7 @@ from prefill.page_source import RankPageSource
 from prefill.runner import PrefillBatch, RankRunner
 from transfer.contract import Agreement, Topology
 from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
+from transfer.hostmem import keep_freed_buffers
 from transfer.progress import LayerProgress
 from transfer.security import SecurityConfig
 from transfer.server import serve
@@ -256,6 +257,7 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
     def on_fetched(request_id: str, nbytes: int, seconds: float) -> None:
         results.put(("event", rank, None, ("fetched", request_id, (nbytes, seconds))))
 
+    keep_freed_buffers()  # this process builds a multi-MiB message per chunk it sends
     runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release, runner.shared_path)
     port = where.port_base + rank if where.port_base else 0
     runner.transfer_server = serve(

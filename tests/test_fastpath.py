@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import uuid
@@ -28,9 +29,11 @@ import transfer.fastpath as fastpath
 from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from transfer.client import KVClient
 from transfer.contract import Topology
+from transfer.errors import CorruptChunk
 from transfer.fastpath import (
     SHM,
     SHM_DIR,
@@ -44,8 +47,9 @@ from transfer.fastpath import (
 )
 from transfer.fastpath_client import DigestMismatch, FastPath
 from transfer.progress import LayerProgress, PrefillFailed
-from transfer.server import serve
+from transfer.server import KVTransferService, serve
 from transfer.sources import TensorPageSource
+from transfer.wire import frame_chunk
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
@@ -108,6 +112,8 @@ def test_handle_and_descriptor_round_trip():
     assert PoolHandle.decode(handle.encode()) == handle
     d = Descriptor("req", 1, 3, 0, 2, (4, 6), (1, 0), U64)
     assert Descriptor.decode(d.encode()) == d
+    announced = dataclasses.replace(d, digest=None)
+    assert Descriptor.decode(announced.encode()) == announced
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -270,10 +276,40 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     want = pool[:, :, rows_of([phys for _, phys in pages])]
     assert torch.equal(dst[:, :, rows_of([slot[p] for p, _ in pages])], want)
     # A digest that does not match what was copied is caught.
-    monkeypatch.setattr("transfer.fastpath_client.page_digest", lambda *a: torch.tensor(12345))
+    monkeypatch.setattr("transfer.fastpath_client.PageDigest.total", lambda self: torch.tensor(12345))
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)
+
+
+@pytest.mark.parametrize("sequence,words", [
+    ("sealed_first", "sealed before it was announced"),
+    ("other_pages", "does not seal the range announced"),
+    ("no_digest", "does not seal the range announced"),
+])
+def test_a_range_must_be_announced_then_sealed_as_announced(rank, monkeypatch, sequence, words):
+    source, pool, endpoint, agreement, kv = rank
+    pages = [(0, 1), (1, 4)]
+    source.add("req", pages)
+    announced = Descriptor("req", 0, 0, 0, LAYERS, (0, 1), (1, 4), None)
+    sealed = dataclasses.replace(announced, digest=7)
+    messages = {
+        "sealed_first": [sealed],
+        "other_pages": [announced, dataclasses.replace(sealed, physical=(4, 1))],
+        "no_digest": [announced, announced],
+    }[sequence]
+
+    def descriptors(self, rid, span, ready):
+        for d in messages:
+            yield frame_chunk(d.encode(), memoryview(b""))
+
+    monkeypatch.setattr(KVTransferService, "_descriptors", descriptors)
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.zeros((LAYERS, 2, 2 * PAGE, 2, 8), dtype=torch.float16)
+    with pytest.raises(CorruptChunk, match=words):
+        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1], dst, lambda ps: list(ps),
+                   lambda *a: None, epoch=None, timeout=30)
 
 
 def test_descriptors_follow_the_prefill_layer_by_layer(rank):
@@ -327,3 +363,40 @@ def test_a_rank_on_another_host_is_read_over_grpc(rank, monkeypatch):
     monkeypatch.setattr("transfer.fastpath_client.host_id", lambda: "elsewhere/0")
     fast = FastPath(kv, agreement, transports=[SHM])
     assert fast.pool(endpoint, None, 10) is None and fast.transport(endpoint) == "grpc"
+
+
+@requires_gpu
+@pytest.mark.parametrize("copy_at_end", [True, False])
+def test_many_ranges_copied_between_gpus_match_their_digests(copy_at_end):
+    """32 layers written one at a time on a GPU: as many announced ranges, copied at the end
+    (all at once) or as they come, each in groups, into a pool on the last GPU."""
+    layers = 32
+    agreement = make_agreement(kv_dtype="float16", num_layers=layers)
+    src_device = torch.device("cuda", 0)
+    dst_device = torch.device("cuda", torch.cuda.device_count() - 1)
+    pool = torch.randn((layers, 2, 8 * PAGE, 2, 8), device=src_device).half()
+    source = TensorPageSource(agreement, 0, pool)
+    served = serve(source)
+    endpoint = f"127.0.0.1:{served.port}"
+    source.set_topology(Topology(1, "in_seq", "page_mod_cp", (endpoint,)))
+    progress = LayerProgress(layers, src_device)
+    source.add("req", [(0, 5), (1, 6), (2, 7), (3, 1)], progress)
+    kv = KVClient()
+    try:
+        fast = FastPath(kv, agreement, transports=[], copy_at_end=copy_at_end)
+        dst = torch.zeros((layers, 2, 6 * PAGE, 2, 8), dtype=torch.float16, device=dst_device)
+        slot = {0: 1, 1: 2, 2: 3, 3: 5}
+        done = []
+        fetch = threading.Thread(target=lambda: done.append(fast.fetch(
+            endpoint, 0, pool, "req", agreement.fingerprint, [0, 1, 2, 3], dst, lambda ps: [slot[p] for p in ps],
+            lambda *a: None, epoch=None, timeout=60)))
+        fetch.start()
+        for layer in range(layers):
+            progress.layer_written(layer)
+            time.sleep(0.01)
+        fetch.join(60)
+        assert done and done[0].chunks >= 2  # several ranges, each digest matched
+        assert torch.equal(dst[:, :, rows_of([1, 2, 3, 5])].cpu(), pool[:, :, rows_of([5, 6, 7, 1])].cpu())
+    finally:
+        kv.close()
+        served.server.stop(None)

@@ -1,6 +1,8 @@
 """KVTransfer over real gRPC servers on loopback: handshake refusals, fetch, errors, release."""
 
 
+import threading
+
 import grpc
 import pytest
 import torch
@@ -322,3 +324,32 @@ def test_handshake_before_topology_is_unavailable():
         assert caught.value.code == grpc.StatusCode.UNAVAILABLE
     finally:
         served.server.stop(None)
+
+
+def test_chunks_of_two_ranks_are_placed_at_once_and_a_failed_placement_ends_the_fetch(start_cluster):
+    cluster = start_cluster(2)
+    fingerprint = make_agreement().fingerprint
+    dest = torch.full_like(cluster.full, float("nan"))
+    both_inside = threading.Barrier(2, timeout=10)
+    inside_together = []
+    place = placer(dest)
+
+    def slow_place(header, tensor):
+        if header.seq == 0:  # the first chunk of each rank waits for the other rank's first chunk
+            both_inside.wait()
+            inside_together.append(header.rank)
+        place(header, tensor)
+
+    fetch_kv(cluster.endpoints, "req", fingerprint, slow_place, timeout=TIMEOUT)
+    assert sorted(inside_together) == [0, 1] and same_bits(dest, cluster.full)
+
+    class Boom(Exception):
+        pass
+
+    def failing_place(header, tensor):
+        if header.rank == 1:
+            raise Boom(f"rank {header.rank} chunk {header.seq}")
+        place(header, tensor)
+
+    with pytest.raises(Boom, match="rank 1"):
+        fetch_kv(cluster.endpoints, "req", fingerprint, failing_place, timeout=TIMEOUT)

@@ -38,6 +38,7 @@ from transfer.errors import (
     TransferError,
 )
 from transfer.fetch import NO_RETRY, Item, Job, RankFetch, RetryPolicy, Span
+from transfer.placers import MAX_PLACERS, Placers
 from transfer.security import SecurityConfig, open_channel
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.status import CONTRACT_METADATA_KEY, grpc_options
@@ -237,6 +238,8 @@ class KVClient:
         the rank holds by default); ``max_chunk_bytes`` 0 lets servers choose;
         ``epoch`` is the prefill daemon start that pinned the pages (servers of
         another start refuse); ``retry`` overrides the client's policy.
+        ``place`` runs in one thread per owner rank (up to ``MAX_PLACERS``) and
+        must be safe to call concurrently (``transfer.placers``).
         Raises ``CorruptChunk`` (``ChecksumError``), ``RemoteError`` or
         ``TransferError``; on any error every stream is cancelled and no later
         chunk is placed.
@@ -257,26 +260,34 @@ class KVClient:
         for thread in threads:
             thread.start()
         per_rank = {rank: RankStats(0, 0, 0.0) for rank in ranks}
-        pending = set(ranks)
-        try:
-            while pending:
-                item = _next_item(job, ranks, pending, timeout)
-                if item.error is not None:
-                    raise item.error
-                if item.header is None:
-                    pending.discard(item.rank)
-                    continue
-                try:
-                    place(item.header, item.tensor)
-                finally:
-                    budget.release(item.header.nbytes)
+        lock = threading.Lock()
+
+        def placed(item: Item) -> None:
+            with lock:
                 stats = per_rank[item.rank]
                 per_rank[item.rank] = RankStats(
                     stats.bytes + item.header.nbytes, stats.chunks + 1, time.perf_counter() - start
                 )
+
+        placers = Placers(job, place, budget.release, placed, min(len(ranks), MAX_PLACERS))
+        pending = set(ranks)
+        try:
+            while pending:
+                item = _next_item(job, ranks, pending, timeout)
+                placers.check()
+                if item.error is not None:
+                    raise item.error
+                if item.rank < 0:  # WAKE: a placement failed (check raised) or ended
+                    continue
+                if item.header is None:
+                    pending.discard(item.rank)
+                    continue
+                placers.submit(item)
+            placers.drain()
         finally:
             job.stopping.set()
             budget.close()
+            placers.close()
             for part in ranks.values():
                 part.cancel()
             for thread in threads:

@@ -11,13 +11,16 @@ it can open) for a handle to the rank's pool:
 - ``shm``: the pool lives on the CPU in a file under /dev/shm
   (``shared_cpu_pool``); the handle is the file's path.
 
-A FetchKV that asks for ``descriptors`` then streams, for each layer as soon
-as that layer is written, a ``Descriptor`` instead of the bytes: the logical
-pages, where they are in the rank's pool, and a ``kv_digest`` of their bytes
-taken by the rank after the layer was written and while it held the pages.
-The decode side copies the pages itself and compares the digest of what it
-copied, so a page read too early, too late (recycled) or from the wrong place
-is caught (DATA_LOSS, then a fetch over gRPC). The layout contract applies
+A FetchKV that asks for ``descriptors`` then streams, for the layers written
+since its last one (every layer of a finished prefill, else one at a time), a
+``Descriptor`` instead of the bytes: the logical pages and where they are in
+the rank's pool, twice. The first (announced, no digest) comes once those
+layers are written on the device; the decode side may start copying. The
+second (sealed) adds a ``kv_digest`` of their bytes, taken by the rank
+meanwhile, while it held the pages. The decode side compares the digest of
+what it copied, so a page read too early, too late (recycled) or from the
+wrong place is caught (DATA_LOSS, then a fetch over gRPC); the rank's digest
+costs no time on the way, as it runs under the copies. The layout contract applies
 unchanged: AttachPool and FetchKV both carry its fingerprint.
 
 Decisions: the digest is a position-weighted 64-bit sum of the chunk's words
@@ -42,6 +45,7 @@ import msgpack
 import torch
 
 from kernels.page_copy import gather_pages, scatter_pages
+from transfer.devcopy import BlockCopy, copy_blocks
 from transfer.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
@@ -226,6 +230,8 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
     return runs
 
 
+# Between two GPUs, run the copies on the source's stream (True) or the destination's.
+COPY_PUSH = True
 # Up to this many runs of consecutive pages a copy moves run by run (dense
 # copies on the copy engines); more, and it gathers, copies once and scatters.
 MAX_RUN_COPIES = 4
@@ -237,23 +243,68 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
                dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
     """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
 
-    When both page lists are a few runs of consecutive pages, each (layer,
-    K/V, run) is one dense block in both pools and moves as one copy (between
-    GPUs a peer copy on the copy engines). Scattered pages go in three steps
-    whatever their number: ``gather_pages`` on the source device into one
-    dense buffer, one copy of it to the destination device, ``scatter_pages``
-    there.
+    When both page lists are a few runs of consecutive pages, each run over
+    the layers is ``2 * layers`` dense blocks at one pitch in both pools and
+    moves as one strided copy (``devcopy.copy_blocks``: one 2-D copy on the
+    copy engines between GPUs; one torch copy on the CPU). Scattered pages go
+    in three steps whatever their number: ``gather_pages`` on the source
+    device into one dense buffer, one copy of it to the destination device,
+    ``scatter_pages`` there.
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
     runs = page_runs(src_pages, dst_pages)
     if len(runs) <= MAX_RUN_COPIES:
+        layers = slice(layer_start, layer_end)
         for s, d, n in runs:
-            rows_s, rows_d = slice(s * page_size, (s + n) * page_size), slice(d * page_size, (d + n) * page_size)
-            for layer in range(layer_start, layer_end):
-                for kv in (0, 1):
-                    dst_pool[layer, kv, rows_d].copy_(src_pool[layer, kv, rows_s], non_blocking=True)
+            src = src_pool[layers, :, s * page_size:(s + n) * page_size]
+            dst = dst_pool[layers, :, d * page_size:(d + n) * page_size]
+            if not copy_blocks(dst, src, push=COPY_PUSH):
+                dst.copy_(src, non_blocking=True)
         return
+    _copy_scattered(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
+
+
+class PlannedCopy:
+    """``copy_pages`` of a range of layers between two GPU pools, planned once (its runs
+    of pages and their 2-D copies) and issued a group of layers at a time with
+    little host work: the fast path copies a range in groups so that each
+    group's digest runs under the next group's copy.
+
+    ``plan`` returns None where ``copy_pages`` must do it (CPU pools,
+    scattered pages, views CUDA cannot copy in 2-D).
+    """
+
+    def __init__(self, copies: list[BlockCopy], layer_start: int) -> None:
+        self._copies, self._layer_start = copies, layer_start
+        self.streams = list({id(c.stream): c.stream for c in copies}.values())
+
+    @classmethod
+    def plan(cls, src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
+             dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> PlannedCopy | None:
+        if not (src_pool.is_cuda and dst_pool.is_cuda) or len(src_pages) != len(dst_pages):
+            return None
+        runs = page_runs(src_pages, dst_pages)
+        if len(runs) > MAX_RUN_COPIES:
+            return None
+        layers = slice(layer_start, layer_end)
+        copies = []
+        for s, d, n in runs:
+            plan = BlockCopy.plan(dst_pool[layers, :, d * page_size:(d + n) * page_size],
+                                  src_pool[layers, :, s * page_size:(s + n) * page_size], push=COPY_PUSH)
+            if plan is None:
+                return None
+            copies.append(plan)
+        return cls(copies, layer_start)
+
+    def issue(self, first: int, last: int) -> None:
+        """Copy layers ``[first, last)`` of the planned range (K and V: two blocks per layer)."""
+        for copy in self._copies:
+            copy.issue(2 * (first - self._layer_start), 2 * (last - first))
+
+
+def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
+                    dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
     with on_device(src_pool.device):
         src_index = torch.as_tensor(list(src_pages), dtype=torch.int64).to(src_pool.device)
     with on_device(dst_pool.device):
@@ -289,7 +340,9 @@ class Descriptor:
     layer_end: int
     pages: tuple[int, ...]  # logical pages, in the order the digest reads them
     physical: tuple[int, ...]  # where each is in the rank's pool
-    digest: int  # kv_digest of gather_pages(pool, physical, layer_start, layer_end)
+    # kv_digest of gather_pages(pool, physical, layer_start, layer_end); None: the
+    # range is announced (written, may be copied) and its sealed twin follows.
+    digest: int | None
 
     def encode(self) -> bytes:
         return msgpack.packb(
@@ -319,5 +372,5 @@ class Descriptor:
                 check_int("layer_end", raw["layer_end"], layer_start + 1, MAX_LAYERS),
                 tuple(check_int("pages[]", p, 0, MAX_PAGE_ID) for p in pages),
                 tuple(check_int("physical[]", p, 0, MAX_PAGE_ID) for p in physical),
-                check_int("digest", raw["digest"], 0, _U64),
+                None if raw["digest"] is None else check_int("digest", raw["digest"], 0, _U64),
             )

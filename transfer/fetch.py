@@ -41,6 +41,9 @@ OpenStream = Callable[[str, lanekv_pb2.FetchRequest, float, bool], Any]
 # this fetch did not ask for), or the connection broke in a way gRPC reports
 # as UNKNOWN ("Stream removed") or INTERNAL (a reset stream, bad HTTP/2 framing).
 RETRYABLE_CODES = (Code.UNAVAILABLE, Code.CANCELLED, Code.UNKNOWN, Code.INTERNAL)
+# Messages a stream's reader thread takes from gRPC ahead of their checks.
+PREFETCH = 2
+_END = object()  # the reader's mark: the stream ended cleanly
 
 
 @dataclass(frozen=True)
@@ -285,19 +288,50 @@ class RankFetch:
             call.cancel()
 
     def _messages(self, call: Any) -> Iterator[bytes]:
-        """The stream's messages; the watchdog's clock runs only while we wait for one."""
-        stream = iter(call)
-        while True:
-            with self._lock:
-                self._waiting_since = time.monotonic()
+        """The stream's messages; the watchdog's clock runs only while we wait for one.
+
+        A reader thread takes them from gRPC (the receive and its copy into a
+        bytes object) up to ``PREFETCH`` ahead, while this thread checks and
+        verifies the one before: the two overlap instead of taking turns.
+        """
+        box: queue.Queue = queue.Queue(maxsize=PREFETCH)
+        stop = threading.Event()
+
+        def put(item: Any) -> bool:
+            while not stop.is_set():
+                try:
+                    box.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        def read() -> None:
             try:
-                message = next(stream)
-            except StopIteration:
-                return
-            finally:
+                for message in call:
+                    if not put(message):
+                        return
+                put(_END)
+            except BaseException as err:  # noqa: BLE001 - raised in the fetching thread
+                put(err)
+
+        threading.Thread(target=read, name=f"fetch-read-rank{self.rank}", daemon=True).start()
+        try:
+            while True:
                 with self._lock:
-                    self._waiting_since = None
-            yield message
+                    self._waiting_since = time.monotonic()
+                try:
+                    item = box.get()
+                finally:
+                    with self._lock:
+                        self._waiting_since = None
+                if item is _END:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            stop.set()  # the reader ends at its next message (the call is cancelled by our caller)
 
 
 def _after_tries(error: TransferError, tries: int) -> TransferError:

@@ -11,6 +11,7 @@ AttachPool, and their digest, instead of the bytes (``transfer.fastpath``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -198,15 +199,23 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
     def _descriptors(self, rid: str, span: _Span, ready: Callable[[int], tuple[int, Any]]) -> Iterator[bytes]:
         """Descriptor chunks (the fast path): each covers every layer written since the
-        one before, so a finished prefill goes in one and a running one layer by layer."""
+        one before, so a finished prefill goes in one and a running one layer by layer.
+
+        Each range goes twice: announced (no digest) once its layers are written
+        on the device, so the caller may start copying them, then sealed with
+        the digest the rank took meanwhile (while it held the pages).
+        """
         seq, layer = 0, span.layer_start
         while layer < span.layer_end:
             written, after = ready(layer + 1)
             upto = min(span.layer_end, written)
+            if after is not None:
+                after.synchronize()  # written on the device, not only queued
+            announced = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, None)
+            yield frame_chunk(announced.encode(), memoryview(b""))
             digest = self._source.digest(span.physical, layer, upto, after)
             self._owned(rid)  # held while the digest read them
-            header = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, digest)
-            yield frame_chunk(header.encode(), memoryview(b""))
+            yield frame_chunk(dataclasses.replace(announced, digest=digest).encode(), memoryview(b""))
             seq, layer = seq + 1, upto
 
     def AttachPool(self, request, context):

@@ -20,6 +20,7 @@ a 64-bit digest; it is not a defence against a forger, which TLS is for.
 
 from __future__ import annotations
 
+import ctypes
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -299,7 +300,56 @@ def frame_chunk(header: bytes, data: bytes | memoryview) -> bytes:
     size = _varint(memoryview(data).nbytes)
     pad = (-(3 + len(size))) % 8  # pad tag + pad length + data tag = 3 bytes
     prefix = bytes([_PAD_TAG, pad]) + bytes(pad) + bytes([_DATA_TAG]) + size
-    return b"".join((prefix, data, bytes([_HEADER_TAG]), _varint(len(header)), header))
+    return join_bytes((prefix, data, bytes([_HEADER_TAG]), _varint(len(header)), header))
+
+
+# Parts of at least this many bytes are copied into a joined message by torch,
+# which releases the GIL while it copies (and splits a large copy over its
+# threads); ``bytes.join`` holds the GIL throughout. A rank's FetchKV builds
+# its next chunks in threads while gRPC sends the current one, and both need
+# the GIL: on H200 hosts the join was the largest cost of a stream.
+_TORCH_COPY_BYTES = 1 << 20
+
+
+def _bytes_api() -> tuple[Any, Any] | None:
+    """CPython's PyBytes_FromStringAndSize(NULL, n) (a new, unfilled bytes object) and
+    PyBytes_AsString (its buffer), or None where there is no such API."""
+    try:
+        api = ctypes.pythonapi
+    except AttributeError:
+        return None
+    new, address = api.PyBytes_FromStringAndSize, api.PyBytes_AsString
+    new.argtypes, new.restype = [ctypes.c_void_p, ctypes.c_ssize_t], ctypes.py_object
+    address.argtypes, address.restype = [ctypes.py_object], ctypes.c_void_p
+    return new, address
+
+
+_BYTES_API = _bytes_api()
+
+
+def join_bytes(parts: Sequence[bytes | memoryview]) -> bytes:
+    """``b"".join(parts)``, with large parts copied outside the GIL.
+
+    The result is a new bytes object filled before anyone else sees it (what
+    C code does with PyBytes_FromStringAndSize(NULL, n)).
+    """
+    views = [memoryview(part).cast("B") for part in parts]
+    total = sum(view.nbytes for view in views)
+    if _BYTES_API is None or max((view.nbytes for view in views), default=0) < _TORCH_COPY_BYTES:
+        return b"".join(views)
+    new, address_of = _BYTES_API
+    out = new(None, total)
+    address = address_of(out)
+    target = torch.frombuffer((ctypes.c_char * total).from_address(address), dtype=torch.uint8)
+    pos = 0
+    for view in views:
+        n = view.nbytes
+        if n >= _TORCH_COPY_BYTES:
+            target[pos:pos + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
+        elif n:
+            ctypes.memmove(address + pos, bytes(view), n)
+        pos += n
+    return out
 
 
 def split_chunk(message: bytes) -> tuple[memoryview, memoryview]:

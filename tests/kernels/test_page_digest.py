@@ -39,6 +39,19 @@ def test_digest_depends_on_page_order_and_bytes():
     assert a != int(page_digest_triton(pool, torch.tensor([1, 2]), 4, 0, 3))
 
 
+@pytest.mark.parametrize("digest", [page_digest_triton, page_digest_ref])
+def test_digests_of_layer_ranges_add_up_to_the_whole(digest):
+    pool = _pool(torch.float16, 7, 4, seed=3)
+    pages = torch.tensor([6, 2, 4], dtype=torch.int64)
+    whole = kv_digest(gather_pages_ref(pool, pages, 4, 0, 3))
+    parts = [int(digest(pool, pages, 4, a, b, first_layer=0)) for a, b in ((0, 1), (1, 3))]
+    assert sum(parts) & U64 == whole
+    # Without first_layer a range is digested as a buffer of its own.
+    assert int(digest(pool, pages, 4, 1, 3)) & U64 == kv_digest(gather_pages_ref(pool, pages, 4, 1, 3))
+    with pytest.raises(ValueError, match="first_layer"):
+        digest(pool, pages, 4, 1, 3, first_layer=2)
+
+
 def test_launcher_checks_its_arguments():
     pool = _pool(torch.float16, 4, 2)
     with pytest.raises(ValueError, match="layer range"):
@@ -60,3 +73,18 @@ def test_compiled_kernel_equals_the_cpu_reference(dtype):
     got = int(page_digest_triton(pool, pages, 16, 0, 3)) & U64
     assert got == int(page_digest_ref(pool.cpu(), pages.cpu(), 16, 0, 3)) & U64
 
+
+
+@pytest.mark.parametrize("triton_path", [True, False])
+def test_page_digest_in_groups_equals_the_whole(monkeypatch, triton_path):
+    import kernels.page_digest as module
+
+    monkeypatch.setattr(module, "use_triton", lambda t: triton_path)
+    pool = _pool(torch.float16, 7, 4, seed=5)
+    pages = torch.tensor([3, 0, 6], dtype=torch.int64)
+    digest = module.PageDigest(pool, pages, 4, 0, 3)
+    digest.add(0, 2)
+    digest.add(2, 3)
+    assert int(digest.total()) & U64 == kv_digest(gather_pages_ref(pool, pages, 4, 0, 3))
+    with pytest.raises(ValueError, match="not within"):
+        digest.add(2, 4)

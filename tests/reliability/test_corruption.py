@@ -205,15 +205,15 @@ def test_generate_with_damaged_chunks_equals_a_clean_run(pair, receive_damage, m
     free = prefill.engine.allocator.free_counts()
     clean = tokens(stub, generate_request(PROMPT, NEW_TOKENS))
     # Every scatter into the decode pool copies a payload whose checksum a server computed.
-    import decode.service as service
+    import decode.placement as placement
 
-    scatter, scattered = service.scatter_pages, []
+    scatter, scattered = placement.scatter_pages, []
 
     def checked_scatter(buf, *args, **kwargs):
         scattered.append(_payload_checksum(buf) in receive_damage["genuine"])
         return scatter(buf, *args, **kwargs)
 
-    monkeypatch.setattr(service, "scatter_pages", checked_scatter)
+    monkeypatch.setattr(placement, "scatter_pages", checked_scatter)
     caplog.set_level(logging.INFO, logger="lanekv.decode")
     receive_damage["every"] = 3
     assert tokens(stub, generate_request(PROMPT, NEW_TOKENS, request_id="damaged")) == clean

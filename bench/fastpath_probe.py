@@ -1,0 +1,306 @@
+"""Where the transfer of one prefilled request spends its time (fast path and FetchKV), piece by piece.
+
+    python bench/fastpath_probe.py --llama3-8b --tokens 32768 [--profile-dir DIR]
+
+One prefill daemon (cp=2) and two decode daemons (auto, grpc), one request
+prefilled; then, each the best of ``--repeat``:
+
+- fast: the whole fast path of both ranks at once (``FastPath.fetch``);
+- rpc all / rpc 1 layer: FetchKV with descriptors only (no copy): the round
+  trip and the rank's digest of every layer, and of one layer;
+- copies: ``copy_pages`` of both ranks' pages at once, nothing else;
+- digest: ``page_digest`` of the copied pages on the decode GPU;
+- ceiling: each rank's share as one plain contiguous copy into GPU 0;
+- grpc / grpc (not placed) / raw gRPC, as bench/ttft.py measures them.
+
+With ``--profile-dir`` a py-spy recording (raw collapsed stacks, this process
+and its children) of the gRPC fetches is written there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent import futures
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+import torch  # noqa: E402
+
+import decode.placement as placement_module  # noqa: E402
+import transfer.fastpath as fastpath_module  # noqa: E402
+import transfer.fastpath_client as fastpath_client_module  # noqa: E402
+from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
+from bench.transfer import _raw_server, run_raw, start, stop  # noqa: E402
+from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
+from decode.config import DecodeConfig  # noqa: E402
+from decode.daemon import DecodeDaemon  # noqa: E402
+from decode.placement import place_chunk  # noqa: E402
+from kernels.page_digest import page_digest  # noqa: E402
+from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
+from prefill.engine_config import EngineConfig  # noqa: E402
+from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
+from transfer.client import FETCH_METHOD  # noqa: E402
+from transfer.fastpath import copy_pages  # noqa: E402
+from transfer.fastpath_client import _streams_for  # noqa: E402
+from transfer.manifest import Manifest  # noqa: E402
+from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
+from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+
+
+def timed(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat + 1):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+_WORKERS = futures.ThreadPoolExecutor(max_workers=8)
+
+
+def in_threads(fns) -> None:
+    for f in [_WORKERS.submit(fn) for fn in fns]:
+        f.result()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(ap)
+    ap.add_argument("--cp", type=int, default=2)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--repeat", type=int, default=4)
+    ap.add_argument("--profile-dir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    model_cfg = LLAMA3_8B if args.llama3_8b else TINY
+    dtype = "bfloat16" if args.llama3_8b else "float32"
+    pages = -(-(args.tokens + 2) // args.page_size) + 16
+    out: dict = {}
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(model_cfg))
+        prefill = PrefillDaemon(
+            EngineConfig(d, cp_size=args.cp, page_size=args.page_size, dtype=dtype, load_format="dummy",
+                         pages_per_lane=2 * pages // args.cp + 16, start_timeout_s=900),
+            DaemonConfig(lease_s=600, max_batch_tokens=args.tokens),
+        )
+        decoders = {}
+        try:
+            for name, transport in (("fast", "auto"), ("grpc", "grpc")):
+                decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
+                                                           dtype=dtype, load_format="dummy", pool_pages=pages,
+                                                           transport=transport, request_timeout_s=900))
+            out = probe(prefill, decoders, model_cfg["vocab_size"], args)
+        finally:
+            for dec in decoders.values():
+                dec.stop()
+            prefill.stop()
+    gb = out["bytes"] / 1e9
+    print(f"\n{args.tokens} tokens, {out['bytes'] / 2**30:.2f} GiB, best of {args.repeat + 1}")
+    for key, value in out.items():
+        if key.endswith("_s"):
+            print(f"{key:>28} {value * 1e3:9.2f} ms {gb / value:9.2f} GB/s")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
+    stub = lanekv_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(prefill.endpoint, options=grpc_options()))
+    reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(
+        token_ids=lanekv_pb2.TokenIds(ids=prompt(vocab, args.tokens, 7)), request_id=f"probe-{uuid.uuid4().hex[:8]}"),
+        timeout=900)
+    epoch = dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY)
+    metadata = ((EPOCH_METADATA_KEY, epoch),)
+    manifest = Manifest.decode(reply.manifest)
+    endpoints = list(reply.endpoints)
+    owners = sorted({p.owner for p in manifest.pages})
+    pages = {r: manifest.pages_of_owner(r) for r in owners}
+    slot = {p.page: i for i, p in enumerate(manifest.pages)}
+    fast, grpc_decode = decoders["fast"], decoders["grpc"]
+    pool = fast.pool.tensor
+    ps = manifest.page_size
+    dst = torch.empty((pool.shape[0], 2, len(manifest.pages) * ps, *pool.shape[3:]), dtype=pool.dtype,
+                      device=pool.device)
+    nbytes = dst.numel() * dst.element_size()
+    shared = {r: fast.fastpath.pool(endpoints[r], epoch, 30.0) for r in owners}
+    out: dict = dict(tokens=args.tokens, bytes=nbytes, transports=[fast.fastpath.transport(endpoints[r]) for r in owners])
+    phases: dict = {}
+
+    def fast_once() -> None:
+        def one(rank):
+            phases[rank] = fast.fastpath.fetch(
+                endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
+                dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600)._asdict()
+        in_threads([lambda r=r: one(r) for r in owners])
+
+    out["fast_s"] = timed(fast_once, args.repeat)
+    out["fast_phases"] = dict(phases)
+    for group in (32, 8):
+        fastpath_client_module.COPY_GROUP_LAYERS = group
+        out[f"fast_group{group}_s"] = timed(fast_once, args.repeat)
+    fastpath_client_module.COPY_GROUP_LAYERS = 4
+    if args.profile_dir and torch.cuda.is_available():
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fast_once()
+            torch.cuda.synchronize()
+        prof.export_chrome_trace(str(args.profile_dir / "fast_trace.json"))
+
+    def rpc(layer_end: int) -> None:
+        def one(rank):
+            request = lanekv_pb2.FetchRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint,
+                                              layer_start=0, layer_end=layer_end, pages=pages[rank],
+                                              descriptors=True)
+            stream = fast.kv.channel(endpoints[rank]).unary_stream(
+                FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
+                response_deserializer=lanekv_pb2.KVChunk.FromString)
+            for _ in stream(request, timeout=60, metadata=metadata):
+                pass
+        in_threads([lambda r=r: one(r) for r in owners])
+
+    out["rpc_all_layers_s"] = timed(lambda: rpc(pool.shape[0]), args.repeat)
+    out["rpc_one_layer_s"] = timed(lambda: rpc(1), args.repeat)
+    physical = {r: [p for _, p in prefill_pages(fast, endpoints[r], reply, r, pages[r], epoch)] for r in owners}
+
+    def copies() -> None:
+        def one(rank):
+            with _streams_for(shared[rank].device, dst.device) as streams:
+                copy_pages(shared[rank], physical[rank], dst, [slot[q] for q in pages[rank]], ps, 0, pool.shape[0])
+            streams.sync()
+        in_threads([lambda r=r: one(r) for r in owners])
+
+    out["copies_push_s"] = timed(copies, args.repeat)
+    fastpath_module.COPY_PUSH = False
+    out["copies_pull_s"] = timed(copies, args.repeat)
+    out["fast_pull_s"] = timed(fast_once, args.repeat)
+    fastpath_module.COPY_PUSH = True
+    index = torch.arange(len(manifest.pages), device=dst.device)
+    out["digest_decode_gpu_s"] = timed(lambda: page_digest(dst, index, ps, 0, pool.shape[0]).item(), args.repeat)
+    out["ceiling_s"] = copy_ceiling(dst, len(owners), args.repeat)
+
+    def grpc_once(drop: bool):
+        def place(header, payload):
+            if not drop:
+                place_chunk(dst, [slot[p] for p in header.pages], payload, ps, header.layer_start,
+                            header.layer_end)
+        grpc_decode.kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
+                             place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
+
+    if dst.is_cuda:
+        out["placement"] = placement_variants(dst.device)
+    for how in ("pageable", "torch", "memmove"):
+        placement_module.HOST_COPY = how
+        out[f"grpc_{how}_s"] = timed(lambda: grpc_once(False), args.repeat)
+    placement_module.HOST_COPY = "memmove"
+    out["grpc_not_placed_s"] = timed(lambda: grpc_once(True), args.repeat)
+    if args.profile_dir and shutil.which("py-spy"):
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        spy(args.profile_dir / "grpc_fetch.txt", lambda: grpc_once(False), idle=False)
+        spy(args.profile_dir / "rpc.txt", lambda: rpc(pool.shape[0]), idle=True)
+    release(prefill, reply, call)
+    procs, conns, ports = start(_raw_server, [() for _ in owners])
+    try:
+        out["raw_grpc_s"] = min(run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES)["seconds"] for _ in range(args.repeat + 1))
+    finally:
+        stop(procs, conns)
+    return out
+
+
+def placement_variants(device: torch.device, chunks: int = 48, chunk_bytes: int = 8 << 20) -> dict:
+    """Seconds per chunk to move received message bytes to the device, several ways."""
+    import ctypes
+
+    import numpy as np
+    data = [torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8).numpy().tobytes() for _ in range(chunks)]
+
+    def pageable(b):
+        torch.frombuffer(b, dtype=torch.uint8).to(device)
+
+    def pinned_torch(b):
+        staged = torch.empty(len(b), dtype=torch.uint8, pin_memory=True)
+        staged.copy_(torch.frombuffer(b, dtype=torch.uint8))
+        staged.to(device, non_blocking=True)
+
+    def pinned_memmove(b):
+        staged = torch.empty(len(b), dtype=torch.uint8, pin_memory=True)
+        ctypes.memmove(staged.data_ptr(), b, len(b))
+        staged.to(device, non_blocking=True)
+
+    def pinned_numpy(b):
+        staged = torch.empty(len(b), dtype=torch.uint8, pin_memory=True)
+        np.copyto(staged.numpy(), np.frombuffer(b, dtype=np.uint8))
+        staged.to(device, non_blocking=True)
+
+    out = {}
+    for name, fn in (("pageable", pageable), ("pinned_torch", pinned_torch), ("pinned_memmove", pinned_memmove),
+                     ("pinned_numpy", pinned_numpy)):
+        for threads in (1, 2, 4):
+            def work(part, fn=fn):
+                for b in part:
+                    fn(b)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            in_threads([lambda i=i, n=threads: work(data[i::n]) for i in range(threads)])
+            torch.cuda.synchronize()
+            out[f"{name}_x{threads}_ms_per_chunk"] = (time.perf_counter() - t0) / chunks * 1e3
+    print(json.dumps(out, indent=1))
+    return out
+
+
+def spy(path: Path, fn, idle: bool) -> None:
+    """Record this process and its children with py-spy while ``fn`` runs again and again for 5 s."""
+    cmd = ["py-spy", "record", "--pid", str(_pid()), "--subprocesses", "--threads", "--nonblocking",
+           "-r", "500", "-d", "6", "-f", "raw", "-o", str(path)] + (["--idle"] if idle else [])
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)
+    t_end = time.perf_counter() + 4.5
+    while time.perf_counter() < t_end:
+        fn()
+    _, err = proc.communicate(timeout=60)
+    print(err.decode()[-500:])
+
+
+def prefill_pages(fast, endpoint, reply, rank, pages, epoch):
+    """(logical, physical) of a rank's pages, from one descriptor."""
+    from transfer.fastpath import Descriptor
+    request = lanekv_pb2.FetchRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint,
+                                      layer_start=0, layer_end=1, pages=pages, descriptors=True)
+    stream = fast.kv.channel(endpoint).unary_stream(
+        FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
+        response_deserializer=lanekv_pb2.KVChunk.FromString)
+    for message in stream(request, timeout=60, metadata=((EPOCH_METADATA_KEY, epoch),)):
+        d = Descriptor.decode(message.header)
+        return list(zip(d.pages, d.physical))
+    raise RuntimeError("no descriptor")
+
+
+def _pid() -> int:
+    import os
+    return os.getpid()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
+
+
+if __name__ == "__main__":
+    main()
