@@ -5,22 +5,28 @@
 One prefill daemon (cp=2) and two decode daemons (auto, grpc), one request
 prefilled; then, each the best of ``--repeat``:
 
-- fast: the whole fast path of both ranks at once (``FastPath.fetch``);
+- fast: the whole fast path of both ranks at once (``FastPath.fetch``), with
+  copies in groups of 8 (the default), 32 and 8 layers again, and with the
+  copies on the destination's stream ("pull") instead of the source's;
 - rpc all / rpc 1 layer: FetchKV with descriptors only (no copy): the round
   trip and the rank's digest of every layer, and of one layer;
-- copies: ``copy_pages`` of both ranks' pages at once, nothing else;
+- copies (push / pull): ``copy_pages`` of both ranks' pages at once, nothing else;
 - digest: ``page_digest`` of the copied pages on the decode GPU;
 - ceiling: each rank's share as one plain contiguous copy into GPU 0;
+- placement: ways to move received chunk bytes to the GPU, in 1, 2, 4 threads;
 - grpc / grpc (not placed) / raw gRPC, as bench/ttft.py measures them.
 
-With ``--profile-dir`` a py-spy recording (raw collapsed stacks, this process
-and its children) of the gRPC fetches is written there.
+It prints one line per figure (ms and GB/s) and writes them all as JSON.
+With ``--profile-dir``: a torch profiler trace of one fast-path fetch and
+py-spy recordings (raw collapsed stacks, this process and its children) of
+the gRPC fetches and of descriptor round trips.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -35,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-import decode.placement as placement_module  # noqa: E402
 import transfer.fastpath as fastpath_module  # noqa: E402
 import transfer.fastpath_client as fastpath_client_module  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
@@ -49,7 +54,7 @@ from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from transfer.client import FETCH_METHOD  # noqa: E402
-from transfer.fastpath import copy_pages  # noqa: E402
+from transfer.fastpath import Descriptor, copy_pages  # noqa: E402
 from transfer.fastpath_client import _streams_for  # noqa: E402
 from transfer.manifest import Manifest  # noqa: E402
 from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
@@ -203,10 +208,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
     if dst.is_cuda:
         out["placement"] = placement_variants(dst.device)
-    for how in ("pageable", "torch", "memmove"):
-        placement_module.HOST_COPY = how
-        out[f"grpc_{how}_s"] = timed(lambda: grpc_once(False), args.repeat)
-    placement_module.HOST_COPY = "memmove"
+    out["grpc_s"] = timed(lambda: grpc_once(False), args.repeat)
     out["grpc_not_placed_s"] = timed(lambda: grpc_once(True), args.repeat)
     if args.profile_dir and shutil.which("py-spy"):
         args.profile_dir.mkdir(parents=True, exist_ok=True)
@@ -264,7 +266,7 @@ def placement_variants(device: torch.device, chunks: int = 48, chunk_bytes: int 
 
 def spy(path: Path, fn, idle: bool) -> None:
     """Record this process and its children with py-spy while ``fn`` runs again and again for 5 s."""
-    cmd = ["py-spy", "record", "--pid", str(_pid()), "--subprocesses", "--threads", "--nonblocking",
+    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--nonblocking",
            "-r", "500", "-d", "6", "-f", "raw", "-o", str(path)] + (["--idle"] if idle else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
@@ -277,7 +279,6 @@ def spy(path: Path, fn, idle: bool) -> None:
 
 def prefill_pages(fast, endpoint, reply, rank, pages, epoch):
     """(logical, physical) of a rank's pages, from one descriptor."""
-    from transfer.fastpath import Descriptor
     request = lanekv_pb2.FetchRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint,
                                       layer_start=0, layer_end=1, pages=pages, descriptors=True)
     stream = fast.kv.channel(endpoint).unary_stream(
@@ -287,19 +288,6 @@ def prefill_pages(fast, endpoint, reply, rank, pages, epoch):
         d = Descriptor.decode(message.header)
         return list(zip(d.pages, d.physical))
     raise RuntimeError("no descriptor")
-
-
-def _pid() -> int:
-    import os
-    return os.getpid()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 if __name__ == "__main__":
