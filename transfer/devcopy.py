@@ -157,7 +157,7 @@ class BlockCopy:
 
     def issue(self, first: int = 0, count: int | None = None) -> None:
         count = self.count - first if count is None else count
-        if not 0 <= first and first + count <= self.count:
+        if not (0 <= first and 1 <= count and first + count <= self.count):
             raise ValueError(f"blocks [{first}, {first + count}) are not within the {self.count} planned")
         rt, dst, src = self._runtime, self._dst_ptr + first * self._dpitch, self._src_ptr + first * self._spitch
         with torch.cuda.device(self._device):

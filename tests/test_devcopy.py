@@ -1,0 +1,59 @@
+"""transfer.devcopy: strided block copies between pools through the CUDA runtime.
+
+CPU: which views are blocks at one pitch, and that CPU tensors are left to
+torch. GPU: a run of pages over layers copied in one 2-D copy, in groups of
+blocks, and block by block when a pitch exceeds the device's limit, within a
+GPU and between two.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.markers import requires_gpu
+from transfer import devcopy
+from transfer.devcopy import BlockCopy, copy_blocks
+
+
+def _pool(device="cpu", layers=3, rows=40):
+    return torch.arange(layers * 2 * rows * 2 * 4, dtype=torch.float32, device=device).view(layers, 2, rows, 2, 4)
+
+
+def test_a_run_of_rows_over_layers_is_blocks_at_one_pitch():
+    pool = _pool()
+    view = pool[1:3, :, 8:16]
+    count, width, pitch = devcopy._blocks(view)
+    assert (count, width, pitch) == (4, 8 * 2 * 4 * 4, 40 * 2 * 4 * 4)
+    assert devcopy._blocks(pool[:, :, :, 0]) is None  # rows not dense
+    assert devcopy._blocks(pool[:, 0]) is None  # not [A, B, ...] blocks
+
+
+def test_cpu_tensors_are_left_to_torch():
+    src, dst = _pool(), torch.zeros(3, 2, 40, 2, 4)
+    assert copy_blocks(dst[:, :, :8], src[:, :, :8]) is False
+    assert BlockCopy.plan(dst[:, :, :8], src[:, :, :8]) is None
+    assert torch.count_nonzero(dst) == 0
+
+
+@requires_gpu
+@pytest.mark.parametrize("cross", [False, True])
+@pytest.mark.parametrize("small_pitch_limit", [False, True])
+def test_block_copies_between_pools_on_gpus(monkeypatch, cross, small_pitch_limit):
+    if cross and torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs for a copy between GPUs")
+    if small_pitch_limit:  # every 2-D copy is refused: block by block
+        monkeypatch.setattr(devcopy._Runtime, "max_pitch", lambda self, device: 1)
+    src = _pool("cuda:0")
+    dst = torch.zeros(3, 2, 40, 2, 4, device=f"cuda:{1 if cross else 0}")
+    assert copy_blocks(dst[:, :, 16:24], src[:, :, 8:16])
+    torch.cuda.synchronize()
+    assert torch.equal(dst[:, :, 16:24].cpu(), src[:, :, 8:16].cpu())
+    assert torch.count_nonzero(dst[:, :, :16]) == 0
+    plan = BlockCopy.plan(dst[:, :, 0:8], src[:, :, 30:38])
+    plan.issue(2, 2)  # layer 1's K and V only
+    torch.cuda.synchronize()
+    assert torch.equal(dst[1, :, 0:8].cpu(), src[1, :, 30:38].cpu())
+    assert torch.count_nonzero(dst[0, :, 0:8]) == 0 and torch.count_nonzero(dst[2, :, 0:8]) == 0
+    with pytest.raises(ValueError, match="not within"):
+        plan.issue(5, 2)
