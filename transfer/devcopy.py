@@ -4,8 +4,8 @@ A run of pages over a range of layers is ``2 * layers`` dense blocks of the
 same width at a fixed pitch in both pools (``[layers, 2, rows, heads, dim]``:
 the K and V blocks of consecutive layers are ``stride(1)`` apart). torch
 moves such a view either block by block (one ``copy_`` per block; between two
-GPUs each records and waits on two events, about 30 us of host time) or, not
-contiguous, with an element-wise kernel. ``copy_blocks`` issues the whole view
+GPUs each records and waits on two events, tens of microseconds of host time)
+or, not contiguous, with an element-wise kernel. ``copy_blocks`` issues the whole view
 as one ``cudaMemcpy2DAsync`` on the current stream of one of the two devices
 (NVLink between two GPUs with peer access, a local copy on one), so a 4 GiB
 fetch is a handful of calls instead of hundreds.
