@@ -83,16 +83,23 @@ def _page_digest_kernel(
     tl.store(out_ptr + lkv.to(tl.int64) * num_slots * chunks_per_page + pid, partial)
 
 
-def _check(pool, pages, page_size, layer_start, layer_end, first_layer) -> int:
+def _check(pool, pages, page_size, layer_start, layer_end) -> int:
     num_pages = check_pool_tensor(pool, page_size, "pool")
-    if first_layer is not None and not (isinstance(first_layer, int) and 0 <= first_layer <= layer_start):
-        raise ValueError(f"first_layer must be an integer in [0, layer_start={layer_start}], got {first_layer!r}")
     if not isinstance(pages, torch.Tensor) or pages.dim() != 1 or pages.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"pages must be a 1-D int32/int64 tensor, got {pages!r:.80}")
     if not 0 <= layer_start < layer_end <= pool.shape[0]:
         raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the pool's {pool.shape[0]} layers")
     check_same_device(pool=pool, pages=pages)
     return num_pages
+
+
+def _first(layer_start: int, first_layer: int | None) -> int:
+    """The layer the digested buffer starts at (``first_layer``, by default ``layer_start``)."""
+    if first_layer is None:
+        return layer_start
+    if not (isinstance(first_layer, int) and 0 <= first_layer <= layer_start):
+        raise ValueError(f"first_layer must be an integer in [0, layer_start={layer_start}], got {first_layer!r}")
+    return first_layer
 
 
 def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
@@ -104,50 +111,30 @@ def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, 
     consecutive layer ranges with one ``first_layer`` add up to the digest of
     all of them.
     """
-    num_pages = _check(pool, pages, page_size, layer_start, layer_end, first_layer)
-    lkv_base = 2 * (layer_start - (layer_start if first_layer is None else first_layer))
-    row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
-    if row_bytes % 4 or not pool.is_contiguous():
-        raise ValueError(f"page_digest_triton needs a contiguous pool with rows of whole 4-byte words, "
-                         f"got rows of {row_bytes} bytes")
-    words = pool.view(torch.uint8).view(torch.int32).view(*pool.shape[:3], -1)
-    page_words = page_size * words.shape[3]
-    chunks = triton.cdiv(page_words, _BLOCK)
-    layers = layer_end - layer_start
-    partials = torch.empty(layers * 2 * pages.shape[0] * chunks, dtype=torch.int64, device=pool.device)
-    if pages.shape[0] == 0:
-        return partials.sum()
-    grid = (pages.shape[0] * chunks, layers * 2)
-    # The launch and the sum below on one stream: the current one of the pool's device.
-    with torch.cuda.device(pool.device) if pool.is_cuda else contextlib.nullcontext():
-        _page_digest_kernel[grid](
-            words, pages, partials,
-            num_pages, page_words, chunks, layer_start, lkv_base, pages.shape[0],
-            words.stride(0), words.stride(1), DIGEST_WEIGHT,
-            BLOCK=_BLOCK, num_warps=4,
-        )
-        return partials.sum()
+    digest = PageDigest(pool, pages, page_size, _first(layer_start, first_layer), layer_end, kernel=True)
+    digest.add(layer_start, layer_end)
+    return digest.total()
 
 
 def page_digest_ref(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
                     layer_end: int, first_layer: int | None = None) -> torch.Tensor:
-    _check(pool, pages, page_size, layer_start, layer_end, first_layer)
+    _check(pool, pages, page_size, layer_start, layer_end)
+    first = _first(layer_start, first_layer)
     position = 0
-    if first_layer is not None and first_layer != layer_start:
+    if first != layer_start:
         row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
         if row_bytes % 4:
             raise ValueError(f"first_layer needs rows of whole 4-byte words, got rows of {row_bytes} bytes")
-        position = 2 * (layer_start - first_layer) * pages.shape[0] * page_size * row_bytes // 4
+        position = 2 * (layer_start - first) * pages.shape[0] * page_size * row_bytes // 4
     value = kv_digest(gather_pages_ref(pool, pages, page_size, layer_start, layer_end), position)
     return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.int64, device=pool.device)
 
 
 def page_digest(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
                 layer_end: int, first_layer: int | None = None) -> torch.Tensor:
-    row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size() if pool.dim() == 5 else 0
-    if use_triton(pool) and row_bytes % 4 == 0 and pool.is_contiguous():
-        return page_digest_triton(pool, pages, page_size, layer_start, layer_end, first_layer)
-    return page_digest_ref(pool, pages, page_size, layer_start, layer_end, first_layer)
+    digest = PageDigest(pool, pages, page_size, _first(layer_start, first_layer), layer_end)
+    digest.add(layer_start, layer_end)
+    return digest.total()
 
 
 class PageDigest:
@@ -157,16 +144,22 @@ class PageDigest:
     current stream), as parts of the whole range's buffer; ``total()`` is the
     range's digest (0-dim int64 on the pool's device). The Triton path checks
     the arguments once and writes every group's partial sums into one buffer,
-    summed once, so a group costs one launch.
+    summed once, so a group costs one launch. ``kernel``: None picks it where
+    the kernel applies (``use_triton``, a contiguous pool with rows of whole
+    4-byte words), else the torch reference; True requires it.
     """
 
     def __init__(self, pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                 layer_end: int) -> None:
-        self._num_pages = _check(pool, pages, page_size, layer_start, layer_end, None)
+                 layer_end: int, *, kernel: bool | None = None) -> None:
+        self._num_pages = _check(pool, pages, page_size, layer_start, layer_end)
         self._pool, self._pages, self._page_size = pool, pages, page_size
         self._start, self._end = layer_start, layer_end
         row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
-        self._triton = use_triton(pool) and row_bytes % 4 == 0 and pool.is_contiguous() and pages.shape[0] > 0
+        fits = row_bytes % 4 == 0 and pool.is_contiguous()
+        if kernel and not fits:
+            raise ValueError(f"page_digest_triton needs a contiguous pool with rows of whole 4-byte words, "
+                             f"got rows of {row_bytes} bytes")
+        self._triton = fits and (use_triton(pool) if kernel is None else kernel)
         self._parts: list[torch.Tensor] = []
         if self._triton:
             self._words = pool.view(torch.uint8).view(torch.int32).view(*pool.shape[:3], -1)
@@ -183,7 +176,10 @@ class PageDigest:
             self._parts.append(page_digest_ref(self._pool, self._pages, self._page_size, first, last,
                                                first_layer=self._start))
             return
+        if self._pages.shape[0] == 0:
+            return
         out = self._partials[(first - self._start) * self._per_layer:]
+        # The launch, and the sum in total(), on the current stream of the pool's device.
         with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
             _page_digest_kernel[(self._pages.shape[0] * self._chunks, (last - first) * 2)](
                 self._words, self._pages, out,
@@ -194,7 +190,8 @@ class PageDigest:
 
     def total(self) -> torch.Tensor:
         if self._triton:
-            return self._partials.sum()
+            with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
+                return self._partials.sum()
         if not self._parts:
             return torch.zeros((), dtype=torch.int64, device=self._pool.device)
         return torch.stack(self._parts).sum()

@@ -27,7 +27,7 @@ import torch
 import kernels.page_digest as page_digest_module
 import transfer.fastpath as fastpath
 from kernels.page_copy import gather_pages, scatter_pages
-from kernels.page_digest import kv_digest
+from kernels.page_digest import PageDigest, kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
@@ -276,7 +276,11 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     want = pool[:, :, rows_of([phys for _, phys in pages])]
     assert torch.equal(dst[:, :, rows_of([slot[p] for p, _ in pages])], want)
     # A digest that does not match what was copied is caught.
-    monkeypatch.setattr("transfer.fastpath_client.PageDigest.total", lambda self: torch.tensor(12345))
+    class WrongDigest(PageDigest):  # on the decode side only: the rank digests with PageDigest too
+        def total(self):
+            return torch.tensor(12345)
+
+    monkeypatch.setattr("transfer.fastpath_client.PageDigest", WrongDigest)
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)

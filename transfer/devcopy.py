@@ -5,19 +5,21 @@ same width at a fixed pitch in both pools (``[layers, 2, rows, heads, dim]``:
 the K and V blocks of consecutive layers are ``stride(1)`` apart). torch
 moves such a view either block by block (one ``copy_`` per block; between two
 GPUs each records and waits on two events, tens of microseconds of host time)
-or, not contiguous, with an element-wise kernel. ``copy_blocks`` issues the whole view
+or, not contiguous, with an element-wise kernel. ``BlockCopy`` issues the whole view
 as one ``cudaMemcpy2DAsync`` on the current stream of one of the two devices
 (NVLink between two GPUs with peer access, a local copy on one), so a 4 GiB
 fetch is a handful of calls instead of hundreds.
 
-The CUDA runtime is the one torch loaded (found by its soname). Where it is
-not found, or a pitch exceeds the device's limit for 2-D copies, the blocks go
-one ``cudaMemcpyAsync`` each; ``copy_blocks`` returns False only when neither
-is possible (CPU tensors, other layouts) and the caller copies with torch.
+The CUDA runtime is the one torch loaded (found among the process's
+mappings, else by soname). Where it is not found, ``BlockCopy.plan`` returns
+None, as for CPU tensors and other layouts, and the caller copies with
+torch; where a pitch exceeds the device's limit for 2-D copies, the blocks go
+one ``cudaMemcpyAsync`` each.
 
-Streams: the caller orders the copy. A current stream runs it; the source is read as it is when the copy runs, so the caller must know it is
-written (the fast path has the rank's descriptor, sent after the layers were
-written and digested).
+Streams: the caller orders the copy; it runs on the current stream of the
+device chosen at planning. The source is read as it is when the copy runs,
+so the caller must know it is written (the fast path has the rank's
+announcement, sent once the layers were written on the device).
 """
 
 from __future__ import annotations
@@ -135,8 +137,7 @@ class BlockCopy:
         self._dst, self._src = dst, src  # held: the addresses below stay valid
         self._dst_ptr, self._src_ptr = dst.data_ptr(), src.data_ptr()
         self.count, self._width, self._dpitch, self._spitch = count, width, dpitch, spitch
-        self.stream = torch.cuda.current_stream(device)  # the copies run on it
-        self._stream = ctypes.c_void_p(self.stream.cuda_stream)
+        self._stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
         limit = min(runtime.max_pitch(dst.device.index), runtime.max_pitch(src.device.index))
         self._two_d = max(dpitch, spitch) <= limit
 
@@ -169,19 +170,3 @@ class BlockCopy:
             for i in range(count):
                 rt.check(rt.memcpy(dst + i * self._dpitch, src + i * self._spitch, self._width, _MEMCPY_DEFAULT,
                                    self._stream), "cudaMemcpyAsync")
-
-
-def copy_blocks(dst: torch.Tensor, src: torch.Tensor, *, push: bool = True) -> bool:
-    """Copy ``src`` into ``dst`` (same shape and dtype, CUDA, each ``[A, B, ...]`` with
-    dense ``[...]`` blocks at one pitch).
-
-    The copy runs on the current stream of the source's device (``push``,
-    the default) or of the destination's; the caller orders it against other
-    streams. False when this cannot copy them (the caller copies with torch).
-    Raises RuntimeError when CUDA refuses the copy.
-    """
-    plan = BlockCopy.plan(dst, src, push=push)
-    if plan is None:
-        return False
-    plan.issue()
-    return True

@@ -45,7 +45,7 @@ import msgpack
 import torch
 
 from kernels.page_copy import gather_pages, scatter_pages
-from transfer.devcopy import BlockCopy, copy_blocks
+from transfer.devcopy import BlockCopy
 from transfer.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
@@ -245,22 +245,24 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
 
     When both page lists are a few runs of consecutive pages, each run over
     the layers is ``2 * layers`` dense blocks at one pitch in both pools and
-    moves as one strided copy (``devcopy.copy_blocks``: one 2-D copy on the
-    copy engines between GPUs; one torch copy on the CPU). Scattered pages go
-    in three steps whatever their number: ``gather_pages`` on the source
-    device into one dense buffer, one copy of it to the destination device,
+    moves as one strided copy (between GPUs ``PlannedCopy``: one 2-D copy on
+    the copy engines; on the CPU one torch copy). Scattered pages go in three
+    steps whatever their number: ``gather_pages`` on the source device into
+    one dense buffer, one copy of it to the destination device,
     ``scatter_pages`` there.
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
+    planned = PlannedCopy.plan(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
+    if planned is not None:
+        planned.issue(layer_start, layer_end)
+        return
     runs = page_runs(src_pages, dst_pages)
     if len(runs) <= MAX_RUN_COPIES:
         layers = slice(layer_start, layer_end)
         for s, d, n in runs:
-            src = src_pool[layers, :, s * page_size:(s + n) * page_size]
-            dst = dst_pool[layers, :, d * page_size:(d + n) * page_size]
-            if not copy_blocks(dst, src, push=COPY_PUSH):
-                dst.copy_(src, non_blocking=True)
+            dst_pool[layers, :, d * page_size:(d + n) * page_size].copy_(
+                src_pool[layers, :, s * page_size:(s + n) * page_size], non_blocking=True)
         return
     _copy_scattered(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
 
@@ -277,7 +279,6 @@ class PlannedCopy:
 
     def __init__(self, copies: list[BlockCopy], layer_start: int) -> None:
         self._copies, self._layer_start = copies, layer_start
-        self.streams = list({id(c.stream): c.stream for c in copies}.values())
 
     @classmethod
     def plan(cls, src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,

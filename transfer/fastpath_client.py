@@ -163,7 +163,7 @@ class FastPath:
                 received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for, streams)
                 received_s = time.perf_counter() - start
                 with streams.digesting():
-                    got = [as_u64(t) for t in torch.stack([t for _, _, t in received]).cpu()] if received else []
+                    got = [as_u64(t) for t in torch.stack([t for _, _, t in received]).cpu()]
                 streams.sync()
                 copied_s = time.perf_counter() - start
             self._finish(call, endpoint, rank, request_id, len(received))
@@ -187,13 +187,14 @@ class FastPath:
 
         Copies start at an announcement: of each range (``copy_at_end`` False), or
         of every range at the last one's; the rank's digest of the last range then
-        runs while they do. The stream's status is read after the copies.
+        runs while they do. The stream's status is read after the copies; a
+        stream that ends before the last layer's range is a ``CorruptChunk``.
         """
         a = self._agreement
-        sealed: list[_Range] = []
+        sealed: list[tuple[Descriptor, list[int]]] = []
         todo: list[tuple[Descriptor, list[int]]] = []  # announced, not copied yet
         announced: tuple[Descriptor, list[int]] | None = None
-        digests: dict[int, torch.Tensor] = {}
+        digests: dict[int, torch.Tensor] = {}  # by seq, once copied
         try:
             for message in call:
                 seq = len(sealed)
@@ -215,16 +216,15 @@ class FastPath:
                     continue
                 if d.digest is None or dataclasses.replace(d, digest=None) != announced[0]:
                     raise CorruptChunk(request_id, rank, seq, "does not seal the range announced before it")
-                sealed.append(_Range(d, announced[1], digests.get(d.seq)))
+                sealed.append((d, announced[1]))
                 announced = None
                 if d.layer_end == a.num_layers:
-                    break
+                    return [_Range(r, dst, digests[r.seq]) for r, dst in sealed]
         except grpc.RpcError as err:
             raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
-        # A stream that ended early leaves ranges uncopied: copy them (the caller finds the layers missing).
-        for r, dst in todo:
-            digests[r.seq] = self._copy(src, r, dst, dst_pool, streams)
-        return [rg if rg.digest is not None else rg._replace(digest=digests[rg.descriptor.seq]) for rg in sealed]
+        layer = sealed[-1][0].layer_end if sealed else 0
+        raise CorruptChunk(request_id, rank, len(sealed), f"was not sent: the stream ended after layer {layer} "
+                           f"of {a.num_layers}")
 
     def _copy(self, src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch.Tensor,
               streams: _Streams) -> torch.Tensor:
@@ -271,7 +271,7 @@ class _Range(NamedTuple):
 
     descriptor: Descriptor
     dst: list[int]
-    digest: torch.Tensor | None
+    digest: torch.Tensor
 
 
 class _Streams:
