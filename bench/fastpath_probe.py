@@ -25,9 +25,11 @@ the gRPC fetches and of descriptor round trips.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,7 @@ import torch  # noqa: E402
 import transfer.fastpath as fastpath_module  # noqa: E402
 import transfer.fastpath_client as fastpath_client_module  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from bench.transfer import _raw_server, run_raw, start, stop  # noqa: E402
+from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.daemon import DecodeDaemon  # noqa: E402
@@ -75,6 +77,7 @@ def timed(fn, repeat: int) -> float:
 
 
 _WORKERS = futures.ThreadPoolExecutor(max_workers=8)
+SHORT_SWITCH_S = 0.0002  # a GIL switch interval to try against the default 5 ms
 
 
 def in_threads(fns) -> None:
@@ -119,6 +122,9 @@ def main() -> None:
     for key, value in out.items():
         if key.endswith("_s"):
             print(f"{key:>28} {value * 1e3:9.2f} ms {gb / value:9.2f} GB/s")
+    for key in ("fast_phases", "fast_short_switch_phases"):
+        for rank, st in out.get(key, {}).items():
+            print(f"{key} rank {rank}: " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in st.items() if k.endswith("_s")))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
@@ -154,6 +160,11 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
     out["fast_s"] = timed(fast_once, args.repeat)
     out["fast_phases"] = dict(phases)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(SHORT_SWITCH_S)
+    out["fast_short_switch_s"] = timed(fast_once, args.repeat)
+    out["fast_short_switch_phases"] = dict(phases)
+    sys.setswitchinterval(switch)
     for group in (32, 8):
         fastpath_client_module.COPY_GROUP_LAYERS = group
         out[f"fast_group{group}_s"] = timed(fast_once, args.repeat)
@@ -166,7 +177,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(args.profile_dir / "fast_trace.json"))
 
-    def rpc(layer_end: int) -> None:
+    def rpc(layer_end: int, ranks=owners) -> None:
         def one(rank):
             request = lanekv_pb2.FetchRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint,
                                               layer_start=0, layer_end=layer_end, pages=pages[rank],
@@ -176,10 +187,11 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
                 response_deserializer=lanekv_pb2.KVChunk.FromString)
             for _ in stream(request, timeout=60, metadata=metadata):
                 pass
-        in_threads([lambda r=r: one(r) for r in owners])
+        in_threads([lambda r=r: one(r) for r in ranks])
 
     out["rpc_all_layers_s"] = timed(lambda: rpc(pool.shape[0]), args.repeat)
     out["rpc_one_layer_s"] = timed(lambda: rpc(1), args.repeat)
+    out["rpc_one_layer_one_rank_s"] = timed(lambda: rpc(1, owners[:1]), args.repeat)
     physical = {r: [p for _, p in prefill_pages(fast, endpoints[r], reply, r, pages[r], epoch)] for r in owners}
 
     def copies() -> None:
@@ -198,11 +210,18 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out["digest_decode_gpu_s"] = timed(lambda: page_digest(dst, index, ps, 0, pool.shape[0]).item(), args.repeat)
     out["ceiling_s"] = copy_ceiling(dst, len(owners), args.repeat)
 
-    def grpc_once(drop: bool):
+    def grpc_once(drop: bool, how: str = "place"):
         def place(header, payload):
-            if not drop:
+            if drop:
+                return
+            if how == "place":
                 place_chunk(dst, [slot[p] for p in header.pages], payload, ps, header.layer_start,
                             header.layer_end)
+                return
+            staged = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
+            ctypes.memmove(staged.data_ptr(), payload.data_ptr(), payload.numel() * payload.element_size())
+            if how == "h2d":
+                staged.to(dst.device, non_blocking=True)
         grpc_decode.kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
                              place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
 
@@ -210,6 +229,12 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         out["placement"] = placement_variants(dst.device)
     out["grpc_s"] = timed(lambda: grpc_once(False), args.repeat)
     out["grpc_not_placed_s"] = timed(lambda: grpc_once(True), args.repeat)
+    if dst.is_cuda:
+        out["grpc_memmove_only_s"] = timed(lambda: grpc_once(False, "memmove"), args.repeat)
+        out["grpc_memmove_h2d_s"] = timed(lambda: grpc_once(False, "h2d"), args.repeat)
+    sys.setswitchinterval(SHORT_SWITCH_S)
+    out["grpc_short_switch_s"] = timed(lambda: grpc_once(False), args.repeat)
+    sys.setswitchinterval(switch)
     if args.profile_dir and shutil.which("py-spy"):
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         spy(args.profile_dir / "grpc_fetch.txt", lambda: grpc_once(False), idle=False)
@@ -218,6 +243,19 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     procs, conns, ports = start(_raw_server, [() for _ in owners])
     try:
         out["raw_grpc_s"] = min(run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES)["seconds"] for _ in range(args.repeat + 1))
+        channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=grpc_options()) for p in ports]
+        tiny = [ch.unary_stream(RAW_METHOD) for ch in channels]
+
+        def floor(which) -> None:
+            in_threads([lambda i=i: sum(1 for _ in tiny[i](struct.pack("<QQ", 2, 256), timeout=60)) for i in which])
+
+        out["rpc_floor_one_s"] = timed(lambda: floor([0]), args.repeat + 4)
+        out["rpc_floor_s"] = timed(lambda: floor(range(len(ports))), args.repeat + 4)
+        sys.setswitchinterval(SHORT_SWITCH_S)
+        out["rpc_floor_short_switch_s"] = timed(lambda: floor(range(len(ports))), args.repeat + 4)
+        sys.setswitchinterval(switch)
+        for ch in channels:
+            ch.close()
     finally:
         stop(procs, conns)
     return out
@@ -225,8 +263,6 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
 def placement_variants(device: torch.device, chunks: int = 48, chunk_bytes: int = 8 << 20) -> dict:
     """Seconds per chunk to move received message bytes to the device, several ways."""
-    import ctypes
-
     import numpy as np
     data = [torch.randint(0, 255, (chunk_bytes,), dtype=torch.uint8).numpy().tobytes() for _ in range(chunks)]
 

@@ -15,6 +15,7 @@ their fingerprints do.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Iterable, Iterator, Mapping
@@ -187,6 +188,10 @@ class Agreement:
         return cls(**value)
 
     def encode(self) -> bytes:
+        return self._encoding
+
+    @functools.cached_property
+    def _encoding(self) -> bytes:  # frozen: encoded once (every FetchKV compares the fingerprint)
         return _pack(self.to_dict())
 
     @classmethod
@@ -195,7 +200,7 @@ class Agreement:
         with untrusted("agreement"):
             return cls.from_dict(unpack_map(data, "agreement"))
 
-    @property
+    @functools.cached_property
     def fingerprint(self) -> str:
         return hashlib.sha256(self.encode()).hexdigest()
 

@@ -34,6 +34,7 @@ anyway (another IPC namespace, no CUDA) falls back to gRPC.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 from collections.abc import Sequence
@@ -54,6 +55,7 @@ from transfer.wire import (
     MAX_REQUEST_ID_LEN,
     MAX_SEQ,
     check_int,
+    check_ints,
     check_keys,
     check_str,
     dtype_name,
@@ -353,6 +355,21 @@ class Descriptor:
             use_bin_type=True,
         )
 
+    def sealed_by(self, data: Any) -> Descriptor | None:
+        """This announced range sealed with the digest in ``data``, if ``data`` is
+        exactly its sealed twin (the same encoding but for the digest); else None.
+
+        Cheaper than ``decode``: the pages were checked in the announcement.
+        """
+        try:
+            digest = unpack_map(data, "descriptor").get("digest")
+        except ValueError:
+            return None
+        if type(digest) is not int or not 0 <= digest <= _U64:
+            return None
+        sealed = dataclasses.replace(self, digest=digest)
+        return sealed if sealed.encode() == bytes(data) else None
+
     @classmethod
     def decode(cls, data: Any) -> Descriptor:
         with untrusted("descriptor"):
@@ -371,7 +388,7 @@ class Descriptor:
                 check_int("seq", raw["seq"], 0, MAX_SEQ),
                 layer_start,
                 check_int("layer_end", raw["layer_end"], layer_start + 1, MAX_LAYERS),
-                tuple(check_int("pages[]", p, 0, MAX_PAGE_ID) for p in pages),
-                tuple(check_int("physical[]", p, 0, MAX_PAGE_ID) for p in physical),
+                check_ints("pages[]", pages, 0, MAX_PAGE_ID),
+                check_ints("physical[]", physical, 0, MAX_PAGE_ID),
                 None if raw["digest"] is None else check_int("digest", raw["digest"], 0, _U64),
             )

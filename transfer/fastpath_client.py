@@ -12,7 +12,6 @@ caller's pages and checks the digest of every copied chunk
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import time
@@ -68,6 +67,7 @@ class FastStats(NamedTuple):
     received_s: float = 0.0  # until the rank's last descriptor
     copy_s: float = 0.0  # then the copies not made while receiving, and every digest
     runs: int = 0  # most runs of consecutive pages in a descriptor (1: one dense block per layer)
+    first_s: float = 0.0  # from the call to the rank's first announcement
 
 
 class _Attached(NamedTuple):
@@ -160,7 +160,9 @@ class FastPath:
             on_call(call)  # the caller may cancel it
         try:
             with _streams_for(src.device, dst_pool.device) as streams:
-                received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for, streams)
+                first: list[float] = []
+                received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for, streams,
+                                         first)
                 received_s = time.perf_counter() - start
                 with streams.digesting():
                     got = [as_u64(t) for t in torch.stack([t for _, _, t in received]).cpu()]
@@ -179,16 +181,19 @@ class FastPath:
         nbytes = sum(len(d.pages) * (d.layer_end - d.layer_start) for d, _, _ in received) * page_layer_bytes
         runs = max((len(page_runs(d.physical, dst)) for d, dst, _ in received), default=0)
         seconds = time.perf_counter() - start
-        return FastStats(nbytes, len(received), seconds, received_s, copied_s - received_s, runs)
+        return FastStats(nbytes, len(received), seconds, received_s, copied_s - received_s, runs,
+                         first[0] - start if first else 0.0)
 
     def _receive(self, call, endpoint: str, rank: int, request_id: str, asked: set[int], src: torch.Tensor,
-                 dst_pool: torch.Tensor, pages_for: PagesFor, streams: _Streams) -> list[_Range]:
+                 dst_pool: torch.Tensor, pages_for: PagesFor, streams: _Streams,
+                 first: list[float]) -> list[_Range]:
         """The stream's ranges up to the last layer's, each announced then sealed, checked.
 
         Copies start at an announcement: of each range (``copy_at_end`` False), or
         of every range at the last one's; the rank's digest of the last range then
         runs while they do. The stream's status is read after the copies; a
         stream that ends before the last layer's range is a ``CorruptChunk``.
+        ``first`` gets the time the first message came.
         """
         a = self._agreement
         sealed: list[tuple[Descriptor, list[int]]] = []
@@ -197,12 +202,14 @@ class FastPath:
         digests: dict[int, torch.Tensor] = {}  # by seq, once copied
         try:
             for message in call:
+                if not first:
+                    first.append(time.perf_counter())
                 seq = len(sealed)
-                try:
-                    d = Descriptor.decode(message.header)
-                except ValueError as err:
-                    raise CorruptChunk(request_id, rank, seq, f"has a bad descriptor: {err}") from err
                 if announced is None:
+                    try:
+                        d = Descriptor.decode(message.header)
+                    except ValueError as err:
+                        raise CorruptChunk(request_id, rank, seq, f"has a bad descriptor: {err}") from err
                     bad = "is sealed before it was announced" if d.digest is not None else \
                         _mismatch(d, request_id, rank, seq, asked, src.shape[2] // a.page_size, a.num_layers)
                     if bad:
@@ -214,7 +221,8 @@ class FastPath:
                             digests[r.seq] = self._copy(src, r, dst, dst_pool, streams)
                         todo.clear()
                     continue
-                if d.digest is None or dataclasses.replace(d, digest=None) != announced[0]:
+                d = announced[0].sealed_by(message.header)
+                if d is None:
                     raise CorruptChunk(request_id, rank, seq, "does not seal the range announced before it")
                 sealed.append((d, announced[1]))
                 announced = None
@@ -331,12 +339,10 @@ def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[in
         return f"is {d.request_id!r} rank {d.rank} seq {d.seq}"
     if d.layer_end > num_layers:
         return f"names layers up to {d.layer_end} of {num_layers}"
-    foreign = [p for p in d.pages if p not in asked]
-    if foreign:
-        return f"names pages {foreign[:8]} that were not asked for"
-    outside = [p for p in d.physical if p >= src_pages]
-    if outside:
-        return f"names physical pages {outside[:8]} outside the shared pool of {src_pages}"
+    if not asked.issuperset(d.pages):
+        return f"names pages {[p for p in d.pages if p not in asked][:8]} that were not asked for"
+    if max(d.physical) >= src_pages:
+        return f"names physical pages {[p for p in d.physical if p >= src_pages][:8]} outside the shared pool of {src_pages}"
     if len(set(d.pages)) != len(d.pages):
         return "names a page twice"
     return ""
