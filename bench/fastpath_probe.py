@@ -238,6 +238,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     if args.profile_dir and shutil.which("py-spy"):
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         spy(args.profile_dir / "grpc_fetch.txt", lambda: grpc_once(False), idle=False)
+        spy(args.profile_dir / "grpc_fetch_gil.txt", lambda: grpc_once(False), idle=False, gil=True)
         spy(args.profile_dir / "rpc.txt", lambda: rpc(pool.shape[0]), idle=True)
     release(prefill, reply, call)
     procs, conns, ports = start(_raw_server, [() for _ in owners])
@@ -300,10 +301,12 @@ def placement_variants(device: torch.device, chunks: int = 48, chunk_bytes: int 
     return out
 
 
-def spy(path: Path, fn, idle: bool) -> None:
-    """Record this process and its children with py-spy while ``fn`` runs again and again for 5 s."""
-    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--subprocesses", "--threads", "--nonblocking",
-           "-r", "500", "-d", "6", "-f", "raw", "-o", str(path)] + (["--idle"] if idle else [])
+def spy(path: Path, fn, idle: bool, gil: bool = False) -> None:
+    """Record this process and its children with py-spy while ``fn`` runs again and again for 5 s
+    (``gil``: only the threads holding the GIL, of this process alone)."""
+    cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--threads", "--nonblocking",
+           "-r", "500", "-d", "6", "-f", "raw", "-o", str(path)] + (["--idle"] if idle else []) \
+        + (["--gil"] if gil else ["--subprocesses"])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     time.sleep(1.0)
     t_end = time.perf_counter() + 4.5

@@ -1,13 +1,19 @@
 """Placing a chunk received over gRPC (host memory) into pages of the decode pool.
 
 On a GPU the chunk is first copied into pinned host memory (one memmove,
-outside the GIL), then sent to the device without waiting and scattered
-there, all on the current stream. Measured on an H200 host
-(``bench/fastpath_probe.py``, 8 MiB chunks): a pageable host-to-device copy
-takes 1.1-1.2 ms per chunk however many threads place at once (the driver
-stages it through a buffer of its own); the pinned way takes 1.0 ms in one
-thread, 0.63 ms per chunk in two and 0.37 ms in four. Through a whole
-fetch the two measured the same within run-to-run noise (3.1-3.8 GB/s).
+outside the GIL), then sent to the device without waiting, all on the
+current stream. Measured on an H200 host (``bench/fastpath_probe.py``,
+8 MiB chunks): a pageable host-to-device copy takes 1.1-1.2 ms per chunk
+however many threads place at once (the driver stages it through a buffer
+of its own); the pinned way takes 1.0 ms in one thread, 0.63 ms per chunk in
+two and 0.37 ms in four. Through a whole fetch the two measured the same
+within run-to-run noise (3.1-3.8 GB/s).
+
+On the device the chunk's pages go to their places with a few 2-D copies
+(``devcopy.BlockCopy``, one per run of consecutive destination pages) when
+they form up to ``MAX_RUN_COPIES`` runs, else with ``scatter_pages``. Both
+run on the current stream; the copies cost less host time per chunk than a
+kernel launch and its page index (host time a fetch's threads share).
 
 Pinned buffers come from torch's host allocator, which reuses one only after
 the copy queued from it has run. Later work on the same stream (the decode
@@ -22,6 +28,8 @@ from collections.abc import Sequence
 import torch
 
 from kernels.page_copy import scatter_pages
+from transfer.devcopy import BlockCopy
+from transfer.fastpath import MAX_RUN_COPIES, page_runs
 
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
@@ -30,7 +38,6 @@ def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tens
 
     ValueError (from ``scatter_pages``) when the payload does not fit.
     """
-    index = torch.tensor(list(physical), dtype=torch.int64)
     if pool.is_cuda:
         staged = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)
         if payload.is_contiguous():
@@ -38,5 +45,33 @@ def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tens
         else:
             staged.copy_(payload)
         payload = staged.to(pool.device, non_blocking=True)
-        index = index.pin_memory().to(pool.device, non_blocking=True)
+        if _copy_runs(pool, physical, payload, page_size, layer_start, layer_end):
+            return
+        index = torch.tensor(list(physical), dtype=torch.int64).pin_memory().to(pool.device, non_blocking=True)
+    else:
+        index = torch.tensor(list(physical), dtype=torch.int64)
     scatter_pages(payload, pool, index, page_size, layer_start, layer_end)
+
+
+def _copy_runs(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
+               layer_start: int, layer_end: int) -> bool:
+    """Copy a device payload's pages into ``pool`` run by run; False (nothing copied) where
+    ``scatter_pages`` must: too many runs, a shape that does not fit, no 2-D copies here."""
+    num_pages = pool.shape[2] // page_size if pool.dim() == 5 else 0
+    expected = (layer_end - layer_start, 2, len(physical) * page_size, *pool.shape[3:])
+    if (payload.dtype != pool.dtype or tuple(payload.shape) != expected or not 0 <= layer_start < layer_end
+            or layer_end > pool.shape[0] or not physical or min(physical) < 0 or max(physical) >= num_pages):
+        return False
+    runs = page_runs(range(len(physical)), physical)
+    if len(runs) > MAX_RUN_COPIES:
+        return False
+    plans = []
+    for s, d, n in runs:
+        plan = BlockCopy.plan(pool[layer_start:layer_end, :, d * page_size:(d + n) * page_size],
+                              payload[:, :, s * page_size:(s + n) * page_size], push=False)
+        if plan is None:
+            return False
+        plans.append(plan)
+    for plan in plans:
+        plan.issue()
+    return True

@@ -12,3 +12,7 @@ _no_gpu = pytest.mark.skipif(
 def requires_gpu(test):
     """Run only on a CUDA machine (marked ``gpu``, so ``pytest -m gpu`` selects these)."""
     return pytest.mark.gpu(_no_gpu(test))
+
+
+# The marks of one case of a parametrized test that needs a GPU: pytest.param(..., marks=GPU_CASE).
+GPU_CASE = (pytest.mark.gpu, _no_gpu)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.markers import requires_gpu
+from tests.markers import GPU_CASE, requires_gpu
 from transfer import devcopy
 from transfer.devcopy import BlockCopy
 
@@ -57,3 +57,22 @@ def test_block_copies_between_pools_on_gpus(monkeypatch, cross, small_pitch_limi
     assert torch.count_nonzero(dst[0, :, 0:8]) == 0 and torch.count_nonzero(dst[2, :, 0:8]) == 0
     with pytest.raises(ValueError, match="not within"):
         plan.issue(5, 2)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=GPU_CASE)])
+@pytest.mark.parametrize("physical", [[5, 6, 7, 2], [1, 3, 5, 7, 9, 0], [4]], ids=["runs", "scattered", "one"])
+def test_place_chunk_puts_each_page_of_a_host_chunk_in_its_place(device, physical):
+    """decode.placement: a few runs of pages go by 2-D copies on a GPU, scattered ones
+    (more than MAX_RUN_COPIES runs) by scatter_pages; the CPU always scatters. Same pool either way."""
+    from decode.placement import place_chunk
+
+    ps, layers = 4, (1, 3)
+    pool = torch.zeros(4, 2, 10 * ps, 2, 4, device=device)
+    payload = torch.randn(layers[1] - layers[0], 2, len(physical) * ps, 2, 4)
+    place_chunk(pool, physical, payload, ps, *layers)
+    want = torch.zeros(4, 2, 10 * ps, 2, 4)
+    for i, page in enumerate(physical):
+        want[layers[0]:layers[1], :, page * ps:(page + 1) * ps] = payload[:, :, i * ps:(i + 1) * ps]
+    assert torch.equal(pool.cpu(), want)
+    with pytest.raises(ValueError):
+        place_chunk(pool, physical + [8], payload, ps, *layers)  # a page more than the payload holds
