@@ -111,7 +111,7 @@ def page_digest_triton(pool: torch.Tensor, pages: torch.Tensor, page_size: int, 
     consecutive layer ranges with one ``first_layer`` add up to the digest of
     all of them.
     """
-    digest = PageDigest(pool, pages, page_size, _first(layer_start, first_layer), layer_end, kernel=True)
+    digest = PageDigest(pool, pages, page_size, layer_start, layer_end, first_layer=first_layer, kernel=True)
     digest.add(layer_start, layer_end)
     return digest.total()
 
@@ -132,7 +132,7 @@ def page_digest_ref(pool: torch.Tensor, pages: torch.Tensor, page_size: int, lay
 
 def page_digest(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
                 layer_end: int, first_layer: int | None = None) -> torch.Tensor:
-    digest = PageDigest(pool, pages, page_size, _first(layer_start, first_layer), layer_end)
+    digest = PageDigest(pool, pages, page_size, layer_start, layer_end, first_layer=first_layer)
     digest.add(layer_start, layer_end)
     return digest.total()
 
@@ -141,17 +141,22 @@ class PageDigest:
     """``page_digest`` of one range of layers, added up a group of layers at a time.
 
     Each ``add(first, last)`` queues the digest of those layers (on the
-    current stream), as parts of the whole range's buffer; ``total()`` is the
-    range's digest (0-dim int64 on the pool's device). The Triton path checks
-    the arguments once and writes every group's partial sums into one buffer,
-    summed once, so a group costs one launch. ``kernel``: None picks it where
-    the kernel applies (``use_triton``, a contiguous pool with rows of whole
-    4-byte words), else the torch reference; True requires it.
+    current stream), as parts of the buffer that starts at ``first_layer``
+    (default ``layer_start``); ``total()`` is the sum of what was added
+    (0-dim int64 on the pool's device), ``total(first, last)`` that of the
+    groups added within ``[first, last)``. With ``first_layer=0`` every layer
+    is digested at its place in the whole pool's layers, so any range's
+    digest is the sum of its layers' digests. The Triton path checks the
+    arguments once and writes every group's partial sums into one buffer, so
+    a group costs one launch. ``kernel``: None picks it where the kernel
+    applies (``use_triton``, a contiguous pool with rows of whole 4-byte
+    words), else the torch reference; True requires it.
     """
 
     def __init__(self, pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                 layer_end: int, *, kernel: bool | None = None) -> None:
+                 layer_end: int, *, first_layer: int | None = None, kernel: bool | None = None) -> None:
         self._num_pages = _check(pool, pages, page_size, layer_start, layer_end)
+        self._first_layer = _first(layer_start, first_layer)
         self._pool, self._pages, self._page_size = pool, pages, page_size
         self._start, self._end = layer_start, layer_end
         row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
@@ -160,7 +165,7 @@ class PageDigest:
             raise ValueError(f"page_digest_triton needs a contiguous pool with rows of whole 4-byte words, "
                              f"got rows of {row_bytes} bytes")
         self._triton = fits and (use_triton(pool) if kernel is None else kernel)
-        self._parts: list[torch.Tensor] = []
+        self._parts: list[tuple[int, int, torch.Tensor]] = []
         if self._triton:
             self._words = pool.view(torch.uint8).view(torch.int32).view(*pool.shape[:3], -1)
             self._page_words = page_size * self._words.shape[3]
@@ -173,8 +178,8 @@ class PageDigest:
         if not self._start <= first < last <= self._end:
             raise ValueError(f"layers [{first}, {last}) are not within [{self._start}, {self._end})")
         if not self._triton:
-            self._parts.append(page_digest_ref(self._pool, self._pages, self._page_size, first, last,
-                                               first_layer=self._start))
+            self._parts.append((first, last, page_digest_ref(self._pool, self._pages, self._page_size, first, last,
+                                                             first_layer=self._first_layer)))
             return
         if self._pages.shape[0] == 0:
             return
@@ -183,15 +188,26 @@ class PageDigest:
         with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
             _page_digest_kernel[(self._pages.shape[0] * self._chunks, (last - first) * 2)](
                 self._words, self._pages, out,
-                self._num_pages, self._page_words, self._chunks, first, 2 * (first - self._start),
+                self._num_pages, self._page_words, self._chunks, first, 2 * (first - self._first_layer),
                 self._pages.shape[0], self._words.stride(0), self._words.stride(1), DIGEST_WEIGHT,
                 BLOCK=_BLOCK, num_warps=4,
             )
 
-    def total(self) -> torch.Tensor:
+    def total(self, first: int | None = None, last: int | None = None) -> torch.Tensor:
+        first = self._start if first is None else first
+        last = self._end if last is None else last
+        if not self._start <= first < last <= self._end:
+            raise ValueError(f"layers [{first}, {last}) are not within [{self._start}, {self._end})")
         if self._triton:
             with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
-                return self._partials.sum()
-        if not self._parts:
+                return self._partials[(first - self._start) * self._per_layer:
+                                      (last - self._start) * self._per_layer].sum()
+        parts = []
+        for a, b, part in self._parts:
+            if first <= a and b <= last:
+                parts.append(part)
+            elif a < last and first < b:
+                raise ValueError(f"layers [{a}, {b}) were added as one group: no total of [{first}, {last})")
+        if not parts:
             return torch.zeros((), dtype=torch.int64, device=self._pool.device)
-        return torch.stack(self._parts).sum()
+        return torch.stack(parts).sum()

@@ -59,11 +59,12 @@ class RankPageSource(TensorPageSource):
             self._stream.synchronize()
             return host
 
-    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
+               *, request_id: str | None = None) -> int:
         if self._stream is None:
-            return super().digest(physical_pages, layer_start, layer_end, after)
+            return super().digest(physical_pages, layer_start, layer_end, after, request_id=request_id)
         with self._on_stream(after):
-            return super().digest(physical_pages, layer_start, layer_end)
+            return super().digest(physical_pages, layer_start, layer_end, request_id=request_id)
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

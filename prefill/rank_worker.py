@@ -228,8 +228,12 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
             source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank], progress)
     if registered is not None:
         registered()
+    def written(layer: int) -> None:
+        source.digest_written(batch.request_ids, layer)  # queued before the layer's event
+        progress.layer_written(layer)
+
     try:
-        result = runner.run(batch, None if progress is None else progress.layer_written)
+        result = runner.run(batch, None if progress is None else written)
     except BaseException as err:
         if progress is not None:
             progress.fail(f"rank {runner.cp_rank}: {type(err).__name__}: {err}")

@@ -29,7 +29,7 @@ import transfer.fastpath as fastpath
 from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import PageDigest, kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from tests.markers import requires_gpu
+from tests.markers import GPU_CASE, requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from transfer.client import KVClient
 from transfer.contract import Topology
@@ -404,3 +404,37 @@ def test_many_ranges_copied_between_gpus_match_their_digests(copy_at_end):
     finally:
         kv.close()
         served.server.stop(None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=GPU_CASE)])
+def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device):
+    """A large request's layers are digested as they are written; a range's digest is then
+    their sum, equal to digesting it afresh (each layer at its place among all layers)."""
+    from kernels.page_digest import page_digest
+
+    agreement = make_agreement(kv_dtype="float16")
+    num_pages = TensorPageSource.DIGEST_AT_WRITE_MIN_PAGES + 4
+    pool = torch.randn(LAYERS, 2, (num_pages + 3) * PAGE, 2, 8, device=device).half()
+    source = TensorPageSource(agreement, 0, pool)
+    physical = [(7 * i) % (num_pages + 3) for i in range(num_pages)]
+    source.add("big", list(enumerate(physical)), LayerProgress(LAYERS, device))
+    source.add("small", [(0, 1), (1, 2)], LayerProgress(LAYERS, device))
+    for layer in range(LAYERS):
+        source.digest_written(["big", "small", "unknown"], layer)
+    index = torch.tensor(physical, device=device)
+
+    def fresh(first, last, pages=index):
+        return int(page_digest(pool, pages, PAGE, first, last, first_layer=0).item()) & U64
+
+    ranges = [(0, LAYERS), (1, LAYERS - 1), (2, 3)]
+    monkeypatch.setattr("transfer.sources.page_digest", lambda *a, **k: pytest.fail("digested afresh"))
+    got = [source.digest(physical, a, b, request_id="big") for a, b in ranges]
+    monkeypatch.undo()
+    assert got == [fresh(a, b) for a, b in ranges]
+    # Other pages, another order, or a request digested at fetch time: afresh, the same digest.
+    assert source.digest(physical[::-1], 0, 2, request_id="big") == fresh(0, 2, index.flip(0))
+    assert source.digest([1, 2], 0, LAYERS, request_id="small") == fresh(0, LAYERS, index.new_tensor([1, 2]))
+    with pytest.raises(ValueError, match="in order"):
+        source.digest_written(["big"], 1)
+    source.release("big")
+    assert "big" not in source._written

@@ -16,12 +16,17 @@ since its last one (every layer of a finished prefill, else one at a time), a
 ``Descriptor`` instead of the bytes: the logical pages and where they are in
 the rank's pool, twice. The first (announced, no digest) comes once those
 layers are written on the device; the decode side may start copying. The
-second (sealed) adds a ``kv_digest`` of their bytes, taken by the rank
-meanwhile, while it held the pages. The decode side compares the digest of
-what it copied, so a page read too early, too late (recycled) or from the
-wrong place is caught (DATA_LOSS, then a fetch over gRPC); the rank's digest
-costs no time on the way, as it runs under the copies. The layout contract applies
-unchanged: AttachPool and FetchKV both carry its fingerprint.
+second (sealed) adds the digest of their bytes, checked by the rank while
+it held the pages. The decode side compares the digest of what it copied,
+so a page read too early, too late (recycled) or from the wrong place is
+caught (DATA_LOSS, then a fetch over gRPC). Each layer is digested at its
+place among all the pool's layers (``page_digest(..., first_layer=0)``), so
+a range's digest is the sum of its layers': a rank takes the digest of a
+large request's layers as the prefill writes them
+(``TensorPageSource.digest_written``) and seals a finished prefill's range
+with a sum, without GPU work of its own under the decode side's copies. The
+layout contract applies unchanged: AttachPool and FetchKV both carry its
+fingerprint.
 
 Decisions: the digest is a position-weighted 64-bit sum of the chunk's words
 (``kernels.page_digest``: one pass over the pages where they lie, equal bit
@@ -343,7 +348,7 @@ class Descriptor:
     layer_end: int
     pages: tuple[int, ...]  # logical pages, in the order the digest reads them
     physical: tuple[int, ...]  # where each is in the rank's pool
-    # kv_digest of gather_pages(pool, physical, layer_start, layer_end); None: the
+    # page_digest(pool, physical, layer_start, layer_end, first_layer=0) as u64; None: the
     # range is announced (written, may be copied) and its sealed twin follows.
     digest: int | None
 

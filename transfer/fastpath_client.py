@@ -250,7 +250,7 @@ class FastPath:
             index = torch.tensor(dst, dtype=torch.int64)
             if dst_pool.is_cuda:
                 index = index.pin_memory().to(dst_pool.device, non_blocking=True)
-            digest = PageDigest(dst_pool, index, ps, d.layer_start, d.layer_end)
+            digest = PageDigest(dst_pool, index, ps, d.layer_start, d.layer_end, first_layer=0)
         planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
         group = COPY_GROUP_LAYERS if planned is not None else d.layer_end - d.layer_start
         for first in range(d.layer_start, d.layer_end, group):

@@ -97,8 +97,10 @@ class PageSource(Protocol):
         """CPU tensor ``[layer_end - layer_start, 2, len(physical_pages) * page_size, kv_heads, head_dim]``."""
         ...
 
-    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
-        """``fastpath.kv_digest`` of what ``read`` would return, computed where the pool is."""
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
+               *, request_id: str | None = None) -> int:
+        """The digest of a descriptor of these pages of ``request_id``: ``page_digest`` of the pages'
+        layers, each at its place among all layers (``first_layer=0``), computed where the pool is."""
         ...
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
@@ -213,7 +215,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 after.synchronize()  # written on the device, not only queued
             announced = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, None)
             yield frame_chunk(announced.encode(), memoryview(b""))
-            digest = self._source.digest(span.physical, layer, upto, after)
+            digest = self._source.digest(span.physical, layer, upto, after, request_id=rid)
             self._owned(rid)  # held while the digest read them
             yield frame_chunk(dataclasses.replace(announced, digest=digest).encode(), memoryview(b""))
             seq, layer = seq + 1, upto

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.page_digest import page_digest
+from kernels.page_digest import PageDigest, page_digest
 from transfer.contract import Agreement, LayoutContract, Topology
 from transfer.fastpath import PoolHandle, as_u64, share_pool
 from transfer.progress import LayerProgress
@@ -48,7 +48,8 @@ class ContractOnlySource:
              after: Any = None) -> torch.Tensor:
         raise KeyError(self._why)
 
-    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
+               *, request_id: str | None = None) -> int:
         raise KeyError(self._why)
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
@@ -63,6 +64,9 @@ class TensorPageSource:
 
     # Released ids remembered so that a late fetch hears 'released', not 'unknown'.
     RELEASED_MEMORY = 4096
+    # A request with at least this many pages here is digested as its layers are
+    # written (``digest_written``): one launch per layer; fewer are digested at fetch time.
+    DIGEST_AT_WRITE_MIN_PAGES = 16
 
     def __init__(
         self, agreement: Agreement, rank: int, pool: torch.Tensor, topology: Topology | None = None,
@@ -84,6 +88,7 @@ class TensorPageSource:
         self._shared_path = shared_path  # the /dev/shm file of a CPU pool made by fastpath.shared_cpu_pool
         self._requests: dict[str, list[tuple[int, int]]] = {}
         self._progress: dict[str, LayerProgress] = {}
+        self._written: dict[str, _Written] = {}  # digests taken as layers were written
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -138,9 +143,47 @@ class TensorPageSource:
             progress = self._progress[request_id]
         return progress.wait(layer_end, timeout_s, alive)
 
-    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None) -> int:
+    def digest_written(self, request_ids: Sequence[str], layer: int) -> None:
+        """Queue the digest of ``layer`` of each request's pages here (on the current
+        stream: call it where the layer's store was queued, before its event).
+
+        Requests with fewer than ``DIGEST_AT_WRITE_MIN_PAGES`` pages here are
+        left to ``digest``. A fetch of a finished prefill then needs only a sum
+        of these: on two H200s the rank's digest at fetch time ran while the
+        decode daemon's copies read the same GPU, and two processes' work on
+        one GPU takes turns, so each slowed the other by milliseconds.
+        """
+        for rid in request_ids:
+            with self._lock:
+                pages, written = self._requests.get(rid), self._written.get(rid)
+            if pages is None or len(pages) < self.DIGEST_AT_WRITE_MIN_PAGES:
+                continue
+            if written is None:
+                physical = tuple(p for _, p in pages)
+                index = torch.as_tensor(physical, dtype=torch.int64).to(self._pool.device)
+                written = _Written(physical, PageDigest(self._pool, index, self._agreement.page_size, 0,
+                                                        self._agreement.num_layers, first_layer=0))
+                with self._lock:
+                    if rid not in self._requests:
+                        continue
+                    self._written[rid] = written
+            if layer != written.layers:
+                raise ValueError(f"request {rid!r}: layer {layer} digested after {written.layers}: layers go in order")
+            written.digest.add(layer, layer + 1)
+            written.layers = layer + 1
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
+               *, request_id: str | None = None) -> int:
+        """The descriptor digest of these pages' layers (each at its place among all
+        layers: ``page_digest(..., first_layer=0)``); from ``digest_written`` when
+        that took the request's pages in this order and these layers."""
+        with self._lock:
+            written = self._written.get(request_id) if request_id is not None else None
+        if written is not None and layer_end <= written.layers and written.physical == tuple(physical_pages):
+            return as_u64(written.digest.total(layer_start, layer_end))
         pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
-        return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end))
+        return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end,
+                                  first_layer=0))
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
         return share_pool(self._pool, self._shared_path, transports)
@@ -159,6 +202,7 @@ class TensorPageSource:
         with self._lock:
             pages = self._lookup(request_id)
             del self._requests[request_id]
+            self._written.pop(request_id, None)
             self._progress.pop(request_id).fail("released")
             self._released[request_id] = None
             while len(self._released) > self.RELEASED_MEMORY:
@@ -171,3 +215,11 @@ class TensorPageSource:
         if request_id in self._released:
             raise KeyError("released")
         raise KeyError("unknown request")
+
+
+class _Written:
+    """A request's digests taken as its layers were written: of ``physical`` in this order,
+    layers ``[0, layers)``, each at its place among all layers."""
+
+    def __init__(self, physical: tuple[int, ...], digest: PageDigest) -> None:
+        self.physical, self.digest, self.layers = physical, digest, 0
