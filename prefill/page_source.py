@@ -63,6 +63,9 @@ class RankPageSource(TensorPageSource):
                *, request_id: str | None = None) -> int:
         if self._stream is None:
             return super().digest(physical_pages, layer_start, layer_end, after, request_id=request_id)
+        known = self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
+        if known is not None:
+            return known
         with self._on_stream(after):
             return super().digest(physical_pages, layer_start, layer_end, request_id=request_id)
 

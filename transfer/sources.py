@@ -23,6 +23,8 @@ from transfer.fastpath import PoolHandle, as_u64, share_pool
 from transfer.progress import LayerProgress
 from transfer.wire import kv_dtype
 
+_U64 = (1 << 64) - 1
+
 
 class ContractOnlySource:
     """A ``PageSource`` that answers Handshake and holds no pages (a daemon's own
@@ -144,14 +146,16 @@ class TensorPageSource:
         return progress.wait(layer_end, timeout_s, alive)
 
     def digest_written(self, request_ids: Sequence[str], layer: int) -> None:
-        """Queue the digest of ``layer`` of each request's pages here (on the current
-        stream: call it where the layer's store was queued, before its event).
+        """Queue the digest of ``layer`` of each request's pages here, and its copy to
+        the host (on the current stream: call it where the layer's store was queued,
+        before the layer's event).
 
         Requests with fewer than ``DIGEST_AT_WRITE_MIN_PAGES`` pages here are
-        left to ``digest``. A fetch of a finished prefill then needs only a sum
-        of these: on two H200s the rank's digest at fetch time ran while the
-        decode daemon's copies read the same GPU, and two processes' work on
-        one GPU takes turns, so each slowed the other by milliseconds.
+        left to ``digest``. A fetch of a finished prefill then seals with a sum
+        on the host: on two H200s any GPU work of the rank at fetch time (its
+        digest, even the sum of these) waited for, or slowed, the decode
+        daemon's copies on the same GPU, since two processes' work on one GPU
+        takes turns (the seal came milliseconds after the announcement).
         """
         for rid in request_ids:
             with self._lock:
@@ -159,31 +163,36 @@ class TensorPageSource:
             if pages is None or len(pages) < self.DIGEST_AT_WRITE_MIN_PAGES:
                 continue
             if written is None:
-                physical = tuple(p for _, p in pages)
-                index = torch.as_tensor(physical, dtype=torch.int64).to(self._pool.device)
-                written = _Written(physical, PageDigest(self._pool, index, self._agreement.page_size, 0,
-                                                        self._agreement.num_layers, first_layer=0))
+                written = _Written(tuple(p for _, p in pages), self._pool, self._agreement)
                 with self._lock:
                     if rid not in self._requests:
                         continue
                     self._written[rid] = written
-            if layer != written.layers:
-                raise ValueError(f"request {rid!r}: layer {layer} digested after {written.layers}: layers go in order")
-            written.digest.add(layer, layer + 1)
-            written.layers = layer + 1
+            written.add(rid, layer)
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
                *, request_id: str | None = None) -> int:
         """The descriptor digest of these pages' layers (each at its place among all
         layers: ``page_digest(..., first_layer=0)``); from ``digest_written`` when
         that took the request's pages in this order and these layers."""
-        with self._lock:
-            written = self._written.get(request_id) if request_id is not None else None
-        if written is not None and layer_end <= written.layers and written.physical == tuple(physical_pages):
-            return as_u64(written.digest.total(layer_start, layer_end))
+        known = self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
+        if known is not None:
+            return known
         pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
         return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end,
                                   first_layer=0))
+
+    def written_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
+                       request_id: str | None) -> int | None:
+        """``digest`` from the digests ``digest_written`` took, without GPU work; None
+        where it took none of these (waits for ``after``, the event of the layers)."""
+        with self._lock:
+            written = self._written.get(request_id) if request_id is not None else None
+        if written is None or layer_end > written.layers or written.physical != tuple(physical_pages):
+            return None
+        if after is not None:
+            after.synchronize()  # the layers' digests reached the host before their event
+        return sum(written.host[layer_start:layer_end].tolist()) & _U64
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
         return share_pool(self._pool, self._shared_path, transports)
@@ -219,7 +228,18 @@ class TensorPageSource:
 
 class _Written:
     """A request's digests taken as its layers were written: of ``physical`` in this order,
-    layers ``[0, layers)``, each at its place among all layers."""
+    layers ``[0, layers)``, each at its place among all layers; ``host`` holds each
+    layer's digest once the layer's event has completed."""
 
-    def __init__(self, physical: tuple[int, ...], digest: PageDigest) -> None:
-        self.physical, self.digest, self.layers = physical, digest, 0
+    def __init__(self, physical: tuple[int, ...], pool: torch.Tensor, agreement: Agreement) -> None:
+        index = torch.as_tensor(physical, dtype=torch.int64).to(pool.device)
+        self.physical, self.layers = physical, 0
+        self.digest = PageDigest(pool, index, agreement.page_size, 0, agreement.num_layers, first_layer=0)
+        self.host = torch.zeros(agreement.num_layers, dtype=torch.int64, pin_memory=pool.is_cuda)
+
+    def add(self, request_id: str, layer: int) -> None:
+        if layer != self.layers:
+            raise ValueError(f"request {request_id!r}: layer {layer} digested after {self.layers}: layers go in order")
+        self.digest.add(layer, layer + 1)
+        self.host[layer].copy_(self.digest.total(layer, layer + 1), non_blocking=True)
+        self.layers = layer + 1
