@@ -25,9 +25,12 @@ the gRPC fetches and of descriptor round trips.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import ctypes
+import io
 import json
 import os
+import pstats
 import shutil
 import struct
 import subprocess
@@ -77,7 +80,6 @@ def timed(fn, repeat: int) -> float:
 
 
 _WORKERS = futures.ThreadPoolExecutor(max_workers=8)
-SHORT_SWITCH_S = 0.0002  # a GIL switch interval to try against the default 5 ms
 
 
 def in_threads(fns) -> None:
@@ -94,6 +96,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=4)
     ap.add_argument("--profile-dir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--fast-only", action="store_true", help="only the fast-path figures (no gRPC)")
     args = ap.parse_args()
     model_cfg = LLAMA3_8B if args.llama3_8b else TINY
     dtype = "bfloat16" if args.llama3_8b else "float32"
@@ -122,8 +125,8 @@ def main() -> None:
     for key, value in out.items():
         if key.endswith("_s"):
             print(f"{key:>28} {value * 1e3:9.2f} ms {gb / value:9.2f} GB/s")
-    for key in ("fast_phases", "fast_short_switch_phases"):
-        for rank, st in out.get(key, {}).items():
+    for key in [k for k in out if k.endswith("_phases")]:
+        for rank, st in out[key].items():
             print(f"{key} rank {rank}: " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in st.items() if k.endswith("_s")))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
@@ -151,24 +154,32 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out: dict = dict(tokens=args.tokens, bytes=nbytes, transports=[fast.fastpath.transport(endpoints[r]) for r in owners])
     phases: dict = {}
 
-    def fast_once() -> None:
-        def one(rank):
-            phases[rank] = fast.fastpath.fetch(
-                endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
-                dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600)._asdict()
-        in_threads([lambda r=r: one(r) for r in owners])
+    def fetch_rank(rank) -> None:
+        phases[rank] = fast.fastpath.fetch(
+            endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
+            dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600)._asdict()
+
+    def fast_once(ranks=tuple(owners)) -> None:
+        in_threads([lambda r=r: fetch_rank(r) for r in ranks])
 
     out["fast_s"] = timed(fast_once, args.repeat)
     out["fast_phases"] = dict(phases)
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(SHORT_SWITCH_S)
-    out["fast_short_switch_s"] = timed(fast_once, args.repeat)
-    out["fast_short_switch_phases"] = dict(phases)
-    sys.setswitchinterval(switch)
-    for group in (32, 8):
-        fastpath_client_module.COPY_GROUP_LAYERS = group
-        out[f"fast_group{group}_s"] = timed(fast_once, args.repeat)
-    fastpath_client_module.COPY_GROUP_LAYERS = 4
+    for rank in owners:
+        phases.clear()
+        out[f"fast_rank{rank}_alone_s"] = timed(lambda r=rank: fast_once((r,)), args.repeat)
+        out[f"fast_rank{rank}_alone_phases"] = dict(phases)
+    group = fastpath_client_module.COPY_GROUP_LAYERS
+    for layers in (32, 8):
+        fastpath_client_module.COPY_GROUP_LAYERS = layers
+        out[f"fast_group{layers}_s"] = timed(fast_once, args.repeat)
+    fastpath_client_module.COPY_GROUP_LAYERS = group
+    profiler = cProfile.Profile()  # host time of one rank's fetch, in this thread
+    profiler.enable()
+    fetch_rank(owners[-1])
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    print(text.getvalue())
     if args.profile_dir and torch.cuda.is_available():
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         from torch.profiler import ProfilerActivity, profile
@@ -210,7 +221,11 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out["digest_decode_gpu_s"] = timed(lambda: page_digest(dst, index, ps, 0, pool.shape[0]).item(), args.repeat)
     out["ceiling_s"] = copy_ceiling(dst, len(owners), args.repeat)
 
-    def grpc_once(drop: bool, how: str = "place"):
+    if args.fast_only:
+        release(prefill, reply, call)
+        return out
+
+    def grpc_once(drop: bool, how: str = "place", chunk_bytes: int = 0):
         def place(header, payload):
             if drop:
                 return
@@ -223,7 +238,8 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
             if how == "h2d":
                 staged.to(dst.device, non_blocking=True)
         grpc_decode.kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
-                             place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
+                             place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages,
+                             max_chunk_bytes=chunk_bytes)
 
     if dst.is_cuda:
         out["placement"] = placement_variants(dst.device)
@@ -232,9 +248,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     if dst.is_cuda:
         out["grpc_memmove_only_s"] = timed(lambda: grpc_once(False, "memmove"), args.repeat)
         out["grpc_memmove_h2d_s"] = timed(lambda: grpc_once(False, "h2d"), args.repeat)
-    sys.setswitchinterval(SHORT_SWITCH_S)
-    out["grpc_short_switch_s"] = timed(lambda: grpc_once(False), args.repeat)
-    sys.setswitchinterval(switch)
+    out["grpc_16mib_s"] = timed(lambda: grpc_once(False, chunk_bytes=16 << 20), args.repeat)
     if args.profile_dir and shutil.which("py-spy"):
         args.profile_dir.mkdir(parents=True, exist_ok=True)
         spy(args.profile_dir / "grpc_fetch.txt", lambda: grpc_once(False), idle=False)
@@ -244,6 +258,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     procs, conns, ports = start(_raw_server, [() for _ in owners])
     try:
         out["raw_grpc_s"] = min(run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES)["seconds"] for _ in range(args.repeat + 1))
+        out["raw_grpc_16mib_s"] = min(run_raw(ports, nbytes, 16 << 20)["seconds"] for _ in range(args.repeat + 1))
         channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=grpc_options()) for p in ports]
         tiny = [ch.unary_stream(RAW_METHOD) for ch in channels]
 
@@ -252,9 +267,6 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
         out["rpc_floor_one_s"] = timed(lambda: floor([0]), args.repeat + 4)
         out["rpc_floor_s"] = timed(lambda: floor(range(len(ports))), args.repeat + 4)
-        sys.setswitchinterval(SHORT_SWITCH_S)
-        out["rpc_floor_short_switch_s"] = timed(lambda: floor(range(len(ports))), args.repeat + 4)
-        sys.setswitchinterval(switch)
         for ch in channels:
             ch.close()
     finally:

@@ -277,7 +277,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     assert torch.equal(dst[:, :, rows_of([slot[p] for p, _ in pages])], want)
     # A digest that does not match what was copied is caught.
     class WrongDigest(PageDigest):  # on the decode side only: the rank digests with PageDigest too
-        def total(self):
+        def total(self, first=None, last=None):
             return torch.tensor(12345)
 
     monkeypatch.setattr("transfer.fastpath_client.PageDigest", WrongDigest)

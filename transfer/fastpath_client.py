@@ -68,6 +68,7 @@ class FastStats(NamedTuple):
     copy_s: float = 0.0  # then the copies not made while receiving, and every digest
     runs: int = 0  # most runs of consecutive pages in a descriptor (1: one dense block per layer)
     first_s: float = 0.0  # from the call to the rank's first announcement
+    issued_s: float = 0.0  # from the call to the last range's copies and digests queued
 
 
 class _Attached(NamedTuple):
@@ -160,9 +161,12 @@ class FastPath:
             on_call(call)  # the caller may cancel it
         try:
             with _streams_for(src.device, dst_pool.device) as streams:
-                first: list[float] = []
+                times: dict[str, float] = {}
+                # While the call goes out: where the asked pages go here, and a digest
+                # of them over every layer that each range of them adds its layers to.
+                ready = _Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
                 received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for, streams,
-                                         first)
+                                         times, ready)
                 received_s = time.perf_counter() - start
                 with streams.digesting():
                     got = [as_u64(t) for t in torch.stack([t for _, _, t in received]).cpu()]
@@ -182,18 +186,19 @@ class FastPath:
         runs = max((len(page_runs(d.physical, dst)) for d, dst, _ in received), default=0)
         seconds = time.perf_counter() - start
         return FastStats(nbytes, len(received), seconds, received_s, copied_s - received_s, runs,
-                         first[0] - start if first else 0.0)
+                         times.get("first", start) - start, times.get("issued", start) - start)
 
     def _receive(self, call, endpoint: str, rank: int, request_id: str, asked: set[int], src: torch.Tensor,
                  dst_pool: torch.Tensor, pages_for: PagesFor, streams: _Streams,
-                 first: list[float]) -> list[_Range]:
+                 times: dict[str, float], ready: _Prepared) -> list[_Range]:
         """The stream's ranges up to the last layer's, each announced then sealed, checked.
 
         Copies start at an announcement: of each range (``copy_at_end`` False), or
         of every range at the last one's; the rank's digest of the last range then
         runs while they do. The stream's status is read after the copies; a
         stream that ends before the last layer's range is a ``CorruptChunk``.
-        ``first`` gets the time the first message came.
+        ``times`` gets when the first message came ("first") and when the last
+        copies were queued ("issued").
         """
         a = self._agreement
         sealed: list[tuple[Descriptor, list[int]]] = []
@@ -202,8 +207,7 @@ class FastPath:
         digests: dict[int, torch.Tensor] = {}  # by seq, once copied
         try:
             for message in call:
-                if not first:
-                    first.append(time.perf_counter())
+                times.setdefault("first", time.perf_counter())
                 seq = len(sealed)
                 if announced is None:
                     try:
@@ -214,12 +218,13 @@ class FastPath:
                         _mismatch(d, request_id, rank, seq, asked, src.shape[2] // a.page_size, a.num_layers)
                     if bad:
                         raise CorruptChunk(request_id, rank, seq, bad)
-                    announced = (d, pages_for(d.pages))
+                    announced = (d, ready.dst if d.pages == ready.pages else pages_for(d.pages))
                     todo.append(announced)
                     if not self.copy_at_end or d.layer_end == a.num_layers:
                         for r, dst in todo:
-                            digests[r.seq] = self._copy(src, r, dst, dst_pool, streams)
+                            digests[r.seq] = self._copy(src, r, dst, dst_pool, streams, ready)
                         todo.clear()
+                        times["issued"] = time.perf_counter()
                     continue
                 d = announced[0].sealed_by(message.header)
                 if d is None:
@@ -235,34 +240,40 @@ class FastPath:
                            f"of {a.num_layers}")
 
     def _copy(self, src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch.Tensor,
-              streams: _Streams) -> torch.Tensor:
+              streams: _Streams, ready: _Prepared) -> torch.Tensor:
         """Queue the copy of a range and the digest of what it copied (a 0-dim tensor on the device).
 
         On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers and each
         group's digest runs on a stream of its own as soon as that group is
         copied, so digesting hides under the copies still running; the groups'
-        digests add up to the range's (``page_digest``'s ``first_layer``).
+        digests add up to the range's (each layer is digested at its place
+        among all layers). The host work per group is kept small: the pages'
+        index and digest buffer are made before the first descriptor came
+        (``_Prepared``) and the copies go on the streams planned with them.
         """
         ps = self._agreement.page_size
-        # Made on the digest stream, which alone uses them: memory made on a copy
-        # stream could be handed out again there while a digest still reads it.
-        with streams.digesting():
-            index = torch.tensor(dst, dtype=torch.int64)
-            if dst_pool.is_cuda:
-                index = index.pin_memory().to(dst_pool.device, non_blocking=True)
-            digest = PageDigest(dst_pool, index, ps, d.layer_start, d.layer_end, first_layer=0)
-        planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
-        group = COPY_GROUP_LAYERS if planned is not None else d.layer_end - d.layer_start
-        for first in range(d.layer_start, d.layer_end, group):
-            last = min(d.layer_end, first + group)
-            if planned is not None:
-                planned.issue(first, last)
-            else:
-                copy_pages(src, d.physical, dst_pool, dst, ps, first, last)
+        if d.pages == ready.pages:
+            digest = ready.digest
+        else:
+            # Made on the digest stream, which alone uses them: memory made on a copy
+            # stream could be handed out again there while a digest still reads it.
             with streams.digesting():
+                digest = PageDigest(dst_pool, _index(dst, dst_pool), ps, d.layer_start, d.layer_end, first_layer=0)
+        planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+        if planned is None:
+            for first in range(d.layer_start, d.layer_end):
+                copy_pages(src, d.physical, dst_pool, dst, ps, first, first + 1)
+                with streams.digesting():
+                    digest.add(first, first + 1)
+            with streams.digesting():
+                return digest.total(d.layer_start, d.layer_end)
+        with streams.digesting() as after_copies:
+            for first in range(d.layer_start, d.layer_end, COPY_GROUP_LAYERS):
+                last = min(d.layer_end, first + COPY_GROUP_LAYERS)
+                planned.issue(first, last)  # on the copy streams chosen when planned
+                after_copies()
                 digest.add(first, last)
-        with streams.digesting():
-            return digest.total()
+            return digest.total(d.layer_start, d.layer_end)
 
     @staticmethod
     def _finish(call, endpoint: str, rank: int, request_id: str, seq: int) -> None:
@@ -272,6 +283,24 @@ class FastPath:
                 raise CorruptChunk(request_id, rank, seq, "came after the descriptor of the last layer")
         except grpc.RpcError as err:
             raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
+
+
+class _Prepared:
+    """What a fetch makes before its first descriptor: the asked pages, where they go
+    here (``dst``), and a digest of them over every layer (at their places among all
+    layers) that each range of the asked pages adds its layers to."""
+
+    def __init__(self, pages: tuple[int, ...], dst: list[int], dst_pool: torch.Tensor, page_size: int,
+                 num_layers: int, streams: _Streams) -> None:
+        self.pages, self.dst = pages, dst
+        with streams.digesting():  # made on the digest stream, which alone uses them
+            self.digest = PageDigest(dst_pool, _index(dst, dst_pool), page_size, 0, num_layers, first_layer=0)
+
+
+def _index(pages: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
+    """``pages`` as an int64 tensor on the pool's device (on the current stream)."""
+    index = torch.tensor(pages, dtype=torch.int64)
+    return index.pin_memory().to(pool.device, non_blocking=True) if pool.is_cuda else index
 
 
 class _Range(NamedTuple):
@@ -291,16 +320,21 @@ class _Streams:
         self._digest = torch.cuda.Stream(dst) if dst.type == "cuda" else None
 
     @contextlib.contextmanager
-    def digesting(self) -> Iterator[None]:
+    def digesting(self) -> Iterator[Callable[[], None]]:
         """Work inside runs on the digest stream (on a GPU), after every copy queued so far
-        (on either device's stream)."""
+        (on either device's stream); the callable it gives makes the digest stream wait
+        for the copies queued since."""
         if self._digest is None:
-            yield
+            yield lambda: None
             return
-        with torch.cuda.device(self._dst), torch.cuda.stream(self._digest):
+
+        def after_copies() -> None:
             for stream in self._copy.values():
                 self._digest.wait_stream(stream)
-            yield
+
+        with torch.cuda.device(self._dst), torch.cuda.stream(self._digest):
+            after_copies()
+            yield after_copies
 
     def sync(self) -> None:
         for stream in self._copy.values():
