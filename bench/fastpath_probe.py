@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
+import transfer.devcopy as devcopy  # noqa: E402
 import transfer.fastpath as fastpath_module  # noqa: E402
 import transfer.fastpath_client as fastpath_client_module  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
@@ -173,6 +174,14 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         fastpath_client_module.COPY_GROUP_LAYERS = layers
         out[f"fast_group{layers}_s"] = timed(fast_once, args.repeat)
     fastpath_client_module.COPY_GROUP_LAYERS = group
+    devcopy._Runtime._loaded = False  # the CUDA runtime bound again, letting the GIL go
+    devcopy.KEEP_GIL = False
+    out["fast_gil_released_s"] = timed(fast_once, args.repeat)
+    out["fast_gil_released_phases"] = dict(phases)
+    devcopy._Runtime._loaded = False
+    devcopy.KEEP_GIL = True
+    out["host_ms_per_call"] = host_times(fetch_rank, owners[-1])
+    print(json.dumps(out["host_ms_per_call"], indent=1))
     profiler = cProfile.Profile()  # host time of one rank's fetch, in this thread
     profiler.enable()
     fetch_rank(owners[-1])
@@ -272,6 +281,42 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     finally:
         stop(procs, conns)
     return out
+
+
+def host_times(fetch_rank, rank, repeat: int = 5) -> dict:
+    """Wall ms per call of the steps of one rank's fast-path fetch (alone, this thread)."""
+    spent: dict = {}
+    targets = [(fastpath_module.PlannedCopy, "plan"), (fastpath_module.PlannedCopy, "issue"),
+               (fastpath_module.Descriptor, "decode"), (fastpath_module.Descriptor, "sealed_by"),
+               (fastpath_client_module.FastPath, "_copy"), (fastpath_client_module.FastPath, "_finish"),
+               (fastpath_client_module, "_Prepared"), (fastpath_client_module, "_mismatch"),
+               (fastpath_client_module, "_streams_for"), (fastpath_client_module.PageDigest, "add"),
+               (fastpath_client_module.PageDigest, "total"), (fastpath_client_module._Streams, "digesting"),
+               (fastpath_client_module._Streams, "sync")]
+    saved = [(owner, name, owner.__dict__[name]) for owner, name in targets]
+
+    def wrap(name, fn):
+        def timed_call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                calls, total = spent.get(name, (0, 0.0))
+                spent[name] = (calls + 1, total + time.perf_counter() - t0)
+        return timed_call
+
+    for owner, name, fn in saved:
+        raw = fn.__func__ if isinstance(fn, (classmethod, staticmethod)) else fn
+        wrapped = wrap(name, raw)
+        setattr(owner, name, classmethod(wrapped) if isinstance(fn, classmethod)
+                else staticmethod(wrapped) if isinstance(fn, staticmethod) else wrapped)
+    try:
+        for _ in range(repeat):
+            fetch_rank(rank)
+    finally:
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
+    return {name: dict(calls=calls / repeat, ms=total / repeat * 1e3) for name, (calls, total) in spent.items()}
 
 
 def placement_variants(device: torch.device, chunks: int = 48, chunk_bytes: int = 8 << 20) -> dict:

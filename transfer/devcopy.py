@@ -33,6 +33,10 @@ import torch
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from unified addresses
 _ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 _SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
+# Call the runtime holding the GIL (the calls only queue work, microseconds each):
+# a thread that lets the GIL go for each one may wait to get it back while other
+# threads (another rank's fetch, gRPC's) hold it.
+KEEP_GIL = True
 
 
 class _Runtime:
@@ -103,7 +107,7 @@ def _load() -> _Runtime | None:
         pass
     for name in (*candidates, *_SONAMES):
         try:
-            return _Runtime(ctypes.CDLL(name))
+            return _Runtime(ctypes.PyDLL(name) if KEEP_GIL else ctypes.CDLL(name))
         except (OSError, AttributeError):
             continue
     return None
