@@ -5,21 +5,30 @@
 One prefill daemon (cp=2) and two decode daemons (auto, grpc), one request
 prefilled; then, each the best of ``--repeat``:
 
-- fast: the whole fast path of both ranks at once (``FastPath.fetch``), with
-  copies in groups of 8 (the default), 32 and 8 layers again, and with the
-  copies on the destination's stream ("pull") instead of the source's;
+- fast: the whole fast path of both ranks at once (``FastPath.fetch``), of
+  each rank alone, with copies in groups of 8 (the default), 32 and 8 layers
+  again, with the CUDA runtime called letting the GIL go, and with the copies
+  on the destination's stream ("pull") instead of the source's; the phases
+  of each (first announcement, copies queued, seal, copies done), the wall
+  time of each step of one rank's fetch alone, and a cProfile of it;
 - rpc all / rpc 1 layer: FetchKV with descriptors only (no copy): the round
-  trip and the rank's digest of every layer, and of one layer;
+  trip and the rank's seal of every layer (a sum of the digests taken as the
+  prefill wrote them), and of one layer; of one rank alone;
 - copies (push / pull): ``copy_pages`` of both ranks' pages at once, nothing else;
 - digest: ``page_digest`` of the copied pages on the decode GPU;
 - ceiling: each rank's share as one plain contiguous copy into GPU 0;
 - placement: ways to move received chunk bytes to the GPU, in 1, 2, 4 threads;
-- grpc / grpc (not placed) / raw gRPC, as bench/ttft.py measures them.
+- grpc / grpc (not placed) / raw gRPC, as bench/ttft.py measures them, and
+  placing only part of a chunk (the memmove into pinned memory; that and the
+  host-to-device copy), 16 MiB chunks against raw 16 MiB messages, and the
+  round trip of a tiny raw server-streaming call (the floor of a FetchKV).
+  ``--fast-only`` stops before the gRPC figures.
 
 It prints one line per figure (ms and GB/s) and writes them all as JSON.
 With ``--profile-dir``: a torch profiler trace of one fast-path fetch and
 py-spy recordings (raw collapsed stacks, this process and its children) of
-the gRPC fetches and of descriptor round trips.
+the gRPC fetches, of the threads holding the GIL during them (``--gil``, this
+process) and of descriptor round trips.
 """
 
 from __future__ import annotations
@@ -293,6 +302,7 @@ def host_times(fetch_rank, rank, repeat: int = 5) -> dict:
                (fastpath_client_module, "_streams_for"), (fastpath_client_module.PageDigest, "add"),
                (fastpath_client_module.PageDigest, "total"), (fastpath_client_module._Streams, "digesting"),
                (fastpath_client_module._Streams, "sync")]
+    fetch_rank(rank)  # once untimed: what a first call loads (the CUDA runtime's binding) is not counted
     saved = [(owner, name, owner.__dict__[name]) for owner, name in targets]
 
     def wrap(name, fn):
