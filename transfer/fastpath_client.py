@@ -96,6 +96,7 @@ class FastPath:
         self._transports = list(transports)
         self._host = host_id()
         self._attached: dict[str, _Attached] = {}
+        self._stream_sets: dict[tuple, StreamSet] = {}
         self._lock = threading.Lock()
 
     def pool(self, endpoint: str, epoch: str | None, timeout: float) -> torch.Tensor | None:
@@ -108,6 +109,17 @@ class FastPath:
         with self._lock:
             self._attached[endpoint] = _Attached(epoch, pool, transport)
         return pool
+
+    def _stream_set(self, rank: int, src: torch.device, dst: torch.device) -> StreamSet:
+        """The rank's side streams, made once: buffers the caching allocator keeps for a
+        stream are reused by the next fetch instead of allocated again (each new stream
+        from torch's pool of 32 starts with none)."""
+        key = (rank, src, dst)
+        with self._lock:
+            made = self._stream_sets.get(key)
+            if made is None:
+                made = self._stream_sets[key] = StreamSet.make(src, dst)
+            return made
 
     def transport(self, endpoint: str) -> str:
         """How the last attach to ``endpoint`` went: a transport name, or 'grpc'."""
@@ -160,7 +172,8 @@ class FastPath:
         if on_call is not None:
             on_call(call)  # the caller may cancel it
         try:
-            with _streams_for(src.device, dst_pool.device) as streams:
+            with _streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
+                    as streams:
                 times: dict[str, float] = {}
                 # While the call goes out: where the asked pages go here, and a digest
                 # of them over every layer that each range of them adds its layers to.
@@ -311,13 +324,27 @@ class _Range(NamedTuple):
     digest: torch.Tensor
 
 
+class StreamSet(NamedTuple):
+    """Side streams for fetches from one rank: a copy stream on each CUDA device of the
+    pair, and a digest stream on the destination's (None on the CPU)."""
+
+    copy: dict
+    digest: Any
+
+    @classmethod
+    def make(cls, src: torch.device, dst: torch.device) -> StreamSet:
+        devices = [dev for dev in (src, dst) if dev.type == "cuda"]
+        return cls({dev: torch.cuda.Stream(dev) for dev in devices},
+                   torch.cuda.Stream(dst) if dst.type == "cuda" else None)
+
+
 class _Streams:
     """The streams of one fetch: copies on the current ones, digests after them on their own."""
 
-    def __init__(self, dst: torch.device, copy_streams: dict) -> None:
+    def __init__(self, dst: torch.device, made: StreamSet) -> None:
         self._dst = dst
-        self._copy = copy_streams
-        self._digest = torch.cuda.Stream(dst) if dst.type == "cuda" else None
+        self._copy = made.copy
+        self._digest = made.digest
 
     @contextlib.contextmanager
     def digesting(self) -> Iterator[Callable[[], None]]:
@@ -344,26 +371,22 @@ class _Streams:
 
 
 @contextlib.contextmanager
-def _streams_for(src: torch.device, dst: torch.device) -> Iterator[_Streams]:
-    """Side streams on both devices (CUDA) for one fetch, so the copies of several
-    ranks' fetches overlap.
+def _streams_for(src: torch.device, dst: torch.device, made: StreamSet | None = None) -> Iterator[_Streams]:
+    """Side streams on both devices (CUDA) for one fetch (``made``: the rank's, else new
+    ones), so the copies of several ranks' fetches overlap.
 
     They do not wait for the devices' other streams: the destination pages
     were free before this fetch (a finished request's pages are freed after
     its last step's tokens reached the host) and the source pages were
     written and digested before the rank sent their descriptor.
     """
-    if dst.type != "cuda" and src.type != "cuda":
-        yield _Streams(dst, {})
-        return
+    made = StreamSet.make(src, dst) if made is None else made
     # Entering a stream also makes its device current: the destination's goes last,
     # so what runs unguarded inside runs on the destination's stream.
-    devices = [dev for dev in (src, dst) if dev.type == "cuda"]
-    streams = {dev: torch.cuda.Stream(dev) for dev in devices}
     with contextlib.ExitStack() as stack:
-        for dev in dict.fromkeys(devices):
-            stack.enter_context(torch.cuda.stream(streams[dev]))
-        yield _Streams(dst, streams)
+        for dev in dict.fromkeys(made.copy):
+            stack.enter_context(torch.cuda.stream(made.copy[dev]))
+        yield _Streams(dst, made)
 
 
 def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,
