@@ -114,6 +114,11 @@ def test_handle_and_descriptor_round_trip():
     assert Descriptor.decode(d.encode()) == d
     announced = dataclasses.replace(d, digest=None)
     assert Descriptor.decode(announced.encode()) == announced
+    # A seal is the announcement's exact encoding with a digest, nothing else.
+    assert announced.sealed_by(d.encode()) == d
+    for other in (dataclasses.replace(d, physical=(0, 1)), dataclasses.replace(d, seq=4), announced):
+        assert announced.sealed_by(other.encode()) is None
+    assert announced.sealed_by(b"\xc1 not msgpack") is None
 
 
 @pytest.mark.parametrize("changes,match", [
@@ -316,6 +321,31 @@ def test_a_range_must_be_announced_then_sealed_as_announced(rank, monkeypatch, s
                    lambda *a: None, epoch=None, timeout=30)
 
 
+def test_a_range_of_the_asked_pages_in_another_order_is_copied_and_checked(rank, monkeypatch):
+    """Descriptors need not list the pages in the order asked: such a range gets its own
+    destination pages and digest (not the ones made ahead for the asked order)."""
+    source, pool, endpoint, agreement, kv = rank
+    source.add("req", [(0, 1), (1, 4)])
+    for layer in range(LAYERS):
+        _fill(pool, [1, 4], layer)
+    announced = Descriptor("req", 0, 0, 0, LAYERS, (1, 0), (4, 1), None)
+    sealed = dataclasses.replace(announced, digest=source.digest([4, 1], 0, LAYERS))
+
+    def descriptors(self, rid, span, ready):
+        for d in (announced, sealed):
+            yield frame_chunk(d.encode(), memoryview(b""))
+
+    monkeypatch.setattr(KVTransferService, "_descriptors", descriptors)
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.zeros((LAYERS, 2, 4 * PAGE, 2, 8), dtype=torch.float16)
+    copied = []
+    fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1], dst, lambda ps: [2 + p for p in ps],
+               lambda ps, a, b: copied.append((tuple(ps), a, b)), epoch=None, timeout=30)
+    assert copied == [((1, 0), 0, LAYERS)]
+    assert torch.equal(dst[:, :, rows_of([2, 3])], pool[:, :, rows_of([1, 4])])
+
+
 def test_descriptors_follow_the_prefill_layer_by_layer(rank):
     source, pool, endpoint, agreement, kv = rank
     pages = [(0, 2), (1, 3)]
@@ -434,7 +464,9 @@ def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device)
     # Other pages, another order, or a request digested at fetch time: afresh, the same digest.
     assert source.digest(physical[::-1], 0, 2, request_id="big") == fresh(0, 2, index.flip(0))
     assert source.digest([1, 2], 0, LAYERS, request_id="small") == fresh(0, LAYERS, index.new_tensor([1, 2]))
-    with pytest.raises(ValueError, match="in order"):
-        source.digest_written(["big"], 1)
+    # A layer out of order only ends the digests taken as written: fetches digest afresh.
+    source.digest_written(["big"], 1)
+    assert source.written_digest(physical, 0, 2, None, "big") is None
+    assert source.digest(physical, 0, 2, request_id="big") == fresh(0, 2)
     source.release("big")
     assert "big" not in source._written

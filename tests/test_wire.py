@@ -12,6 +12,7 @@ from proto import lanekv_pb2
 from transfer.wire import (
     MAX_HEADER_BYTES,
     ChunkHeader,
+    check_ints,
     checksum,
     encode_chunk,
     frame_chunk,
@@ -138,6 +139,22 @@ def test_checksum_sees_one_flipped_bit():
     before = checksum(bytes(data))
     data[len(data) // 2] ^= 0x10
     assert checksum(bytes(data)) != before
+
+
+@pytest.mark.parametrize("values,match", [
+    ([3, True, 5], "ids must be an int, got bool True"),
+    ([3, 1.0], "ids must be an int, got float"),
+    ([3, 10, 11], r"ids must be in \[0, 10\], got 11"),
+    ([-1], r"ids must be in \[0, 10\], got -1"),
+])
+def test_check_ints_names_the_first_bad_value(values, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        check_ints("ids", values, 0, 10)
+
+
+def test_check_ints_passes_ints_in_range_as_a_tuple():
+    assert check_ints("ids", [0, 10, 5], 0, 10) == (0, 10, 5)
+    assert check_ints("ids", (), 0, 10) == ()
 
 
 def test_payload_size_must_match():

@@ -9,6 +9,7 @@ Handshake with it.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ from transfer.progress import LayerProgress
 from transfer.wire import kv_dtype
 
 _U64 = (1 << 64) - 1
+_GAVE_UP = object()  # a request whose digests are not taken as written (see digest_written)
+log = logging.getLogger("lanekv.transfer")
 
 
 class ContractOnlySource:
@@ -90,7 +93,7 @@ class TensorPageSource:
         self._shared_path = shared_path  # the /dev/shm file of a CPU pool made by fastpath.shared_cpu_pool
         self._requests: dict[str, list[tuple[int, int]]] = {}
         self._progress: dict[str, LayerProgress] = {}
-        self._written: dict[str, _Written] = {}  # digests taken as layers were written
+        self._written: dict[str, Any] = {}  # digests taken as layers were written (_Written, or _GAVE_UP)
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -155,20 +158,27 @@ class TensorPageSource:
         on the host: on two H200s any GPU work of the rank at fetch time (its
         digest, even the sum of these) waited for, or slowed, the decode
         daemon's copies on the same GPU, since two processes' work on one GPU
-        takes turns (the seal came milliseconds after the announcement).
+        takes turns (the seal came milliseconds after the announcement). A failure
+        here (no memory for the digest buffer, a layer out of order) is logged and
+        leaves the request to ``digest``: it never fails the prefill.
         """
         for rid in request_ids:
             with self._lock:
                 pages, written = self._requests.get(rid), self._written.get(rid)
-            if pages is None or len(pages) < self.DIGEST_AT_WRITE_MIN_PAGES:
+            if pages is None or len(pages) < self.DIGEST_AT_WRITE_MIN_PAGES or written is _GAVE_UP:
                 continue
-            if written is None:
-                written = _Written(tuple(p for _, p in pages), self._pool, self._agreement)
-                with self._lock:
-                    if rid not in self._requests:
-                        continue
+            try:
+                if written is None:
+                    written = _Written(tuple(p for _, p in pages), self._pool, self._agreement)
+                written.add(rid, layer)
+            except (RuntimeError, ValueError) as err:
+                # Only a saving: the prefill goes on and fetches digest at fetch time.
+                log.warning("rank %d: digests of request %r not taken as written (%s); "
+                            "they are taken when fetched", self._rank, rid, err)
+                written = _GAVE_UP
+            with self._lock:
+                if rid in self._requests:
                     self._written[rid] = written
-            written.add(rid, layer)
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
                *, request_id: str | None = None) -> int:
@@ -188,7 +198,8 @@ class TensorPageSource:
         where it took none of these (waits for ``after``, the event of the layers)."""
         with self._lock:
             written = self._written.get(request_id) if request_id is not None else None
-        if written is None or layer_end > written.layers or written.physical != tuple(physical_pages):
+        if written is None or written is _GAVE_UP or layer_end > written.layers \
+                or written.physical != tuple(physical_pages):
             return None
         if after is not None:
             after.synchronize()  # the layers' digests reached the host before their event
