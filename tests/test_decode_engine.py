@@ -273,9 +273,12 @@ def test_add_and_cancel_from_threads_while_the_loop_steps(models) -> None:
             engine.add(rid, table, first, GREEDY, 9)
             time.sleep(0.01)
         engine.add("victim", PageTable.allocate(pool, 5), 7, GREEDY, 50, ignore_eos=True)
-        while len(out["victim"]) < 3 and not errors:
+        while len(out["victim"]) < 3 and not errors and thread.is_alive():
             time.sleep(0.005)
-        assert engine.cancel("victim")
+        assert not errors, errors
+        # Seen once in a full suite run (not reproduced alone or under CPU load): the
+        # engine no longer knew the victim. Say what it had generated if it happens again.
+        assert engine.cancel("victim"), f"victim unknown after tokens {out['victim']}"
         deadline = time.monotonic() + 30
         while engine.has_work and time.monotonic() < deadline:
             time.sleep(0.01)
