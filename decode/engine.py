@@ -71,6 +71,7 @@ class _Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     final_len: int  # tokens in cache when the request ends at the latest
+    cancelled: bool = False  # cancelled while its step ran: dropped, pages freed, after the step
 
     @property
     def pages_to_come(self) -> int:
@@ -118,6 +119,7 @@ class DecodeEngine:
         self._waiting: deque[_Request] = deque()
         self._running: list[_Request] = []
         self._done_at_add: list[TokenEvent] = []
+        self._in_flight: list[_Request] = []  # the requests of the step whose model runs now
 
     # ---- requests in and out (any thread) ----
 
@@ -186,7 +188,10 @@ class DecodeEngine:
                 self._running.remove(request)
             else:
                 self._waiting.remove(request)
-            request.table.release()
+            if any(request is r for r in self._in_flight):
+                request.cancelled = True  # the step writes into its pages: freed after it
+            else:
+                request.table.release()
             return True
 
     def wait_for_work(self, timeout: float) -> bool:
@@ -212,15 +217,36 @@ class DecodeEngine:
     # ---- the loop (one thread) ----
 
     def step(self) -> list[TokenEvent]:
-        """One decode step for every running request; returns their events."""
+        """One decode step for every running request; returns their events.
+
+        The model runs without the engine lock: ``add`` and ``cancel`` from other
+        threads wait for the bookkeeping before and after it, not for the step.
+        (Holding it throughout, a loop stepping back to back took it again before
+        a waiting ``cancel`` woke, so a cancelled request could run to its end.)
+        """
         with self._lock:
             events, self._done_at_add = self._done_at_add, []
             batch = self._schedule()
             if not batch:
                 return events
             prepared = self._prepare(batch)
+            self._in_flight = batch
+        try:
             logits = self._run(prepared)
+        except BaseException:
+            with self._lock:
+                self._land(batch)
+            raise
+        with self._lock:
+            self._land(batch)
             return events + self._postprocess(prepared, logits)
+
+    def _land(self, batch: list[_Request]) -> None:
+        """The step's model run is over: free the pages of requests cancelled under it (lock held)."""
+        self._in_flight = []
+        for request in batch:
+            if request.cancelled:
+                request.table.release()
 
     def _schedule(self) -> list[_Request]:
         """Admit waiting requests that fit to the end; secure one slot per running request."""
@@ -276,6 +302,8 @@ class DecodeEngine:
         tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests])
         events = []
         for request, token in zip(requests, tokens.tolist()):
+            if request.cancelled:
+                continue  # no event; its pages were freed when the step landed
             request.last_token = token
             request.step += 1
             reason = self._finish_reason(request)

@@ -276,8 +276,8 @@ def test_add_and_cancel_from_threads_while_the_loop_steps(models) -> None:
         while len(out["victim"]) < 3 and not errors and thread.is_alive():
             time.sleep(0.005)
         assert not errors, errors
-        # Seen once in a full suite run (not reproduced alone or under CPU load): the
-        # engine no longer knew the victim. Say what it had generated if it happens again.
+        # When step() held the engine lock through the model run, this cancel could
+        # wait until the victim had run to its end (and find it gone).
         assert engine.cancel("victim"), f"victim unknown after tokens {out['victim']}"
         deadline = time.monotonic() + 30
         while engine.has_work and time.monotonic() < deadline:
@@ -299,3 +299,34 @@ def test_through_interpreted_triton_kernels(models, monkeypatch) -> None:
     monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
     pool = make_pool(loaded, num_pages=8, page_size=4)
     assert generate_colocated(loaded.model, pool, [ids], GREEDY, 4) == [expected]
+
+
+def test_cancel_during_a_step_returns_at_once_and_frees_pages_after_it(models) -> None:
+    """cancel does not wait for the model run in flight; the cancelled request gets no event
+    from that step and its pages are freed once the step has written its last token."""
+    loaded = models["llama"]
+    pool = make_pool(loaded, num_pages=24, page_size=4)
+    engine = DecodeEngine(loaded.model, pool)
+    for rid, ids in (("keep", prompt(5, 71)), ("victim", prompt(7, 72))):
+        table, first = prefill_into_pool(loaded.model, pool, ids, GREEDY)
+        engine.add(rid, table, first, GREEDY, 8)
+    run = engine._run
+    during: dict = {}
+
+    def run_and_cancel(batch):
+        free_before = pool.free_count
+        canceller = threading.Thread(target=lambda: during.update(cancelled=engine.cancel("victim")))
+        canceller.start()
+        canceller.join(timeout=10)  # returns while the step's model run has not started
+        during.update(returned=not canceller.is_alive(), freed_early=pool.free_count != free_before)
+        return run(batch)
+
+    engine._run = run_and_cancel
+    events = engine.step()
+    assert during == dict(cancelled=True, returned=True, freed_early=False)
+    assert [e.request_id for e in events] == ["keep"]
+    engine._run = run
+    assert not engine.cancel("victim")  # gone
+    while engine.has_work:
+        engine.step()
+    assert pool.free_count == 24
