@@ -238,15 +238,19 @@ class DecodeEngine:
                 self._land(batch)
             raise
         with self._lock:
+            events += self._postprocess(prepared, logits)
             self._land(batch)
-            return events + self._postprocess(prepared, logits)
+            return events
 
     def _land(self, batch: list[_Request]) -> None:
-        """The step's model run is over: free the pages of requests cancelled under it (lock held)."""
+        """The step's model run is over: free the pages of requests cancelled under it
+        once its writes into them are done (lock held; in the stepping thread)."""
         self._in_flight = []
-        for request in batch:
-            if request.cancelled:
-                request.table.release()
+        cancelled = [request for request in batch if request.cancelled]
+        if cancelled and self.pool.device.type == "cuda":
+            torch.cuda.current_stream(self.pool.device).synchronize()
+        for request in cancelled:
+            request.table.release()
 
     def _schedule(self) -> list[_Request]:
         """Admit waiting requests that fit to the end; secure one slot per running request."""
@@ -303,7 +307,7 @@ class DecodeEngine:
         events = []
         for request, token in zip(requests, tokens.tolist()):
             if request.cancelled:
-                continue  # no event; its pages were freed when the step landed
+                continue  # no event; its pages are freed when the step lands
             request.last_token = token
             request.step += 1
             reason = self._finish_reason(request)
