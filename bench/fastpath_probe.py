@@ -58,6 +58,7 @@ import torch  # noqa: E402
 import transfer.devcopy as devcopy  # noqa: E402
 import transfer.fastpath as fastpath_module  # noqa: E402
 import transfer.fastpath_client as fastpath_client_module  # noqa: E402
+import transfer.poolcopy as poolcopy  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
@@ -69,9 +70,10 @@ from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from transfer.client import FETCH_METHOD  # noqa: E402
-from transfer.fastpath import Descriptor, copy_pages  # noqa: E402
+from transfer.fastpath import Descriptor  # noqa: E402
 from transfer.fastpath_client import _streams_for  # noqa: E402
 from transfer.manifest import Manifest  # noqa: E402
+from transfer.poolcopy import copy_pages  # noqa: E402
 from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
 from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
 
@@ -231,10 +233,10 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         in_threads([lambda r=r: one(r) for r in owners])
 
     out["copies_push_s"] = timed(copies, args.repeat)
-    fastpath_module.COPY_PUSH = False
+    poolcopy.COPY_PUSH = False
     out["copies_pull_s"] = timed(copies, args.repeat)
     out["fast_pull_s"] = timed(fast_once, args.repeat)
-    fastpath_module.COPY_PUSH = True
+    poolcopy.COPY_PUSH = True
     index = torch.arange(len(manifest.pages), device=dst.device)
     out["digest_decode_gpu_s"] = timed(lambda: page_digest(dst, index, ps, 0, pool.shape[0]).item(), args.repeat)
     out["ceiling_s"] = copy_ceiling(dst, len(owners), args.repeat)
@@ -295,7 +297,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 def host_times(fetch_rank, rank, repeat: int = 5) -> dict:
     """Wall ms per call of the steps of one rank's fast-path fetch (alone, this thread)."""
     spent: dict = {}
-    targets = [(fastpath_module.PlannedCopy, "plan"), (fastpath_module.PlannedCopy, "issue"),
+    targets = [(poolcopy.PlannedCopy, "plan"), (poolcopy.PlannedCopy, "issue"),
                (fastpath_module.Descriptor, "decode"), (fastpath_module.Descriptor, "sealed_by"),
                (fastpath_client_module.FastPath, "_copy"), (fastpath_client_module.FastPath, "_finish"),
                (fastpath_client_module, "_Prepared"), (fastpath_client_module, "_mismatch"),

@@ -29,7 +29,7 @@ import torch
 
 from kernels.page_copy import scatter_pages
 from transfer.devcopy import BlockCopy
-from transfer.fastpath import MAX_RUN_COPIES, page_runs
+from transfer.poolcopy import MAX_RUN_COPIES, page_runs
 
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,

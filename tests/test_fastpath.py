@@ -39,13 +39,12 @@ from transfer.fastpath import (
     SHM_DIR,
     Descriptor,
     PoolHandle,
-    copy_pages,
     host_id,
-    page_runs,
     remove_shared_pool,
     shared_cpu_pool,
 )
 from transfer.fastpath_client import DigestMismatch, FastPath
+from transfer.poolcopy import copy_pages, page_runs
 from transfer.progress import LayerProgress, PrefillFailed
 from transfer.server import KVTransferService, serve
 from transfer.sources import TensorPageSource

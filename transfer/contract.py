@@ -46,13 +46,18 @@ from transfer.wire import (
 POOL_LAYOUT = "layer,kv,page*row,head,dim"
 SPLIT_MODES = ("in_seq",)
 OWNER_RULES = ("page_mod_cp",)
-# The modules whose code defines the layout: a change to any of them changes
-# source_digest, so two builds with different code refuse each other.
+# The modules whose code defines the layout and what goes over the wire: a
+# change to any of them changes source_digest, so two builds with different
+# code refuse each other. The fast path's descriptors and the digest that
+# seals them are wire too: two builds that digest differently would otherwise
+# fail every fast-path check and fall back to gRPC without saying why.
 CONTRACT_SOURCES = (
     "prefill/plan.py",
     "prefill/layout.py",
     "transfer/wire.py",
     "transfer/contract.py",
+    "transfer/fastpath.py",
+    "kernels/page_digest.py",
 )
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Keys of ModelConfig.contract_fields() that become Agreement fields of their own.

@@ -38,7 +38,6 @@ anyway (another IPC namespace, no CUDA) falls back to gRPC.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import socket
@@ -50,8 +49,6 @@ from typing import Any
 import msgpack
 import torch
 
-from kernels.page_copy import gather_pages, scatter_pages
-from transfer.devcopy import BlockCopy
 from transfer.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
@@ -221,115 +218,6 @@ def _cuda_index(uuid: str) -> int:
         if str(torch.cuda.get_device_properties(index).uuid) == uuid:
             return index
     raise RuntimeError(f"GPU {uuid} is not visible to this process")
-
-
-# -- copying pages ------------------------------------------------------------------------
-
-
-def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, count) runs where both page lists go up by one."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
-
-
-# Between two GPUs, run the copies on the source's stream (True) or the destination's.
-COPY_PUSH = True
-# Up to this many runs of consecutive pages a copy moves run by run (dense
-# copies on the copy engines); more, and it gathers, copies once and scatters.
-MAX_RUN_COPIES = 4
-# The largest buffer such a gathered copy stages at once (on each device).
-MAX_STAGING_BYTES = 256 << 20
-
-
-def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
-               dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
-    """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
-
-    When both page lists are a few runs of consecutive pages, each run over
-    the layers is ``2 * layers`` dense blocks at one pitch in both pools and
-    moves as one strided copy (between GPUs ``PlannedCopy``: one 2-D copy on
-    the copy engines; on the CPU one torch copy). Scattered pages go in three
-    steps whatever their number: ``gather_pages`` on the source device into
-    one dense buffer, one copy of it to the destination device,
-    ``scatter_pages`` there.
-    """
-    if len(src_pages) != len(dst_pages):
-        raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
-    planned = PlannedCopy.plan(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
-    if planned is not None:
-        planned.issue(layer_start, layer_end)
-        return
-    runs = page_runs(src_pages, dst_pages)
-    if len(runs) <= MAX_RUN_COPIES:
-        layers = slice(layer_start, layer_end)
-        for s, d, n in runs:
-            dst_pool[layers, :, d * page_size:(d + n) * page_size].copy_(
-                src_pool[layers, :, s * page_size:(s + n) * page_size], non_blocking=True)
-        return
-    _copy_scattered(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
-
-
-class PlannedCopy:
-    """``copy_pages`` of a range of layers between two GPU pools, planned once (its runs
-    of pages and their 2-D copies) and issued a group of layers at a time with
-    little host work: the fast path copies a range in groups so that each
-    group's digest runs under the next group's copy.
-
-    ``plan`` returns None where ``copy_pages`` must do it (CPU pools,
-    scattered pages, views CUDA cannot copy in 2-D).
-    """
-
-    def __init__(self, copies: list[BlockCopy], layer_start: int) -> None:
-        self._copies, self._layer_start = copies, layer_start
-
-    @classmethod
-    def plan(cls, src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
-             dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> PlannedCopy | None:
-        if not (src_pool.is_cuda and dst_pool.is_cuda) or len(src_pages) != len(dst_pages):
-            return None
-        runs = page_runs(src_pages, dst_pages)
-        if len(runs) > MAX_RUN_COPIES:
-            return None
-        layers = slice(layer_start, layer_end)
-        copies = []
-        for s, d, n in runs:
-            plan = BlockCopy.plan(dst_pool[layers, :, d * page_size:(d + n) * page_size],
-                                  src_pool[layers, :, s * page_size:(s + n) * page_size], push=COPY_PUSH)
-            if plan is None:
-                return None
-            copies.append(plan)
-        return cls(copies, layer_start)
-
-    def issue(self, first: int, last: int) -> None:
-        """Copy layers ``[first, last)`` of the planned range (K and V: two blocks per layer)."""
-        for copy in self._copies:
-            copy.issue(2 * (first - self._layer_start), 2 * (last - first))
-
-
-def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
-                    dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
-    with on_device(src_pool.device):
-        src_index = torch.as_tensor(list(src_pages), dtype=torch.int64).to(src_pool.device)
-    with on_device(dst_pool.device):
-        dst_index = torch.as_tensor(list(dst_pages), dtype=torch.int64).to(dst_pool.device)
-    layer_bytes = 2 * len(src_pages) * page_size * src_pool[0, 0, 0].numel() * src_pool.element_size()
-    step = max(1, MAX_STAGING_BYTES // layer_bytes)  # layers per buffer
-    for first in range(layer_start, layer_end, step):
-        last = min(layer_end, first + step)
-        with on_device(src_pool.device):
-            buf = gather_pages(src_pool, src_index, page_size, first, last)
-        with on_device(dst_pool.device):
-            scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, first, last)
-
-
-def on_device(device: torch.device):
-    """Kernels launched inside run on ``device`` (CUDA); a no-op for the CPU."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # -- the descriptor ---------------------------------------------------------------------

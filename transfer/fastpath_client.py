@@ -26,18 +26,8 @@ from proto import lanekv_pb2
 from transfer.client import FETCH_METHOD, KVClient
 from transfer.contract import Agreement
 from transfer.errors import CorruptChunk, RemoteError
-from transfer.fastpath import (
-    CUDA_IPC,
-    SHM,
-    Descriptor,
-    PlannedCopy,
-    PoolHandle,
-    as_u64,
-    copy_pages,
-    host_id,
-    open_pool,
-    page_runs,
-)
+from transfer.fastpath import CUDA_IPC, SHM, Descriptor, PoolHandle, as_u64, host_id, open_pool
+from transfer.poolcopy import PlannedCopy, copy_pages, page_runs
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.wire import kv_dtype
 
