@@ -37,10 +37,11 @@ from transfer.errors import (
     RemoteError,
     TransferError,
 )
-from transfer.fetch import NO_RETRY, Item, Job, RankFetch, RetryPolicy, Span
+from transfer.fetch import NO_RETRY, Item, Job, RankFetch, RetryPolicy
 from transfer.placers import MAX_PLACERS, Placers
 from transfer.security import SecurityConfig, open_channel
 from transfer.server import EPOCH_METADATA_KEY
+from transfer.spans import Span
 from transfer.status import CONTRACT_METADATA_KEY, grpc_options
 from transfer.wire import ChunkHeader
 

@@ -42,7 +42,7 @@ from tests.reliability.kv_cluster import (
     tokens,
     wait_until,
 )
-from transfer import fetch as fetch_module
+from transfer import spans as spans_module
 from transfer.client import ChecksumError, CorruptChunk, KVClient, RetryPolicy
 from transfer.server import KVTransferService
 from transfer.wire import ChunkHeader, checksum, frame_chunk, split_chunk
@@ -195,7 +195,7 @@ def receive_damage(monkeypatch):
             return split(frame_chunk(_flip(header_bytes, len(header_bytes) // 2), data))
         return header_bytes, data
 
-    monkeypatch.setattr(fetch_module, "split_chunk", damaging_split)
+    monkeypatch.setattr(spans_module, "split_chunk", damaging_split)
     return state
 
 
