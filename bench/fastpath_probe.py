@@ -59,6 +59,7 @@ import transfer.devcopy as devcopy  # noqa: E402
 import transfer.fastpath as fastpath_module  # noqa: E402
 import transfer.fastpath_client as fastpath_client_module  # noqa: E402
 import transfer.poolcopy as poolcopy  # noqa: E402
+import transfer.sidestreams as sidestreams  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
@@ -71,10 +72,10 @@ from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from transfer.client import FETCH_METHOD  # noqa: E402
 from transfer.fastpath import Descriptor  # noqa: E402
-from transfer.fastpath_client import _streams_for  # noqa: E402
 from transfer.manifest import Manifest  # noqa: E402
 from transfer.poolcopy import copy_pages  # noqa: E402
 from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
+from transfer.sidestreams import streams_for  # noqa: E402
 from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
 
 
@@ -227,7 +228,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
     def copies() -> None:
         def one(rank):
-            with _streams_for(shared[rank].device, dst.device) as streams:
+            with streams_for(shared[rank].device, dst.device) as streams:
                 copy_pages(shared[rank], physical[rank], dst, [slot[q] for q in pages[rank]], ps, 0, pool.shape[0])
             streams.sync()
         in_threads([lambda r=r: one(r) for r in owners])
@@ -301,9 +302,8 @@ def host_times(fetch_rank, rank, repeat: int = 5) -> dict:
                (fastpath_module.Descriptor, "decode"), (fastpath_module.Descriptor, "sealed_by"),
                (fastpath_client_module.FastPath, "_copy"), (fastpath_client_module.FastPath, "_finish"),
                (fastpath_client_module, "_Prepared"), (fastpath_client_module, "_mismatch"),
-               (fastpath_client_module, "_streams_for"), (fastpath_client_module.PageDigest, "add"),
-               (fastpath_client_module.PageDigest, "total"), (fastpath_client_module._Streams, "digesting"),
-               (fastpath_client_module._Streams, "sync")]
+               (fastpath_client_module.PageDigest, "add"), (fastpath_client_module.PageDigest, "total"),
+               (sidestreams.Streams, "digesting"), (sidestreams.Streams, "sync")]
     fetch_rank(rank)  # once untimed: what a first call loads (the CUDA runtime's binding) is not counted
     saved = [(owner, name, owner.__dict__[name]) for owner, name in targets]
 

@@ -11,11 +11,10 @@ caller's pages and checks the digest of every copied chunk
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -29,6 +28,7 @@ from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath import CUDA_IPC, SHM, Descriptor, PoolHandle, as_u64, host_id, open_pool
 from transfer.poolcopy import PlannedCopy, copy_pages, page_runs
 from transfer.server import EPOCH_METADATA_KEY
+from transfer.sidestreams import Streams, StreamSet, streams_for
 from transfer.wire import kv_dtype
 
 log = logging.getLogger("lanekv.transfer")
@@ -162,7 +162,7 @@ class FastPath:
         if on_call is not None:
             on_call(call)  # the caller may cancel it
         try:
-            with _streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
+            with streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
                     as streams:
                 times: dict[str, float] = {}
                 # While the call goes out: where the asked pages go here, and a digest
@@ -192,7 +192,7 @@ class FastPath:
                          times.get("first", start) - start, times.get("issued", start) - start)
 
     def _receive(self, call, endpoint: str, rank: int, request_id: str, asked: set[int], src: torch.Tensor,
-                 dst_pool: torch.Tensor, pages_for: PagesFor, streams: _Streams,
+                 dst_pool: torch.Tensor, pages_for: PagesFor, streams: Streams,
                  times: dict[str, float], ready: _Prepared) -> list[_Range]:
         """The stream's ranges up to the last layer's, each announced then sealed, checked.
 
@@ -243,7 +243,7 @@ class FastPath:
                            f"of {a.num_layers}")
 
     def _copy(self, src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch.Tensor,
-              streams: _Streams, ready: _Prepared) -> torch.Tensor:
+              streams: Streams, ready: _Prepared) -> torch.Tensor:
         """Queue the copy of a range and the digest of what it copied (a 0-dim tensor on the device).
 
         On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers and each
@@ -294,7 +294,7 @@ class _Prepared:
     layers) that each range of the asked pages adds its layers to."""
 
     def __init__(self, pages: tuple[int, ...], dst: list[int], dst_pool: torch.Tensor, page_size: int,
-                 num_layers: int, streams: _Streams) -> None:
+                 num_layers: int, streams: Streams) -> None:
         self.pages, self.dst = pages, dst
         with streams.digesting():  # made on the digest stream, which alone uses them
             self.digest = PageDigest(dst_pool, _index(dst, dst_pool), page_size, 0, num_layers, first_layer=0)
@@ -312,71 +312,6 @@ class _Range(NamedTuple):
     descriptor: Descriptor
     dst: list[int]
     digest: torch.Tensor
-
-
-class StreamSet(NamedTuple):
-    """Side streams for fetches from one rank: a copy stream on each CUDA device of the
-    pair, and a digest stream on the destination's (None on the CPU)."""
-
-    copy: dict
-    digest: Any
-
-    @classmethod
-    def make(cls, src: torch.device, dst: torch.device) -> StreamSet:
-        devices = [dev for dev in (src, dst) if dev.type == "cuda"]
-        return cls({dev: torch.cuda.Stream(dev) for dev in devices},
-                   torch.cuda.Stream(dst) if dst.type == "cuda" else None)
-
-
-class _Streams:
-    """The streams of one fetch: copies on the current ones, digests after them on their own."""
-
-    def __init__(self, dst: torch.device, made: StreamSet) -> None:
-        self._dst = dst
-        self._copy = made.copy
-        self._digest = made.digest
-
-    @contextlib.contextmanager
-    def digesting(self) -> Iterator[Callable[[], None]]:
-        """Work inside runs on the digest stream (on a GPU), after every copy queued so far
-        (on either device's stream); the callable it gives makes the digest stream wait
-        for the copies queued since."""
-        if self._digest is None:
-            yield lambda: None
-            return
-
-        def after_copies() -> None:
-            for stream in self._copy.values():
-                self._digest.wait_stream(stream)
-
-        with torch.cuda.device(self._dst), torch.cuda.stream(self._digest):
-            after_copies()
-            yield after_copies
-
-    def sync(self) -> None:
-        for stream in self._copy.values():
-            stream.synchronize()
-        if self._digest is not None:
-            self._digest.synchronize()
-
-
-@contextlib.contextmanager
-def _streams_for(src: torch.device, dst: torch.device, made: StreamSet | None = None) -> Iterator[_Streams]:
-    """Side streams on both devices (CUDA) for one fetch (``made``: the rank's, else new
-    ones), so the copies of several ranks' fetches overlap.
-
-    They do not wait for the devices' other streams: the destination pages
-    were free before this fetch (a finished request's pages are freed after
-    its last step's tokens reached the host) and the source pages were
-    written and digested before the rank sent their descriptor.
-    """
-    made = StreamSet.make(src, dst) if made is None else made
-    # Entering a stream also makes its device current: the destination's goes last,
-    # so what runs unguarded inside runs on the destination's stream.
-    with contextlib.ExitStack() as stack:
-        for dev in dict.fromkeys(made.copy):
-            stack.enter_context(torch.cuda.stream(made.copy[dev]))
-        yield _Streams(dst, made)
 
 
 def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,
