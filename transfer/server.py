@@ -16,7 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import torch
@@ -24,9 +24,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, LayoutContract, agreement_of, diff, format_diff
-from transfer.fastpath import MAX_TRANSPORTS, Descriptor, PoolHandle, host_id
+from transfer.fastpath import MAX_TRANSPORTS, Descriptor, host_id
 from transfer.progress import PrefillFailed
 from transfer.security import SecurityConfig, bind, make_server
+from transfer.sources import PageSource
 from transfer.status import (
     CONTRACT_METADATA_KEY,
     DEFAULT_CHUNK_BYTES,
@@ -66,50 +67,6 @@ class _Span(NamedTuple):
     layer_end: int
     pages: tuple[int, ...]  # logical, in the caller's order
     physical: tuple[int, ...]  # where each is in this rank's pool
-
-
-class PageSource(Protocol):
-    """What a prefill rank exposes to the transfer service."""
-
-    @property
-    def rank(self) -> int: ...
-
-    def contract(self) -> LayoutContract: ...
-
-    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
-        """(logical page, physical page) pairs of the request owned by this rank.
-
-        KeyError for an unknown request; its message says 'released' for a
-        request that was released.
-        """
-        ...
-
-    def ready(self, request_id: str, layer_end: int, timeout_s: float,
-              alive: Callable[[], bool]) -> tuple[int, Any]:
-        """Block until the request's layers ``< layer_end`` are written (layer-wise
-        streaming); how many are written by then, and a token for ``read``'s
-        ``after`` that covers them all. KeyError as for ``pages_of``,
-        ``PrefillFailed`` or ``TimeoutError`` when they will not be."""
-        ...
-
-    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
-             after: Any = None) -> torch.Tensor:
-        """CPU tensor ``[layer_end - layer_start, 2, len(physical_pages) * page_size, kv_heads, head_dim]``."""
-        ...
-
-    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
-               *, request_id: str | None = None) -> int:
-        """The digest of a descriptor of these pages of ``request_id``: ``page_digest`` of the pages'
-        layers, each at its place among all layers (``first_layer=0``), computed where the pool is."""
-        ...
-
-    def share(self, transports: Sequence[str]) -> PoolHandle:
-        """A handle to the pool for the same-host fast path; ValueError naming why not."""
-        ...
-
-    def release(self, request_id: str) -> int:
-        """Free the request's pages; return how many. KeyError as for ``pages_of``."""
-        ...
 
 
 class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):

@@ -1,4 +1,4 @@
-"""Page sources of the KVTransfer service (``transfer.server.PageSource``).
+"""Page sources of the KVTransfer service: the ``PageSource`` protocol and its implementations.
 
 ``TensorPageSource`` serves the pages of one pool tensor (a prefill rank's,
 through ``prefill.page_source.RankPageSource``, or a test's); each request
@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,6 +27,50 @@ from transfer.wire import kv_dtype
 _U64 = (1 << 64) - 1
 _GAVE_UP = object()  # a request whose digests are not taken as written (see digest_written)
 log = logging.getLogger("lanekv.transfer")
+
+
+class PageSource(Protocol):
+    """What a prefill rank exposes to the transfer service."""
+
+    @property
+    def rank(self) -> int: ...
+
+    def contract(self) -> LayoutContract: ...
+
+    def pages_of(self, request_id: str) -> list[tuple[int, int]]:
+        """(logical page, physical page) pairs of the request owned by this rank.
+
+        KeyError for an unknown request; its message says 'released' for a
+        request that was released.
+        """
+        ...
+
+    def ready(self, request_id: str, layer_end: int, timeout_s: float,
+              alive: Callable[[], bool]) -> tuple[int, Any]:
+        """Block until the request's layers ``< layer_end`` are written (layer-wise
+        streaming); how many are written by then, and a token for ``read``'s
+        ``after`` that covers them all. KeyError as for ``pages_of``,
+        ``PrefillFailed`` or ``TimeoutError`` when they will not be."""
+        ...
+
+    def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+             after: Any = None) -> torch.Tensor:
+        """CPU tensor ``[layer_end - layer_start, 2, len(physical_pages) * page_size, kv_heads, head_dim]``."""
+        ...
+
+    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
+               *, request_id: str | None = None) -> int:
+        """The digest of a descriptor of these pages of ``request_id``: ``page_digest`` of the pages'
+        layers, each at its place among all layers (``first_layer=0``), computed where the pool is."""
+        ...
+
+    def share(self, transports: Sequence[str]) -> PoolHandle:
+        """A handle to the pool for the same-host fast path; ValueError naming why not."""
+        ...
+
+    def release(self, request_id: str) -> int:
+        """Free the request's pages; return how many. KeyError as for ``pages_of``."""
+        ...
 
 
 class ContractOnlySource:
