@@ -263,12 +263,10 @@ class FastPath:
             with streams.digesting():
                 digest = PageDigest(dst_pool, _index(dst, dst_pool), ps, d.layer_start, d.layer_end, first_layer=0)
         planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
-        if planned is None:
-            for first in range(d.layer_start, d.layer_end):
-                copy_pages(src, d.physical, dst_pool, dst, ps, first, first + 1)
-                with streams.digesting():
-                    digest.add(first, first + 1)
+        if planned is None:  # CPU pools or scattered pages: the range in one go, then its digest
+            copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
             with streams.digesting():
+                digest.add(d.layer_start, d.layer_end)
                 return digest.total(d.layer_start, d.layer_end)
         with streams.digesting() as after_copies:
             for first in range(d.layer_start, d.layer_end, COPY_GROUP_LAYERS):
