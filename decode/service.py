@@ -13,9 +13,9 @@ whatever the call holds by then is given back (``_settle``):
    comes as soon as every owner rank holds the request's pages, before the
    prefill runs; from then on the ranks pin them until we release them (or
    their lease expires);
-4. remap and fetch, while the prefill runs: one fresh page here per logical
-   page of the manifest; every owner rank sends each layer as soon as it has
-   written it. Ranks on this host that share their pool (``transfer.fastpath``)
+4. remap and fetch, while the prefill runs (``decode.kvfetch``): one fresh
+   page here per logical page of the manifest; every owner rank sends each
+   layer as soon as it has written it. Ranks on this host that share their pool (``transfer.fastpath``)
    are read in place, each copied layer checked against the rank's digest
    (a mismatch fetches that rank again over gRPC); the others stream over
    gRPC, each verified chunk scattered straight into our pages. A rank's
@@ -51,18 +51,16 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import grpc
-import torch
 
 from decode.daemon import SHUTDOWN, DecodeDaemon
 from decode.detokenize import Detokenizer
 from decode.engine import TokenEvent
-from decode.placement import place_chunk
+from decode.kvfetch import check_manifest, fetch_kv, time_left
 from decode.pool import PageTable, PoolExhausted
-from decode.remote import ATTACH_TIMEOUT_S, FastFetches, PrefillCall, transfer_refusal
+from decode.remote import PrefillCall
 from prefill.sampling import SamplingParams
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.client import FetchStats, RankStats, TransferError
-from transfer.manifest import Manifest
+from transfer.client import FetchStats, TransferError
 from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
 from transfer.status import Refusal, refusals
 
@@ -186,7 +184,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 Code.RESOURCE_EXHAUSTED,
                 f"the request may need {pages} KV pages; the decode pool has {d.pool.num_pages}",
             )
-        wait_s = min(d.config.page_wait_s, _left(deadline))
+        wait_s = min(d.config.page_wait_s, time_left(deadline))
         if not d.budget.acquire(pages, wait_s, call.abandoned):
             _check_alive(call)
             if wait_s < d.config.page_wait_s:  # the deadline ended the wait, not the pool's limit
@@ -209,7 +207,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             call.epoch = prefill.epoch
             call.fingerprint = started.contract_fingerprint
             call.pinned_at = dict(enumerate(started.endpoints))
-            manifest = self._manifest(started, spec)
+            manifest = check_manifest(d, started, spec)
             _check_alive(call)
             try:
                 call.table = PageTable.remap(d.pool, [p.page for p in manifest.pages], manifest.num_tokens)
@@ -217,7 +215,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
             # The ranks send each layer as soon as it is written: the fetch overlaps the prefill.
             try:
-                fetched = self._fetch(call, manifest, list(started.endpoints), deadline)
+                fetched = fetch_kv(d, call, manifest, list(started.endpoints), deadline)
             except Refusal:
                 prefill.raise_if_failed()  # a failed prefill is the cause to report
                 raise
@@ -237,119 +235,6 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
         return Prepared(reply.first_token, prefill.seconds, fetched, call.paths)
-
-    def _manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
-        d = self.d
-        if reply.contract_fingerprint != d.agreement.fingerprint:
-            raise Refusal(
-                Code.FAILED_PRECONDITION,
-                f"prefill answered with contract {reply.contract_fingerprint[:16]!r}, ours is "
-                f"{d.agreement.fingerprint[:16]!r}; restart this daemon to handshake again",
-            )
-        try:
-            manifest = Manifest.decode(reply.manifest)
-        except ValueError as err:
-            raise Refusal(Code.INTERNAL, f"prefill daemon sent a bad manifest: {err}") from err
-        if manifest.page_size != d.config.page_size:
-            raise Refusal(
-                Code.FAILED_PRECONDITION,
-                f"manifest page_size={manifest.page_size}, ours is {d.config.page_size}",
-            )
-        if manifest.request_id != spec.request_id or manifest.num_tokens != len(spec.token_ids):
-            raise Refusal(
-                Code.INTERNAL,
-                f"manifest is for {manifest.request_id!r} with {manifest.num_tokens} tokens, asked for "
-                f"{spec.request_id!r} with {len(spec.token_ids)}",
-            )
-        topology = d.prefill_contract.topology
-        try:
-            if len(reply.endpoints) != topology.cp_size:
-                raise ValueError(f"{len(reply.endpoints)} endpoints for cp_size {topology.cp_size}")
-            topology.check((p.page, p.owner) for p in manifest.pages)
-        except ValueError as err:
-            raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
-        return manifest
-
-    def _fetch(self, call: _Call, manifest: Manifest, endpoints: list[str], deadline: float) -> FetchStats:
-        """Every layer of every page of the manifest into our pages: over the fast
-        path from the ranks that share their pool with us, over gRPC from the others."""
-        d = self.d
-        pool, table, page_size, num_layers = d.pool, call.table, d.config.page_size, d.agreement.num_layers
-        owner_of = {p.page: p.owner for p in manifest.pages}
-        # Layers placed per page, one bit each: a retry never places a layer twice,
-        # and if it did, the bytes would be the same verified ones.
-        layers_of = dict.fromkeys(owner_of, 0)
-        lock = threading.Lock()  # chunks are placed, and fast-path ranges copied, by several threads
-
-        def placed(pages, layer_start: int, layer_end: int) -> None:
-            bits = (1 << layer_end) - (1 << layer_start)
-            with lock:
-                for page in pages:
-                    layers_of[page] |= bits
-
-        def place(header, payload: torch.Tensor) -> None:
-            for page in header.pages:
-                if owner_of.get(page) != header.rank:
-                    raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent page {page}, not one of its pages")
-            try:
-                place_chunk(pool.tensor, table.physical_pages_for(header.pages), payload, page_size,
-                            header.layer_start, header.layer_end)
-            except ValueError as err:
-                raise Refusal(Code.DATA_LOSS, f"rank {header.rank} sent a chunk that does not fit: {err}") from err
-            placed(header.pages, header.layer_start, header.layer_end)
-
-        owners = sorted({p.owner for p in manifest.pages})
-        pages = {rank: manifest.pages_of_owner(rank) for rank in owners}
-        shared = self._shared_pools(call, owners, endpoints, deadline)
-        start = time.perf_counter()
-        fast = FastFetches(d, call, shared, endpoints, pages, placed, deadline)
-        over_grpc = [rank for rank in owners if rank not in shared]
-        call.paths = {rank: "grpc" if rank in over_grpc else d.fastpath.transport(endpoints[rank]) for rank in owners}
-        per_rank: dict[int, RankStats] = {}
-        retries = 0
-        try:
-            if over_grpc:
-                stats = self._grpc_fetch(call, {r: endpoints[r] for r in over_grpc}, pages, place, deadline)
-                per_rank.update(stats.per_rank)
-                retries += stats.retries
-            failed = fast.join(deadline)
-        finally:
-            fast.stop()
-        if failed:  # a digest that did not match: fetch those ranks again, over gRPC
-            call.paths.update(dict.fromkeys(failed, "grpc"))
-            retries += len(failed)
-            stats = self._grpc_fetch(call, {r: endpoints[r] for r in failed}, pages, place, deadline)
-            per_rank.update(stats.per_rank)
-        per_rank.update(fast.stats)
-        whole = (1 << num_layers) - 1
-        missing = [page for page, layers in layers_of.items() if layers != whole]
-        if missing:
-            raise Refusal(Code.DATA_LOSS, f"KV transfer ended without every layer of pages {missing[:16]}")
-        return FetchStats(sum(s.bytes for s in per_rank.values()), sum(s.chunks for s in per_rank.values()),
-                          time.perf_counter() - start, per_rank, retries)
-
-    def _shared_pools(self, call: _Call, owners: list[int], endpoints: list[str],
-                      deadline: float) -> dict[int, torch.Tensor]:
-        """The pools of the owner ranks that the fast path reaches, by rank."""
-        fastpath = self.d.fastpath
-        if fastpath is None:
-            return {}
-        pools = {rank: fastpath.pool(endpoints[rank], call.epoch, min(ATTACH_TIMEOUT_S, _left(deadline)))
-                 for rank in owners}
-        return {rank: pool for rank, pool in pools.items() if pool is not None}
-
-    def _grpc_fetch(self, call: _Call, endpoints: dict[int, str], pages: dict[int, list[int]], place,
-                    deadline: float) -> FetchStats:
-        d = self.d
-        try:
-            return d.kv.fetch(
-                endpoints, call.spec.request_id, call.fingerprint, place,
-                max_inflight_bytes=d.config.max_inflight_bytes, max_chunk_bytes=d.config.fetch_chunk_bytes,
-                timeout=_left(deadline), layer_end=d.agreement.num_layers, epoch=call.epoch,
-                pages={rank: pages[rank] for rank in endpoints},
-            )
-        except TransferError as err:
-            raise transfer_refusal(err, deadline) from err
 
     def _release_prefill(self, call: _Call, *, wait: bool) -> None:
         """Release the request's prefill pages at every rank; in the background unless ``wait``."""
@@ -434,10 +319,3 @@ def _reply(request_id: str, event: TokenEvent, text: Detokenizer) -> lanekv_pb2.
 def _check_alive(call: _Call) -> None:
     if call.abandoned.is_set():
         raise Refusal(Code.CANCELLED, "the client went away")
-
-
-def _left(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise Refusal(Code.DEADLINE_EXCEEDED, "the request ran out of time before decoding")
-    return left
