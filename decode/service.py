@@ -17,9 +17,9 @@ whatever the call holds by then is given back (``_settle``):
    page here per logical page of the manifest; every owner rank sends each
    layer as soon as it has written it. Ranks on this host that share their
    pool (``transfer.fastpath``) are read in place, each copied layer checked
-   against the rank's digest
-   (a mismatch fetches that rank again over gRPC); the others stream over
-   gRPC, each verified chunk scattered straight into our pages. A rank's
+   against the rank's digest (a mismatch fetches that rank again over gRPC);
+   the others stream over gRPC, each verified chunk placed straight into our
+   pages. A rank's
    stream that breaks, stalls or delivers a damaged chunk is asked again for
    only what is missing (``transfer.fetch``); when tries run out the call
    ends with DATA_LOSS (damaged chunks), UNAVAILABLE (the rank or the path to
