@@ -16,17 +16,17 @@ whatever the call holds by then is given back (``_settle``):
 4. remap and fetch, while the prefill runs (``decode.kvfetch``): one fresh
    page here per logical page of the manifest; every owner rank sends each
    layer as soon as it has written it. Ranks on this host that share their
-   pool (``transfer.fastpath``) are read in place, each copied layer checked
-   against the rank's digest (a mismatch fetches that rank again over gRPC);
-   the others stream over gRPC, each verified chunk placed straight into our
-   pages. A rank's
-   stream that breaks, stalls or delivers a damaged chunk is asked again for
-   only what is missing (``transfer.fetch``); when tries run out the call
-   ends with DATA_LOSS (damaged chunks), UNAVAILABLE (the rank or the path to
-   it is down), DEADLINE_EXCEEDED (the call's time is up) or ABORTED (the
-   rank refused, e.g. NOT_FOUND after its lease expired, or the prefill
-   failed: then the prefill's own status is the call's). No damaged chunk is
-   ever placed. Then the prefill's last message brings the first token;
+   pool (``transfer.fastpath``) are read in place, each copied layer
+   checked against the rank's digest (a mismatch fetches that rank again
+   over gRPC); the others stream over gRPC, each verified chunk placed
+   straight into our pages. A rank's stream that breaks, stalls or delivers
+   a damaged chunk is asked again for only what is missing
+   (``transfer.fetch``); when tries run out the call ends with DATA_LOSS
+   (damaged chunks), UNAVAILABLE (the rank or the path to it is down),
+   DEADLINE_EXCEEDED (the call's time is up) or ABORTED (the rank refused,
+   e.g. NOT_FOUND after its lease expired, or the prefill failed: then the
+   prefill's own status is the call's). No damaged chunk is ever placed.
+   Then the prefill's last message brings the first token;
 5. release the prefill pages at every rank (ranks without pages of the
    request hold its id too). FetchKV and Release carry the prefill daemon's
    epoch from step 3, so a restarted prefill daemon refuses them;
