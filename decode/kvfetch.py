@@ -1,4 +1,4 @@
-"""Steps 4 of ``DecodeService.Generate`` (``decode.service``): check the prefill's
+"""Step 4 of ``DecodeService.Generate`` (``decode.service``): check the prefill's
 manifest, then fetch every layer of every page of it into the call's pages.
 
 Ranks on this host that share their pool are read in place (``FastFetches``,
