@@ -28,9 +28,10 @@ import torch
 from prefill.allocator import LaneAllocator
 from prefill.engine_config import EngineConfig
 from prefill.plan import plan_batch
-from prefill.rank_worker import TransferServing, rank_main
+from prefill.rank_worker import TransferServing, rank_main, shared_pool_path
 from prefill.runner import PrefillBatch, RankResult
 from prefill.sampling import SamplingParams
+from transfer.fastpath import remove_shared_pool
 
 log = logging.getLogger("lanekv.prefill")
 
@@ -214,10 +215,14 @@ class CPPrefillEngine(PrefillEngine):
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]
         port = config.dist_port or _free_port()
+        # The ranks' /dev/shm pools (CPU ranks serving transfers), named here so that
+        # the file of a rank that died (SIGKILL) is removed by us (``_remove_pools``).
+        self._shared_paths = [shared_pool_path(config, serve_transfer, rank) for rank in range(config.cp_size)]
         self._procs = [
             ctx.Process(
                 target=rank_main,
-                args=(rank, config, port, self._commands[rank], self._results, serve_transfer),
+                args=(rank, config, port, self._commands[rank], self._results, serve_transfer,
+                      self._shared_paths[rank]),
                 name=f"lanekv-cp-rank{rank}",
                 daemon=True,
             )
@@ -254,6 +259,15 @@ class CPPrefillEngine(PrefillEngine):
             self._broken = self._broken or "engine closed"
             self._cond.notify_all()
         self._reader.join(2.0)
+        self._remove_pools()
+
+    def _remove_pools(self) -> None:
+        """Remove the /dev/shm pools of ranks that are gone (a rank removes its own when
+        it stops cleanly; a decode daemon's mapping of one stays valid)."""
+        for rank, (proc, path) in enumerate(zip(self._procs, self._shared_paths)):
+            if path is not None and not proc.is_alive():
+                remove_shared_pool(path)
+                self._shared_paths[rank] = None
 
     def send(self, op: str, payload: Any, ranks: Sequence[int]) -> None:
         """Fire-and-forget a command to ``ranks`` (ordered after earlier commands)."""
@@ -301,6 +315,7 @@ class CPPrefillEngine(PrefillEngine):
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead and not self._stop.is_set():
                     self._fail(f"{dead[0].name} exited with code {dead[0].exitcode}")
+                    self._remove_pools()
                 continue
             except (EOFError, OSError):
                 return

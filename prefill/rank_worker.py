@@ -86,6 +86,18 @@ class RpcReporter:
             self._results.put(("event", self._rank, None, ("rpcs", "", totals)))
 
 
+def shared_pool_path(config: EngineConfig, serve_transfer: TransferServing | tuple[str, int] | None,
+                     rank: int) -> Path | None:
+    """Where rank ``rank`` keeps a CPU pool in /dev/shm so that a decode daemon of this
+    host reads it in place (AttachPool); None where it will not (a GPU pool, no
+    transfer service, no /dev/shm). The launcher names it, so that it can remove
+    the file of a rank that died without doing so itself."""
+    if serve_transfer is None or config.resolved_device == "cuda" or not SHM_DIR.is_dir():
+        return None
+    epoch = TransferServing(*serve_transfer).epoch or uuid.uuid4().hex
+    return SHM_DIR / f"lanekv-{epoch}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def rank_main(
     rank: int,
     config: EngineConfig,
@@ -93,14 +105,10 @@ def rank_main(
     commands: Any,
     results: Any,
     serve_transfer: TransferServing | tuple[str, int] | None = None,
+    shared_path: Path | None = None,
 ) -> None:
     parent = os.getppid()
     reporter = None
-    shared_path = None
-    if serve_transfer is not None and config.resolved_device != "cuda" and SHM_DIR.is_dir():
-        # A CPU pool in /dev/shm: a decode daemon of this host reads it in place (AttachPool).
-        epoch = TransferServing(*serve_transfer).epoch or uuid.uuid4().hex
-        shared_path = SHM_DIR / f"lanekv-{epoch}-rank{rank}-{os.getpid()}"
     try:
         runner = _start(rank, config, port, shared_path)
         info = describe(runner, config)

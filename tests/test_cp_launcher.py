@@ -1,5 +1,6 @@
 """The CP rank processes (gloo on CPU): same results as the rank threads, clean
-shutdown, a clear error when a rank dies; and one run through the Triton
+shutdown, a clear error when a rank dies and no /dev/shm pool left behind
+by it; and one run through the Triton
 kernels under the interpreter."""
 
 from __future__ import annotations
@@ -84,6 +85,27 @@ def test_cp_prefill_through_interpreted_triton_kernels(checkpoint, monkeypatch):
     for g, w in zip(got, want):
         assert g.first_token == w.first_token
         torch.testing.assert_close(g.logits, w.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
+    """A CPU rank serving transfers keeps its pool in /dev/shm; one killed with SIGKILL
+    cannot remove it, so the launcher does once it sees the rank gone, and every
+    other rank's at close."""
+    import time
+
+    from prefill.rank_worker import TransferServing
+
+    cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32, start_timeout_s=120)
+    with CPPrefillEngine(cfg, serve_transfer=TransferServing("127.0.0.1", 0, epoch="killtest")) as eng:
+        paths = list(eng._shared_paths)
+        assert all(path is not None and path.exists() for path in paths), paths
+        os.kill(eng._procs[1].pid, signal.SIGKILL)
+        eng._procs[1].join(10)
+        deadline = time.monotonic() + 10
+        while paths[1].exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not paths[1].exists() and paths[0].exists()
+    assert not any(path.exists() for path in paths)
 
 
 def test_a_cpu_pool_goes_to_shm_only_when_it_fits(checkpoint, monkeypatch, tmp_path):
