@@ -10,7 +10,7 @@ two and 0.37 ms in four. Through a whole fetch the two measured the same
 within run-to-run noise (3.1-3.8 GB/s).
 
 On the device the chunk's pages go to their places with a few 2-D copies
-(``devcopy.BlockCopy``, one per run of consecutive destination pages) when
+(``poolcopy.PlannedCopy``, one per run of consecutive destination pages) when
 they form up to ``MAX_RUN_COPIES`` runs, else with ``scatter_pages``. Both
 run on the current stream; the copies cost less host time per chunk than a
 kernel launch and its page index (host time a fetch's threads share).
@@ -28,8 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.page_copy import scatter_pages
-from transfer.devcopy import BlockCopy
-from transfer.poolcopy import MAX_RUN_COPIES, page_runs
+from transfer.poolcopy import PlannedCopy
 
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
@@ -45,33 +44,12 @@ def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tens
         else:
             staged.copy_(payload)
         payload = staged.to(pool.device, non_blocking=True)
-        if _copy_runs(pool, physical, payload, page_size, layer_start, layer_end):
+        planned = PlannedCopy.plan(payload, range(len(physical)), pool, physical, page_size, layer_start,
+                                   layer_end, src_layer_start=0)
+        if planned is not None:
+            planned.issue(layer_start, layer_end)
             return
         index = torch.tensor(list(physical), dtype=torch.int64).pin_memory().to(pool.device, non_blocking=True)
     else:
         index = torch.tensor(list(physical), dtype=torch.int64)
     scatter_pages(payload, pool, index, page_size, layer_start, layer_end)
-
-
-def _copy_runs(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
-               layer_start: int, layer_end: int) -> bool:
-    """Copy a device payload's pages into ``pool`` run by run; False (nothing copied) where
-    ``scatter_pages`` must: too many runs, a shape that does not fit, no 2-D copies here."""
-    num_pages = pool.shape[2] // page_size if pool.dim() == 5 else 0
-    expected = (layer_end - layer_start, 2, len(physical) * page_size, *pool.shape[3:])
-    if (payload.dtype != pool.dtype or tuple(payload.shape) != expected or not 0 <= layer_start < layer_end
-            or layer_end > pool.shape[0] or not physical or min(physical) < 0 or max(physical) >= num_pages):
-        return False
-    runs = page_runs(range(len(physical)), physical)
-    if len(runs) > MAX_RUN_COPIES:
-        return False
-    plans = []
-    for s, d, n in runs:
-        plan = BlockCopy.plan(pool[layer_start:layer_end, :, d * page_size:(d + n) * page_size],
-                              payload[:, :, s * page_size:(s + n) * page_size], push=False)
-        if plan is None:
-            return False
-        plans.append(plan)
-    for plan in plans:
-        plan.issue()
-    return True

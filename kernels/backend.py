@@ -10,6 +10,7 @@ through the real kernels without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -23,6 +24,11 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.is_cuda:
         return True
     return interpreter_enabled() and os.environ.get("LANEKV_CPU_KERNELS") == "triton"
+
+
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Kernels launched inside run on ``device`` (CUDA); a no-op for the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def check_same_device(**tensors: torch.Tensor) -> torch.device:

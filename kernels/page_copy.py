@@ -222,4 +222,3 @@ def scatter_pages(
         scatter_pages_triton(buf, pool, pages, page_size, layer_start, layer_end)
     else:
         scatter_pages_ref(buf, pool, pages, page_size, layer_start, layer_end)
-

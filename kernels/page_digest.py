@@ -14,13 +14,11 @@ on both sides, so this is what keeps its integrity check cheap.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from kernels.backend import check_same_device, use_triton
+from kernels.backend import check_same_device, on_device, use_triton
 from kernels.kv_layout import check_pool_tensor
 from kernels.page_copy import gather_pages_ref
 
@@ -185,7 +183,7 @@ class PageDigest:
             return
         out = self._partials[(first - self._start) * self._per_layer:]
         # The launch, and the sum in total(), on the current stream of the pool's device.
-        with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
+        with on_device(self._pool.device):
             _page_digest_kernel[(self._pages.shape[0] * self._chunks, (last - first) * 2)](
                 self._words, self._pages, out,
                 self._num_pages, self._page_words, self._chunks, first, 2 * (first - self._first_layer),
@@ -199,7 +197,7 @@ class PageDigest:
         if not self._start <= first < last <= self._end:
             raise ValueError(f"layers [{first}, {last}) are not within [{self._start}, {self._end})")
         if self._triton:
-            with torch.cuda.device(self._pool.device) if self._pool.is_cuda else contextlib.nullcontext():
+            with on_device(self._pool.device):
                 return self._partials[(first - self._start) * self._per_layer:
                                       (last - self._start) * self._per_layer].sum()
         parts = []

@@ -67,7 +67,7 @@ class RankPageSource(TensorPageSource):
         if known is not None:
             return known
         with self._on_stream(after):
-            return super().digest(physical_pages, layer_start, layer_end, request_id=request_id)
+            return self.fresh_digest(physical_pages, layer_start, layer_end)
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

@@ -236,6 +236,7 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
             source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank], progress)
     if registered is not None:
         registered()
+
     def written(layer: int) -> None:
         source.digest_written(batch.request_ids, layer)  # queued before the layer's event
         progress.layer_written(layer)

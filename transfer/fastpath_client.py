@@ -172,21 +172,21 @@ class FastPath:
                                          times, ready)
                 received_s = time.perf_counter() - start
                 with streams.digesting():
-                    got = [as_u64(t) for t in torch.stack([t for _, _, t in received]).cpu()]
+                    got = [as_u64(t) for t in torch.stack([r.digest for r in received]).cpu()]
                 streams.sync()
                 copied_s = time.perf_counter() - start
             self._finish(call, endpoint, rank, request_id, len(received))
         finally:
             call.cancel()
-        for (d, _, _), value in zip(received, got):
+        for (d, *_), value in zip(received, got):
             if value != d.digest:
                 raise DigestMismatch(request_id, rank, d.seq, "was copied from the shared pool but does not "
                                      "match the rank's digest")
-        for d, _, _ in received:
+        for d, *_ in received:
             on_copied(d.pages, d.layer_start, d.layer_end)
         page_layer_bytes = 2 * ps * src.shape[3] * src.shape[4] * src.element_size()
-        nbytes = sum(len(d.pages) * (d.layer_end - d.layer_start) for d, _, _ in received) * page_layer_bytes
-        runs = max((len(page_runs(d.physical, dst)) for d, dst, _ in received), default=0)
+        nbytes = sum(len(d.pages) * (d.layer_end - d.layer_start) for d, *_ in received) * page_layer_bytes
+        runs = max((r.runs for r in received), default=0)
         seconds = time.perf_counter() - start
         return FastStats(nbytes, len(received), seconds, received_s, copied_s - received_s, runs,
                          times.get("first", start) - start, times.get("issued", start) - start)
@@ -207,7 +207,7 @@ class FastPath:
         sealed: list[tuple[Descriptor, list[int]]] = []
         todo: list[tuple[Descriptor, list[int]]] = []  # announced, not copied yet
         announced: tuple[Descriptor, list[int]] | None = None
-        digests: dict[int, torch.Tensor] = {}  # by seq, once copied
+        copied: dict[int, tuple[torch.Tensor, int]] = {}  # by seq, once copied: (digest, runs)
         try:
             for message in call:
                 times.setdefault("first", time.perf_counter())
@@ -225,7 +225,7 @@ class FastPath:
                     todo.append(announced)
                     if not self.copy_at_end or d.layer_end == a.num_layers:
                         for r, dst in todo:
-                            digests[r.seq] = self._copy(src, r, dst, dst_pool, streams, ready)
+                            copied[r.seq] = self._copy(src, r, dst, dst_pool, streams, ready)
                         todo.clear()
                         times["issued"] = time.perf_counter()
                     continue
@@ -235,7 +235,7 @@ class FastPath:
                 sealed.append((d, announced[1]))
                 announced = None
                 if d.layer_end == a.num_layers:
-                    return [_Range(r, dst, digests[r.seq]) for r, dst in sealed]
+                    return [_Range(r, dst, *copied[r.seq]) for r, dst in sealed]
         except grpc.RpcError as err:
             raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
         layer = sealed[-1][0].layer_end if sealed else 0
@@ -243,8 +243,9 @@ class FastPath:
                            f"of {a.num_layers}")
 
     def _copy(self, src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch.Tensor,
-              streams: Streams, ready: _Prepared) -> torch.Tensor:
-        """Queue the copy of a range and the digest of what it copied (a 0-dim tensor on the device).
+              streams: Streams, ready: _Prepared) -> tuple[torch.Tensor, int]:
+        """Queue the copy of a range and the digest of what it copied (a 0-dim tensor on the
+        device); also how many runs of consecutive pages it copied.
 
         On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers and each
         group's digest runs on a stream of its own as soon as that group is
@@ -267,14 +268,14 @@ class FastPath:
             copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
             with streams.digesting():
                 digest.add(d.layer_start, d.layer_end)
-                return digest.total(d.layer_start, d.layer_end)
+                return digest.total(d.layer_start, d.layer_end), len(page_runs(d.physical, dst))
         with streams.digesting() as after_copies:
             for first in range(d.layer_start, d.layer_end, COPY_GROUP_LAYERS):
                 last = min(d.layer_end, first + COPY_GROUP_LAYERS)
                 planned.issue(first, last)  # on the copy streams chosen when planned
                 after_copies()
                 digest.add(first, last)
-            return digest.total(d.layer_start, d.layer_end)
+            return digest.total(d.layer_start, d.layer_end), planned.runs
 
     @staticmethod
     def _finish(call, endpoint: str, rank: int, request_id: str, seq: int) -> None:
@@ -305,11 +306,13 @@ def _index(pages: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
 
 
 class _Range(NamedTuple):
-    """A sealed range, where its pages went here, and the digest of what was copied (device)."""
+    """A sealed range, where its pages went here, the digest of what was copied (device),
+    and the runs of consecutive pages it was copied in."""
 
     descriptor: Descriptor
     dst: list[int]
     digest: torch.Tensor
+    runs: int
 
 
 def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,

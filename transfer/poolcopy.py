@@ -10,11 +10,11 @@ Scattered pages go through ``gather_pages``, one copy, ``scatter_pages``.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 
 import torch
 
+from kernels.backend import on_device
 from kernels.page_copy import gather_pages, scatter_pages
 from transfer.devcopy import BlockCopy
 
@@ -74,25 +74,38 @@ class PlannedCopy:
     group's digest runs under the next group's copy.
 
     ``plan`` returns None where ``copy_pages`` must do it (CPU pools,
-    scattered pages, views CUDA cannot copy in 2-D).
+    scattered pages, views CUDA cannot copy in 2-D, pages or layers that are
+    not in the pools). ``src_layer_start``: the source's layer of
+    ``layer_start`` (default the same; 0 for a buffer of just these layers,
+    such as a received chunk).
     """
 
     def __init__(self, copies: list[BlockCopy], layer_start: int) -> None:
         self._copies, self._layer_start = copies, layer_start
 
+    @property
+    def runs(self) -> int:
+        """Runs of consecutive pages: one 2-D copy each."""
+        return len(self._copies)
+
     @classmethod
     def plan(cls, src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
-             dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> PlannedCopy | None:
-        if not (src_pool.is_cuda and dst_pool.is_cuda) or len(src_pages) != len(dst_pages):
-            return None
+             dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int,
+             *, src_layer_start: int | None = None) -> PlannedCopy | None:
+        src_first = layer_start if src_layer_start is None else src_layer_start
+        if not (src_pool.is_cuda and dst_pool.is_cuda) or len(src_pages) != len(dst_pages) or not src_pages \
+                or min(layer_start, src_first, min(src_pages), min(dst_pages)) < 0:
+            return None  # (negative indices would slice from the end)
         runs = page_runs(src_pages, dst_pages)
         if len(runs) > MAX_RUN_COPIES:
             return None
-        layers = slice(layer_start, layer_end)
+        dst_layers = slice(layer_start, layer_end)
+        src_layers = slice(src_first, src_first + layer_end - layer_start)
         copies = []
         for s, d, n in runs:
-            plan = BlockCopy.plan(dst_pool[layers, :, d * page_size:(d + n) * page_size],
-                                  src_pool[layers, :, s * page_size:(s + n) * page_size], push=COPY_PUSH)
+            # A run past a pool's end slices short: the shapes differ and plan says None.
+            plan = BlockCopy.plan(dst_pool[dst_layers, :, d * page_size:(d + n) * page_size],
+                                  src_pool[src_layers, :, s * page_size:(s + n) * page_size], push=COPY_PUSH)
             if plan is None:
                 return None
             copies.append(plan)
@@ -118,8 +131,3 @@ def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: 
             buf = gather_pages(src_pool, src_index, page_size, first, last)
         with on_device(dst_pool.device):
             scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, first, last)
-
-
-def on_device(device: torch.device):
-    """Kernels launched inside run on ``device`` (CUDA); a no-op for the CPU."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

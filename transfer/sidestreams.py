@@ -70,7 +70,7 @@ def streams_for(src: torch.device, dst: torch.device, made: StreamSet | None = N
     They do not wait for the devices' other streams: the destination pages
     were free before this fetch (a finished request's pages are freed after
     its last step's tokens reached the host) and the source pages were
-    written and digested before the rank sent their descriptor.
+    written on the device before the rank announced them.
     """
     made = StreamSet.make(src, dst) if made is None else made
     # Entering a stream also makes its device current: the destination's goes last,

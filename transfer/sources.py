@@ -230,8 +230,10 @@ class TensorPageSource:
         layers: ``page_digest(..., first_layer=0)``); from ``digest_written`` when
         that took the request's pages in this order and these layers."""
         known = self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
-        if known is not None:
-            return known
+        return self.fresh_digest(physical_pages, layer_start, layer_end) if known is None else known
+
+    def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> int:
+        """``digest`` taken now from the pool (on the current stream)."""
         pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
         return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end,
                                   first_layer=0))

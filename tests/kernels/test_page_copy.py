@@ -187,4 +187,3 @@ def test_gather_scatter_gpu_bf16_round_trip(page_size):
     scatter_pages_triton(buf, dst, dst_pages, page_size, 2, 7)
     scatter_pages_ref(buf, want, dst_pages, page_size, 2, 7)
     assert torch.equal(_bytes(dst), _bytes(want))
-
