@@ -72,6 +72,7 @@ from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from transfer.client import FETCH_METHOD  # noqa: E402
 from transfer.fastpath import Descriptor  # noqa: E402
+from transfer.fastpath_client import CopyOrder  # noqa: E402
 from transfer.manifest import Manifest  # noqa: E402
 from transfer.poolcopy import copy_pages  # noqa: E402
 from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
@@ -167,16 +168,19 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out: dict = dict(tokens=args.tokens, bytes=nbytes, transports=[fast.fastpath.transport(endpoints[r]) for r in owners])
     phases: dict = {}
 
-    def fetch_rank(rank) -> None:
+    def fetch_rank(rank, order=None) -> None:
         phases[rank] = fast.fastpath.fetch(
             endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
-            dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600)._asdict()
+            dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600, order=order)._asdict()
 
-    def fast_once(ranks=tuple(owners)) -> None:
-        in_threads([lambda r=r: fetch_rank(r) for r in ranks])
+    def fast_once(ranks=tuple(owners), ordered=True) -> None:
+        order = CopyOrder.for_pools({r: shared[r] for r in ranks}, dst.device) if ordered else None
+        in_threads([lambda r=r: fetch_rank(r, order) for r in ranks])
 
     out["fast_s"] = timed(fast_once, args.repeat)
     out["fast_phases"] = dict(phases)
+    out["fast_unordered_s"] = timed(lambda: fast_once(ordered=False), args.repeat)
+    out["fast_unordered_phases"] = dict(phases)
     for rank in owners:
         phases.clear()
         out[f"fast_rank{rank}_alone_s"] = timed(lambda r=rank: fast_once((r,)), args.repeat)

@@ -21,11 +21,14 @@ length, median of ``--repeat`` after one warm-up:
 
 Then the transfer alone, of one request already prefilled, at each of ``--transfer-tokens``:
 the fast path and FetchKV (placing into a pool on GPU 0), each beside its
-ceiling measured in the same run: a raw gRPC stream of the same bytes from
-as many server processes as owner ranks (``bench/transfer.py``'s), and the
-copies the fast path makes with nothing else in the way (rank 0's share
-GPU 0 -> GPU 0 and rank 1's GPU 1 -> GPU 0 at once; on the CPU a copy out of
-a /dev/shm file).
+ceiling measured in the same run: raw gRPC streams of the same bytes from
+as many server processes as owner ranks (``bench/transfer.py``'s), received
+in threads of one process ("raw, 1 proc") and each in a process of its own
+("raw, proc/stream": the layout of the decode daemon's receiver processes),
+and the copies the fast path makes with nothing else in the way (rank 0's
+share GPU 0 -> GPU 0 and rank 1's GPU 1 -> GPU 0 at once; on the CPU a copy
+out of a /dev/shm file). FetchKV is measured through the decode daemon's
+receiver processes and again with every stream in a thread of this process.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from bench.transfer import _raw_server, run_raw, start, stop  # noqa: E402
+from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.daemon import DecodeDaemon  # noqa: E402
 from decode.placement import place_chunk  # noqa: E402
@@ -55,6 +58,7 @@ from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from transfer.client import KVClient  # noqa: E402
 from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
+from transfer.fastpath_client import CopyOrder  # noqa: E402
 from transfer.manifest import Manifest  # noqa: E402
 from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
 from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
@@ -136,12 +140,14 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         if any(v is None for v in shared.values()):
             raise RuntimeError(f"the fast path does not reach every rank: {shared}")
         errors = []
+        order = CopyOrder.for_pools(shared, dst.device)
 
         def one(rank: int) -> None:
             try:
                 phases[rank] = fast.fastpath.fetch(
                     endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
-                    dst, lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600)._asdict()
+                    dst, lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600,
+                    order=order)._asdict()
             except Exception as err:  # noqa: BLE001 - raised below
                 errors.append(err)
 
@@ -153,7 +159,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
             raise errors[0]
         return time.perf_counter() - t0
 
-    def grpc_once(drop: bool = False) -> float:
+    def grpc_once(drop: bool = False, kv: KVClient = grpc_decode.kv) -> float:
         def place(header, payload):
             if drop:  # receive and verify only
                 return
@@ -162,21 +168,27 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
 
         sync()
         t0 = time.perf_counter()
-        grpc_decode.kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
-                             place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
+        kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
+                 place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
         sync()
         return time.perf_counter() - t0
 
     phases: dict[int, dict] = {}
     with futures.ThreadPoolExecutor(max_workers=len(owners)) as workers:
         fast_s = min(fast_once() for _ in range(repeat + 1))
+    receivers = grpc_decode.kv.receivers
+    if receivers is not None and not receivers.wait_started(len(owners), 120):
+        raise RuntimeError("the decode daemon's receiver processes did not start")
     grpc_s = min(grpc_once() for _ in range(repeat + 1))
     dropped_s = min(grpc_once(drop=True) for _ in range(repeat + 1))
+    with KVClient() as threads_only:  # every rank's stream received in a thread of this process
+        threads_s = min(grpc_once(kv=threads_only) for _ in range(repeat + 1))
     release(prefill, reply, call)
     procs, conns, ports = start(_raw_server, [() for _ in owners])
     try:
         raw = min((run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES) for _ in range(repeat + 1)),
                   key=lambda r: r["seconds"])
+        raw_procs = run_raw_processes(ports, nbytes, DEFAULT_CHUNK_BYTES, repeat + 1)
     finally:
         stop(procs, conns)
     ceiling_s = copy_ceiling(dst, len(owners), repeat)
@@ -185,6 +197,10 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
                 grpc_dropped_gbps=gb / dropped_s, fast_phases_last=phases,
                 raw_grpc_gbps=gb / raw["seconds"], copy_ceiling_gbps=gb / ceiling_s,
                 fast_over_ceiling=ceiling_s / fast_s, grpc_over_raw=raw["seconds"] / grpc_s,
+                receiver_parts=0 if receivers is None else receivers.taken,
+                grpc_threads_gbps=gb / threads_s, grpc_threads_over_raw=raw["seconds"] / threads_s,
+                raw_grpc_processes_gbps=gb / raw_procs["seconds"],
+                grpc_over_raw_processes=raw_procs["seconds"] / grpc_s,
                 shm_copy_gbps=shm_copy_gbps(nbytes // len(owners)))
 
 
@@ -288,13 +304,18 @@ def main() -> None:
               f"{r['grpc_over_colocated']:>6.3f} {r['fast_s'] * 1e3:>12.1f} {r['fast_over_colocated']:>6.3f} "
               f"{r['fast_layer_s'] * 1e3:>18.1f} {r['fast_layer_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
     print("\ntransfer alone (one request already prefilled), GB/s:")
-    print(f"{'tokens':>7} {'GiB':>5} {'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'FetchKV':>8} "
-          f"{'(not placed)':>13} {'raw gRPC':>9} {'fetch/raw':>10} {'shm copy':>9}")
+    print(f"{'tokens':>7} {'GiB':>5} {'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'shm copy':>9}")
     for a in alone:
         shm = f"{a['shm_copy_gbps']:.1f}" if a["shm_copy_gbps"] else "-"
         print(f"{a['tokens']:>7} {a['bytes'] / 2**30:>5.1f} {a['fast_gbps']:>8.1f} {a['copy_ceiling_gbps']:>13.1f} "
-              f"{a['fast_over_ceiling']:>10.2f} {a['grpc_gbps']:>8.2f} {a['grpc_dropped_gbps']:>13.2f} "
-              f"{a['raw_grpc_gbps']:>9.2f} {a['grpc_over_raw']:>10.2f} {shm:>9}")
+              f"{a['fast_over_ceiling']:>10.2f} {shm:>9}")
+    print("\nFetchKV (receivers: processes receiving the ranks' streams; threads: all in the daemon), GB/s:")
+    print(f"{'tokens':>7} {'receivers':>10} {'(not placed)':>13} {'threads':>8} {'raw, 1 proc':>12} "
+          f"{'raw, proc/stream':>17} {'recv/raw1':>10} {'recv/rawN':>10} {'threads/raw1':>13}")
+    for a in alone:
+        print(f"{a['tokens']:>7} {a['grpc_gbps']:>10.2f} {a['grpc_dropped_gbps']:>13.2f} "
+              f"{a['grpc_threads_gbps']:>8.2f} {a['raw_grpc_gbps']:>12.2f} {a['raw_grpc_processes_gbps']:>17.2f} "
+              f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f}")
     for a in alone:
         for rank, ph in sorted(a["fast_phases_last"].items()):
             print(f"{a['tokens']} tokens, fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = "

@@ -30,6 +30,9 @@ class DecodeConfig:
     request_timeout_s: float = 600.0  # prefill + transfer of one request, without a client deadline
     max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request
     fetch_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default
+    # Processes that receive ranks' gRPC streams outside this process's GIL
+    # (transfer.receivers); None: 4 when the pool is on a GPU, else 0 (threads here).
+    fetch_processes: int | None = None
     fetch_attempts: int = 4  # tries of a rank's stream in a row that bring nothing new
     stall_timeout_s: float = 10.0  # a rank's stream silent this long is cut and retried
     release_timeout_s: float = 10.0  # deadline of each Release at a prefill rank
@@ -64,6 +67,12 @@ class DecodeConfig:
         if isinstance(self.fetch_chunk_bytes, bool) or not isinstance(self.fetch_chunk_bytes, int) \
                 or self.fetch_chunk_bytes < 0:
             raise ValueError(f"fetch_chunk_bytes must be an integer >= 0, got fetch_chunk_bytes={self.fetch_chunk_bytes!r}")
+        if self.fetch_processes is not None and (
+            isinstance(self.fetch_processes, bool) or not isinstance(self.fetch_processes, int)
+            or not 0 <= self.fetch_processes <= 64
+        ):
+            raise ValueError(f"fetch_processes must be None or an integer in [0, 64], "
+                             f"got fetch_processes={self.fetch_processes!r}")
         if isinstance(self.fetch_attempts, bool) or not isinstance(self.fetch_attempts, int) or self.fetch_attempts < 1:
             raise ValueError(f"fetch_attempts must be an integer >= 1, got fetch_attempts={self.fetch_attempts!r}")
         for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s"):
@@ -74,6 +83,12 @@ class DecodeConfig:
         host, _, port = self.prefill_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
+
+    @property
+    def resolved_fetch_processes(self) -> int:
+        if self.fetch_processes is not None:
+            return self.fetch_processes
+        return 4 if self.resolved_device == "cuda" else 0
 
     @property
     def fetch_retry(self) -> RetryPolicy:

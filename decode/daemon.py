@@ -89,7 +89,7 @@ class DecodeDaemon:
         self.metrics = lanekv_metrics(self.registry)
         self.metrics_endpoint: MetricsEndpoint | None = None
         # Channels to the owner ranks, shared by every request.
-        self.kv = KVClient(config.security, retry=config.fetch_retry)
+        self.kv = KVClient(config.security, retry=config.fetch_retry, receivers=config.resolved_fetch_processes)
         self._prefill_channel = None
         self._stop = threading.Event()
         self._stopped = False

@@ -24,7 +24,7 @@ import torch
 
 from proto import lanekv_pb2
 from transfer.client import CorruptChunk, RankStats, RemoteError, TransferError
-from transfer.fastpath_client import DigestMismatch
+from transfer.fastpath_client import CopyOrder, DigestMismatch
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.status import Refusal
 
@@ -126,6 +126,7 @@ class FastFetches:
         self._errors: dict[int, BaseException] = {}
         self._calls: list[Any] = []
         self._d, self._call, self._deadline = d, call, deadline
+        self._order = CopyOrder.for_pools(shared, d.pool.tensor.device)
         self._threads = [
             threading.Thread(target=self._run, args=(rank, pool, endpoints[rank], pages[rank], placed),
                              name=f"fast-rank{rank}", daemon=True)
@@ -141,7 +142,8 @@ class FastFetches:
             got = d.fastpath.fetch(
                 endpoint, rank, pool, call.spec.request_id, call.fingerprint, pages, d.pool.tensor,
                 call.table.physical_pages_for, placed, epoch=call.epoch,
-                timeout=max(0.001, self._deadline - time.monotonic()), on_call=self._calls.append)
+                timeout=max(0.001, self._deadline - time.monotonic()), on_call=self._calls.append,
+                order=self._order)
             self.stats[rank] = RankStats(got.bytes, got.chunks, got.seconds)
         except BaseException as err:  # noqa: BLE001 - reported by join
             self._errors[rank] = err

@@ -19,7 +19,7 @@ from transfer.security import SecurityConfig
 
 log = logging.getLogger("lanekv.decode")
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
-_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport")
+_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes")
 DEFAULT_GRACE_S = 5.0
 
 

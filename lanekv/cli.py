@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", choices=("auto", "grpc"), default=None,
                    help="auto (default): read prefill ranks on this host in place (CUDA IPC or /dev/shm), "
                         "the others over gRPC; grpc: every rank over gRPC")
+    p.add_argument("--fetch-processes", type=int, default=None,
+                   help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
+                        "(default: 4 with a GPU pool, else 0: threads of the daemon)")
     p.add_argument("--grace-s", type=float, default=None,
                    help="on SIGINT/SIGTERM, seconds open streams get to finish")
     add_metrics_arg(p)

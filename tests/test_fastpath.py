@@ -33,7 +33,7 @@ from tests.markers import GPU_CASE, requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from transfer.client import KVClient
 from transfer.contract import Topology
-from transfer.errors import CorruptChunk
+from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath import (
     SHM,
     SHM_DIR,
@@ -43,7 +43,7 @@ from transfer.fastpath import (
     remove_shared_pool,
     shared_cpu_pool,
 )
-from transfer.fastpath_client import DigestMismatch, FastPath
+from transfer.fastpath_client import CopyOrder, DigestMismatch, FastPath
 from transfer.poolcopy import copy_pages, page_runs
 from transfer.progress import LayerProgress, PrefillFailed
 from transfer.server import KVTransferService, serve
@@ -469,3 +469,51 @@ def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device)
     assert source.digest(physical, 0, 2, request_id="big") == fresh(0, 2)
     source.release("big")
     assert "big" not in source._written
+
+
+def test_copy_order_puts_ranks_with_pools_on_other_devices_first():
+    here, away = torch.zeros(1), torch.zeros(1, device="meta")
+    order = CopyOrder.for_pools({0: here, 1: away}, here.device)
+    order.turn(1, 0.0)  # goes first: no wait
+    waited = threading.Event()
+    waiter = threading.Thread(target=lambda: (order.turn(0, 10.0), waited.set()))
+    waiter.start()
+    assert not waited.wait(0.2), "rank 0 queued its copies before rank 1 did"
+    order.done(1)
+    assert waited.wait(5.0)
+    waiter.join()
+    for pools in ({0: here, 1: here}, {0: away, 1: away}):  # all alike: nobody waits
+        t0 = time.monotonic()
+        CopyOrder.for_pools(pools, here.device).turn(0, 10.0)
+        assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    CopyOrder([1]).turn(0, 0.2)  # a first rank that never queues: the wait ends at the timeout
+    assert 0.15 < time.monotonic() - t0 < 5.0
+
+
+def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):
+    source, pool, endpoint, agreement, kv = rank
+    pages = [(p, p) for p in range(3)]
+    for layer in range(LAYERS):
+        _fill(pool, [p for _, p in pages], layer)
+    source.add("req", pages)
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
+    order = CopyOrder([1])  # rank 1 (another device) goes first
+    copied = []
+
+    def fetch():
+        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list,
+                   lambda *a: copied.append(time.monotonic()), epoch=None, timeout=30, order=order)
+
+    waiter = threading.Thread(target=fetch)
+    waiter.start()
+    time.sleep(0.3)
+    assert copied == [], "copied before the rank that goes first queued its copies"
+    with pytest.raises(RemoteError, match="NOT_FOUND"):  # rank 1's fetch fails: its turn passes on
+        fast.fetch(endpoint, 1, shared, "no-such-request", agreement.fingerprint, [0], dst, list,
+                   lambda *a: None, epoch=None, timeout=30, order=order)
+    waiter.join(10)
+    assert len(copied) == 1
+    assert torch.equal(dst, pool[:, :, rows_of([0, 1, 2])])

@@ -26,8 +26,10 @@ from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
 from tests.daemons import running_pair
 
 # (cp_size, page_size, how the decode daemon reads the ranks: "auto" takes the
-# same-host fast path, a /dev/shm pool on the CPU; "grpc" streams every byte)
-PAIRS = [(1, 4, "auto"), (2, 1, "grpc"), (2, 16, "auto"), (3, 4, "grpc"), (3, 16, "auto")]
+# same-host fast path, a /dev/shm pool on the CPU; "grpc" streams every byte;
+# "grpc-receivers" too, received by two receiver processes, and by threads of
+# the daemon for the ranks of concurrent requests beyond those two)
+PAIRS = [(1, 4, "auto"), (2, 1, "grpc"), (2, 16, "auto"), (3, 4, "grpc-receivers"), (3, 16, "auto")]
 PROMPT_LENS = [1, 9, 31, 100]
 MAX_NEW_TOKENS = 12
 TEXT_PROMPT = "w17 w42 w99 w5 w250 w18 w7"  # the word-level test tokenizer: <s> then one id per word
@@ -62,10 +64,14 @@ def reference(checkpoint) -> list[list[int]]:
 
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"cp{cp}-ps{ps}-{how}" for cp, ps, how in PAIRS])
 def daemons(request, checkpoint):
-    cp_size, page_size, transport = request.param
+    cp_size, page_size, how = request.param
     engine = EngineConfig(str(checkpoint), cp_size=cp_size, page_size=page_size,
                           pages_per_lane=-(-400 // page_size), start_timeout_s=120)
-    with running_pair(engine, pool_pages=-(-1200 // page_size), transport=transport) as pair:
+    receivers = 2 if how == "grpc-receivers" else 0
+    with running_pair(engine, pool_pages=-(-1200 // page_size), transport=how.split("-")[0],
+                      fetch_processes=receivers) as pair:
+        if receivers:
+            assert pair[1].kv.receivers.wait_started(receivers, 90), "receiver processes did not start"
         yield pair
 
 
@@ -104,6 +110,8 @@ def test_concurrent_generations_equal_transformers(daemons, checkpoint, referenc
         for thread in threads:
             thread.join(120)
     assert not errors, errors
+    if decode.config.fetch_processes:
+        assert decode.kv.receivers.taken > 0
     # Each rank was read the way the pair was set up to read it.
     used = {decode.fastpath.transport(e) for e in prefill.topology.endpoints} if decode.fastpath else {"grpc"}
     assert used == ({"shm"} if decode.config.transport == "auto" else {"grpc"})

@@ -168,13 +168,13 @@ def test_fetch_from_owner_ranks_is_bit_exact(
     fingerprint = handshake(cluster.endpoints[0], make_agreement(), TIMEOUT)
     held = []
 
-    class Budget(client_module._ByteBudget):
+    class Budget(client_module.ByteBudget):
         def acquire(self, nbytes):
             ok = super().acquire(nbytes)
             held.append(self._used)
             return ok
 
-    monkeypatch.setattr(client_module, "_ByteBudget", Budget)
+    monkeypatch.setattr(client_module, "ByteBudget", Budget)
     dest = torch.full_like(cluster.full, float("nan"))
     log = []
     max_chunk = chunk_pages * PAGE_LAYER_BYTES

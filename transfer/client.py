@@ -37,8 +37,9 @@ from transfer.errors import (
     RemoteError,
     TransferError,
 )
-from transfer.fetch import NO_RETRY, Item, Job, RankFetch, RetryPolicy
+from transfer.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
 from transfer.placers import MAX_PLACERS, Placers
+from transfer.receivers import ReceiverPool, RemoteRankFetch
 from transfer.security import SecurityConfig, open_channel
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.spans import Span
@@ -103,42 +104,26 @@ class FetchStats(NamedTuple):
     retries: int = 0
 
 
-class _ByteBudget:
-    """Bytes received but not yet placed; one chunk is always admitted when nothing is held."""
-
-    def __init__(self, limit: int) -> None:
-        self._limit, self._used, self._closed = limit, 0, False
-        self._cond = threading.Condition()
-
-    def acquire(self, nbytes: int) -> bool:
-        with self._cond:
-            while not self._closed and self._used and self._used + nbytes > self._limit:
-                self._cond.wait()
-            self._used += nbytes
-            return not self._closed
-
-    def release(self, nbytes: int) -> None:
-        with self._cond:
-            self._used -= nbytes
-            self._cond.notify_all()
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-
 class KVClient:
     """Channels to transfer servers, opened once per endpoint and reused by every call.
 
     ``security`` says how every channel speaks: TLS, a client certificate and
     the token (``transfer.security``); None: plaintext without a token.
-    ``retry`` is the default policy of ``fetch``.
+    ``retry`` is the default policy of ``fetch``. ``receivers``: how many
+    processes receive owner ranks' streams outside this process's GIL
+    (``transfer.receivers``; 0: every stream in a thread here), or a
+    ``ReceiverPool`` of the caller's, which it closes itself.
     """
 
-    def __init__(self, security: SecurityConfig | None = None, retry: RetryPolicy = NO_RETRY) -> None:
+    def __init__(self, security: SecurityConfig | None = None, retry: RetryPolicy = NO_RETRY,
+                 receivers: int | ReceiverPool = 0) -> None:
         self.security = SecurityConfig() if security is None else security
         self.retry = retry
+        self._own_receivers = not isinstance(receivers, ReceiverPool)
+        if isinstance(receivers, ReceiverPool):
+            self.receivers: ReceiverPool | None = receivers
+        else:
+            self.receivers = ReceiverPool(receivers, self.security) if receivers else None
         self._channels: dict[str, grpc.Channel] = {}
         self._retired: deque[grpc.Channel] = deque()
         self._closed = False
@@ -157,6 +142,8 @@ class KVClient:
             self._retired.clear()
         for channel in channels:
             channel.close()
+        if self.receivers is not None and self._own_receivers:
+            self.receivers.close()
 
     def channel(self, endpoint: str) -> grpc.Channel:
         with self._lock:
@@ -247,11 +234,11 @@ class KVClient:
         """
         start = time.perf_counter()
         policy = self.retry if retry is None else retry
-        budget = _ByteBudget(max_inflight_bytes)
+        budget = ByteBudget(max_inflight_bytes)
         job = Job(request_id, fingerprint, max_chunk_bytes, policy, timeout,
                   self._stream_opener(epoch), budget)
         ranks = {
-            rank: RankFetch(job, rank, endpoint, Span(layer_start, layer_end, _pages_of(pages, rank)))
+            rank: self._rank_fetch(job, rank, endpoint, Span(layer_start, layer_end, _pages_of(pages, rank)), epoch)
             for rank, endpoint in endpoints.items()
         }
         threads = [
@@ -293,6 +280,8 @@ class KVClient:
                 part.cancel()
             for thread in threads:
                 thread.join(timeout=10.0)
+            for part in ranks.values():
+                part.close()
         per_rank = {rank: s._replace(retries=ranks[rank].retries) for rank, s in per_rank.items()}
         return FetchStats(
             sum(s.bytes for s in per_rank.values()),
@@ -301,6 +290,14 @@ class KVClient:
             per_rank,
             sum(s.retries for s in per_rank.values()),
         )
+
+    def _rank_fetch(self, job: Job, rank: int, endpoint: str, span: Span,
+                    epoch: str | None) -> RankFetch | RemoteRankFetch:
+        """A rank's part of a fetch: in an idle receiver process, else in a thread here."""
+        receiver = self.receivers.take() if self.receivers is not None else None
+        if receiver is None:
+            return RankFetch(job, rank, endpoint, span)
+        return RemoteRankFetch(job, rank, endpoint, span, epoch, receiver, self.receivers)
 
     def _stream_opener(self, epoch: str | None) -> Callable[..., Any]:
         """``open_stream`` of one fetch: a retry after a broken connection gets a new one."""

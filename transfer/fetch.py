@@ -77,6 +77,32 @@ class Item(NamedTuple):
     header: ChunkHeader | None
     tensor: torch.Tensor | None
     error: TransferError | None
+    done: Callable[[], None] | None = None  # called after its placement ran or was skipped
+
+
+class ByteBudget:
+    """Bytes received but not yet placed; one chunk is always admitted when nothing is held."""
+
+    def __init__(self, limit: int) -> None:
+        self._limit, self._used, self._closed = limit, 0, False
+        self._cond = threading.Condition()
+
+    def acquire(self, nbytes: int) -> bool:
+        with self._cond:
+            while not self._closed and self._used and self._used + nbytes > self._limit:
+                self._cond.wait()
+            self._used += nbytes
+            return not self._closed
+
+    def release(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 class Job:
@@ -150,6 +176,9 @@ class RankFetch:
             call = self._call
         if call is not None:
             call.cancel()
+
+    def close(self) -> None:
+        """The fetch is over (``RemoteRankFetch`` hands its process back here)."""
 
     def cut_if_stalled(self, now: float) -> None:
         """Cancel the stream under way if it has delivered nothing for ``stall_s`` (the watchdog's call)."""

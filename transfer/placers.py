@@ -79,4 +79,6 @@ class Placers:
                     self._error = err
             self._job.ready.put(WAKE)
         finally:
+            if item.done is not None:
+                item.done()
             self._release(item.header.nbytes)

@@ -1,0 +1,176 @@
+"""A receiver process: runs one owner rank's part of a fetch at a time (``transfer.receivers``).
+
+Started as ``python -m transfer.receiver_main FD SLOTS_PATH SLOTS SLOT_BYTES``
+with ``FD`` one end of a socket pair. The first message on it is the
+client's ``SecurityConfig``; the process then maps the slots' file and says
+``("ready",)``. Then, per fetch:
+
+- in: ``("fetch", RankJob)``; every slot is free at the start of a fetch
+  (the client hands a receiver a new fetch only after it placed, or dropped,
+  every chunk of the last);
+- out: ``("chunk", header, slot)`` for each verified chunk, its payload in
+  that slot, or ``("inline", header, payload)`` when it does not fit one;
+- in: ``("free", slot)`` once the client is done with a slot;
+- out: ``("end", retries)`` or ``("failed", error, retries)``;
+- in at any time: ``("stop",)`` ends the fetch under way (it answers
+  ``("end", retries)``); ``("close",)``, or the client's end of the socket
+  closing, ends the process.
+
+Streams, checks, XXH3 verification, retries and the stall watchdog are the
+same as in the client's own threads (``transfer.fetch.RankFetch``); this
+process only adds the copy of each payload into a slot.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+from collections import deque
+from multiprocessing.connection import Connection
+from typing import Any, NamedTuple
+
+from transfer.errors import TransferError
+from transfer.fetch import ByteBudget, Item, Job, RankFetch, RetryPolicy
+from transfer.spans import Span
+
+
+class RankJob(NamedTuple):
+    """One owner rank's part of a fetch, as a receiver process is asked for it."""
+
+    rank: int
+    endpoint: str
+    span: Span
+    request_id: str
+    fingerprint: str
+    max_chunk_bytes: int
+    policy: RetryPolicy
+    timeout_s: float
+    epoch: str | None
+
+
+class _Tagged:
+    """The queue a rank's thread puts its items on: the inbox, each item marked as this fetch's."""
+
+    def __init__(self, inbox: queue.Queue, tag: object) -> None:
+        self._inbox, self._tag = inbox, tag
+
+    def put(self, item: Item) -> None:
+        self._inbox.put((self._tag, item))
+
+
+def error_state(err: TransferError) -> tuple[str, str, dict[str, Any]]:
+    """What rebuilds ``err`` in the client (``transfer.receivers.rebuild``): exceptions whose
+    constructors take more than a message do not pickle back."""
+    return type(err).__name__, str(err), dict(vars(err))
+
+
+class _Receiver:
+    def __init__(self, conn: Connection, ring: mmap.mmap, slots: int, slot_bytes: int) -> None:
+        from transfer.client import KVClient  # imported here: the module is also read by the client
+
+        self.conn, self.slots, self.slot_bytes = conn, slots, slot_bytes
+        self.base = ctypes.addressof(ctypes.c_char.from_buffer(ring))
+        self.client: KVClient | None = None
+        self.inbox: queue.Queue = queue.Queue()  # the client's messages, and the rank's items
+        self.KVClient = KVClient
+
+    def serve(self) -> None:
+        self.client = self.KVClient(self.conn.recv())
+        self.conn.send(("ready",))
+        threading.Thread(target=self._pump, name="receiver-pump", daemon=True).start()
+        try:
+            while True:
+                message = self.inbox.get()
+                if message[0] == "close":
+                    return
+                if message[0] == "fetch":
+                    self._fetch(message[1])
+                # anything else belongs to a fetch that has ended
+        finally:
+            self.client.close()
+
+    def _pump(self) -> None:
+        try:
+            while True:
+                self.inbox.put(self.conn.recv())
+        except (EOFError, OSError):
+            self.inbox.put(("close",))
+
+    def _fetch(self, spec: RankJob) -> None:
+        budget = ByteBudget(self.slots * self.slot_bytes)
+        job = Job(spec.request_id, spec.fingerprint, spec.max_chunk_bytes or self.slot_bytes, spec.policy,
+                  spec.timeout_s, self.client._stream_opener(spec.epoch), budget)
+        tag = object()
+        job.ready = _Tagged(self.inbox, tag)  # the rank's items come in among the client's messages
+        part = RankFetch(job, spec.rank, spec.endpoint, spec.span)
+        thread = threading.Thread(target=part.run, name=f"receive-rank{spec.rank}", daemon=True)
+        thread.start()
+        free, waiting = deque(range(self.slots)), deque()
+        tick = min(0.25, spec.policy.stall_s / 4)
+        ended, failed = False, None
+        try:
+            while True:
+                try:
+                    message = self.inbox.get(timeout=tick)
+                except queue.Empty:
+                    part.cut_if_stalled(time.monotonic())
+                    continue
+                part.cut_if_stalled(time.monotonic())
+                if message[0] is tag:
+                    item = message[1]
+                    if item.error is not None:
+                        failed = error_state(item.error)
+                        break
+                    if item.header is None:
+                        ended = True
+                    else:
+                        waiting.append(item)
+                elif message[0] == "free":
+                    free.append(message[1])
+                elif message[0] == "stop":
+                    break
+                elif message[0] == "close":
+                    self.inbox.put(message)  # for serve, once this fetch is stopped
+                    break
+                while waiting and (free or waiting[0].header.nbytes > self.slot_bytes):
+                    self._send(waiting.popleft(), free, budget)
+                if ended and not waiting:
+                    break
+        except Exception as err:  # noqa: BLE001 - a fault of ours ends the fetch, not the process
+            failed = error_state(TransferError(f"rank {spec.rank}: receiver failed: {err!r}"))
+        finally:
+            job.stopping.set()
+            budget.close()
+            part.cancel()
+            thread.join(10.0)
+        # Said once the rank's thread is done: nothing of this fetch comes after it.
+        self.conn.send(("end", part.retries) if failed is None else ("failed", failed, part.retries))
+
+    def _send(self, item: Item, free: deque, budget: ByteBudget) -> None:
+        header, payload = item.header, item.tensor
+        if header.nbytes > self.slot_bytes:
+            self.conn.send(("inline", header, ctypes.string_at(payload.data_ptr(), header.nbytes)))
+        else:
+            slot = free.popleft()
+            ctypes.memmove(self.base + slot * self.slot_bytes, payload.data_ptr(), header.nbytes)
+            self.conn.send(("chunk", header, slot))
+        budget.release(header.nbytes)
+
+
+def main(argv: list[str]) -> None:
+    fd, path, slots, slot_bytes = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client ends it (a Ctrl-C reaches the whole group)
+    conn = Connection(socket.socket(fileno=fd).detach())
+    with open(path, "r+b") as file:
+        ring = mmap.mmap(file.fileno(), slots * slot_bytes)
+    _Receiver(conn, ring, slots, slot_bytes).serve()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
