@@ -173,14 +173,18 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
             endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
             dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600, order=order)._asdict()
 
-    def fast_once(ranks=tuple(owners), ordered=True) -> None:
-        order = CopyOrder.for_pools({r: shared[r] for r in ranks}, dst.device) if ordered else None
+    def fast_once(ranks=tuple(owners), order_by=None) -> None:
+        order = None
+        if order_by != "none":
+            kw = {} if order_by is None else dict(away_first=order_by == "away")
+            order = CopyOrder.for_pools({r: shared[r] for r in ranks}, dst.device, **kw)
         in_threads([lambda r=r: fetch_rank(r, order) for r in ranks])
 
     out["fast_s"] = timed(fast_once, args.repeat)
     out["fast_phases"] = dict(phases)
-    out["fast_unordered_s"] = timed(lambda: fast_once(ordered=False), args.repeat)
-    out["fast_unordered_phases"] = dict(phases)
+    for order_by in ("none", "away", "local"):
+        out[f"fast_order_{order_by}_s"] = timed(lambda o=order_by: fast_once(order_by=o), args.repeat)
+        out[f"fast_order_{order_by}_phases"] = dict(phases)
     for rank in owners:
         phases.clear()
         out[f"fast_rank{rank}_alone_s"] = timed(lambda r=rank: fast_once((r,)), args.repeat)

@@ -489,6 +489,17 @@ def test_copy_order_puts_ranks_with_pools_on_other_devices_first():
     t0 = time.monotonic()
     CopyOrder([1]).turn(0, 0.2)  # a first rank that never queues: the wait ends at the timeout
     assert 0.15 < time.monotonic() - t0 < 5.0
+    # Nobody waits for its copies before every rank has queued its own.
+    order = CopyOrder.for_pools({0: here, 1: away, 2: here}, here.device)
+    order.done(1)
+    order.done(0)
+    queued = threading.Event()
+    waiter = threading.Thread(target=lambda: (order.all_queued(10.0), queued.set()))
+    waiter.start()
+    assert not queued.wait(0.2), "rank 0 waited for its copies before rank 2 queued its own"
+    order.done(2)
+    assert queued.wait(5.0)
+    waiter.join()
 
 
 def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):
