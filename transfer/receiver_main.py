@@ -2,8 +2,8 @@
 
 Started as ``python -m transfer.receiver_main FD SLOTS_PATH SLOTS SLOT_BYTES``
 with ``FD`` one end of a socket pair. The first message on it is the
-client's ``SecurityConfig``; the process then maps the slots' file and says
-``("ready",)``. Then, per fetch:
+client's ``SecurityConfig``; the process then maps the slots' file (the
+client mapped it first), removes it, and says ``("ready",)``. Then, per fetch:
 
 - in: ``("fetch", RankJob)``; every slot is free at the start of a fetch
   (the client hands a receiver a new fetch only after it placed, or dropped,
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import os
 import queue
 import signal
 import socket
@@ -169,6 +170,7 @@ def main(argv: list[str]) -> None:
     conn = Connection(socket.socket(fileno=fd).detach())
     with open(path, "r+b") as file:
         ring = mmap.mmap(file.fileno(), slots * slot_bytes)
+    os.unlink(path)  # both processes map it now; nothing is left behind if either dies
     _Receiver(conn, ring, slots, slot_bytes).serve()
 
 

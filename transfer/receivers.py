@@ -79,9 +79,9 @@ class Receiver:
             os.close(fd)
         ours, theirs = socket.socketpair()
         try:
-            # Imports as this process does, wherever it was started from.
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-                [str(Path(__file__).resolve().parents[1]), *sys.path[1:]]))
+            # Finds lanekv's packages wherever this process was started from.
+            paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "transfer.receiver_main", str(theirs.fileno()), path, str(slots),
                  str(slot_bytes)], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
@@ -165,7 +165,12 @@ class ReceiverPool:
             log.warning("receiver process: cannot start (%s); fetching in threads", err)
             return
         with self._lock:
-            self._all.add(receiver)
+            closed = self._closed
+            if not closed:
+                self._all.add(receiver)
+        if closed:  # the pool closed while this one started
+            receiver.close(timeout=1.0)
+            return
         if not receiver.wait_ready(START_TIMEOUT_S):
             log.warning("receiver process %d did not start; fetching in threads", receiver.process.pid)
             self._drop(receiver)
