@@ -71,8 +71,8 @@ from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from transfer.client import FETCH_METHOD  # noqa: E402
+from transfer.copyorder import CopyOrder  # noqa: E402
 from transfer.fastpath import Descriptor  # noqa: E402
-from transfer.fastpath_client import CopyOrder  # noqa: E402
 from transfer.manifest import Manifest  # noqa: E402
 from transfer.poolcopy import copy_pages  # noqa: E402
 from transfer.server import EPOCH_METADATA_KEY  # noqa: E402

@@ -24,7 +24,8 @@ import torch
 
 from proto import lanekv_pb2
 from transfer.client import CorruptChunk, RankStats, RemoteError, TransferError
-from transfer.fastpath_client import CopyOrder, DigestMismatch
+from transfer.copyorder import CopyOrder
+from transfer.fastpath_client import DigestMismatch
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.status import Refusal
 

@@ -33,6 +33,7 @@ from tests.markers import GPU_CASE, requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from transfer.client import KVClient
 from transfer.contract import Topology
+from transfer.copyorder import CopyOrder
 from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath import (
     SHM,
@@ -43,7 +44,7 @@ from transfer.fastpath import (
     remove_shared_pool,
     shared_cpu_pool,
 )
-from transfer.fastpath_client import CopyOrder, DigestMismatch, FastPath
+from transfer.fastpath_client import DigestMismatch, FastPath
 from transfer.poolcopy import copy_pages, page_runs
 from transfer.progress import LayerProgress, PrefillFailed
 from transfer.server import KVTransferService, serve
