@@ -13,11 +13,13 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import grpc
 import pytest
 import torch
 
+import transfer.receivers as receivers_module
 from tests.reliability.kv_cluster import (
     PAGE_LAYER_BYTES,
     make_agreement,
@@ -28,9 +30,11 @@ from tests.reliability.kv_cluster import (
 from tests.reliability.proxy import FaultProxy
 from transfer import client as client_module
 from transfer.client import ChecksumError, KVClient, RemoteError, RetryPolicy, TransferError
+from transfer.fetch import ByteBudget, Job
 from transfer.receivers import ReceiverPool, RemoteRankFetch
 from transfer.security import SecurityConfig
 from transfer.server import KVTransferService
+from transfer.spans import Span
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 
@@ -196,3 +200,81 @@ def test_a_stalled_stream_is_cut_and_resumed_by_its_receiver(pool, cluster, remo
     assert len(set(log)) == len(log) == cluster.full.shape[0] * 13
     assert (stats.per_rank[0].retries, stats.per_rank[1].retries) == (0, 1)
     assert sorted(r.rank for r in remote) == [0, 1]
+
+
+def test_a_pool_closed_under_a_fetch_fails_it_instead_of_ending_it_short(cluster):
+    own = ReceiverPool(2, SecurityConfig(), slot_bytes=SLOT_BYTES, slots=2)
+    assert own.wait_started(2, 90)
+    placed = []
+
+    def slow(header, tensor):
+        placed.append(header)
+        time.sleep(0.05)
+
+    threading.Timer(0.3, own.close).start()
+    with KVClient(receivers=own) as kv:
+        with pytest.raises(TransferError, match="receiver"):
+            _fetch(kv, cluster, slow, max_chunk_bytes=CHUNK)
+    # Cut short (rank 0's 7 pages are 4 chunks a layer, rank 1's 6 are 3), and said so above.
+    assert 0 < len(placed) < 7 * cluster.full.shape[0]
+
+
+def test_a_part_stopped_before_it_began_leaves_its_receiver_idle(pool, cluster):
+    assert pool.wait_started(2, 30)
+    receiver = pool.take()
+    job = Job("req", cluster.fingerprint, CHUNK, RetryPolicy(attempts=1), TIMEOUT, None, ByteBudget(1 << 20))
+    part = RemoteRankFetch(job, 0, cluster.endpoints[0], Span(0, None, None), None, receiver, pool)
+    part.cancel()  # the fetch failed before this part's thread ran
+    part.run()
+    assert job.ready.empty() and receiver.clean
+    part.close()
+    assert pool.wait_started(2, 5)
+    dest = torch.zeros_like(cluster.full)
+    t0 = time.monotonic()
+    with KVClient(receivers=pool) as kv:
+        _fetch(kv, cluster, placer(dest, []), max_chunk_bytes=CHUNK)
+    assert same_bits(dest, cluster.full) and time.monotonic() - t0 < 5.0
+
+
+def test_a_receiver_that_died_idle_is_passed_over_and_replaced(pool, cluster, remote):
+    assert pool.wait_started(2, 30)
+    dead = pool._idle[-1]
+    os.kill(dead.process.pid, signal.SIGKILL)
+    dead.process.wait(10)
+    dest = torch.zeros_like(cluster.full)
+    with KVClient(receivers=pool) as kv:
+        _fetch(kv, cluster, placer(dest, []), max_chunk_bytes=CHUNK)
+    assert same_bits(dest, cluster.full)
+    assert all(r._receiver is not dead for r in remote)
+    assert pool.wait_started(2, 90) and dead not in pool._idle
+
+
+def test_a_frozen_receiver_fails_its_fetch_soon_and_is_replaced(pool, cluster, remote, monkeypatch):
+    monkeypatch.setattr(receivers_module, "SILENT_S", 1.0)
+    assert pool.wait_started(2, 30)
+    frozen = []
+
+    def freeze_rank0(header, tensor):
+        if header.rank == 0 and not frozen:
+            frozen.append(next(r for r in remote if r.rank == 0)._receiver)
+            os.kill(frozen[0].process.pid, signal.SIGSTOP)
+
+    t0 = time.monotonic()
+    with KVClient(receivers=pool) as kv:
+        with pytest.raises(TransferError, match="rank 0: .*said nothing"):
+            _fetch(kv, cluster, freeze_rank0, max_chunk_bytes=CHUNK)
+    assert time.monotonic() - t0 < 8.0  # not the 20 s deadline
+    assert frozen[0].process.wait(10) == -signal.SIGKILL
+    assert pool.wait_started(2, 90)
+
+
+def test_bad_arguments_hand_the_receivers_back(pool, cluster):
+    assert pool.wait_started(2, 30)
+    with KVClient(receivers=pool) as kv:
+        with pytest.raises(TypeError):
+            kv.fetch(cluster.endpoints, "req", cluster.fingerprint, lambda h, t: None, timeout=TIMEOUT,
+                     pages={0: [0, 2], 1: 5})
+    assert pool.wait_started(2, 5)
+    for bad in (-1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="receivers"):
+            KVClient(receivers=bad)

@@ -111,14 +111,18 @@ class KVClient:
     the token (``transfer.security``); None: plaintext without a token.
     ``retry`` is the default policy of ``fetch``. ``receivers``: how many
     processes receive owner ranks' streams outside this process's GIL
-    (``transfer.receivers``; 0: every stream in a thread here), or a
-    ``ReceiverPool`` of the caller's, which it closes itself.
+    (``transfer.receivers``; 0: every stream in a thread here; closed with
+    the client), or a ``ReceiverPool`` that the caller made and closes (its
+    processes speak with the security they were made with).
     """
 
     def __init__(self, security: SecurityConfig | None = None, retry: RetryPolicy = NO_RETRY,
                  receivers: int | ReceiverPool = 0) -> None:
         self.security = SecurityConfig() if security is None else security
         self.retry = retry
+        if not isinstance(receivers, ReceiverPool) and (
+                isinstance(receivers, bool) or not isinstance(receivers, int) or receivers < 0):
+            raise ValueError(f"receivers must be an integer >= 0 or a ReceiverPool, got receivers={receivers!r}")
         self._own_receivers = not isinstance(receivers, ReceiverPool)
         if isinstance(receivers, ReceiverPool):
             self.receivers: ReceiverPool | None = receivers
@@ -237,16 +241,18 @@ class KVClient:
         budget = ByteBudget(max_inflight_bytes)
         job = Job(request_id, fingerprint, max_chunk_bytes, policy, timeout,
                   self._stream_opener(epoch), budget)
-        ranks = {
-            rank: self._rank_fetch(job, rank, endpoint, Span(layer_start, layer_end, _pages_of(pages, rank)), epoch)
-            for rank, endpoint in endpoints.items()
-        }
-        threads = [
-            threading.Thread(target=part.run, name=f"fetch-rank{rank}", daemon=True)
-            for rank, part in ranks.items()
-        ]
-        for thread in threads:
-            thread.start()
+        ranks: dict[int, RankFetch | RemoteRankFetch] = {}
+        threads: list[threading.Thread] = []
+        try:
+            for rank, endpoint in endpoints.items():
+                span = Span(layer_start, layer_end, _pages_of(pages, rank))
+                ranks[rank] = self._rank_fetch(job, rank, endpoint, span, epoch)
+            for rank, part in ranks.items():
+                threads.append(threading.Thread(target=part.run, name=f"fetch-rank{rank}", daemon=True))
+                threads[-1].start()
+        except BaseException:
+            self._end(job, budget, ranks, threads)
+            raise
         per_rank = {rank: RankStats(0, 0, 0.0) for rank in ranks}
         lock = threading.Lock()
 
@@ -276,12 +282,7 @@ class KVClient:
             job.stopping.set()
             budget.close()
             placers.close()
-            for part in ranks.values():
-                part.cancel()
-            for thread in threads:
-                thread.join(timeout=10.0)
-            for part in ranks.values():
-                part.close()
+            self._end(job, budget, ranks, threads)
         per_rank = {rank: s._replace(retries=ranks[rank].retries) for rank, s in per_rank.items()}
         return FetchStats(
             sum(s.bytes for s in per_rank.values()),
@@ -290,6 +291,19 @@ class KVClient:
             per_rank,
             sum(s.retries for s in per_rank.values()),
         )
+
+    @staticmethod
+    def _end(job: Job, budget: ByteBudget, ranks: Mapping[int, RankFetch | RemoteRankFetch],
+             threads: Sequence[threading.Thread]) -> None:
+        """Stop every rank's part, wait for its thread, hand back its receiver."""
+        job.stopping.set()
+        budget.close()
+        for part in ranks.values():
+            part.cancel()
+        for thread in threads:
+            thread.join(timeout=10.0)
+        for part in ranks.values():
+            part.close()
 
     def _rank_fetch(self, job: Job, rank: int, endpoint: str, span: Span,
                     epoch: str | None) -> RankFetch | RemoteRankFetch:

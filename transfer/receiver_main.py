@@ -11,10 +11,17 @@ client mapped it first), removes it, and says ``("ready",)``. Then, per fetch:
 - out: ``("chunk", header, slot)`` for each verified chunk, its payload in
   that slot, or ``("inline", header, payload)`` when it does not fit one;
 - in: ``("free", slot)`` once the client is done with a slot;
-- out: ``("end", retries)`` or ``("failed", error, retries)``;
+- out: ``("end", retries)`` or ``("failed", error, retries)``, and
+  ``("alive",)`` every half second meanwhile;
 - in at any time: ``("stop",)`` ends the fetch under way (it answers
-  ``("end", retries)``); ``("close",)``, or the client's end of the socket
-  closing, ends the process.
+  ``("stopped", retries)``); ``("close",)``, or the client's end of the
+  socket closing, ends the process (a fetch under way answers
+  ``("stopped", retries)`` first).
+
+The process ignores SIGINT and SIGTERM: a signal to the whole process
+group (Ctrl-C, a service stop) must not cut fetches the daemon is still
+draining; the daemon closes it, and it ends when the daemon's end of the
+socket closes.
 
 Streams, checks, XXH3 verification, retries and the stall watchdog are the
 same as in the client's own threads (``transfer.fetch.RankFetch``); this
@@ -39,6 +46,9 @@ from typing import Any, NamedTuple
 from transfer.errors import TransferError
 from transfer.fetch import ByteBudget, Item, Job, RankFetch, RetryPolicy
 from transfer.spans import Span
+
+ALIVE_EVERY_S = 0.5  # how often a fetch under way says so when it has nothing else to say
+RANK_JOIN_S = 5.0  # how long a stopped fetch waits for its rank's thread (the client waits 10 s)
 
 
 class RankJob(NamedTuple):
@@ -114,15 +124,21 @@ class _Receiver:
         thread.start()
         free, waiting = deque(range(self.slots)), deque()
         tick = min(0.25, spec.policy.stall_s / 4)
-        ended, failed = False, None
+        ended, failed, stopped = False, None, False
+        said = time.monotonic()
         try:
             while True:
                 try:
                     message = self.inbox.get(timeout=tick)
                 except queue.Empty:
-                    part.cut_if_stalled(time.monotonic())
+                    message = None
+                now = time.monotonic()
+                part.cut_if_stalled(now)
+                if now - said >= ALIVE_EVERY_S:
+                    self.conn.send(("alive",))
+                    said = now
+                if message is None:
                     continue
-                part.cut_if_stalled(time.monotonic())
                 if message[0] is tag:
                     item = message[1]
                     if item.error is not None:
@@ -135,12 +151,15 @@ class _Receiver:
                 elif message[0] == "free":
                     free.append(message[1])
                 elif message[0] == "stop":
+                    stopped = True
                     break
                 elif message[0] == "close":
                     self.inbox.put(message)  # for serve, once this fetch is stopped
+                    stopped = True
                     break
                 while waiting and (free or waiting[0].header.nbytes > self.slot_bytes):
                     self._send(waiting.popleft(), free, budget)
+                    said = time.monotonic()
                 if ended and not waiting:
                     break
         except Exception as err:  # noqa: BLE001 - a fault of ours ends the fetch, not the process
@@ -149,9 +168,12 @@ class _Receiver:
             job.stopping.set()
             budget.close()
             part.cancel()
-            thread.join(10.0)
+            thread.join(RANK_JOIN_S)
         # Said once the rank's thread is done: nothing of this fetch comes after it.
-        self.conn.send(("end", part.retries) if failed is None else ("failed", failed, part.retries))
+        if failed is not None:
+            self.conn.send(("failed", failed, part.retries))
+        else:
+            self.conn.send(("stopped" if stopped else "end", part.retries))
 
     def _send(self, item: Item, free: deque, budget: ByteBudget) -> None:
         header, payload = item.header, item.tensor
@@ -166,7 +188,8 @@ class _Receiver:
 
 def main(argv: list[str]) -> None:
     fd, path, slots, slot_bytes = int(argv[0]), argv[1], int(argv[2]), int(argv[3])
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the client ends it (a Ctrl-C reaches the whole group)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)  # the client ends it (see above)
     conn = Connection(socket.socket(fileno=fd).detach())
     with open(path, "r+b") as file:
         ring = mmap.mmap(file.fileno(), slots * slot_bytes)

@@ -50,6 +50,8 @@ SLOTS = 4
 # How long a receiver may take to start (import torch and grpc), and to answer a stop.
 START_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
+# A receiver running a fetch says something at least every half second; this long silent, it is dead to us.
+SILENT_S = 5.0
 _ERRORS = {cls.__name__: cls for cls in vars(errors_module).values()
            if isinstance(cls, type) and issubclass(cls, errors_module.TransferError)}
 
@@ -72,29 +74,37 @@ class Receiver:
         self.clean = False  # idle, and every message of its last fetch read
         directory = SHM_DIR if SHM_DIR.is_dir() else None
         fd, path = tempfile.mkstemp(prefix="lanekv-receiver-", dir=directory)
-        try:
-            os.ftruncate(fd, slots * slot_bytes)
-            self._ring = mmap.mmap(fd, slots * slot_bytes)
-        finally:
-            os.close(fd)
-        ours, theirs = socket.socketpair()
-        try:
-            # Finds lanekv's packages wherever this process was started from.
-            paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
-            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "transfer.receiver_main", str(theirs.fileno()), path, str(slots),
-                 str(slot_bytes)], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
-        except BaseException:
-            ours.close()
-            os.unlink(path)
-            raise
-        finally:
-            theirs.close()
-        self._conn = Connection(ours.detach())
-        self._send_lock = threading.Lock()
         self._path = path
-        self.send(security)
+        ours = None
+        try:
+            try:
+                os.ftruncate(fd, slots * slot_bytes)
+                self._ring = mmap.mmap(fd, slots * slot_bytes)
+            finally:
+                os.close(fd)
+            ours, theirs = socket.socketpair()
+            try:
+                # Finds lanekv's packages wherever this process was started from.
+                paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+                env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+                self.process = subprocess.Popen(
+                    [sys.executable, "-m", "transfer.receiver_main", str(theirs.fileno()), path, str(slots),
+                     str(slot_bytes)], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
+            finally:
+                theirs.close()
+            self._conn = Connection(ours.detach())
+            self._send_lock = threading.Lock()
+            self.send(security)
+        except BaseException:
+            if hasattr(self, "process"):
+                self.process.kill()
+                self.process.wait()
+            if hasattr(self, "_conn"):
+                self._conn.close()
+            elif ours is not None:
+                ours.close()
+            Path(path).unlink(missing_ok=True)
+            raise
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the process has mapped the slots (their file is then removed)."""
@@ -139,6 +149,10 @@ class Receiver:
             self.process.wait()
         self._conn.close()
         Path(self._path).unlink(missing_ok=True)
+        try:
+            self._ring.close()
+        except BufferError:
+            pass  # a payload view is still held somewhere; the mapping goes with it
 
 
 class ReceiverPool:
@@ -161,7 +175,7 @@ class ReceiverPool:
     def _starting(self) -> None:
         try:
             receiver = Receiver(self._security, self._slots, self._slot_bytes)
-        except OSError as err:
+        except (OSError, ValueError) as err:
             log.warning("receiver process: cannot start (%s); fetching in threads", err)
             return
         with self._lock:
@@ -188,11 +202,19 @@ class ReceiverPool:
         return False
 
     def take(self) -> Receiver | None:
-        with self._lock:
-            if not self._idle or self._closed:
-                return None
-            self.taken += 1
-            return self._idle.pop()
+        """An idle receiver whose process is alive (a dead one is replaced), or None."""
+        while True:
+            with self._lock:
+                if not self._idle or self._closed:
+                    return None
+                receiver = self._idle.pop()
+                if receiver.process.poll() is None:
+                    self.taken += 1
+                    return receiver
+            log.warning("receiver process %d ended while idle (exit status %s); starting another",
+                        receiver.process.pid, receiver.process.returncode)
+            receiver.clean = False
+            self.give_back(receiver)
 
     def give_back(self, receiver: Receiver) -> None:
         """Idle again if its last fetch ended cleanly, else replaced by a new process."""
@@ -226,7 +248,10 @@ class RemoteRankFetch:
 
     The same face as ``transfer.fetch.RankFetch`` to ``KVClient.fetch``: each
     chunk goes on ``job.ready`` (its payload a view of a slot, freed once
-    placed), then the end or the error.
+    placed), then the end or the error. A receiver that ends, stops
+    answering (no message for ``SILENT_S``; a busy one says it is alive
+    every half second) or is closed under the fetch fails the rank's part
+    with a ``TransferError``; it is not retried.
     """
 
     def __init__(self, job: Job, rank: int, endpoint: str, span: Span, epoch: str | None,
@@ -234,64 +259,87 @@ class RemoteRankFetch:
         self.job, self.rank, self.endpoint = job, rank, endpoint
         self.retries = 0
         self._span, self._epoch, self._receiver, self._pool = span, epoch, receiver, pool
-        self._stopped = threading.Event()
+        self._lock = threading.Lock()  # orders our stop after our fetch message
+        self._sent = self._stopped = False
 
     def run(self) -> None:
         job, receiver = self.job, self._receiver
-        receiver.clean = False
         try:
-            receiver.send(("fetch", RankJob(self.rank, self.endpoint, self._span, job.request_id, job.fingerprint,
-                                            job.max_chunk_bytes, job.policy, job.remaining(), self._epoch)))
+            with self._lock:
+                if self._stopped:
+                    return  # the fetch ended before this part began: the receiver never heard of it
+                receiver.clean = False
+                receiver.send(("fetch", RankJob(self.rank, self.endpoint, self._span, job.request_id,
+                                                job.fingerprint, job.max_chunk_bytes, job.policy, job.remaining(),
+                                                self._epoch)))
+                self._sent = True
             self._relay()
         except (EOFError, OSError) as err:
-            code = receiver.process.poll()
-            job.ready.put(Item(self.rank, None, None, errors_module.TransferError(
-                f"rank {self.rank}: the receiver process ended (exit status {code}): {err!r}")))
+            self._fail(f"the receiver process ended (exit status {receiver.process.poll()}): {err!r}")
+        except Exception as err:  # noqa: BLE001 - a fault of ours must end the fetch now, not at its deadline
+            self._fail(f"receiving failed: {err!r}")
+
+    def _fail(self, why: str) -> None:
+        self._receiver.clean = False  # replaced, not reused
+        self.job.ready.put(Item(self.rank, None, None, errors_module.TransferError(f"rank {self.rank}: {why}")))
 
     def _relay(self) -> None:
         job, receiver = self.job, self._receiver
+        heard = time.monotonic()
         stopped_at = None
         while True:
             message = receiver.recv(0.25)
+            now = time.monotonic()
             if message is None:
-                now = time.monotonic()
-                if self._stopped.is_set() or now > job.deadline + STOP_TIMEOUT_S:
+                if now - heard > SILENT_S:
+                    raise OSError(f"the receiver said nothing for {now - heard:.1f}s")
+                if self._stopped or now > job.deadline + STOP_TIMEOUT_S:
                     stopped_at = stopped_at or now
                     if now - stopped_at > STOP_TIMEOUT_S:
                         raise OSError("the receiver did not answer a stop")
                     self.cancel()
                 continue
+            heard = now
             kind = message[0]
             if kind in ("chunk", "inline"):
                 header = message[1]
+                done = _freer(receiver, message[2]) if kind == "chunk" else None
                 if job.stopping.is_set() or not job.budget.acquire(header.nbytes):
-                    continue  # the fetch is over: the receiver is told to stop
-                if kind == "chunk":
-                    payload, done = receiver.slot(message[2], header.nbytes), _freer(receiver, message[2])
-                else:
-                    payload, done = message[2], None
+                    if done is not None:
+                        done()  # the fetch is over; the receiver is told to stop
+                    continue
+                payload = receiver.slot(message[2], header.nbytes) if kind == "chunk" else message[2]
                 job.ready.put(Item(self.rank, header, payload_to_tensor(header, payload), None, done))
+                continue
+            if kind == "alive":
                 continue
             receiver.clean = True
             if kind == "end":
                 self.retries = message[1]
                 job.ready.put(Item(self.rank, None, None, None))
-            else:
+            elif kind == "failed":
                 self.retries = message[2]
                 job.ready.put(Item(self.rank, None, None, rebuild(message[1])))
+            elif not job.stopping.is_set():  # "stopped", and not by this fetch: closed under it
+                job.ready.put(Item(self.rank, None, None, errors_module.TransferError(
+                    f"rank {self.rank}: the receiver was stopped before the rank's part ended")))
             return
 
     def cancel(self) -> None:
         """Ask the receiver to end its stream (the fetch is over)."""
-        if not self._stopped.is_set():
-            self._stopped.set()
-            try:
-                self._receiver.send(("stop",))
-            except OSError:
-                pass
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if not self._sent:
+                return
+        try:
+            self._receiver.send(("stop",))
+        except OSError:
+            pass
 
     def cut_if_stalled(self, now: float) -> None:
-        """The receiver watches its own streams."""
+        """The receiver watches its own streams; ``run`` watches the receiver."""
 
     def close(self) -> None:
         """Hand the receiver back (the fetch has placed or dropped all its chunks)."""
