@@ -529,3 +529,38 @@ def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):
     waiter.join(10)
     assert len(copied) == 1
     assert torch.equal(dst, pool[:, :, rows_of([0, 1, 2])])
+
+
+def test_releasing_one_request_of_a_prefill_batch_leaves_the_others_streaming(rank):
+    source, pool, endpoint, agreement, kv = rank
+    progress = LayerProgress(LAYERS)  # one prefill batch writes both requests
+    source.add("a", [(0, 0), (1, 1)], progress)
+    source.add("b", [(0, 2), (1, 3)], progress)
+    dest = torch.zeros(LAYERS, 2, 2 * PAGE, 2, 8, dtype=torch.float16)
+    outcome: dict[str, object] = {}
+
+    def fetch(rid, place):
+        try:
+            outcome[rid] = kv.fetch({0: endpoint}, rid, agreement.fingerprint, place, timeout=30)
+        except Exception as err:  # noqa: BLE001 - checked below
+            outcome[rid] = err
+
+    def place_b(header, tensor):
+        dest[header.layer_start:header.layer_end].index_copy_(2, rows_of(header.pages), tensor)
+
+    threads = [threading.Thread(target=fetch, args=("a", lambda h, t: None)),
+               threading.Thread(target=fetch, args=("b", place_b))]
+    for thread in threads:
+        thread.start()
+    _fill(pool, [0, 1, 2, 3], 0)
+    progress.layer_written(0)
+    time.sleep(0.2)
+    source.release("a")  # its client went away mid-prefill
+    threads[0].join(5)
+    assert isinstance(outcome.get("a"), RemoteError), outcome  # a's stream ends at once
+    for layer in range(1, LAYERS):
+        _fill(pool, [0, 1, 2, 3], layer)
+        progress.layer_written(layer)
+    threads[1].join(30)
+    assert not isinstance(outcome.get("b"), Exception), outcome["b"]
+    assert torch.equal(dest, pool[:, :, rows_of([2, 3])])

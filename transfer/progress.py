@@ -63,6 +63,12 @@ class LayerProgress:
                 self._error = why
             self._cond.notify_all()
 
+    def wake(self) -> None:
+        """Wake every waiter to ask its ``alive`` again (one of the requests this prefill
+        writes was released: the others it writes go on)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def wait(self, layer_end: int, timeout_s: float,
              alive: Callable[[], bool] = lambda: True) -> tuple[int, Any]:
         """Block until layers ``< layer_end`` are queued; how many layers are queued by

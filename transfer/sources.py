@@ -269,7 +269,9 @@ class TensorPageSource:
             pages = self._lookup(request_id)
             del self._requests[request_id]
             self._written.pop(request_id, None)
-            self._progress.pop(request_id).fail("released")
+            # One progress serves every request of a prefill batch: releasing this one must
+            # not fail the others, so its waiters are only woken (their alive() now says no).
+            self._progress.pop(request_id).wake()
             self._released[request_id] = None
             while len(self._released) > self.RELEASED_MEMORY:
                 self._released.popitem(last=False)
