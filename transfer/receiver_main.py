@@ -194,7 +194,10 @@ def main(argv: list[str]) -> None:
     with open(path, "r+b") as file:
         ring = mmap.mmap(file.fileno(), slots * slot_bytes)
     os.unlink(path)  # both processes map it now; nothing is left behind if either dies
-    _Receiver(conn, ring, slots, slot_bytes).serve()
+    try:
+        _Receiver(conn, ring, slots, slot_bytes).serve()
+    except (EOFError, OSError):
+        pass  # the client is gone: nobody is left to tell
 
 
 if __name__ == "__main__":
