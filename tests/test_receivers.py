@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-import transfer.receivers as receivers_module
+import transfer.remotefetch as remotefetch_module
 from tests.reliability.kv_cluster import (
     PAGE_LAYER_BYTES,
     make_agreement,
@@ -31,7 +31,8 @@ from tests.reliability.proxy import FaultProxy
 from transfer import client as client_module
 from transfer.client import ChecksumError, KVClient, RemoteError, RetryPolicy, TransferError
 from transfer.fetch import ByteBudget, Job
-from transfer.receivers import ReceiverPool, RemoteRankFetch
+from transfer.receivers import ReceiverPool
+from transfer.remotefetch import RemoteRankFetch
 from transfer.security import SecurityConfig
 from transfer.server import KVTransferService
 from transfer.spans import Span
@@ -250,7 +251,7 @@ def test_a_receiver_that_died_idle_is_passed_over_and_replaced(pool, cluster, re
 
 
 def test_a_frozen_receiver_fails_its_fetch_soon_and_is_replaced(pool, cluster, remote, monkeypatch):
-    monkeypatch.setattr(receivers_module, "SILENT_S", 1.0)
+    monkeypatch.setattr(remotefetch_module, "SILENT_S", 1.0)
     assert pool.wait_started(2, 30)
     frozen = []
 

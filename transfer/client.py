@@ -39,7 +39,8 @@ from transfer.errors import (
 )
 from transfer.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
 from transfer.placers import MAX_PLACERS, Placers
-from transfer.receivers import ReceiverPool, RemoteRankFetch
+from transfer.receivers import ReceiverPool
+from transfer.remotefetch import RemoteRankFetch
 from transfer.security import SecurityConfig, open_channel
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.spans import Span

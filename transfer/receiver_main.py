@@ -76,7 +76,7 @@ class _Tagged:
 
 
 def error_state(err: TransferError) -> tuple[str, str, dict[str, Any]]:
-    """What rebuilds ``err`` in the client (``transfer.receivers.rebuild``): exceptions whose
+    """What rebuilds ``err`` in the client (``transfer.remotefetch.rebuild``): exceptions whose
     constructors take more than a message do not pickle back."""
     return type(err).__name__, str(err), dict(vars(err))
 

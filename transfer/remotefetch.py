@@ -1,0 +1,146 @@
+"""One owner rank's part of a fetch, run by a receiver process (``transfer.receivers``).
+
+``RemoteRankFetch`` has the face of ``transfer.fetch.RankFetch`` that
+``KVClient.fetch`` sees (``run`` in a thread, ``cancel``, ``close``): it
+asks its receiver for the rank's part, relays each chunk onto the fetch's
+queue with its payload a view of a slot (freed once placed), and rebuilds
+the receiver's errors as their own classes.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import transfer.errors as errors_module
+from transfer.fetch import Item, Job
+from transfer.receiver_main import RankJob
+from transfer.receivers import Receiver, ReceiverPool
+from transfer.spans import Span
+from transfer.wire import payload_to_tensor
+
+# How long a stopped receiver may take to answer.
+STOP_TIMEOUT_S = 10.0
+# A receiver running a fetch says something at least every half second; this long silent, it is dead to us.
+SILENT_S = 5.0
+_ERRORS = {cls.__name__: cls for cls in vars(errors_module).values()
+           if isinstance(cls, type) and issubclass(cls, errors_module.TransferError)}
+
+
+def rebuild(state: tuple[str, str, dict[str, Any]]) -> errors_module.TransferError:
+    """The error a receiver sent (``receiver_main.error_state``), as its own class."""
+    name, message, fields = state
+    cls = _ERRORS.get(name, errors_module.TransferError)
+    err = cls.__new__(cls)
+    Exception.__init__(err, message)
+    vars(err).update(fields)
+    return err
+
+
+class RemoteRankFetch:
+    """One owner rank's part of a fetch, run by a receiver process (``run`` relays it here).
+
+    The same face as ``transfer.fetch.RankFetch`` to ``KVClient.fetch``: each
+    chunk goes on ``job.ready`` (its payload a view of a slot, freed once
+    placed), then the end or the error. A receiver that ends, stops
+    answering (no message for ``SILENT_S``; a busy one says it is alive
+    every half second) or is closed under the fetch fails the rank's part
+    with a ``TransferError``; it is not retried.
+    """
+
+    def __init__(self, job: Job, rank: int, endpoint: str, span: Span, epoch: str | None,
+                 receiver: Receiver, pool: ReceiverPool) -> None:
+        self.job, self.rank, self.endpoint = job, rank, endpoint
+        self.retries = 0
+        self._span, self._epoch, self._receiver, self._pool = span, epoch, receiver, pool
+        self._lock = threading.Lock()  # orders our stop after our fetch message
+        self._sent = self._stopped = False
+
+    def run(self) -> None:
+        job, receiver = self.job, self._receiver
+        try:
+            with self._lock:
+                if self._stopped:
+                    return  # the fetch ended before this part began: the receiver never heard of it
+                receiver.clean = False
+                receiver.send(("fetch", RankJob(self.rank, self.endpoint, self._span, job.request_id,
+                                                job.fingerprint, job.max_chunk_bytes, job.policy, job.remaining(),
+                                                self._epoch)))
+                self._sent = True
+            self._relay()
+        except (EOFError, OSError) as err:
+            self._fail(f"the receiver process ended (exit status {receiver.process.poll()}): {err!r}")
+        except Exception as err:  # noqa: BLE001 - a fault of ours must end the fetch now, not at its deadline
+            self._fail(f"receiving failed: {err!r}")
+
+    def _fail(self, why: str) -> None:
+        self._receiver.clean = False  # replaced, not reused
+        self.job.ready.put(Item(self.rank, None, None, errors_module.TransferError(f"rank {self.rank}: {why}")))
+
+    def _relay(self) -> None:
+        job, receiver = self.job, self._receiver
+        heard = time.monotonic()
+        stopped_at = None
+        while True:
+            message = receiver.recv(0.25)
+            now = time.monotonic()
+            if message is None:
+                if now - heard > SILENT_S:
+                    raise OSError(f"the receiver said nothing for {now - heard:.1f}s")
+                if self._stopped or now > job.deadline + STOP_TIMEOUT_S:
+                    stopped_at = stopped_at or now
+                    if now - stopped_at > STOP_TIMEOUT_S:
+                        raise OSError("the receiver did not answer a stop")
+                    self.cancel()
+                continue
+            heard = now
+            kind = message[0]
+            if kind in ("chunk", "inline"):
+                header = message[1]
+                done = _freer(receiver, message[2]) if kind == "chunk" else None
+                if job.stopping.is_set() or not job.budget.acquire(header.nbytes):
+                    if done is not None:
+                        done()  # the fetch is over; the receiver is told to stop
+                    continue
+                payload = receiver.slot(message[2], header.nbytes) if kind == "chunk" else message[2]
+                job.ready.put(Item(self.rank, header, payload_to_tensor(header, payload), None, done))
+                continue
+            if kind == "alive":
+                continue
+            receiver.clean = True
+            if kind == "end":
+                self.retries = message[1]
+                job.ready.put(Item(self.rank, None, None, None))
+            elif kind == "failed":
+                self.retries = message[2]
+                job.ready.put(Item(self.rank, None, None, rebuild(message[1])))
+            elif not job.stopping.is_set():  # "stopped", and not by this fetch: closed under it
+                job.ready.put(Item(self.rank, None, None, errors_module.TransferError(
+                    f"rank {self.rank}: the receiver was stopped before the rank's part ended")))
+            return
+
+    def cancel(self) -> None:
+        """Ask the receiver to end its stream (the fetch is over)."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            if not self._sent:
+                return
+        try:
+            self._receiver.send(("stop",))
+        except OSError:
+            pass
+
+    def cut_if_stalled(self, now: float) -> None:
+        """The receiver watches its own streams; ``run`` watches the receiver."""
+
+    def close(self) -> None:
+        """Hand the receiver back (the fetch has placed or dropped all its chunks)."""
+        self._pool.give_back(self._receiver)
+
+
+def _freer(receiver: Receiver, slot: int) -> Callable[[], None]:
+    return lambda: receiver.free(slot)
