@@ -131,11 +131,13 @@ class _Retry(Exception):
 class RankFetch:
     """One owner rank's part of a fetch (``run`` in its own thread)."""
 
-    def __init__(self, job: Job, rank: int, endpoint: str, span: Span) -> None:
+    def __init__(self, job: Job, rank: int, endpoint: str, span: Span, received: Cells | None = None) -> None:
+        """``received``: cells of ``span`` already handed to the placer (by a receiver
+        process that failed); only the others are asked for."""
         self.job, self.rank, self.endpoint = job, rank, endpoint
-        self.cells = Cells()  # verified and handed to the placer
+        self.cells = Cells() if received is None else received  # verified and handed to the placer
         self.retries = 0
-        self._pending = [span]
+        self._pending = [span] if received is None else leftovers(span, received)
         self._lock = threading.Lock()  # guards the call under way, for the watchdog
         self._call: Any = None
         self._waiting_since: float | None = None

@@ -9,18 +9,20 @@ the receiver's errors as their own classes.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import transfer.errors as errors_module
-from transfer.fetch import Item, Job
+from transfer.fetch import Item, Job, RankFetch
 from transfer.receiver_main import RankJob
 from transfer.receivers import Receiver, ReceiverPool
-from transfer.spans import Span
+from transfer.spans import Cells, Span
 from transfer.wire import payload_to_tensor
 
+log = logging.getLogger("lanekv.transfer")
 # How long a stopped receiver may take to answer.
 STOP_TIMEOUT_S = 10.0
 # A receiver running a fetch says something at least every half second; this long silent, it is dead to us.
@@ -44,10 +46,12 @@ class RemoteRankFetch:
 
     The same face as ``transfer.fetch.RankFetch`` to ``KVClient.fetch``: each
     chunk goes on ``job.ready`` (its payload a view of a slot, freed once
-    placed), then the end or the error. A receiver that ends, stops
+    placed), then the end or the error. A receiver that ends or stops
     answering (no message for ``SILENT_S``; a busy one says it is alive
-    every half second) or is closed under the fetch fails the rank's part
-    with a ``TransferError``; it is not retried.
+    every half second) is killed, and the rest of the rank's part goes on in
+    this thread as a ``RankFetch`` asking for the cells not yet relayed (a
+    retry in the rank's stats). A receiver closed under the fetch (the
+    client is closing) fails the rank's part with a ``TransferError``.
     """
 
     def __init__(self, job: Job, rank: int, endpoint: str, span: Span, epoch: str | None,
@@ -57,6 +61,8 @@ class RemoteRankFetch:
         self._span, self._epoch, self._receiver, self._pool = span, epoch, receiver, pool
         self._lock = threading.Lock()  # orders our stop after our fetch message
         self._sent = self._stopped = False
+        self._cells = Cells()  # relayed to the placer
+        self._local: RankFetch | None = None  # the rest of the part, after the receiver failed
 
     def run(self) -> None:
         job, receiver = self.job, self._receiver
@@ -71,13 +77,26 @@ class RemoteRankFetch:
                 self._sent = True
             self._relay()
         except (EOFError, OSError) as err:
-            self._fail(f"the receiver process ended (exit status {receiver.process.poll()}): {err!r}")
+            self._go_local(f"the receiver process ended (exit status {receiver.process.poll()}): {err!r}")
         except Exception as err:  # noqa: BLE001 - a fault of ours must end the fetch now, not at its deadline
-            self._fail(f"receiving failed: {err!r}")
+            self._go_local(f"receiving failed: {err!r}")
 
-    def _fail(self, why: str) -> None:
-        self._receiver.clean = False  # replaced, not reused
-        self.job.ready.put(Item(self.rank, None, None, errors_module.TransferError(f"rank {self.rank}: {why}")))
+    def _go_local(self, why: str) -> None:
+        """Go on here with what the failed receiver had not relayed (the fetch still runs)."""
+        receiver = self._receiver
+        receiver.clean = False  # replaced, not reused
+        if receiver.process.poll() is None:
+            receiver.process.kill()  # a frozen one must not wake up and go on
+        with self._lock:
+            if self._stopped or self.job.stopping.is_set():
+                return  # the fetch is over: nobody waits for this part
+            log.warning("rank %d: %s; receiving the rest in a thread", self.rank, why,
+                        extra={"request_id": self.job.request_id})
+            self._local = RankFetch(self.job, self.rank, self.endpoint, self._span, received=self._cells)
+        try:
+            self._local.run()
+        finally:
+            self.retries += self._local.retries + 1
 
     def _relay(self) -> None:
         job, receiver = self.job, self._receiver
@@ -106,6 +125,7 @@ class RemoteRankFetch:
                     continue
                 payload = receiver.slot(message[2], header.nbytes) if kind == "chunk" else message[2]
                 job.ready.put(Item(self.rank, header, payload_to_tensor(header, payload), None, done))
+                self._cells.add(header)
                 continue
             if kind == "alive":
                 continue
@@ -127,8 +147,11 @@ class RemoteRankFetch:
             if self._stopped:
                 return
             self._stopped = True
+            local = self._local
             if not self._sent:
                 return
+        if local is not None:
+            local.cancel()
         try:
             self._receiver.send(("stop",))
         except OSError:
@@ -136,6 +159,9 @@ class RemoteRankFetch:
 
     def cut_if_stalled(self, now: float) -> None:
         """The receiver watches its own streams; ``run`` watches the receiver."""
+        local = self._local
+        if local is not None:
+            local.cut_if_stalled(now)
 
     def close(self) -> None:
         """Hand the receiver back (the fetch has placed or dropped all its chunks)."""
