@@ -59,15 +59,12 @@ class RankPageSource(TensorPageSource):
             self._stream.synchronize()
             return host
 
-    def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
-               *, request_id: str | None = None) -> int:
+    def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+                     after: Any = None) -> int:
         if self._stream is None:
-            return super().digest(physical_pages, layer_start, layer_end, after, request_id=request_id)
-        known = self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
-        if known is not None:
-            return known
+            return super().fresh_digest(physical_pages, layer_start, layer_end, after)
         with self._on_stream(after):
-            return self.fresh_digest(physical_pages, layer_start, layer_end)
+            return super().fresh_digest(physical_pages, layer_start, layer_end)
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

@@ -121,12 +121,11 @@ class KVClient:
                  receivers: int | ReceiverPool = 0) -> None:
         self.security = SecurityConfig() if security is None else security
         self.retry = retry
-        if not isinstance(receivers, ReceiverPool) and (
-                isinstance(receivers, bool) or not isinstance(receivers, int) or receivers < 0):
-            raise ValueError(f"receivers must be an integer >= 0 or a ReceiverPool, got receivers={receivers!r}")
         self._own_receivers = not isinstance(receivers, ReceiverPool)
-        if isinstance(receivers, ReceiverPool):
+        if not self._own_receivers:
             self.receivers: ReceiverPool | None = receivers
+        elif isinstance(receivers, bool) or not isinstance(receivers, int) or receivers < 0:
+            raise ValueError(f"receivers must be an integer >= 0 or a ReceiverPool, got receivers={receivers!r}")
         else:
             self.receivers = ReceiverPool(receivers, self.security) if receivers else None
         self._channels: dict[str, grpc.Channel] = {}
@@ -252,7 +251,7 @@ class KVClient:
                 threads.append(threading.Thread(target=part.run, name=f"fetch-rank{rank}", daemon=True))
                 threads[-1].start()
         except BaseException:
-            self._end(job, budget, ranks, threads)
+            _end(job, budget, None, ranks, threads)
             raise
         per_rank = {rank: RankStats(0, 0, 0.0) for rank in ranks}
         lock = threading.Lock()
@@ -280,10 +279,7 @@ class KVClient:
                 placers.submit(item)
             placers.drain()
         finally:
-            job.stopping.set()
-            budget.close()
-            placers.close()
-            self._end(job, budget, ranks, threads)
+            _end(job, budget, placers, ranks, threads)
         per_rank = {rank: s._replace(retries=ranks[rank].retries) for rank, s in per_rank.items()}
         return FetchStats(
             sum(s.bytes for s in per_rank.values()),
@@ -292,19 +288,6 @@ class KVClient:
             per_rank,
             sum(s.retries for s in per_rank.values()),
         )
-
-    @staticmethod
-    def _end(job: Job, budget: ByteBudget, ranks: Mapping[int, RankFetch | RemoteRankFetch],
-             threads: Sequence[threading.Thread]) -> None:
-        """Stop every rank's part, wait for its thread, hand back its receiver."""
-        job.stopping.set()
-        budget.close()
-        for part in ranks.values():
-            part.cancel()
-        for thread in threads:
-            thread.join(timeout=10.0)
-        for part in ranks.values():
-            part.close()
 
     def _rank_fetch(self, job: Job, rank: int, endpoint: str, span: Span,
                     epoch: str | None) -> RankFetch | RemoteRankFetch:
@@ -356,6 +339,22 @@ def _pages_of(pages: Mapping[int, Sequence[int]] | None, rank: int) -> tuple[int
     """The pages asked of ``rank``; None (every page it holds) when not named."""
     named = tuple(pages.get(rank, ())) if pages else ()
     return named or None
+
+
+def _end(job: Job, budget: ByteBudget, placers: Placers | None, ranks: Mapping[int, RankFetch | RemoteRankFetch],
+         threads: Sequence[threading.Thread]) -> None:
+    """End a fetch: no more placing (the placements under way finish), every rank's part
+    stopped and its thread joined, then its receiver handed back (its slots unread now)."""
+    job.stopping.set()
+    budget.close()
+    if placers is not None:
+        placers.close()
+    for part in ranks.values():
+        part.cancel()
+    for thread in threads:
+        thread.join(timeout=10.0)
+    for part in ranks.values():
+        part.close()
 
 
 def _next_item(job: Job, ranks: Mapping[int, RankFetch], pending: set[int], timeout: float) -> Item:

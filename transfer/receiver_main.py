@@ -5,7 +5,7 @@ with ``FD`` one end of a socket pair. The first message on it is the
 client's ``SecurityConfig``; the process then maps the slots' file (the
 client mapped it first), removes it, and says ``("ready",)``. Then, per fetch:
 
-- in: ``("fetch", RankJob)``; every slot is free at the start of a fetch
+- in: ``("fetch", RankJob)`` (``transfer.receivers.RankJob``); every slot is free at the start of a fetch
   (the client hands a receiver a new fetch only after it placed, or dropped,
   every chunk of the last);
 - out: ``("chunk", header, slot)`` for each verified chunk, its payload in
@@ -41,28 +41,15 @@ import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, NamedTuple
+from typing import Any
 
+from transfer.client import KVClient
 from transfer.errors import TransferError
-from transfer.fetch import ByteBudget, Item, Job, RankFetch, RetryPolicy
-from transfer.spans import Span
+from transfer.fetch import ByteBudget, Item, Job, RankFetch
+from transfer.receivers import RankJob
 
 ALIVE_EVERY_S = 0.5  # how often a fetch under way says so when it has nothing else to say
 RANK_JOIN_S = 5.0  # how long a stopped fetch waits for its rank's thread (the client waits 10 s)
-
-
-class RankJob(NamedTuple):
-    """One owner rank's part of a fetch, as a receiver process is asked for it."""
-
-    rank: int
-    endpoint: str
-    span: Span
-    request_id: str
-    fingerprint: str
-    max_chunk_bytes: int
-    policy: RetryPolicy
-    timeout_s: float
-    epoch: str | None
 
 
 class _Tagged:
@@ -83,16 +70,13 @@ def error_state(err: TransferError) -> tuple[str, str, dict[str, Any]]:
 
 class _Receiver:
     def __init__(self, conn: Connection, ring: mmap.mmap, slots: int, slot_bytes: int) -> None:
-        from transfer.client import KVClient  # imported here: the module is also read by the client
-
         self.conn, self.slots, self.slot_bytes = conn, slots, slot_bytes
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(ring))
         self.client: KVClient | None = None
         self.inbox: queue.Queue = queue.Queue()  # the client's messages, and the rank's items
-        self.KVClient = KVClient
 
     def serve(self) -> None:
-        self.client = self.KVClient(self.conn.recv())
+        self.client = KVClient(self.conn.recv())
         self.conn.send(("ready",))
         threading.Thread(target=self._pump, name="receiver-pump", daemon=True).start()
         try:

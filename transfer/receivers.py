@@ -34,17 +34,33 @@ import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import transfer.errors as errors_module
 from transfer.fastpath import SHM_DIR
+from transfer.fetch import RetryPolicy
 from transfer.security import SecurityConfig
+from transfer.spans import Span
 from transfer.status import DEFAULT_CHUNK_BYTES
 
 log = logging.getLogger("lanekv.transfer")
 SLOTS = 4
 # How long a receiver may take to start (import torch and grpc).
 START_TIMEOUT_S = 120.0
+class RankJob(NamedTuple):
+    """One owner rank's part of a fetch, as a receiver process is asked for it."""
+
+    rank: int
+    endpoint: str
+    span: Span
+    request_id: str
+    fingerprint: str
+    max_chunk_bytes: int
+    policy: RetryPolicy
+    timeout_s: float
+    epoch: str | None
+
+
 class Receiver:
     """One receiver process, its socket and its slots."""
 

@@ -17,8 +17,7 @@ from typing import Any
 
 import transfer.errors as errors_module
 from transfer.fetch import Item, Job, RankFetch
-from transfer.receiver_main import RankJob
-from transfer.receivers import Receiver, ReceiverPool
+from transfer.receivers import RankJob, Receiver, ReceiverPool
 from transfer.spans import Cells, Span
 from transfer.wire import payload_to_tensor
 

@@ -230,10 +230,12 @@ class TensorPageSource:
         layers: ``page_digest(..., first_layer=0)``); from ``digest_written`` when
         that took the request's pages in this order and these layers."""
         known = self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
-        return self.fresh_digest(physical_pages, layer_start, layer_end) if known is None else known
+        return self.fresh_digest(physical_pages, layer_start, layer_end, after) if known is None else known
 
-    def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int) -> int:
-        """``digest`` taken now from the pool (on the current stream)."""
+    def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
+                     after: Any = None) -> int:
+        """``digest`` taken now from the pool (on the current stream; ``after``, the layers'
+        event, matters to sources that read on a stream of their own)."""
         pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
         return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end,
                                   first_layer=0))
