@@ -5,10 +5,14 @@
 One prefill daemon (cp=2) and two decode daemons (auto, grpc), one request
 prefilled; then, each the best of ``--repeat``:
 
-- fast: the whole fast path of both ranks at once (``FastPath.fetch``), of
+- fast: the whole fast path of both ranks at once (``FastPath.fetch``, the
+  copies starting before the ranks' announcements, as the decode daemon
+  does once the prefill has answered; "announced": waiting for them), of
   each rank alone, with copies in groups of 8 (the default), 32 and 8 layers
   again, with the CUDA runtime called letting the GIL go, and with the copies
-  on the destination's stream ("pull") instead of the source's; the phases
+  on the destination's stream ("pull") instead of the source's, with the
+  descriptors on the channel of the bulk path, with the ranks calling in any
+  order, and with the last group of layers whole; the phases
   of each (first announcement, copies queued, seal, copies done), the wall
   time of each step of one rank's fetch alone, and a cProfile of it;
 - rpc all / rpc 1 layer: FetchKV with descriptors only (no copy): the round
@@ -167,11 +171,15 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     shared = {r: fast.fastpath.pool(endpoints[r], epoch, 30.0) for r in owners}
     out: dict = dict(tokens=args.tokens, bytes=nbytes, transports=[fast.fastpath.transport(endpoints[r]) for r in owners])
     phases: dict = {}
+    physical_of = fast.prefill_contract.topology.physical_of
+    early = [True]  # the prefill answered: copies start before the rank's announcement
 
     def fetch_rank(rank, order=None) -> None:
+        expect = [physical_of(p) for p in pages[rank]] if early[0] else None
         phases[rank] = fast.fastpath.fetch(
             endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
-            dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600, order=order)._asdict()
+            dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600, order=order,
+            expect=expect)._asdict()
 
     def fast_once(ranks=tuple(owners), order_by=None) -> None:
         order = None
@@ -182,6 +190,10 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
     out["fast_s"] = timed(fast_once, args.repeat)
     out["fast_phases"] = dict(phases)
+    early[0] = False
+    out["fast_announced_s"] = timed(fast_once, args.repeat)
+    out["fast_announced_phases"] = dict(phases)
+    early[0] = True
     for order_by in ("none", "away", "local"):
         out[f"fast_order_{order_by}_s"] = timed(lambda o=order_by: fast_once(order_by=o), args.repeat)
         out[f"fast_order_{order_by}_phases"] = dict(phases)
@@ -194,6 +206,19 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         fastpath_client_module.COPY_GROUP_LAYERS = layers
         out[f"fast_group{layers}_s"] = timed(fast_once, args.repeat)
     fastpath_client_module.COPY_GROUP_LAYERS = group
+    fastpath_client_module.DIRECT_DESCRIPTORS = False
+    out["fast_bulk_channel_s"] = timed(fast_once, args.repeat)
+    out["fast_bulk_channel_phases"] = dict(phases)
+    fastpath_client_module.DIRECT_DESCRIPTORS = True
+    may_call = CopyOrder.may_call
+    CopyOrder.may_call = lambda self, rank, timeout: None
+    out["fast_any_call_order_s"] = timed(fast_once, args.repeat)
+    out["fast_any_call_order_phases"] = dict(phases)
+    CopyOrder.may_call = may_call
+    last_min = fastpath_client_module.LAST_GROUP_MIN_LAYERS
+    fastpath_client_module.LAST_GROUP_MIN_LAYERS = 1 << 10
+    out["fast_last_group_whole_s"] = timed(fast_once, args.repeat)
+    fastpath_client_module.LAST_GROUP_MIN_LAYERS = last_min
     devcopy._Runtime._loaded = False  # the CUDA runtime bound again, letting the GIL go
     devcopy.KEEP_GIL = False
     out["fast_gil_released_s"] = timed(fast_once, args.repeat)
@@ -217,12 +242,12 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
             torch.cuda.synchronize()
         prof.export_chrome_trace(str(args.profile_dir / "fast_trace.json"))
 
-    def rpc(layer_end: int, ranks=owners) -> None:
+    def rpc(layer_end: int, ranks=owners, direct: bool = True) -> None:
         def one(rank):
             request = lanekv_pb2.FetchRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint,
                                               layer_start=0, layer_end=layer_end, pages=pages[rank],
                                               descriptors=True)
-            stream = fast.kv.channel(endpoints[rank]).unary_stream(
+            stream = fast.kv.channel(endpoints[rank], direct=direct).unary_stream(
                 FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
                 response_deserializer=lanekv_pb2.KVChunk.FromString)
             for _ in stream(request, timeout=60, metadata=metadata):
@@ -232,6 +257,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out["rpc_all_layers_s"] = timed(lambda: rpc(pool.shape[0]), args.repeat)
     out["rpc_one_layer_s"] = timed(lambda: rpc(1), args.repeat)
     out["rpc_one_layer_one_rank_s"] = timed(lambda: rpc(1, owners[:1]), args.repeat)
+    out["rpc_one_layer_one_rank_bulk_channel_s"] = timed(lambda: rpc(1, owners[:1], direct=False), args.repeat)
     physical = {r: [p for _, p in prefill_pages(fast, endpoints[r], reply, r, pages[r], epoch)] for r in owners}
 
     def copies() -> None:

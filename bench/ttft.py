@@ -20,7 +20,10 @@ length, median of ``--repeat`` after one warm-up:
   did not overlap it (layer-wise streaming).
 
 Then the transfer alone, of one request already prefilled, at each of ``--transfer-tokens``:
-the fast path and FetchKV (placing into a pool on GPU 0), each beside its
+the fast path (as the decode daemon runs it once the prefill has answered:
+each rank's copies start from where the owner-lane rule puts its pages,
+before its announcement; and, "announced", waiting for it) and FetchKV
+(placing into a pool on GPU 0), each beside its
 ceiling measured in the same run: raw gRPC streams of the same bytes from
 as many server processes as owner ranks (``bench/transfer.py``'s), received
 in threads of one process ("raw, 1 proc") and each in a process of its own
@@ -135,7 +138,11 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     nbytes = dst.numel() * dst.element_size()
     sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
 
-    def fast_once() -> float:
+    physical_of = fast.prefill_contract.topology.physical_of
+
+    def fast_once(early: bool = True) -> float:
+        """Both ranks' fast path; ``early``: copies start before the ranks' announcements,
+        as the decode daemon does once the prefill has answered."""
         shared = {r: fast.fastpath.pool(endpoints[r], epoch, 30.0) for r in owners}
         if any(v is None for v in shared.values()):
             raise RuntimeError(f"the fast path does not reach every rank: {shared}")
@@ -147,7 +154,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
                 phases[rank] = fast.fastpath.fetch(
                     endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
                     dst, lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600,
-                    order=order)._asdict()
+                    order=order, expect=[physical_of(p) for p in pages[rank]] if early else None)._asdict()
             except Exception as err:  # noqa: BLE001 - raised below
                 errors.append(err)
 
@@ -176,6 +183,10 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     phases: dict[int, dict] = {}
     with futures.ThreadPoolExecutor(max_workers=len(owners)) as workers:
         fast_s = min(fast_once() for _ in range(repeat + 1))
+        fast_phases = dict(phases)
+        announced_s = min(fast_once(early=False) for _ in range(repeat + 1))
+        phases.clear()
+        phases.update(fast_phases)
     receivers = grpc_decode.kv.receivers
     if receivers is not None and not receivers.wait_started(len(owners), 120):
         raise RuntimeError("the decode daemon's receiver processes did not start")
@@ -194,6 +205,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     ceiling_s = copy_ceiling(dst, len(owners), repeat)
     gb = nbytes / 1e9
     return dict(tokens=tokens, bytes=nbytes, fast_gbps=gb / fast_s, grpc_gbps=gb / grpc_s,
+                fast_announced_gbps=gb / announced_s, fast_announced_over_ceiling=ceiling_s / announced_s,
                 grpc_dropped_gbps=gb / dropped_s, fast_phases_last=phases,
                 raw_grpc_gbps=gb / raw["seconds"], copy_ceiling_gbps=gb / ceiling_s,
                 fast_over_ceiling=ceiling_s / fast_s, grpc_over_raw=raw["seconds"] / grpc_s,
@@ -304,11 +316,15 @@ def main() -> None:
               f"{r['grpc_over_colocated']:>6.3f} {r['fast_s'] * 1e3:>12.1f} {r['fast_over_colocated']:>6.3f} "
               f"{r['fast_layer_s'] * 1e3:>18.1f} {r['fast_layer_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
     print("\ntransfer alone (one request already prefilled), GB/s:")
-    print(f"{'tokens':>7} {'GiB':>5} {'fast':>8} {'copy ceiling':>13} {'fast/ceil':>10} {'shm copy':>9}")
+    print("(fast: copies start before the ranks' announcements, as once the prefill has answered; "
+          "announced: each rank's copies wait for its announcement)")
+    print(f"{'tokens':>7} {'GiB':>5} {'fast':>8} {'announced':>10} {'copy ceiling':>13} {'fast/ceil':>10} "
+          f"{'annc/ceil':>10} {'shm copy':>9}")
     for a in alone:
         shm = f"{a['shm_copy_gbps']:.1f}" if a["shm_copy_gbps"] else "-"
-        print(f"{a['tokens']:>7} {a['bytes'] / 2**30:>5.1f} {a['fast_gbps']:>8.1f} {a['copy_ceiling_gbps']:>13.1f} "
-              f"{a['fast_over_ceiling']:>10.2f} {shm:>9}")
+        print(f"{a['tokens']:>7} {a['bytes'] / 2**30:>5.1f} {a['fast_gbps']:>8.1f} {a['fast_announced_gbps']:>10.1f} "
+              f"{a['copy_ceiling_gbps']:>13.1f} {a['fast_over_ceiling']:>10.2f} "
+              f"{a['fast_announced_over_ceiling']:>10.2f} {shm:>9}")
     print("\nFetchKV (receivers: processes receiving the ranks' streams; threads: all in the daemon), GB/s:")
     print(f"{'tokens':>7} {'receivers':>10} {'(not placed)':>13} {'threads':>8} {'raw, 1 proc':>12} "
           f"{'raw, proc/stream':>17} {'recv/raw1':>10} {'recv/rawN':>10} {'threads/raw1':>13}")
@@ -319,8 +335,10 @@ def main() -> None:
     for a in alone:
         for rank, ph in sorted(a["fast_phases_last"].items()):
             print(f"{a['tokens']} tokens, fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = "
-                  f"descriptors {ph['received_s'] * 1e3:.1f} (the copies start at the last announcement) + "
-                  f"{ph['copy_s'] * 1e3:.1f}; {ph['chunks']} range(s), {ph['runs']} run(s) of pages")
+                  f"called {ph['called_s'] * 1e3:.2f}, first descriptor {ph['first_s'] * 1e3:.2f}, "
+                  f"copies queued {ph['issued_s'] * 1e3:.2f}, "
+                  f"last descriptor {ph['received_s'] * 1e3:.2f}, then {ph['copy_s'] * 1e3:.2f}; "
+                  f"{ph['chunks']} range(s), {ph['runs']} run(s) of pages")
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), cp_size=args.cp,
                                              page_size=args.page_size, dtype=dtype, transports=transports,

@@ -62,9 +62,11 @@ def check_manifest(d: DecodeDaemon, reply: lanekv_pb2.PrefillReply, spec: Any) -
         raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
     return manifest
 
-def fetch_kv(d: DecodeDaemon, call: Any, manifest: Manifest, endpoints: list[str], deadline: float) -> FetchStats:
+def fetch_kv(d: DecodeDaemon, call: Any, manifest: Manifest, endpoints: list[str], deadline: float,
+             *, written: bool = False) -> FetchStats:
     """Every layer of every page of the manifest into our pages: over the fast
     path from the ranks that share their pool with us, over gRPC from the others.
+    ``written``: the prefill has answered (``FastFetches``).
 
     ``call`` is the Generate call (``decode.service``): its page table, the
     prefill's contract fingerprint and epoch, and where each rank's KV came from
@@ -98,7 +100,7 @@ def fetch_kv(d: DecodeDaemon, call: Any, manifest: Manifest, endpoints: list[str
     pages = {rank: manifest.pages_of_owner(rank) for rank in owners}
     shared = _shared_pools(d, call, owners, endpoints, deadline)
     start = time.perf_counter()
-    fast = FastFetches(d, call, shared, endpoints, pages, placed, deadline)
+    fast = FastFetches(d, call, shared, endpoints, pages, placed, deadline, written=written)
     over_grpc = [rank for rank in owners if rank not in shared]
     call.paths = {rank: "grpc" if rank in over_grpc else d.fastpath.transport(endpoints[rank]) for rank in owners}
     per_rank: dict[int, RankStats] = {}

@@ -82,6 +82,11 @@ class PrefillCall:
         """The last message: the whole reply, first token included (waits for it)."""
         return self._done.result()
 
+    def answered(self) -> bool:
+        """Whether the last message came (then every rank has written every layer:
+        the prefill daemon answers once each rank's device is done)."""
+        return self._done.done() and self._done.exception() is None
+
     def raise_if_failed(self) -> None:
         """Raise the prefill's own failure, if it fails within a few seconds."""
         try:
@@ -118,15 +123,21 @@ class PrefillCall:
 
 
 class FastFetches:
-    """Fast-path fetches from the ranks in ``shared`` (rank -> its mapped pool), one thread each."""
+    """Fast-path fetches from the ranks in ``shared`` (rank -> its mapped pool), one thread each.
+
+    ``written``: the prefill has answered, so every layer is written; each rank's
+    pages are then copied from where the owner-lane rule puts them without
+    waiting for the rank's announcement (``FastPath.fetch``'s ``expect``).
+    """
 
     def __init__(self, d: DecodeDaemon, call: Any, shared: dict[int, torch.Tensor], endpoints: Sequence[str],
                  pages: dict[int, list[int]], placed: Callable[[Sequence[int], int, int], None],
-                 deadline: float) -> None:
+                 deadline: float, *, written: bool = False) -> None:
         self.stats: dict[int, RankStats] = {}
         self._errors: dict[int, BaseException] = {}
         self._calls: list[Any] = []
         self._d, self._call, self._deadline = d, call, deadline
+        self._physical_of = d.prefill_contract.topology.physical_of if written else None
         self._order = CopyOrder.for_pools(shared, d.pool.tensor.device)
         self._threads = [
             threading.Thread(target=self._run, args=(rank, pool, endpoints[rank], pages[rank], placed),
@@ -144,7 +155,8 @@ class FastFetches:
                 endpoint, rank, pool, call.spec.request_id, call.fingerprint, pages, d.pool.tensor,
                 call.table.physical_pages_for, placed, epoch=call.epoch,
                 timeout=max(0.001, self._deadline - time.monotonic()), on_call=self._calls.append,
-                order=self._order)
+                order=self._order,
+                expect=None if self._physical_of is None else [self._physical_of(p) for p in pages])
             self.stats[rank] = RankStats(got.bytes, got.chunks, got.seconds)
         except BaseException as err:  # noqa: BLE001 - reported by join
             self._errors[rank] = err

@@ -216,7 +216,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
             # The ranks send each layer as soon as it is written: the fetch overlaps the prefill.
             try:
-                fetched = fetch_kv(d, call, manifest, list(started.endpoints), deadline)
+                fetched = fetch_kv(d, call, manifest, list(started.endpoints), deadline,
+                                   written=prefill.answered())
             except Refusal:
                 prefill.raise_if_failed()  # a failed prefill is the cause to report
                 raise

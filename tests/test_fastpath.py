@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 import uuid
@@ -31,7 +32,7 @@ from kernels.page_digest import PageDigest, kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.markers import GPU_CASE, requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
-from transfer.client import KVClient
+from transfer.client import KVClient, TransferError
 from transfer.contract import Topology
 from transfer.copyorder import CopyOrder
 from transfer.errors import CorruptChunk, RemoteError
@@ -44,7 +45,7 @@ from transfer.fastpath import (
     remove_shared_pool,
     shared_cpu_pool,
 )
-from transfer.fastpath_client import DigestMismatch, FastPath
+from transfer.fastpath_client import DigestMismatch, FastPath, copy_groups
 from transfer.poolcopy import copy_pages, page_runs
 from transfer.progress import LayerProgress, PrefillFailed
 from transfer.server import KVTransferService, serve
@@ -89,6 +90,23 @@ def test_shm_room_counts_free_bytes(tmp_path):
 def test_page_runs_group_consecutive_pairs():
     assert page_runs([3, 4, 5, 9, 10], [0, 1, 7, 8, 9]) == [(3, 0, 2), (5, 7, 1), (9, 8, 2)]
     assert page_runs([], []) == []
+    assert page_runs((7, 8, 9, 10), [0, 1, 2, 3]) == [(7, 0, 4)]  # one run, found without a loop
+    assert page_runs([7, 8, 9, 10], [0, 1, 3, 4]) == [(7, 0, 2), (9, 3, 2)]
+    assert page_runs([7, 9, 8, 10], [0, 1, 2, 3]) == [(7, 0, 1), (9, 1, 1), (8, 2, 1), (10, 3, 1)]
+
+
+def test_copy_groups_cut_the_last_group_in_halves():
+    assert copy_groups(0, 32, 8, 2) == [(0, 8), (8, 16), (16, 24), (24, 28), (28, 30), (30, 32)]
+    assert copy_groups(0, 32, 8, 8) == [(0, 8), (8, 16), (16, 24), (24, 32)]
+    assert copy_groups(4, 7, 8, 2) == [(4, 7)]  # three layers: no half of two
+    assert copy_groups(0, 9, 8, 1) == [(0, 8), (8, 9)]
+    assert copy_groups(3, 3, 8, 2) == []
+    for start, end, size, last_min in [(0, 32, 8, 2), (0, 61, 7, 3), (5, 6, 1, 1), (0, 40, 32, 1)]:
+        groups = copy_groups(start, end, size, last_min)
+        assert [a for a, _ in groups[1:]] == [b for _, b in groups[:-1]]  # contiguous, in order
+        assert groups[0][0] == start and groups[-1][1] == end
+    with pytest.raises(ValueError, match="size"):
+        copy_groups(0, 8, 0, 2)
 
 
 @pytest.mark.parametrize("src_pages,dst_pages", [
@@ -289,6 +307,103 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)
+
+
+def _early_fetch(rank, pages, expect, written_after: float | None):
+    """Fetch "req" (``pages``: (logical, physical)) with ``expect``; with ``written_after``
+    the prefill writes every layer only that many seconds after the fetch began, and
+    the destination is looked at just before. The destination, what it held then, the
+    fetch's error."""
+    source, pool, endpoint, agreement, kv = rank
+    progress = LayerProgress(LAYERS)
+    for layer in range(LAYERS):
+        _fill(pool, [p for _, p in pages], layer)
+    source.add("req", pages, progress)
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.full((LAYERS, 2, len(pages) * PAGE, 2, 8), -1.0, dtype=torch.float16)
+    logical = [p for p, _ in pages]  # page i goes to slot i here
+    errors = []
+
+    def fetch():
+        try:
+            fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, logical, dst,
+                       lambda ps: [logical.index(p) for p in ps], lambda *a: None, epoch=None, timeout=30,
+                       expect=expect)
+        except Exception as err:  # noqa: BLE001 - looked at by the test
+            errors.append(err)
+
+    fetching = threading.Thread(target=fetch)
+    fetching.start()
+    time.sleep(written_after or 0.0)
+    before = dst.clone()
+    for layer in range(LAYERS):
+        progress.layer_written(layer)
+    fetching.join(30)
+    return dst, before, errors
+
+
+def test_pages_of_a_finished_prefill_are_copied_before_the_announcement(rank):
+    pool = rank[1]
+    pages = [(p, 7 - p) for p in range(4)]
+    dst, before, errors = _early_fetch(rank, pages, [7 - p for p, _ in pages], written_after=0.5)
+    want = pool[:, :, rows_of([phys for _, phys in pages])]
+    assert errors == []
+    assert torch.equal(before, want), "not copied until the rank announced the layers"
+    assert torch.equal(dst, want)
+
+
+def test_pages_expected_elsewhere_are_copied_again_from_where_the_rank_says(rank, caplog):
+    pool = rank[1]
+    pages = [(p, 7 - p) for p in range(4)]
+    with caplog.at_level(logging.INFO, logger="lanekv.transfer"):
+        dst, _, errors = _early_fetch(rank, pages, [p for p, _ in pages], written_after=None)
+    assert errors == []
+    assert torch.equal(dst, pool[:, :, rows_of([phys for _, phys in pages])])
+    assert any("copying again" in r.getMessage() for r in caplog.records)
+
+
+def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank):
+    source, pool, endpoint, agreement, kv = rank
+    pages = [(p, p) for p in range(3)]
+    progress = LayerProgress(LAYERS)
+    source.add("req", pages, progress)  # the caller says "written"; the prefill is still running
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
+    errors = []
+
+    def fetch():
+        try:
+            fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list, lambda *a: None,
+                       epoch=None, timeout=30, expect=[0, 1, 2])
+        except Exception as err:  # noqa: BLE001 - looked at below
+            errors.append(err)
+
+    fetching = threading.Thread(target=fetch)
+    fetching.start()
+    time.sleep(0.3)  # copied (zeros) by now; then the prefill writes the layers
+    for layer in range(LAYERS):
+        _fill(pool, [0, 1, 2], layer)
+        progress.layer_written(layer)
+    fetching.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], DigestMismatch), errors
+
+
+@pytest.mark.parametrize("expect,words", [
+    ([0, 1], "2 places for 3 pages"),
+    ([0, 1, 99], "outside the shared pool"),
+])
+def test_bad_expected_places_are_refused_before_any_call(rank, expect, words):
+    source, _, endpoint, agreement, kv = rank
+    source.add("req", [(p, p) for p in range(3)])
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    calls = []
+    with pytest.raises(ValueError, match=f"expect.*{words}"):
+        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8),
+                   list, lambda *a: None, epoch=None, timeout=30, on_call=calls.append, expect=expect)
+    assert calls == []
 
 
 @pytest.mark.parametrize("sequence,words", [
@@ -501,6 +616,47 @@ def test_copy_order_puts_ranks_with_pools_on_other_devices_first():
     order.done(2)
     assert queued.wait(5.0)
     waiter.join()
+
+
+def test_ranks_that_go_first_call_first():
+    order = CopyOrder([1], [0, 1, 2])
+    order.may_call(1, 0.0)  # goes first: no wait
+    calling = threading.Event()
+    waiter = threading.Thread(target=lambda: (order.may_call(0, 10.0), calling.set()))
+    waiter.start()
+    assert not calling.wait(0.2), "rank 0 called before rank 1 had called"
+    order.called(1)
+    assert calling.wait(5.0)
+    waiter.join()
+    order = CopyOrder([1], [0, 1])
+    order.done(1)  # a first rank that ended before calling lets the others call
+    t0 = time.monotonic()
+    order.may_call(0, 10.0)
+    assert time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    CopyOrder([1]).may_call(0, 0.2)  # a first rank that never calls: the wait ends at the timeout
+    assert 0.15 < time.monotonic() - t0 < 5.0
+
+
+def test_descriptors_come_on_a_direct_channel_that_a_cancel_ends(rank):
+    source, _, endpoint, agreement, kv = rank
+    assert kv.channel(endpoint, direct=True) is kv.channel(endpoint, direct=True)
+    assert kv.channel(endpoint, direct=True) is not kv.channel(endpoint)
+    progress = LayerProgress(LAYERS)  # a prefill that never writes a layer
+    source.add("req", [(0, 0)], progress)
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    dst = torch.zeros(LAYERS, 2, PAGE, 2, 8, dtype=torch.float16)
+    calls = []
+    threading.Timer(0.3, lambda: [c.cancel() for c in calls]).start()  # as FastFetches.stop does
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError, match="CANCELLED"):
+        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
+                   epoch=None, timeout=30, on_call=calls.append)
+    assert time.monotonic() - t0 < 10.0
+    kv.close()
+    with pytest.raises(TransferError, match="closed"):
+        kv.channel(endpoint, direct=True)
 
 
 def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):

@@ -2,6 +2,9 @@
 
 - PrefillStream: the pages first (first_token -1), then the first token;
   a FetchKV between the two gets every byte, equal to a fetch after it;
+- a decode daemon whose prefill has answered before the fetch copies every
+  rank's pages from where the owner-lane rule puts them, before any
+  announcement, and generates the same tokens;
 - a decode daemon whose digests never match (patched here) fetches every
   rank again over gRPC and generates the same tokens, counting the cause;
 - on a GPU: the decode daemon maps the ranks' pools over CUDA IPC and
@@ -10,12 +13,15 @@
 
 from __future__ import annotations
 
+import logging
+
 import grpc
 import pytest
 import torch
 
 from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
+from decode.remote import PrefillCall
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
@@ -24,6 +30,7 @@ from tests.daemons import running_pair
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import generate_request, wait_until
 from transfer.client import KVClient
+from transfer.fastpath_client import FastPath
 from transfer.manifest import Manifest
 from transfer.server import EPOCH_METADATA_KEY
 
@@ -117,6 +124,35 @@ def test_a_release_before_the_prefill_ends_frees_every_page_once(checkpoint):
             again = stub.Prefill(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT),
                                                            request_id="let-go"), timeout=60)
             assert again.first_token >= 0
+
+
+@pytest.mark.timeout(180)
+def test_a_prefill_that_answered_is_copied_before_the_ranks_announce_it(checkpoint, monkeypatch, caplog):
+    with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
+        expected = _tokens(decode.endpoint)
+    started = PrefillCall.started
+
+    def answered_first(self):
+        first = started(self)
+        self.done()  # the prefill's last message comes before the fetch starts
+        return first
+
+    expected_places = []
+    fetch = FastPath.fetch
+
+    def fetch_and_note(self, *args, **kw):
+        expected_places.append(kw.get("expect"))
+        return fetch(self, *args, **kw)
+
+    monkeypatch.setattr(PrefillCall, "started", answered_first)
+    monkeypatch.setattr(FastPath, "fetch", fetch_and_note)
+    with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
+        with caplog.at_level(logging.INFO, logger="lanekv.transfer"):
+            assert _tokens(decode.endpoint) == expected
+        assert len(expected_places) == 2 and None not in expected_places  # both ranks copied early
+        assert not [r for r in caplog.records if "copying again" in r.getMessage()]  # at the right places
+        assert decode.metrics.failures.labels(cause="fastpath_digest").value == 0
+        assert wait_until(lambda: prefill.leases.held() == {})
 
 
 @pytest.mark.timeout(180)

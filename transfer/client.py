@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grpc
+from grpc.experimental import ChannelOptions
 import torch
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
@@ -69,6 +70,7 @@ Place = Callable[[ChunkHeader, torch.Tensor], None]
 # Channels replaced after a broken or stalled stream stay open (calls of other
 # requests may still run on them) until this many newer ones pile up.
 MAX_RETIRED_CHANNELS = 8
+DIRECT_READ_OPTION = ChannelOptions.SingleThreadedUnaryStream
 
 
 def channel_options() -> list[tuple[str, int]]:
@@ -129,6 +131,7 @@ class KVClient:
         else:
             self.receivers = ReceiverPool(receivers, self.security) if receivers else None
         self._channels: dict[str, grpc.Channel] = {}
+        self._direct: dict[str, grpc.Channel] = {}  # see channel(direct=True)
         self._retired: deque[grpc.Channel] = deque()
         self._closed = False
         self._lock = threading.Lock()
@@ -142,19 +145,28 @@ class KVClient:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            channels, self._channels = [*self._channels.values(), *self._retired], {}
+            channels = [*self._channels.values(), *self._direct.values(), *self._retired]
+            self._channels, self._direct = {}, {}
             self._retired.clear()
         for channel in channels:
             channel.close()
         if self.receivers is not None and self._own_receivers:
             self.receivers.close()
 
-    def channel(self, endpoint: str) -> grpc.Channel:
+    def channel(self, endpoint: str, *, direct: bool = False) -> grpc.Channel:
+        """The channel to ``endpoint``; ``direct``: a second one, on a connection of its own,
+        whose server-streaming calls are read by the calling thread itself (gRPC's
+        single-threaded unary-stream mode: no hand-over through the channel's polling
+        thread, and no Python work for a message nobody reads yet). For short streams
+        whose latency counts, the fast path's descriptors: they never queue behind
+        chunks of the bulk connection."""
         with self._lock:
             self._check_open()
-            if endpoint not in self._channels:
-                self._channels[endpoint] = open_channel(endpoint, self.security, channel_options())
-            return self._channels[endpoint]
+            channels = self._direct if direct else self._channels
+            if endpoint not in channels:
+                options = channel_options() + ([(DIRECT_READ_OPTION, 1)] if direct else [])
+                channels[endpoint] = open_channel(endpoint, self.security, options)
+            return channels[endpoint]
 
     def reconnect(self, endpoint: str, stale: grpc.Channel | None) -> grpc.Channel:
         """A channel on a new connection in place of ``stale`` (unless another call replaced it already)."""

@@ -266,6 +266,10 @@ class Topology:
         """The rank that owns logical page ``page`` (rule ``page_mod_cp``)."""
         return check_int("page", page, 0, 1 << 62) % self.cp_size
 
+    def physical_of(self, page: int) -> int:
+        """Where logical page ``page`` is in its owner's pool (rule ``page_mod_cp``: page ``page // cp_size``)."""
+        return check_int("page", page, 0, 1 << 62) // self.cp_size
+
     def to_dict(self) -> dict[str, Any]:
         return {name: _plain(getattr(self, name)) for name in sorted(f.name for f in fields(self))}
 

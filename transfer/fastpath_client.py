@@ -45,6 +45,11 @@ OnCopied = Callable[[Sequence[int], int, int], None]
 # 4 GiB: 8.8 ms against 9.6 ms for one group and 12.0 ms for groups of 4,
 # where host work per group became the limit).
 COPY_GROUP_LAYERS = 8
+# The last group is cut in halves down to this many layers: what is left after
+# the last copy is the digest of the last group and its trip to the host.
+LAST_GROUP_MIN_LAYERS = 2
+# Descriptors on a channel of their own, read by the fetching thread (``KVClient.channel(direct=True)``).
+DIRECT_DESCRIPTORS = True
 
 
 class DigestMismatch(CorruptChunk):
@@ -60,6 +65,7 @@ class FastStats(NamedTuple):
     runs: int = 0  # most runs of consecutive pages in a descriptor (1: one dense block per layer)
     first_s: float = 0.0  # from the call to the rank's first announcement
     issued_s: float = 0.0  # from the call to the last range's copies and digests queued
+    called_s: float = 0.0  # from the call to the rank's FetchKV going out
 
 
 class _Attached(NamedTuple):
@@ -149,44 +155,76 @@ class FastPath:
     def fetch(self, endpoint: str, rank: int, src: torch.Tensor, request_id: str, fingerprint: str,
               pages: Sequence[int], dst_pool: torch.Tensor, pages_for: PagesFor, on_copied: OnCopied,
               *, epoch: str | None, timeout: float, on_call: Callable[[Any], None] | None = None,
-              order: CopyOrder | None = None) -> FastStats:
+              order: CopyOrder | None = None, expect: Sequence[int] | None = None) -> FastStats:
         """Copy layers of the rank's ``pages`` of a request from ``src`` into ``dst_pool``, verified.
 
         ``order``: the copy order of the ranks fetched at once (``CopyOrder``).
+        ``expect``: where ``pages`` are in the rank's pool (``Topology.physical_of``),
+        given when the caller knows that every layer of them is written (the
+        prefill answered). Every layer is then copied from there at once, a
+        round trip before the rank's announcement comes; the announcement must
+        name every layer of those places, else the pages are copied again from
+        where it says. The rank's digest checks the bytes either way.
         """
         order = CopyOrder(()) if order is None else order
         try:
             return self._fetch(endpoint, rank, src, request_id, fingerprint, pages, dst_pool, pages_for, on_copied,
-                               epoch, time.monotonic() + timeout, on_call, order)
+                               epoch, time.monotonic() + timeout, on_call, order, expect)
         finally:
             order.done(rank)  # the others go on without this rank's copies
 
     def _fetch(self, endpoint: str, rank: int, src: torch.Tensor, request_id: str, fingerprint: str,
                pages: Sequence[int], dst_pool: torch.Tensor, pages_for: PagesFor, on_copied: OnCopied,
                epoch: str | None, deadline: float, on_call: Callable[[Any], None] | None,
-               order: CopyOrder) -> FastStats:
+               order: CopyOrder, expect: Sequence[int] | None) -> FastStats:
         start = time.perf_counter()
-        timeout = deadline - time.monotonic()
         a, ps = self._agreement, self._agreement.page_size
         asked = set(pages)
+        guess = None  # every layer of the pages where the caller expects them
+        if expect is not None:
+            if not pages or len(expect) != len(pages):
+                raise ValueError(f"expect names {len(expect)} places for {len(pages)} pages")
+            guess = Descriptor(request_id, rank, 0, 0, a.num_layers, tuple(pages), tuple(expect), None)
+            bad = _mismatch(guess, request_id, rank, 0, asked, src.shape[2] // ps, a.num_layers)
+            if bad:
+                raise ValueError(f"expect {bad}")
         request = lanekv_pb2.FetchRequest(request_id=request_id, fingerprint=fingerprint, layer_start=0,
                                           layer_end=a.num_layers, pages=list(pages), descriptors=True)
         metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
-        stream = self._kv.channel(endpoint).unary_stream(
+        stream = self._kv.channel(endpoint, direct=DIRECT_DESCRIPTORS).unary_stream(
             FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
             response_deserializer=lanekv_pb2.KVChunk.FromString)
-        call = stream(request, timeout=timeout, metadata=metadata)
-        if on_call is not None:
-            on_call(call)  # the caller may cancel it
+        calls: list[Any] = []
+        times: dict[str, float] = {}
+
+        def call_rank() -> Any:
+            call = stream(request, timeout=max(0.001, deadline - time.monotonic()), metadata=metadata)
+            calls.append(call)
+            times["called"] = time.perf_counter()
+            if on_call is not None:
+                on_call(call)  # the caller may cancel it
+            return call
+
+        order.may_call(rank, deadline - time.monotonic())
         try:
             with streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
                     as streams:
-                times: dict[str, float] = {}
-                # While the call goes out: where the asked pages go here, and a digest
-                # of them over every layer that each range of them adds its layers to.
+                # Without a guess the call goes out first, and its round trip runs while
+                # this prepares; with one, the copies are queued first and it runs under them.
+                call = call_rank() if guess is None else None
+                # Where the asked pages go here, and a digest of them over every layer
+                # that each range of them adds its layers to.
                 ready = _Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
+                early = None
+                if guess is not None:
+                    order.turn(rank, deadline - time.monotonic())
+                    early = (guess, self._copy(src, guess, ready.dst, dst_pool, streams, ready))
+                    times["issued"] = time.perf_counter()
+                    order.done(rank)
+                    call = call_rank()
+                order.called(rank)
                 received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for,
-                                         streams, times, ready, order, deadline)
+                                         streams, times, ready, order, deadline, early)
                 order.all_queued(deadline - time.monotonic())
                 received_s = time.perf_counter() - start
                 with streams.digesting():
@@ -195,7 +233,8 @@ class FastPath:
                 copied_s = time.perf_counter() - start
             self._finish(call, endpoint, rank, request_id, len(received))
         finally:
-            call.cancel()
+            for call in calls:
+                call.cancel()
         for (d, *_), value in zip(received, got):
             if value != d.digest:
                 raise DigestMismatch(request_id, rank, d.seq, "was copied from the shared pool but does not "
@@ -207,12 +246,16 @@ class FastPath:
         runs = max((r.runs for r in received), default=0)
         seconds = time.perf_counter() - start
         return FastStats(nbytes, len(received), seconds, received_s, copied_s - received_s, runs,
-                         times.get("first", start) - start, times.get("issued", start) - start)
+                         *(times.get(step, start) - start for step in ("first", "issued", "called")))
 
     def _receive(self, call, endpoint: str, rank: int, request_id: str, asked: set[int], src: torch.Tensor,
                  dst_pool: torch.Tensor, pages_for: PagesFor, streams: Streams,
-                 times: dict[str, float], ready: _Prepared, order: CopyOrder, deadline: float) -> list[_Range]:
+                 times: dict[str, float], ready: _Prepared, order: CopyOrder, deadline: float,
+                 early: tuple[Descriptor, tuple[torch.Tensor, int]] | None) -> list[_Range]:
         """The stream's ranges up to the last layer's, each announced then sealed, checked.
+
+        ``early``: a range copied before the first message, and its copy; it stands
+        for the first announcement when that is the same (else it is copied again).
 
         Copies start at an announcement: of each range (``copy_at_end`` False), or
         of every range at the last one's; the rank's digest of the last range then
@@ -241,6 +284,13 @@ class FastPath:
                     if bad:
                         raise CorruptChunk(request_id, rank, seq, bad)
                     announced = (d, ready.dst if d.pages == ready.pages else pages_for(d.pages))
+                    if early is not None:
+                        (guess, made), early = early, None
+                        if d == guess:
+                            copied[d.seq] = made
+                            continue
+                        log.info("fast path: rank %d announced %s, not the places copied early; copying again",
+                                 rank, _what(d))
                     todo.append(announced)
                     if not self.copy_at_end or d.layer_end == a.num_layers:
                         last = d.layer_end == a.num_layers
@@ -294,8 +344,7 @@ class FastPath:
                 digest.add(d.layer_start, d.layer_end)
                 return digest.total(d.layer_start, d.layer_end), len(page_runs(d.physical, dst))
         with streams.digesting() as after_copies:
-            for first in range(d.layer_start, d.layer_end, COPY_GROUP_LAYERS):
-                last = min(d.layer_end, first + COPY_GROUP_LAYERS)
+            for first, last in copy_groups(d.layer_start, d.layer_end, COPY_GROUP_LAYERS, LAST_GROUP_MIN_LAYERS):
                 planned.issue(first, last)  # on the copy streams chosen when planned
                 after_copies()
                 digest.add(first, last)
@@ -309,6 +358,23 @@ class FastPath:
                 raise CorruptChunk(request_id, rank, seq, "came after the descriptor of the last layer")
         except grpc.RpcError as err:
             raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
+
+
+def copy_groups(start: int, end: int, size: int, last_min: int) -> list[tuple[int, int]]:
+    """Layers ``[start, end)`` in groups of ``size``, the last one cut in halves while a half
+    has at least ``last_min`` layers (8, 8, 8, 4, 2, 2 for 32 layers, 8 and 2)."""
+    if size < 1 or last_min < 1:
+        raise ValueError(f"size and last_min must be >= 1, got size={size}, last_min={last_min}")
+    groups = [(first, min(end, first + size)) for first in range(start, end, size)]
+    if not groups:
+        return groups
+    first, last = groups.pop()
+    while last - first >= 2 * last_min:
+        half = (last - first) // 2
+        groups.append((first, first + half))
+        first += half
+    groups.append((first, last))
+    return groups
 
 
 class _Prepared:
@@ -337,6 +403,10 @@ class _Range(NamedTuple):
     dst: list[int]
     digest: torch.Tensor
     runs: int
+
+
+def _what(d: Descriptor) -> str:
+    return f"layers [{d.layer_start}, {d.layer_end}) of {len(d.pages)} pages"
 
 
 def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[int], src_pages: int,

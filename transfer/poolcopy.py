@@ -21,6 +21,8 @@ from transfer.devcopy import BlockCopy
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """(src start, dst start, count) runs where both page lists go up by one."""
+    if src and len(src) == len(dst) and _consecutive(src) and _consecutive(dst):
+        return [(src[0], dst[0], len(src))]  # the usual case, without a Python loop over the pages
     runs: list[tuple[int, int, int]] = []
     for s, d in zip(src, dst):
         if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
@@ -28,6 +30,10 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
         else:
             runs.append((s, d, 1))
     return runs
+
+
+def _consecutive(pages: Sequence[int]) -> bool:
+    return pages[-1] - pages[0] == len(pages) - 1 and list(pages) == list(range(pages[0], pages[0] + len(pages)))
 
 
 # Between two GPUs, run the copies on the source's stream (True) or the destination's.
