@@ -213,8 +213,10 @@ class FastPath:
                 # this prepares; with one, the copies are queued first and it runs under them.
                 call = call_rank() if guess is None else None
                 # Where the asked pages go here, and a digest of them over every layer
-                # that each range of them adds its layers to.
+                # that each range of them adds its layers to (made after early copies).
                 ready = _Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
+                if guess is None:
+                    ready.make()
                 early = None
                 if guess is not None:
                     order.turn(rank, deadline - time.monotonic())
@@ -321,34 +323,40 @@ class FastPath:
         """Queue the copy of a range and the digest of what it copied (a 0-dim tensor on the
         device); also how many runs of consecutive pages it copied.
 
-        On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers and each
-        group's digest runs on a stream of its own as soon as that group is
-        copied, so digesting hides under the copies still running; the groups'
-        digests add up to the range's (each layer is digested at its place
-        among all layers). The host work per group is kept small: the pages'
-        index and digest buffer are made before the first descriptor came
-        (``_Prepared``) and the copies go on the streams planned with them.
+        On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers, all queued
+        before any host work of the digests, and each group's digest runs on a
+        stream of its own as soon as that group is copied, so digesting hides
+        under the copies still running; the groups' digests add up to the
+        range's (each layer is digested at its place among all layers). The
+        copies go on the streams planned with them.
         """
         ps = self._agreement.page_size
-        if d.pages == ready.pages:
-            digest = ready.digest
-        else:
-            # Made on the digest stream, which alone uses them: memory made on a copy
-            # stream could be handed out again there while a digest still reads it.
-            with streams.digesting():
-                digest = PageDigest(dst_pool, _index(dst, dst_pool), ps, d.layer_start, d.layer_end, first_layer=0)
         planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
         if planned is None:  # CPU pools or scattered pages: the range in one go, then its digest
             copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+            digest = ready.digest if d.pages == ready.pages else self._digest(d, dst, dst_pool, streams)
             with streams.digesting():
                 digest.add(d.layer_start, d.layer_end)
                 return digest.total(d.layer_start, d.layer_end), len(page_runs(d.physical, dst))
-        with streams.digesting() as after_copies:
-            for first, last in copy_groups(d.layer_start, d.layer_end, COPY_GROUP_LAYERS, LAST_GROUP_MIN_LAYERS):
-                planned.issue(first, last)  # on the copy streams chosen when planned
-                after_copies()
+        groups = copy_groups(d.layer_start, d.layer_end, COPY_GROUP_LAYERS, LAST_GROUP_MIN_LAYERS)
+        marks = []
+        for first, last in groups:
+            planned.issue(first, last)  # on the copy streams chosen when planned
+            marks.append(streams.mark())
+        digest = ready.digest if d.pages == ready.pages else self._digest(d, dst, dst_pool, streams)
+        with streams.digesting(wait=False) as after:
+            for (first, last), mark in zip(groups, marks):
+                after(mark)
                 digest.add(first, last)
             return digest.total(d.layer_start, d.layer_end), planned.runs
+
+    def _digest(self, d: Descriptor, dst: list[int], dst_pool: torch.Tensor, streams: Streams) -> PageDigest:
+        """A digest of the range's pages here. Made on the digest stream, which alone uses
+        it: memory made on a copy stream could be handed out again there while a digest
+        still reads it."""
+        with streams.digesting(wait=False):
+            return PageDigest(dst_pool, _index(dst, dst_pool), self._agreement.page_size, d.layer_start,
+                              d.layer_end, first_layer=0)
 
     @staticmethod
     def _finish(call, endpoint: str, rank: int, request_id: str, seq: int) -> None:
@@ -380,13 +388,27 @@ def copy_groups(start: int, end: int, size: int, last_min: int) -> list[tuple[in
 class _Prepared:
     """What a fetch makes before its first descriptor: the asked pages, where they go
     here (``dst``), and a digest of them over every layer (at their places among all
-    layers) that each range of the asked pages adds its layers to."""
+    layers) that each range of the asked pages adds its layers to (``digest``: made
+    at first use, or by ``make``)."""
 
     def __init__(self, pages: tuple[int, ...], dst: list[int], dst_pool: torch.Tensor, page_size: int,
                  num_layers: int, streams: Streams) -> None:
         self.pages, self.dst = pages, dst
-        with streams.digesting():  # made on the digest stream, which alone uses them
-            self.digest = PageDigest(dst_pool, _index(dst, dst_pool), page_size, 0, num_layers, first_layer=0)
+        self._made: PageDigest | None = None
+        self._args = (dst_pool, page_size, num_layers, streams)
+
+    @property
+    def digest(self) -> PageDigest:
+        if self._made is None:
+            dst_pool, page_size, num_layers, streams = self._args
+            with streams.digesting(wait=False):  # made on the digest stream, which alone uses it
+                self._made = PageDigest(dst_pool, _index(self.dst, dst_pool), page_size, 0, num_layers,
+                                        first_layer=0)
+        return self._made
+
+    def make(self) -> _Prepared:
+        self.digest  # noqa: B018 - made now, while nothing waits for it
+        return self
 
 
 def _index(pages: Sequence[int], pool: torch.Tensor) -> torch.Tensor:

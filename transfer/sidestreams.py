@@ -39,21 +39,38 @@ class Streams:
         self._digest = made.digest
 
     @contextlib.contextmanager
-    def digesting(self) -> Iterator[Callable[[], None]]:
+    def digesting(self, *, wait: bool = True) -> Iterator[Callable[..., None]]:
         """Work inside runs on the digest stream (on a GPU), after every copy queued so far
-        (on either device's stream); the callable it gives makes the digest stream wait
-        for the copies queued since."""
+        (on either device's stream; ``wait`` False: after none of them). The callable it
+        gives makes the digest stream wait for the copies queued since, or for those
+        before ``marks`` (from ``mark``)."""
         if self._digest is None:
-            yield lambda: None
+            yield lambda marks=None: None
             return
 
-        def after_copies() -> None:
+        def after_copies(marks: list | None = None) -> None:
+            if marks is not None:
+                for event in marks:
+                    self._digest.wait_event(event)
+                return
             for stream in self._copy.values():
                 self._digest.wait_stream(stream)
 
         with torch.cuda.device(self._dst), torch.cuda.stream(self._digest):
-            after_copies()
+            if wait:
+                after_copies()
             yield after_copies
+
+    def mark(self) -> list | None:
+        """Events at the end of the copies queued so far on each copy stream (None on the CPU)."""
+        if self._digest is None:
+            return None
+        marks = []
+        for stream in self._copy.values():
+            event = torch.cuda.Event()
+            event.record(stream)
+            marks.append(event)
+        return marks
 
     def sync(self) -> None:
         for stream in self._copy.values():
