@@ -11,8 +11,8 @@ prefilled; then, each the best of ``--repeat``:
   each rank alone, with copies in groups of 8 (the default), 32 and 8 layers
   again, with the CUDA runtime called letting the GIL go, and with the copies
   on the destination's stream ("pull") instead of the source's, with the
-  descriptors on the channel of the bulk path, with the ranks calling in any
-  order, and with the last group of layers whole; the phases
+  descriptors on the channel of the bulk path, with the ranks preparing in
+  any order, and with the last group of layers whole; the phases
   of each (first announcement, copies queued, seal, copies done), the wall
   time of each step of one rank's fetch alone, and a cProfile of it;
 - rpc all / rpc 1 layer: FetchKV with descriptors only (no copy): the round
@@ -210,11 +210,11 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out["fast_bulk_channel_s"] = timed(fast_once, args.repeat)
     out["fast_bulk_channel_phases"] = dict(phases)
     fastpath_client_module.DIRECT_DESCRIPTORS = True
-    may_call = CopyOrder.may_call
-    CopyOrder.may_call = lambda self, rank, timeout: None
-    out["fast_any_call_order_s"] = timed(fast_once, args.repeat)
-    out["fast_any_call_order_phases"] = dict(phases)
-    CopyOrder.may_call = may_call
+    may_prepare = CopyOrder.may_prepare
+    CopyOrder.may_prepare = lambda self, rank, timeout: None
+    out["fast_any_prepare_order_s"] = timed(fast_once, args.repeat)
+    out["fast_any_prepare_order_phases"] = dict(phases)
+    CopyOrder.may_prepare = may_prepare
     last_min = fastpath_client_module.LAST_GROUP_MIN_LAYERS
     fastpath_client_module.LAST_GROUP_MIN_LAYERS = 1 << 10
     out["fast_last_group_whole_s"] = timed(fast_once, args.repeat)

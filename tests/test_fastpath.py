@@ -363,11 +363,14 @@ def test_pages_expected_elsewhere_are_copied_again_from_where_the_rank_says(rank
     assert any("copying again" in r.getMessage() for r in caplog.records)
 
 
-def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank):
+def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank, monkeypatch):
     source, pool, endpoint, agreement, kv = rank
-    pages = [(p, p) for p in range(3)]
-    progress = LayerProgress(LAYERS)
-    source.add("req", pages, progress)  # the caller says "written"; the prefill is still running
+    source.add("req", [(p, p) for p in range(3)])  # the caller says "written" too soon
+    written, reading = threading.Event(), threading.Event()
+    ready, receive = source.ready, FastPath._receive
+    # The rank announces once the test has written the pages; the fetch copied them before.
+    monkeypatch.setattr(source, "ready", lambda *args: (written.wait(10), ready(*args))[1])
+    monkeypatch.setattr(FastPath, "_receive", lambda *args: (reading.set(), receive(*args))[1])
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
@@ -382,12 +385,34 @@ def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank):
 
     fetching = threading.Thread(target=fetch)
     fetching.start()
-    time.sleep(0.3)  # copied (zeros) by now; then the prefill writes the layers
+    assert reading.wait(10)  # copied (zeros) by now
     for layer in range(LAYERS):
+        _fill(pool, [0, 1, 2], layer)
+    written.set()
+    fetching.join(30)
+    assert len(errors) == 1 and isinstance(errors[0], DigestMismatch), errors
+
+
+def test_an_early_copy_then_a_prefill_announced_layer_by_layer_is_copied_again(rank):
+    pool = rank[1]
+    pages = [(p, p) for p in range(3)]
+    source, progress = rank[0], LayerProgress(LAYERS)
+    source.add("req", pages, progress)
+    fast = FastPath(rank[4], rank[3], transports=[SHM])
+    shared = fast.pool(rank[2], None, 10)
+    dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
+    got = []
+    fetching = threading.Thread(target=lambda: got.append(fast.fetch(
+        rank[2], 0, shared, "req", rank[3].fingerprint, [0, 1, 2], dst, list, lambda *a: None, epoch=None,
+        timeout=30, expect=[0, 1, 2])))
+    fetching.start()
+    for layer in range(LAYERS):  # the rank announces each layer as it is written
+        time.sleep(0.1)
         _fill(pool, [0, 1, 2], layer)
         progress.layer_written(layer)
     fetching.join(30)
-    assert len(errors) == 1 and isinstance(errors[0], DigestMismatch), errors
+    assert len(got) == 1 and got[0].chunks > 1  # fetched without an error, in more than one range
+    assert torch.equal(dst, pool[:, :, rows_of([0, 1, 2])])
 
 
 @pytest.mark.parametrize("expect,words", [
@@ -618,23 +643,23 @@ def test_copy_order_puts_ranks_with_pools_on_other_devices_first():
     waiter.join()
 
 
-def test_ranks_that_go_first_call_first():
+def test_ranks_that_go_first_prepare_first():
     order = CopyOrder([1], [0, 1, 2])
-    order.may_call(1, 0.0)  # goes first: no wait
-    calling = threading.Event()
-    waiter = threading.Thread(target=lambda: (order.may_call(0, 10.0), calling.set()))
+    order.may_prepare(1, 0.0)  # goes first: no wait
+    preparing = threading.Event()
+    waiter = threading.Thread(target=lambda: (order.may_prepare(0, 10.0), preparing.set()))
     waiter.start()
-    assert not calling.wait(0.2), "rank 0 called before rank 1 had called"
-    order.called(1)
-    assert calling.wait(5.0)
+    assert not preparing.wait(0.2), "rank 0 prepared before rank 1 had"
+    order.prepared(1)
+    assert preparing.wait(5.0)
     waiter.join()
     order = CopyOrder([1], [0, 1])
-    order.done(1)  # a first rank that ended before calling lets the others call
+    order.done(1)  # a first rank that ended before preparing lets the others go on
     t0 = time.monotonic()
-    order.may_call(0, 10.0)
+    order.may_prepare(0, 10.0)
     assert time.monotonic() - t0 < 1.0
     t0 = time.monotonic()
-    CopyOrder([1]).may_call(0, 0.2)  # a first rank that never calls: the wait ends at the timeout
+    CopyOrder([1]).may_prepare(0, 0.2)  # a first rank that never prepares: the wait ends at the timeout
     assert 0.15 < time.monotonic() - t0 < 5.0
 
 

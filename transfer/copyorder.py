@@ -16,17 +16,16 @@ import torch
 
 
 class CopyOrder:
-    """The order in which the ranks of one fetch call their rank, queue their copies of
-    the last range, and may wait for them.
+    """The order in which the ranks of one fetch make what they make while their call
+    goes out, queue their copies of the last range, and may wait for them.
 
     Ranks in ``first`` (pools on another device than ours, whose copies take
-    longest) go first twice. They send their call and make what they make
-    before its first message (or queue copies made before the call: the
-    caller's ``expect``), then the others send theirs: the threads share
-    one GIL, and a rank's Python work before its call delayed the call of the
-    rank whose copies take longest (2x H200, 4 GiB, ``bench/fastpath_probe.py``:
-    rank 1's first descriptor came 1.80 ms after the call beside rank 0,
-    1.41 ms alone). And they queue their copies of the last range first; the
+    longest) go first twice. Every rank sends its call at once; the ranks in
+    ``first`` then make what they make before the first message (and queue
+    the copies made before it: ``FastPath.fetch``'s ``expect``), and only
+    then the others: the threads share one GIL, and the other ranks' Python
+    work delayed the copies of the rank whose copies take longest. And they
+    queue their copies of the last range first; the
     others wait until each of those has done so or ended. No rank waits for
     its copies to finish (the digests' trip to the host) before every rank of
     ``ranks`` has queued its own or ended: a thread waiting on the GPU there
@@ -38,7 +37,7 @@ class CopyOrder:
     def __init__(self, first: Sequence[int], ranks: Sequence[int] = ()) -> None:
         self._first = frozenset(first)
         self._first_left = set(first)  # ranks of ``first`` that have not queued their copies
-        self._callers_left = set(first)  # ranks of ``first`` that have not called yet
+        self._preparing = set(first)  # ranks of ``first`` that have not prepared yet
         self._left = set(ranks) | self._first_left  # every rank that has not
         self._cond = threading.Condition()
 
@@ -49,17 +48,18 @@ class CopyOrder:
         first = [rank for rank, pool in pools.items() if (pool.device != here) == away_first]
         return cls(first if len(first) < len(pools) else (), list(pools))
 
-    def may_call(self, rank: int, timeout: float) -> None:
-        """Return when ``rank`` may send its call (at once for the ranks that go first)."""
+    def may_prepare(self, rank: int, timeout: float) -> None:
+        """Return when ``rank`` may make what it makes before its first message (at once
+        for the ranks that go first)."""
         if rank in self._first:
             return
         with self._cond:
-            self._cond.wait_for(lambda: not self._callers_left, max(0.0, timeout))
+            self._cond.wait_for(lambda: not self._preparing, max(0.0, timeout))
 
-    def called(self, rank: int) -> None:
-        """``rank`` sent its call and made what it makes before the first message."""
+    def prepared(self, rank: int) -> None:
+        """``rank`` made what it makes before its first message."""
         with self._cond:
-            self._callers_left.discard(rank)
+            self._preparing.discard(rank)
             self._cond.notify_all()
 
     def turn(self, rank: int, timeout: float) -> None:
@@ -72,7 +72,7 @@ class CopyOrder:
     def done(self, rank: int) -> None:
         """``rank`` queued its copies, or its fetch ended without them."""
         with self._cond:
-            self._callers_left.discard(rank)
+            self._preparing.discard(rank)
             self._first_left.discard(rank)
             self._left.discard(rank)
             self._cond.notify_all()

@@ -205,13 +205,11 @@ class FastPath:
                 on_call(call)  # the caller may cancel it
             return call
 
-        order.may_call(rank, deadline - time.monotonic())
         try:
+            call = call_rank()  # its round trip runs while this prepares (and copies early)
             with streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
                     as streams:
-                # Without a guess the call goes out first, and its round trip runs while
-                # this prepares; with one, the copies are queued first and it runs under them.
-                call = call_rank() if guess is None else None
+                order.may_prepare(rank, deadline - time.monotonic())
                 # Where the asked pages go here, and a digest of them over every layer
                 # that each range of them adds its layers to (made after early copies).
                 ready = _Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
@@ -223,8 +221,7 @@ class FastPath:
                     early = (guess, self._copy(src, guess, ready.dst, dst_pool, streams, ready))
                     times["issued"] = time.perf_counter()
                     order.done(rank)
-                    call = call_rank()
-                order.called(rank)
+                order.prepared(rank)
                 received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for,
                                          streams, times, ready, order, deadline, early)
                 order.all_queued(deadline - time.monotonic())
@@ -293,6 +290,7 @@ class FastPath:
                             continue
                         log.info("fast path: rank %d announced %s, not the places copied early; copying again",
                                  rank, _what(d))
+                        ready.discard()  # the ranges copied again add up in a digest of their own
                     todo.append(announced)
                     if not self.copy_at_end or d.layer_end == a.num_layers:
                         last = d.layer_end == a.num_layers
@@ -409,6 +407,10 @@ class _Prepared:
     def make(self) -> _Prepared:
         self.digest  # noqa: B018 - made now, while nothing waits for it
         return self
+
+    def discard(self) -> None:
+        """Forget the digest: the next use makes a new one."""
+        self._made = None
 
 
 def _index(pages: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
