@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import grpc
-from grpc.experimental import ChannelOptions
 import torch
+from grpc.experimental import ChannelOptions
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from transfer.contract import Agreement, FieldDiff, LayoutContract, diff
