@@ -63,6 +63,7 @@ import transfer.devcopy as devcopy  # noqa: E402
 import transfer.fastpath as fastpath_module  # noqa: E402
 import transfer.fastpath_client as fastpath_client_module  # noqa: E402
 import transfer.poolcopy as poolcopy  # noqa: E402
+import transfer.rangecopy as rangecopy  # noqa: E402
 import transfer.sidestreams as sidestreams  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
@@ -201,11 +202,11 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         phases.clear()
         out[f"fast_rank{rank}_alone_s"] = timed(lambda r=rank: fast_once((r,)), args.repeat)
         out[f"fast_rank{rank}_alone_phases"] = dict(phases)
-    group = fastpath_client_module.COPY_GROUP_LAYERS
+    group = rangecopy.COPY_GROUP_LAYERS
     for layers in (32, 8):
-        fastpath_client_module.COPY_GROUP_LAYERS = layers
+        rangecopy.COPY_GROUP_LAYERS = layers
         out[f"fast_group{layers}_s"] = timed(fast_once, args.repeat)
-    fastpath_client_module.COPY_GROUP_LAYERS = group
+    rangecopy.COPY_GROUP_LAYERS = group
     fastpath_client_module.DIRECT_DESCRIPTORS = False
     out["fast_bulk_channel_s"] = timed(fast_once, args.repeat)
     out["fast_bulk_channel_phases"] = dict(phases)
@@ -215,10 +216,10 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out["fast_any_prepare_order_s"] = timed(fast_once, args.repeat)
     out["fast_any_prepare_order_phases"] = dict(phases)
     CopyOrder.may_prepare = may_prepare
-    last_min = fastpath_client_module.LAST_GROUP_MIN_LAYERS
-    fastpath_client_module.LAST_GROUP_MIN_LAYERS = 1 << 10
+    last_min = rangecopy.LAST_GROUP_MIN_LAYERS
+    rangecopy.LAST_GROUP_MIN_LAYERS = 1 << 10
     out["fast_last_group_whole_s"] = timed(fast_once, args.repeat)
-    fastpath_client_module.LAST_GROUP_MIN_LAYERS = last_min
+    rangecopy.LAST_GROUP_MIN_LAYERS = last_min
     devcopy._Runtime._loaded = False  # the CUDA runtime bound again, letting the GIL go
     devcopy.KEEP_GIL = False
     out["fast_gil_released_s"] = timed(fast_once, args.repeat)
@@ -334,9 +335,9 @@ def host_times(fetch_rank, rank, repeat: int = 5) -> dict:
     spent: dict = {}
     targets = [(poolcopy.PlannedCopy, "plan"), (poolcopy.PlannedCopy, "issue"),
                (fastpath_module.Descriptor, "decode"), (fastpath_module.Descriptor, "sealed_by"),
-               (fastpath_client_module.FastPath, "_copy"), (fastpath_client_module.FastPath, "_finish"),
-               (fastpath_client_module, "_Prepared"), (fastpath_client_module, "_mismatch"),
-               (fastpath_client_module.PageDigest, "add"), (fastpath_client_module.PageDigest, "total"),
+               (fastpath_client_module, "copy_range"), (fastpath_client_module.FastPath, "_finish"),
+               (fastpath_client_module, "Prepared"), (fastpath_client_module, "_mismatch"),
+               (rangecopy.PageDigest, "add"), (rangecopy.PageDigest, "total"),
                (sidestreams.Streams, "digesting"), (sidestreams.Streams, "sync")]
     fetch_rank(rank)  # once untimed: what a first call loads (the CUDA runtime's binding) is not counted
     saved = [(owner, name, owner.__dict__[name]) for owner, name in targets]

@@ -45,9 +45,10 @@ from transfer.fastpath import (
     remove_shared_pool,
     shared_cpu_pool,
 )
-from transfer.fastpath_client import DigestMismatch, FastPath, copy_groups
+from transfer.fastpath_client import DigestMismatch, FastPath
 from transfer.poolcopy import copy_pages, page_runs
 from transfer.progress import LayerProgress, PrefillFailed
+from transfer.rangecopy import copy_groups
 from transfer.server import KVTransferService, serve
 from transfer.sources import TensorPageSource
 from transfer.wire import frame_chunk
@@ -303,7 +304,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
         def total(self, first=None, last=None):
             return torch.tensor(12345)
 
-    monkeypatch.setattr("transfer.fastpath_client.PageDigest", WrongDigest)
+    monkeypatch.setattr("transfer.rangecopy.PageDigest", WrongDigest)
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)

@@ -162,7 +162,7 @@ def test_a_digest_that_never_matches_falls_back_to_grpc(checkpoint, monkeypatch)
     with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
         assert _tokens(decode.endpoint) == expected  # the fast path, digests matching
         assert {decode.fastpath.transport(e) for e in prefill.topology.endpoints} == {"shm"}
-        monkeypatch.setattr("transfer.fastpath_client.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
+        monkeypatch.setattr("transfer.rangecopy.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
         failures = decode.metrics.failures.labels(cause="fastpath_digest")
         before = failures.value
         assert _tokens(decode.endpoint, request_id="mismatch") == expected

@@ -20,14 +20,13 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 
-from kernels.page_digest import PageDigest
 from proto import lanekv_pb2
 from transfer.client import FETCH_METHOD, KVClient
 from transfer.contract import Agreement
 from transfer.copyorder import CopyOrder
 from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath import CUDA_IPC, SHM, Descriptor, PoolHandle, as_u64, host_id, open_pool
-from transfer.poolcopy import PlannedCopy, copy_pages, page_runs
+from transfer.rangecopy import Prepared, copy_range
 from transfer.server import EPOCH_METADATA_KEY
 from transfer.sidestreams import Streams, StreamSet, streams_for
 from transfer.wire import kv_dtype
@@ -40,14 +39,6 @@ PagesFor = Callable[[Sequence[int]], list[int]]
 OnCopied = Callable[[Sequence[int], int, int], None]
 
 
-# Layers per copy of a range between GPUs: each group's digest runs while the
-# next groups are copied (8: four groups of a 32-layer range; on 2x H200,
-# 4 GiB: 8.8 ms against 9.6 ms for one group and 12.0 ms for groups of 4,
-# where host work per group became the limit).
-COPY_GROUP_LAYERS = 8
-# The last group is cut in halves down to this many layers: what is left after
-# the last copy is the digest of the last group and its trip to the host.
-LAST_GROUP_MIN_LAYERS = 2
 # Descriptors on a channel of their own, read by the fetching thread (``KVClient.channel(direct=True)``).
 DIRECT_DESCRIPTORS = True
 
@@ -212,13 +203,13 @@ class FastPath:
                 order.may_prepare(rank, deadline - time.monotonic())
                 # Where the asked pages go here, and a digest of them over every layer
                 # that each range of them adds its layers to (made after early copies).
-                ready = _Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
+                ready = Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
                 if guess is None:
                     ready.make()
                 early = None
                 if guess is not None:
                     order.turn(rank, deadline - time.monotonic())
-                    early = (guess, self._copy(src, guess, ready.dst, dst_pool, streams, ready))
+                    early = (guess, copy_range(src, guess, ready.dst, dst_pool, streams, ready, ps))
                     times["issued"] = time.perf_counter()
                     order.done(rank)
                 order.prepared(rank)
@@ -249,7 +240,7 @@ class FastPath:
 
     def _receive(self, call, endpoint: str, rank: int, request_id: str, asked: set[int], src: torch.Tensor,
                  dst_pool: torch.Tensor, pages_for: PagesFor, streams: Streams,
-                 times: dict[str, float], ready: _Prepared, order: CopyOrder, deadline: float,
+                 times: dict[str, float], ready: Prepared, order: CopyOrder, deadline: float,
                  early: tuple[Descriptor, tuple[torch.Tensor, int]] | None) -> list[_Range]:
         """The stream's ranges up to the last layer's, each announced then sealed, checked.
 
@@ -297,7 +288,7 @@ class FastPath:
                         if last:
                             order.turn(rank, deadline - time.monotonic())
                         for r, dst in todo:
-                            copied[r.seq] = self._copy(src, r, dst, dst_pool, streams, ready)
+                            copied[r.seq] = copy_range(src, r, dst, dst_pool, streams, ready, a.page_size)
                         todo.clear()
                         times["issued"] = time.perf_counter()
                         if last:
@@ -316,46 +307,6 @@ class FastPath:
         raise CorruptChunk(request_id, rank, len(sealed), f"was not sent: the stream ended after layer {layer} "
                            f"of {a.num_layers}")
 
-    def _copy(self, src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch.Tensor,
-              streams: Streams, ready: _Prepared) -> tuple[torch.Tensor, int]:
-        """Queue the copy of a range and the digest of what it copied (a 0-dim tensor on the
-        device); also how many runs of consecutive pages it copied.
-
-        On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers, all queued
-        before any host work of the digests, and each group's digest runs on a
-        stream of its own as soon as that group is copied, so digesting hides
-        under the copies still running; the groups' digests add up to the
-        range's (each layer is digested at its place among all layers). The
-        copies go on the streams planned with them.
-        """
-        ps = self._agreement.page_size
-        planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
-        if planned is None:  # CPU pools or scattered pages: the range in one go, then its digest
-            copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
-            digest = ready.digest if d.pages == ready.pages else self._digest(d, dst, dst_pool, streams)
-            with streams.digesting():
-                digest.add(d.layer_start, d.layer_end)
-                return digest.total(d.layer_start, d.layer_end), len(page_runs(d.physical, dst))
-        groups = copy_groups(d.layer_start, d.layer_end, COPY_GROUP_LAYERS, LAST_GROUP_MIN_LAYERS)
-        marks = []
-        for first, last in groups:
-            planned.issue(first, last)  # on the copy streams chosen when planned
-            marks.append(streams.mark())
-        digest = ready.digest if d.pages == ready.pages else self._digest(d, dst, dst_pool, streams)
-        with streams.digesting(wait=False) as after:
-            for (first, last), mark in zip(groups, marks):
-                after(mark)
-                digest.add(first, last)
-            return digest.total(d.layer_start, d.layer_end), planned.runs
-
-    def _digest(self, d: Descriptor, dst: list[int], dst_pool: torch.Tensor, streams: Streams) -> PageDigest:
-        """A digest of the range's pages here. Made on the digest stream, which alone uses
-        it: memory made on a copy stream could be handed out again there while a digest
-        still reads it."""
-        with streams.digesting(wait=False):
-            return PageDigest(dst_pool, _index(dst, dst_pool), self._agreement.page_size, d.layer_start,
-                              d.layer_end, first_layer=0)
-
     @staticmethod
     def _finish(call, endpoint: str, rank: int, request_id: str, seq: int) -> None:
         """The stream's end: its status, and nothing after the last layer's range."""
@@ -364,59 +315,6 @@ class FastPath:
                 raise CorruptChunk(request_id, rank, seq, "came after the descriptor of the last layer")
         except grpc.RpcError as err:
             raise RemoteError(rank, endpoint, err.code(), err.details() or "") from err
-
-
-def copy_groups(start: int, end: int, size: int, last_min: int) -> list[tuple[int, int]]:
-    """Layers ``[start, end)`` in groups of ``size``, the last one cut in halves while a half
-    has at least ``last_min`` layers (8, 8, 8, 4, 2, 2 for 32 layers, 8 and 2)."""
-    if size < 1 or last_min < 1:
-        raise ValueError(f"size and last_min must be >= 1, got size={size}, last_min={last_min}")
-    groups = [(first, min(end, first + size)) for first in range(start, end, size)]
-    if not groups:
-        return groups
-    first, last = groups.pop()
-    while last - first >= 2 * last_min:
-        half = (last - first) // 2
-        groups.append((first, first + half))
-        first += half
-    groups.append((first, last))
-    return groups
-
-
-class _Prepared:
-    """What a fetch makes before its first descriptor: the asked pages, where they go
-    here (``dst``), and a digest of them over every layer (at their places among all
-    layers) that each range of the asked pages adds its layers to (``digest``: made
-    at first use, or by ``make``)."""
-
-    def __init__(self, pages: tuple[int, ...], dst: list[int], dst_pool: torch.Tensor, page_size: int,
-                 num_layers: int, streams: Streams) -> None:
-        self.pages, self.dst = pages, dst
-        self._made: PageDigest | None = None
-        self._args = (dst_pool, page_size, num_layers, streams)
-
-    @property
-    def digest(self) -> PageDigest:
-        if self._made is None:
-            dst_pool, page_size, num_layers, streams = self._args
-            with streams.digesting(wait=False):  # made on the digest stream, which alone uses it
-                self._made = PageDigest(dst_pool, _index(self.dst, dst_pool), page_size, 0, num_layers,
-                                        first_layer=0)
-        return self._made
-
-    def make(self) -> _Prepared:
-        self.digest  # noqa: B018 - made now, while nothing waits for it
-        return self
-
-    def discard(self) -> None:
-        """Forget the digest: the next use makes a new one."""
-        self._made = None
-
-
-def _index(pages: Sequence[int], pool: torch.Tensor) -> torch.Tensor:
-    """``pages`` as an int64 tensor on the pool's device (on the current stream)."""
-    index = torch.tensor(pages, dtype=torch.int64)
-    return index.pin_memory().to(pool.device, non_blocking=True) if pool.is_cuda else index
 
 
 class _Range(NamedTuple):
