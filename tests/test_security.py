@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.tls import CertSet, make_certs
+from transfer.client import KVClient
 from transfer.security import (
     SecurityConfig,
     add_security_args,
@@ -209,3 +210,21 @@ def test_from_args_reads_the_token_from_a_file_or_the_environment(certs: CertSet
         SecurityConfig.from_args(parser.parse_args(["--auth-token-file", str(token_file)]))
     with pytest.raises(ValueError, match="auth_token_file"):
         SecurityConfig.from_args(parser.parse_args(["--auth-token-file", "f", "--auth-token-env", "E"]))
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_direct_channels_carry_the_token(certs: CertSet, tls: bool) -> None:
+    # The fast path's descriptor streams run on KVClient.channel(direct=True)
+    # (gRPC's single-threaded unary-stream mode): the token rides there too.
+    server = SecurityConfig(token=TOKEN, **(dict(tls_cert=certs.server.cert, tls_key=certs.server.key) if tls else {}))
+    with serving(server) as port:
+        for token, works in ((TOKEN, True), (None, False)):
+            client = SecurityConfig(token=token, **(dict(tls_ca=certs.ca) if tls else {}))
+            with KVClient(client) as kv:
+                call = kv.channel(f"127.0.0.1:{port}", direct=True).unary_stream(REPEAT)(b"d", timeout=TIMEOUT_S)
+                if works:
+                    assert list(call) == [b"d"] * 3
+                else:
+                    with pytest.raises(grpc.RpcError) as caught:
+                        list(call)
+                    assert caught.value.code() == Code.UNAUTHENTICATED
