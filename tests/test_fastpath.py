@@ -613,17 +613,22 @@ def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device)
     assert "big" not in source._written
 
 
+def _waits_for(wait, release, why: str) -> None:
+    """``wait()`` (in a thread) does not return before ``release()``, and does after it."""
+    returned = threading.Event()
+    waiter = threading.Thread(target=lambda: (wait(), returned.set()))
+    waiter.start()
+    assert not returned.wait(0.2), why
+    release()
+    assert returned.wait(5.0)
+    waiter.join()
+
+
 def test_copy_order_puts_ranks_with_pools_on_other_devices_first():
     here, away = torch.zeros(1), torch.zeros(1, device="meta")
     order = CopyOrder.for_pools({0: here, 1: away}, here.device)
     order.turn(1, 0.0)  # goes first: no wait
-    waited = threading.Event()
-    waiter = threading.Thread(target=lambda: (order.turn(0, 10.0), waited.set()))
-    waiter.start()
-    assert not waited.wait(0.2), "rank 0 queued its copies before rank 1 did"
-    order.done(1)
-    assert waited.wait(5.0)
-    waiter.join()
+    _waits_for(lambda: order.turn(0, 10.0), lambda: order.done(1), "rank 0 queued its copies before rank 1 did")
     for pools in ({0: here, 1: here}, {0: away, 1: away}):  # all alike: nobody waits
         t0 = time.monotonic()
         CopyOrder.for_pools(pools, here.device).turn(0, 10.0)
@@ -635,25 +640,14 @@ def test_copy_order_puts_ranks_with_pools_on_other_devices_first():
     order = CopyOrder.for_pools({0: here, 1: away, 2: here}, here.device)
     order.done(1)
     order.done(0)
-    queued = threading.Event()
-    waiter = threading.Thread(target=lambda: (order.all_queued(10.0), queued.set()))
-    waiter.start()
-    assert not queued.wait(0.2), "rank 0 waited for its copies before rank 2 queued its own"
-    order.done(2)
-    assert queued.wait(5.0)
-    waiter.join()
+    _waits_for(lambda: order.all_queued(10.0), lambda: order.done(2),
+               "rank 0 waited for its copies before rank 2 queued its own")
 
 
 def test_ranks_that_go_first_prepare_first():
     order = CopyOrder([1], [0, 1, 2])
     order.may_prepare(1, 0.0)  # goes first: no wait
-    preparing = threading.Event()
-    waiter = threading.Thread(target=lambda: (order.may_prepare(0, 10.0), preparing.set()))
-    waiter.start()
-    assert not preparing.wait(0.2), "rank 0 prepared before rank 1 had"
-    order.prepared(1)
-    assert preparing.wait(5.0)
-    waiter.join()
+    _waits_for(lambda: order.may_prepare(0, 10.0), lambda: order.prepared(1), "rank 0 prepared before rank 1 had")
     order = CopyOrder([1], [0, 1])
     order.done(1)  # a first rank that ended before preparing lets the others go on
     t0 = time.monotonic()

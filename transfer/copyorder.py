@@ -51,33 +51,32 @@ class CopyOrder:
     def may_prepare(self, rank: int, timeout: float) -> None:
         """Return when ``rank`` may make what it makes before its first message (at once
         for the ranks that go first)."""
-        if rank in self._first:
-            return
-        with self._cond:
-            self._cond.wait_for(lambda: not self._preparing, max(0.0, timeout))
+        if rank not in self._first:
+            self._until_empty(self._preparing, timeout)
 
     def prepared(self, rank: int) -> None:
         """``rank`` made what it makes before its first message."""
-        with self._cond:
-            self._preparing.discard(rank)
-            self._cond.notify_all()
+        self._leave(rank, self._preparing)
 
     def turn(self, rank: int, timeout: float) -> None:
         """Return when ``rank`` may queue its copies (at once for the ranks that go first)."""
-        if rank in self._first:
-            return
-        with self._cond:
-            self._cond.wait_for(lambda: not self._first_left, max(0.0, timeout))
+        if rank not in self._first:
+            self._until_empty(self._first_left, timeout)
 
     def done(self, rank: int) -> None:
         """``rank`` queued its copies, or its fetch ended without them."""
-        with self._cond:
-            self._preparing.discard(rank)
-            self._first_left.discard(rank)
-            self._left.discard(rank)
-            self._cond.notify_all()
+        self._leave(rank, self._preparing, self._first_left, self._left)
 
     def all_queued(self, timeout: float) -> None:
         """Return once every rank has queued its copies or ended (or at ``timeout``)."""
+        self._until_empty(self._left, timeout)
+
+    def _until_empty(self, ranks: set[int], timeout: float) -> None:
         with self._cond:
-            self._cond.wait_for(lambda: not self._left, max(0.0, timeout))
+            self._cond.wait_for(lambda: not ranks, max(0.0, timeout))
+
+    def _leave(self, rank: int, *sets: set[int]) -> None:
+        with self._cond:
+            for ranks in sets:
+                ranks.discard(rank)
+            self._cond.notify_all()
