@@ -37,6 +37,8 @@ log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 # How long a fast-path attach to one rank may take before that rank goes over gRPC.
 ATTACH_TIMEOUT_S = 5.0
+# How long a stopped fast-path fetch waits for its ranks' threads (each syncs its copies as it fails).
+STOP_WAIT_S = 10.0
 # How long a failed fetch waits to learn whether the prefill failed (and report that instead).
 _PREFILL_VERDICT_S = 5.0
 # A rank's status after every try that says it (or the path to it) is down for now.
@@ -136,6 +138,8 @@ class FastFetches:
         self.stats: dict[int, RankStats] = {}
         self._errors: dict[int, BaseException] = {}
         self._calls: list[Any] = []
+        self._stopped = False
+        self._lock = threading.Lock()
         self._d, self._call, self._deadline = d, call, deadline
         self._physical_of = d.prefill_contract.topology.physical_of if written else None
         self._order = CopyOrder.for_pools(shared, d.pool.tensor.device)
@@ -154,12 +158,20 @@ class FastFetches:
             got = d.fastpath.fetch(
                 endpoint, rank, pool, call.spec.request_id, call.fingerprint, pages, d.pool.tensor,
                 call.table.physical_pages_for, placed, epoch=call.epoch,
-                timeout=max(0.001, self._deadline - time.monotonic()), on_call=self._calls.append,
+                timeout=max(0.001, self._deadline - time.monotonic()), on_call=self._on_call,
                 order=self._order,
                 expect=None if self._physical_of is None else [self._physical_of(p) for p in pages])
             self.stats[rank] = RankStats(got.bytes, got.chunks, got.seconds)
         except BaseException as err:  # noqa: BLE001 - reported by join
             self._errors[rank] = err
+            self._order.done(rank)  # also when it failed before its fetch began
+
+    def _on_call(self, call: Any) -> None:
+        with self._lock:
+            self._calls.append(call)
+            stopped = self._stopped
+        if stopped:  # a rank that called after stop()
+            call.cancel()
 
     def join(self, deadline: float) -> list[int]:
         """Wait for every rank; the ranks to fetch again over gRPC (a digest did not match)."""
@@ -182,7 +194,15 @@ class FastFetches:
                 raise Refusal(Code.INTERNAL, f"fast-path KV copy from rank {rank}: {type(err).__name__}: {err}")
         return again
 
-    def stop(self) -> None:
-        """Cancel the streams still open (another part of the fetch failed)."""
-        for stream in list(self._calls):
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Cancel the streams still open (another part of the fetch failed) and wait up to
+        ``wait_s`` for the ranks' threads: a rank's copies, made before its first
+        message, may still be running, and the caller frees the pages they fill."""
+        with self._lock:
+            self._stopped = True
+            calls = list(self._calls)
+        for stream in calls:
             stream.cancel()
+        until = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, until - time.monotonic()))

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 import uuid
+from types import SimpleNamespace
 
 import grpc
 import msgpack
@@ -27,6 +28,7 @@ import torch
 
 import kernels.page_digest as page_digest_module
 import transfer.fastpath as fastpath
+from decode.remote import FastFetches
 from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import PageDigest, kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
@@ -51,6 +53,7 @@ from transfer.progress import LayerProgress, PrefillFailed
 from transfer.rangecopy import copy_groups
 from transfer.server import KVTransferService, serve
 from transfer.sources import TensorPageSource
+from transfer.status import Refusal
 from transfer.wire import frame_chunk
 
 Code = grpc.StatusCode
@@ -214,8 +217,8 @@ def rank():
         remove_shared_pool(path)
 
 
-def _fill(pool: torch.Tensor, physical: list[int], layer: int) -> None:
-    g = torch.Generator().manual_seed(layer)
+def _fill(pool: torch.Tensor, physical: list[int], layer: int, seed: int | None = None) -> None:
+    g = torch.Generator().manual_seed(layer if seed is None else seed)
     pool[layer, :, rows_of(physical)] = torch.randn(2, len(physical) * PAGE, 2, 8, generator=g).half()
 
 
@@ -310,16 +313,17 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
                    epoch=None, timeout=30)
 
 
-def _early_fetch(rank, pages, expect, written_after: float | None):
-    """Fetch "req" (``pages``: (logical, physical)) with ``expect``; with ``written_after``
-    the prefill writes every layer only that many seconds after the fetch began, and
-    the destination is looked at just before. The destination, what it held then, the
-    fetch's error."""
+def _early_fetch(rank, monkeypatch, pages, expect):
+    """Fetch "req" (``pages``: (logical, physical), their layers not written yet) with
+    ``expect``; once the fetch reads its stream, look at the destination, then write
+    every layer. The destination, what it held then, the fetch's error."""
     source, pool, endpoint, agreement, kv = rank
     progress = LayerProgress(LAYERS)
     for layer in range(LAYERS):
         _fill(pool, [p for _, p in pages], layer)
     source.add("req", pages, progress)
+    reading, receive = threading.Event(), FastPath._receive
+    monkeypatch.setattr(FastPath, "_receive", lambda *args: (reading.set(), receive(*args))[1])
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
     dst = torch.full((LAYERS, 2, len(pages) * PAGE, 2, 8), -1.0, dtype=torch.float16)
@@ -336,7 +340,7 @@ def _early_fetch(rank, pages, expect, written_after: float | None):
 
     fetching = threading.Thread(target=fetch)
     fetching.start()
-    time.sleep(written_after or 0.0)
+    assert reading.wait(10)
     before = dst.clone()
     for layer in range(LAYERS):
         progress.layer_written(layer)
@@ -344,22 +348,25 @@ def _early_fetch(rank, pages, expect, written_after: float | None):
     return dst, before, errors
 
 
-def test_pages_of_a_finished_prefill_are_copied_before_the_announcement(rank):
+def test_pages_of_a_finished_prefill_are_copied_before_the_announcement(rank, monkeypatch):
     pool = rank[1]
     pages = [(p, 7 - p) for p in range(4)]
-    dst, before, errors = _early_fetch(rank, pages, [7 - p for p, _ in pages], written_after=0.5)
+    dst, before, errors = _early_fetch(rank, monkeypatch, pages, [7 - p for p, _ in pages])
     want = pool[:, :, rows_of([phys for _, phys in pages])]
     assert errors == []
     assert torch.equal(before, want), "not copied until the rank announced the layers"
     assert torch.equal(dst, want)
 
 
-def test_pages_expected_elsewhere_are_copied_again_from_where_the_rank_says(rank, caplog):
+def test_pages_expected_elsewhere_are_copied_again_from_where_the_rank_says(rank, monkeypatch, caplog):
     pool = rank[1]
     pages = [(p, 7 - p) for p in range(4)]
+    for layer in range(LAYERS):  # other bytes where the caller wrongly expects the pages
+        _fill(pool, [0, 1, 2, 3], layer, seed=100 + layer)
     with caplog.at_level(logging.INFO, logger="lanekv.transfer"):
-        dst, _, errors = _early_fetch(rank, pages, [p for p, _ in pages], written_after=None)
-    assert errors == []
+        dst, before, errors = _early_fetch(rank, monkeypatch, pages, [p for p, _ in pages])
+    assert errors == []  # the ranges copied again are checked on their own
+    assert torch.equal(before, pool[:, :, rows_of([0, 1, 2, 3])])  # the early copy took the wrong places
     assert torch.equal(dst, pool[:, :, rows_of([phys for _, phys in pages])])
     assert any("copying again" in r.getMessage() for r in caplog.records)
 
@@ -394,23 +401,25 @@ def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank, monkeypat
     assert len(errors) == 1 and isinstance(errors[0], DigestMismatch), errors
 
 
-def test_an_early_copy_then_a_prefill_announced_layer_by_layer_is_copied_again(rank):
-    pool = rank[1]
-    pages = [(p, p) for p in range(3)]
-    source, progress = rank[0], LayerProgress(LAYERS)
-    source.add("req", pages, progress)
-    fast = FastPath(rank[4], rank[3], transports=[SHM])
-    shared = fast.pool(rank[2], None, 10)
+def test_an_early_copy_then_a_prefill_announced_layer_by_layer_is_copied_again(rank, monkeypatch):
+    source, pool, endpoint, agreement, kv = rank
+    progress = LayerProgress(LAYERS)
+    source.add("req", [(p, p) for p in range(3)], progress)
+    asked, ready = threading.Event(), source.ready
+    monkeypatch.setattr(source, "ready", lambda *args: (asked.set(), ready(*args))[1])
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
     got = []
     fetching = threading.Thread(target=lambda: got.append(fast.fetch(
-        rank[2], 0, shared, "req", rank[3].fingerprint, [0, 1, 2], dst, list, lambda *a: None, epoch=None,
+        endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list, lambda *a: None, epoch=None,
         timeout=30, expect=[0, 1, 2])))
     fetching.start()
-    for layer in range(LAYERS):  # the rank announces each layer as it is written
-        time.sleep(0.1)
+    assert asked.wait(10)  # the rank waits for layer 0
+    for layer in range(LAYERS):  # and announces each layer as it is written
         _fill(pool, [0, 1, 2], layer)
         progress.layer_written(layer)
+        time.sleep(0.1)
     fetching.join(30)
     assert len(got) == 1 and got[0].chunks > 1  # fetched without an error, in more than one range
     assert torch.equal(dst, pool[:, :, rows_of([0, 1, 2])])
@@ -419,6 +428,8 @@ def test_an_early_copy_then_a_prefill_announced_layer_by_layer_is_copied_again(r
 @pytest.mark.parametrize("expect,words", [
     ([0, 1], "2 places for 3 pages"),
     ([0, 1, 99], "outside the shared pool"),
+    ([0, 1, -1], "outside the shared pool"),
+    ([0, 1, 1], "a place twice"),
 ])
 def test_bad_expected_places_are_refused_before_any_call(rank, expect, words):
     source, _, endpoint, agreement, kv = rank
@@ -658,7 +669,7 @@ def test_ranks_that_go_first_prepare_first():
     assert 0.15 < time.monotonic() - t0 < 5.0
 
 
-def test_descriptors_come_on_a_direct_channel_that_a_cancel_ends(rank):
+def test_descriptors_come_on_a_direct_channel_that_a_cancel_ends(rank, monkeypatch):
     source, _, endpoint, agreement, kv = rank
     assert kv.channel(endpoint, direct=True) is kv.channel(endpoint, direct=True)
     assert kv.channel(endpoint, direct=True) is not kv.channel(endpoint)
@@ -666,17 +677,24 @@ def test_descriptors_come_on_a_direct_channel_that_a_cancel_ends(rank):
     source.add("req", [(0, 0)], progress)
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
+    asked_for, channel = [], kv.channel
+    monkeypatch.setattr(kv, "channel", lambda *a, **k: (asked_for.append(k.get("direct", False)), channel(*a, **k))[1])
     dst = torch.zeros(LAYERS, 2, PAGE, 2, 8, dtype=torch.float16)
-    calls = []
-    threading.Timer(0.3, lambda: [c.cancel() for c in calls]).start()  # as FastFetches.stop does
     t0 = time.monotonic()
-    with pytest.raises(RemoteError, match="CANCELLED"):
+    with pytest.raises(RemoteError, match="CANCELLED"):  # cancelled from another thread, as FastFetches.stop does
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
-                   epoch=None, timeout=30, on_call=calls.append)
+                   epoch=None, timeout=30, on_call=lambda call: threading.Timer(0.3, call.cancel).start())
     assert time.monotonic() - t0 < 10.0
+    assert asked_for == [True]
+    # A stuck connection is left behind: a fetch that runs out of time gets the next one a new channel.
+    before = channel(endpoint, direct=True)
+    with pytest.raises(RemoteError, match="DEADLINE_EXCEEDED"):
+        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
+                   epoch=None, timeout=0.5)
+    assert channel(endpoint, direct=True) is not before
     kv.close()
     with pytest.raises(TransferError, match="closed"):
-        kv.channel(endpoint, direct=True)
+        channel(endpoint, direct=True)
 
 
 def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):
@@ -740,3 +758,66 @@ def test_releasing_one_request_of_a_prefill_batch_leaves_the_others_streaming(ra
     threads[1].join(30)
     assert not isinstance(outcome.get("b"), Exception), outcome["b"]
     assert torch.equal(dest, pool[:, :, rows_of([2, 3])])
+
+
+# -- the decode daemon's fetches of several ranks (decode.remote.FastFetches) --------------
+
+
+class _Call:
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+
+def _fast_fetches(fetch, pools, *, physical_of=None):
+    """FastFetches over a stand-in FastPath whose ``fetch`` is ``fetch``."""
+    d = SimpleNamespace(fastpath=SimpleNamespace(fetch=fetch), pool=SimpleNamespace(tensor=torch.zeros(1)),
+                        prefill_contract=SimpleNamespace(topology=SimpleNamespace(physical_of=physical_of)))
+    call = SimpleNamespace(spec=SimpleNamespace(request_id="req"), fingerprint="f" * 64, epoch=None,
+                           table=SimpleNamespace(physical_pages_for=list))
+    return FastFetches(d, call, pools, ["127.0.0.1:1"] * len(pools), {r: [r] for r in pools}, lambda *a: None,
+                       time.monotonic() + 30, written=physical_of is not None)
+
+
+def test_stopped_fast_fetches_cancel_late_calls_and_wait_for_their_threads():
+    ended = []
+
+    def fetch(endpoint, rank, *args, on_call, **kw):
+        if rank == 1:
+            time.sleep(0.3)  # calls after stop()
+        call = _Call()
+        on_call(call)
+        call.cancelled.wait(10)
+        time.sleep(0.2)  # its copies settle
+        ended.append(rank)
+        raise RemoteError(rank, endpoint, grpc.StatusCode.CANCELLED, "cancelled")
+
+    fast = _fast_fetches(fetch, {0: torch.zeros(1), 1: torch.zeros(1)})
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    fast.stop(wait_s=5.0)
+    assert sorted(ended) == [0, 1], "stop() returned while a rank's fetch still ran"
+    assert time.monotonic() - t0 < 4.0  # rank 1's late call was cancelled as it was made
+
+
+def test_a_rank_that_fails_before_its_fetch_gives_its_turn_away():
+    waited = {}
+
+    def fetch(endpoint, rank, *args, order, **kw):
+        t0 = time.monotonic()
+        order.may_prepare(rank, 5.0)
+        waited[rank] = time.monotonic() - t0
+        return SimpleNamespace(bytes=0, chunks=0, seconds=0.0)
+
+    def physical_of(page):
+        if page == 1:
+            raise ValueError("page 1: no place")
+        return page
+
+    # Rank 1's pool is on another device: it goes first, and fails before its fetch.
+    fast = _fast_fetches(fetch, {0: torch.zeros(1), 1: torch.zeros(1, device="meta")}, physical_of=physical_of)
+    with pytest.raises(Refusal, match="no place"):
+        fast.join(time.monotonic() + 10)
+    assert waited[0] < 2.0, "rank 0 waited for a rank that had failed"

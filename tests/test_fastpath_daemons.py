@@ -137,19 +137,19 @@ def test_a_prefill_that_answered_is_copied_before_the_ranks_announce_it(checkpoi
         self.done()  # the prefill's last message comes before the fetch starts
         return first
 
-    expected_places = []
-    fetch = FastPath.fetch
+    copied_early = []  # per rank: whether its copies were made before it read its first message
+    receive = FastPath._receive
 
-    def fetch_and_note(self, *args, **kw):
-        expected_places.append(kw.get("expect"))
-        return fetch(self, *args, **kw)
+    def receive_and_note(self, *args):
+        copied_early.append(args[-1] is not None)
+        return receive(self, *args)
 
     monkeypatch.setattr(PrefillCall, "started", answered_first)
-    monkeypatch.setattr(FastPath, "fetch", fetch_and_note)
+    monkeypatch.setattr(FastPath, "_receive", receive_and_note)
     with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
         with caplog.at_level(logging.INFO, logger="lanekv.transfer"):
             assert _tokens(decode.endpoint) == expected
-        assert len(expected_places) == 2 and None not in expected_places  # both ranks copied early
+        assert copied_early == [True, True]
         assert not [r for r in caplog.records if "copying again" in r.getMessage()]  # at the right places
         assert decode.metrics.failures.labels(cause="fastpath_digest").value == 0
         assert wait_until(lambda: prefill.leases.held() == {})

@@ -164,25 +164,28 @@ class KVClient:
             self._check_open()
             channels = self._direct if direct else self._channels
             if endpoint not in channels:
-                options = channel_options() + ([(DIRECT_READ_OPTION, 1)] if direct else [])
-                channels[endpoint] = open_channel(endpoint, self.security, options)
+                channels[endpoint] = self._open(endpoint, direct)
             return channels[endpoint]
 
-    def reconnect(self, endpoint: str, stale: grpc.Channel | None) -> grpc.Channel:
+    def reconnect(self, endpoint: str, stale: grpc.Channel | None, *, direct: bool = False) -> grpc.Channel:
         """A channel on a new connection in place of ``stale`` (unless another call replaced it already)."""
         closing = []
         with self._lock:
             self._check_open()
-            current = self._channels.get(endpoint)
+            channels = self._direct if direct else self._channels
+            current = channels.get(endpoint)
             if current is None or current is stale:
                 if current is not None:
                     self._retired.append(current)
                     while len(self._retired) > MAX_RETIRED_CHANNELS:
                         closing.append(self._retired.popleft())
-                current = self._channels[endpoint] = open_channel(endpoint, self.security, channel_options())
+                current = channels[endpoint] = self._open(endpoint, direct)
         for channel in closing:
             channel.close()
         return current
+
+    def _open(self, endpoint: str, direct: bool) -> grpc.Channel:
+        return open_channel(endpoint, self.security, channel_options() + ([(DIRECT_READ_OPTION, 1)] if direct else []))
 
     def _check_open(self) -> None:
         # A retry must not open a channel that nobody would close.

@@ -11,10 +11,11 @@ caller's pages and checks the digest of every copied chunk
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -171,18 +172,13 @@ class FastPath:
         start = time.perf_counter()
         a, ps = self._agreement, self._agreement.page_size
         asked = set(pages)
-        guess = None  # every layer of the pages where the caller expects them
-        if expect is not None:
-            if not pages or len(expect) != len(pages):
-                raise ValueError(f"expect names {len(expect)} places for {len(pages)} pages")
-            guess = Descriptor(request_id, rank, 0, 0, a.num_layers, tuple(pages), tuple(expect), None)
-            bad = _mismatch(guess, request_id, rank, 0, asked, src.shape[2] // ps, a.num_layers)
-            if bad:
-                raise ValueError(f"expect {bad}")
+        guess = None if expect is None else _guess(request_id, rank, pages, expect, src.shape[2] // ps,
+                                                   a.num_layers)
         request = lanekv_pb2.FetchRequest(request_id=request_id, fingerprint=fingerprint, layer_start=0,
                                           layer_end=a.num_layers, pages=list(pages), descriptors=True)
         metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
-        stream = self._kv.channel(endpoint, direct=DIRECT_DESCRIPTORS).unary_stream(
+        channel = self._kv.channel(endpoint, direct=DIRECT_DESCRIPTORS)
+        stream = channel.unary_stream(
             FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
             response_deserializer=lanekv_pb2.KVChunk.FromString)
         calls: list[Any] = []
@@ -199,7 +195,7 @@ class FastPath:
         try:
             call = call_rank()  # its round trip runs while this prepares (and copies early)
             with streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
-                    as streams:
+                    as streams, _settled(streams):
                 order.may_prepare(rank, deadline - time.monotonic())
                 # Where the asked pages go here, and a digest of them over every layer
                 # that each range of them adds its layers to (made after early copies).
@@ -222,6 +218,10 @@ class FastPath:
                 streams.sync()
                 copied_s = time.perf_counter() - start
             self._finish(call, endpoint, rank, request_id, len(received))
+        except RemoteError as err:
+            if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                self._kv.reconnect(endpoint, channel, direct=DIRECT_DESCRIPTORS)  # the connection may be stuck
+            raise
         finally:
             for call in calls:
                 call.cancel()
@@ -325,6 +325,35 @@ class _Range(NamedTuple):
     dst: list[int]
     digest: torch.Tensor
     runs: int
+
+
+@contextlib.contextmanager
+def _settled(streams: Streams) -> Iterator[None]:
+    """On an error, wait for the copies already queued: none may land in the caller's
+    pages after the fetch failed (the caller frees them)."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error that got here is the one to report
+            streams.sync()
+        raise
+
+
+def _guess(request_id: str, rank: int, pages: Sequence[int], expect: Sequence[int], src_pages: int,
+           num_layers: int) -> Descriptor:
+    """Every layer of ``pages`` at the places ``expect`` names, checked as a descriptor."""
+    if not pages or len(expect) != len(pages):
+        raise ValueError(f"expect names {len(expect)} places for {len(pages)} pages")
+    outside = [p for p in expect if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < src_pages]
+    if outside:
+        raise ValueError(f"expect names places {outside[:8]} outside the shared pool of {src_pages} pages")
+    if len(set(expect)) != len(expect):
+        raise ValueError("expect names a place twice")
+    guess = Descriptor(request_id, rank, 0, 0, num_layers, tuple(pages), tuple(expect), None)
+    bad = _mismatch(guess, request_id, rank, 0, set(pages), src_pages, num_layers)
+    if bad:
+        raise ValueError(f"expect {bad}")
+    return guess
 
 
 def _what(d: Descriptor) -> str:

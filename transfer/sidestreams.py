@@ -87,7 +87,9 @@ def streams_for(src: torch.device, dst: torch.device, made: StreamSet | None = N
     They do not wait for the devices' other streams: the destination pages
     were free before this fetch (a finished request's pages are freed after
     its last step's tokens reached the host) and the source pages were
-    written on the device before the rank announced them.
+    written on the device before the rank announced them, or before the
+    prefill answered (copies made before the announcement; the rank's digest
+    checks either).
     """
     made = StreamSet.make(src, dst) if made is None else made
     # Entering a stream also makes its device current: the destination's goes last,
