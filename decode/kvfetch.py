@@ -62,6 +62,7 @@ def check_manifest(d: DecodeDaemon, reply: lanekv_pb2.PrefillReply, spec: Any) -
         raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
     return manifest
 
+
 def fetch_kv(d: DecodeDaemon, call: Any, manifest: Manifest, endpoints: list[str], deadline: float,
              *, written: bool = False) -> FetchStats:
     """Every layer of every page of the manifest into our pages: over the fast
@@ -126,6 +127,7 @@ def fetch_kv(d: DecodeDaemon, call: Any, manifest: Manifest, endpoints: list[str
     return FetchStats(sum(s.bytes for s in per_rank.values()), sum(s.chunks for s in per_rank.values()),
                       time.perf_counter() - start, per_rank, retries)
 
+
 def _shared_pools(d: DecodeDaemon, call: Any, owners: list[int], endpoints: list[str],
                   deadline: float) -> dict[int, torch.Tensor]:
     """The pools of the owner ranks that the fast path reaches, by rank."""
@@ -135,6 +137,7 @@ def _shared_pools(d: DecodeDaemon, call: Any, owners: list[int], endpoints: list
     pools = {rank: fastpath.pool(endpoints[rank], call.epoch, min(ATTACH_TIMEOUT_S, time_left(deadline)))
              for rank in owners}
     return {rank: pool for rank, pool in pools.items() if pool is not None}
+
 
 def _grpc_fetch(d: DecodeDaemon, call: Any, endpoints: dict[int, str], pages: dict[int, list[int]], place,
                 deadline: float) -> FetchStats:

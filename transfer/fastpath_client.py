@@ -172,7 +172,7 @@ class FastPath:
         start = time.perf_counter()
         a, ps = self._agreement, self._agreement.page_size
         asked = set(pages)
-        guess = None if expect is None else _guess(request_id, rank, pages, expect, src.shape[2] // ps,
+        guess = None if expect is None else _guess(request_id, rank, pages, asked, expect, src.shape[2] // ps,
                                                    a.num_layers)
         request = lanekv_pb2.FetchRequest(request_id=request_id, fingerprint=fingerprint, layer_start=0,
                                           layer_end=a.num_layers, pages=list(pages), descriptors=True)
@@ -339,18 +339,13 @@ def _settled(streams: Streams) -> Iterator[None]:
         raise
 
 
-def _guess(request_id: str, rank: int, pages: Sequence[int], expect: Sequence[int], src_pages: int,
-           num_layers: int) -> Descriptor:
-    """Every layer of ``pages`` at the places ``expect`` names, checked as a descriptor."""
+def _guess(request_id: str, rank: int, pages: Sequence[int], asked: set[int], expect: Sequence[int],
+           src_pages: int, num_layers: int) -> Descriptor:
+    """Every layer of ``pages`` at the places ``expect`` names, checked as a descriptor is."""
     if not pages or len(expect) != len(pages):
         raise ValueError(f"expect names {len(expect)} places for {len(pages)} pages")
-    outside = [p for p in expect if isinstance(p, bool) or not isinstance(p, int) or not 0 <= p < src_pages]
-    if outside:
-        raise ValueError(f"expect names places {outside[:8]} outside the shared pool of {src_pages} pages")
-    if len(set(expect)) != len(expect):
-        raise ValueError("expect names a place twice")
     guess = Descriptor(request_id, rank, 0, 0, num_layers, tuple(pages), tuple(expect), None)
-    bad = _mismatch(guess, request_id, rank, 0, set(pages), src_pages, num_layers)
+    bad = _mismatch(guess, request_id, rank, 0, asked, src_pages, num_layers)
     if bad:
         raise ValueError(f"expect {bad}")
     return guess
@@ -369,8 +364,11 @@ def _mismatch(d: Descriptor, request_id: str, rank: int, seq: int, asked: set[in
         return f"names layers up to {d.layer_end} of {num_layers}"
     if not asked.issuperset(d.pages):
         return f"names pages {[p for p in d.pages if p not in asked][:8]} that were not asked for"
-    if max(d.physical) >= src_pages:
-        return f"names physical pages {[p for p in d.physical if p >= src_pages][:8]} outside the shared pool of {src_pages}"
+    outside = [p for p in d.physical if not 0 <= p < src_pages]
+    if outside:
+        return f"names physical pages {outside[:8]} outside the shared pool of {src_pages}"
     if len(set(d.pages)) != len(d.pages):
         return "names a page twice"
+    if len(set(d.physical)) != len(d.physical):
+        return "names a place twice in the shared pool"
     return ""

@@ -4,7 +4,7 @@ the pair, digests of what they copied on a stream of their own after them.
 ``FastPath`` keeps one ``StreamSet`` per rank (the caching allocator reuses
 the buffers it keeps for a stream); ``streams_for`` makes them current for a
 fetch, and ``Streams.digesting`` runs work on the digest stream after the
-copies queued so far.
+copies queued so far, or after those before a ``Streams.mark``.
 """
 
 from __future__ import annotations
@@ -39,27 +39,23 @@ class Streams:
         self._digest = made.digest
 
     @contextlib.contextmanager
-    def digesting(self, *, wait: bool = True) -> Iterator[Callable[..., None]]:
+    def digesting(self, *, wait: bool = True) -> Iterator[Callable[[list | None], None]]:
         """Work inside runs on the digest stream (on a GPU), after every copy queued so far
-        (on either device's stream; ``wait`` False: after none of them). The callable it
-        gives makes the digest stream wait for the copies queued since, or for those
-        before ``marks`` (from ``mark``)."""
+        on either device's stream (``wait`` False: after none of them). The callable it
+        gives makes the digest stream wait for the copies before ``marks`` (``mark``)."""
         if self._digest is None:
-            yield lambda marks=None: None
+            yield lambda marks: None
             return
 
-        def after_copies(marks: list | None = None) -> None:
-            if marks is not None:
-                for event in marks:
-                    self._digest.wait_event(event)
-                return
-            for stream in self._copy.values():
-                self._digest.wait_stream(stream)
+        def after(marks: list | None) -> None:
+            for event in marks or ():
+                self._digest.wait_event(event)
 
         with torch.cuda.device(self._dst), torch.cuda.stream(self._digest):
             if wait:
-                after_copies()
-            yield after_copies
+                for stream in self._copy.values():
+                    self._digest.wait_stream(stream)
+            yield after
 
     def mark(self) -> list | None:
         """Events at the end of the copies queued so far on each copy stream (None on the CPU)."""
