@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
 from decode.engine import DecodeEngine  # noqa: E402
 from decode.pool import PagePool, PageTable  # noqa: E402
-from prefill.checkpoint import load_dummy_model  # noqa: E402
-from prefill.sampling import SamplingParams  # noqa: E402
+from model.checkpoint import load_dummy_model  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

@@ -30,7 +30,7 @@ from decode.daemon import DecodeDaemon  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
-from transfer.status import grpc_options  # noqa: E402
+from runtime.status import grpc_options  # noqa: E402
 
 
 def generate(stub, ids: list[int], max_new: int) -> tuple[list[float], dict[str, str]]:

@@ -59,12 +59,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import grpc  # noqa: E402
 import torch  # noqa: E402
 
-import transfer.devcopy as devcopy  # noqa: E402
-import transfer.fastpath as fastpath_module  # noqa: E402
-import transfer.fastpath_client as fastpath_client_module  # noqa: E402
-import transfer.poolcopy as poolcopy  # noqa: E402
-import transfer.rangecopy as rangecopy  # noqa: E402
-import transfer.sidestreams as sidestreams  # noqa: E402
+import transfer.fastpath.client as fastpath_client_module  # noqa: E402
+import transfer.fastpath.devcopy as devcopy  # noqa: E402
+import transfer.fastpath.poolcopy as poolcopy  # noqa: E402
+import transfer.fastpath.rangecopy as rangecopy  # noqa: E402
+import transfer.fastpath.sidestreams as sidestreams  # noqa: E402
+import transfer.protocol.descriptors as fastpath_module  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
@@ -75,14 +75,14 @@ from kernels.page_digest import page_digest  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
-from transfer.client import FETCH_METHOD  # noqa: E402
-from transfer.copyorder import CopyOrder  # noqa: E402
-from transfer.fastpath import Descriptor  # noqa: E402
-from transfer.manifest import Manifest  # noqa: E402
-from transfer.poolcopy import copy_pages  # noqa: E402
-from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
-from transfer.sidestreams import streams_for  # noqa: E402
-from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
+from transfer.fastpath.poolcopy import copy_pages  # noqa: E402
+from transfer.fastpath.sidestreams import streams_for  # noqa: E402
+from transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
+from transfer.protocol.descriptors import Descriptor  # noqa: E402
+from transfer.protocol.manifest import Manifest  # noqa: E402
+from transfer.rank.service import EPOCH_METADATA_KEY  # noqa: E402
 
 
 def timed(fn, repeat: int) -> float:

@@ -59,12 +59,12 @@ from decode.placement import place_chunk  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
-from transfer.client import KVClient  # noqa: E402
-from transfer.copyorder import CopyOrder  # noqa: E402
-from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
-from transfer.manifest import Manifest  # noqa: E402
-from transfer.server import EPOCH_METADATA_KEY  # noqa: E402
-from transfer.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
+from transfer.grpcfetch.client import KVClient  # noqa: E402
+from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
+from transfer.protocol.manifest import Manifest  # noqa: E402
+from transfer.rank.service import EPOCH_METADATA_KEY  # noqa: E402
 
 
 def prompt(vocab: int, tokens: int, seed: int) -> list[int]:

@@ -17,8 +17,8 @@ import torch
 from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
 from kernels.store_kv import store_kv
-from prefill.model import CausalLM, causal_attention
-from prefill.sampling import SamplingParams, sample
+from model.llama import CausalLM, causal_attention
+from model.sampling import SamplingParams, sample
 
 
 class PrefillResult(NamedTuple):

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 
 from prefill.engine_config import DTYPES
-from transfer.client import RetryPolicy
-from transfer.security import SecurityConfig
+from runtime.security import SecurityConfig
+from transfer.grpcfetch.client import RetryPolicy
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class DecodeConfig:
     max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request
     fetch_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default
     # Processes that receive ranks' gRPC streams outside this process's GIL
-    # (transfer.receivers); None: 4 when the pool is on a GPU, else 0 (threads here).
+    # (transfer.grpcfetch.receivers); None: 4 when the pool is on a GPU, else 0 (threads here).
     fetch_processes: int | None = None
     fetch_attempts: int = 4  # tries of a rank's stream in a row that bring nothing new
     stall_timeout_s: float = 10.0  # a rank's stream silent this long is cut and retried
@@ -39,7 +39,7 @@ class DecodeConfig:
     metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
     security: SecurityConfig = SecurityConfig()  # our port, and our channels to prefill and its ranks
     # "auto": ranks on this host that share their pool are read in place
-    # (transfer.fastpath), the others over gRPC; "grpc": every rank over gRPC.
+    # (transfer.protocol.descriptors), the others over gRPC; "grpc": every rank over gRPC.
     transport: str = "auto"
 
     def __post_init__(self) -> None:
@@ -92,7 +92,7 @@ class DecodeConfig:
 
     @property
     def fetch_retry(self) -> RetryPolicy:
-        """How a KV fetch retries a rank's stream (``transfer.fetch``)."""
+        """How a KV fetch retries a rank's stream (``transfer.grpcfetch.fetch``)."""
         return RetryPolicy(attempts=self.fetch_attempts, stall_s=self.stall_timeout_s)
 
     @property

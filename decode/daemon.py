@@ -35,18 +35,18 @@ from decode.budget import PageBudget
 from decode.config import DecodeConfig
 from decode.engine import DecodeEngine
 from decode.pool import PagePool
-from lanekv.metrics import MetricsEndpoint, Registry, serve_metrics
-from lanekv.rpc_metrics import lanekv_metrics
-from prefill.checkpoint import load_checkpoint
+from model.checkpoint import load_checkpoint
 from proto import lanekv_pb2_grpc
-from transfer.client import KVClient, RemoteError, channel_options
-from transfer.contract import Agreement, LayoutContract
-from transfer.fastpath_client import FastPath
-from transfer.hostmem import keep_freed_buffers
-from transfer.security import bind, make_server, open_channel
-from transfer.server import KVTransferService, add_transfer_service
-from transfer.sources import ContractOnlySource
-from transfer.status import TRANSFER_SERVICE
+from runtime.hostmem import keep_freed_buffers
+from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
+from runtime.rpc_metrics import lanekv_metrics
+from runtime.security import bind, make_server, open_channel
+from runtime.status import TRANSFER_SERVICE
+from transfer.fastpath.client import FastPath
+from transfer.grpcfetch.client import KVClient, RemoteError, channel_options
+from transfer.protocol.contract import Agreement, LayoutContract
+from transfer.rank.service import KVTransferService, add_transfer_service
+from transfer.rank.sources import ContractOnlySource
 
 if TYPE_CHECKING:
     from decode.service import GenerateSpec, Prepared

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefill.tokenizer import Tokenizer
+from model.tokenizer import Tokenizer
 
 
 class Detokenizer:

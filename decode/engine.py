@@ -40,8 +40,8 @@ import torch
 from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from kernels.decode_attention import paged_decode_attention
 from kernels.store_kv import store_kv
-from prefill.model import CausalLM
-from prefill.sampling import SamplingParams, sample
+from model.llama import CausalLM
+from model.sampling import SamplingParams, sample
 
 FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the model's max positions

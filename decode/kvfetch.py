@@ -22,9 +22,9 @@ from decode.daemon import DecodeDaemon
 from decode.placement import place_chunk
 from decode.remote import ATTACH_TIMEOUT_S, FastFetches, transfer_refusal
 from proto import lanekv_pb2
-from transfer.client import FetchStats, RankStats, TransferError
-from transfer.manifest import Manifest
-from transfer.status import Refusal
+from runtime.status import Refusal
+from transfer.grpcfetch.client import FetchStats, RankStats, TransferError
+from transfer.protocol.manifest import Manifest
 
 Code = grpc.StatusCode
 

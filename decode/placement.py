@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.page_copy import scatter_pages
-from transfer.poolcopy import PlannedCopy
+from transfer.fastpath.poolcopy import PlannedCopy
 
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,

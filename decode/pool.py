@@ -26,7 +26,7 @@ import torch
 from kernels.kv_layout import KVCacheSpec
 
 if TYPE_CHECKING:
-    from prefill.config import ModelConfig
+    from model.config import ModelConfig
 
 
 class PoolExhausted(RuntimeError):

@@ -4,7 +4,7 @@
 first message (the pages, as soon as every owner rank can stream them) and a
 thread of its own waits for the last one (the first token), so the fetch runs
 while the prefill does. ``FastFetches`` copies the pages of ranks that share
-their pool with this daemon (``transfer.fastpath_client``), one thread per
+their pool with this daemon (``transfer.fastpath.client``), one thread per
 rank. ``transfer_refusal`` turns a transfer error into the status the
 Generate call ends with.
 """
@@ -23,11 +23,11 @@ import grpc
 import torch
 
 from proto import lanekv_pb2
-from transfer.client import CorruptChunk, RankStats, RemoteError, TransferError
-from transfer.copyorder import CopyOrder
-from transfer.fastpath_client import DigestMismatch
-from transfer.server import EPOCH_METADATA_KEY
-from transfer.status import Refusal
+from runtime.status import Refusal
+from transfer.fastpath.client import DigestMismatch
+from transfer.fastpath.copyorder import CopyOrder
+from transfer.grpcfetch.client import CorruptChunk, RankStats, RemoteError, TransferError
+from transfer.rank.service import EPOCH_METADATA_KEY
 
 if TYPE_CHECKING:
     from decode.daemon import DecodeDaemon

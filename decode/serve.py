@@ -12,10 +12,10 @@ import sys
 
 from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
-from lanekv.serving import serve_until_signal
-from transfer.client import ContractMismatch, TransferError
-from transfer.contract import format_diff
-from transfer.security import SecurityConfig
+from runtime.security import SecurityConfig
+from runtime.serving import serve_until_signal
+from transfer.grpcfetch.client import ContractMismatch, TransferError
+from transfer.protocol.contract import format_diff
 
 log = logging.getLogger("lanekv.decode")
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.

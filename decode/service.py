@@ -16,12 +16,12 @@ whatever the call holds by then is given back (``_settle``):
 4. remap and fetch, while the prefill runs (``decode.kvfetch``): one fresh
    page here per logical page of the manifest; every owner rank sends each
    layer as soon as it has written it. Ranks on this host that share their
-   pool (``transfer.fastpath``) are read in place, each copied layer
+   pool (``transfer.protocol.descriptors``) are read in place, each copied layer
    checked against the rank's digest (a mismatch fetches that rank again
    over gRPC); the others stream over gRPC, each verified chunk placed
    straight into our pages. A rank's stream that breaks, stalls or delivers
    a damaged chunk is asked again for only what is missing
-   (``transfer.fetch``); when tries run out the call ends with DATA_LOSS
+   (``transfer.grpcfetch.fetch``); when tries run out the call ends with DATA_LOSS
    (damaged chunks), UNAVAILABLE (the rank or the path to it is down),
    DEADLINE_EXCEEDED (the call's time is up) or ABORTED (the rank refused,
    e.g. NOT_FOUND after its lease expired, or the prefill failed: then the
@@ -59,11 +59,11 @@ from decode.engine import TokenEvent
 from decode.kvfetch import check_manifest, fetch_kv, time_left
 from decode.pool import PageTable, PoolExhausted
 from decode.remote import PrefillCall
-from prefill.sampling import SamplingParams
+from model.sampling import SamplingParams
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.client import FetchStats, TransferError
-from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
-from transfer.status import Refusal, refusals
+from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from runtime.status import Refusal, refusals
+from transfer.grpcfetch.client import FetchStats, TransferError
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

@@ -7,7 +7,7 @@
 
 Defaults come from the frozen config dataclasses of each role, so the CLI and
 the Python API cannot drift apart. Every subcommand takes the security options
-of ``transfer.security.add_security_args`` (TLS, mutual TLS, a shared token
+of ``runtime.security.add_security_args`` (TLS, mutual TLS, a shared token
 read from a file or an environment variable); the daemons take
 ``--metrics-port`` for Prometheus ``/metrics``.
 """
@@ -22,7 +22,7 @@ import sys
 
 from prefill.daemon import DaemonConfig
 from prefill.engine_config import DTYPES, EngineConfig
-from transfer.security import add_security_args
+from runtime.security import add_security_args
 
 # subcommand -> (module, function(args) -> exit code); imported on use so that
 # `lanekv generate` does not load torch models.

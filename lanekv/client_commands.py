@@ -3,11 +3,11 @@
 ``handshake`` reads each daemon's contract through the one RPC every daemon
 serves, ``KVTransfer.Handshake``: it sends a probe agreement that no real
 model can match, and the refusal carries the server's contract in its
-trailing metadata (``transfer.status.CONTRACT_METADATA_KEY``). Then it
+trailing metadata (``runtime.status.CONTRACT_METADATA_KEY``). Then it
 compares the two agreements here.
 
 Both speak TLS and send the token as the security options say
-(``transfer.security.add_security_args``).
+(``runtime.security.add_security_args``).
 
 Exit codes: ``generate`` 0 after a finished stream, 1 when the call failed
 (the status is printed), 2 for bad arguments; ``handshake`` 0 compatible,
@@ -22,9 +22,9 @@ import sys
 import grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.contract import Agreement, LayoutContract, diff, format_diff
-from transfer.security import SecurityConfig, open_channel
-from transfer.status import CONTRACT_METADATA_KEY
+from runtime.security import SecurityConfig, open_channel
+from runtime.status import CONTRACT_METADATA_KEY
+from transfer.protocol.contract import Agreement, LayoutContract, diff, format_diff
 
 # A well-formed agreement that differs from every real one (its digests name no code or weights).
 _PROBE = Agreement(

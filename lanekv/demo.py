@@ -61,8 +61,8 @@ def write_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from prefill.config import ModelConfig
-    from prefill.model import CausalLM
+    from model.config import ModelConfig
+    from model.llama import CausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
@@ -148,9 +148,9 @@ def generate_remote(endpoint: str, prompt: list[int], max_new_tokens: int) -> Ge
 def generate_colocated_run(args: argparse.Namespace, model_path: str, prompt: list[int]) -> list[int]:
     from decode.colocated import generate_colocated
     from decode.pool import PagePool
-    from prefill.checkpoint import load_dummy_model, load_model
+    from model.checkpoint import load_dummy_model, load_model
+    from model.sampling import SamplingParams
     from prefill.engine_config import DTYPES
-    from prefill.sampling import SamplingParams
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     load = load_dummy_model if args.load_format == "dummy" else load_model
@@ -161,8 +161,8 @@ def generate_colocated_run(args: argparse.Namespace, model_path: str, prompt: li
 
 
 def prompt_ids(args: argparse.Namespace, model_path: str) -> list[int]:
-    from prefill.config import ModelConfig
-    from prefill.tokenizer import load_tokenizer
+    from model.config import ModelConfig
+    from model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     if args.prompt is not None:

@@ -39,27 +39,27 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lanekv.metrics import MetricsEndpoint, Registry, serve_metrics
-from lanekv.rpc_metrics import lanekv_metrics
+from model.tokenizer import load_tokenizer
 from prefill.allocator import OutOfPagesError
 from prefill.batcher import Batcher
 from prefill.engine_config import EngineConfig
 from prefill.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
 from prefill.leases import LeaseTable
 from prefill.rank_worker import TransferServing
-from prefill.tokenizer import load_tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.contract import Agreement, LayoutContract, Topology
-from transfer.manifest import Manifest
-from transfer.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
-from transfer.security import SecurityConfig, bind, make_server
-from transfer.server import (
+from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
+from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from runtime.rpc_metrics import lanekv_metrics
+from runtime.security import SecurityConfig, bind, make_server
+from runtime.status import TRANSFER_SERVICE, Refusal, refusals
+from transfer.protocol.contract import Agreement, LayoutContract, Topology
+from transfer.protocol.manifest import Manifest
+from transfer.rank.service import (
     EPOCH_METADATA_KEY,
     KVTransferService,
     add_transfer_service,
 )
-from transfer.sources import ContractOnlySource
-from transfer.status import TRANSFER_SERVICE, Refusal, refusals
+from transfer.rank.sources import ContractOnlySource
 
 log = logging.getLogger("lanekv.prefill")
 Code = grpc.StatusCode

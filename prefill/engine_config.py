@@ -58,6 +58,6 @@ class EngineConfig:
 
 def load_for(config: EngineConfig, device: torch.device | str):
     """The model of ``config`` on ``device`` (weights read, or dummy ones made there)."""
-    from prefill.checkpoint import load_checkpoint
+    from model.checkpoint import load_checkpoint
 
     return load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)

@@ -5,7 +5,7 @@ KVTransfer server reads. Reads copy pages in wire order with the
 ``gather_pages`` kernel, then to the host. On a GPU they run on a stream of
 their own, after the event of the last layer they read: the prefill that
 writes later layers keeps the default stream, and a read never waits for it
-(layer-wise streaming, ``transfer.progress``). A release by the decode side is
+(layer-wise streaming, ``transfer.rank.progress``). A release by the decode side is
 reported to the parent process (``on_release``), which owns the allocator and
 the leases; an expired lease makes the rank ``forget`` the request.
 """
@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kernels.page_copy import gather_pages
-from transfer.contract import Agreement
-from transfer.sources import TensorPageSource
+from transfer.protocol.contract import Agreement
+from transfer.rank.sources import TensorPageSource
 
 
 class RankPageSource(TensorPageSource):

@@ -16,20 +16,20 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from lanekv.metrics import Registry
-from lanekv.rpc_metrics import lanekv_metrics
-from prefill.checkpoint import LoadedModel
+from model.checkpoint import LoadedModel
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from prefill.page_source import RankPageSource
 from prefill.runner import PrefillBatch, RankRunner
-from transfer.contract import Agreement, Topology
-from transfer.fastpath import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
-from transfer.hostmem import keep_freed_buffers
-from transfer.progress import LayerProgress
-from transfer.security import SecurityConfig
-from transfer.server import serve
-from transfer.status import TRANSFER_SERVICE
+from runtime.hostmem import keep_freed_buffers
+from runtime.metrics import Registry
+from runtime.rpc_metrics import lanekv_metrics
+from runtime.security import SecurityConfig
+from runtime.status import TRANSFER_SERVICE
+from transfer.protocol.contract import Agreement, Topology
+from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
+from transfer.rank.progress import LayerProgress
+from transfer.rank.service import serve
 
 # How often an idle rank checks that its parent is still alive (and reports its call counts).
 _POLL_S = 1.0
@@ -48,7 +48,7 @@ class TransferServing(NamedTuple):
     """How each rank serves KVTransfer: rank r binds ``host:port_base + r`` (any free port when 0).
 
     ``epoch`` names this start of the prefill daemon; FetchKV and Release that
-    name another start are refused (``transfer.server.EPOCH_METADATA_KEY``).
+    name another start are refused (``transfer.rank.service.EPOCH_METADATA_KEY``).
     """
 
     host: str

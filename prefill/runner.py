@@ -24,11 +24,11 @@ from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
 from kernels.rerange import rerange
 from kernels.store_kv import store_kv
+from model.llama import CausalLM
+from model.sampling import SamplingParams, sample
 from prefill.index import RankIndex, build_rank_index
 from prefill.layout import OwnerLaneLayout
-from prefill.model import CausalLM
 from prefill.plan import BatchPlan, plan_batch
-from prefill.sampling import SamplingParams, sample
 from prefill.thread_group import ThreadGroup
 
 
@@ -93,7 +93,7 @@ class RankRunner:
         self.weights_digest = ""
         self.tokenizer = None
         self.page_source = None  # prefill.page_source.RankPageSource when serving KVTransfer
-        self.transfer_server = None  # transfer.server.Served
+        self.transfer_server = None  # transfer.rank.service.Served
         self.shared_path = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
 
     @torch.inference_mode()

@@ -10,11 +10,11 @@ import argparse
 import logging
 import sys
 
-from lanekv.serving import serve_until_signal
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from prefill.launcher import RankDiedError
-from transfer.security import SecurityConfig
+from runtime.security import SecurityConfig
+from runtime.serving import serve_until_signal
 
 log = logging.getLogger("lanekv.prefill")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from model.checkpoint import LoadedModel
 from prefill.allocator import LaneAllocator
-from prefill.checkpoint import LoadedModel
 from prefill.engine_config import EngineConfig, load_for
 from prefill.launcher import PrefillEngine
 from prefill.rank_worker import build_runner, describe, handle

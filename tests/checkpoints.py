@@ -2,7 +2,7 @@
 
 Each writer saves a Hugging Face folder (``config.json``, safetensors weights,
 ``generation_config.json`` and, on request, a ``tokenizer.json``) that both
-``prefill.checkpoint.load_model`` and ``transformers`` read, so tests can hold
+``model.checkpoint.load_model`` and ``transformers`` read, so tests can hold
 the project's model against the reference implementation. Weights are a pure
 function of the arguments (a private seeded RNG), and are drawn wider than
 transformers' default init (std 0.02 leaves the logits nearly uniform) so that

@@ -20,14 +20,14 @@ import torch
 from decode.colocated import generate_colocated
 from decode.pool import PagePool
 from lanekv.cli import main as lanekv
-from prefill.checkpoint import load_model
+from model.checkpoint import load_model
+from model.sampling import SamplingParams
 from prefill.engine_config import EngineConfig
-from prefill.sampling import SamplingParams
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
-from transfer.contract import LayoutContract
-from transfer.server import serve
-from transfer.sources import TensorPageSource
+from transfer.protocol.contract import LayoutContract
+from transfer.rank.service import serve
+from transfer.rank.sources import TensorPageSource
 
 REPO = Path(__file__).resolve().parent.parent
 PAGE_SIZE = 4

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from transfer import contract as contract_module
-from transfer.contract import (
+from transfer.protocol import contract as contract_module
+from transfer.protocol.contract import (
     Agreement,
     FieldDiff,
     LayoutContract,
@@ -19,7 +19,7 @@ from transfer.contract import (
     format_diff,
     source_digest,
 )
-from transfer.wire import WIRE_VERSION
+from transfer.protocol.wire import WIRE_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -231,16 +231,16 @@ def write_sources(root: Path, content: dict[str, bytes]) -> list[str]:
 
 
 def test_source_digest(tmp_path, monkeypatch):
-    files = {"prefill/plan.py": b"a = 1\n", "transfer/wire.py": b"b = 2\n"}
+    files = {"prefill/plan.py": b"a = 1\n", "transfer/protocol/wire.py": b"b = 2\n"}
     one, two = tmp_path / "one", tmp_path / "two"
     names = write_sources(one, files)
     write_sources(two, files)
     digest = source_digest(names, one)
     assert digest == source_digest(list(reversed(names)), two)  # location and order do not matter
-    write_sources(two, {"transfer/wire.py": b"b = 3\n"})
+    write_sources(two, {"transfer/protocol/wire.py": b"b = 3\n"})
     assert source_digest(names, two) != digest
-    write_sources(two, {"prefill/planner.py": b"a = 1\n", "transfer/wire.py": b"b = 2\n"})
-    assert source_digest(["prefill/planner.py", "transfer/wire.py"], two) != digest
+    write_sources(two, {"prefill/planner.py": b"a = 1\n", "transfer/protocol/wire.py": b"b = 2\n"})
+    assert source_digest(["prefill/planner.py", "transfer/protocol/wire.py"], two) != digest
     with pytest.raises(FileNotFoundError, match="prefill/layout.py"):
         source_digest(["prefill/layout.py"], one)
     monkeypatch.setattr(contract_module, "CONTRACT_SOURCES", tuple(names))
@@ -252,8 +252,8 @@ FINGERPRINT_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 from tests.test_contract import make_agreement
-from transfer.contract import source_digest
-digest = source_digest(["transfer/wire.py", "transfer/contract.py"])
+from transfer.protocol.contract import source_digest
+digest = source_digest(["transfer/protocol/wire.py", "transfer/protocol/contract.py"])
 print(make_agreement(source_digest=digest, model_config={{str(i): i for i in range(50)}}).fingerprint)
 """
 

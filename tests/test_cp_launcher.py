@@ -111,7 +111,7 @@ def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
 def test_a_cpu_pool_goes_to_shm_only_when_it_fits(checkpoint, monkeypatch, tmp_path):
     import prefill.rank_worker as rank_worker
     from prefill.engine_config import load_for
-    from transfer.fastpath import SHM_DIR, remove_shared_pool
+    from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool
 
     cfg = EngineConfig(str(checkpoint), cp_size=1, page_size=4, pages_per_lane=8)
     loaded = load_for(cfg, "cpu")

@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
+from model.sampling import SamplingParams
 from prefill.engine_config import EngineConfig
 from prefill.launcher import PrefillInput
 from prefill.layout import NotOwnedError
-from prefill.sampling import SamplingParams
 from prefill.threaded import ThreadedPrefillEngine
 from tests.checkpoints import write_llama, write_qwen2
 

@@ -15,8 +15,8 @@ import torch
 from decode.colocated import generate_colocated, prefill_into_pool
 from decode.engine import FINISH_LENGTH, FINISH_STOP, DecodeEngine, TokenEvent
 from decode.pool import PagePool, PageTable
-from prefill.checkpoint import LoadedModel, load_model
-from prefill.sampling import SamplingParams
+from model.checkpoint import LoadedModel, load_model
+from model.sampling import SamplingParams
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_mistral, write_qwen2
 
 GREEDY = SamplingParams()

@@ -1,4 +1,4 @@
-"""transfer.devcopy: strided block copies between pools through the CUDA runtime.
+"""transfer.fastpath.devcopy: strided block copies between pools through the CUDA runtime.
 
 CPU: which views are blocks at one pitch, and that CPU tensors are left to
 torch. GPU: a run of pages over layers copied in one 2-D copy, in groups of
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tests.markers import GPU_CASE, requires_gpu
-from transfer import devcopy
-from transfer.devcopy import BlockCopy
+from transfer.fastpath import devcopy
+from transfer.fastpath.devcopy import BlockCopy
 
 
 def _pool(device="cpu", layers=3, rows=40):

@@ -27,18 +27,22 @@ import pytest
 import torch
 
 import kernels.page_digest as page_digest_module
-import transfer.fastpath as fastpath
+import transfer.protocol.descriptors as fastpath
 from decode.remote import FastFetches
 from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import PageDigest, kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.status import Refusal
 from tests.markers import GPU_CASE, requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
-from transfer.client import KVClient, TransferError
-from transfer.contract import Topology
-from transfer.copyorder import CopyOrder
 from transfer.errors import CorruptChunk, RemoteError
-from transfer.fastpath import (
+from transfer.fastpath.client import DigestMismatch, FastPath
+from transfer.fastpath.copyorder import CopyOrder
+from transfer.fastpath.poolcopy import copy_pages, page_runs
+from transfer.fastpath.rangecopy import copy_groups
+from transfer.grpcfetch.client import KVClient, TransferError
+from transfer.protocol.contract import Topology
+from transfer.protocol.descriptors import (
     SHM,
     SHM_DIR,
     Descriptor,
@@ -47,14 +51,10 @@ from transfer.fastpath import (
     remove_shared_pool,
     shared_cpu_pool,
 )
-from transfer.fastpath_client import DigestMismatch, FastPath
-from transfer.poolcopy import copy_pages, page_runs
-from transfer.progress import LayerProgress, PrefillFailed
-from transfer.rangecopy import copy_groups
-from transfer.server import KVTransferService, serve
-from transfer.sources import TensorPageSource
-from transfer.status import Refusal
-from transfer.wire import frame_chunk
+from transfer.protocol.wire import frame_chunk
+from transfer.rank.progress import LayerProgress, PrefillFailed
+from transfer.rank.service import KVTransferService, serve
+from transfer.rank.sources import TensorPageSource
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
@@ -307,7 +307,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
         def total(self, first=None, last=None):
             return torch.tensor(12345)
 
-    monkeypatch.setattr("transfer.rangecopy.PageDigest", WrongDigest)
+    monkeypatch.setattr("transfer.fastpath.rangecopy.PageDigest", WrongDigest)
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)
@@ -546,7 +546,7 @@ def test_a_new_prefill_start_is_attached_again_and_an_old_one_refused():
 
 def test_a_rank_on_another_host_is_read_over_grpc(rank, monkeypatch):
     _, _, endpoint, agreement, kv = rank
-    monkeypatch.setattr("transfer.fastpath_client.host_id", lambda: "elsewhere/0")
+    monkeypatch.setattr("transfer.fastpath.client.host_id", lambda: "elsewhere/0")
     fast = FastPath(kv, agreement, transports=[SHM])
     assert fast.pool(endpoint, None, 10) is None and fast.transport(endpoint) == "grpc"
 
@@ -609,7 +609,7 @@ def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device)
         return int(page_digest(pool, pages, PAGE, first, last, first_layer=0).item()) & U64
 
     ranges = [(0, LAYERS), (1, LAYERS - 1), (2, 3)]
-    monkeypatch.setattr("transfer.sources.page_digest", lambda *a, **k: pytest.fail("digested afresh"))
+    monkeypatch.setattr("transfer.rank.sources.page_digest", lambda *a, **k: pytest.fail("digested afresh"))
     got = [source.digest(physical, a, b, request_id="big") for a, b in ranges]
     monkeypatch.undo()
     assert got == [fresh(a, b) for a, b in ranges]

@@ -29,10 +29,10 @@ from tests.checkpoints import write_llama
 from tests.daemons import running_pair
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import generate_request, wait_until
-from transfer.client import KVClient
-from transfer.fastpath_client import FastPath
-from transfer.manifest import Manifest
-from transfer.server import EPOCH_METADATA_KEY
+from transfer.fastpath.client import FastPath
+from transfer.grpcfetch.client import KVClient
+from transfer.protocol.manifest import Manifest
+from transfer.rank.service import EPOCH_METADATA_KEY
 
 PAGE_SIZE = 4
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53]
@@ -162,7 +162,7 @@ def test_a_digest_that_never_matches_falls_back_to_grpc(checkpoint, monkeypatch)
     with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
         assert _tokens(decode.endpoint) == expected  # the fast path, digests matching
         assert {decode.fastpath.transport(e) for e in prefill.topology.endpoints} == {"shm"}
-        monkeypatch.setattr("transfer.rangecopy.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
+        monkeypatch.setattr("transfer.fastpath.rangecopy.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
         failures = decode.metrics.failures.labels(cause="fastpath_digest")
         before = failures.value
         assert _tokens(decode.endpoint, request_id="mismatch") == expected

@@ -19,8 +19,8 @@ import grpc
 import pytest
 import torch
 
+from model.tokenizer import load_tokenizer
 from prefill.engine_config import EngineConfig
-from prefill.tokenizer import load_tokenizer
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
 from tests.daemons import running_pair

@@ -1,4 +1,4 @@
-"""lanekv.metrics: exposition text, counters and histograms, the HTTP endpoint, the RPC interceptor."""
+"""runtime.metrics: exposition text, counters and histograms, the HTTP endpoint, the RPC interceptor."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from lanekv.metrics import CONTENT_TYPE, Registry, serve_metrics
-from lanekv.rpc_metrics import lanekv_metrics
-from transfer.security import SecurityConfig, bind, make_server, open_channel
+from runtime.metrics import CONTENT_TYPE, Registry, serve_metrics
+from runtime.rpc_metrics import lanekv_metrics
+from runtime.security import SecurityConfig, bind, make_server, open_channel
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

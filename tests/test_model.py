@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from prefill.checkpoint import LoadedModel, load_model, tensor_files
-from prefill.config import ModelConfig
-from prefill.model import CausalLM, causal_attention
+from model.checkpoint import LoadedModel, load_model, tensor_files
+from model.config import ModelConfig
+from model.llama import CausalLM, causal_attention
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, WRITERS, write_llama
 
 ARCHS = sorted(WRITERS)
@@ -310,7 +310,7 @@ def test_loading_does_not_import_transformers(checkpoint_dirs) -> None:
     import sys
 
     code = (
-        "import sys; from prefill.checkpoint import load_model; "
+        "import sys; from model.checkpoint import load_model; "
         f"load_model({str(checkpoint_dirs['qwen2'])!r}); "
         "sys.exit(int('transformers' in sys.modules))"
     )

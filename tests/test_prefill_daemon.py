@@ -17,8 +17,8 @@ from prefill.launcher import PrefillInput
 from prefill.threaded import ThreadedPrefillEngine
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
-from transfer.client import KVClient
-from transfer.manifest import Manifest
+from transfer.grpcfetch.client import KVClient
+from transfer.protocol.manifest import Manifest
 
 PROMPT_LENS = [5, 64, 130, 17]
 

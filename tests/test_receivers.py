@@ -1,4 +1,4 @@
-"""Fetches whose ranks' streams are received by receiver processes (``transfer.receivers``).
+"""Fetches whose ranks' streams are received by receiver processes (``transfer.grpcfetch.receivers``).
 
 Real gRPC servers on loopback, real receiver processes with small slots (so
 slots are reused many times, and a chunk larger than a slot comes inline):
@@ -19,7 +19,8 @@ import grpc
 import pytest
 import torch
 
-import transfer.remotefetch as remotefetch_module
+import transfer.grpcfetch.remotefetch as remotefetch_module
+from runtime.security import SecurityConfig
 from tests.reliability.kv_cluster import (
     PAGE_LAYER_BYTES,
     make_agreement,
@@ -28,14 +29,19 @@ from tests.reliability.kv_cluster import (
     start_servers,
 )
 from tests.reliability.proxy import FaultProxy
-from transfer import client as client_module
-from transfer.client import ChecksumError, KVClient, RemoteError, RetryPolicy, TransferError
-from transfer.fetch import ByteBudget, Job
-from transfer.receivers import ReceiverPool
-from transfer.remotefetch import RemoteRankFetch
-from transfer.security import SecurityConfig
-from transfer.server import KVTransferService
-from transfer.spans import Span
+from transfer.grpcfetch import client as client_module
+from transfer.grpcfetch.client import (
+    ChecksumError,
+    KVClient,
+    RemoteError,
+    RetryPolicy,
+    TransferError,
+)
+from transfer.grpcfetch.fetch import ByteBudget, Job
+from transfer.grpcfetch.receivers import ReceiverPool
+from transfer.grpcfetch.remotefetch import RemoteRankFetch
+from transfer.grpcfetch.spans import Span
+from transfer.rank.service import KVTransferService
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 

@@ -4,8 +4,8 @@ import grpc
 import pytest
 
 from proto import lanekv_pb2
-from transfer.requests import prompt_from_proto, sampling_from_proto
-from transfer.status import Refusal
+from runtime.requests import prompt_from_proto, sampling_from_proto
+from runtime.status import Refusal
 
 
 def test_a_huge_text_is_refused_before_tokenizing():

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from prefill.sampling import SamplingParams, sample, step_seed
+from model.sampling import SamplingParams, sample, step_seed
 
 GREEDY = SamplingParams()
 

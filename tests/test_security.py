@@ -1,4 +1,4 @@
-"""transfer.security against real gRPC servers on loopback: TLS, mutual TLS, the token, binding."""
+"""runtime.security against real gRPC servers on loopback: TLS, mutual TLS, the token, binding."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tests.tls import CertSet, make_certs
-from transfer.client import KVClient
-from transfer.security import (
+from runtime.security import (
     SecurityConfig,
     add_security_args,
     bind,
     make_server,
     open_channel,
 )
+from tests.tls import CertSet, make_certs
+from transfer.grpcfetch.client import KVClient
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode
@@ -149,7 +149,7 @@ def test_make_server_does_not_share_a_port_with_another_server() -> None:
 
 
 def test_bind_warns_about_plaintext_off_loopback(caplog: pytest.LogCaptureFixture, certs: CertSet) -> None:
-    caplog.set_level(logging.WARNING, logger="transfer.security")
+    caplog.set_level(logging.WARNING, logger="runtime.security")
     server = make_server(SecurityConfig(), max_workers=1)
     bind(server, "127.0.0.1", 0, SecurityConfig())
     assert not caplog.records

@@ -21,8 +21,8 @@ from tests.reliability.kv_cluster import (
     same_bits,
     start_servers,
 )
-from transfer import client as client_module
-from transfer.client import (
+from transfer.grpcfetch import client as client_module
+from transfer.grpcfetch.client import (
     ChecksumError,
     ContractMismatch,
     KVClient,
@@ -31,9 +31,9 @@ from transfer.client import (
     handshake,
     release,
 )
-from transfer.server import KVTransferService, serve
-from transfer.sources import TensorPageSource
-from transfer.wire import WIRE_VERSION
+from transfer.protocol.wire import WIRE_VERSION
+from transfer.rank.service import KVTransferService, serve
+from transfer.rank.sources import TensorPageSource
 
 pytestmark = [
     pytest.mark.timeout(60),

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proto import lanekv_pb2
-from transfer.wire import (
+from transfer.protocol.wire import (
     MAX_HEADER_BYTES,
     ChunkHeader,
     check_ints,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from transfer.contract import FieldDiff
+from transfer.protocol.contract import FieldDiff
 
 Code = grpc.StatusCode
 

@@ -19,11 +19,11 @@ import grpc
 import torch
 
 from proto import lanekv_pb2
-from transfer.contract import POOL_LAYOUT, Agreement, Topology
-from transfer.security import SecurityConfig
-from transfer.server import Served, serve
-from transfer.sources import TensorPageSource
-from transfer.wire import WIRE_VERSION
+from runtime.security import SecurityConfig
+from transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology
+from transfer.protocol.wire import WIRE_VERSION
+from transfer.rank.service import Served, serve
+from transfer.rank.sources import TensorPageSource
 
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4
 PAGE_LAYER_BYTES = 2 * PAGE * HEADS * DIM * 2  # K and V of one page of one layer, bfloat16

@@ -42,10 +42,10 @@ from tests.reliability.kv_cluster import (
     tokens,
     wait_until,
 )
-from transfer import spans as spans_module
-from transfer.client import ChecksumError, CorruptChunk, KVClient, RetryPolicy
-from transfer.server import KVTransferService
-from transfer.wire import ChunkHeader, checksum, frame_chunk, split_chunk
+from transfer.grpcfetch import spans as spans_module
+from transfer.grpcfetch.client import ChecksumError, CorruptChunk, KVClient, RetryPolicy
+from transfer.protocol.wire import ChunkHeader, checksum, frame_chunk, split_chunk
+from transfer.rank.service import KVTransferService
 
 Code = grpc.StatusCode
 NUM_PAGES = 13

@@ -41,6 +41,7 @@ from decode.daemon import DecodeDaemon
 from prefill.daemon import PREFILL_SERVICE, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
 from tests.reliability.kv_cluster import (
     LAYERS,
@@ -56,9 +57,8 @@ from tests.reliability.kv_cluster import (
     wait_until,
 )
 from tests.reliability.proxy import FaultProxy
-from transfer.client import KVClient, RemoteError, RetryPolicy
-from transfer.security import SecurityConfig
-from transfer.server import EPOCH_METADATA_KEY, KVTransferService
+from transfer.grpcfetch.client import KVClient, RemoteError, RetryPolicy
+from transfer.rank.service import EPOCH_METADATA_KEY, KVTransferService
 
 REPO = Path(__file__).resolve().parents[2]
 

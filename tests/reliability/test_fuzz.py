@@ -33,14 +33,14 @@ from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2 as pb
 from proto import lanekv_pb2_grpc
+from runtime.requests import MalformedRequestInterceptor
+from runtime.status import grpc_options
 from tests.checkpoints import VOCAB_SIZE, write_llama
 from tests.reliability import hostile_inputs as hostile
-from transfer.contract import Agreement, LayoutContract, agreement_of
-from transfer.manifest import Manifest
-from transfer.requests import MalformedRequestInterceptor
-from transfer.server import KVTransferService, add_transfer_service
-from transfer.status import grpc_options
-from transfer.wire import ChunkHeader, encode_chunk
+from transfer.protocol.contract import Agreement, LayoutContract, agreement_of
+from transfer.protocol.manifest import Manifest
+from transfer.protocol.wire import ChunkHeader, encode_chunk
+from transfer.rank.service import KVTransferService, add_transfer_service
 
 Code = grpc.StatusCode
 OK, INVALID = Code.OK, Code.INVALID_ARGUMENT

@@ -27,15 +27,15 @@ from decode.colocated import generate_colocated
 from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
 from decode.pool import PagePool
-from prefill.checkpoint import load_model
+from model.checkpoint import load_model
+from model.llama import causal_attention
+from model.sampling import SamplingParams, sample
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
-from prefill.model import causal_attention
-from prefill.sampling import SamplingParams, sample
 from proto import lanekv_pb2 as pb
 from proto import lanekv_pb2_grpc
+from runtime.requests import sampling_to_proto
 from tests.checkpoints import VOCAB_SIZE, write_llama
-from transfer.requests import sampling_to_proto
 
 Code = grpc.StatusCode
 PAGE_SIZE = 4

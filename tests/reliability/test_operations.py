@@ -28,11 +28,11 @@ from lanekv.cli import main as lanekv
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.status import TRANSFER_SERVICE
 from tests.checkpoints import write_llama
 from tests.daemons import start_pair, stop_pair
 from tests.test_metrics import parse
-from transfer.client import KVClient, RemoteError
-from transfer.status import TRANSFER_SERVICE
+from transfer.grpcfetch.client import KVClient, RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

@@ -21,11 +21,11 @@ from lanekv.client_commands import CommandError, fetch_contract
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.security import SecurityConfig, open_channel
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
 from tests.tls import CertSet, make_certs
-from transfer.client import KVClient, RemoteError
-from transfer.security import SecurityConfig, open_channel
+from transfer.grpcfetch.client import KVClient, RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

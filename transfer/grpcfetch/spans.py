@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 from proto import lanekv_pb2
 from transfer.errors import ChecksumError, CorruptChunk, TransferError
-from transfer.wire import ChunkHeader, checksum, split_chunk
+from transfer.protocol.wire import ChunkHeader, checksum, split_chunk
 
 
 class Span(NamedTuple):

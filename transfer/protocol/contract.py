@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import msgpack
 import torch
 
-from transfer.wire import (
+from transfer.protocol.wire import (
     KV_DTYPES,
     MAX_HEAD_DIM,
     MAX_KV_HEADS,
@@ -54,12 +54,12 @@ OWNER_RULES = ("page_mod_cp",)
 CONTRACT_SOURCES = (
     "prefill/plan.py",
     "prefill/layout.py",
-    "transfer/wire.py",
-    "transfer/contract.py",
-    "transfer/fastpath.py",
+    "transfer/protocol/wire.py",
+    "transfer/protocol/contract.py",
+    "transfer/protocol/descriptors.py",
     "kernels/page_digest.py",
 )
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # Keys of ModelConfig.contract_fields() that become Agreement fields of their own.
 _OWN_MODEL_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope")
 _MAX_TEXT = 4096

@@ -31,8 +31,8 @@ import torch
 
 from proto import lanekv_pb2
 from transfer.errors import CorruptChunk, RemoteError, TransferError
-from transfer.spans import Cells, Span, StreamCheck, leftovers
-from transfer.wire import ChunkHeader, payload_to_tensor
+from transfer.grpcfetch.spans import Cells, Span, StreamCheck, leftovers
+from transfer.protocol.wire import ChunkHeader, payload_to_tensor
 
 Code = grpc.StatusCode
 # (endpoint, request, timeout_s, fresh_connection) -> a started server-streaming call

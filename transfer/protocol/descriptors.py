@@ -49,7 +49,7 @@ from typing import Any
 import msgpack
 import torch
 
-from transfer.wire import (
+from transfer.protocol.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
     MAX_PAGES_PER_CHUNK,

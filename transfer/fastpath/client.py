@@ -1,4 +1,4 @@
-"""The decode side of the same-host fast path (see ``transfer.fastpath``).
+"""The decode side of the same-host fast path (see ``transfer.protocol.descriptors``).
 
 ``FastPath.pool`` asks a rank once per prefill-daemon start for its pool
 (``AttachPool``) and maps it; a rank that refuses, or a handle this process
@@ -22,15 +22,23 @@ import grpc
 import torch
 
 from proto import lanekv_pb2
-from transfer.client import FETCH_METHOD, KVClient
-from transfer.contract import Agreement
-from transfer.copyorder import CopyOrder
 from transfer.errors import CorruptChunk, RemoteError
-from transfer.fastpath import CUDA_IPC, SHM, Descriptor, PoolHandle, as_u64, host_id, open_pool
-from transfer.rangecopy import Prepared, copy_range
-from transfer.server import EPOCH_METADATA_KEY
-from transfer.sidestreams import Streams, StreamSet, streams_for
-from transfer.wire import kv_dtype
+from transfer.fastpath.copyorder import CopyOrder
+from transfer.fastpath.rangecopy import Prepared, copy_range
+from transfer.fastpath.sidestreams import Streams, StreamSet, streams_for
+from transfer.grpcfetch.client import FETCH_METHOD, KVClient
+from transfer.protocol.contract import Agreement
+from transfer.protocol.descriptors import (
+    CUDA_IPC,
+    SHM,
+    Descriptor,
+    PoolHandle,
+    as_u64,
+    host_id,
+    open_pool,
+)
+from transfer.protocol.wire import kv_dtype
+from transfer.rank.service import EPOCH_METADATA_KEY
 
 log = logging.getLogger("lanekv.transfer")
 ATTACH_METHOD = "/lanekv.v1.KVTransfer/AttachPool"

@@ -1,11 +1,11 @@
-"""A receiver process: runs one owner rank's part of a fetch at a time (``transfer.receivers``).
+"""A receiver process: runs one owner rank's part of a fetch at a time (``transfer.grpcfetch.receivers``).
 
-Started as ``python -m transfer.receiver_main FD SLOTS_PATH SLOTS SLOT_BYTES``
+Started as ``python -m transfer.grpcfetch.receiver_main FD SLOTS_PATH SLOTS SLOT_BYTES``
 with ``FD`` one end of a socket pair. The first message on it is the
 client's ``SecurityConfig``; the process then maps the slots' file (the
 client mapped it first), removes it, and says ``("ready",)``. Then, per fetch:
 
-- in: ``("fetch", RankJob)`` (``transfer.receivers.RankJob``); every slot is free at the start of a fetch
+- in: ``("fetch", RankJob)`` (``transfer.grpcfetch.receivers.RankJob``); every slot is free at the start of a fetch
   (the client hands a receiver a new fetch only after it placed, or dropped,
   every chunk of the last);
 - out: ``("chunk", header, slot)`` for each verified chunk, its payload in
@@ -24,7 +24,7 @@ draining; the daemon closes it, and it ends when the daemon's end of the
 socket closes.
 
 Streams, checks, XXH3 verification, retries and the stall watchdog are the
-same as in the client's own threads (``transfer.fetch.RankFetch``); this
+same as in the client's own threads (``transfer.grpcfetch.fetch.RankFetch``); this
 process only adds the copy of each payload into a slot.
 """
 
@@ -43,10 +43,10 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from transfer.client import KVClient
 from transfer.errors import TransferError
-from transfer.fetch import ByteBudget, Item, Job, RankFetch
-from transfer.receivers import RankJob
+from transfer.grpcfetch.client import KVClient
+from transfer.grpcfetch.fetch import ByteBudget, Item, Job, RankFetch
+from transfer.grpcfetch.receivers import RankJob
 
 ALIVE_EVERY_S = 0.5  # how often a fetch under way says so when it has nothing else to say
 RANK_JOIN_S = 5.0  # how long a stopped fetch waits for its rank's thread (the client waits 10 s)
@@ -63,7 +63,7 @@ class _Tagged:
 
 
 def error_state(err: TransferError) -> tuple[str, str, dict[str, Any]]:
-    """What rebuilds ``err`` in the client (``transfer.remotefetch.rebuild``): exceptions whose
+    """What rebuilds ``err`` in the client (``transfer.grpcfetch.remotefetch.rebuild``): exceptions whose
     constructors take more than a message do not pickle back."""
     return type(err).__name__, str(err), dict(vars(err))
 

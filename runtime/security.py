@@ -31,8 +31,8 @@ from typing import Any
 
 import grpc
 
-from transfer.requests import MalformedRequestInterceptor
-from transfer.status import grpc_options
+from runtime.requests import MalformedRequestInterceptor
+from runtime.status import grpc_options
 
 log = logging.getLogger(__name__)
 

@@ -12,10 +12,10 @@ from typing import Any, NamedTuple
 import grpc
 from google.protobuf.message import DecodeError
 
-from prefill.sampling import SamplingParams
-from prefill.tokenizer import Tokenizer
-from transfer.status import Refusal
-from transfer.wire import MAX_REQUEST_ID_LEN
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+from runtime.status import Refusal
+from transfer.protocol.wire import MAX_REQUEST_ID_LEN
 
 Code = grpc.StatusCode
 # A generous bound on characters per token, to refuse absurd texts before tokenizing.

@@ -1,7 +1,7 @@
 """The lanekv metric set and the gRPC interceptor that counts calls.
 
 ``lanekv_metrics`` declares the metrics both daemons use on a ``Registry``
-(``lanekv.metrics``); ``RpcMetricsInterceptor`` counts every gRPC call by
+(``runtime.metrics``); ``RpcMetricsInterceptor`` counts every gRPC call by
 method and final status code, aborted and streaming calls included.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from lanekv.metrics import Counter, Gauge, Histogram, Registry
+from runtime.metrics import Counter, Gauge, Histogram, Registry
 
 log = logging.getLogger(__name__)
 

@@ -6,10 +6,10 @@ the fetch's own checks and the placement of chunks all take turns at one
 GIL: on 2x H200 (``bench/fastpath_probe.py``, py-spy) a thread held it in
 85% of the samples taken during a fetch, gRPC's threads in 70% of those.
 
-``KVClient(receivers=N)`` keeps N processes (``transfer.receiver_main``),
+``KVClient(receivers=N)`` keeps N processes (``transfer.grpcfetch.receiver_main``),
 each of which runs one owner rank's part of a fetch at a time: its streams,
 checks, XXH3 verification, retries and stall watchdog, as a thread of the
-client would (``transfer.fetch.RankFetch``). It copies each verified payload
+client would (``transfer.grpcfetch.fetch.RankFetch``). It copies each verified payload
 into one of ``slots`` slots of a file in /dev/shm that both processes map,
 and sends the chunk's header over a socket; the client places the payload
 straight from the slot and frees the slot. A rank gets a receiver when one
@@ -17,7 +17,7 @@ is idle, else a thread of the client as before, so a busy daemon never
 waits for one.
 
 A payload handed to ``place`` lives in a slot: it is valid only until
-``place`` returns. ``transfer.remotefetch.RemoteRankFetch`` is a rank's
+``place`` returns. ``transfer.grpcfetch.remotefetch.RemoteRankFetch`` is a rank's
 part of a fetch as a receiver runs it.
 """
 
@@ -37,11 +37,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import transfer.errors as errors_module
-from transfer.fastpath import SHM_DIR
-from transfer.fetch import RetryPolicy
-from transfer.security import SecurityConfig
-from transfer.spans import Span
-from transfer.status import DEFAULT_CHUNK_BYTES
+from runtime.security import SecurityConfig
+from runtime.status import DEFAULT_CHUNK_BYTES
+from transfer.grpcfetch.fetch import RetryPolicy
+from transfer.grpcfetch.spans import Span
+from transfer.protocol.descriptors import SHM_DIR
 
 log = logging.getLogger("lanekv.transfer")
 SLOTS = 4
@@ -80,10 +80,10 @@ class Receiver:
             ours, theirs = socket.socketpair()
             try:
                 # Finds lanekv's packages wherever this process was started from.
-                paths = [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]
+                paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "transfer.receiver_main", str(theirs.fileno()), path, str(slots),
+                    [sys.executable, "-m", "transfer.grpcfetch.receiver_main", str(theirs.fileno()), path, str(slots),
                      str(slot_bytes)], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
             finally:
                 theirs.close()

@@ -1,6 +1,6 @@
-"""One owner rank's part of a fetch, run by a receiver process (``transfer.receivers``).
+"""One owner rank's part of a fetch, run by a receiver process (``transfer.grpcfetch.receivers``).
 
-``RemoteRankFetch`` has the face of ``transfer.fetch.RankFetch`` that
+``RemoteRankFetch`` has the face of ``transfer.grpcfetch.fetch.RankFetch`` that
 ``KVClient.fetch`` sees (``run`` in a thread, ``cancel``, ``close``): it
 asks its receiver for the rank's part, relays each chunk onto the fetch's
 queue with its payload a view of a slot (freed once placed), and rebuilds
@@ -16,10 +16,10 @@ from collections.abc import Callable
 from typing import Any
 
 import transfer.errors as errors_module
-from transfer.fetch import Item, Job, RankFetch
-from transfer.receivers import RankJob, Receiver, ReceiverPool
-from transfer.spans import Cells, Span
-from transfer.wire import payload_to_tensor
+from transfer.grpcfetch.fetch import Item, Job, RankFetch
+from transfer.grpcfetch.receivers import RankJob, Receiver, ReceiverPool
+from transfer.grpcfetch.spans import Cells, Span
+from transfer.protocol.wire import payload_to_tensor
 
 log = logging.getLogger("lanekv.transfer")
 # How long a stopped receiver may take to answer.
@@ -43,7 +43,7 @@ def rebuild(state: tuple[str, str, dict[str, Any]]) -> errors_module.TransferErr
 class RemoteRankFetch:
     """One owner rank's part of a fetch, run by a receiver process (``run`` relays it here).
 
-    The same face as ``transfer.fetch.RankFetch`` to ``KVClient.fetch``: each
+    The same face as ``transfer.grpcfetch.fetch.RankFetch`` to ``KVClient.fetch``: each
     chunk goes on ``job.ready`` (its payload a view of a slot, freed once
     placed), then the end or the error. A receiver that ends or stops
     answering (no message for ``SILENT_S``; a busy one says it is alive

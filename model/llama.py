@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from prefill.config import ModelConfig
+from model.config import ModelConfig
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -1,7 +1,7 @@
 """The decode side of KV transfer: handshake, concurrent fetch from every owner rank, release.
 
 ``fetch`` opens one stream per owner rank, each received by its own thread
-(``transfer.fetch.RankFetch``) that decodes and verifies every chunk (header
+(``transfer.grpcfetch.fetch.RankFetch``) that decodes and verifies every chunk (header
 checks, XXH3-64). Verified chunks queue up for the calling thread, which
 alone runs ``place``, so a ``place`` that writes a GPU pool needs no locking.
 A byte budget bounds what has been received but not yet placed; a receiver
@@ -30,7 +30,8 @@ import torch
 from grpc.experimental import ChannelOptions
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.contract import Agreement, FieldDiff, LayoutContract, diff
+from runtime.security import SecurityConfig, open_channel
+from runtime.status import CONTRACT_METADATA_KEY, grpc_options
 from transfer.errors import (
     ChecksumError,
     ContractMismatch,
@@ -38,15 +39,14 @@ from transfer.errors import (
     RemoteError,
     TransferError,
 )
-from transfer.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
-from transfer.placers import MAX_PLACERS, Placers
-from transfer.receivers import ReceiverPool
-from transfer.remotefetch import RemoteRankFetch
-from transfer.security import SecurityConfig, open_channel
-from transfer.server import EPOCH_METADATA_KEY
-from transfer.spans import Span
-from transfer.status import CONTRACT_METADATA_KEY, grpc_options
-from transfer.wire import ChunkHeader
+from transfer.grpcfetch.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
+from transfer.grpcfetch.placers import MAX_PLACERS, Placers
+from transfer.grpcfetch.receivers import ReceiverPool
+from transfer.grpcfetch.remotefetch import RemoteRankFetch
+from transfer.grpcfetch.spans import Span
+from transfer.protocol.contract import Agreement, FieldDiff, LayoutContract, diff
+from transfer.protocol.wire import ChunkHeader
+from transfer.rank.service import EPOCH_METADATA_KEY
 
 __all__ = [
     "NO_RETRY",
@@ -111,10 +111,10 @@ class KVClient:
     """Channels to transfer servers, opened once per endpoint and reused by every call.
 
     ``security`` says how every channel speaks: TLS, a client certificate and
-    the token (``transfer.security``); None: plaintext without a token.
+    the token (``runtime.security``); None: plaintext without a token.
     ``retry`` is the default policy of ``fetch``. ``receivers``: how many
     processes receive owner ranks' streams outside this process's GIL
-    (``transfer.receivers``; 0: every stream in a thread here; closed with
+    (``transfer.grpcfetch.receivers``; 0: every stream in a thread here; closed with
     the client), or a ``ReceiverPool`` that the caller made and closes (its
     processes speak with the security they were made with).
     """
@@ -246,7 +246,7 @@ class KVClient:
         ``epoch`` is the prefill daemon start that pinned the pages (servers of
         another start refuse); ``retry`` overrides the client's policy.
         ``place`` runs in one thread per owner rank (up to ``MAX_PLACERS``) and
-        must be safe to call concurrently (``transfer.placers``).
+        must be safe to call concurrently (``transfer.grpcfetch.placers``).
         Raises ``CorruptChunk`` (``ChecksumError``), ``RemoteError`` or
         ``TransferError``; on any error every stream is cancelled and no later
         chunk is placed.

@@ -1,6 +1,6 @@
 """Copying one fast-path range out of a shared pool, with the digest of what was copied.
 
-``FastPath.fetch`` (``transfer.fastpath_client``) hands each range it copies
+``FastPath.fetch`` (``transfer.fastpath.client``) hands each range it copies
 to ``copy_range``: the pages of some layers, from where the rank's
 descriptor (or the caller's ``expect``) says they are, into the caller's
 pages, and on the destination's device a digest of what arrived, which the
@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import torch
 
 from kernels.page_digest import PageDigest
-from transfer.fastpath import Descriptor
-from transfer.poolcopy import PlannedCopy, copy_pages, page_runs
-from transfer.sidestreams import Streams
+from transfer.fastpath.poolcopy import PlannedCopy, copy_pages, page_runs
+from transfer.fastpath.sidestreams import Streams
+from transfer.protocol.descriptors import Descriptor
 
 # Layers per copy of a range between GPUs: each group's digest runs while the
 # next groups are copied (8; measured on 2x H200, 4 GiB, before the last group

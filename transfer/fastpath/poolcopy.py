@@ -4,7 +4,7 @@ The fast path copies a rank's pages out of its shared pool with these, and
 placing a gRPC chunk copies its pages into the decode pool by the same runs.
 Pages that form a few runs of consecutive pages (in both pools) move run by
 run: between GPUs ``PlannedCopy`` (one ``cudaMemcpy2DAsync`` per run and
-group of layers, ``transfer.devcopy``), on the CPU one strided torch copy.
+group of layers, ``transfer.fastpath.devcopy``), on the CPU one strided torch copy.
 Scattered pages go through ``gather_pages``, one copy, ``scatter_pages``.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from kernels.backend import on_device
 from kernels.page_copy import gather_pages, scatter_pages
-from transfer.devcopy import BlockCopy
+from transfer.fastpath.devcopy import BlockCopy
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import msgpack
 
-from transfer.wire import (
+from transfer.protocol.wire import (
     MAX_REQUEST_ID_LEN,
     check_int,
     check_keys,

@@ -1,12 +1,12 @@
 """The gRPC KVTransfer service: handshake, streamed FetchKV, Release, AttachPool.
 
 One server per prefill CP rank serves the pages that rank owns, read through
-a ``PageSource`` (``transfer.sources``). Nothing moves unless the caller's
+a ``PageSource`` (``transfer.rank.sources``). Nothing moves unless the caller's
 agreement equals ours: a handshake compares field by field, and every
 FetchKV, Release and AttachPool carries the agreement's fingerprint again.
 FetchKV sends each chunk once its layers are written (the prefill may still
 run); with ``descriptors`` it sends where the pages are in the pool shared by
-AttachPool, and their digest, instead of the bytes (``transfer.fastpath``).
+AttachPool, and their digest, instead of the bytes (``transfer.protocol.descriptors``).
 """
 
 from __future__ import annotations
@@ -23,12 +23,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from transfer.contract import Agreement, LayoutContract, agreement_of, diff, format_diff
-from transfer.fastpath import MAX_TRANSPORTS, Descriptor, host_id
-from transfer.progress import PrefillFailed
-from transfer.security import SecurityConfig, bind, make_server
-from transfer.sources import PageSource
-from transfer.status import (
+from runtime.security import SecurityConfig, bind, make_server
+from runtime.status import (
     CONTRACT_METADATA_KEY,
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES_LIMIT,
@@ -36,7 +32,9 @@ from transfer.status import (
     Refusal,
     refusals,
 )
-from transfer.wire import (
+from transfer.protocol.contract import Agreement, LayoutContract, agreement_of, diff, format_diff
+from transfer.protocol.descriptors import MAX_TRANSPORTS, Descriptor, host_id
+from transfer.protocol.wire import (
     MAX_REQUEST_ID_LEN,
     ChunkHeader,
     ChunkPlan,
@@ -45,6 +43,8 @@ from transfer.wire import (
     kv_dtype,
     plan_chunks,
 )
+from transfer.rank.progress import PrefillFailed
+from transfer.rank.sources import PageSource
 
 Code = grpc.StatusCode
 T = TypeVar("T")
@@ -399,7 +399,7 @@ def serve(
     """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
 
     Each open FetchKV stream holds one of ``max_workers`` threads. ``security``
-    sets TLS and the token (``transfer.security``; None: plaintext, no token); ``interceptors`` go
+    sets TLS and the token (``runtime.security``; None: plaintext, no token); ``interceptors`` go
     outside the token check (metrics); ``epoch`` names this start of the
     prefill daemon (see ``EPOCH_METADATA_KEY``; None: no check). Raises ``OSError`` naming
     ``host:port`` when the port cannot be bound.

@@ -2,7 +2,7 @@
 
 Each daemon owns a ``Registry``; ``serve_metrics`` serves ``GET /metrics``
 over HTTP. The metric set both daemons use and the interceptor that counts
-gRPC calls are in ``lanekv.rpc_metrics``.
+gRPC calls are in ``runtime.rpc_metrics``.
 
     registry = Registry()
     metrics = lanekv_metrics(registry)

@@ -16,9 +16,9 @@ from typing import NamedTuple
 import torch
 from safetensors.torch import load as load_safetensors
 
-from prefill.config import ModelConfig
-from prefill.model import CausalLM
-from prefill.tokenizer import Tokenizer, load_tokenizer
+from model.config import ModelConfig
+from model.llama import CausalLM
+from model.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that are recomputed here, never loaded.
