@@ -31,7 +31,7 @@ from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.status import TRANSFER_SERVICE
 from tests.checkpoints import write_llama
 from tests.daemons import start_pair, stop_pair
-from tests.test_metrics import parse
+from tests.runtime.test_metrics import parse
 from transfer.grpcfetch.client import KVClient, RemoteError
 
 pytestmark = pytest.mark.timeout(60)

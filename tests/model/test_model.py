@@ -314,6 +314,6 @@ def test_loading_does_not_import_transformers(checkpoint_dirs) -> None:
         f"load_model({str(checkpoint_dirs['qwen2'])!r}); "
         "sys.exit(int('transformers' in sys.modules))"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[1],
+    result = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

@@ -23,7 +23,7 @@ from transfer.protocol.wire import WIRE_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[3]
 
 MODEL_FIELDS = {
     "architecture": "LlamaForCausalLM",
@@ -251,7 +251,7 @@ def test_source_digest(tmp_path, monkeypatch):
 FINGERPRINT_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
-from tests.test_contract import make_agreement
+from tests.transfer.protocol.test_contract import make_agreement
 from transfer.protocol.contract import source_digest
 digest = source_digest(["transfer/protocol/wire.py", "transfer/protocol/contract.py"])
 print(make_agreement(source_digest=digest, model_config={{str(i): i for i in range(50)}}).fingerprint)

@@ -26,7 +26,7 @@ from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4
 POOL_PAGES = 240
 # Greedy on write_llama's weights, this prompt runs 900 tokens without an end-of-sequence

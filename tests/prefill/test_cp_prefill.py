@@ -2,7 +2,7 @@
 
 Most (cp_size, page_size) pairs run with rank threads (``ThreadedPrefillEngine``:
 the same rank code, an in-process all-gather); the real rank processes with
-gloo are covered by ``tests/test_cp_launcher.py``.
+gloo are covered by ``tests/prefill/test_cp_launcher.py``.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from transfer.protocol.contract import LayoutContract
 from transfer.rank.service import serve
 from transfer.rank.sources import TensorPageSource
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4
 PROMPT = [7, 8, 9, 10, 11, 12, 13]
 TEXT = "w7 w8 w9 w10"
