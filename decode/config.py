@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from prefill.engine_config import DTYPES
+from model.dtypes import DTYPES
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import RetryPolicy
 

@@ -1,1 +1,1 @@
-"""Prefill side: CP planner, owner-lane layout and allocator, model, CP runner, daemon."""
+"""Prefill side: CP planner, owner-lane layout and allocator, the CP engine (``prefill.cp``), daemon."""

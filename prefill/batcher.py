@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 from prefill.allocator import OutOfPagesError
-from prefill.launcher import PrefillInput, PrefillResult
+from prefill.cp.launcher import PrefillInput, PrefillResult
 
 RunBatch = Callable[[Sequence[PrefillInput]], list[PrefillResult]]
 

@@ -42,10 +42,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from model.tokenizer import load_tokenizer
 from prefill.allocator import OutOfPagesError
 from prefill.batcher import Batcher
+from prefill.cp.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
+from prefill.cp.rank_worker import TransferServing
 from prefill.engine_config import EngineConfig
-from prefill.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
 from prefill.leases import LeaseTable
-from prefill.rank_worker import TransferServing
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto

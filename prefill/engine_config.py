@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+from model.dtypes import DTYPES
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import argparse
 import logging
 import sys
 
+from prefill.cp.launcher import RankDiedError
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
-from prefill.launcher import RankDiedError
 from runtime.security import SecurityConfig
 from runtime.serving import serve_until_signal
 

@@ -11,9 +11,9 @@ import signal
 import pytest
 import torch
 
+from prefill.cp.launcher import CPPrefillEngine, PrefillInput, RankDiedError
+from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
-from prefill.launcher import CPPrefillEngine, PrefillInput, RankDiedError
-from prefill.threaded import ThreadedPrefillEngine
 from tests.checkpoints import write_llama
 
 
@@ -93,7 +93,7 @@ def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
     other rank's at close."""
     import time
 
-    from prefill.rank_worker import TransferServing
+    from prefill.cp.rank_worker import TransferServing
 
     cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32, start_timeout_s=120)
     with CPPrefillEngine(cfg, serve_transfer=TransferServing("127.0.0.1", 0, epoch="killtest")) as eng:
@@ -109,7 +109,7 @@ def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
 
 
 def test_a_cpu_pool_goes_to_shm_only_when_it_fits(checkpoint, monkeypatch, tmp_path):
-    import prefill.rank_worker as rank_worker
+    import prefill.cp.rank_worker as rank_worker
     from prefill.engine_config import load_for
     from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool
 

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from model.sampling import SamplingParams
+from prefill.cp.launcher import PrefillInput
+from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
-from prefill.launcher import PrefillInput
 from prefill.layout import NotOwnedError
-from prefill.threaded import ThreadedPrefillEngine
 from tests.checkpoints import write_llama, write_qwen2
 
 # Lengths from one token to a few hundred; with page 16 and cp 4 the short
@@ -142,7 +142,7 @@ def test_bad_inputs_are_refused_without_leaking_pages(checkpoint):
 
 
 def test_a_rank_refuses_a_loc_it_does_not_own(checkpoint):
-    from prefill.runner import PrefillBatch
+    from prefill.cp.runner import PrefillBatch
 
     eng = _engine(checkpoint, 2, 4)
     bad = PrefillBatch(("r",), ((5, 6, 7, 8, 9),), (0,), ((),), ((1, 0),), (SamplingParams(),))

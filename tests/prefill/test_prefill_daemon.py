@@ -11,10 +11,10 @@ import grpc
 import pytest
 import torch
 
+from prefill.cp.launcher import PrefillInput
+from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
-from prefill.launcher import PrefillInput
-from prefill.threaded import ThreadedPrefillEngine
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 from transfer.grpcfetch.client import KVClient

@@ -1,7 +1,7 @@
 """Page sources of the KVTransfer service: the ``PageSource`` protocol and its implementations.
 
 ``TensorPageSource`` serves the pages of one pool tensor (a prefill rank's,
-through ``prefill.page_source.RankPageSource``, or a test's); each request
+through ``prefill.cp.page_source.RankPageSource``, or a test's); each request
 it holds has a ``LayerProgress`` so FetchKV can send layers as they are
 written. ``ContractOnlySource`` holds no pages: a daemon's own port answers
 Handshake with it.

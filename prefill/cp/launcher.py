@@ -27,10 +27,10 @@ import torch
 
 from model.sampling import SamplingParams
 from prefill.allocator import LaneAllocator
+from prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
+from prefill.cp.runner import PrefillBatch, RankResult
 from prefill.engine_config import EngineConfig
 from prefill.plan import plan_batch
-from prefill.rank_worker import TransferServing, rank_main, shared_pool_path
-from prefill.runner import PrefillBatch, RankResult
 from transfer.protocol.descriptors import remove_shared_pool
 
 log = logging.getLogger("lanekv.prefill")

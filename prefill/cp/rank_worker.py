@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from model.checkpoint import LoadedModel
+from prefill.cp.page_source import RankPageSource
+from prefill.cp.runner import PrefillBatch, RankRunner
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
-from prefill.page_source import RankPageSource
-from prefill.runner import PrefillBatch, RankRunner
 from runtime.hostmem import keep_freed_buffers
 from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics

@@ -13,10 +13,10 @@ from typing import Any
 
 from model.checkpoint import LoadedModel
 from prefill.allocator import LaneAllocator
+from prefill.cp.launcher import PrefillEngine
+from prefill.cp.rank_worker import build_runner, describe, handle
+from prefill.cp.thread_group import ThreadGroup
 from prefill.engine_config import EngineConfig, load_for
-from prefill.launcher import PrefillEngine
-from prefill.rank_worker import build_runner, describe, handle
-from prefill.thread_group import ThreadGroup
 
 
 class ThreadedPrefillEngine(PrefillEngine):

@@ -4,7 +4,7 @@ The runner's only collective is an all-gather of equally sized blocks; this
 group provides it with a barrier, so the whole CP path (planning, compute
 padding, rerange, owner-lane writes, last-token sampling) runs in one process.
 Tests use it to cover many (cp_size, page_size) pairs in seconds; the rank
-processes of ``prefill.launcher`` use torch.distributed instead.
+processes of ``prefill.cp.launcher`` use torch.distributed instead.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ from kernels.rerange import rerange
 from kernels.store_kv import store_kv
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
+from prefill.cp.thread_group import ThreadGroup
 from prefill.index import RankIndex, build_rank_index
 from prefill.layout import OwnerLaneLayout
 from prefill.plan import BatchPlan, plan_batch
-from prefill.thread_group import ThreadGroup
 
 
 @dataclass(frozen=True)
@@ -92,7 +92,7 @@ class RankRunner:
         # Set by the rank process: what the contract and the transfer service need.
         self.weights_digest = ""
         self.tokenizer = None
-        self.page_source = None  # prefill.page_source.RankPageSource when serving KVTransfer
+        self.page_source = None  # prefill.cp.page_source.RankPageSource when serving KVTransfer
         self.transfer_server = None  # transfer.rank.service.Served
         self.shared_path = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
 
