@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from model.config import ModelConfig
 from model.dtypes import DTYPES
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import RetryPolicy
@@ -80,6 +81,12 @@ class DecodeConfig:
                 raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
+        # An architecture or a config field the model code cannot run is one line
+        # naming it, here at start-up (not a traceback from a rank or a loader).
+        model = ModelConfig.from_dir(self.model_path)
+        if model.mla is not None:
+            raise ValueError(f"architecture={model.architecture!r} (MLA attention) is not served "
+                             "by the decode daemon yet")
         host, _, port = self.prefill_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")

@@ -1,4 +1,7 @@
-"""Loads a Hugging Face safetensors checkpoint into ``CausalLM``.
+"""Loads a Hugging Face safetensors checkpoint into the model class of its architecture.
+
+``CausalLM`` serves the Llama family, ``DeepseekCausalLM`` DeepSeek-V2/V3; any
+other architecture is one ``ValueError`` naming it (from ``ModelConfig``).
 
 Each tensor file is read once; the same bytes feed both the weights digest and
 ``safetensors.torch.load``, so the digest always describes exactly the weights
@@ -17,17 +20,37 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from model.config import ModelConfig
+from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 from model.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that are recomputed here, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+AnyCausalLM = CausalLM | DeepseekCausalLM
+
+
+def model_class(config: ModelConfig) -> type[CausalLM] | type[DeepseekCausalLM]:
+    """The model class that runs ``config``'s architecture."""
+    return CausalLM if config.mla is None else DeepseekCausalLM
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
+                device: torch.device | str = "cpu") -> AnyCausalLM:
+    return model_class(config)(config, dtype=dtype, device=device)
+
+
+def _is_extra_layer(name: str, num_layers: int) -> bool:
+    """DeepSeek-V3 checkpoints carry their multi-token-prediction layers after the
+    decoder's (``model.layers.61.*``); like transformers, they are not loaded."""
+    parts = name.split(".")
+    return (len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and int(parts[2]) >= num_layers)
 
 
 class LoadedModel(NamedTuple):
     config: ModelConfig
-    model: CausalLM
+    model: AnyCausalLM
     weights_digest: str  # sha256 hex of the tensor files, see read_state_dict
     tokenizer: Tokenizer | None
 
@@ -49,9 +72,11 @@ def tensor_files(path: str | Path) -> list[Path]:
     return [path / name for name in names]
 
 
-def read_state_dict(path: str | Path, dtype: torch.dtype,
-                    device: torch.device | str) -> tuple[dict[str, torch.Tensor], str]:
-    """All tensors converted to ``dtype`` on ``device``, and the weights digest:
+def read_state_dict(path: str | Path, dtype: torch.dtype, device: torch.device | str,
+                    dtypes: dict[str, torch.dtype] | None = None,
+                    ) -> tuple[dict[str, torch.Tensor], str]:
+    """All tensors converted to ``dtype`` (or their entry of ``dtypes``) on
+    ``device``, and the weights digest:
     sha256 over the tensor files in sorted name order, each as its length
     (8 bytes, little-endian) then its bytes, so file boundaries count too."""
     digest = hashlib.sha256()
@@ -65,7 +90,8 @@ def read_state_dict(path: str | Path, dtype: torch.dtype,
                 raise ValueError(f"tensor {name!r} appears in more than one file (again in {file.name})")
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
-            state[name] = tensor.to(device=device, dtype=dtype)
+            wanted = dtype if dtypes is None else dtypes.get(name, dtype)
+            state[name] = tensor.to(device=device, dtype=wanted)
         del data  # one file's bytes in memory at a time
     return state, digest.hexdigest()
 
@@ -76,9 +102,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     ``tokenizer.json``; the model is in eval mode without gradients."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
-    model = CausalLM(config, dtype=dtype, device="meta")
-    state, digest = read_state_dict(path, dtype, device)
+    model = build_model(config, dtype=dtype, device="meta")
     expected = model.state_dict()
+    state, digest = read_state_dict(path, dtype, device,
+                                    {name: t.dtype for name, t in expected.items()})
+    if config.mla is not None:
+        state = {k: v for k, v in state.items() if not _is_extra_layer(k, config.num_layers)}
     if config.tie_word_embeddings:
         # Some exporters also write the tied head; like transformers, the
         # embedding is what the head uses.
@@ -107,12 +136,14 @@ def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
     The digest names the seed, so two dummy models pair only when identical."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
-    model = CausalLM(config, dtype=dtype, device=device)
+    model = build_model(config, dtype=dtype, device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=gen)
     model.eval()

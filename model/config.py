@@ -1,7 +1,9 @@
 """The model configuration, read from a Hugging Face ``config.json``.
 
-Only the Llama family is served: Llama, Qwen2 and Mistral share one decoder
-(RMSNorm, RoPE, GQA attention, SwiGLU MLP) and differ in a few switches. Every
+The Llama family (Llama, Qwen2, Qwen3, Mistral) shares one decoder (RMSNorm,
+RoPE, GQA attention, SwiGLU MLP) and differs in a few switches (Qwen3: per-head
+q/k RMSNorm before RoPE); DeepSeek-V2/V3 add MLA and MoE (``model.mla_config``,
+carried here as ``mla`` and ``moe``). Every
 field that would change the math in a way the decoder does not implement (a
 sliding window that is actually in effect, another RoPE type, another
 activation, MLP biases, quantized weights) is refused with a ``ValueError``
@@ -18,17 +20,31 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+from model.mla_config import (
+    DEEPSEEK_ARCHITECTURES,
+    DEEPSEEK_MODEL_TYPES,
+    MLAConfig,
+    MoEConfig,
+    deepseek_fields,
+)
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "MistralForCausalLM", *DEEPSEEK_ARCHITECTURES)
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    **DEEPSEEK_MODEL_TYPES,
 }
 # transformers' defaults per architecture for fields a config.json may omit.
 _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048,
     "Qwen2ForCausalLM": 32768,
+    "Qwen3ForCausalLM": 32768,
     "MistralForCausalLM": 131072,
+    "DeepseekV2ForCausalLM": 2048,
+    "DeepseekV3ForCausalLM": 4096,
 }
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -66,6 +82,11 @@ class ModelConfig:
     o_proj_bias: bool  # Llama's attention_bias also puts one on o_proj
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
+    # DeepSeek: MLA (then num_kv_heads is 1 and head_dim the latent row width)
+    # and MoE; None for the Llama family.
+    mla: MLAConfig | None = None
+    moe: MoEConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -88,10 +109,22 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be > 0")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
+        if (self.mla is None) != (self.architecture not in DEEPSEEK_ARCHITECTURES) or (
+            self.moe is None) != (self.mla is None):
+            raise ValueError(f"architecture={self.architecture!r} needs mla and moe exactly "
+                             "when it is a DeepSeek architecture")
+        if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
+            raise ValueError(f"an MLA model has num_kv_heads=1 and head_dim={self.mla.latent_dim}, "
+                             f"got {self.num_kv_heads} and {self.head_dim}")
+
+    @property
+    def attention_kind(self) -> str:
+        """``mla`` (one latent row per token and layer) or ``gqa`` (K and V heads)."""
+        return "gqa" if self.mla is None else "mla"
 
     @property
     def softmax_scale(self) -> float:
-        return self.head_dim**-0.5
+        return self.head_dim**-0.5 if self.mla is None else self.mla.softmax_scale
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -101,6 +134,8 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Reads a ``config.json`` dict; refuses what the decoder cannot run."""
         architecture = _architecture(hf)
+        if architecture in DEEPSEEK_ARCHITECTURES:
+            return cls._from_deepseek(hf, architecture)
         _refuse_unsupported_math(hf, architecture)
         num_heads = _required_int(hf, "num_attention_heads")
         hidden_size = _required_int(hf, "hidden_size")
@@ -111,13 +146,15 @@ class ModelConfig:
                     f"head_dim is absent and hidden_size={hidden_size} is not a multiple of "
                     f"num_attention_heads={num_heads}"
                 )
-            head_dim = hidden_size // num_heads
+            head_dim = 128 if architecture == "Qwen3ForCausalLM" else hidden_size // num_heads
         num_kv_heads = hf.get("num_key_value_heads")
         max_positions = hf.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture])
         rope_theta, rope_scaling = _rope(hf, max_positions)
         if architecture == "Qwen2ForCausalLM":
             attention_bias, o_proj_bias = True, False
         elif architecture == "LlamaForCausalLM":
+            attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
+        elif architecture == "Qwen3ForCausalLM":
             attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
         else:
             attention_bias = o_proj_bias = False
@@ -139,6 +176,22 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
             bos_token_id=hf.get("bos_token_id"),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+        )
+
+    @classmethod
+    def _from_deepseek(cls, hf: dict[str, Any], architecture: str) -> ModelConfig:
+        return cls(
+            architecture=architecture,
+            vocab_size=_required_int(hf, "vocab_size"),
+            hidden_size=_required_int(hf, "hidden_size"),
+            intermediate_size=_required_int(hf, "intermediate_size"),
+            num_layers=_required_int(hf, "num_hidden_layers"),
+            rms_norm_eps=float(hf.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
+            bos_token_id=hf.get("bos_token_id"),
+            **deepseek_fields(hf, architecture),
         )
 
     @classmethod
@@ -174,6 +227,10 @@ class ModelConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
+            **({"qk_norm": True} if self.qk_norm else {}),
+            **({} if self.mla is None else {
+                "attention": self.attention_kind, "mla": self.mla.contract_fields(),
+                "moe": dict(sorted(vars(self.moe).items()))}),
         }
 
 
@@ -237,7 +294,7 @@ def _refuse_sliding_window(hf: dict[str, Any], architecture: str) -> None:
                 f"sliding_window={window} < max_position_embeddings={max_positions} "
                 "is not supported (sliding-window attention)"
             )
-    elif architecture == "Qwen2ForCausalLM":
+    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
         if not hf.get("use_sliding_window", False) or window is None or window >= max_positions:
             return

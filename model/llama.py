@@ -106,6 +106,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias, **kw)
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias, **kw)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias, **kw)
+        if config.qk_norm:  # Qwen3: per-head RMSNorm of q and k before RoPE
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
+        self.qk_norm = config.qk_norm
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: AttentionFn) -> torch.Tensor:
@@ -113,6 +117,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         o = attention(self.layer_index, q, k, v)  # [T, Hq, D]
@@ -221,14 +227,15 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      softmax_scale: float) -> torch.Tensor:
     """Reference attention for one sequence, in plain torch.
 
-    ``q [Tq, Hq, D]``, ``k``/``v`` ``[Tk, Hkv, D]`` with ``Tk >= Tq``: the queries
+    ``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` (MLA: ``Dv != D``)
+    with ``Tk >= Tq``: the queries
     are the last ``Tq`` positions, query ``i`` sees keys ``[0, Tk - Tq + i]``.
     Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Same op order as
     transformers' eager attention (softmax in float32, cast back).
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(
-            f"expected q [Tq, Hq, D], k and v [Tk, Hkv, D]; got q {tuple(q.shape)}, "
+            f"expected q [Tq, Hq, D], k [Tk, Hkv, D] and v [Tk, Hkv, Dv]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
     (q_len, num_heads, head_dim), (kv_len, num_kv_heads, _) = q.shape, k.shape

@@ -81,7 +81,76 @@ def write_mistral(path: str | Path, *, num_layers: int = 2, seed: int = 2,
     return _write(path, MistralForCausalLM, config, seed, max_shard_size, tokenizer)
 
 
-WRITERS = {"llama": write_llama, "qwen2": write_qwen2, "mistral": write_mistral}
+def write_qwen3(path: str | Path, *, num_layers: int = 2, seed: int = 3,
+                max_shard_size: str | None = None, tokenizer: bool = False) -> Path:
+    """Qwen3: per-head q/k RMSNorm before RoPE, head_dim 24 (not hidden / heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(**{**_COMMON, "num_hidden_layers": num_layers}, head_dim=24,
+                         rope_theta=1_000_000.0, tie_word_embeddings=False,
+                         use_sliding_window=False)
+    return _write(path, Qwen3ForCausalLM, config, seed, max_shard_size, tokenizer)
+
+
+WRITERS = {"llama": write_llama, "qwen2": write_qwen2, "qwen3": write_qwen3,
+           "mistral": write_mistral}
+
+# MLA dims: latent row 32 + 8 = 40, qk head 16 + 8 = 24, v head 16 (differs from qk).
+_MLA: dict[str, Any] = {
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "moe_intermediate_size": 32, "n_routed_experts": 8,
+}
+
+
+def write_deepseek_v2(path: str | Path, *, q_lora: bool = False, num_layers: int = 2,
+                      seed: int = 4, max_shard_size: str | None = None,
+                      tokenizer: bool = False) -> Path:
+    """DeepSeek-V2: softmax top-2 of 8 experts plus 2 shared, the first layer dense.
+    Without q_lora: q_proj, YaRN (mscale = mscale_all_dim, as V2-Lite) and greedy
+    routing; with q_lora: plain RoPE and group-limited routing (2 of 4 groups)."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    if q_lora:
+        extra = {"q_lora_rank": 48, "topk_method": "group_limited_greedy", "n_group": 4,
+                 "topk_group": 2, "rope_parameters": {"rope_type": "default",
+                                                      "rope_theta": 10000.0}}
+    else:
+        extra = {"q_lora_rank": None, "topk_method": "greedy", "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "mscale": 0.707,
+            "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+            "original_max_position_embeddings": 128}}
+    config = DeepseekV2Config(**{**_COMMON, **_MLA, "num_hidden_layers": num_layers,
+                                 "num_attention_heads": 4}, **extra,
+                              num_experts_per_tok=2, n_shared_experts=2,
+                              first_k_dense_replace=1, routed_scaling_factor=1.5,
+                              norm_topk_prob=False, tie_word_embeddings=False)
+    return _write(path, DeepseekV2ForCausalLM, config, seed, max_shard_size, tokenizer)
+
+
+def write_deepseek_v3(path: str | Path, *, num_layers: int = 3, seed: int = 6,
+                      max_shard_size: str | None = None, tokenizer: bool = False) -> Path:
+    """DeepSeek-V3: q_lora, sigmoid routing with e_score_correction_bias over 4
+    groups (top 2 groups, 3 of 8 experts), 1 shared expert, YaRN with mscale !=
+    mscale_all_dim, interleaved RoPE, the first layer dense."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    config = DeepseekV3Config(**{**_COMMON, **_MLA, "num_hidden_layers": num_layers},
+                              q_lora_rank=48, n_group=4, topk_group=2, num_experts_per_tok=3,
+                              n_shared_experts=1, first_k_dense_replace=1,
+                              routed_scaling_factor=2.5, norm_topk_prob=True,
+                              rope_interleave=True, tie_word_embeddings=False,
+                              rope_parameters={
+                                  "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 32,
+                                  "beta_slow": 1, "original_max_position_embeddings": 256})
+    return _write(path, DeepseekV3ForCausalLM, config, seed, max_shard_size, tokenizer)
+
+
+DEEPSEEK_WRITERS = {
+    "deepseek_v2": write_deepseek_v2,
+    "deepseek_v2_qlora": lambda path, **kw: write_deepseek_v2(path, q_lora=True, **kw),
+    "deepseek_v3": write_deepseek_v3,
+}
 
 
 def write_tokenizer(path: str | Path, vocab_size: int = VOCAB_SIZE) -> Path:
@@ -115,6 +184,9 @@ def _write(path: str | Path, model_class: Any, config: Any, seed: int,
             for name, param in model.named_parameters():
                 if name.endswith(".bias") or name.endswith("norm.weight"):
                     param.add_(torch.randn_like(param) * 0.1)
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):  # 0 at init: make it matter
+                    buffer.add_(torch.randn_like(buffer) * 0.1)
     kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **kwargs)
     if tokenizer:

@@ -1,0 +1,300 @@
+"""The DeepSeek-V2/V3 decoder (MLA attention, MoE) shared by prefill and decode.
+
+Like ``model.llama.CausalLM``, one flat batch of tokens goes in and attention
+is a callback, but an MLA callback sees the compact latent row instead of
+per-head K and V:
+
+    attention(layer, q [T, H, qk_head_dim], latent [T, kv_lora_rank + qk_rope_head_dim])
+        -> o [T, H, v_head_dim]
+
+``latent`` is what the KV cache holds: ``kv_a_layernorm`` of the compressed KV,
+then the RoPE'd shared key part; ``q`` is ``q_nope`` then the RoPE'd ``q_pe``.
+The callback decompresses the latent through ``MLAAttention.decompress`` (per-head
+K and V) or works in the latent space through ``absorb_query`` and
+``expand_output``. Ops and their order follow transformers (RMSNorm and the
+router in float32, YaRN frequencies and cos/sin scaling as it computes them),
+so float32 logits agree with it. Routed experts run one GEMM per expert over
+the tokens sorted by expert, never a Python loop over tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.llama import MODEL_DTYPES, RMSNorm, causal_attention
+from model.mla_config import MoEConfig, yarn_inv_freq
+
+MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
+# DeepSeek's q_a_layernorm and kv_a_layernorm keep the default epsilon whatever rms_norm_eps says.
+_LORA_NORM_EPS = 1e-6
+
+
+class MLARotary(nn.Module):
+    """cos/sin ``[T, qk_rope_head_dim // 2]`` per rotated pair, YaRN scale included."""
+
+    def __init__(self, config: ModelConfig, device: torch.device | str):
+        super().__init__()
+        mla = config.mla
+        inv_freq, self.scale = yarn_inv_freq(mla.qk_rope_head_dim, config.rope_theta, None if (
+            mla.yarn is None) else dict(mla.yarn), device)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        return freqs.cos() * self.scale, freqs.sin() * self.scale
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleave: bool) -> torch.Tensor:
+    """RoPE on ``x [T, H, P]`` in float32: pairs ``(x[2i], x[2i+1])`` when
+    ``interleave`` (DeepSeek's layout; the result lists the rotated first members
+    then the second ones, the same for q and k), else halves ``(x[i], x[i+P/2])``."""
+    x32 = x.float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if interleave:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    else:
+        x1, x2 = x32.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        mla = config.mla
+        self.layer_index = layer_index
+        self.mla = mla
+        self.num_heads = config.num_heads
+        kw = {"dtype": dtype, "device": device}
+        hidden, heads = config.hidden_size, config.num_heads
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, heads * mla.qk_head_dim, bias=False, **kw)
+        else:
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=config.attention_bias, **kw)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _LORA_NORM_EPS, dtype, device)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * mla.qk_head_dim, bias=False, **kw)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=config.attention_bias, **kw)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _LORA_NORM_EPS, dtype, device)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                   bias=False, **kw)
+        self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.attention_bias, **kw)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: MLAAttentionFn) -> torch.Tensor:
+        mla, num_tokens = self.mla, x.shape[0]
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
+            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        q_pe = rope_pairs(q_pe, cos, sin, mla.rope_interleave)
+        k_pe = rope_pairs(k_pe[:, None, :], cos, sin, mla.rope_interleave)[:, 0]
+        latent = torch.cat((self.kv_a_layernorm(compressed), k_pe), dim=-1)
+        o = attention(self.layer_index, torch.cat((q_nope, q_pe), dim=-1), latent)
+        expected = (num_tokens, self.num_heads, mla.v_head_dim)
+        if tuple(o.shape) != expected:
+            raise ValueError(f"attention callback returned shape {tuple(o.shape)} for layer "
+                             f"{self.layer_index}, expected {expected}")
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+
+    def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's K part ``[H, qk_nope, R]`` and V part ``[H, v_head_dim, R]``."""
+        mla = self.mla
+        w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim,
+                                       mla.kv_lora_rank)
+        return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
+
+    def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``latent [T, R+P]`` -> per-head K ``[T, H, qk_head_dim]`` and V ``[T, H, v_head_dim]``."""
+        mla, num_tokens = self.mla, latent.shape[0]
+        kv = self.kv_b_proj(latent[:, : mla.kv_lora_rank]).view(
+            num_tokens, self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim)
+        k_nope, v = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        k_pe = latent[:, None, mla.kv_lora_rank :].expand(-1, self.num_heads, -1)
+        return torch.cat((k_nope, k_pe), dim=-1), v
+
+    def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
+        """``q [T, H, qk_head_dim]`` -> ``[T, H, R+P]``: q_nope through kv_b_proj's
+        K part into the latent space, then q_pe, so ``q_abs . latent = q . k``."""
+        w_k, _ = self._kv_b()
+        q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
+        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_k)
+        return torch.cat((q_latent, q_pe), dim=-1)
+
+    def expand_output(self, o_latent: torch.Tensor) -> torch.Tensor:
+        """Attention output in the latent space ``[T, H, R]`` -> ``[T, H, v_head_dim]``."""
+        _, w_v = self._kv_b()
+        return torch.einsum("thr,hvr->thv", o_latent, w_v)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        kw = {"bias": False, "dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Top-k expert choice in float32 (the gate weight and the correction bias stay float32)."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, device: torch.device | str):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.zeros(moe.num_experts, hidden, dtype=torch.float32,
+                                               device=device))
+        if moe.scoring == "sigmoid":
+            self.e_score_correction_bias = nn.Parameter(
+                torch.zeros(moe.num_experts, dtype=torch.float32, device=device))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())
+        if moe.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + self.e_score_correction_bias
+            group_rank = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).topk(
+                2, dim=-1)[0].sum(-1) if moe.n_group > 1 else None
+            fill = float("-inf")
+        else:
+            scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
+            group_rank = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).amax(-1) if (
+                moe.n_group > 1) else None
+            fill = 0.0
+        if group_rank is not None and moe.topk_group < moe.n_group:
+            groups = group_rank.topk(moe.topk_group, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, groups, True)
+            keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
+            choice = choice.masked_fill(~keep, fill)
+        ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scaling_factor, ids
+
+
+class MoE(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        moe = config.moe
+        self.gate = Router(moe, config.hidden_size, device)
+        self.experts = nn.ModuleList(
+            SwiGLU(config.hidden_size, moe.moe_intermediate_size, dtype, device)
+            for _ in range(moe.num_experts))
+        self.shared_experts = SwiGLU(
+            config.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, dtype, device
+        ) if moe.num_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        top_k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
+        tokens = order // top_k
+        rows = x[tokens]
+        out_rows = torch.empty_like(rows)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                out_rows[start : start + count] = expert(rows[start : start + count])
+                start += count
+        routed = torch.zeros_like(x).index_add_(
+            0, tokens, (out_rows * weights.reshape(-1)[order, None]).to(x.dtype))
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        super().__init__()
+        self.self_attn = MLAAttention(config, layer_index, dtype, device)
+        self.mlp = MoE(config, dtype, device) if config.moe.is_moe_layer(layer_index) else (
+            SwiGLU(config.hidden_size, config.intermediate_size, dtype, device))
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: MLAAttentionFn) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekStack(nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
+                                         device=device)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
+
+
+class DeepseekCausalLM(nn.Module):
+    """Decoder + LM head, the same interface as ``CausalLM`` but with an MLA callback."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"dtype={dtype} is not supported (float32, float16, bfloat16)")
+        if config.mla is None:
+            raise ValueError(f"architecture={config.architecture!r} is not an MLA model")
+        self.config = config
+        self.model = DeepseekStack(config, dtype, device)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device)
+        rope_device = "cpu" if torch.device(device).type == "meta" else device
+        self.rotary = MLARotary(config, rope_device)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def mla_layer(self, layer: int) -> MLAAttention:
+        return self.model.layers[layer].self_attn
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attention: MLAAttentionFn) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` int64 -> hidden ``[T, hidden]`` after the final norm."""
+        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+            raise ValueError(f"input_ids must be 1-D [T] and positions the same shape, got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+        hidden = self.embed(input_ids)
+        cos, sin = self.rotary(positions)
+        for layer in self.model.layers:
+            hidden = layer(hidden, cos, sin, attention)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def mla_causal_attention(model: DeepseekCausalLM) -> MLAAttentionFn:
+    """A reference callback for one sequence: decompress the latent, causal attention."""
+    scale = model.config.softmax_scale
+
+    def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        k, v = model.mla_layer(layer).decompress(latent)
+        return causal_attention(q, k, v, scale)
+
+    return attention
