@@ -70,12 +70,12 @@ from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.daemon import DecodeDaemon  # noqa: E402
-from decode.placement import place_chunk  # noqa: E402
 from kernels.page_digest import page_digest  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from transfer.connector.placement import place_chunk  # noqa: E402
 from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 from transfer.fastpath.sidestreams import streams_for  # noqa: E402

@@ -55,11 +55,11 @@ from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
 from decode.config import DecodeConfig  # noqa: E402
 from decode.daemon import DecodeDaemon  # noqa: E402
-from decode.placement import place_chunk  # noqa: E402
 from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from transfer.connector.placement import place_chunk  # noqa: E402
 from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from transfer.grpcfetch.client import KVClient  # noqa: E402
 from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402

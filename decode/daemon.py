@@ -3,13 +3,15 @@
 At start-up it loads the model, builds its layout agreement and handshakes
 with the prefill daemon (and with every owner rank the prefill contract
 names): a ``ContractMismatch`` ends start-up before anything is served. Then it
-serves ``DecodeService.Generate`` (see ``decode.service``), ``KVTransfer.Handshake``
+serves ``DecodeService.Generate`` (``decode.service``, running ``decode.generate``), ``KVTransfer.Handshake``
 with its own contract (so ``lanekv handshake`` can read it; it holds no pages
 for others, so FetchKV and Release answer NOT_FOUND) and the gRPC health service.
 
-Threads: gRPC handler threads run each request's prefill call, transfer and
-placement; one loop thread runs ``DecodeEngine.step`` while there is work and
-routes every ``TokenEvent`` to its request's queue.
+It builds what a Generate call runs on (a ``GenerateContext``: pool, engine,
+KV fetcher, prefill client, page budget, streams) and owns it. Threads: gRPC
+handler threads run each request's prefill call, transfer and placement; one
+loop thread runs ``DecodeEngine.step`` while there is work and hands every
+``TokenEvent`` to its request's stream (``decode.streams``).
 
 Its port, its channel to the prefill daemon and its channels to the ranks all
 speak ``config.security`` (TLS, mutual TLS, the token; health stays open).
@@ -22,10 +24,9 @@ and carry ``request_id`` as a record attribute too.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import grpc
 import torch
@@ -34,7 +35,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from decode.budget import PageBudget
 from decode.config import DecodeConfig
 from decode.engine import DecodeEngine
+from decode.generate import GenerateContext
 from decode.pool import PagePool
+from decode.prefill_call import PrefillClient
+from decode.service import DecodeServicer
+from decode.streams import SHUTDOWN, Streams
 from model.checkpoint import load_checkpoint
 from proto import lanekv_pb2_grpc
 from runtime.hostmem import keep_freed_buffers
@@ -42,33 +47,19 @@ from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.rpc_metrics import lanekv_metrics
 from runtime.security import bind, make_server, open_channel
 from runtime.status import TRANSFER_SERVICE
+from transfer.connector.fastpath import FastPathTransport
+from transfer.connector.fetcher import KVFetcher
+from transfer.connector.grpc import GrpcTransport
 from transfer.fastpath.client import FastPath
 from transfer.grpcfetch.client import KVClient, RemoteError, channel_options
 from transfer.protocol.contract import Agreement, LayoutContract
 from transfer.rank.service import KVTransferService, add_transfer_service
 from transfer.rank.sources import ContractOnlySource
 
-if TYPE_CHECKING:
-    from decode.service import GenerateSpec, Prepared
-
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 DECODE_SERVICE = "lanekv.v1.DecodeService"
 _IDLE_WAIT_S = 0.1  # how often an idle loop checks for shutdown
-SHUTDOWN = object()  # queued to every open stream when the daemon stops
-# The failure cause of a Generate call that did not finish, by the status it ended with.
-FAILURE_CAUSES = {
-    Code.CANCELLED: "cancelled",
-    Code.DEADLINE_EXCEEDED: "deadline",
-    Code.INVALID_ARGUMENT: "invalid_argument",
-    Code.OUT_OF_RANGE: "invalid_argument",
-    Code.ALREADY_EXISTS: "invalid_argument",
-    Code.RESOURCE_EXHAUSTED: "out_of_pages",  # ours or the prefill daemon's
-    Code.FAILED_PRECONDITION: "contract_mismatch",
-    Code.DATA_LOSS: "checksum",  # a chunk failed its checksum or did not fit
-    Code.UNAVAILABLE: "unavailable",  # the prefill daemon or a rank is down, or we are stopping
-    Code.ABORTED: "transfer",
-}
 
 
 class DecodeStats(NamedTuple):
@@ -113,24 +104,27 @@ class DecodeDaemon:
         device = torch.device(config.resolved_device)
         self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
         model_config = self.loaded.config
-        self.vocab_size = model_config.vocab_size
-        self.max_positions = model_config.max_position_embeddings
-        self.tokenizer = self.loaded.tokenizer
         self.agreement = Agreement.from_model(
             model_config.contract_fields(), self.loaded.weights_digest, config.torch_dtype, config.page_size
         )
         self.prefill_contract = self._handshake()
         self.fastpath = FastPath(self.kv, self.agreement) if config.transport == "auto" else None
         self._prefill_channel = open_channel(config.prefill_endpoint, config.security, channel_options())
-        self.prefill_stub = lanekv_pb2_grpc.PrefillServiceStub(self._prefill_channel)
+        prefill = PrefillClient(lanekv_pb2_grpc.PrefillServiceStub(self._prefill_channel), config.prefill_endpoint)
+        grpc_transport = GrpcTransport(self.kv, max_inflight_bytes=config.max_inflight_bytes,
+                                       max_chunk_bytes=config.fetch_chunk_bytes)
+        fast = None if self.fastpath is None else FastPathTransport(self.fastpath, self.metrics.failures)
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device)
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size)
         self.budget = PageBudget(config.pool_pages)
-        self._streams: dict[str, queue.SimpleQueue] = {}
-        self._generated: dict[str, int] = {}  # tokens sent so far, per open stream
-        self._counts = {"finished": 0, "cancelled": 0, "refused": 0}
+        self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
+        self.generate = GenerateContext(
+            config, self.pool, self.engine, KVFetcher(grpc_transport, fast), prefill, self.budget, self.streams,
+            self.agreement, self.prefill_contract.topology, self.loaded.tokenizer, model_config.vocab_size,
+            model_config.max_position_embeddings, self._stop,
+        )
         self._watch_pool()
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
         self._loop.start()
@@ -168,12 +162,10 @@ class DecodeDaemon:
         return theirs
 
     def _serve(self) -> None:
-        from decode.service import DecodeServicer  # the servicer imports this module's types
-
         cfg = self.config
         # Our own contract: our agreement and the topology our prefill daemon told us.
         self.contract = LayoutContract(self.agreement, self.prefill_contract.topology)
-        lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self), self.server)
+        lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self.generate), self.server)
         add_transfer_service(self.server, KVTransferService(ContractOnlySource(self.contract, "a decode daemon serves no pages")))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -198,54 +190,6 @@ class DecodeDaemon:
 
     # -- streams and the decode loop -----------------------------------------
 
-    def open_stream(self, request_id: str) -> queue.SimpleQueue | None:
-        """A fresh event queue for ``request_id``; None if that id is in use."""
-        with self._lock:
-            if request_id in self._streams:
-                return None
-            events: queue.SimpleQueue = queue.SimpleQueue()
-            self._streams[request_id] = events
-            self._generated[request_id] = 0
-            return events
-
-    def transferred(self, spec: GenerateSpec, prepared: Prepared) -> None:
-        """The request's KV is in our pool and the engine has it: count and log the transfer."""
-        rid, fetch = spec.request_id, prepared.fetch
-        self.metrics.tokens.labels(kind="prompt").inc(len(spec.token_ids))
-        self._count_tokens(rid, 1)  # prefill's first token
-        self.metrics.record_transfer({rank: s.bytes for rank, s in fetch.per_rank.items()}, fetch.seconds)
-        log.info("transfer done request_id=%s bytes=%d chunks=%d ranks=%d retries=%d seconds=%.4f gbps=%.3f "
-                 "prefill_s=%.4f", rid, fetch.bytes, fetch.chunks, len(fetch.per_rank), fetch.retries, fetch.seconds,
-                 fetch.bytes / fetch.seconds / 1e9 if fetch.seconds > 0 else 0.0, prepared.prefill_s,
-                 extra={"request_id": rid})
-
-    def close_stream(self, request_id: str | None, outcome: str, context: grpc.ServicerContext | None = None) -> None:
-        """Forget the request (None: refused before it had a stream); ``outcome`` is
-        one of finished, cancelled, refused; ``context`` says the status it ended with."""
-        with self._lock:
-            if request_id is not None:
-                self._streams.pop(request_id, None)
-            tokens = self._generated.pop(request_id, 0)
-            self._counts[outcome] += 1
-        extra = {"request_id": request_id}
-        if outcome == "finished":
-            log.info("generate finished request_id=%s tokens=%d", request_id, tokens, extra=extra)
-            return
-        code, details = _ended_with(context, outcome)
-        cause = FAILURE_CAUSES.get(code, "internal")
-        if code == Code.ABORTED and "NOT_FOUND" in details:
-            cause = "lease_expired"  # the ranks no longer held the pages
-        self.metrics.failures.labels(cause=cause).inc()
-        level = logging.INFO if outcome == "cancelled" else logging.WARNING
-        log.log(level, "generate %s request_id=%s tokens=%d cause=%s code=%s: %s", outcome,
-                request_id or "-", tokens, cause, code.name, details, extra=extra)
-
-    def _count_tokens(self, request_id: str, n: int) -> None:
-        self.metrics.tokens.labels(kind="generated").inc(n)
-        with self._lock:
-            if request_id in self._generated:
-                self._generated[request_id] += n
-
     def _decode_loop(self) -> None:
         while not self._stop.is_set():
             if not self.engine.wait_for_work(_IDLE_WAIT_S):
@@ -254,27 +198,12 @@ class DecodeDaemon:
                 events = self.engine.step()
             except Exception as err:  # keep serving: fail the requests of this step, not the daemon
                 log.exception("decode step failed")
-                self._broadcast(err)
+                self.streams.broadcast(err)
                 self._stop.wait(_IDLE_WAIT_S)
                 continue
             if not events:  # requests wait for pages freed by others: do not spin
                 self._stop.wait(0.001)
-            generated = 0
-            with self._lock:
-                for event in events:
-                    if event.token_id is not None and event.request_id in self._generated:
-                        self._generated[event.request_id] += 1
-                        generated += 1
-                    events_of = self._streams.get(event.request_id)
-                    if events_of is not None:
-                        events_of.put(event)
-            if generated:
-                self.metrics.tokens.labels(kind="generated").inc(generated)
-
-    def _broadcast(self, item: object) -> None:
-        with self._lock:
-            for events in self._streams.values():
-                events.put(item)
+            self.streams.deliver(events)
 
     # -- accounting -----------------------------------------------------------
 
@@ -282,10 +211,8 @@ class DecodeDaemon:
         return self.pool.free_count
 
     def stats(self) -> DecodeStats:
-        with self._lock:
-            active, counts = len(self._streams), dict(self._counts)
-        return DecodeStats(self.pool.free_count, self.pool.num_pages, self.budget.used, active,
-                           counts["finished"], counts["cancelled"], counts["refused"])
+        counts = self.streams.counts()
+        return DecodeStats(self.pool.free_count, self.pool.num_pages, self.budget.used, *counts)
 
     @property
     def stopping(self) -> bool:
@@ -301,12 +228,12 @@ class DecodeDaemon:
             if self._stopped:
                 return
             self._stopped = True
-            active = len(self._streams)
+        active = self.streams.counts().active
         self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
         log.info("draining: %d open streams, %.1fs to finish", active, grace_s)
         self.server.stop(grace_s).wait(grace_s + 1.0)
         self._stop.set()
-        self._broadcast(SHUTDOWN)  # wake streams still waiting
+        self.streams.broadcast(SHUTDOWN)  # wake streams still waiting
         self._loop.join(5.0)
         self._close_clients()
         self._close_ports()
@@ -320,20 +247,3 @@ class DecodeDaemon:
         self.server.stop(None)
         if self.metrics_endpoint is not None:
             self.metrics_endpoint.close()
-
-
-def _ended_with(context: grpc.ServicerContext | None, outcome: str) -> tuple[grpc.StatusCode, str]:
-    """The status a call that did not finish ends with; a client that left sets none itself."""
-    if context is None:
-        return Code.UNKNOWN, ""
-    code, details = context.code(), context.details() or ""
-    if isinstance(details, bytes):
-        details = details.decode("utf-8", "replace")
-    if outcome == "cancelled" and code in (None, Code.CANCELLED):
-        # gRPC ends a call whose deadline passed as it ends one the client left.
-        if context.time_remaining() <= 0:
-            return Code.DEADLINE_EXCEEDED, "the client's deadline passed"
-        return Code.CANCELLED, details or "the client went away"
-    return (Code.UNKNOWN if code is None else code), details
-
-

@@ -21,7 +21,7 @@ import torch
 
 from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
-from decode.remote import PrefillCall
+from decode.prefill_call import PrefillCall
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc

@@ -205,7 +205,7 @@ def test_generate_with_damaged_chunks_equals_a_clean_run(pair, receive_damage, m
     free = prefill.engine.allocator.free_counts()
     clean = tokens(stub, generate_request(PROMPT, NEW_TOKENS))
     # Every scatter into the decode pool copies a payload whose checksum a server computed.
-    import decode.placement as placement
+    import transfer.connector.placement as placement
 
     scatter, scattered = placement.scatter_pages, []
 

@@ -1,6 +1,6 @@
 """The order in which the ranks of one fast-path fetch queue their copies (``CopyOrder``).
 
-Each rank of a fetch runs in a thread of its own (``decode.remote.FastFetches``),
+Each rank of a fetch runs in a thread of its own (``transfer.connector.fastpath``),
 and the threads take turns at the GIL and at the GPU's queues; left to
 chance, a rank whose copies take 1 ms could queue them before one whose
 copies take 5 ms, or wait for its copies while another still had to queue

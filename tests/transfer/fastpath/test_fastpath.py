@@ -28,13 +28,14 @@ import torch
 
 import kernels.page_digest as page_digest_module
 import transfer.protocol.descriptors as fastpath
-from decode.remote import FastFetches
 from kernels.page_copy import gather_pages, scatter_pages
 from kernels.page_digest import PageDigest, kv_digest
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.status import Refusal
 from tests.markers import GPU_CASE, requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
+from transfer.connector.base import Coverage, FetchJob, Route
+from transfer.connector.fastpath import FastPathTransport
 from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath.client import DigestMismatch, FastPath
 from transfer.fastpath.copyorder import CopyOrder
@@ -681,7 +682,7 @@ def test_descriptors_come_on_a_direct_channel_that_a_cancel_ends(rank, monkeypat
     monkeypatch.setattr(kv, "channel", lambda *a, **k: (asked_for.append(k.get("direct", False)), channel(*a, **k))[1])
     dst = torch.zeros(LAYERS, 2, PAGE, 2, 8, dtype=torch.float16)
     t0 = time.monotonic()
-    with pytest.raises(RemoteError, match="CANCELLED"):  # cancelled from another thread, as FastFetches.stop does
+    with pytest.raises(RemoteError, match="CANCELLED"):  # cancelled from another thread, as the fast-path transport's stop does
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
                    epoch=None, timeout=30, on_call=lambda call: threading.Timer(0.3, call.cancel).start())
     assert time.monotonic() - t0 < 10.0
@@ -760,7 +761,7 @@ def test_releasing_one_request_of_a_prefill_batch_leaves_the_others_streaming(ra
     assert torch.equal(dest, pool[:, :, rows_of([2, 3])])
 
 
-# -- the decode daemon's fetches of several ranks (decode.remote.FastFetches) --------------
+# -- the decode daemon's fetches of several ranks (transfer.connector.fastpath) --------------
 
 
 class _Call:
@@ -772,13 +773,11 @@ class _Call:
 
 
 def _fast_fetches(fetch, pools, *, physical_of=None):
-    """FastFetches over a stand-in FastPath whose ``fetch`` is ``fetch``."""
-    d = SimpleNamespace(fastpath=SimpleNamespace(fetch=fetch), pool=SimpleNamespace(tensor=torch.zeros(1)),
-                        prefill_contract=SimpleNamespace(topology=SimpleNamespace(physical_of=physical_of)))
-    call = SimpleNamespace(spec=SimpleNamespace(request_id="req"), fingerprint="f" * 64, epoch=None,
-                           table=SimpleNamespace(physical_pages_for=list))
-    return FastFetches(d, call, pools, ["127.0.0.1:1"] * len(pools), {r: [r] for r in pools}, lambda *a: None,
-                       time.monotonic() + 30, written=physical_of is not None)
+    """The fast-path transport's fetch of one job over a stand-in FastPath whose ``fetch`` is ``fetch``."""
+    job = FetchJob("req", "f" * 64, None, ("127.0.0.1:1",) * len(pools), {r: [r] for r in pools}, 1, 1,
+                   torch.zeros(1), list, time.monotonic() + 30, physical_of=physical_of)
+    routes = {rank: Route(SHM, pool) for rank, pool in pools.items()}
+    return FastPathTransport(SimpleNamespace(fetch=fetch)).start(job, routes, Coverage(job.pages, 1))
 
 
 def test_stopped_fast_fetches_cancel_late_calls_and_wait_for_their_threads():
@@ -819,5 +818,5 @@ def test_a_rank_that_fails_before_its_fetch_gives_its_turn_away():
     # Rank 1's pool is on another device: it goes first, and fails before its fetch.
     fast = _fast_fetches(fetch, {0: torch.zeros(1), 1: torch.zeros(1, device="meta")}, physical_of=physical_of)
     with pytest.raises(Refusal, match="no place"):
-        fast.join(time.monotonic() + 10)
+        fast.wait()
     assert waited[0] < 2.0, "rank 0 waited for a rank that had failed"

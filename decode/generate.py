@@ -1,0 +1,363 @@
+"""The Generate pipeline: prompt -> remote prefill -> KV into our pool -> engine events.
+
+One call, in order (``GeneratePipeline``, handed a ``GenerateContext``); each
+step succeeds or ends the call with a ``Refusal``, and whatever the call
+holds by then is given back (``settle``):
+
+1. admit: promise every page the request may ever hold (``PageBudget``):
+   RESOURCE_EXHAUSTED at once if the pool can never hold it, or after
+   ``page_wait_s`` of a full pool. Checked before prefill, so no prefill work
+   is wasted on a request that cannot be decoded;
+2. prefill on the prefill daemon (``decode.prefill_call``): its first message
+   comes as soon as every owner rank holds the request's pages, before the
+   prefill runs; from then on the ranks pin them until we release them (or
+   their lease expires);
+3. check the manifest, remap its pages onto fresh pages of our pool and fetch
+   the KV while the prefill runs (``transfer.connector.fetcher.KVFetcher``:
+   the fast path where a rank shares its pool, gRPC for the others and for a
+   rank whose copy failed its digest; it raises one ``KVFetchError`` with the
+   call's status: DATA_LOSS, UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED, and
+   a failed prefill's own status wins). Then the prefill's last message
+   brings the first token;
+4. release the prefill pages at every rank, in the background (FetchKV and
+   Release carry the prefill daemon's epoch from step 2, so a restarted
+   prefill daemon refuses them);
+5. hand the page table to the engine with prefill's first token and yield the
+   engine's events.
+
+A client that goes away is noticed between the steps and, once streaming, at
+once (``abandon``, from gRPC's termination callback, cancels the request in
+the engine). A call that fails gives its pages back at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple, Protocol
+
+import grpc
+
+from decode.budget import PageBudget
+from decode.config import DecodeConfig
+from decode.engine import DecodeEngine, TokenEvent
+from decode.pool import PagePool, PageTable, PoolExhausted
+from decode.prefill_call import PrefillClient
+from decode.streams import SHUTDOWN, Streams
+from model.sampling import SamplingParams
+from model.tokenizer import Tokenizer
+from proto import lanekv_pb2
+from runtime.status import Refusal
+from transfer.connector.base import FetchJob, KVFetchError
+from transfer.connector.fetcher import KVFetcher
+from transfer.grpcfetch.client import FetchStats
+from transfer.protocol.contract import Agreement, Topology
+from transfer.protocol.manifest import Manifest
+
+log = logging.getLogger("lanekv.decode")
+Code = grpc.StatusCode
+_ABANDONED = object()  # queued when the RPC ends under a waiting stream
+
+
+class GenerateSpec(NamedTuple):
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    sampling_proto: lanekv_pb2.SamplingParams  # forwarded to prefill as given
+    max_new_tokens: int  # output tokens, prefill's first one included
+    stop_token_ids: tuple[int, ...]
+
+
+class Prepared(NamedTuple):
+    first_token: int
+    prefill_s: float
+    fetch: FetchStats
+    paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm" or "cuda_ipc"
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata of the stream: what the transfer cost."""
+        return (
+            ("lanekv-prefill-seconds", f"{self.prefill_s:.6f}"),
+            ("lanekv-transfer-bytes", str(self.fetch.bytes)),
+            ("lanekv-transfer-chunks", str(self.fetch.chunks)),
+            ("lanekv-transfer-seconds", f"{self.fetch.seconds:.6f}"),
+            ("lanekv-transfer-paths", ",".join(f"{rank}:{how}" for rank, how in sorted(self.paths.items()))),
+        )
+
+
+class Caller(Protocol):
+    """The RPC side of a call, as a ``grpc.ServicerContext`` offers it."""
+
+    def add_callback(self, callback: Callable[[], None]) -> bool: ...
+    def time_remaining(self) -> float | None: ...
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None: ...
+
+
+@dataclass(frozen=True)
+class GenerateContext:
+    """What the pipeline runs on, built and owned by the daemon (``decode.daemon``)."""
+
+    config: DecodeConfig
+    pool: PagePool
+    engine: DecodeEngine
+    fetcher: KVFetcher
+    prefill: PrefillClient
+    budget: PageBudget
+    streams: Streams
+    agreement: Agreement  # ours
+    topology: Topology  # the prefill daemon's
+    tokenizer: Tokenizer | None  # the checkpoint's; None: token ids only
+    vocab_size: int
+    max_positions: int
+    stopping: threading.Event  # set when the daemon stops
+
+
+@dataclass(eq=False)
+class GenerateCall:
+    """What one Generate call holds; ``lock`` guards the hand-over of pages to the engine."""
+
+    spec: GenerateSpec
+    events: queue.SimpleQueue
+    abandoned: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    reserved_pages: int = 0  # promised by the PageBudget
+    pinned_at: dict[int, str] | None = None  # prefill ranks still pinning the request's pages
+    fingerprint: str = ""
+    epoch: str | None = None  # the prefill daemon start that pinned the pages
+    table: PageTable | None = None  # our pages, until the engine owns them
+    in_engine: bool = False
+    settled: bool = False
+    finished: bool = False  # its last event was sent
+
+    @property
+    def outcome(self) -> str:
+        return "finished" if self.finished else "cancelled" if self.abandoned.is_set() else "refused"
+
+
+class GeneratePipeline:
+    def __init__(self, ctx: GenerateContext) -> None:
+        self._ctx = ctx
+
+    def open(self, spec: GenerateSpec) -> GenerateCall:
+        """A call with a stream of its own; ALREADY_EXISTS while the request id is in use."""
+        events = self._ctx.streams.open(spec.request_id)
+        if events is None:
+            raise Refusal(Code.ALREADY_EXISTS, f"request_id={spec.request_id!r} is already in use")
+        return GenerateCall(spec, events)
+
+    def run(self, call: GenerateCall, caller: Caller) -> Iterator[TokenEvent]:
+        """Steps 1-5: the events of the request, prefill's first token first; settled at the end."""
+        try:
+            if not caller.add_callback(lambda: self._abandon(call)):
+                call.abandoned.set()  # the RPC has ended already
+            prepared = self._prepare(call, caller.time_remaining())
+            spec = call.spec
+            self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s)
+            caller.set_trailing_metadata(prepared.metadata())
+            yield TokenEvent(spec.request_id, prepared.first_token, 0, False, None)
+            yield from self._events(call)
+            call.finished = True
+        finally:
+            self._settle(call)
+
+    def close(self, call: GenerateCall | None, code: grpc.StatusCode, details: str) -> None:
+        """Account for a call that ended (None: refused before it had a stream) with ``code``."""
+        if call is None:
+            self._ctx.streams.close(None, "refused", code, details)
+        else:
+            self._ctx.streams.close(call.spec.request_id, call.outcome, code, details)
+
+    # -- steps 1-5 --------------------------------------------------------------
+
+    def _prepare(self, call: GenerateCall, remaining: float | None) -> Prepared:
+        ctx, spec = self._ctx, call.spec
+        config = ctx.config
+        budget_s = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
+        deadline = time.monotonic() + budget_s
+        self._admit(call, deadline)
+        # Not cut short by the client's deadline: a prefill that ends after we
+        # stopped waiting would pin its pages until their lease expires; once it
+        # has answered, a client that went away is noticed and the pages released.
+        prefill = ctx.prefill.stream(spec.request_id, spec.token_ids, spec.sampling_proto, config.request_timeout_s)
+        try:
+            started = prefill.started()
+            call.epoch = prefill.epoch
+            call.fingerprint = started.contract_fingerprint
+            call.pinned_at = dict(enumerate(started.endpoints))
+            manifest = self._check_manifest(started, spec)
+            _check_alive(call)
+            try:
+                call.table = PageTable.remap(ctx.pool, [p.page for p in manifest.pages], manifest.num_tokens)
+            except PoolExhausted as err:  # the budget should make this impossible
+                raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
+            table = call.table
+            job = FetchJob(
+                spec.request_id, call.fingerprint, call.epoch, tuple(started.endpoints),
+                {rank: manifest.pages_of_owner(rank) for rank in sorted({p.owner for p in manifest.pages})},
+                ctx.agreement.num_layers, config.page_size, ctx.pool.tensor, table.physical_pages_for, deadline,
+                physical_of=ctx.topology.physical_of if prefill.answered() else None,
+            )
+            # The ranks send each layer as soon as it is written: the fetch overlaps the prefill.
+            try:
+                fetched = ctx.fetcher.fetch(job)
+            except KVFetchError:
+                prefill.raise_if_failed()  # a failed prefill is the cause to report
+                raise
+            reply = prefill.done()
+        finally:
+            prefill.close()
+        if reply.first_token < 0 or reply.request_id != spec.request_id:
+            raise Refusal(Code.INTERNAL, f"prefill daemon answered first_token={reply.first_token} "
+                          f"for {reply.request_id!r}")
+        self._release_prefill(call, wait=False)  # the KV is ours: the ranks free their pages meanwhile
+        with call.lock:
+            _check_alive(call)
+            try:
+                ctx.engine.add(spec.request_id, call.table, reply.first_token, spec.sampling,
+                               spec.max_new_tokens, spec.stop_token_ids, start_step=1)
+            except ValueError as err:
+                raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
+            call.in_engine, call.table = True, None
+        return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths)
+
+    def _admit(self, call: GenerateCall, deadline: float) -> None:
+        ctx, spec = self._ctx, call.spec
+        page_size, num_pages, page_wait_s = ctx.config.page_size, ctx.pool.num_pages, ctx.config.page_wait_s
+        # Cache tokens at the end: the prompt plus every output token but the last.
+        pages = -(-(len(spec.token_ids) + spec.max_new_tokens - 1) // page_size)
+        if pages > num_pages:
+            raise Refusal(
+                Code.RESOURCE_EXHAUSTED, f"the request may need {pages} KV pages; the decode pool has {num_pages}"
+            )
+        wait_s = min(page_wait_s, time_left(deadline))
+        if not ctx.budget.acquire(pages, wait_s, call.abandoned):
+            _check_alive(call)
+            if wait_s < page_wait_s:  # the deadline ended the wait, not the pool's limit
+                raise Refusal(
+                    Code.DEADLINE_EXCEEDED,
+                    f"the deadline passed after {wait_s:.1f}s of waiting for {pages} pages of a full decode pool",
+                )
+            raise Refusal(
+                Code.RESOURCE_EXHAUSTED,
+                f"the decode pool stayed full for {wait_s:.1f}s ({pages} of {num_pages} pages wanted)",
+            )
+        call.reserved_pages = pages
+
+    def _check_manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
+        """The manifest of a PrefillStream's first message, checked against our contract,
+        the request and the prefill topology."""
+        ours, topology = self._ctx.agreement.fingerprint, self._ctx.topology
+        if reply.contract_fingerprint != ours:
+            raise Refusal(
+                Code.FAILED_PRECONDITION,
+                f"prefill answered with contract {reply.contract_fingerprint[:16]!r}, ours is "
+                f"{ours[:16]!r}; restart this daemon to handshake again",
+            )
+        try:
+            manifest = Manifest.decode(reply.manifest)
+        except ValueError as err:
+            raise Refusal(Code.INTERNAL, f"prefill daemon sent a bad manifest: {err}") from err
+        if manifest.page_size != self._ctx.config.page_size:
+            raise Refusal(
+                Code.FAILED_PRECONDITION,
+                f"manifest page_size={manifest.page_size}, ours is {self._ctx.config.page_size}",
+            )
+        if manifest.request_id != spec.request_id or manifest.num_tokens != len(spec.token_ids):
+            raise Refusal(
+                Code.INTERNAL,
+                f"manifest is for {manifest.request_id!r} with {manifest.num_tokens} tokens, asked for "
+                f"{spec.request_id!r} with {len(spec.token_ids)}",
+            )
+        try:
+            if len(reply.endpoints) != topology.cp_size:
+                raise ValueError(f"{len(reply.endpoints)} endpoints for cp_size {topology.cp_size}")
+            topology.check((p.page, p.owner) for p in manifest.pages)
+        except ValueError as err:
+            raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
+        return manifest
+
+    def _release_prefill(self, call: GenerateCall, *, wait: bool) -> None:
+        """Release the request's prefill pages at every rank; in the background unless ``wait``."""
+        with call.lock:
+            pinned, call.pinned_at = call.pinned_at, None
+        if not pinned:
+            return
+        args = (call.spec.request_id, call.fingerprint, call.epoch, pinned)
+        if wait:
+            self._release(*args)
+        else:
+            threading.Thread(target=self._release, args=args, name="lanekv-release", daemon=True).start()
+
+    def _release(self, request_id: str, fingerprint: str, epoch: str | None, pinned: dict[int, str]) -> None:
+        for rank, endpoint in pinned.items():
+            try:
+                self._ctx.fetcher.release({rank: endpoint}, request_id, fingerprint,
+                                          timeout=self._ctx.config.release_timeout_s, epoch=epoch)
+            except KVFetchError as err:  # the lease frees them in the end
+                log.warning("release failed request_id=%s rank=%d: %s", request_id, rank, err,
+                            extra={"request_id": request_id})
+
+    # -- streaming and the end of a call -----------------------------------------
+
+    def _events(self, call: GenerateCall) -> Iterator[TokenEvent]:
+        finished = False
+        while not finished:
+            try:
+                item = call.events.get(timeout=1.0)
+            except queue.Empty:
+                if self._ctx.stopping.is_set():
+                    raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down") from None
+                continue
+            if item is _ABANDONED:
+                raise Refusal(Code.CANCELLED, "the client went away")
+            if item is SHUTDOWN:
+                raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down")
+            if isinstance(item, Exception):
+                raise Refusal(Code.INTERNAL, f"decode step failed: {item}")
+            finished = item.finished
+            yield item
+
+    def _abandon(self, call: GenerateCall) -> None:
+        """gRPC's callback when the RPC ends, for any reason (run in a gRPC thread)."""
+        call.abandoned.set()
+        call.events.put(_ABANDONED)
+        self._ctx.budget.wake()
+        with call.lock:
+            engine_owned = call.in_engine
+        # Earlier, the handler thread holds the pages and settles at its next step;
+        # once the engine owns them they can be freed from here, at once.
+        if engine_owned:
+            self._settle(call)
+
+    def _settle(self, call: GenerateCall) -> None:
+        """Give back everything the call holds, once."""
+        with call.lock:
+            if call.settled:
+                return
+            call.settled = True
+            table, call.table = call.table, None
+            in_engine = call.in_engine
+        if in_engine:
+            self._ctx.engine.cancel(call.spec.request_id)  # after a finish event: a no-op
+        if table is not None:
+            table.release()
+        self._release_prefill(call, wait=False)
+        if call.reserved_pages:
+            self._ctx.budget.release(call.reserved_pages)
+
+
+def time_left(deadline: float) -> float:
+    """Seconds until ``deadline``; DEADLINE_EXCEEDED once it has passed."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise Refusal(Code.DEADLINE_EXCEEDED, "the request ran out of time before decoding")
+    return left
+
+
+def _check_alive(call: GenerateCall) -> None:
+    if call.abandoned.is_set():
+        raise Refusal(Code.CANCELLED, "the client went away")

@@ -1,0 +1,6 @@
+"""The decode side's one entry point to fetch a request's KV (``fetcher.KVFetcher``).
+
+``base`` declares a transport and the one error a fetch raises; ``grpc`` and
+``fastpath`` are the transports; ``placement`` puts a received chunk into the
+pool. Callers above this package never see a transport.
+"""

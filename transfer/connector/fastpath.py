@@ -1,0 +1,147 @@
+"""The same-host fast path as a transport (``transfer.fastpath.client.FastPath``).
+
+A rank on this host that shares its pool is claimed once its pool is mapped
+here (``FastPath.pool``: a rank that refuses, or a handle this process cannot
+open, is left to gRPC). Its pages are copied in place, one thread per rank,
+every copied range checked against the rank's digest; a range that does not
+match sends the rank back to the fetcher (``FetchOutcome.again``) to be
+fetched over gRPC. The ranks' copies are queued in a ``CopyOrder``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from runtime.metrics import Counter
+from runtime.status import Refusal
+from transfer.connector.base import (
+    Code,
+    Coverage,
+    FetchJob,
+    FetchOutcome,
+    KVFetchError,
+    KVTransport,
+    Route,
+    TransportFetch,
+    fetch_error,
+    time_left,
+)
+from transfer.errors import TransferError
+from transfer.fastpath.client import DigestMismatch, FastPath
+from transfer.fastpath.copyorder import CopyOrder
+from transfer.grpcfetch.client import RankStats
+
+log = logging.getLogger("lanekv.decode")
+# How long a fast-path attach to one rank may take before that rank goes over gRPC.
+ATTACH_TIMEOUT_S = 5.0
+# How long a stopped fast-path fetch waits for its ranks' threads (each syncs its copies as it fails).
+STOP_WAIT_S = 10.0
+
+
+class FastPathTransport(KVTransport):
+    """Ranks whose pools ``fastpath`` maps here; ``failures`` (labelled by cause) counts the
+    ranks sent back to gRPC because a digest did not match."""
+
+    def __init__(self, fastpath: FastPath, failures: Counter | None = None) -> None:
+        self._fastpath = fastpath
+        self._failures = failures
+
+    def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
+        routes = {}
+        for rank in ranks:
+            endpoint = job.endpoints[rank]
+            pool = self._fastpath.pool(endpoint, job.epoch, min(ATTACH_TIMEOUT_S, time_left(job.deadline)))
+            if pool is not None:
+                routes[rank] = Route(self._fastpath.transport(endpoint), pool)
+        return routes
+
+    def start(self, job: FetchJob, routes: Mapping[int, Route], coverage: Coverage) -> TransportFetch:
+        return _FastFetch(self._fastpath, self._failures, job, routes, coverage)
+
+
+class _FastFetch(TransportFetch):
+    """The fast-path fetches of one job, one thread per rank.
+
+    With ``job.physical_of`` (the prefill has answered, so every layer is
+    written), each rank's pages are copied from where the owner-lane rule puts
+    them without waiting for the rank's announcement (``FastPath.fetch``'s ``expect``).
+    """
+
+    def __init__(self, fastpath: FastPath, failures: Counter | None, job: FetchJob,
+                 routes: Mapping[int, Route], coverage: Coverage) -> None:
+        self._fastpath, self._failures, self._job, self._coverage = fastpath, failures, job, coverage
+        self._stats: dict[int, RankStats] = {}
+        self._errors: dict[int, BaseException] = {}
+        self._calls: list[Any] = []
+        self._stopped = False
+        self._lock = threading.Lock()
+        pools = {rank: route.source for rank, route in routes.items()}
+        self._order = CopyOrder.for_pools(pools, job.pool.device)
+        self._threads = [
+            threading.Thread(target=self._run, args=(rank, pool), name=f"fast-rank{rank}", daemon=True)
+            for rank, pool in pools.items()
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _run(self, rank: int, pool: torch.Tensor) -> None:
+        job = self._job
+        pages = job.pages[rank]
+        try:
+            got = self._fastpath.fetch(
+                job.endpoints[rank], rank, pool, job.request_id, job.fingerprint, pages, job.pool,
+                job.pages_for, self._coverage.placed, epoch=job.epoch,
+                timeout=max(0.001, job.deadline - time.monotonic()), on_call=self._on_call,
+                order=self._order,
+                expect=None if job.physical_of is None else [job.physical_of(p) for p in pages])
+            self._stats[rank] = RankStats(got.bytes, got.chunks, got.seconds)
+        except BaseException as err:  # noqa: BLE001 - reported by wait
+            self._errors[rank] = err
+            self._order.done(rank)  # also when it failed before its fetch began
+
+    def _on_call(self, call: Any) -> None:
+        with self._lock:
+            self._calls.append(call)
+            stopped = self._stopped
+        if stopped:  # a rank that called after stop()
+            call.cancel()
+
+    def wait(self) -> FetchOutcome:
+        deadline = self._job.deadline
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()) + 5.0)
+            if thread.is_alive():
+                raise KVFetchError(Code.DEADLINE_EXCEEDED, "fast-path KV copy did not finish in time")
+        again = []
+        for rank, err in sorted(self._errors.items()):
+            if isinstance(err, DigestMismatch):
+                log.warning("fast path: %s; fetching rank %d again over gRPC", err, rank,
+                            extra={"request_id": self._job.request_id})
+                if self._failures is not None:
+                    self._failures.labels(cause="fastpath_digest").inc()
+                again.append(rank)
+            elif isinstance(err, TransferError):
+                raise fetch_error(err, deadline) from err
+            elif isinstance(err, Refusal):
+                raise KVFetchError(err.code, err.message) from err
+            else:
+                raise KVFetchError(Code.INTERNAL, f"fast-path KV copy from rank {rank}: {type(err).__name__}: {err}")
+        return FetchOutcome(dict(self._stats), 0, tuple(again))
+
+    def stop(self, wait_s: float = STOP_WAIT_S) -> None:
+        """Cancel the streams still open and wait up to ``wait_s`` for the ranks' threads:
+        a rank's copies, made before its first message, may still be running."""
+        with self._lock:
+            self._stopped = True
+            calls = list(self._calls)
+        for stream in calls:
+            stream.cancel()
+        until = time.monotonic() + wait_s
+        for thread in self._threads:
+            thread.join(max(0.0, until - time.monotonic()))
