@@ -46,17 +46,15 @@ from decode.budget import PageBudget
 from decode.config import DecodeConfig
 from decode.engine import DecodeEngine, TokenEvent
 from decode.pool import PagePool, PageTable, PoolExhausted
-from decode.prefill_call import PrefillClient
+from decode.prefill_call import PrefillClient, check_manifest
 from decode.streams import SHUTDOWN, Streams
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
 from proto import lanekv_pb2
 from runtime.status import Refusal
 from transfer.connector.base import FetchJob, KVFetchError
-from transfer.connector.fetcher import KVFetcher
-from transfer.grpcfetch.client import FetchStats
+from transfer.connector.fetcher import FetchStats, KVFetcher
 from transfer.protocol.contract import Agreement, Topology
-from transfer.protocol.manifest import Manifest
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
@@ -188,7 +186,8 @@ class GeneratePipeline:
             call.epoch = prefill.epoch
             call.fingerprint = started.contract_fingerprint
             call.pinned_at = dict(enumerate(started.endpoints))
-            manifest = self._check_manifest(started, spec)
+            manifest = check_manifest(started, spec.request_id, len(spec.token_ids), ctx.agreement.fingerprint,
+                                      config.page_size, ctx.topology)
             _check_alive(call)
             try:
                 call.table = PageTable.remap(ctx.pool, [p.page for p in manifest.pages], manifest.num_tokens)
@@ -246,39 +245,6 @@ class GeneratePipeline:
                 f"the decode pool stayed full for {wait_s:.1f}s ({pages} of {num_pages} pages wanted)",
             )
         call.reserved_pages = pages
-
-    def _check_manifest(self, reply: lanekv_pb2.PrefillReply, spec: GenerateSpec) -> Manifest:
-        """The manifest of a PrefillStream's first message, checked against our contract,
-        the request and the prefill topology."""
-        ours, topology = self._ctx.agreement.fingerprint, self._ctx.topology
-        if reply.contract_fingerprint != ours:
-            raise Refusal(
-                Code.FAILED_PRECONDITION,
-                f"prefill answered with contract {reply.contract_fingerprint[:16]!r}, ours is "
-                f"{ours[:16]!r}; restart this daemon to handshake again",
-            )
-        try:
-            manifest = Manifest.decode(reply.manifest)
-        except ValueError as err:
-            raise Refusal(Code.INTERNAL, f"prefill daemon sent a bad manifest: {err}") from err
-        if manifest.page_size != self._ctx.config.page_size:
-            raise Refusal(
-                Code.FAILED_PRECONDITION,
-                f"manifest page_size={manifest.page_size}, ours is {self._ctx.config.page_size}",
-            )
-        if manifest.request_id != spec.request_id or manifest.num_tokens != len(spec.token_ids):
-            raise Refusal(
-                Code.INTERNAL,
-                f"manifest is for {manifest.request_id!r} with {manifest.num_tokens} tokens, asked for "
-                f"{spec.request_id!r} with {len(spec.token_ids)}",
-            )
-        try:
-            if len(reply.endpoints) != topology.cp_size:
-                raise ValueError(f"{len(reply.endpoints)} endpoints for cp_size {topology.cp_size}")
-            topology.check((p.page, p.owner) for p in manifest.pages)
-        except ValueError as err:
-            raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
-        return manifest
 
     def _release_prefill(self, call: GenerateCall, *, wait: bool) -> None:
         """Release the request's prefill pages at every rank; in the background unless ``wait``."""

@@ -3,8 +3,10 @@
 ``PrefillClient.stream`` starts ``PrefillService.PrefillStream``; the
 ``PrefillCall``'s ``started`` returns the first message (the pages, as soon as
 every owner rank can stream them) and a thread of its own waits for the last
-one (the first token), so the KV fetch runs while the prefill does. Every
-failure is a ``Refusal`` with the status the Generate call ends with.
+one (the first token), so the KV fetch runs while the prefill does;
+``check_manifest`` holds the first message to our contract, the request and
+the prefill topology. Every failure is a ``Refusal`` with the status the
+Generate call ends with.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.status import Refusal
+from transfer.protocol.contract import Topology
+from transfer.protocol.manifest import Manifest
 from transfer.rank.service import EPOCH_METADATA_KEY
 
 Code = grpc.StatusCode
@@ -105,3 +109,34 @@ class PrefillCall:
         except StopIteration:
             raise Refusal(Code.INTERNAL, f"prefill daemon {self._endpoint} ended the call without "
                           "its last message") from None
+
+
+def check_manifest(reply: lanekv_pb2.PrefillReply, request_id: str, num_tokens: int, fingerprint: str,
+                   page_size: int, topology: Topology) -> Manifest:
+    """The manifest of a PrefillStream's first message, checked against our contract
+    (``fingerprint``, ``page_size``), the request and the prefill ``topology``."""
+    if reply.contract_fingerprint != fingerprint:
+        raise Refusal(
+            Code.FAILED_PRECONDITION,
+            f"prefill answered with contract {reply.contract_fingerprint[:16]!r}, ours is "
+            f"{fingerprint[:16]!r}; restart this daemon to handshake again",
+        )
+    try:
+        manifest = Manifest.decode(reply.manifest)
+    except ValueError as err:
+        raise Refusal(Code.INTERNAL, f"prefill daemon sent a bad manifest: {err}") from err
+    if manifest.page_size != page_size:
+        raise Refusal(Code.FAILED_PRECONDITION, f"manifest page_size={manifest.page_size}, ours is {page_size}")
+    if manifest.request_id != request_id or manifest.num_tokens != num_tokens:
+        raise Refusal(
+            Code.INTERNAL,
+            f"manifest is for {manifest.request_id!r} with {manifest.num_tokens} tokens, asked for "
+            f"{request_id!r} with {num_tokens}",
+        )
+    try:
+        if len(reply.endpoints) != topology.cp_size:
+            raise ValueError(f"{len(reply.endpoints)} endpoints for cp_size {topology.cp_size}")
+        topology.check((p.page, p.owner) for p in manifest.pages)
+    except ValueError as err:
+        raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
+    return manifest

@@ -19,7 +19,7 @@ import grpc
 
 from decode.engine import TokenEvent
 from runtime.rpc_metrics import LanekvMetrics
-from transfer.grpcfetch.client import FetchStats
+from transfer.connector.fetcher import FetchStats
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

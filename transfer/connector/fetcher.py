@@ -22,6 +22,7 @@ from transfer.connector.fastpath import FastPathTransport
 from transfer.connector.grpc import GrpcTransport
 from transfer.grpcfetch.client import FetchStats, RankStats
 
+__all__ = ["FetchStats", "Fetched", "KVFetcher"]  # FetchStats: what a fetch cost, as the callers see it
 
 class Fetched(NamedTuple):
     stats: FetchStats
