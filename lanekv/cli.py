@@ -4,12 +4,14 @@
     lanekv decode   --model DIR --prefill HOST:PORT --page-size P --port PORT ...
     lanekv generate --decode HOST:PORT "prompt"
     lanekv handshake --prefill HOST:PORT --decode HOST:PORT
+    lanekv serve    --decode HOST:PORT [--decode ...] --model DIR --host H --port P
 
 Defaults come from the frozen config dataclasses of each role, so the CLI and
 the Python API cannot drift apart. Every subcommand takes the security options
 of ``runtime.security.add_security_args`` (TLS, mutual TLS, a shared token
 read from a file or an environment variable); the daemons take
-``--metrics-port`` for Prometheus ``/metrics``.
+``--metrics-port`` for Prometheus ``/metrics``. ``serve`` is the OpenAI-compatible
+HTTP front (``lanekv.http``).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import importlib
 import logging
 import sys
 
+from lanekv.http.config import FrontConfig
 from prefill.daemon import DaemonConfig
 from prefill.engine_config import DTYPES, EngineConfig
 from runtime.security import add_security_args
@@ -31,6 +34,7 @@ COMMANDS = {
     "decode": ("decode.serve", "main"),
     "generate": ("lanekv.client_commands", "generate"),
     "handshake": ("lanekv.client_commands", "handshake"),
+    "serve": ("lanekv.http.serve", "main"),
 }
 
 
@@ -116,6 +120,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill", required=True, help="HOST:PORT of the prefill daemon")
     p.add_argument("--decode", required=True, help="HOST:PORT of the decode daemon")
     p.add_argument("--timeout", type=float, default=10.0)
+    add_security_args(p)
+
+    p = sub.add_parser("serve", help="serve the OpenAI API (HTTP) in front of decode daemons")
+    df = lambda name: _default(FrontConfig, name)
+    p.add_argument("--decode", action="append", required=True, metavar="HOST:PORT",
+                   help="a decode daemon (repeat for several)")
+    p.add_argument("--model", required=True, help="checkpoint folder (tokenizer, chat template, limits)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the folder's name)")
+    p.add_argument("--host", default=df("host"), help="bind address (default loopback)")
+    p.add_argument("--port", type=int, default=df("port"), help="HTTP port (0 = a free port)")
+    p.add_argument("--max-running-per-decode", type=int, default=df("max_running_per_decode"),
+                   help="requests at once per decode daemon; beyond that, 429")
+    p.add_argument("--health-interval-s", type=float, default=df("health_interval_s"),
+                   help="seconds between health checks of each decode daemon")
+    p.add_argument("--request-timeout-s", type=float, default=df("request_timeout_s"),
+                   help="deadline of one generation")
+    p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
     add_security_args(p)
     return parser
 

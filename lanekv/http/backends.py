@@ -1,0 +1,168 @@
+"""The decode daemons behind the front: channels, health, and which one takes a request.
+
+Each daemon gets one ``grpc.aio`` channel speaking the front's security
+config (TLS as configured; the token rides as ``authorization: Bearer``
+metadata on every call, over plaintext and TLS alike). A background task asks
+each daemon's health service (``lanekv.v1.DecodeService``) every
+``health_interval_s``: a daemon that does not answer SERVING leaves the
+rotation, and comes back at its next SERVING answer. A Generate call that
+finds a daemon UNAVAILABLE takes it out at once too.
+
+``pick`` hands a request to the healthy daemon with the fewest running
+requests (ties in turn); ``NoBackend`` says why none can take it: none is
+healthy (503) or every healthy one is full (429). Only the event loop's
+thread touches the counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from lanekv.http.config import FrontConfig
+from lanekv.http.errors import APIError
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.security import AUTH_METADATA_KEY, SecurityConfig
+from runtime.status import grpc_options
+
+log = logging.getLogger("lanekv.http")
+DECODE_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+
+
+def aio_channel(endpoint: str, security: SecurityConfig) -> grpc.aio.Channel:
+    """An asyncio channel to ``endpoint``, TLS when ``security`` says so (the token goes
+    in each call's metadata: see ``call_metadata``)."""
+    options = grpc_options()
+    if not security.tls:
+        return grpc.aio.insecure_channel(endpoint, options=options)
+
+    def read(path: str | None) -> bytes | None:
+        if path is None:
+            return None
+        with open(path, "rb") as f:
+            return f.read()
+
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=read(security.tls_ca), private_key=read(security.tls_key),
+        certificate_chain=read(security.tls_cert))
+    if security.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", security.tls_server_name))
+    return grpc.aio.secure_channel(endpoint, credentials, options=options)
+
+
+def call_metadata(security: SecurityConfig) -> tuple[tuple[str, str], ...]:
+    return ((AUTH_METADATA_KEY, f"Bearer {security.token}"),) if security.token else ()
+
+
+@dataclass(eq=False)
+class Backend:
+    """One decode daemon as the front sees it."""
+
+    endpoint: str
+    # Made on the event loop that serves (grpc.aio channels belong to one loop).
+    channel: grpc.aio.Channel | None = None
+    stub: lanekv_pb2_grpc.DecodeServiceStub | None = None
+    health: health_pb2_grpc.HealthStub | None = None
+    healthy: bool = False
+    running: int = 0
+    served: int = 0  # requests handed to it so far
+    problem: str = "not asked yet"  # why it is out of rotation
+
+
+class NoBackend(APIError):
+    pass
+
+
+@dataclass(eq=False)
+class Backends:
+    config: FrontConfig
+    members: list[Backend] = field(default_factory=list)
+    _turn: int = 0
+    _watch: asyncio.Task | None = None
+
+    @classmethod
+    def of(cls, config: FrontConfig) -> Backends:
+        return cls(config, [Backend(endpoint) for endpoint in config.decode_endpoints])
+
+    async def start(self) -> None:
+        """Open the channels, ask every daemon once, then keep asking in the background."""
+        for member in self.members:
+            member.channel = aio_channel(member.endpoint, self.config.security)
+            member.stub = lanekv_pb2_grpc.DecodeServiceStub(member.channel)
+            member.health = health_pb2_grpc.HealthStub(member.channel)
+        await self.check_all()
+        self._watch = asyncio.get_running_loop().create_task(self._watch_health())
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            try:
+                await self._watch
+            except asyncio.CancelledError:
+                pass
+        for member in self.members:
+            if member.channel is not None:
+                await member.channel.close(grace=None)
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return call_metadata(self.config.security)
+
+    def pick(self, exclude: Sequence[Backend] = ()) -> Backend:
+        """The healthy daemon, not in ``exclude``, with the fewest running requests."""
+        healthy = [m for m in self.members if m.healthy and m not in exclude]
+        if not healthy:
+            why = "; ".join(f"{m.endpoint}: {m.problem}" for m in self.members if not m.healthy)
+            raise NoBackend(503, f"no healthy decode daemon ({why or 'all tried'})",
+                            code="no_healthy_backend")
+        free = [m for m in healthy if m.running < self.config.max_running_per_decode]
+        if not free:
+            raise NoBackend(429, f"every decode daemon is full ({self.config.max_running_per_decode} "
+                            "running requests each); retry later", code="server_full")
+        least = min(m.running for m in free)
+        tied = [m for m in free if m.running == least]
+        self._turn = (self._turn + 1) % len(self.members)
+        chosen = tied[self._turn % len(tied)]
+        chosen.running += 1
+        chosen.served += 1
+        return chosen
+
+    def done(self, member: Backend) -> None:
+        member.running -= 1
+
+    def lost(self, member: Backend, problem: str) -> None:
+        """``member`` failed a call as if it were gone: out of rotation until it says SERVING."""
+        if member.healthy:
+            log.warning("decode daemon %s leaves the rotation: %s", member.endpoint, problem)
+        member.healthy, member.problem = False, problem
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self._check(m) for m in self.members))
+
+    async def _check(self, member: Backend) -> None:
+        request = health_pb2.HealthCheckRequest(service=DECODE_SERVICE)
+        try:
+            reply = await member.health.Check(request, timeout=self.config.health_timeout_s,
+                                              metadata=self.metadata)
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            problem = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as err:
+            serving, problem = False, f"health check {err.code().name}: {err.details()}"
+        if serving and not member.healthy:
+            log.info("decode daemon %s is in rotation", member.endpoint)
+        elif not serving:
+            self.lost(member, problem)
+        member.healthy, member.problem = serving, problem
+
+    async def _watch_health(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self.check_all()
+            except Exception:  # keep watching: one bad round must not end the checks
+                log.exception("decode health round failed")

@@ -1,0 +1,206 @@
+"""One request's generation: a Generate call on a decode daemon, as text deltas.
+
+``Generation.start`` picks a daemon and waits for its first reply, so every
+refusal before the first token (bad request, full pool, daemon gone) is an
+HTTP status rather than an error inside a stream. A daemon that answers
+UNAVAILABLE before any token is left out and the next one is tried; after the
+first token a failure ends the request with the daemon's status.
+
+Stop strings are matched on the detokenized text as it grows: text that could
+still begin a stop string is held back, the stop string and all after it are
+never returned, and the Generate call is cancelled at the match. Cancelling
+(``cancel``, or the task being cancelled) cancels the gRPC call, which the
+daemon notices at once and frees the request's pages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import grpc
+
+from lanekv.http.backends import Backend, Backends
+from lanekv.http.errors import APIError, from_grpc
+from lanekv.http.protocol import Sampling
+from proto import lanekv_pb2
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to generate, checked against the model already."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: Sampling
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+
+    def proto(self) -> lanekv_pb2.GenerateRequest:
+        s = self.sampling
+        sampling = lanekv_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                                             seed=s.seed or 0, has_seed=s.seed is not None)
+        return lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=self.prompt_ids),
+                                          sampling=sampling, max_new_tokens=self.max_tokens,
+                                          stop_token_ids=self.stop_token_ids, request_id=self.request_id)
+
+
+class Delta(NamedTuple):
+    text: str
+    finish_reason: str | None  # set on the last delta only
+
+
+class StopMatcher:
+    """Text in, text safe to send out; ``hit`` once a stop string appeared."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self._stops = stops
+        self._text = ""
+        self._sent = 0
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        self._text += piece
+        if not self._stops:
+            return self._take(len(self._text))
+        found = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
+        if found:
+            self.hit = True
+            return self._take(min(found))
+        return self._take(len(self._text) - self._held())
+
+    def flush(self) -> str:
+        return "" if self.hit else self._take(len(self._text))
+
+    def _held(self) -> int:
+        """Characters at the end that could be the start of a stop string."""
+        tail = len(self._text) - self._sent
+        for k in range(min(tail, max(len(s) for s in self._stops) - 1), 0, -1):
+            end = self._text[-k:]
+            if any(s.startswith(end) for s in self._stops):
+                return k
+        return 0
+
+    def _take(self, upto: int) -> str:
+        out = self._text[self._sent:upto] if upto > self._sent else ""
+        self._sent = max(self._sent, upto)
+        return out
+
+
+class Generation:
+    def __init__(self, backends: Backends, plan: Plan, timeout_s: float) -> None:
+        self._backends, self.plan, self._timeout_s = backends, plan, timeout_s
+        self._call: grpc.aio.UnaryStreamCall | None = None
+        self._member: Backend | None = None
+        self._first: lanekv_pb2.GenerateReply | None = None
+        self.completion_tokens = 0
+        self.endpoint = ""
+
+    async def start(self) -> None:
+        """Start the call on a daemon and wait for its first reply; raises ``APIError``."""
+        backends, request, tried = self._backends, self.plan.proto(), []
+        last: APIError | None = None
+        while True:
+            try:
+                member = backends.pick(exclude=tried)
+            except APIError:
+                if last is not None:
+                    raise last from None
+                raise
+            call = member.stub.Generate(request, timeout=self._timeout_s, metadata=backends.metadata)
+            try:
+                first = await call.read()
+            except grpc.aio.AioRpcError as err:
+                backends.done(member)
+                last = from_grpc(err.code(), err.details(), member.endpoint)
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise last from None
+                backends.lost(member, f"Generate {err.code().name}: {err.details()}")
+                tried.append(member)
+                continue
+            except BaseException:  # cancelled while waiting: the call goes too
+                call.cancel()
+                backends.done(member)
+                raise
+            self._call, self._member, self.endpoint = call, member, member.endpoint
+            if first is grpc.aio.EOF:
+                self._end()
+                raise APIError(502, f"decode daemon {member.endpoint} ended the stream without a reply")
+            self._first = first
+            return
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """The text as it comes; the last delta carries the finish reason. Raises ``APIError``."""
+        if self._first is None:
+            raise RuntimeError("Generation.deltas before start")
+        stops, reply, ended = StopMatcher(self.plan.stop), self._first, False
+        try:
+            while True:
+                if reply is grpc.aio.EOF:
+                    raise APIError(502, f"decode daemon {self.endpoint} ended the stream unfinished")
+                self.completion_tokens += len(reply.token_ids)
+                text = stops.feed(reply.text)
+                if stops.hit:
+                    yield Delta(text, "stop")
+                    return
+                if reply.finished:
+                    if reply.finish_reason not in FINISH_REASONS:
+                        raise APIError(500, f"decode daemon {self.endpoint} ended the request: "
+                                       f"{reply.finish_reason or 'no reason given'}")
+                    ended = True  # the daemon has let the request go
+                    yield Delta(text + stops.flush(), reply.finish_reason)
+                    return
+                if text:
+                    yield Delta(text, None)
+                try:
+                    reply = await self._call.read()
+                except grpc.aio.AioRpcError as err:
+                    if err.code() == grpc.StatusCode.UNAVAILABLE:
+                        self._backends.lost(self._member, f"Generate {err.code().name}: {err.details()}")
+                    raise from_grpc(err.code(), err.details(), self.endpoint) from None
+        finally:
+            self._end(cancel=not ended)
+
+    def cancel(self) -> None:
+        """Cancel the Generate call (the daemon frees the request); safe at any time."""
+        if self._call is not None:
+            self._call.cancel()
+
+    def _end(self, cancel: bool = True) -> None:
+        if self._call is None:
+            return
+        if cancel:
+            self._call.cancel()  # after the finish a no-op; before it, the daemon stops the request
+        self._call = None
+        self._backends.done(self._member)
+
+
+async def wait_disconnect(receive) -> None:
+    """Returns once the HTTP client has gone (ASGI ``http.disconnect``)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def run_until_disconnect(work: asyncio.Future, receive) -> bool:
+    """Await ``work`` unless the client goes first (then ``work`` is cancelled); True if it went."""
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if work in done:
+        work.result()
+        return False
+    work.cancel()
+    try:
+        await work
+    except (asyncio.CancelledError, APIError):
+        pass
+    return True

@@ -1,0 +1,243 @@
+"""OpenAI request bodies -> the front's own values, every field checked.
+
+A bad field is an ``APIError`` 400 whose ``param`` names it (the OpenAI
+shape); fields this front does not implement are refused when they ask for
+something other than their default, never silently ignored. Unknown fields
+are ignored, as other OpenAI-compatible servers do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from lanekv.http.errors import bad_field
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+MAX_SEED = 2**64 - 1
+ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields refused unless they hold their default (the default is what the front does).
+UNSUPPORTED = {
+    "completion": {"echo": False, "best_of": 1, "suffix": None, "logprobs": None, "logit_bias": None,
+                   "presence_penalty": 0, "frequency_penalty": 0},
+    "chat": {"logprobs": False, "top_logprobs": None, "logit_bias": None, "presence_penalty": 0,
+             "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
+             "response_format": None, "audio": None, "modalities": None, "prediction": None},
+}
+# Values of those fields that ask for nothing this front does not do.
+HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0 is greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no cut
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Common:
+    """The fields completions and chat completions share."""
+
+    model: str
+    max_tokens: int | None  # None: the endpoint's default
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    stream: bool
+    include_usage: bool
+
+
+@dataclass(frozen=True)
+class CompletionRequest:
+    common: Common
+    prompt: str | tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    common: Common
+    messages: tuple[dict[str, Any], ...]
+    add_generation_prompt: bool
+    template_kwargs: dict[str, Any]
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    body = _object(body)
+    common = _common(body, "completion")
+    return CompletionRequest(common, _prompt(body.get("prompt")))
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    body = _object(body)
+    common = _common(body, "chat")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_field("messages", f"must be a non-empty array of messages, got {_show(messages)}")
+    checked = tuple(_message(i, m) for i, m in enumerate(messages))
+    add = _bool(body, "add_generation_prompt", True)
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        kwargs = {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise bad_field("chat_template_kwargs", f"must be an object, got {_show(kwargs)}")
+    return ChatRequest(common, checked, add, kwargs)
+
+
+# -- fields -------------------------------------------------------------------
+
+
+def _object(body: Any) -> dict[str, Any]:
+    if not isinstance(body, dict):
+        raise bad_field("body", f"must be a JSON object, got {_show(body)}")
+    return body
+
+
+def _common(body: dict[str, Any], kind: str) -> Common:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_field("model", f"must be a non-empty string, got {_show(model)}")
+    n = body.get("n", 1)
+    if n is not None and (not _is_int(n) or n != 1):
+        raise bad_field("n", f"only n=1 is supported (one choice per request), got {_show(n)}")
+    for name, default in UNSUPPORTED[kind].items():
+        value = body.get(name)
+        if value is None or value == default or value in ({}, []) or value in HARMLESS.get(name, ()):
+            continue
+        raise bad_field(name, f"is not supported by this server, got {_show(value)}")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0.0:
+        raise bad_field("top_p", "must be in (0, 1], got 0")
+    top_k = _int(body, "top_k", 0, -1, 2**31 - 1)
+    seed = _int(body, "seed", None, 0, MAX_SEED)
+    max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
+    max_completion = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise bad_field("max_completion_tokens",
+                        f"{max_completion} disagrees with max_tokens={max_tokens}; give one")
+    stream = _bool(body, "stream", False)
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_field("stream_options", f"must be an object, got {_show(options)}")
+        if not stream:
+            raise bad_field("stream_options", "is only allowed with stream=true")
+        include_usage = _bool(options, "include_usage", False, prefix="stream_options.")
+    return Common(
+        model=model,
+        max_tokens=max_completion if max_completion is not None else max_tokens,
+        sampling=Sampling(temperature, top_p, max(top_k, 0), seed),
+        stop=_stop(body.get("stop")),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _prompt(prompt: Any) -> str | tuple[int, ...]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_field("prompt", "must not be empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if any(t < 0 for t in prompt):
+            raise bad_field("prompt", f"token ids must be >= 0, got {min(prompt)}")
+        return tuple(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise bad_field("prompt", f"a batch of {len(prompt)} prompts is not supported; send one per request")
+    raise bad_field("prompt", f"must be a non-empty string or array of token ids, got {_show(prompt)}")
+
+
+def _message(i: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(message, dict):
+        raise bad_field(where, f"must be an object, got {_show(message)}")
+    role = message.get("role")
+    if role not in ROLES:
+        raise bad_field(f"{where}.role", f"must be one of {', '.join(ROLES)}, got {_show(role)}")
+    content = message.get("content")
+    if isinstance(content, list):
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise bad_field(f"{where}.content[{j}]",
+                                f"only text parts are supported, got {_show(part)}")
+    elif content is None:
+        if role != "assistant":
+            raise bad_field(f"{where}.content", f"is required for role {role!r}")
+    elif not isinstance(content, str):
+        raise bad_field(f"{where}.content", f"must be a string or an array of text parts, got {_show(content)}")
+    # As transformers does: keys holding None are dropped (templates test for presence).
+    return {k: v for k, v in message.items() if v is not None}
+
+
+def _stop(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_field("stop", f"must be a string or an array of strings, got {_show(stop)}")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_field("stop", f"{len(stops)} strings, at most {MAX_STOP_STRINGS}")
+    for s in stops:
+        if not s or len(s) > MAX_STOP_CHARS:
+            raise bad_field("stop", f"each string must have 1..{MAX_STOP_CHARS} characters, got {_show(s)}")
+    return tuple(dict.fromkeys(stops))
+
+
+def _stop_token_ids(ids: Any) -> tuple[int, ...]:
+    if ids is None:
+        return ()
+    if not isinstance(ids, list) or not all(_is_int(t) and t >= 0 for t in ids):
+        raise bad_field("stop_token_ids", f"must be an array of token ids >= 0, got {_show(ids)}")
+    if len(ids) > MAX_STOP_TOKEN_IDS:
+        raise bad_field("stop_token_ids", f"{len(ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
+    return tuple(ids)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not _is_int(value) or not low <= value <= high:
+        raise bad_field(name, f"must be an integer in [{low}, {high}], got {_show(value)}")
+    return value
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise bad_field(name, f"must be a number in [{low:g}, {high:g}], got {_show(value)}")
+    return float(value)
+
+
+def _bool(body: dict[str, Any], name: str, default: bool, prefix: str = "") -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad_field(prefix + name, f"must be true or false, got {_show(value)}")
+    return value
+
+
+def _show(value: Any) -> str:
+    """A short rendering of a client's value for an error line."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

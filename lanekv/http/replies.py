@@ -1,0 +1,79 @@
+"""The OpenAI reply bodies: whole replies, stream chunks and SSE framing.
+
+Completions answer ``text_completion`` objects, chat completions
+``chat.completion`` (``chat.completion.chunk`` when streamed: the first
+chunk's delta names the role). A stream ends with ``data: [DONE]``; with
+``stream_options.include_usage`` the chunk before it has no choices and the
+usage, and every other chunk says ``"usage": null``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from lanekv.http.generate import Delta
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(frozen=True)
+class ReplyShape:
+    """How one endpoint's replies look."""
+
+    chat: bool
+    request_id: str
+    model: str
+    created: int
+    include_usage: bool = False
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
+
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("chat.completion")
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        return {**head, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+
+    def first_chunk(self) -> str | None:
+        """Chat streams open with the role; completions have no such chunk."""
+        if not self.chat:
+            return None
+        return self._chunk({"role": "assistant", "content": ""}, None)
+
+    def chunk(self, delta: Delta) -> str:
+        if self.chat:
+            body = {} if not delta.text and delta.finish_reason else {"content": delta.text}
+            return self._chunk(body, delta.finish_reason)
+        return self._chunk(delta.text, delta.finish_reason)
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+
+    def _chunk(self, content: Any, finish_reason: str | None) -> str:
+        if self.chat:
+            choice = {"index": 0, "delta": content, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": finish_reason}
+            head = self._head("text_completion")
+        body = {**head, "choices": [choice]}
+        if self.include_usage:
+            body["usage"] = None
+        return sse(body)

@@ -1,0 +1,101 @@
+"""``lanekv serve``: the OpenAI-compatible HTTP front, served by uvicorn until SIGINT/SIGTERM.
+
+The port is bound here before uvicorn starts (port 0 picks a free one, and
+``--ready-file`` then says which). TLS uses the security flags' certificate
+and key; with ``--tls-require-client-cert`` clients need a certificate signed
+by ``--tls-ca``. The same config speaks to the decode daemons.
+
+Exit codes: 0 after a clean shutdown, 1 when start-up fails, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import ssl
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from lanekv.http.app import build_app
+from lanekv.http.config import FrontConfig
+from runtime.security import SecurityConfig
+from runtime.serving import write_atomically
+
+log = logging.getLogger("lanekv.http")
+
+
+def config_from_args(args: argparse.Namespace) -> FrontConfig:
+    return FrontConfig(
+        model_path=args.model, decode_endpoints=tuple(args.decode), served_model_name=args.served_model_name,
+        host=args.host, port=args.port, security=SecurityConfig.from_args(args),
+        max_running_per_decode=args.max_running_per_decode, health_interval_s=args.health_interval_s,
+        request_timeout_s=args.request_timeout_s,
+    )
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host.strip("[]"), port))
+    except OSError as err:
+        sock.close()
+        raise OSError(err.errno, f"cannot bind {host}:{port}: {err.strerror or err}") from err
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def uvicorn_config(app, config: FrontConfig) -> uvicorn.Config:
+    security = config.security
+    tls = {}
+    if security.tls:
+        if security.tls_cert is None:
+            raise ValueError(f"serving TLS needs tls_cert and tls_key; only tls_ca={security.tls_ca!r} is given")
+        tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
+        if security.require_client_cert:
+            tls.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    # The asyncio loop (not uvloop): grpc.aio runs on it.
+    return uvicorn.Config(app, loop="asyncio", log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=5, **tls)
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        config = config_from_args(args)
+        app = build_app(config)
+        server = uvicorn.Server(uvicorn_config(app, config))
+    except (ValueError, TypeError) as err:
+        print(f"lanekv serve: {err}", file=sys.stderr)
+        return 2
+    try:
+        sock = bind_socket(config.host, config.port)
+    except OSError as err:
+        print(f"lanekv serve: {err}", file=sys.stderr)
+        return 1
+    endpoint = f"{config.host}:{sock.getsockname()[1]}"
+    scheme = "https" if config.security.tls else "http"
+    if not config.security.tls and config.security.token and config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serving %s without TLS: the bearer token crosses the network in clear text", endpoint)
+
+    async def run() -> None:
+        task = asyncio.ensure_future(server.serve(sockets=[sock]))
+        while not server.started and not task.done():
+            await asyncio.sleep(0.02)
+        if server.started:
+            if args.ready_file:
+                write_atomically(Path(args.ready_file), endpoint)
+            print(f"lanekv serve on {scheme}://{endpoint}/v1 (model {config.model_name}; decode "
+                  f"{', '.join(config.decode_endpoints)})", flush=True)
+        await task
+
+    try:
+        asyncio.run(run())
+    finally:
+        sock.close()
+    return 0 if server.started else 1
