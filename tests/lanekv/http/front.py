@@ -78,3 +78,36 @@ def running_front(model: Path, decode: Sequence[str], tmp: Path, *extra: str,
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(5)
+
+
+TOKEN = "front-test-token"
+TOKEN_ENV = "LANEKV_FRONT_TEST_TOKEN"
+
+
+def openai_client(url: str, **kwargs):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=kwargs.pop("api_key", TOKEN),
+                         max_retries=0, timeout=kwargs.pop("timeout", 120.0), **kwargs)
+
+
+def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout_s}s")
+        time.sleep(interval_s)
+
+
+def hf_greedy(model, ids: Sequence[int], max_new_tokens: int, eos_token_id: int) -> list[int]:
+    """transformers' greedy continuation of ``ids`` (the oracle)."""
+    import torch
+
+    with torch.inference_mode():
+        x = torch.tensor([list(ids)])
+        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                             max_new_tokens=max_new_tokens, pad_token_id=eos_token_id)
+    return out[0, len(ids):].tolist()
