@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import threading
 from urllib.parse import urlsplit
 
@@ -299,7 +300,7 @@ def test_daemon_leaves_rotation_and_comes_back(checkpoint, cluster, tmp_path):
             moving = decode_daemon(checkpoint, prefill.endpoint, port=port)
             wait_for(lambda: _raw(url, "GET", "/health", None, None)[1]["decode"][moving.endpoint]["healthy"],
                      10, "the restarted daemon back in rotation")
-            for i in range(4):
+            for _ in range(4):  # idle daemons take turns
                 client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3)
             assert moving.stats().finished >= 1
     finally:
@@ -333,3 +334,37 @@ def _open_stream(url, body):
     conn.request("POST", "/v1/completions", json.dumps(body),
                  {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     return conn, conn.getresponse()
+
+
+def test_tls_and_client_certificates(checkpoint, tmp_path):
+    """TLS end to end: clients -> front (client certificates required) -> decode -> prefill."""
+    from tests.tls import make_certs, openssl_or_skip
+
+    openssl_or_skip()
+    certs = make_certs(tmp_path)
+    security = SecurityConfig(tls_cert=certs.server.cert, tls_key=certs.server.key, tls_ca=certs.ca,
+                              token=TOKEN)
+    engine = EngineConfig(str(checkpoint), cp_size=1, page_size=PAGE_SIZE, pages_per_lane=100,
+                          start_timeout_s=120)
+    prefill = PrefillDaemon(engine, DaemonConfig(lease_s=600, security=security))
+    decode = None
+    try:
+        decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE,
+                                           device="cpu", pool_pages=100, security=security))
+        tls = ("--tls-cert", certs.server.cert, "--tls-key", certs.server.key, "--tls-ca", certs.ca)
+        with running_front(checkpoint, [decode.endpoint], tmp_path, *AUTH, *tls, "--tls-require-client-cert",
+                           env=ENV) as url:
+            assert url.startswith("https://")
+            context = ssl.create_default_context(cafile=certs.ca)
+            context.load_cert_chain(certs.client.cert, certs.client.key)
+            good = openai.DefaultHttpxClient(verify=context)
+            reply = openai_client(url, http_client=good).completions.create(model="tiny", prompt=PROMPT,
+                                                                             max_tokens=2)
+            assert reply.usage.completion_tokens == 2
+            without_cert = openai.DefaultHttpxClient(verify=certs.ca)
+            with pytest.raises(openai.APIConnectionError):
+                openai_client(url, http_client=without_cert).models.list()
+    finally:
+        if decode is not None:
+            decode.stop(grace_s=0.5)
+        prefill.stop()
