@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from runtime.reflection import ReflectingServer
 from runtime.requests import MalformedRequestInterceptor
 from runtime.status import grpc_options
 
@@ -285,18 +286,19 @@ def make_server(
     Metrics interceptors go in ``interceptors`` so that they also count the
     calls the token check refuses. ``options`` defaults to ``grpc_options()``.
     SO_REUSEPORT is off unless ``options`` says otherwise: with it, a second
-    daemon started on a busy port would silently share its connections.
+    daemon started on a busy port would silently share its connections. The
+    server answers gRPC reflection for the services added to it (``runtime.reflection``).
     """
     options = list(grpc_options() if options is None else options)
     if not any(key == "grpc.so_reuseport" for key, _ in options):
         options.append(("grpc.so_reuseport", 0))
-    return grpc.server(
+    return ReflectingServer(grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers),
         # Calls counted first, then bytes that do not parse refused with
         # INVALID_ARGUMENT (gRPC alone answers INTERNAL), then the token check.
         interceptors=[*interceptors, MalformedRequestInterceptor(), *server_interceptors(config)],
         options=options,
-    )
+    ))
 
 
 # -- clients ----------------------------------------------------------------

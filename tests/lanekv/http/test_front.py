@@ -11,6 +11,7 @@ import ssl
 import threading
 from urllib.parse import urlsplit
 
+import grpc
 import openai
 import pytest
 import torch
@@ -31,6 +32,7 @@ from tests.lanekv.http.front import (
     wait_for,
     write_chat_checkpoint,
 )
+from tests.reflection import list_services
 
 pytestmark = pytest.mark.timeout(240)
 PAGE_SIZE = 4
@@ -213,6 +215,20 @@ def test_models_health_metrics_and_token(front, cluster):
     assert status == 200 and 'lanekv_http_requests_total{route="completions",status="200"}' in text
     for d in cluster[1]:
         assert f'lanekv_http_decode_healthy{{decode="{d.endpoint}"}} 1.0' in text
+
+
+def test_reflection_on_every_daemon_port(cluster):
+    prefill, decodes = cluster
+    ranks = decodes[0].prefill_contract.topology.endpoints
+    want = {decodes[0].endpoint: {"lanekv.v1.DecodeService", "lanekv.v1.KVTransfer"},
+            prefill.endpoint: {"lanekv.v1.PrefillService", "lanekv.v1.KVTransfer"},
+            **{rank: {"lanekv.v1.KVTransfer"} for rank in ranks}}
+    for endpoint, services in want.items():
+        listed = list_services(endpoint, SECURITY)
+        assert services | {"grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} == set(listed)
+    with pytest.raises(grpc.RpcError) as err:
+        list_services(decodes[0].endpoint, SecurityConfig())
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 def test_two_decode_daemons_share_the_load(front, cluster):
