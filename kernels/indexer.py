@@ -1,0 +1,292 @@
+"""DSA lightning-indexer scores and the top-k key selection.
+
+``score(i, s) = sum_h weights[i, h] * relu(softmax_scale * q[i, h] . k[s])``.
+
+- ``index_scores(q [Tq, H, D], k [Tk, D], weights [Tq, H] f32, q_positions [Tq] int64,
+  softmax_scale) -> [Tq, Tk] f32``: prefill, causal: a query at position ``p``
+  sees keys ``[0, p]``; the others score ``-inf``. Keys are the request's rows
+  in position order (CP ranks pass all gathered keys and their own queries).
+- ``paged_index_scores(q [B, H, D], weights [B, H], pool, page_table [B, W] int32,
+  seq_lens [B] int32, page_size, softmax_scale, spec) -> [B, W * page_size] f32``:
+  decode, against the request's index-K pool rows (``kernels/index_cache.py``),
+  dequantizing fp8 inside; keys at ``t >= seq_lens[b]`` score ``-inf``.
+- ``index_topk(scores [N, T], topk) -> [N, topk] int32``: the positions of the
+  ``topk`` best keys per row (all visible keys when fewer), ``-1`` padded.
+
+Ties: ``index_topk`` is ``torch.topk`` on both paths, as transformers selects,
+so scores equal bit for bit give the same set. The torch reference of
+``index_scores`` computes with transformers' op shapes (batch 1) so that it is
+bit-identical with transformers' indexer; the Triton kernels sum in another
+order and may swap keys whose scores lie within rounding (near-ties). Exact
+ties (several keys at 0 after the relu) resolve as ``torch.topk`` does for the
+row it is given, which depends on the row's length: a decode row padded to the
+page table's width may keep another of the tied keys than a row of exactly
+``seq_len`` keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import check_same_device, use_triton
+from kernels.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_INDEX_HEADS = 128
+
+
+@triton.jit
+def _index_scores_kernel(
+    q_ptr, k_ptr, w_ptr, pos_ptr, out_ptr, num_q, num_k, num_heads, scale,
+    stride_qt, stride_qh, stride_k, stride_wt, stride_o,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    m_ok = m < num_q
+    n_ok = n < num_k
+    pos = tl.load(pos_ptr + m, mask=m_ok, other=-1)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    # A block whose keys all lie after its last query is only masked.
+    if tl.program_id(1) * BLOCK_N <= tl.max(pos):
+        kt = tl.load(k_ptr + n[:, None] * stride_k + d[None, :],
+                     mask=n_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+        for h in range(num_heads):
+            qh = tl.load(q_ptr + m[:, None] * stride_qt + h * stride_qh + d[None, :],
+                         mask=m_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+            s = tl.dot(qh, tl.trans(kt), input_precision=DOT_PRECISION)
+            w = tl.load(w_ptr + m * stride_wt + h, mask=m_ok, other=0.0)
+            acc += w[:, None] * tl.maximum(s * scale, 0.0)
+    visible = n[None, :] <= pos[:, None]
+    acc = tl.where(visible, acc, float("-inf"))
+    tl.store(out_ptr + m[:, None] * stride_o + n[None, :], acc,
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["stride_tb"])
+def _paged_index_scores_kernel(
+    q_ptr, w_ptr, pool_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
+    num_heads, max_len, scale,
+    stride_qb, stride_qh, stride_wb, stride_pool, stride_scale, stride_tb, stride_o,
+    HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr, FP8: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    seq_len = tl.minimum(tl.load(lens_ptr + b), max_len)
+    t_ok = t < seq_len
+    score = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    if tl.program_id(1) * BLOCK_N < seq_len:
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        h_ok = h < num_heads
+        d_ok = d < HEAD_DIM
+        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
+        row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
+        kmask = t_ok[:, None] & d_ok[None, :]
+        raw = tl.load(pool_ptr + row[:, None] * stride_pool + d[None, :], mask=kmask, other=0)
+        if FP8:
+            sc = tl.load(scale_ptr + row[:, None] * stride_scale + HEAD_DIM // 4
+                         + d[None, :] // QBLOCK, mask=kmask, other=0.0)
+            k = e4m3_value(raw.to(tl.int32)) * sc  # [BLOCK_N, BLOCK_D] f32
+        else:
+            k = raw.to(tl.float32)
+        q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        w = tl.load(w_ptr + b * stride_wb + h, mask=h_ok, other=0.0)
+        score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0)
+        score = tl.where(t_ok, score, float("-inf"))
+    tl.store(out_ptr + b * stride_o + t, score, mask=t < max_len)
+
+
+def _check_scale(softmax_scale) -> None:
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+
+
+def _check_tensor(name, t, dims, dtypes, desc) -> None:
+    if not isinstance(t, torch.Tensor) or t.dim() != dims:
+        shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a {dims}-D tensor {desc}, got {shape}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name}.dtype must be one of {dtypes}, got {t.dtype}")
+    if t.shape[-1] > 1 and t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have a dense last dim, got strides {t.stride()}")
+
+
+def _check_q_w(q, weights, lead: str) -> None:
+    _check_tensor("q", q, 3, _DTYPES, f"[{lead}, H, D]")
+    _check_tensor("weights", weights, 2, (torch.float32,), f"[{lead}, H]")
+    if tuple(weights.shape) != tuple(q.shape[:2]):
+        raise ValueError(f"weights has shape {tuple(weights.shape)} but q has "
+                         f"{tuple(q.shape[:2])} (rows, heads)")
+    if not 1 <= q.shape[1] <= MAX_INDEX_HEADS:
+        raise ValueError(f"q has {q.shape[1]} index heads, outside [1, {MAX_INDEX_HEADS}]")
+
+
+def _check_scores_args(q, k, weights, q_positions, softmax_scale) -> None:
+    _check_q_w(q, weights, "Tq")
+    _check_tensor("k", k, 2, _DTYPES, "[Tk, D]")
+    if k.dtype != q.dtype:
+        raise ValueError(f"k.dtype is {k.dtype} but q.dtype is {q.dtype}")
+    if k.shape[1] != q.shape[2]:
+        raise ValueError(f"k rows have {k.shape[1]} values but q heads have {q.shape[2]}")
+    if not isinstance(q_positions, torch.Tensor) or q_positions.dim() != 1 or (
+        q_positions.dtype != torch.int64
+    ) or q_positions.shape[0] != q.shape[0]:
+        raise ValueError(f"q_positions must be a 1-D int64 tensor of {q.shape[0]} entries, "
+                         f"got {q_positions!r:.80}")
+    _check_scale(softmax_scale)
+    check_same_device(q=q, k=k, weights=weights, q_positions=q_positions)
+
+
+def index_scores_triton(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                        q_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    _check_scores_args(q, k, weights, q_positions, softmax_scale)
+    out = torch.empty((q.shape[0], k.shape[0]), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_m, block_n = 16, 64
+    grid = (triton.cdiv(q.shape[0], block_m), triton.cdiv(k.shape[0], block_n))
+    _index_scores_kernel[grid](
+        q, k, weights, q_positions, out, q.shape[0], k.shape[0], q.shape[1], float(softmax_scale),
+        q.stride(0), q.stride(1), k.stride(0), weights.stride(0), out.stride(0),
+        HEAD_DIM=q.shape[2], BLOCK_D=max(16, triton.next_power_of_2(q.shape[2])),
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def index_scores_ref(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                     q_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Transformers' indexer ops at batch 1: the same matmul shapes, so the same bits."""
+    _check_scores_args(q, k, weights, q_positions, softmax_scale)
+    scores = torch.matmul(q.float()[None], k.float().T[None, None]) * softmax_scale  # [1,Tq,H,Tk]
+    scores = torch.relu(scores)
+    out = torch.matmul(weights[None, :, None, :], scores).squeeze(-2)[0]  # [Tq, Tk]
+    hidden = torch.arange(k.shape[0], device=k.device)[None, :] > q_positions[:, None]
+    return out.masked_fill(hidden, float("-inf"))
+
+
+def index_scores(q: torch.Tensor, k: torch.Tensor, weights: torch.Tensor,
+                 q_positions: torch.Tensor, softmax_scale: float) -> torch.Tensor:
+    """Causal index scores of queries at ``q_positions`` against keys ``[0, Tk)``."""
+    if use_triton(q):
+        return index_scores_triton(q, k, weights, q_positions, softmax_scale)
+    return index_scores_ref(q, k, weights, q_positions, softmax_scale)
+
+
+def _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax_scale,
+                      spec) -> None:
+    _check_q_w(q, weights, "B")
+    if not isinstance(spec, IndexCacheSpec):
+        raise ValueError(f"spec must be an IndexCacheSpec, got {type(spec).__name__}")
+    if q.shape[2] != spec.head_dim:
+        raise ValueError(f"q heads have {q.shape[2]} values but spec.head_dim is {spec.head_dim}")
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 2 or pool.dtype != torch.uint8 or (
+        pool.shape[1] != spec.row_bytes
+    ):
+        desc = (tuple(pool.shape), pool.dtype) if isinstance(pool, torch.Tensor) else pool
+        raise ValueError(f"pool must be a uint8 tensor [rows, {spec.row_bytes}], got {desc}")
+    if pool.stride(1) != 1 or pool.stride(0) % 4 or pool.storage_offset() % 4:
+        raise ValueError(f"pool must have dense rows at a 4-byte aligned stride, got strides "
+                         f"{pool.stride()}")
+    for name, t in (("page_table", page_table), ("seq_lens", seq_lens)):
+        dims = 2 if name == "page_table" else 1
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be a {dims}-D int32 tensor, got {t!r:.80}")
+        if t.shape[0] != q.shape[0]:
+            raise ValueError(f"{name} has {t.shape[0]} rows but q has batch {q.shape[0]}")
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(f"page_table must have a dense last dim, got strides {page_table.stride()}")
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size <= 0 or (
+        pool.shape[0] % page_size
+    ):
+        raise ValueError(f"page_size must be a positive int dividing the pool's {pool.shape[0]} "
+                         f"rows, got {page_size!r}")
+    _check_scale(softmax_scale)
+    check_same_device(q=q, weights=weights, pool=pool, page_table=page_table, seq_lens=seq_lens)
+    if not seq_lens.is_cuda and q.shape[0]:
+        width = page_table.shape[1] * page_size
+        low, high = int(seq_lens.min()), int(seq_lens.max())
+        if low < 0 or high > width:
+            raise ValueError(f"seq_lens holds {low if low < 0 else high}, outside [0, {width}]")
+        used = torch.arange(page_table.shape[1])[None, :] < (
+            (seq_lens.long() + page_size - 1) // page_size)[:, None]
+        ids = page_table[used]
+        num_pages = pool.shape[0] // page_size
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise ValueError(f"page_table holds page {bad}, outside the pool's {num_pages} pages")
+
+
+def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size: int,
+                              softmax_scale: float, spec: IndexCacheSpec) -> torch.Tensor:
+    _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec)
+    max_len = page_table.shape[1] * page_size
+    out = torch.empty((q.shape[0], max_len), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    fp8 = spec.cache_dtype == "fp8_e4m3"
+    keys = pool if fp8 else pool.view(spec.model_dtype)
+    scales = pool.view(torch.float32)
+    block_n = 32
+    _paged_index_scores_kernel[(q.shape[0], triton.cdiv(max_len, block_n))](
+        q, weights, keys, scales, page_table, seq_lens, out, q.shape[1], max_len,
+        float(softmax_scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+        scales.stride(0), page_table.stride(0), out.stride(0),
+        HEAD_DIM=spec.head_dim, QBLOCK=spec.block, FP8=fp8, PAGE_SIZE=page_size,
+        BLOCK_H=max(16, triton.next_power_of_2(q.shape[1])),
+        BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+def paged_index_scores_ref(q, weights, pool, page_table, seq_lens, page_size: int,
+                           softmax_scale: float, spec: IndexCacheSpec) -> torch.Tensor:
+    _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec)
+    max_len = page_table.shape[1] * page_size
+    out = torch.full((q.shape[0], max_len), float("-inf"), device=q.device)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        t = torch.arange(seq_len, device=q.device)
+        rows = page_table[b, t // page_size].long() * page_size + t % page_size
+        k = read_index_k_ref(pool, rows, spec).float()  # [seq_len, D]
+        scores = torch.relu(q[b].float() @ k.T * softmax_scale)  # [H, seq_len]
+        out[b, :seq_len] = weights[b] @ scores
+    return out
+
+
+def paged_index_scores(q, weights, pool, page_table, seq_lens, page_size: int,
+                       softmax_scale: float, spec: IndexCacheSpec) -> torch.Tensor:
+    """Each request's new-token index scores against its index-K pages."""
+    if use_triton(q):
+        return paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size,
+                                         softmax_scale, spec)
+    return paged_index_scores_ref(q, weights, pool, page_table, seq_lens, page_size,
+                                  softmax_scale, spec)
+
+
+def index_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``[N, T]`` scores -> ``[N, topk]`` int32 key positions, ``-1`` where no key is left."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be a 2-D float32 tensor, got {scores!r:.80}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    kept = min(topk, scores.shape[1])
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
+    if kept == 0 or scores.shape[0] == 0:
+        return out
+    best = scores.topk(kept, dim=-1)
+    out[:, :kept] = best.indices.to(torch.int32).masked_fill(best.values == float("-inf"), -1)
+    return out
