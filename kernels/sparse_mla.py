@@ -1,0 +1,257 @@
+"""Sparse MLA attention (DSA): each query attends only to its selected latent rows.
+
+The absorbed form, as ``kernels/mla_decode.py``: ``q [., H, R+P]`` (q_nope
+through kv_b_proj's K part, then q_pe) scores a latent row over all ``R+P``
+values, the values are the row's first ``R``, and ``out [., H, R]`` goes back
+through kv_b_proj's V part in the caller. fp32 accumulation, out in q's dtype.
+
+- ``sparse_mla_prefill(q [Tq, H, R+P], latent [N, R+P], indices [Tq, K] int32,
+  softmax_scale, kv_lora_rank)``: ``indices[i]`` are rows of ``latent`` (the
+  request's gathered rows, in position order), ``-1`` padded.
+- ``sparse_mla_decode(q [B, H, R+P], latent_cache [rows, R+P], page_table [B, W]
+  int32, indices [B, K] int32, page_size, softmax_scale, kv_lora_rank)``:
+  ``indices[b]`` are token positions of request ``b`` (``index_topk``'s
+  output), ``-1`` padded; position ``t`` is row ``page_table[b, t // page_size]
+  * page_size + t % page_size``.
+
+A query without any selected row gets zeros. Order and repeats inside a row of
+``indices`` do not matter beyond rounding (a repeated row counts twice). On CPU
+the indices and the page ids they reach are range-checked; on CUDA they are
+trusted (checking would cost a sync per layer).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import check_same_device, use_triton
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+MAX_KV_LORA_RANK = 1024
+MAX_ROPE_DIM = 256
+
+
+@triton.jit(do_not_specialize=["stride_tb"])
+def _sparse_mla_kernel(
+    q_ptr, latent_ptr, idx_ptr, table_ptr, out_ptr,
+    scale_log2, num_heads, topk,
+    stride_qb, stride_qh, stride_lr, stride_ib, stride_tb, stride_ob, stride_oh,
+    RANK: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    head_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p = RANK + tl.arange(0, BLOCK_P)
+    h_ok = h < num_heads
+    r_ok = r < RANK
+    p_ok = p < RANK + ROPE
+    q_row = q_ptr + b * stride_qb + h[:, None] * stride_qh
+    q_nope = tl.load(q_row + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    if ROPE > 0:
+        q_pe = tl.load(q_row + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(0, topk, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        idx = tl.load(idx_ptr + b * stride_ib + n, mask=n < topk, other=-1)
+        sel = idx >= 0
+        if PAGED:
+            page = tl.load(table_ptr + b * stride_tb + idx // PAGE_SIZE, mask=sel, other=0)
+            row = page.to(tl.int64) * PAGE_SIZE + idx % PAGE_SIZE
+        else:
+            row = idx.to(tl.int64)
+        base = latent_ptr + row[:, None] * stride_lr
+        # Unselected slots read 0, never a row they do not name.
+        kv = tl.load(base + r[None, :], mask=sel[:, None] & r_ok[None, :], other=0.0)
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        if ROPE > 0:
+            k_pe = tl.load(base + p[None, :], mask=sel[:, None] & p_ok[None, :], other=0.0)
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
+        s = tl.where(sel[None, :], s * scale_log2, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A block with no selected slot leaves m at -inf: shift by 0 there, not by -inf.
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp2(m - shift)
+        prob = tl.exp2(s - shift[:, None])
+        l = l * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m = m_new
+    o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    dst = out_ptr + b * stride_ob + h[:, None] * stride_oh + r[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_common(q, latent, indices, softmax_scale, kv_lora_rank, out, latent_name):
+    for name, t, want, dims in (("q", q, 3, "[rows, H, R+P]"), (latent_name, latent, 2,
+                                                                "[rows, R+P]")):
+        if not isinstance(t, torch.Tensor) or t.dim() != want:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a {want}-D tensor {dims}, got {shape}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}.dtype must be one of {_DTYPES}, got {t.dtype}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a dense last dim, got strides {t.stride()}")
+    if latent.dtype != q.dtype:
+        raise ValueError(f"{latent_name}.dtype is {latent.dtype} but q.dtype is {q.dtype}")
+    rows, heads, width = q.shape
+    if latent.shape[1] != width:
+        raise ValueError(f"{latent_name} rows have {latent.shape[1]} values but q has {width}")
+    if not _is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= min(width, MAX_KV_LORA_RANK):
+        raise ValueError(f"kv_lora_rank must be an int in [1, min(q.shape[2] = {width}, "
+                         f"{MAX_KV_LORA_RANK})], got {kv_lora_rank!r}")
+    if width - kv_lora_rank > MAX_ROPE_DIM:
+        raise ValueError(f"q.shape[2] - kv_lora_rank = {width - kv_lora_rank} RoPE dims, more "
+                         f"than {MAX_ROPE_DIM}")
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 2 or (
+        indices.dtype != torch.int32
+    ) or indices.shape[0] != rows:
+        raise ValueError(f"indices must be a 2-D int32 tensor with {rows} rows, "
+                         f"got {indices!r:.80}")
+    if indices.shape[1] > 1 and indices.stride(1) != 1:
+        raise ValueError(f"indices must have a dense last dim, got strides {indices.stride()}")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+    shape = (rows, heads, kv_lora_rank)
+    if out is None:
+        out = q.new_empty(shape)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
+        raise ValueError(f"out is {got}, expected {shape} {q.dtype}")
+    if kv_lora_rank > 1 and out.stride(2) != 1:
+        raise ValueError(f"out must have a dense last dim, got strides {out.stride()}")
+    return out
+
+
+def _check_range(name: str, values: torch.Tensor, limit: int, what: str) -> None:
+    if values.numel() and (int(values.min()) < -1 or int(values.max()) >= limit):
+        bad = int(values.min()) if int(values.min()) < -1 else int(values.max())
+        raise ValueError(f"{name} holds {bad}, outside [-1, {limit}) ({what})")
+
+
+def _check_prefill(q, latent, indices, softmax_scale, kv_lora_rank, out):
+    out = _check_common(q, latent, indices, softmax_scale, kv_lora_rank, out, "latent")
+    check_same_device(q=q, latent=latent, indices=indices, out=out)
+    if not indices.is_cuda:
+        _check_range("indices", indices, latent.shape[0], "the latent rows")
+    return out
+
+
+def _check_decode(q, latent_cache, page_table, indices, page_size, softmax_scale, kv_lora_rank,
+                  out):
+    out = _check_common(q, latent_cache, indices, softmax_scale, kv_lora_rank, out,
+                        "latent_cache")
+    if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or (
+        page_table.dtype != torch.int32
+    ) or page_table.shape[0] != q.shape[0]:
+        raise ValueError(f"page_table must be a 2-D int32 tensor with {q.shape[0]} rows, "
+                         f"got {page_table!r:.80}")
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(f"page_table must have a dense last dim, got strides {page_table.stride()}")
+    if not _is_int(page_size) or page_size <= 0 or latent_cache.shape[0] % page_size:
+        raise ValueError(f"page_size must be a positive int dividing latent_cache's "
+                         f"{latent_cache.shape[0]} rows, got {page_size!r}")
+    check_same_device(q=q, latent_cache=latent_cache, page_table=page_table, indices=indices,
+                      out=out)
+    if not indices.is_cuda:
+        width = page_table.shape[1] * page_size
+        _check_range("indices", indices, width, "the page table's positions")
+        used = indices.clamp_min(0).long() // page_size
+        pages = torch.gather(page_table.long(), 1, used)[indices >= 0] if indices.numel() else used
+        _check_range("page_table", pages, latent_cache.shape[0] // page_size,
+                     "latent_cache pages, at a selected position")
+    return out
+
+
+def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_rank, out, paged):
+    rows, heads, width = q.shape
+    if out.numel() == 0:
+        return out
+    rope = width - kv_lora_rank
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))
+    table = page_table if paged else indices  # unused when not paged
+    _sparse_mla_kernel[(triton.cdiv(heads, block_h), rows)](
+        q, latent, indices, table, out,
+        softmax_scale * _LOG2E, heads, indices.shape[1],
+        q.stride(0), q.stride(1), latent.stride(0), indices.stride(0), table.stride(0),
+        out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, ROPE=rope, PAGED=paged, PAGE_SIZE=page_size,
+        BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
+        BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=32,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if kv_lora_rank > 256 else 4,
+    )
+    return out
+
+
+def _attend_ref(q, latent_rows, kv_lora_rank, softmax_scale):
+    """One query's heads over its selected rows, float32: [H, R]."""
+    if latent_rows.shape[0] == 0:
+        return q.new_zeros((q.shape[0], kv_lora_rank), dtype=torch.float32)
+    lat = latent_rows.float()
+    probs = (q.float() @ lat.T * softmax_scale).softmax(dim=-1)
+    return probs @ lat[:, :kv_lora_rank]
+
+
+def sparse_mla_prefill_triton(q, latent, indices, softmax_scale: float, kv_lora_rank: int, *,
+                              out: torch.Tensor | None = None) -> torch.Tensor:
+    out = _check_prefill(q, latent, indices, softmax_scale, kv_lora_rank, out)
+    return _launch(q, latent, indices, None, 1, softmax_scale, kv_lora_rank, out, paged=False)
+
+
+def sparse_mla_prefill_ref(q, latent, indices, softmax_scale: float, kv_lora_rank: int, *,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    out = _check_prefill(q, latent, indices, softmax_scale, kv_lora_rank, out)
+    for i in range(q.shape[0]):
+        rows = indices[i][indices[i] >= 0].long()
+        out[i] = _attend_ref(q[i], latent[rows], kv_lora_rank, softmax_scale).to(out.dtype)
+    return out
+
+
+def sparse_mla_prefill(q, latent, indices, softmax_scale: float, kv_lora_rank: int, *,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each query over its selected rows of ``latent``."""
+    impl = sparse_mla_prefill_triton if use_triton(q) else sparse_mla_prefill_ref
+    return impl(q, latent, indices, softmax_scale, kv_lora_rank, out=out)
+
+
+def sparse_mla_decode_triton(q, latent_cache, page_table, indices, page_size: int,
+                             softmax_scale: float, kv_lora_rank: int, *,
+                             out: torch.Tensor | None = None) -> torch.Tensor:
+    out = _check_decode(q, latent_cache, page_table, indices, page_size, softmax_scale,
+                        kv_lora_rank, out)
+    return _launch(q, latent_cache, indices, page_table, page_size, softmax_scale, kv_lora_rank,
+                   out, paged=True)
+
+
+def sparse_mla_decode_ref(q, latent_cache, page_table, indices, page_size: int,
+                          softmax_scale: float, kv_lora_rank: int, *,
+                          out: torch.Tensor | None = None) -> torch.Tensor:
+    out = _check_decode(q, latent_cache, page_table, indices, page_size, softmax_scale,
+                        kv_lora_rank, out)
+    for b in range(q.shape[0]):
+        t = indices[b][indices[b] >= 0].long()
+        rows = page_table[b, t // page_size].long() * page_size + t % page_size
+        out[b] = _attend_ref(q[b], latent_cache[rows], kv_lora_rank, softmax_scale).to(out.dtype)
+    return out
+
+
+def sparse_mla_decode(q, latent_cache, page_table, indices, page_size: int, softmax_scale: float,
+                      kv_lora_rank: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Each request's new token over its selected positions of its latent pages."""
+    impl = sparse_mla_decode_triton if use_triton(q) else sparse_mla_decode_ref
+    return impl(q, latent_cache, page_table, indices, page_size, softmax_scale, kv_lora_rank,
+                out=out)

@@ -1,0 +1,135 @@
+"""Sparse MLA prefill and decode: Triton (interpreted) vs torch vs dense attention in float64."""
+
+import pytest
+import torch
+
+from kernels.sparse_mla import (
+    sparse_mla_decode,
+    sparse_mla_decode_ref,
+    sparse_mla_decode_triton,
+    sparse_mla_prefill,
+    sparse_mla_prefill_ref,
+    sparse_mla_prefill_triton,
+)
+from tests.markers import requires_gpu
+
+
+def _dense_masked(q, latent, keep, scale, rank):
+    """float64 attention over all rows with a [Tq, N] keep mask; rows with none give 0."""
+    s = torch.einsum("thd,nd->thn", q.double(), latent.double()) * scale
+    s = s.masked_fill(~keep[:, None, :], float("-inf"))
+    p = torch.nan_to_num(s.softmax(-1), nan=0.0)
+    return torch.einsum("thn,nr->thr", p, latent[:, :rank].double())
+
+
+def _selection(tq, n, k, gen):
+    idx = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(tq)]).int()
+    idx[1, k // 2:] = -1  # fewer selected than k
+    idx[2] = -1  # nothing selected: zeros
+    return idx
+
+
+def _keep(idx, n):
+    keep = torch.zeros(idx.shape[0], n, dtype=torch.bool)
+    for i, row in enumerate(idx.tolist()):
+        keep[i, [j for j in row if j >= 0]] = True
+    return keep
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.float16, 3e-3)])
+@pytest.mark.parametrize("heads,rank,rope,k", [(3, 32, 16, 9), (16, 24, 0, 40)])
+@pytest.mark.parametrize("impl", [sparse_mla_prefill_triton, sparse_mla_prefill_ref])
+def test_sparse_prefill_matches_masked_dense(dtype, tol, heads, rank, rope, k, impl):
+    gen = torch.Generator().manual_seed(heads + rank)
+    tq, n = 5, 50
+    q = torch.randn(tq, heads, rank + rope, generator=gen).to(dtype)
+    latent = torch.randn(n + 3, rank + rope, generator=gen).to(dtype)[3:]  # offset view
+    idx = _selection(tq, n, k, gen)
+    out = torch.full((tq, heads, rank), float("nan"), dtype=dtype)
+    impl(q, latent, idx, 0.3, rank, out=out)
+    want = _dense_masked(q, latent, _keep(idx, n), 0.3, rank)
+    torch.testing.assert_close(out.double(), want, atol=tol, rtol=tol)
+    assert (out[2] == 0).all()
+
+
+def test_sparse_prefill_dispatcher_is_the_reference_on_cpu():
+    gen = torch.Generator().manual_seed(1)
+    q, latent = torch.randn(4, 2, 20, generator=gen), torch.randn(11, 20, generator=gen)
+    idx = _selection(4, 11, 6, gen)
+    assert torch.equal(sparse_mla_prefill(q, latent, idx, 0.5, 16),
+                       sparse_mla_prefill_ref(q, latent, idx, 0.5, 16))
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("impl", [sparse_mla_decode_triton, sparse_mla_decode_ref])
+def test_sparse_decode_reads_selected_positions_through_the_page_table(page_size, impl):
+    gen = torch.Generator().manual_seed(page_size)
+    batch, heads, rank, rope, pages, width, k = 4, 4, 32, 16, 14, 3, 10
+    rows = pages * page_size
+    # Unused rows are NaN: a read of anything not selected would show.
+    cache = torch.full((rows, rank + rope), float("nan"))
+    # Requests own disjoint pages, in scrambled order.
+    table = torch.randperm(pages, generator=gen)[:batch * width].view(batch, width).int()
+    positions = width * page_size
+    idx = _selection(batch, positions, min(k, positions), gen)
+    dense = torch.empty(batch, positions, rank + rope)
+    for b in range(batch):
+        t = torch.arange(positions)
+        r = table[b, t // page_size].long() * page_size + t % page_size
+        dense[b] = torch.randn(positions, rank + rope, generator=gen)
+        sel = idx[b][idx[b] >= 0].long()
+        cache[r[sel]] = dense[b, sel]
+    q = torch.randn(batch, heads, rank + rope, generator=gen)
+    out = impl(q, cache, table, idx, page_size, 0.2, rank)
+    for b in range(batch):
+        keep = _keep(idx[b:b + 1], positions)
+        want = _dense_masked(q[b:b + 1], torch.nan_to_num(dense[b]), keep, 0.2, rank)
+        torch.testing.assert_close(out[b:b + 1].double(), want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(sparse_mla_decode(q, cache, table, idx, page_size, 0.2, rank).isnan(),
+                       out.isnan())
+
+
+def test_arguments_are_refused_by_name():
+    q, latent = torch.zeros(3, 2, 20), torch.zeros(8, 20)
+    idx = torch.zeros(3, 4, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices holds 8, outside"):
+        sparse_mla_prefill_triton(q, latent, idx + 8, 1.0, 16)
+    with pytest.raises(ValueError, match="indices holds -2"):
+        sparse_mla_prefill_ref(q, latent, idx - 2, 1.0, 16)
+    with pytest.raises(ValueError, match="indices must be a 2-D int32"):
+        sparse_mla_prefill_triton(q, latent, idx.long(), 1.0, 16)
+    with pytest.raises(ValueError, match="latent rows have 16 values"):
+        sparse_mla_prefill_triton(q, latent[:, :16], idx, 1.0, 16)
+    with pytest.raises(ValueError, match="kv_lora_rank must be an int"):
+        sparse_mla_prefill_ref(q, latent, idx, 1.0, 21)
+    with pytest.raises(ValueError, match="latent.dtype is torch.float16"):
+        sparse_mla_prefill_triton(q, latent.half(), idx, 1.0, 16)
+    with pytest.raises(ValueError, match="out is"):
+        sparse_mla_prefill_triton(q, latent, idx, 1.0, 16, out=torch.zeros(3, 2, 20))
+    table = torch.zeros(3, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="indices holds 8, outside \\[-1, 8\\)"):
+        sparse_mla_decode_triton(q, latent, table, idx + 8, 4, 1.0, 16)
+    with pytest.raises(ValueError, match="page_table holds 2"):
+        sparse_mla_decode_ref(q, latent, table + 2, idx, 4, 1.0, 16)
+    with pytest.raises(ValueError, match="page_size must be a positive int dividing"):
+        sparse_mla_decode_triton(q, latent, table, idx, 3, 1.0, 16)
+    with pytest.raises(ValueError, match="page_table must be a 2-D int32"):
+        sparse_mla_decode_ref(q, latent, table[:2], idx, 4, 1.0, 16)
+
+
+@requires_gpu
+def test_sparse_mla_gpu_bf16_matches_reference():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    heads, rank, rope, topk, n = 128, 512, 64, 2048, 8192
+    q = torch.randn(4, heads, rank + rope, device="cuda", generator=gen).bfloat16()
+    latent = torch.randn(n, rank + rope, device="cuda", generator=gen).bfloat16()
+    idx = torch.stack([torch.randperm(n, device="cuda", generator=gen)[:topk]
+                       for _ in range(4)]).int()
+    idx[1, 100:] = -1
+    want = sparse_mla_prefill_ref(q, latent, idx, 0.07, rank)
+    got = sparse_mla_prefill_triton(q, latent, idx, 0.07, rank)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    table = torch.arange(n // 64, device="cuda", dtype=torch.int32).flip(0)[None].repeat(4, 1)
+    want = sparse_mla_decode_ref(q, latent, table, idx, 64, 0.07, rank)
+    got = sparse_mla_decode_triton(q, latent, table, idx, 64, 0.07, rank)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
