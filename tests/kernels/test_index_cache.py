@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.index_cache import (
+from kernels.dsa.index_cache import (
     IndexCacheSpec,
     quantize_index_k_ref,
     read_index_k,

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from kernels.index_cache import IndexCacheSpec, read_index_k_ref, store_index_k_ref
-from kernels.indexer import (
+from kernels.dsa.index_cache import IndexCacheSpec, read_index_k_ref, store_index_k_ref
+from kernels.dsa.indexer import (
     index_scores,
     index_scores_ref,
     index_scores_triton,

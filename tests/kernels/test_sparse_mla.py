@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.sparse_mla import (
+from kernels.dsa.sparse_mla import (
     sparse_mla_decode,
     sparse_mla_decode_ref,
     sparse_mla_decode_triton,

@@ -8,7 +8,7 @@
   in position order (CP ranks pass all gathered keys and their own queries).
 - ``paged_index_scores(q [B, H, D], weights [B, H], pool, page_table [B, W] int32,
   seq_lens [B] int32, page_size, softmax_scale, spec) -> [B, W * page_size] f32``:
-  decode, against the request's index-K pool rows (``kernels/index_cache.py``),
+  decode, against the request's index-K pool rows (``kernels/dsa/index_cache.py``),
   dequantizing fp8 inside; keys at ``t >= seq_lens[b]`` score ``-inf``.
 - ``index_topk(scores [N, T], topk) -> [N, topk] int32``: the positions of the
   ``topk`` best keys per row (all visible keys when fewer), ``-1`` padded.
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import check_same_device, use_triton
-from kernels.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
+from kernels.dsa.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_INDEX_HEADS = 128
