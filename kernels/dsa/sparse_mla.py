@@ -192,7 +192,7 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
         BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=32,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if kv_lora_rank > 256 else 4,
+        num_warps=8 if kv_lora_rank > 256 else 4, num_stages=2,
     )
     return out
 

@@ -126,6 +126,37 @@ def test_kernel_selection_differs_from_reference_only_at_near_ties():
     assert swapped <= tq  # near-ties are rare, not the rule
 
 
+def test_fp8_selection_matches_model_dtype_except_within_the_quantization_bound():
+    # The same keys in an fp8 pool and a model-dtype pool: each score moves by at most
+    # sum_h |w_h| * scale * sum_d |q_hd| * |k_d - fp8(k_d)|, and a key kept by one pool
+    # only scores within the two keys' bounds of the key it displaced.
+    gen = torch.Generator().manual_seed(21)
+    heads, dim, seq_len, topk = 4, 32, 48, 12
+    keys = torch.randn(seq_len, dim, generator=gen)
+    q = torch.randn(1, heads, dim, generator=gen)
+    w = torch.randn(1, heads, generator=gen)
+    table = torch.arange(seq_len // 4, dtype=torch.int32)[None]
+    lens = torch.tensor([seq_len], dtype=torch.int32)
+    scores, deq = {}, None
+    for cache_dtype in ("fp8_e4m3", "model"):
+        spec = IndexCacheSpec(head_dim=dim, cache_dtype=cache_dtype, model_dtype=torch.float32,
+                              block=16)
+        pool = spec.alloc_pool(seq_len)
+        store_index_k_ref(keys, pool, torch.arange(seq_len), spec)
+        scores[cache_dtype] = paged_index_scores_triton(q, w, pool, table, lens, 4, 0.2, spec)[0]
+        if cache_dtype == "fp8_e4m3":
+            deq = read_index_k_ref(pool, torch.arange(seq_len), spec)
+    bound = 0.2 * (w[0].abs()[:, None] * (q[0].abs() @ (keys - deq).abs().T)).sum(0)  # [seq_len]
+    exact, fp8 = scores["model"], scores["fp8_e4m3"]
+    assert ((fp8 - exact).abs() <= bound * 1.01 + 1e-5).all()
+    a = set(index_topk(exact[None], topk)[0].tolist())
+    b = set(index_topk(fp8[None], topk)[0].tolist())
+    for gained in b - a:
+        for lost in a - b:
+            assert float(exact[lost] - exact[gained]) <= float(bound[lost] + bound[gained]) + 1e-5
+    assert 0 < len(a ^ b) <= 4  # this seed swaps one near-tied pair: the case is exercised
+
+
 def test_arguments_are_refused_by_name():
     q, k, w = torch.zeros(3, 2, 16), torch.zeros(5, 16), torch.zeros(3, 2)
     pos = torch.arange(3)
