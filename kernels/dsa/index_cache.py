@@ -210,7 +210,9 @@ def quantize_index_k_ref(k: torch.Tensor, spec: IndexCacheSpec) -> torch.Tensor:
     """``[T, D]`` keys -> ``[T, row_bytes]`` uint8 rows as torch computes them."""
     x = k.float().view(k.shape[0], spec.num_blocks, spec.block)
     amax = x.abs().amax(dim=-1).clamp_min(AMAX_FLOOR)
-    scale = amax / FP8_MAX  # [T, num_blocks]
+    # A tensor divisor: torch on CUDA multiplies by the reciprocal of a Python scalar
+    # divisor (one bit off at times), and the convention is the division rounded to nearest.
+    scale = amax / torch.full_like(amax, FP8_MAX)  # [T, num_blocks]
     q = (x / scale[..., None]).to(torch.float8_e4m3fn).view(torch.uint8)
     return torch.cat([q.reshape(k.shape[0], -1), scale.contiguous().view(torch.uint8)], dim=1)
 

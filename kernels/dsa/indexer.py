@@ -92,14 +92,16 @@ def _paged_index_scores_kernel(
         row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
         kmask = t_ok[:, None] & d_ok[None, :]
         raw = tl.load(pool_ptr + row[:, None] * stride_pool + d[None, :], mask=kmask, other=0)
+        q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
         if FP8:
             sc = tl.load(scale_ptr + row[:, None] * stride_scale + HEAD_DIM // 4
                          + d[None, :] // QBLOCK, mask=kmask, other=0.0)
-            k = e4m3_value(raw.to(tl.int32)) * sc  # [BLOCK_N, BLOCK_D] f32
+            # Dequantized in float32, then the dot in q's dtype as the prefill kernel's
+            # (for bf16, rounding k to bf16 adds 2**-9 to e4m3's 2**-4 relative error).
+            k = (e4m3_value(raw.to(tl.int32)) * sc).to(q.dtype)  # [BLOCK_N, BLOCK_D]
         else:
-            k = raw.to(tl.float32)
-        q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            k = raw
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         w = tl.load(w_ptr + b * stride_wb + h, mask=h_ok, other=0.0)
         score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0)
@@ -193,6 +195,8 @@ def _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax
         raise ValueError(f"spec must be an IndexCacheSpec, got {type(spec).__name__}")
     if q.shape[2] != spec.head_dim:
         raise ValueError(f"q heads have {q.shape[2]} values but spec.head_dim is {spec.head_dim}")
+    if q.dtype != spec.model_dtype:
+        raise ValueError(f"q.dtype is {q.dtype} but spec.model_dtype is {spec.model_dtype}")
     if not isinstance(pool, torch.Tensor) or pool.dim() != 2 or pool.dtype != torch.uint8 or (
         pool.shape[1] != spec.row_bytes
     ):
