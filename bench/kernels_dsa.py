@@ -16,7 +16,9 @@ Shapes: 64 index heads of 128 dims (fp8 index-K rows of 132 bytes), top 2048,
 Each kernel's output is checked against its torch reference on a small case
 before anything is timed. Prints a table; ``--json`` writes the rows.
 
-    PYTHONPATH=. python3 bench/kernels_dsa.py --json bench/results/kernels_dsa_h200.json
+    python3 -m bench.kernels_dsa --json bench/results/kernels_dsa_h200.json
+
+(as a module: run as a file, bench/kernels.py would shadow the kernels package)
 """
 
 from __future__ import annotations
