@@ -1,8 +1,13 @@
 """Decode step time of the continuous-batching engine, with no transfer in the way.
 
 Requests start with a random KV context already in the pool and decode
-together, so tokens/s here is batch / step time. Also prints where the host
-time of one step goes (torch profiler, top ops) at the smallest batch.
+together, so tokens/s here is batch / step time. On CUDA the engine's step is
+a captured graph (``step_ms``) and is also timed eager (``eager_step_ms``).
+In the same run, the ceilings: reading the weights once at the device-copy
+rate (``weight_read_floor_ms``), and transformers' LlamaForCausalLM on the
+same shapes with a static cache under ``torch.compile(mode="reduce-overhead")``
+(``hf_compiled_step_ms``; skipped with a printed reason where it cannot run).
+Also prints where the host time of one eager step goes (torch profiler).
 
     python bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 --json out.json
     python bench/decode_step.py --tiny --batches 1 16
@@ -43,6 +48,9 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=None,
+                    help="batches to time transformers compiled at (default: those <= 16); "
+                         "none given: skip it")
     args = ap.parse_args()
     cfg_json = LLAMA3_8B if args.llama3_8b else TINY
     dtype = torch.bfloat16 if args.llama3_8b else torch.float32
@@ -56,29 +64,23 @@ def main() -> None:
     pool.tensor.normal_()
     rows = []
     for batch in args.batches:
-        engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=())
-        for i in range(batch):
-            table = PageTable.allocate(pool, args.context)
-            engine.add(f"r{i}", table, 11 + i, SamplingParams(), args.steps + 4)
-        engine.step()  # admit + warm up (kernel compilation)
-        engine.step()
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        sync(device)
-        step_s = (time.perf_counter() - t0) / args.steps
-        rows.append(dict(batch=batch, context=args.context, step_ms=step_s * 1e3, tokens_per_s=batch / step_s))
-        if batch == min(args.batches):
-            from torch.profiler import ProfilerActivity, profile
-
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with profile(activities=acts) as prof:
-                engine.step()
-                sync(device)
-            print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
-        while engine.has_work:
-            engine.step()
+        row = dict(batch=batch, context=args.context)
+        for mode in ("eager", "graph") if device.type == "cuda" else ("eager",):
+            engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
+                                  graph_sizes=(batch,) if mode == "graph" else ())
+            if mode == "graph":
+                t0 = time.perf_counter()
+                graphs = engine.capture_graphs()
+                row["graph_capture_s"] = time.perf_counter() - t0
+                row["graph_memory_mib"] = graphs.memory_bytes / 2**20
+            step_s = _time_steps(engine, pool, batch, args, device)
+            row["step_ms" if mode == "graph" or device.type != "cuda" else "eager_step_ms"] = (
+                step_s * 1e3)
+            if mode == "eager" and batch == min(args.batches):
+                _profile(engine, pool, batch, args, device)
+            del engine
+        row["tokens_per_s"] = batch / (row["step_ms"] / 1e3)
+        rows.append(row)
     # the ceiling: reading the weights once per step at the device-copy rate
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     if device.type == "cuda":
@@ -94,14 +96,109 @@ def main() -> None:
         floor_ms = copy_s / 2 * 1e3  # a read of the weights is half a copy's traffic
     else:
         floor_ms = None
-    print(f"\ndecode step, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, context {args.context}, {device}")
-    print(f"{'batch':>5} {'step ms':>8} {'tok/s':>9}")
+    def write(hf: dict) -> None:
+        if args.json:
+            args.json.write_text(json.dumps(dict(
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+                model="Llama-3-8B shapes" if args.llama3_8b else "tiny", dtype=str(dtype),
+                rows=rows, weight_read_floor_ms=floor_ms, hf_skipped=hf.get("skipped")), indent=2))
+
     for r in rows:
-        print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {r['tokens_per_s']:>9,.0f}")
+        r["hf_compiled_step_ms"] = None
+    write({})  # the engine's figures are kept even if transformers' run never ends
+    del pool
+    hf_batches = ([b for b in args.batches if b <= 16] if args.hf_batches is None
+                  else args.hf_batches)
+    hf = hf_compiled_steps(cfg_json, dtype, device, hf_batches, args) if hf_batches else {}
+    for r in rows:
+        r["hf_compiled_step_ms"] = hf.get(r["batch"])
+    print(f"\ndecode step, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, context {args.context}, {device}")
+    print(f"{'batch':>5} {'step ms':>8} {'eager ms':>9} {'hf compiled':>11} {'tok/s':>9}")
+    for r in rows:
+        eager, hfc = r.get("eager_step_ms"), r["hf_compiled_step_ms"]
+        print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {eager or float('nan'):>9.2f} "
+              f"{hfc or float('nan'):>11.2f} {r['tokens_per_s']:>9,.0f}")
     if floor_ms:
         print(f"floor: reading {weight_bytes / 2**30:.1f} GiB of weights at the device-copy rate = {floor_ms:.2f} ms/step")
-    if args.json:
-        args.json.write_text(json.dumps(dict(device=str(device), rows=rows, weight_read_floor_ms=floor_ms), indent=2))
+    write(hf)
+
+
+def _time_steps(engine: DecodeEngine, pool: PagePool, batch: int, args, device) -> float:
+    """Seconds per step of ``batch`` requests with ``args.context`` tokens of context."""
+    for i in range(batch):
+        table = PageTable.allocate(pool, args.context)
+        engine.add(f"r{i}", table, 11 + i, SamplingParams(), args.steps + 4)
+    engine.step()  # admit + warm up (kernel compilation on the eager path)
+    engine.step()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    sync(device)
+    step_s = (time.perf_counter() - t0) / args.steps
+    while engine.has_work:
+        engine.step()
+    return step_s
+
+
+def _profile(engine: DecodeEngine, pool: PagePool, batch: int, args, device) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    for i in range(batch):
+        engine.add(f"p{i}", PageTable.allocate(pool, args.context), 11 + i, SamplingParams(), 4)
+    engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        engine.step()
+        sync(device)
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
+    while engine.has_work:
+        engine.step()
+
+
+def hf_compiled_steps(cfg_json: dict, dtype: torch.dtype, device: torch.device,
+                      batches: list[int], args) -> dict:
+    """transformers' decode step (static cache, torch.compile reduce-overhead) in ms
+    per batch; {"skipped": reason} where it cannot run."""
+    if device.type != "cuda":
+        print("transformers compiled: skipped (needs CUDA for CUDA graphs)")
+        return {"skipped": "no CUDA"}
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
+
+        config = LlamaConfig(**{k: v for k, v in cfg_json.items() if k != "architectures"})
+        with torch.device(device):
+            hf = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
+        out = {}
+        for batch in batches:
+            cache = StaticCache(config=config, max_cache_len=args.context + args.steps + 16)
+            prompt = torch.randint(0, config.vocab_size, (batch, args.context), device=device)
+            with torch.inference_mode():
+                hf(input_ids=prompt, past_key_values=cache, use_cache=True,
+                   cache_position=torch.arange(args.context, device=device))
+            torch._dynamo.reset()  # one static shape per compile
+            step = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            tok = torch.randint(0, config.vocab_size, (batch, 1), device=device)
+            times = []
+            with torch.inference_mode():
+                for i in range(args.steps + 5):
+                    pos = torch.tensor([args.context + i], device=device)
+                    sync(device)
+                    t0 = time.perf_counter()
+                    step(input_ids=tok, past_key_values=cache, use_cache=True,
+                         cache_position=pos, position_ids=pos[None].expand(batch, 1))
+                    sync(device)
+                    times.append(time.perf_counter() - t0)
+            out[batch] = sorted(times[5:])[len(times[5:]) // 2] * 1e3  # median after warm-up
+            print(f"transformers compiled, batch {batch}: {out[batch]:.2f} ms/step")
+            del cache
+        del hf
+        torch.cuda.empty_cache()
+        return out
+    except Exception as err:  # noqa: BLE001 (any failure to compile is reported, not fatal)
+        reason = f"{type(err).__name__}: {str(err)[:300]}"
+        print(f"transformers compiled: skipped ({reason})")
+        return {"skipped": reason}
 
 
 if __name__ == "__main__":

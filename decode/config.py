@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from decode.graphs import check_ladder
 from model.config import ModelConfig
 from model.dtypes import DTYPES
 from runtime.security import SecurityConfig
@@ -25,6 +26,9 @@ class DecodeConfig:
     port: int = 0  # 0 picks a free port
     load_format: str = "safetensors"  # or "dummy" (seeded random weights, as the prefill daemon's)
     max_batch_size: int = 256
+    # Batch sizes whose decode step is captured as a CUDA graph at start (decode.graphs);
+    # None: 1, 2, 4, 8, steps of 8 to 64, then of 16, up to max_batch_size; (): none, all eager.
+    graph_batch_sizes: tuple[int, ...] | None = None
     max_workers: int = 64  # gRPC threads; each open Generate stream holds one
     page_wait_s: float = 30.0  # how long a request waits for pages while the pool is full
     connect_timeout_s: float = 30.0  # how long start-up waits for the prefill daemon to answer
@@ -56,6 +60,11 @@ class DecodeConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+        if self.graph_batch_sizes is not None:
+            if not isinstance(self.graph_batch_sizes, tuple):
+                raise ValueError(f"graph_batch_sizes must be None or a tuple of ints, "
+                                 f"got graph_batch_sizes={self.graph_batch_sizes!r}")
+            check_ladder(self.graph_batch_sizes, self.max_batch_size)
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got port={self.port!r}")
         if self.metrics_port is not None and (

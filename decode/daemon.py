@@ -116,7 +116,9 @@ class DecodeDaemon:
         fast = None if self.fastpath is None else FastPathTransport(self.fastpath, self.metrics.failures)
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device)
-        self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size)
+        self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
+                                   graph_sizes=config.graph_batch_sizes)
+        self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()

@@ -7,6 +7,12 @@ new slots' rows and the page-table tensors), **run** (the model with an
 attention callback that stores the new K/V and calls paged decode attention)
 and **postprocess** (sample, emit, finish, free).
 
+On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
+for a ladder of batch sizes (``decode.graphs``); a step then pads to the next
+captured size and replays it, and a batch above the ladder runs eager. The
+CPU path is always eager. Either way the sampled ids are the step's one read
+from the device.
+
 A request enters with its prompt's KV already in the pool through its
 ``PageTable`` (placed by the transfer client, or by ``prefill_into_pool``) and
 with ``last_token``, the first output token sampled by prefill, whose KV is
@@ -31,15 +37,16 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
+from decode.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
 from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from kernels.decode_attention import paged_decode_attention
-from kernels.store_kv import store_kv
+from kernels.rope_store import rope_store_kv
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
 
@@ -79,7 +86,7 @@ class _Request:
 
 
 class DecodeBatch(NamedTuple):
-    """The tensors of one decode step (B = requests in the step)."""
+    """The tensors of one eager decode step (B = requests in the step)."""
 
     requests: list[_Request]
     input_ids: torch.Tensor  # [B] int64
@@ -89,11 +96,23 @@ class DecodeBatch(NamedTuple):
     seq_lens: torch.Tensor  # [B] int32, the new token included
 
 
+class GraphBatch(NamedTuple):
+    """One decode step that replays a captured graph (host values; the graph's
+    static buffers get them in one copy per dtype)."""
+
+    requests: list[_Request]
+    input_ids: list[int]
+    positions: list[int]
+    locs: list[int]
+    size: int  # the captured batch size it runs at (padding rows past len(requests))
+
+
 class DecodeEngine:
     """Continuous batching of decode requests over one ``PagePool``."""
 
     def __init__(self, model: CausalLM, pool: PagePool, *, max_batch_size: int = 256,
-                 eos_token_ids: Iterable[int] | None = None) -> None:
+                 eos_token_ids: Iterable[int] | None = None,
+                 graph_sizes: Sequence[int] | None = None) -> None:
         config = model.config
         if pool.spec.num_layers != config.num_layers or pool.spec.row_shape != (
             config.num_kv_heads, config.head_dim
@@ -111,6 +130,10 @@ class DecodeEngine:
         self.model = model
         self.pool = pool
         self.max_batch_size = max_batch_size
+        # The CUDA-graph ladder (None: the default one); captured by capture_graphs.
+        self.graph_sizes = (default_ladder(max_batch_size) if graph_sizes is None
+                            else check_ladder(graph_sizes, max_batch_size))
+        self._graphs: DecodeGraphs | None = None
         self.eos_token_ids = frozenset(
             config.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
@@ -214,6 +237,18 @@ class DecodeEngine:
         with self._lock:
             return len(self._waiting)
 
+    def capture_graphs(self) -> DecodeGraphs | None:
+        """On CUDA, capture the decode step for every size of the ladder (compiling
+        its kernels on the way); call before serving. None on the CPU, or with an
+        empty ladder: every step then runs eager."""
+        if self.pool.device.type != "cuda" or not self.graph_sizes:
+            return None
+        with self._lock:
+            graphs = DecodeGraphs(self.model, self.pool, self.graph_sizes)
+            graphs.capture()
+            self._graphs = graphs
+        return graphs
+
     # ---- the loop (one thread) ----
 
     def step(self) -> list[TokenEvent]:
@@ -232,13 +267,13 @@ class DecodeEngine:
             prepared = self._prepare(batch)
             self._in_flight = batch
         try:
-            logits = self._run(prepared)
+            output = self._run(prepared)
         except BaseException:
             with self._lock:
                 self._land(batch)
             raise
         with self._lock:
-            events += self._postprocess(prepared, logits)
+            events += self._postprocess(prepared, output)
             self._land(batch)
             return events
 
@@ -270,42 +305,56 @@ class DecodeEngine:
             batch.append(request)
         return batch
 
-    def _prepare(self, batch: list[_Request]) -> DecodeBatch:
-        device = self.pool.device
+    def _prepare(self, batch: list[_Request]) -> DecodeBatch | GraphBatch:
         positions = [r.table.seq_len for r in batch]
         locs = [r.table.append_slot() for r in batch]  # slots were secured by _schedule
+        ids = [r.last_token for r in batch]
+        if self._graphs is not None:
+            size = self._graphs.size_for(len(batch), max(r.table.num_pages for r in batch))
+            if size is not None:
+                return GraphBatch(batch, ids, positions, locs, size)
+        device = self.pool.device
         tables = batch_tables([r.table for r in batch], device)
         return DecodeBatch(
             requests=batch,
-            input_ids=torch.tensor([r.last_token for r in batch], dtype=torch.int64,
-                                   device=device),
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
             positions=torch.tensor(positions, dtype=torch.int64, device=device),
             locs=torch.tensor(locs, dtype=torch.int64, device=device),
             page_table=tables.page_table,
             seq_lens=tables.seq_lens,
         )
 
-    def _run(self, batch: DecodeBatch) -> torch.Tensor:
-        """The model over the batch; returns float32 logits ``[B, vocab]``."""
+    def _run(self, batch: DecodeBatch | GraphBatch) -> StepOutput | torch.Tensor:
+        """The model over the batch: float32 logits ``[B, vocab]`` (eager), or a
+        captured step's logits and argmax."""
+        if isinstance(batch, GraphBatch):
+            return self._graphs.replay([r.table for r in batch.requests], batch.input_ids,
+                                       batch.positions, batch.locs, batch.size)
         pool, page_size = self.pool, self.pool.page_size
         scale = self.model.config.softmax_scale
 
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
+        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
-            store_kv(k, v, k_cache, v_cache, batch.locs)  # the new token first: it attends itself
+            # RoPE, then the new token's K/V first: it attends itself
+            q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, batch.locs)
             return paged_decode_attention(q, k_cache, v_cache, batch.page_table,
                                           batch.seq_lens, page_size, scale)
 
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, attention)  # [B, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, attention,
+                                rope_in_attention=True)  # [B, hidden]
             return self.model.compute_logits(hidden)
 
-    def _postprocess(self, batch: DecodeBatch, logits: torch.Tensor) -> list[TokenEvent]:
+    def _postprocess(self, batch: DecodeBatch | GraphBatch,
+                     output: StepOutput | torch.Tensor) -> list[TokenEvent]:
         requests = batch.requests
-        tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests])
+        logits, greedy = output if isinstance(output, StepOutput) else (output, None)
+        with torch.inference_mode():
+            tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests],
+                            greedy_tokens=greedy)
         events = []
-        for request, token in zip(requests, tokens.tolist()):
+        for request, token in zip(requests, tokens.tolist()):  # the step's one device read
             if request.cancelled:
                 continue  # no event; its pages are freed when the step lands
             request.last_token = token

@@ -19,7 +19,8 @@ from transfer.protocol.contract import format_diff
 
 log = logging.getLogger("lanekv.decode")
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
-_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes")
+_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes",
+                 "graph_batch_sizes")
 DEFAULT_GRACE_S = 5.0
 
 
@@ -27,6 +28,8 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     optional = {
         name: getattr(args, name) for name in _CONFIG_FLAGS if getattr(args, name, None) is not None
     }
+    if "graph_batch_sizes" in optional:
+        optional["graph_batch_sizes"] = tuple(optional["graph_batch_sizes"])
     return DecodeConfig(
         model_path=args.model, prefill_endpoint=args.prefill, page_size=args.page_size,
         dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,

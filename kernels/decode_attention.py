@@ -11,8 +11,10 @@ dtype. A request with ``seq_lens[b] == 0`` gets zeros (not NaN).
 Split-KV ("flash decoding"): stage 1 runs one program per (request, kv head,
 split of the keys); it reads that split's K/V once for all the query heads of
 the group and writes a partial output and its log-sum-exp; stage 2 merges the
-splits. The split count is chosen from the page table's width (known on the
-host, so no sync) so that a few long requests still fill the GPU; with one
+splits. The split count is chosen from the batch and the page table's width
+(known on the host, so no sync) so that a few long requests still fill the
+GPU; each request's own ``seq_lens[b]`` keys are cut into that many splits in
+the kernel, so a fixed grid (a captured step) serves any lengths. With one
 split stage 1 writes the output directly.
 
 On CPU the seq_lens and the page ids they reach are range-checked. On CUDA
@@ -59,10 +61,11 @@ def choose_num_splits(
     return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
 
 
-@triton.jit
+# Values that vary per step are never specialised on (no compile per batch shape).
+@triton.jit(do_not_specialize=["max_kv_len", "num_splits", "stride_tb"])
 def _paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    scale_log2, max_kv_len, split_len, num_q_heads, num_splits,
+    scale_log2, max_kv_len, num_q_heads, num_splits,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -73,6 +76,9 @@ def _paged_decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
+    # Each request's own keys are cut into num_splits whole key blocks, so the
+    # grid can be fixed (a captured step) while the lengths vary.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -128,7 +134,7 @@ def _paged_decode_attention_kernel(
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -248,9 +254,8 @@ def paged_decode_attention_triton(
         num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                    if q.is_cuda else 1)  # the interpreter runs programs one by one
         num_splits = choose_num_splits(batch, kv_heads, max_kv_len, num_sms, cfg)
-    # Splits are whole key blocks; a width rounded up may need fewer splits.
-    split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), cfg.block_n) * cfg.block_n
-    num_splits = max(1, triton.cdiv(max_kv_len, split_len))
+    # Splits are whole key blocks (the kernel cuts each request's keys).
+    num_splits = max(1, min(num_splits, triton.cdiv(max_kv_len, cfg.block_n)))
     group = q_heads // kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
@@ -264,7 +269,7 @@ def paged_decode_attention_triton(
         part_o = part_lse = out  # unused
     _paged_decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out,
-        softmax_scale * _LOG2E, max_kv_len, split_len, q_heads, num_splits,
+        softmax_scale * _LOG2E, max_kv_len, q_heads, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),

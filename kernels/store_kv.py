@@ -22,7 +22,7 @@ from kernels.backend import check_same_device, use_triton
 from kernels.kv_layout import CopyConfig, as_word_rows, word_bytes_for
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _store_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, locs_ptr,
     num_tokens, num_rows, row_words,

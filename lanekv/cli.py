@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--pool-pages", type=int, default=4096, help="physical KV pages in the decode pool")
     p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--graph-batch-sizes", type=int, nargs="*", default=None,
+                   help="batch sizes whose decode step is captured as a CUDA graph at start "
+                        "(default: 1 2 4 8 16 ... 64 80 96 ... up to --max-batch-size; none given: no graphs)")
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
     p.add_argument("--page-wait-s", type=float, default=None,
                    help="seconds a request waits for pages while the pool is full (then RESOURCE_EXHAUSTED)")

@@ -22,9 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.rmsnorm import add_rmsnorm
+from kernels.rope_store import apply_rotary, rotate_half  # noqa: F401 (the model's RoPE ops)
 from model.config import ModelConfig
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# With ``rope_in_attention=True`` the callback also gets cos/sin [T, D] and
+# applies RoPE itself (so it can fuse it with the K/V store):
+#     attention(layer, q, k, v, cos, sin) -> o [T, Hq, D]
+RopeAttentionFn = Callable[..., torch.Tensor]
 MODEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -34,12 +40,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # float32 statistics whatever the model dtype, cast back before the
-        # weight multiply: the order transformers uses.
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; float32 statistics whatever the
+        model dtype, cast back before the weight multiply (transformers' order)."""
+        return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -80,14 +85,41 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+class FusedLinear(nn.Module):
+    """Several ``nn.Linear`` of one input as one GEMM: their weights (and biases)
+    concatenated along the output dim; the originals' parameters are re-pointed
+    at slices of the fused tensor, so loading, ``state_dict`` and memory are as
+    before. Not a checkpoint tensor (nothing registered here)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight: torch.Tensor | None = None
+        self.bias: torch.Tensor | None = None
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [T, H, D]``, ``cos``/``sin`` ``[T, D]`` (non-interleaved halves)."""
-    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+    @property
+    def fused(self) -> bool:
+        return self.weight is not None
+
+    def fuse(self, *parts: nn.Linear) -> None:
+        if self.fused:
+            return
+        with torch.no_grad():
+            weight = torch.cat([p.weight for p in parts])
+            has_bias = [p.bias is not None for p in parts]
+            if any(has_bias) and not all(has_bias):
+                raise ValueError("fused projections must all have a bias or none")
+            bias = torch.cat([p.bias for p in parts]) if all(has_bias) else None
+        offset = 0
+        for part in parts:
+            rows = part.weight.shape[0]
+            part.weight = nn.Parameter(weight[offset:offset + rows], requires_grad=False)
+            if bias is not None:
+                part.bias = nn.Parameter(bias[offset:offset + rows], requires_grad=False)
+            offset += rows
+        self.weight, self.bias = weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 class Attention(nn.Module):
@@ -110,18 +142,31 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
             self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, dtype, device)
         self.qk_norm = config.qk_norm
+        self.qkv = FusedLinear()
+        self._sizes = [q_size, kv_size, kv_size]
+
+    def fuse(self) -> None:
+        self.qkv.fuse(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
+                attention: AttentionFn | RopeAttentionFn, rope_in_attention: bool = False,
+                ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
-        o = attention(self.layer_index, q, k, v)  # [T, Hq, D]
+        if self.qkv.fused:
+            q, k, v = self.qkv(x).split(self._sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:  # per head: rows of head_dim
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
+        if rope_in_attention:
+            o = attention(self.layer_index, q, k, v, cos, sin)
+        else:
+            o = attention(self.layer_index, apply_rotary(q, cos, sin), apply_rotary(k, cos, sin),
+                          v)  # [T, Hq, D]
         if o.shape != q.shape:
             raise ValueError(
                 f"attention callback returned shape {tuple(o.shape)} for layer "
@@ -137,9 +182,17 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, **kw)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, **kw)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, **kw)
+        self.gate_up = FusedLinear()
+
+    def fuse(self) -> None:
+        self.gate_up.fuse(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up.fused:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -151,10 +204,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, attention: AttentionFn | RopeAttentionFn,
+                rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``: the layer's output is their sum, which the
+        next norm computes (fused with its RMSNorm); ``residual=None`` at layer 0."""
+        x, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(x, cos, sin, attention, rope_in_attention)
+        x, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(x), residual
 
 
 class DecoderStack(nn.Module):
@@ -200,10 +258,20 @@ class CausalLM(nn.Module):
         """``[T]`` ids -> ``[T, hidden]``."""
         return self.model.embed_tokens(input_ids)
 
+    def fuse_projections(self) -> None:
+        """Concatenate each layer's q/k/v and gate/up weights into one GEMM each
+        (the separate parameters become views of the fused tensors: no extra
+        memory, checkpoint names unchanged). Call once the weights are in place."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
+                attention: AttentionFn | RopeAttentionFn, *,
+                rope_in_attention: bool = False) -> torch.Tensor:
         """``input_ids [T]``, ``positions [T]`` int64 -> hidden ``[T, hidden]``
-        after the final norm."""
+        after the final norm. ``rope_in_attention``: the callback gets q and k
+        before RoPE and cos/sin with them (see ``RopeAttentionFn``)."""
         if input_ids.dim() != 1:
             raise ValueError(f"input_ids must be 1-D [T], got shape {tuple(input_ids.shape)}")
         if positions.shape != input_ids.shape:
@@ -213,9 +281,10 @@ class CausalLM(nn.Module):
             )
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, attention)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, attention, rope_in_attention)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 ``[n, vocab]``."""

@@ -82,13 +82,19 @@ def _uniform(params: SamplingParams, step: int) -> float:
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           step: int | Sequence[int]) -> torch.Tensor:
+           step: int | Sequence[int], greedy_tokens: torch.Tensor | None = None) -> torch.Tensor:
     """``logits [B, V]`` float32 -> token ids ``[B]`` int64 on the logits' device.
 
     Greedy rows take the argmax (the lowest index on ties). Other rows divide
     by the temperature, keep the ``top_k`` most likely tokens, then the
     smallest most-likely prefix whose probability reaches ``top_p``, and draw.
     ``step`` is the generation step of every row, or one per row.
+    ``greedy_tokens``: the argmax of ``logits`` already computed (a captured
+    decode step gives it), used instead of computing it again.
+
+    Everything runs on the logits' device; the host only computes each sampled
+    row's uniform number and sends the rows' parameters in one copy. No result
+    is read back here: the caller reads the ids once.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -100,23 +106,30 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     steps = [step] * batch if isinstance(step, int) else list(step)
     if len(steps) != batch:
         raise ValueError(f"len(step)={len(steps)} != batch size {batch}")
+    if greedy_tokens is not None and (greedy_tokens.shape != (batch,)
+                                      or greedy_tokens.dtype != torch.int64):
+        raise ValueError(f"greedy_tokens must be [{batch}] int64, got "
+                         f"{tuple(greedy_tokens.shape)} {greedy_tokens.dtype}")
 
-    tokens = logits.argmax(dim=-1)  # first maximum on ties
+    tokens = logits.argmax(dim=-1) if greedy_tokens is None else greedy_tokens.clone()
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if not rows:
         return tokens
     device = logits.device
-    chosen = [params[i] for i in rows]
-    temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32, device=device)
-    top_k = torch.tensor([p.top_k or vocab for p in chosen], device=device)
+    # One host tensor, one copy: row index, temperature, top_k, top_p, uniform.
+    # float32 holds each exactly as the separate tensors did (ids and top_k < 2**24).
     # top_p == 1 must keep every token, even where rounding puts the
     # cumulative sum at 1 before the tail.
-    top_p = torch.tensor([p.top_p if p.top_p < 1 else math.inf for p in chosen],
-                         dtype=torch.float32, device=device)
-    uniform = torch.tensor([_uniform(params[i], steps[i]) for i in rows],
-                           dtype=torch.float32, device=device)
+    table = torch.tensor(
+        [[i, params[i].temperature, params[i].top_k or vocab,
+          params[i].top_p if params[i].top_p < 1 else math.inf, _uniform(params[i], steps[i])]
+         for i in rows], dtype=torch.float32).T.contiguous()
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    index, temperature, top_k, top_p, uniform = table
+    index, top_k = index.long(), top_k.long()
 
-    scaled = logits[rows] / temperature[:, None]
+    scaled = logits[index] / temperature[:, None]
     # Stable sort: among equal logits the lower token id ranks first.
     sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=device)[None, :]
@@ -130,5 +143,5 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     picked = torch.searchsorted(cdf, target, right=True).clamp_(max=vocab - 1)
     # Rounding could land the pick one past the last kept token; step back.
     picked = torch.minimum(picked, keep.sum(dim=-1, keepdim=True) - 1)
-    tokens[rows] = order.gather(1, picked).squeeze(1)
+    tokens[index] = order.gather(1, picked).squeeze(1)
     return tokens

@@ -1,0 +1,176 @@
+"""CUDA-graph decode steps: the whole step captured once per batch size of a ladder.
+
+A captured step runs embedding, every layer (fused QKV GEMM, RoPE fused with the
+K/V store, paged decode attention, fused gate/up GEMM, residual adds fused into
+RMSNorm), the final norm, the logits and their argmax, from static buffers:
+
+- ``ids``, ``positions``, ``locs`` ``[max_size]`` int64 and ``seq_lens``
+  ``[max_size]`` int32, and a page table ``[max_size, max_pages]`` int32 wide
+  enough for the longest context the pool can hold;
+- a step of ``n`` requests replays the smallest captured size ``>= n``; the
+  rows past ``n`` are padding: loc -1 (the store writes nothing for them, so
+  no page of any request is touched) and seq_len 0 (attention reads nothing);
+- the paged decode kernel's grid is fixed per captured size; it reads the real
+  lengths from ``seq_lens`` and cuts each request's keys into its splits.
+
+The host fills one pinned staging buffer per dtype and sends each with one
+copy, so a replay costs two copies and one launch; the caller reads back the
+sampled ids, the step's only sync. Batches above the ladder (or wider page
+tables) run eager. The engine builds these on CUDA only; on a CPU pool (tests)
+``replay`` runs the same static-buffer step eagerly instead of a graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from decode.pool import PagePool, PageTable
+from kernels.decode_attention import paged_decode_attention
+from kernels.rope_store import rope_store_kv
+from model.llama import CausalLM
+
+log = logging.getLogger("lanekv.decode")
+
+
+def default_ladder(max_batch_size: int) -> tuple[int, ...]:
+    """1, 2, 4, 8, then steps of 8 to 64, then steps of 16, up to ``max_batch_size``."""
+    sizes = [1, 2, 4, *range(8, 65, 8), *range(80, max(max_batch_size, 64) + 1, 16)]
+    return tuple(s for s in sizes if s <= max_batch_size) or (max_batch_size,)
+
+
+def check_ladder(sizes: Sequence[int], max_batch_size: int) -> tuple[int, ...]:
+    """The sizes sorted, or ValueError naming the bad one."""
+    out = []
+    for size in sizes:
+        if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= max_batch_size:
+            raise ValueError(f"graph batch size {size!r} must be an int in [1, {max_batch_size}]")
+        out.append(size)
+    if len(set(out)) != len(out):
+        raise ValueError(f"graph batch sizes repeat a size: {list(sizes)}")
+    return tuple(sorted(out))
+
+
+class StepOutput(NamedTuple):
+    logits: torch.Tensor  # [n, vocab] float32, valid until the next replay
+    greedy: torch.Tensor  # [n] int64 argmax of the logits
+
+
+class _Captured(NamedTuple):
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    greedy: torch.Tensor
+
+
+class DecodeGraphs:
+    """Captured decode steps over one pool; ``capture`` once, then ``replay`` per step."""
+
+    def __init__(self, model: CausalLM, pool: PagePool, sizes: Sequence[int]) -> None:
+        if not sizes:
+            raise ValueError("graph batch sizes must name at least one size")
+        self.model, self.pool = model, pool
+        self.sizes = tuple(sorted(sizes))
+        self.cuda = pool.device.type == "cuda"
+        self.max_size = self.sizes[-1]
+        max_positions = model.config.max_position_embeddings
+        self.max_pages = max(1, min(pool.num_pages, -(-max_positions // pool.page_size)))
+        device, n = pool.device, self.max_size
+        self._host64 = torch.empty((3, n), dtype=torch.int64)
+        self._host32 = torch.empty(n * (1 + self.max_pages), dtype=torch.int32)
+        if self.cuda:
+            self._host64, self._host32 = self._host64.pin_memory(), self._host32.pin_memory()
+        # numpy views of the pinned buffers: filling them from lists costs no torch op
+        self._host64_np, self._host32_np = self._host64.numpy(), self._host32.numpy()
+        self._dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self._dev32 = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)
+        self.ids, self.positions, self.locs = self._dev64
+        self.seq_lens = self._dev32[:n]
+        self.page_table = self._dev32[n:].view(n, self.max_pages)
+        self._graphs: dict[int, _Captured | None] = {}
+        self.memory_bytes = 0
+
+    def size_for(self, batch: int, width: int) -> int | None:
+        """The captured size a batch of ``batch`` requests with ``width`` pages runs at."""
+        if width > self.max_pages or not self._graphs:
+            return None
+        for size in self.sizes:
+            if size >= batch:
+                return size
+        return None
+
+    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pool, page_size = self.pool, self.pool.page_size
+        scale = self.model.config.softmax_scale
+        locs, table, lens = self.locs[:n], self.page_table[:n], self.seq_lens[:n]
+
+        def attention(layer, q, k, v, cos, sin):
+            k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
+            q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, locs)
+            return paged_decode_attention(q, k_cache, v_cache, table, lens, page_size, scale)
+
+        hidden = self.model(self.ids[:n], self.positions[:n], attention, rope_in_attention=True)
+        logits = self.model.compute_logits(hidden)
+        return logits, logits.argmax(dim=-1)
+
+    def _pad_all(self) -> None:
+        """Every row padding: ids/positions 0, loc -1, seq_len 0 (writes and reads nothing)."""
+        self._dev64.zero_()
+        self.locs.fill_(-1)
+        self._dev32.zero_()
+
+    def capture(self) -> None:
+        """Capture every size, largest first (smaller ones reuse its memory pool).
+        Each size runs once eagerly first (kernel compilation, lazy init)."""
+        if not self.cuda:
+            self._graphs = dict.fromkeys(self.sizes)
+            return
+        device = self.pool.device
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_reserved(device)
+        mempool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(device)
+        with torch.inference_mode(), torch.cuda.device(device):
+            self._pad_all()
+            for n in reversed(self.sizes):
+                stream.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(stream):
+                    self._forward(n)
+                torch.cuda.current_stream(device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                    logits, greedy = self._forward(n)
+                self._graphs[n] = _Captured(graph, logits, greedy)
+        torch.cuda.synchronize(device)
+        self.memory_bytes = torch.cuda.memory_reserved(device) - before
+        log.info("decode: captured CUDA graphs for batch sizes %s (pages per request up to %d); "
+                 "graphs and their buffers take %.1f MiB", list(self.sizes), self.max_pages,
+                 self.memory_bytes / 2**20)
+
+    def replay(self, tables: Sequence[PageTable], ids: Sequence[int], positions: Sequence[int],
+               locs: Sequence[int], size: int) -> StepOutput:
+        """One step of ``len(tables)`` requests at captured ``size`` (from ``size_for``)."""
+        n = len(tables)
+        captured = self._graphs[size]
+        h64, h32 = self._host64_np, self._host32_np
+        h64[0, :n] = ids
+        h64[1, :n] = positions
+        h64[2, :n] = locs
+        h64[:2, n:] = 0
+        h64[2, n:] = -1  # padding rows: stored nowhere
+        lens, table = h32[:self.max_size], h32[self.max_size:].reshape(self.max_size, -1)
+        lens[n:] = 0  # padding rows: attention reads nothing
+        for row, t in enumerate(tables):
+            pages = t.pages
+            lens[row] = t.seq_len
+            table[row, :len(pages)] = pages  # past a request's pages: never read
+        self._dev64.copy_(self._host64, non_blocking=True)
+        self._dev32.copy_(self._host32, non_blocking=True)
+        if captured is None:  # CPU: the same step, eager
+            with torch.inference_mode():
+                logits, greedy = self._forward(size)
+            return StepOutput(logits[:n], greedy[:n])
+        captured.graph.replay()
+        return StepOutput(captured.logits[:n], captured.greedy[:n])

@@ -1,0 +1,142 @@
+"""rope_store_kv: RoPE on a step's q and k fused with the store of k and v.
+
+``q [T, Hq, D]``, ``k, v [T, Hkv, D]`` (RoPE not yet applied) and ``cos, sin
+[T, D]`` (non-interleaved halves, as ``model.llama.apply_rotary`` takes them):
+returns the rotated q as a new ``[T, Hq, D]`` tensor and writes the rotated k
+and the unchanged v to ``k_cache[locs[t]]`` / ``v_cache[locs[t]]``. A row with
+``loc < 0`` writes nothing (compute-padding rows); on CUDA a loc ``>= R`` is
+dropped too (no range check without a sync), on CPU it is refused.
+
+One program per (token, head) of the Hq + Hkv heads. The kernel rotates in
+float32 and rounds once, so its output can differ from the torch reference
+(which rounds after each op in the model dtype) by one unit in the last place.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import check_same_device, use_triton
+from kernels.store_kv import store_kv_ref
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _rope_store_kv_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, locs_ptr, qo_ptr,
+    num_tokens, num_rows,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
+    stride_kcr, stride_kch, stride_vcr, stride_vch, stride_qot, stride_qoh,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK)
+    ok = d < HALF
+    c1 = tl.load(cos_ptr + t * stride_ct + d, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + d, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    if head < NUM_Q_HEADS:
+        src = q_ptr + t * stride_qt + head * stride_qh
+        x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
+        dst = qo_ptr + t * stride_qot + head * stride_qoh
+        tl.store(dst + d, (x1 * c1 - x2 * s1).to(qo_ptr.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(qo_ptr.dtype.element_ty), mask=ok)
+    else:
+        kv_head = head - NUM_Q_HEADS
+        loc = tl.load(locs_ptr + t)
+        if (loc >= 0) & (loc < num_rows):
+            src = k_ptr + t * stride_kt + kv_head * stride_kh
+            x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
+            dst = kc_ptr + loc * stride_kcr + kv_head * stride_kch
+            tl.store(dst + d, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty), mask=ok)
+            tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty), mask=ok)
+            v_src = v_ptr + t * stride_vt + kv_head * stride_vh
+            v_dst = vc_ptr + loc * stride_vcr + kv_head * stride_vch
+            v1 = tl.load(v_src + d, mask=ok, other=0.0)
+            v2 = tl.load(v_src + HALF + d, mask=ok, other=0.0)
+            tl.store(v_dst + d, v1, mask=ok)
+            tl.store(v_dst + HALF + d, v2, mask=ok)
+
+
+def _check_args(q, k, v, cos, sin, k_cache, v_cache, locs) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor, got {getattr(t, 'shape', type(t))}")
+        if t.dtype not in _DTYPES or t.dtype != q.dtype:
+            raise ValueError(f"{name}.dtype is {t.dtype}; all must be q's dtype {q.dtype} "
+                             f"(one of {_DTYPES})")
+        if t.shape[2] > 1 and t.stride(2) != 1:
+            raise ValueError(f"{name} must have a dense head_dim, got strides {t.stride()}")
+    num_tokens, _, head_dim = q.shape
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even for RoPE, got {head_dim}")
+    if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must be "
+                         f"[{num_tokens}, Hkv, {head_dim}]")
+    if k_cache.shape != v_cache.shape or k_cache.shape[1:] != k.shape[1:]:
+        raise ValueError(f"caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must be "
+                         f"[R, {k.shape[1]}, {head_dim}]")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.shape != (num_tokens, head_dim) or (
+            t.dtype != q.dtype
+        ) or (head_dim > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be a dense {q.dtype} [{num_tokens}, {head_dim}] tensor, "
+                             f"got {getattr(t, 'shape', type(t))}")
+    if not isinstance(locs, torch.Tensor) or locs.shape != (num_tokens,) or (
+        locs.dtype != torch.int64
+    ):
+        raise ValueError(f"locs must be a [{num_tokens}] int64 tensor, got "
+                         f"{getattr(locs, 'shape', type(locs))}")
+    check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, locs=locs)
+    if not locs.is_cuda and num_tokens and int(locs.max()) >= k_cache.shape[0]:
+        raise ValueError(f"locs holds {int(locs.max())}, beyond the {k_cache.shape[0]} cache rows")
+
+
+def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, locs) -> torch.Tensor:
+    _check_args(q, k, v, cos, sin, k_cache, v_cache, locs)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    num_tokens, num_q_heads, head_dim = q.shape
+    if num_tokens == 0:
+        return out
+    half = head_dim // 2
+    _rope_store_kv_kernel[(num_tokens, num_q_heads + k.shape[1])](
+        q, k, v, cos, sin, k_cache, v_cache, locs, out, num_tokens, k_cache.shape[0],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
+        v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
+        NUM_Q_HEADS=num_q_heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+    )
+    return out
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x [T, H, D]``, ``cos``/``sin`` ``[T, D]`` (non-interleaved halves), in x's dtype
+    op by op as transformers does; the model's unfused RoPE."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, locs) -> torch.Tensor:
+    """The unfused ops: ``apply_rotary`` on q and k, then ``store_kv``."""
+    _check_args(q, k, v, cos, sin, k_cache, v_cache, locs)
+    store_kv_ref(apply_rotary(k, cos, sin), v, k_cache, v_cache, locs)
+    return apply_rotary(q, cos, sin)
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  locs: torch.Tensor) -> torch.Tensor:
+    """Rotated q; rotated k and v stored at ``locs`` (see the module doc)."""
+    run = rope_store_kv_triton if use_triton(q) else rope_store_kv_ref
+    return run(q, k, v, cos, sin, k_cache, v_cache, locs)

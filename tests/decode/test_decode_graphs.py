@@ -1,0 +1,150 @@
+"""Captured decode steps (decode.graphs) against the eager step.
+
+On the GPU the steps are CUDA graphs; on the CPU the same static-buffer step
+runs eagerly (the engine never builds one there), so padding, the static
+page table and the ladder are covered without a GPU too. Tokens must equal the
+eager engine's, through admissions and cancellations mid-run and across page
+boundaries, and padding rows must leave every page untouched (poisoned pool).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from decode.colocated import prefill_into_pool
+from decode.engine import DecodeEngine
+from decode.graphs import DecodeGraphs, check_ladder, default_ladder
+from decode.pool import PagePool, PageTable
+from model.checkpoint import LoadedModel, load_model
+from model.sampling import SamplingParams
+from tests.checkpoints import VOCAB_SIZE, write_llama
+from tests.markers import requires_gpu
+
+POISON = 0x7FC0DEAD  # a NaN bit pattern: read by mistake, it would poison every logit
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_llama(tmp_path_factory.mktemp("graph-ckpt") / "llama")
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB_SIZE, (length,), generator=gen).tolist()
+
+
+def test_default_ladder_and_checks():
+    assert default_ladder(256) == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128,
+                                   144, 160, 176, 192, 208, 224, 240, 256)
+    assert default_ladder(20) == (1, 2, 4, 8, 16)
+    assert default_ladder(3) == (1, 2)
+    assert check_ladder([4, 1], 8) == (1, 4)
+    for bad in ([0], [9], [2, 2], [1.5]):
+        with pytest.raises(ValueError, match="graph batch size"):
+            check_ladder(bad, 8)
+
+
+def _poisoned_pool(loaded: LoadedModel, num_pages: int, page_size: int, device) -> PagePool:
+    pool = PagePool.for_model(loaded.config, num_pages, page_size, loaded.model.dtype, device)
+    pool.tensor.view(torch.int32).fill_(POISON)
+    return pool
+
+
+def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, sizes,
+              page_size: int = 4) -> tuple[dict[str, list[int]], PagePool]:
+    """Requests of mixed lengths, a third added mid-run, some cancelled mid-run;
+    returns each request's tokens. Page 0 is free throughout (padding rows'
+    page-table entries point at it), and checked poisoned at the end."""
+    model = loaded.model
+    pool = _poisoned_pool(loaded, num_pages=num_requests * 14 + 8, page_size=page_size,
+                          device=device)
+    hold = PageTable.allocate(pool, 1)  # keeps page 0 out of every request
+    engine = DecodeEngine(model, pool, max_batch_size=max(sizes), eos_token_ids=(),
+                          graph_sizes=sizes)
+    if graphs:
+        if device.type == "cuda":
+            assert engine.capture_graphs() is not None
+        else:
+            engine._graphs = DecodeGraphs(model, pool, engine.graph_sizes)
+            engine._graphs.capture()
+    greedy = SamplingParams()
+    adds: dict[int, list] = {}
+    for i in range(num_requests):
+        length = 1 + (i * 7) % 29  # 1..29 tokens: some end on a page boundary
+        table, first = prefill_into_pool(model, pool, _prompt(length, seed=i), greedy)
+        adds.setdefault(0 if i % 3 else 2 + i % 5, []).append(
+            (f"r{i}", table, first, greedy, 6 + i % 9))
+    hold.release()
+    cancels = {3: [f"r{i}" for i in range(1, num_requests, 5)]}
+    tokens: dict[str, list[int]] = {}
+    for step in range(60):
+        for args in adds.get(step, []):
+            engine.add(*args)
+        for rid in cancels.get(step, []):
+            engine.cancel(rid)
+        for event in engine.step():
+            tokens.setdefault(event.request_id, []).append(event.token_id)
+        if step > max(adds) and not engine.has_work:
+            break
+    assert not engine.has_work
+    assert pool.free_count == pool.num_pages
+    # Page 0, which no request held and every padding row's table points at, is untouched.
+    assert (pool.tensor[:, :, :page_size].view(torch.int32) == POISON).all()
+    return tokens, pool
+
+
+def test_static_step_equals_eager_on_cpu(checkpoint):
+    loaded = load_model(checkpoint)
+    sizes = (1, 2, 4, 8)  # 11 requests: steps above the ladder run eager, the rest padded
+    eager, _ = _scenario(loaded, torch.device("cpu"), False, 11, sizes)
+    captured, _ = _scenario(loaded, torch.device("cpu"), True, 11, sizes)
+    assert captured == eager
+    assert len(eager) == 10  # r6 is cancelled on the step it is added: no token
+
+
+def test_padding_rows_write_nothing_cpu(checkpoint):
+    """Three requests at captured size 8: five padding rows per step. Every page
+    no request holds keeps its poison, rows past a request's tokens too."""
+    loaded = load_model(checkpoint)
+    pool = _poisoned_pool(loaded, 16, 4, "cpu")
+    graphs = DecodeGraphs(loaded.model, pool, (8,))
+    graphs.capture()
+    greedy = SamplingParams()
+    tables = [prefill_into_pool(loaded.model, pool, _prompt(n, n), greedy)[0] for n in (3, 4, 9)]
+    before = pool.tensor.clone()
+    locs = [t.append_slot() for t in tables]
+    out = graphs.replay(tables, [5, 6, 7], [t.seq_len - 1 for t in tables], locs, 8)
+    assert out.logits.shape == (3, VOCAB_SIZE) and torch.isfinite(out.logits).all()
+    changed = (pool.tensor.view(torch.int32) != before.view(torch.int32)).any(-1).any(-1)
+    rows = changed.nonzero()[:, 2].unique().tolist()  # [L, 2, R] -> the rows written
+    assert sorted(rows) == sorted(locs)
+
+
+@requires_gpu
+def test_graph_replay_equals_eager_greedy_64_requests_gpu(checkpoint):
+    loaded = load_model(checkpoint, dtype=torch.float32, device="cuda")
+    sizes = default_ladder(64)
+    eager, _ = _scenario(loaded, torch.device("cuda"), False, 64, sizes)
+    captured, _ = _scenario(loaded, torch.device("cuda"), True, 64, sizes)
+    assert captured == eager
+    assert len(eager) >= 60
+
+
+@requires_gpu
+def test_graph_padding_rows_write_nothing_gpu(checkpoint):
+    loaded = load_model(checkpoint, dtype=torch.bfloat16, device="cuda")
+    pool = _poisoned_pool(loaded, 16, 4, "cuda")
+    graphs = DecodeGraphs(loaded.model, pool, (8,))
+    graphs.capture()
+    assert (pool.tensor.view(torch.int32) == POISON).all()  # capture wrote nothing either
+    greedy = SamplingParams()
+    tables = [prefill_into_pool(loaded.model, pool, _prompt(n, n), greedy)[0] for n in (3, 4, 9)]
+    before = pool.tensor.clone()
+    locs = [t.append_slot() for t in tables]
+    out = graphs.replay(tables, [5, 6, 7], [t.seq_len - 1 for t in tables], locs, 8)
+    assert torch.isfinite(out.logits).all()
+    changed = (pool.tensor.view(torch.int16) != before.view(torch.int16)).any(-1).any(-1)
+    assert sorted(changed.nonzero()[:, 2].unique().tolist()) == sorted(locs)

@@ -1,0 +1,75 @@
+"""rope_store_kv: Triton (interpreted on CPU) against the unfused reference
+(``apply_rotary`` then ``store_kv``), on a poisoned pool."""
+
+import pytest
+import torch
+
+from kernels.kv_layout import KVCacheSpec
+from kernels.rope_store import apply_rotary, rope_store_kv, rope_store_kv_ref, rope_store_kv_triton
+from tests.markers import requires_gpu
+
+SENTINEL = 0x5A
+
+
+def _case(dtype, num_tokens, q_heads, kv_heads, head_dim, gen, device="cpu"):
+    spec = KVCacheSpec(num_layers=2, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
+                       page_size=4)
+    pool = spec.alloc_pool(8, device)
+    pool.view(torch.uint8).fill_(SENTINEL)
+    # q, k, v as slices of one fused projection (strided rows, as the model gives them)
+    qkv = torch.randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
+    qkv = qkv.to(device)
+    q, k, v = qkv.split([q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], -1)
+    q = q.view(num_tokens, q_heads, head_dim)
+    k = k.view(num_tokens, kv_heads, head_dim)
+    v = v.view(num_tokens, kv_heads, head_dim)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen).to(device) * 50
+    angles = torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    locs = torch.randperm(pool.shape[2], generator=gen)[:num_tokens].to(device)
+    locs[::3] = -1  # padding rows: written nowhere
+    return pool, q, k, v, cos, sin, locs
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("num_tokens,q_heads,kv_heads,head_dim", [(1, 2, 1, 8), (7, 4, 2, 16)])
+def test_rope_store_matches_unfused(dtype, tol, num_tokens, q_heads, kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(num_tokens + head_dim)
+    pool, q, k, v, cos, sin, locs = _case(dtype, num_tokens, q_heads, kv_heads, head_dim, gen)
+    want_pool = pool.clone()
+    want_q = rope_store_kv_ref(q, k, v, cos, sin, want_pool[1, 0], want_pool[1, 1], locs)
+    torch.testing.assert_close(want_q, apply_rotary(q, cos, sin), rtol=0, atol=0)
+    got_q = rope_store_kv_triton(q, k, v, cos, sin, pool[1, 0], pool[1, 1], locs)
+    torch.testing.assert_close(got_q, want_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(pool[1, 0], want_pool[1, 0], rtol=tol, atol=tol)
+    assert torch.equal(pool[1, 1], want_pool[1, 1])  # v is copied bit for bit
+    # Nothing but the kept locs' rows changed: layer 0 and every other row keep the poison.
+    untouched = torch.ones(pool.shape[2], dtype=torch.bool)
+    untouched[locs[locs >= 0]] = False
+    assert (pool[:, :, untouched].view(torch.uint8) == SENTINEL).all()
+    assert (pool[0].view(torch.uint8) == SENTINEL).all()
+
+
+def test_rope_store_refuses_bad_args():
+    gen = torch.Generator().manual_seed(0)
+    pool, q, k, v, cos, sin, locs = _case(torch.float32, 3, 2, 1, 8, gen)
+    with pytest.raises(ValueError, match="locs must be"):
+        rope_store_kv(q, k, v, cos, sin, pool[0, 0], pool[0, 1], locs.int())
+    with pytest.raises(ValueError, match="cos must be"):
+        rope_store_kv(q, k, v, cos[:2], sin, pool[0, 0], pool[0, 1], locs)
+    with pytest.raises(ValueError, match="beyond the"):
+        rope_store_kv(q, k, v, cos, sin, pool[0, 0], pool[0, 1], locs.clamp(min=0) + 10**6)
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        rope_store_kv(q[..., :7], k[..., :7], v[..., :7], cos[:, :7], sin[:, :7],
+                      pool[0, 0, :, :, :7], pool[0, 1, :, :, :7], locs)
+
+
+@requires_gpu
+def test_rope_store_gpu_bf16():
+    gen = torch.Generator().manual_seed(1)
+    pool, q, k, v, cos, sin, locs = _case(torch.bfloat16, 37, 32, 8, 128, gen, "cuda")
+    want_pool = pool.clone()
+    want_q = rope_store_kv_ref(q, k, v, cos, sin, want_pool[1, 0], want_pool[1, 1], locs)
+    got_q = rope_store_kv(q, k, v, cos, sin, pool[1, 0], pool[1, 1], locs)
+    torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(pool, want_pool, rtol=2e-2, atol=2e-2)
