@@ -14,7 +14,7 @@ SENTINEL = 0x5A
 def _case(dtype, num_tokens, q_heads, kv_heads, head_dim, gen, device="cpu"):
     spec = KVCacheSpec(num_layers=2, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                        page_size=4)
-    pool = spec.alloc_pool(8, device)
+    pool = spec.alloc_pool(max(8, num_tokens), device)  # 4 rows a page: room for every token
     pool.view(torch.uint8).fill_(SENTINEL)
     # q, k, v as slices of one fused projection (strided rows, as the model gives them)
     qkv = torch.randn(num_tokens, (q_heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype)
