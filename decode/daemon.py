@@ -40,6 +40,7 @@ from decode.pool import PagePool
 from decode.prefill_call import PrefillClient
 from decode.service import DecodeServicer
 from decode.streams import SHUTDOWN, Streams
+from decode.warmup import warm_up_transfer
 from model.checkpoint import load_checkpoint
 from proto import lanekv_pb2_grpc
 from runtime.hostmem import keep_freed_buffers
@@ -119,6 +120,7 @@ class DecodeDaemon:
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                    graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
+        warm_up_transfer(self.pool)
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()

@@ -129,6 +129,7 @@ class DecodeGraphs:
             return
         device = self.pool.device
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # so that the figure below counts only what the graphs keep
         before = torch.cuda.memory_reserved(device)
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
@@ -144,6 +145,7 @@ class DecodeGraphs:
                     logits, greedy = self._forward(n)
                 self._graphs[n] = _Captured(graph, logits, greedy)
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the eager runs' blocks go; the graphs' private pool stays
         self.memory_bytes = torch.cuda.memory_reserved(device) - before
         log.info("decode: captured CUDA graphs for batch sizes %s (pages per request up to %d); "
                  "graphs and their buffers take %.1f MiB", list(self.sizes), self.max_pages,

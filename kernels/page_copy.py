@@ -27,7 +27,7 @@ from kernels.backend import check_same_device, use_triton
 from kernels.kv_layout import CopyConfig, as_word_rows, check_pool_tensor, word_bytes_for
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer_start"])  # varies per call
 def _page_copy_kernel(
     pool_ptr, buf_ptr, pages_ptr,
     num_pool_pages, page_words, chunks_per_page, layer_start,

@@ -55,7 +55,7 @@ def kv_digest(t: torch.Tensor, position: int = 0) -> int:
     return int(total.item()) & _U64
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layer_start", "lkv_base", "num_slots"])  # vary per call
 def _page_digest_kernel(
     pool_ptr, pages_ptr, out_ptr,
     num_pool_pages, page_words, chunks_per_page, layer_start, lkv_base, num_slots,

@@ -103,7 +103,7 @@ def _attend_block(
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_segments", "stride_pt"])  # vary per batch
 def _cp_prefill_attention_kernel(
     Q, K, V, O, LSE,
     seg_q_start, seg_q_len, seg_q_pos, seg_kv_start, num_segments, page_table,

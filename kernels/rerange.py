@@ -23,7 +23,7 @@ from kernels.backend import check_same_device, use_triton
 from kernels.kv_layout import CopyConfig, as_word_rows, word_bytes_for
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_out", "num_src"])  # vary per call
 def _rerange_kernel(
     src_ptr, out_ptr, index_ptr,
     num_out, num_src, row_words, stride_src, stride_out,

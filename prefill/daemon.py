@@ -46,6 +46,7 @@ from prefill.cp.launcher import CPPrefillEngine, PrefillInput, PrefillResult, Ra
 from prefill.cp.rank_worker import TransferServing
 from prefill.engine_config import EngineConfig
 from prefill.leases import LeaseTable
+from prefill.warmup import warm_up
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
@@ -143,6 +144,8 @@ class PrefillDaemon:
         self.vocab_size = model["vocab_size"]
         self.max_tokens = model["rope"]["max_position_embeddings"]
         self.tokenizer = load_tokenizer(engine_config.model_path)
+        if engine_config.resolved_device == "cuda":  # compile before serving, not on a request
+            warm_up(self.engine, self.vocab_size, self.max_tokens, cfg.max_batch_tokens)
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
         self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages

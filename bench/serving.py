@@ -1,0 +1,289 @@
+"""Serving benchmark: requests through the public API, as a user sends them
+(in the manner of vLLM's benchmark_serving and SGLang's bench_serving).
+
+By default it starts a prefill daemon and a decode daemon (dummy weights of the
+chosen shape) and sends every request to the decode daemon's Generate stream.
+With ``--openai URL`` it starts nothing and streams ``POST URL/v1/completions``
+(``stream: true``, prompt as token ids) from any OpenAI-compatible server.
+
+For each concurrency it sends ``--num-prompts`` requests with at most that many
+in flight, all at once or at a Poisson ``--request-rate`` (requests/s), with
+``--prompt-len`` / ``--output-len`` tokens (``--range-ratio`` r draws each
+uniformly in [len * (1 - r), len]). Per request: TTFT (send to first token),
+ITL (gaps between tokens; a reply carrying k tokens after a gap g counts k gaps
+of g / k), end-to-end latency. Reported at p50/p90/p99, with output tokens/s
+(every output token over the run's wall time). One warm-up request first.
+
+    python bench/serving.py --llama3-8b --concurrency 1 16 64 --prompt-len 1024 --output-len 128 \\
+        --json bench/results/serving_h200.json
+    python bench/serving.py --tiny --concurrency 1 4 --num-prompts 8 --output-len 16
+    python bench/serving.py --openai http://127.0.0.1:8000 --model m --concurrency 1 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
+
+
+class Outcome(NamedTuple):
+    sent: float  # perf_counter when the request went out
+    arrivals: list[tuple[float, int]]  # (time, tokens in that reply), in order
+    error: str | None
+
+
+class Request(NamedTuple):
+    prompt: list[int]
+    output_len: int
+
+
+def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
+    import grpc
+
+    from proto import lanekv_pb2, lanekv_pb2_grpc
+    from runtime.status import grpc_options
+
+    channel = grpc.insecure_channel(endpoint, options=grpc_options())
+    stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+
+    def send(req: Request) -> Outcome:
+        msg = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=req.prompt),
+                                         max_new_tokens=req.output_len)
+        sent, arrivals = time.perf_counter(), []
+        try:
+            for reply in stub.Generate(msg, timeout=600):
+                if reply.token_ids:
+                    arrivals.append((time.perf_counter(), len(reply.token_ids)))
+        except grpc.RpcError as err:
+            return Outcome(sent, arrivals, f"{err.code().name}: {err.details()}")
+        return Outcome(sent, arrivals, None)
+
+    return send
+
+
+def _openai_sender(url: str, model: str) -> Callable[[Request], Outcome]:
+    parts = urllib.parse.urlsplit(url)
+    conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+    path = parts.path.rstrip("/") + "/v1/completions"
+
+    def send(req: Request) -> Outcome:
+        body = json.dumps(dict(model=model, prompt=req.prompt, max_tokens=req.output_len,
+                               stream=True, temperature=0.0, ignore_eos=True))
+        conn = conn_cls(parts.hostname, parts.port, timeout=600)
+        sent, arrivals = time.perf_counter(), []
+        try:
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                return Outcome(sent, arrivals, f"HTTP {resp.status}: {resp.read(200)!r}")
+            for raw in resp:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                choices = chunk.get("choices") or []
+                if choices and (choices[0].get("text") or choices[0].get("token_ids")):
+                    ids = choices[0].get("token_ids")
+                    arrivals.append((time.perf_counter(), len(ids) if ids else 1))
+        except (OSError, ValueError, http.client.HTTPException) as err:
+            return Outcome(sent, arrivals, f"{type(err).__name__}: {err}")
+        finally:
+            conn.close()
+        return Outcome(sent, arrivals, None)
+
+    return send
+
+
+def _requests(args, vocab: int, seed: int) -> list[Request]:
+    rng = random.Random(seed)
+
+    def draw(length: int) -> int:
+        return max(1, rng.randint(int(length * (1 - args.range_ratio)), length))
+
+    return [Request([rng.randrange(10, vocab - 10) for _ in range(draw(args.prompt_len))],
+                    draw(args.output_len)) for _ in range(args.num_prompts)]
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def run_level(send: Callable[[Request], Outcome], requests: list[Request], concurrency: int,
+              rate: float, seed: int) -> dict:
+    """Send ``requests`` with at most ``concurrency`` in flight; the level's figures."""
+    rng = random.Random(seed)
+    slots = threading.Semaphore(concurrency)
+
+    def one(req: Request) -> Outcome:
+        try:
+            return send(req)
+        finally:
+            slots.release()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        futures = []
+        for req in requests:
+            if rate != float("inf"):
+                time.sleep(rng.expovariate(rate))
+            slots.acquire()
+            futures.append(pool.submit(one, req))
+        outcomes = [f.result() for f in futures]
+    wall = time.perf_counter() - start
+    ok = [o for o in outcomes if o.error is None and o.arrivals]
+    ttft = [(o.arrivals[0][0] - o.sent) * 1e3 for o in ok]
+    e2e = [(o.arrivals[-1][0] - o.sent) * 1e3 for o in ok]
+    itl: list[float] = []
+    for o in ok:
+        for (t0, _), (t1, k) in zip(o.arrivals, o.arrivals[1:]):
+            itl.extend([(t1 - t0) * 1e3 / k] * k)
+    out_tokens = sum(k for o in ok for _, k in o.arrivals)
+    row = dict(concurrency=concurrency, request_rate=None if rate == float("inf") else rate,
+               num_requests=len(requests), completed=len(ok),
+               errors=sorted({o.error for o in outcomes if o.error})[:3],
+               duration_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall,
+               requests_per_s=len(ok) / wall,
+               mean_prompt_tokens=statistics.mean(len(r.prompt) for r in requests))
+    for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}"] = _pct(values, q)
+        row[f"{name}_mean"] = statistics.mean(values) if values else None
+    return row
+
+
+def _daemons(args, model_cfg: dict, workdir: str):
+    """Start a prefill daemon (cp ``--cp``) and a decode daemon on dummy weights."""
+    from decode.config import DecodeConfig
+    from decode.daemon import DecodeDaemon
+    from prefill.daemon import DaemonConfig, PrefillDaemon
+    from prefill.engine_config import EngineConfig
+
+    dtype = "bfloat16" if args.llama3_8b else "float32"
+    (Path(workdir) / "config.json").write_text(json.dumps(model_cfg))
+    per_request = -(-(args.prompt_len + args.output_len + 1) // args.page_size)
+    pool_pages = max(args.concurrency) * per_request + 64
+    t0 = time.perf_counter()
+    prefill = PrefillDaemon(
+        EngineConfig(workdir, cp_size=args.cp, page_size=args.page_size, dtype=dtype,
+                     load_format="dummy", pages_per_lane=pool_pages // args.cp + 64,
+                     start_timeout_s=900),
+        DaemonConfig(lease_s=600))
+    prefill_s = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        decode = DecodeDaemon(DecodeConfig(workdir, prefill.endpoint, page_size=args.page_size,
+                                           dtype=dtype, load_format="dummy", pool_pages=pool_pages,
+                                           max_batch_size=max(64, max(args.concurrency))))
+        decode_s = time.perf_counter() - t0
+    except BaseException:
+        prefill.stop()
+        raise
+    print(f"daemons up: prefill {prefill_s:.1f} s, decode {decode_s:.1f} s (warm-up included)")
+    return prefill, decode, dict(prefill_start_s=prefill_s, decode_start_s=decode_s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--llama3-8b", action="store_true")
+    which.add_argument("--tiny", action="store_true")
+    which.add_argument("--openai", metavar="URL", help="an OpenAI-compatible server to drive")
+    ap.add_argument("--model", default="default", help="model name sent in --openai mode")
+    ap.add_argument("--vocab", type=int, default=None, help="prompt ids below this (--openai)")
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--num-prompts", type=int, default=None,
+                    help="requests per concurrency level (default: 4 x concurrency, at least 8)")
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--range-ratio", type=float, default=0.0)
+    ap.add_argument("--request-rate", type=float, default=float("inf"),
+                    help="Poisson arrivals at this many requests/s (default inf: all at once)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    for name in ("prompt_len", "output_len", "page_size", "cp"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.range_ratio < 1 or min(args.concurrency) < 1 or not args.request_rate > 0:
+        ap.error("--range-ratio must be in [0, 1), --concurrency >= 1, --request-rate > 0")
+    model_cfg = LLAMA3_8B if args.llama3_8b else TINY
+    vocab = args.vocab or (model_cfg["vocab_size"] if not args.openai else 32000)
+    started: dict = {}
+    with tempfile.TemporaryDirectory() as workdir:
+        daemons = None
+        if args.openai:
+            send = _openai_sender(args.openai, args.model)
+        else:
+            *daemons, started = _daemons(args, model_cfg, workdir)
+            send = _grpc_sender(daemons[1].endpoint)
+        try:
+            first = _requests(argparse.Namespace(**{**vars(args), "num_prompts": 2}), vocab, 999)
+            t0 = time.perf_counter()
+            warm = send(first[0])
+            started["first_request_ttft_ms"] = ((warm.arrivals[0][0] - warm.sent) * 1e3
+                                                if warm.arrivals else None)
+            started["first_request_s"] = time.perf_counter() - t0
+            rows = []
+            for i, conc in enumerate(args.concurrency):
+                n = args.num_prompts or max(8, 4 * conc)
+                reqs = _requests(argparse.Namespace(**{**vars(args), "num_prompts": n}), vocab,
+                                 args.seed + i)
+                rows.append(run_level(send, reqs, conc, args.request_rate, args.seed + i))
+                r = rows[-1]
+                print(f"concurrency {conc}: {r['output_tokens_per_s']:,.0f} tok/s, "
+                      f"TTFT p50 {r['ttft_ms_p50'] or float('nan'):.1f} ms, "
+                      f"ITL p50 {r['itl_ms_p50'] or float('nan'):.2f} ms", flush=True)
+        finally:
+            if daemons:
+                daemons[1].stop()
+                daemons[0].stop()
+    target = args.openai or ("Llama-3-8B shapes" if args.llama3_8b else "tiny")
+    print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len}, "
+          f"rate {args.request_rate}")
+    print(f"{'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
+          f"{'p90':>7} {'p99':>7} {'E2E p50':>9}")
+    for r in rows:
+        def f(key: str, width: int, digits: int = 1, r: dict = r) -> str:
+            return f"{r[key]:>{width}.{digits}f}" if r[key] is not None else f"{'-':>{width}}"
+        print(f"{r['concurrency']:>5} {r['completed']:>5} {r['output_tokens_per_s']:>8,.0f} "
+              f"{f('ttft_ms_p50', 9)} {f('ttft_ms_p99', 8)} {f('itl_ms_p50', 8, 2)} "
+              f"{f('itl_ms_p90', 7, 2)} {f('itl_ms_p99', 7, 2)} {f('e2e_ms_p50', 9)}")
+        if r["errors"]:
+            print(f"      errors: {r['errors']}")
+    if args.json:
+        import torch
+
+        device = (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+        args.json.write_text(json.dumps(dict(
+            date=time.strftime("%Y-%m-%d"), device=device, target=target, cp_size=args.cp,
+            page_size=args.page_size, prompt_len=args.prompt_len, output_len=args.output_len,
+            range_ratio=args.range_ratio, startup=started, rows=rows), indent=2))
+
+
+if __name__ == "__main__":
+    main()

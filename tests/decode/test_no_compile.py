@@ -1,0 +1,47 @@
+"""After the decode engine's warm-up (graph capture, transfer kernels), 200
+random requests in random batches, above the ladder too, compile nothing."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from decode.engine import DecodeEngine
+from decode.pool import PagePool, PageTable
+from decode.warmup import warm_up_transfer
+from model.checkpoint import load_model
+from model.sampling import SamplingParams
+from tests.checkpoints import write_llama
+from tests.compiles import recording_compiles
+from tests.markers import requires_gpu
+
+
+@requires_gpu
+def test_no_kernel_compiles_after_warm_up_gpu(tmp_path):
+    loaded = load_model(write_llama(tmp_path / "llama"), dtype=torch.bfloat16, device="cuda")
+    pool = PagePool.for_model(loaded.config, 8192, 16, torch.bfloat16, "cuda")
+    pool.tensor.normal_()
+    engine = DecodeEngine(loaded.model, pool, max_batch_size=24, eos_token_ids=(),
+                          graph_sizes=(1, 2, 4, 8, 16))  # 17..24: eager
+    engine.capture_graphs()
+    warm_up_transfer(pool)
+    rng = random.Random(0)
+    pending = [(f"r{i}", rng.randint(1, 700), rng.randint(1, 12),
+                SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_k=rng.randint(0, 50),
+                                                              top_p=rng.choice([1.0, 0.9]), seed=i))
+               for i in range(200)]
+    with recording_compiles() as compiles:
+        steps = 0
+        while pending or engine.has_work:
+            for _ in range(rng.randint(0, 6)):
+                if pending:
+                    rid, context, new, sampling = pending.pop()
+                    engine.add(rid, PageTable.allocate(pool, context), 7, sampling, new)
+            if rng.random() < 0.05 and engine.num_running:
+                engine.cancel(f"r{rng.randint(0, 199)}")
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    assert steps > 50
+    assert compiles == [], f"{len(compiles)} kernels compiled after warm-up: {compiles[:3]}"

@@ -1,0 +1,35 @@
+"""After warm-up, a prefill engine on the GPU compiles nothing for 200 random
+prompts in batches of random composition."""
+
+from __future__ import annotations
+
+import random
+
+from prefill.engine_config import EngineConfig
+from prefill.cp.launcher import PrefillInput
+from prefill.cp.threaded import ThreadedPrefillEngine
+from prefill.warmup import warm_up
+from tests.checkpoints import VOCAB_SIZE, write_llama
+from tests.compiles import recording_compiles
+from tests.markers import requires_gpu
+
+
+@requires_gpu
+def test_no_kernel_compiles_after_warm_up_gpu(tmp_path):
+    ckpt = write_llama(tmp_path / "llama")
+    engine = ThreadedPrefillEngine(EngineConfig(str(ckpt), cp_size=1, page_size=16,
+                                                pages_per_lane=4096, dtype="bfloat16",
+                                                device="cuda"))
+    try:
+        warm_up(engine, VOCAB_SIZE, max_tokens=1024, max_batch_tokens=65536)
+        rng = random.Random(1)
+        lengths = [rng.randint(1, 900) for _ in range(200)]
+        with recording_compiles() as compiles:
+            while lengths:
+                batch = [lengths.pop() for _ in range(min(len(lengths), rng.randint(1, 12)))]
+                inputs = [PrefillInput([(3 + 7 * t) % VOCAB_SIZE for t in range(n)]) for n in batch]
+                for res in engine.prefill(inputs):
+                    engine.free(res.new_pages)
+        assert compiles == [], f"{len(compiles)} kernels compiled after warm-up: {compiles[:3]}"
+    finally:
+        engine.close()

@@ -1,0 +1,29 @@
+"""Prefill warm-up: every warm-up shape runs, and afterwards nothing is held
+(every page free, the ranks serve none of the warm-up requests)."""
+
+from __future__ import annotations
+
+import pytest
+
+from prefill.engine_config import EngineConfig
+from prefill.cp.launcher import PrefillInput
+from prefill.cp.threaded import ThreadedPrefillEngine
+from prefill.warmup import warm_up
+from tests.checkpoints import VOCAB_SIZE, write_llama
+
+
+@pytest.mark.parametrize("cp", [2])
+def test_warm_up_leaves_nothing_held(tmp_path, cp):
+    ckpt = write_llama(tmp_path / "llama")
+    engine = ThreadedPrefillEngine(EngineConfig(str(ckpt), cp_size=cp, page_size=4,
+                                                pages_per_lane=400))
+    try:
+        free_before = engine.allocator.free_counts()
+        done = warm_up(engine, VOCAB_SIZE, max_tokens=1024, max_batch_tokens=100)
+        # lengths 1 and 17 (300 and 2048 are past the batch limit), batches of 2..9 x 8 tokens
+        assert done.prefills == 2 + 4
+        assert engine.allocator.free_counts() == free_before
+        out = engine.prefill([PrefillInput([5, 6, 7, 8, 9])])  # still serves
+        assert out[0].num_tokens == 5
+    finally:
+        engine.close()

@@ -1,0 +1,32 @@
+"""bench/serving.py's figures from a fake server: TTFT, ITL (a reply of k
+tokens counts k gaps), percentiles, tokens/s and errors."""
+
+from __future__ import annotations
+
+import time
+
+from bench.serving import Outcome, Request, _pct, run_level
+
+
+def test_run_level_figures_from_known_arrivals():
+    def send(req: Request) -> Outcome:
+        sent = time.perf_counter() - 1.0  # as if sent a second ago
+        if req.output_len == 0:
+            return Outcome(sent, [], "UNAVAILABLE: down")
+        # first token after 100 ms, then a reply of 1 token after 10 ms and one of 2 after 20 ms
+        return Outcome(sent, [(sent + 0.1, 1), (sent + 0.11, 1), (sent + 0.13, 2)], None)
+
+    reqs = [Request([1, 2, 3], 4)] * 5 + [Request([1], 0)]
+    row = run_level(send, reqs, concurrency=2, rate=float("inf"), seed=0)
+    assert row["completed"] == 5 and row["errors"] == ["UNAVAILABLE: down"]
+    assert row["output_tokens"] == 20
+    assert abs(row["ttft_ms_p50"] - 100) < 1e-6
+    assert abs(row["itl_ms_p50"] - 10) < 1e-6 and abs(row["itl_ms_p99"] - 10) < 1e-6
+    assert abs(row["e2e_ms_p99"] - 130) < 1e-6
+    assert row["output_tokens_per_s"] > 0 and row["concurrency"] == 2
+
+
+def test_percentiles():
+    assert _pct([], 50) is None
+    assert _pct([3, 1, 2], 50) == 2
+    assert _pct(list(range(101)), 99) == 99
