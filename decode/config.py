@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from decode.graphs import check_ladder
+from decode.cuda.graphs import check_ladder
 from model.config import ModelConfig
 from model.dtypes import DTYPES
 from runtime.security import SecurityConfig
@@ -26,7 +26,7 @@ class DecodeConfig:
     port: int = 0  # 0 picks a free port
     load_format: str = "safetensors"  # or "dummy" (seeded random weights, as the prefill daemon's)
     max_batch_size: int = 256
-    # Batch sizes whose decode step is captured as a CUDA graph at start (decode.graphs);
+    # Batch sizes whose decode step is captured as a CUDA graph at start (decode.cuda.graphs);
     # None: 1, 2, 4, 8, steps of 8 to 64, then of 16, up to max_batch_size; (): none, all eager.
     graph_batch_sizes: tuple[int, ...] | None = None
     max_workers: int = 64  # gRPC threads; each open Generate stream holds one

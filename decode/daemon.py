@@ -34,13 +34,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode.budget import PageBudget
 from decode.config import DecodeConfig
+from decode.cuda.warmup import warm_up_transfer
 from decode.engine import DecodeEngine
 from decode.generate import GenerateContext
 from decode.pool import PagePool
 from decode.prefill_call import PrefillClient
 from decode.service import DecodeServicer
 from decode.streams import SHUTDOWN, Streams
-from decode.warmup import warm_up_transfer
 from model.checkpoint import load_checkpoint
 from proto import lanekv_pb2_grpc
 from runtime.hostmem import keep_freed_buffers

@@ -8,7 +8,7 @@ attention callback that stores the new K/V and calls paged decode attention)
 and **postprocess** (sample, emit, finish, free).
 
 On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
-for a ladder of batch sizes (``decode.graphs``); a step then pads to the next
+for a ladder of batch sizes (``decode.cuda.graphs``); a step then pads to the next
 captured size and replays it, and a batch above the ladder runs eager. The
 CPU path is always eager. Either way the sampled ids are the step's one read
 from the device.
@@ -43,7 +43,7 @@ from typing import NamedTuple
 
 import torch
 
-from decode.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
+from decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
 from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from kernels.decode_attention import paged_decode_attention
 from kernels.rope_store import rope_store_kv

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import NamedTuple
 
 from prefill.cp.launcher import PrefillEngine, PrefillInput
@@ -31,9 +32,11 @@ class WarmUp(NamedTuple):
     seconds: float
 
 
-def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int,
-            max_batch_tokens: int) -> WarmUp:
-    """Prefill the warm-up shapes on ``engine``; returns how many batches and how long."""
+def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_tokens: int,
+            forget: Callable[[str], None] | None = None) -> WarmUp:
+    """Prefill the warm-up shapes on ``engine``; returns how many batches and how long.
+    ``forget(request_id)`` has ranks that serve pages drop a warm-up request
+    before its pages go back (None: the ranks serve no pages)."""
     start = time.perf_counter()
     batches: list[list[PrefillInput]] = []
     limit = min(max_tokens - 1, max_batch_tokens)
@@ -46,7 +49,8 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int,
             batches.append([_input(_BATCH_PROMPT - i % 3, i, vocab_size) for i in range(size)])
     for inputs in batches:
         for res in engine.prefill(inputs):
-            engine._call("forget", res.request_id)  # the ranks drop it, then its pages go back
+            if forget is not None:
+                forget(res.request_id)  # the ranks drop it, then its pages go back
             engine.free(res.new_pages)
     done = WarmUp(len(batches), time.perf_counter() - start)
     log.info("prefill warm-up: %d batches in %.2f s (kernels compiled before serving)",

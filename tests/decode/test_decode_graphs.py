@@ -1,4 +1,4 @@
-"""Captured decode steps (decode.graphs) against the eager step.
+"""Captured decode steps (decode.cuda.graphs) against the eager step.
 
 On the GPU the steps are CUDA graphs; on the CPU the same static-buffer step
 runs eagerly (the engine never builds one there), so padding, the static
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from decode.colocated import prefill_into_pool
+from decode.cuda.graphs import DecodeGraphs, check_ladder, default_ladder
 from decode.engine import DecodeEngine
-from decode.graphs import DecodeGraphs, check_ladder, default_ladder
 from decode.pool import PagePool, PageTable
 from model.checkpoint import LoadedModel, load_model
 from model.sampling import SamplingParams

@@ -7,9 +7,9 @@ import random
 
 import torch
 
+from decode.cuda.warmup import warm_up_transfer
 from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
-from decode.warmup import warm_up_transfer
 from model.checkpoint import load_model
 from model.sampling import SamplingParams
 from tests.checkpoints import write_llama

@@ -1,0 +1,1 @@
+"""CUDA-only decode machinery: captured decode steps and the warm-up before serving."""
