@@ -34,7 +34,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode.budget import PageBudget
 from decode.config import DecodeConfig
-from decode.cuda.warmup import warm_up_transfer
+from decode.cuda.warmup import warm_up_kernels
 from decode.engine import DecodeEngine
 from decode.generate import GenerateContext
 from decode.pool import PagePool
@@ -120,7 +120,7 @@ class DecodeDaemon:
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                    graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
-        warm_up_transfer(self.pool)
+        warm_up_kernels(self.pool, model_config.num_heads, model_config.max_position_embeddings)
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
