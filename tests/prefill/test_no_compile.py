@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import random
 
-from prefill.engine_config import EngineConfig
 from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
+from prefill.engine_config import EngineConfig
 from prefill.warmup import warm_up
 from tests.checkpoints import VOCAB_SIZE, write_llama
 from tests.compiles import recording_compiles
