@@ -11,7 +11,13 @@ On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
 for a ladder of batch sizes (``decode.cuda.graphs``); a step then pads to the next
 captured size and replays it, and a batch above the ladder runs eager. The
 CPU path is always eager. Either way the sampled ids are the step's one read
-from the device.
+from the device. With graphs the loop overlaps: once step n is launched, the
+host admits, secures slots and stages step n+1 (positions, slots, page-table
+rows into the graphs' other staging side) while the GPU runs, then waits for
+step n's ids. Step n+1 uses that plan only if nothing changed meanwhile (no
+request ended by a stop token, was cancelled or could be admitted); else it
+is prepared as usual. Requests that end by length in step n are left out of
+the plan, so no slot is taken for a step that never runs.
 
 A request enters with its prompt's KV already in the pool through its
 ``PageTable`` (placed by the transfer client, or by ``prefill_into_pool``) and
@@ -35,6 +41,7 @@ writing into them.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -50,6 +57,7 @@ from kernels.rope_store import rope_store_kv
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
 
+log = logging.getLogger("lanekv.decode")
 FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the model's max positions
 
@@ -97,14 +105,24 @@ class DecodeBatch(NamedTuple):
 
 
 class GraphBatch(NamedTuple):
-    """One decode step that replays a captured graph (host values; the graph's
-    static buffers get them in one copy per dtype)."""
+    """One decode step that replays a captured graph: everything but the input
+    ids is in the graphs' staging ``side`` already."""
 
     requests: list[_Request]
     input_ids: list[int]
+    size: int  # the captured batch size it runs at (padding rows past len(requests))
+    side: int
+
+
+class _Plan(NamedTuple):
+    """The next step, staged while the GPU runs the current one: its requests,
+    each request's position (its ``seq_len`` when planned) and its slot."""
+
+    requests: list[_Request]
     positions: list[int]
     locs: list[int]
-    size: int  # the captured batch size it runs at (padding rows past len(requests))
+    size: int
+    side: int
 
 
 class DecodeEngine:
@@ -112,7 +130,7 @@ class DecodeEngine:
 
     def __init__(self, model: CausalLM, pool: PagePool, *, max_batch_size: int = 256,
                  eos_token_ids: Iterable[int] | None = None,
-                 graph_sizes: Sequence[int] | None = None) -> None:
+                 graph_sizes: Sequence[int] | None = None, overlap: bool = True) -> None:
         config = model.config
         if pool.spec.num_layers != config.num_layers or pool.spec.row_shape != (
             config.num_kv_heads, config.head_dim
@@ -134,6 +152,9 @@ class DecodeEngine:
         self.graph_sizes = (default_ladder(max_batch_size) if graph_sizes is None
                             else check_ladder(graph_sizes, max_batch_size))
         self._graphs: DecodeGraphs | None = None
+        self._side = 0  # the graphs' staging side of the next step
+        self._plan: _Plan | None = None  # the next step, staged ahead (graphs only)
+        self.overlap = overlap
         self.eos_token_ids = frozenset(
             config.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
@@ -261,13 +282,23 @@ class DecodeEngine:
         """
         with self._lock:
             events, self._done_at_add = self._done_at_add, []
-            batch = self._schedule()
-            if not batch:
-                return events
-            prepared = self._prepare(batch)
+            plan, self._plan = self._plan, None
+            if plan is not None and self._plan_holds(plan):
+                batch, prepared = plan.requests, self._commit(plan)
+            else:
+                batch = self._schedule()
+                if not batch:
+                    return events
+                prepared = self._prepare(batch)
             self._in_flight = batch
         try:
             output = self._run(prepared)
+            if self.overlap and isinstance(prepared, GraphBatch):
+                with self._lock:  # the GPU runs this step: stage the next meanwhile
+                    try:
+                        self._plan = self._plan_next()
+                    except Exception:  # noqa: BLE001 (the next step is then prepared as usual)
+                        log.exception("decode: staging the next step failed")
         except BaseException:
             with self._lock:
                 self._land(batch)
@@ -276,6 +307,56 @@ class DecodeEngine:
             events += self._postprocess(prepared, output)
             self._land(batch)
             return events
+
+    def _plan_next(self) -> _Plan | None:
+        """Stage the step after the one in flight (lock held): admit, secure slots
+        and fill the other staging side, for the running requests that do not
+        end by length in the step in flight. ``_commit`` uses it if nothing
+        changed in between (``_plan_holds``); else it is dropped."""
+        requests = []
+        for request in self._admit():
+            if request.cancelled or request.step + 1 >= request.max_new_tokens or (
+                request.table.seq_len >= request.final_len
+            ):
+                continue  # ends with the step in flight (or was cancelled under it)
+            try:
+                request.table.reserve(request.table.seq_len + 1)
+            except PoolExhausted:
+                continue
+            requests.append(request)
+        if not requests:
+            return None
+        size = self._graphs.size_for(len(requests), max(r.table.num_pages for r in requests))
+        if size is None:
+            return None
+        positions = [r.table.seq_len for r in requests]
+        locs = [r.table.loc(p) for r, p in zip(requests, positions)]
+        side = self._side
+        self._side ^= 1
+        self._graphs.stage(side, [r.table for r in requests], positions, locs,
+                           [p + 1 for p in positions])
+        return _Plan(requests, positions, locs, size, side)
+
+    def _plan_holds(self, plan: _Plan) -> bool:
+        """The staged step is still what ``_schedule`` would run: the same
+        running requests at the same lengths, and nobody waiting who fits."""
+        if len(plan.requests) != len(self._running):
+            return False
+        running = {id(r) for r in self._running}
+        if any(id(r) not in running or r.table.seq_len != p
+               for r, p in zip(plan.requests, plan.positions)):
+            return False
+        if self._waiting and len(self._running) < self.max_batch_size:
+            free = self.pool.free_count - sum(r.pages_to_come for r in self._running)
+            if self._waiting[0].pages_to_come <= free:
+                return False  # admit it now rather than a step late
+        return True
+
+    def _commit(self, plan: _Plan) -> GraphBatch:
+        for request in plan.requests:
+            request.table.append_slot()  # the planned slot: its page was reserved
+        return GraphBatch(plan.requests, [r.last_token for r in plan.requests], plan.size,
+                          plan.side)
 
     def _land(self, batch: list[_Request]) -> None:
         """The step's model run is over: free the pages of requests cancelled under it
@@ -287,8 +368,8 @@ class DecodeEngine:
         for request in cancelled:
             request.table.release()
 
-    def _schedule(self) -> list[_Request]:
-        """Admit waiting requests that fit to the end; secure one slot per running request."""
+    def _admit(self) -> list[_Request]:
+        """Admit waiting requests that fit to the end; returns the running ones."""
         free = self.pool.free_count - sum(r.pages_to_come for r in self._running)
         while self._waiting and len(self._running) < self.max_batch_size:
             head = self._waiting[0]
@@ -296,8 +377,12 @@ class DecodeEngine:
                 break  # FIFO: later requests do not overtake a large one
             free -= head.pages_to_come
             self._running.append(self._waiting.popleft())
+        return self._running
+
+    def _schedule(self) -> list[_Request]:
+        """Admit waiting requests that fit to the end; secure one slot per running request."""
         batch = []
-        for request in self._running:
+        for request in self._admit():
             try:
                 request.table.reserve(request.table.seq_len + 1)
             except PoolExhausted:
@@ -312,7 +397,11 @@ class DecodeEngine:
         if self._graphs is not None:
             size = self._graphs.size_for(len(batch), max(r.table.num_pages for r in batch))
             if size is not None:
-                return GraphBatch(batch, ids, positions, locs, size)
+                side = self._side
+                self._side ^= 1
+                self._graphs.stage(side, [r.table for r in batch], positions, locs,
+                                   [r.table.seq_len for r in batch])
+                return GraphBatch(batch, ids, size, side)
         device = self.pool.device
         tables = batch_tables([r.table for r in batch], device)
         return DecodeBatch(
@@ -328,8 +417,7 @@ class DecodeEngine:
         """The model over the batch: float32 logits ``[B, vocab]`` (eager), or a
         captured step's logits and argmax."""
         if isinstance(batch, GraphBatch):
-            return self._graphs.replay([r.table for r in batch.requests], batch.input_ids,
-                                       batch.positions, batch.locs, batch.size)
+            return self._graphs.replay(batch.side, batch.input_ids, batch.size)
         pool, page_size = self.pool, self.pool.page_size
         scale = self.model.config.softmax_scale
 

@@ -13,9 +13,10 @@ RMSNorm), the final norm, the logits and their argmax, from static buffers:
 - the paged decode kernel's grid is fixed per captured size; it reads the real
   lengths from ``seq_lens`` and cuts each request's keys into its splits.
 
-The host fills one pinned staging buffer per dtype and sends each with one
-copy, so a replay costs two copies and one launch; the caller reads back the
-sampled ids, the step's only sync. Batches above the ladder (or wider page
+The host fills pinned staging buffers (two sides, so the next step can be
+staged while the copy from the other side may still wait behind the step in
+flight) and sends each dtype with one copy: a replay costs two copies and one
+launch; the caller reads back the sampled ids, the step's only sync. Batches above the ladder (or wider page
 tables) run eager. The engine builds these on CUDA only; on a CPU pool (tests)
 ``replay`` runs the same static-buffer step eagerly instead of a graph.
 """
@@ -78,12 +79,16 @@ class DecodeGraphs:
         max_positions = model.config.max_position_embeddings
         self.max_pages = max(1, min(pool.num_pages, -(-max_positions // pool.page_size)))
         device, n = pool.device, self.max_size
-        self._host64 = torch.empty((3, n), dtype=torch.int64)
-        self._host32 = torch.empty(n * (1 + self.max_pages), dtype=torch.int32)
+        # Two staging sides: the host fills one for the next step while the copy
+        # from the other may still be queued behind the step in flight.
+        self._host64 = [torch.empty((3, n), dtype=torch.int64) for _ in range(2)]
+        self._host32 = [torch.empty(n * (1 + self.max_pages), dtype=torch.int32) for _ in range(2)]
         if self.cuda:
-            self._host64, self._host32 = self._host64.pin_memory(), self._host32.pin_memory()
+            self._host64 = [t.pin_memory() for t in self._host64]
+            self._host32 = [t.pin_memory() for t in self._host32]
         # numpy views of the pinned buffers: filling them from lists costs no torch op
-        self._host64_np, self._host32_np = self._host64.numpy(), self._host32.numpy()
+        self._host64_np = [t.numpy() for t in self._host64]
+        self._host32_np = [t.numpy() for t in self._host32]
         self._dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)
         self.ids, self.positions, self.locs = self._dev64
@@ -151,25 +156,31 @@ class DecodeGraphs:
                  "graphs and their buffers take %.1f MiB", list(self.sizes), self.max_pages,
                  self.memory_bytes / 2**20)
 
-    def replay(self, tables: Sequence[PageTable], ids: Sequence[int], positions: Sequence[int],
-               locs: Sequence[int], size: int) -> StepOutput:
-        """One step of ``len(tables)`` requests at captured ``size`` (from ``size_for``)."""
+    def stage(self, side: int, tables: Sequence[PageTable], positions: Sequence[int],
+              locs: Sequence[int], seq_lens: Sequence[int]) -> None:
+        """Fill staging ``side`` (0 or 1) for a step of ``len(tables)`` requests:
+        everything but the input ids, which ``replay`` writes last."""
         n = len(tables)
-        captured = self._graphs[size]
-        h64, h32 = self._host64_np, self._host32_np
-        h64[0, :n] = ids
+        h64, h32 = self._host64_np[side], self._host32_np[side]
         h64[1, :n] = positions
         h64[2, :n] = locs
         h64[:2, n:] = 0
         h64[2, n:] = -1  # padding rows: stored nowhere
         lens, table = h32[:self.max_size], h32[self.max_size:].reshape(self.max_size, -1)
+        lens[:n] = seq_lens
         lens[n:] = 0  # padding rows: attention reads nothing
         for row, t in enumerate(tables):
             pages = t.pages
-            lens[row] = t.seq_len
             table[row, :len(pages)] = pages  # past a request's pages: never read
-        self._dev64.copy_(self._host64, non_blocking=True)
-        self._dev32.copy_(self._host32, non_blocking=True)
+
+    def replay(self, side: int, ids: Sequence[int], size: int) -> StepOutput:
+        """Replay captured ``size`` (from ``size_for``) over staging ``side`` with
+        these input ids, one per request of the staged step."""
+        n = len(ids)
+        captured = self._graphs[size]
+        self._host64_np[side][0, :n] = ids
+        self._dev64.copy_(self._host64[side], non_blocking=True)
+        self._dev32.copy_(self._host32[side], non_blocking=True)
         if captured is None:  # CPU: the same step, eager
             with torch.inference_mode():
                 logits, greedy = self._forward(size)

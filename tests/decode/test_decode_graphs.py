@@ -54,7 +54,7 @@ def _poisoned_pool(loaded: LoadedModel, num_pages: int, page_size: int, device) 
 
 
 def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, sizes,
-              page_size: int = 4) -> tuple[dict[str, list[int]], PagePool]:
+              page_size: int = 4, overlap: bool = True) -> tuple[dict[str, list[int]], int]:
     """Requests of mixed lengths, a third added mid-run, some cancelled mid-run;
     returns each request's tokens. Page 0 is free throughout (padding rows'
     page-table entries point at it), and checked poisoned at the end."""
@@ -63,7 +63,10 @@ def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, size
                           device=device)
     hold = PageTable.allocate(pool, 1)  # keeps page 0 out of every request
     engine = DecodeEngine(model, pool, max_batch_size=max(sizes), eos_token_ids=(),
-                          graph_sizes=sizes)
+                          graph_sizes=sizes, overlap=overlap)
+    commits = []
+    commit = engine._commit
+    engine._commit = lambda plan: commits.append(plan) or commit(plan)
     if graphs:
         if device.type == "cuda":
             assert engine.capture_graphs() is not None
@@ -93,15 +96,19 @@ def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, size
     assert pool.free_count == pool.num_pages
     # Page 0, which no request held and every padding row's table points at, is untouched.
     assert (pool.tensor[:, :, :page_size].view(torch.int32) == POISON).all()
-    return tokens, pool
+    return tokens, len(commits)
 
 
-def test_static_step_equals_eager_on_cpu(checkpoint):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_static_step_equals_eager_on_cpu(checkpoint, overlap):
+    """Steps above the ladder run eager, the rest padded; with overlap, most
+    steps run the plan staged during the step before."""
     loaded = load_model(checkpoint)
-    sizes = (1, 2, 4, 8)  # 11 requests: steps above the ladder run eager, the rest padded
-    eager, _ = _scenario(loaded, torch.device("cpu"), False, 11, sizes)
-    captured, _ = _scenario(loaded, torch.device("cpu"), True, 11, sizes)
+    sizes = (1, 2, 4, 8, 16)
+    eager, _ = _scenario(loaded, torch.device("cpu"), False, 11, sizes[:-1])
+    captured, planned = _scenario(loaded, torch.device("cpu"), True, 11, sizes, overlap=overlap)
     assert captured == eager
+    assert (planned > 5) if overlap else planned == 0
     assert len(eager) == 10  # r6 is cancelled on the step it is added: no token
 
 
@@ -116,7 +123,8 @@ def test_padding_rows_write_nothing_cpu(checkpoint):
     tables = [prefill_into_pool(loaded.model, pool, _prompt(n, n), greedy)[0] for n in (3, 4, 9)]
     before = pool.tensor.clone()
     locs = [t.append_slot() for t in tables]
-    out = graphs.replay(tables, [5, 6, 7], [t.seq_len - 1 for t in tables], locs, 8)
+    graphs.stage(0, tables, [t.seq_len - 1 for t in tables], locs, [t.seq_len for t in tables])
+    out = graphs.replay(0, [5, 6, 7], 8)
     assert out.logits.shape == (3, VOCAB_SIZE) and torch.isfinite(out.logits).all()
     changed = (pool.tensor.view(torch.int32) != before.view(torch.int32)).any(-1).any(-1)
     rows = changed.nonzero()[:, 2].unique().tolist()  # [L, 2, R] -> the rows written
@@ -128,8 +136,9 @@ def test_graph_replay_equals_eager_greedy_64_requests_gpu(checkpoint):
     loaded = load_model(checkpoint, dtype=torch.float32, device="cuda")
     sizes = default_ladder(64)
     eager, _ = _scenario(loaded, torch.device("cuda"), False, 64, sizes)
-    captured, _ = _scenario(loaded, torch.device("cuda"), True, 64, sizes)
-    assert captured == eager
+    captured, planned = _scenario(loaded, torch.device("cuda"), True, 64, sizes)
+    assert captured == eager and planned > 5
+    assert _scenario(loaded, torch.device("cuda"), True, 64, sizes, overlap=False)[0] == eager
     assert len(eager) >= 60
 
 
@@ -144,7 +153,8 @@ def test_graph_padding_rows_write_nothing_gpu(checkpoint):
     tables = [prefill_into_pool(loaded.model, pool, _prompt(n, n), greedy)[0] for n in (3, 4, 9)]
     before = pool.tensor.clone()
     locs = [t.append_slot() for t in tables]
-    out = graphs.replay(tables, [5, 6, 7], [t.seq_len - 1 for t in tables], locs, 8)
+    graphs.stage(0, tables, [t.seq_len - 1 for t in tables], locs, [t.seq_len for t in tables])
+    out = graphs.replay(0, [5, 6, 7], 8)
     assert torch.isfinite(out.logits).all()
     changed = (pool.tensor.view(torch.int16) != before.view(torch.int16)).any(-1).any(-1)
     assert sorted(changed.nonzero()[:, 2].unique().tolist()) == sorted(locs)
