@@ -217,7 +217,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--num-prompts", type=int, default=None,
-                    help="requests per concurrency level (default: 4 x concurrency, at least 8)")
+                    help="requests per concurrency level (default: 2 x concurrency, at least 8)")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--range-ratio", type=float, default=0.0)
@@ -250,7 +250,7 @@ def main() -> None:
             started["first_request_s"] = time.perf_counter() - t0
             rows = []
             for i, conc in enumerate(args.concurrency):
-                n = args.num_prompts or max(8, 4 * conc)
+                n = args.num_prompts or max(8, 2 * conc)
                 reqs = _requests(argparse.Namespace(**{**vars(args), "num_prompts": n}), vocab,
                                  args.seed + i)
                 rows.append(run_level(send, reqs, conc, args.request_rate, args.seed + i))
