@@ -21,9 +21,13 @@ class Detokenizer:
         self._read = 0  # ids before this one are in the text already
 
     def piece(self, token_id: int | None) -> str:
-        if self._tokenizer is None or token_id is None:
+        return "" if token_id is None else self.pieces([token_id])
+
+    def pieces(self, token_ids: list[int]) -> str:
+        """The text several new ids add, decoding the window once for all of them."""
+        if self._tokenizer is None or not token_ids:
             return ""
-        self._ids.append(token_id)
+        self._ids.extend(token_ids)
         before = self._tokenizer.decode(self._ids[self._prefix:self._read])
         text = self._tokenizer.decode(self._ids[self._prefix:])
         # Hold a multi-byte character until it is complete.

@@ -147,8 +147,9 @@ class GeneratePipeline:
             raise Refusal(Code.ALREADY_EXISTS, f"request_id={spec.request_id!r} is already in use")
         return GenerateCall(spec, events)
 
-    def run(self, call: GenerateCall, caller: Caller) -> Iterator[TokenEvent]:
-        """Steps 1-5: the events of the request, prefill's first token first; settled at the end."""
+    def run(self, call: GenerateCall, caller: Caller) -> Iterator[list[TokenEvent]]:
+        """Steps 1-5: the events of the request in batches (see ``_events``), prefill's
+        first token first; settled at the end."""
         try:
             if not caller.add_callback(lambda: self._abandon(call)):
                 call.abandoned.set()  # the RPC has ended already
@@ -156,7 +157,7 @@ class GeneratePipeline:
             spec = call.spec
             self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s)
             caller.set_trailing_metadata(prepared.metadata())
-            yield TokenEvent(spec.request_id, prepared.first_token, 0, False, None)
+            yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None)]
             yield from self._events(call)
             call.finished = True
         finally:
@@ -269,23 +270,35 @@ class GeneratePipeline:
 
     # -- streaming and the end of a call -----------------------------------------
 
-    def _events(self, call: GenerateCall) -> Iterator[TokenEvent]:
+    def _events(self, call: GenerateCall) -> Iterator[list[TokenEvent]]:
+        """The request's events as they come, each batch holding every event
+        queued by the time the last one was taken: one reply per batch, so a
+        client slower than the decode step gets fewer, fuller replies."""
         finished = False
+        held = None  # an item taken while batching, handled on the next turn
         while not finished:
-            try:
-                item = call.events.get(timeout=1.0)
-            except queue.Empty:
-                if self._ctx.stopping.is_set():
-                    raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down") from None
-                continue
-            if item is _ABANDONED:
-                raise Refusal(Code.CANCELLED, "the client went away")
-            if item is SHUTDOWN:
-                raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down")
-            if isinstance(item, Exception):
-                raise Refusal(Code.INTERNAL, f"decode step failed: {item}")
-            finished = item.finished
-            yield item
+            if held is not None:
+                item, held = held, None
+            else:
+                try:
+                    item = call.events.get(timeout=1.0)
+                except queue.Empty:
+                    if self._ctx.stopping.is_set():
+                        raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down") from None
+                    continue
+            _raise_for(item)
+            batch = [item]
+            while not batch[-1].finished:
+                try:
+                    more = call.events.get_nowait()
+                except queue.Empty:
+                    break
+                if not isinstance(more, TokenEvent):
+                    held = more  # end the batch; the control item ends the call next turn
+                    break
+                batch.append(more)
+            finished = batch[-1].finished
+            yield batch
 
     def _abandon(self, call: GenerateCall) -> None:
         """gRPC's callback when the RPC ends, for any reason (run in a gRPC thread)."""
@@ -327,3 +340,13 @@ def time_left(deadline: float) -> float:
 def _check_alive(call: GenerateCall) -> None:
     if call.abandoned.is_set():
         raise Refusal(Code.CANCELLED, "the client went away")
+
+
+def _raise_for(item: object) -> None:
+    """End the call for a control item of the stream's queue (an event passes)."""
+    if item is _ABANDONED:
+        raise Refusal(Code.CANCELLED, "the client went away")
+    if item is SHUTDOWN:
+        raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down")
+    if isinstance(item, Exception):
+        raise Refusal(Code.INTERNAL, f"decode step failed: {item}")

@@ -54,7 +54,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
         self._pipeline = GeneratePipeline(ctx)
 
     def Generate(self, request, context):
-        """Stream one reply per output token; the last one says finished and why."""
+        """Stream the output tokens, each reply holding those decoded since the last
+        one (one token while the client keeps up); the last says finished and why."""
         call: GenerateCall | None = None
         try:
             with refusals(context):
@@ -63,8 +64,8 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 text = Detokenizer(self._ctx.tokenizer)
                 events = self._pipeline.run(call, context)
                 try:
-                    for event in events:
-                        yield _reply(spec.request_id, event, text)
+                    for batch in events:
+                        yield _reply(spec.request_id, batch, text)
                 finally:
                     events.close()  # settles the call now, also when the client went away
         finally:
@@ -72,13 +73,15 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             self._pipeline.close(call, *_ended_with(context, outcome))
 
 
-def _reply(request_id: str, event: TokenEvent, text: Detokenizer) -> lanekv_pb2.GenerateReply:
+def _reply(request_id: str, batch: list[TokenEvent], text: Detokenizer) -> lanekv_pb2.GenerateReply:
+    ids = [event.token_id for event in batch if event.token_id is not None]
+    last = batch[-1]
     return lanekv_pb2.GenerateReply(
         request_id=request_id,
-        token_ids=[] if event.token_id is None else [event.token_id],
-        text=text.piece(event.token_id),
-        finished=event.finished,
-        finish_reason=event.finish_reason or "",
+        token_ids=ids,
+        text=text.pieces(ids),
+        finished=last.finished,
+        finish_reason=last.finish_reason or "",
     )
 
 

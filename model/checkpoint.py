@@ -126,7 +126,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     model.to(device)  # the rotary frequencies; the weights are there already
     model.eval()
     model.requires_grad_(False)
-    model.fuse_projections()
+    if isinstance(model, CausalLM):  # the Llama family: q/k/v and gate/up as one GEMM each
+        model.fuse_projections()
     tokenizer = load_tokenizer(path, config.eos_token_ids)
     return LoadedModel(config=config, model=model, weights_digest=digest, tokenizer=tokenizer)
 
@@ -150,7 +151,8 @@ def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 param.normal_(0.0, 0.02, generator=gen)
     model.eval()
     model.requires_grad_(False)
-    model.fuse_projections()
+    if isinstance(model, CausalLM):  # the Llama family: q/k/v and gate/up as one GEMM each
+        model.fuse_projections()
     digest = hashlib.sha256(f"dummy-weights:{seed}:{config!r}".encode()).hexdigest()
     return LoadedModel(config=config, model=model, weights_digest=digest,
                        tokenizer=load_tokenizer(path, config.eos_token_ids))

@@ -40,10 +40,17 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(norm(residual + x), residual + x)``; float32 statistics whatever the
-        model dtype, cast back before the weight multiply (transformers' order)."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # float32 statistics whatever the model dtype, cast back before the
+        # weight multiply: the order transformers uses.
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
+
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)`` for ``[T, N]`` rows, the add fused
+        into the norm (``kernels.rmsnorm``; the same ops as ``forward`` on the CPU)."""
         return add_rmsnorm(x, residual, self.weight, self.eps)
 
 
@@ -160,8 +167,7 @@ class Attention(nn.Module):
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # per head: rows of head_dim
-            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope_in_attention:
             o = attention(self.layer_index, q, k, v, cos, sin)
         else:
@@ -209,9 +215,9 @@ class DecoderLayer(nn.Module):
                 rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)``: the layer's output is their sum, which the
         next norm computes (fused with its RMSNorm); ``residual=None`` at layer 0."""
-        x, residual = self.input_layernorm(hidden, residual)
+        x, residual = self.input_layernorm.fused(hidden, residual)
         hidden = self.self_attn(x, cos, sin, attention, rope_in_attention)
-        x, residual = self.post_attention_layernorm(hidden, residual)
+        x, residual = self.post_attention_layernorm.fused(hidden, residual)
         return self.mlp(x), residual
 
 
@@ -284,7 +290,7 @@ class CausalLM(nn.Module):
         residual = None
         for layer in self.model.layers:
             hidden, residual = layer(hidden, residual, cos, sin, attention, rope_in_attention)
-        return self.model.norm(hidden, residual)[0]
+        return self.model.norm.fused(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 ``[n, vocab]``."""
