@@ -75,7 +75,7 @@ def measure(model_dir: str, cp: int, tokens: list[int], args) -> list[dict]:
                     ranks.append(max(v for k, v in res.timings.items() if k.startswith("rank")))
                     gathers.append(res.timings["gather_s"])
             wall, rank_s = statistics.median(walls), statistics.median(ranks)
-            shape = eng.info["pool_shape"]  # [layers, 2, rows, kv_heads, head_dim]
+            shape = eng.info.pool_shape  # [layers, 2, rows, kv_heads, head_dim]
             page_bytes = shape[0] * 2 * page * shape[3] * shape[4] * torch.tensor([], dtype=cfg.torch_dtype).element_size()
             pages_per_rank = [sum(1 for p in res.pages if p.owner == r) for r in range(cp)]
             rows.append(dict(

@@ -34,7 +34,6 @@ import time
 import uuid
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -43,6 +42,7 @@ from model.tokenizer import load_tokenizer
 from prefill.allocator import OutOfPagesError
 from prefill.batcher import Batcher
 from prefill.cp.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
+from prefill.cp.messages import Event, Fetched, Released, RpcTotals
 from prefill.cp.rank_worker import TransferServing
 from prefill.engine_config import EngineConfig
 from prefill.leases import LeaseTable
@@ -136,11 +136,11 @@ class PrefillDaemon:
 
     def _setup(self, engine_config: EngineConfig) -> None:
         cfg = self.config
-        self.agreement = Agreement.decode(self.engine.info["agreement"])
+        self.agreement = Agreement.decode(self.engine.info.agreement)
         self.topology = Topology(engine_config.cp_size, "in_seq", "page_mod_cp", tuple(self.engine.endpoints))
         self.contract = LayoutContract(self.agreement, self.topology)
-        self.engine._call("topology", self.topology.to_dict())
-        model = self.engine.info["model"]
+        self.engine.set_topology(self.topology)
+        model = self.engine.info.model
         self.vocab_size = model["vocab_size"]
         self.max_tokens = model["rope"]["max_position_embeddings"]
         self.tokenizer = load_tokenizer(engine_config.model_path)
@@ -235,23 +235,24 @@ class PrefillDaemon:
             self.leases.renew(res.request_id)  # the lease counts from the end of the prefill
         return results
 
-    def _on_event(self, rank: int, value: Any) -> None:
+    def _on_event(self, event: Event) -> None:
         """What a rank reports (run in the engine's reader thread, one event at a time)."""
-        kind, request_id, detail = value
-        if kind == "released":
+        rank = event.rank
+        if isinstance(event, Released):
+            request_id = event.request_id
             freed = self.leases.release(request_id, rank)
             log.debug("released request_id=%s rank=%d pages=%d", request_id, rank, freed,
                       extra={"request_id": request_id})
             if freed and request_id not in self.leases:
                 log.info("released request_id=%s (every rank)", request_id, extra={"request_id": request_id})
-        elif kind == "fetched":
-            nbytes, seconds = detail
+        elif isinstance(event, Fetched):
+            nbytes, seconds = event.nbytes, event.seconds
             self.metrics.record_transfer({rank: nbytes}, seconds)
-            log.info("transfer done request_id=%s rank=%d bytes=%d seconds=%.4f gbps=%.3f", request_id, rank,
-                     nbytes, seconds, nbytes / seconds / 1e9 if seconds > 0 else 0.0,
-                     extra={"request_id": request_id})
-        elif kind == "rpcs":
-            self._add_rank_calls(rank, detail)
+            log.info("transfer done request_id=%s rank=%d bytes=%d seconds=%.4f gbps=%.3f", event.request_id,
+                     rank, nbytes, seconds, nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+                     extra={"request_id": event.request_id})
+        elif isinstance(event, RpcTotals):
+            self._add_rank_calls(rank, event.totals)
 
     def _add_rank_calls(self, rank: int, totals: dict[tuple[str, str, str], float]) -> None:
         last = self._rank_calls.get(rank, {})
@@ -279,7 +280,7 @@ class PrefillDaemon:
                             request_id, ranks, extra={"request_id": request_id})
                 # Every rank recorded the id (a rank may hold none of its pages),
                 # so every rank forgets it, or a reuse of the id would clash there.
-                self.engine.send("forget", request_id, range(self.engine.config.cp_size))
+                self.engine.forget(request_id)
 
     def stop(self, grace_s: float = 5.0) -> None:
         """Drain: say NOT_SERVING, refuse new calls, finish what is queued, stop the ranks.

@@ -27,10 +27,28 @@ import torch
 
 from model.sampling import SamplingParams
 from prefill.allocator import LaneAllocator
+from prefill.cp.messages import (
+    Answer,
+    Call,
+    Command,
+    Event,
+    Failed,
+    Forget,
+    RankInfo,
+    ReadPages,
+    Ready,
+    Registered,
+    RunPrefill,
+    SetTopology,
+    Shutdown,
+    Snapshot,
+    for_each_rank,
+)
 from prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
 from prefill.cp.runner import PrefillBatch, RankResult
 from prefill.engine_config import EngineConfig
 from prefill.plan import plan_batch
+from transfer.protocol.contract import Topology
 from transfer.protocol.descriptors import remove_shared_pool
 
 log = logging.getLogger("lanekv.prefill")
@@ -73,21 +91,31 @@ class PrefillResult:
 class PrefillEngine(ABC):
     """The launcher API: ``prefill`` a batch on N ranks, ``free`` pages, ``close``.
 
-    Subclasses say how a command reaches the ranks (``_call``): rank processes
+    Subclasses say how a command reaches the ranks (``call``): rank processes
     (``CPPrefillEngine``) or rank threads in this process (``ThreadedPrefillEngine``).
     """
 
     config: EngineConfig
     allocator: LaneAllocator
+    info: RankInfo  # rank 0's (model fields, weights digest, pool shape; agreement when serving)
 
     @abstractmethod
-    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None,
-              on_registered: Callable[[], None] | None = None) -> Any:
-        """Send ``op`` to every rank (or ``only`` one) and return their answers in rank order.
+    def call(self, command: Command | Sequence[Command], *, only: int | None = None,
+             on_registered: Callable[[], None] | None = None) -> Any:
+        """Run ``command`` on every rank (a sequence: its ``r``-th on rank ``r``), or on
+        rank ``only`` alone, and return the answers in rank order (``only``: its answer).
 
-        ``on_registered`` (prefill): called once every rank holds the batch's
-        pages for FetchKV, before the ranks prefill.
+        ``on_registered`` (``RunPrefill``): called once every rank holds the
+        batch's pages for FetchKV, before the ranks prefill.
         """
+
+    def set_topology(self, topology: Topology) -> None:
+        """Every rank's contract names ``topology`` from now on."""
+        self.call(SetTopology(topology))
+
+    def forget(self, request_id: str) -> None:
+        """Every rank drops what it holds for ``request_id`` (a rank may hold none of its pages)."""
+        self.call(Forget(request_id))
 
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         pass
@@ -147,8 +175,8 @@ class PrefillEngine(ABC):
             on_started([dataclasses.replace(r) for r in results])
 
         try:
-            rank_results: list[RankResult] = self._call(
-                "prefill", batch, on_registered=None if on_started is None else started)
+            rank_results: list[RankResult] = self.call(
+                RunPrefill(batch), on_registered=None if on_started is None else started)
         except BaseException:
             if not handed_over.is_set():
                 self.allocator.free([p for pages in extend_pages for p in pages])
@@ -170,7 +198,7 @@ class PrefillEngine(ABC):
         """K/V of logical ``pages`` gathered from their owners:
         ``[num_layers, 2, len(pages) * page_size, kv_heads, head_dim]`` on the CPU."""
         n = self.config.cp_size
-        parts = self._call("read", [[p for p in pages if p % n == r] for r in range(n)], per_rank=True)
+        parts = self.call([ReadPages(tuple(p for p in pages if p % n == r)) for r in range(n)])
         ps = self.config.page_size
         shape = parts[0].shape
         out = torch.empty((shape[0], 2, len(pages) * ps, *shape[3:]), dtype=parts[0].dtype)
@@ -183,7 +211,7 @@ class PrefillEngine(ABC):
 
     def pool_snapshot(self, rank: int) -> torch.Tensor:
         """A CPU copy of rank ``rank``'s whole pool (tests check what it holds)."""
-        return self._call("snapshot", rank, only=rank)
+        return self.call(Snapshot(), only=rank)
 
 
 class _Waiter:
@@ -200,14 +228,14 @@ class CPPrefillEngine(PrefillEngine):
     """N rank processes (NCCL on CUDA, gloo on CPU) fed through queues.
 
     A reader thread routes what the ranks send: answers to the command that
-    asked (by sequence number) and events (``on_event(rank, value)``, e.g. a
+    asked (by sequence number) and events (``on_event(event)``, e.g. a
     rank's transfer service released a request's pages). A rank that exits or
     fails makes the engine unusable, and every waiting call raises
     ``RankDiedError`` naming it.
     """
 
     def __init__(self, config: EngineConfig, *, serve_transfer: TransferServing | tuple[str, int] | None = None,
-                 on_event: Callable[[int, Any], None] | None = None) -> None:
+                 on_event: Callable[[Event], None] | None = None) -> None:
         self.config = config
         self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
         self.on_event = on_event
@@ -239,13 +267,13 @@ class CPPrefillEngine(PrefillEngine):
         self._reader = threading.Thread(target=self._read_loop, name="lanekv-cp-reader", daemon=True)
         self._reader.start()
         ready = self._wait(None, config.start_timeout_s, "start-up")
-        self.info = ready[0]  # model config fields, weights digest, pool shape, endpoint
-        self.endpoints = [r.get("endpoint") for r in ready]
+        self.info: RankInfo = ready[0]
+        self.endpoints = [r.endpoint for r in ready]
 
     def close(self, timeout_s: float = 10.0) -> None:
         for q in self._commands:
             try:
-                q.put(("shutdown", None, None))
+                q.put(Call(next(self._seq), Shutdown()))
             except (ValueError, OSError):
                 pass
         deadline = time.monotonic() + timeout_s
@@ -269,15 +297,20 @@ class CPPrefillEngine(PrefillEngine):
                 remove_shared_pool(path)
                 self._shared_paths[rank] = None
 
-    def send(self, op: str, payload: Any, ranks: Sequence[int]) -> None:
-        """Fire-and-forget a command to ``ranks`` (ordered after earlier commands)."""
+    def send(self, command: Command, ranks: Sequence[int]) -> None:
+        """Fire-and-forget ``command`` to ``ranks`` (ordered after earlier commands)."""
         seq = next(self._seq)
         for r in ranks:
-            self._commands[r].put((op, seq, payload))
+            self._commands[r].put(Call(seq, command))
 
-    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None,
-              on_registered: Callable[[], None] | None = None) -> list:
+    def forget(self, request_id: str) -> None:
+        """Fire-and-forget: the ranks drop ``request_id`` in order with later commands."""
+        self.send(Forget(request_id), range(self.config.cp_size))
+
+    def call(self, command: Command | Sequence[Command], *, only: int | None = None,
+             on_registered: Callable[[], None] | None = None) -> Any:
         ranks = list(range(self.config.cp_size)) if only is None else [only]
+        per_rank = for_each_rank(command, self.config.cp_size)
         with self._call_lock:
             with self._cond:
                 if self._broken:
@@ -285,8 +318,8 @@ class CPPrefillEngine(PrefillEngine):
                 seq = next(self._seq)
                 self._waiters[seq] = _Waiter(ranks, on_registered)
             for r in ranks:
-                self._commands[r].put((op, seq, payload[r] if per_rank else payload))
-            out = self._wait(seq, self.config.request_timeout_s, op)
+                self._commands[r].put(Call(seq, per_rank[r]))
+            out = self._wait(seq, self.config.request_timeout_s, type(per_rank[ranks[0]]).__name__)
         return out[0] if only is not None else out
 
     def _wait(self, seq: int | None, timeout_s: float, what: str) -> list:
@@ -310,7 +343,7 @@ class CPPrefillEngine(PrefillEngine):
     def _read_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                kind, rank, seq, value = self._results.get(timeout=0.2)
+                report = self._results.get(timeout=0.2)
             except queue.Empty:
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead and not self._stop.is_set():
@@ -319,23 +352,25 @@ class CPPrefillEngine(PrefillEngine):
                 continue
             except (EOFError, OSError):
                 return
-            if kind == "event":
-                if value[0] == "registered":
-                    self._registered(rank, value[1])
-                elif self.on_event is not None:
-                    self.on_event(rank, value)
+            if isinstance(report, Registered):
+                self._registered(report.rank, report.seq)
                 continue
-            if kind == "error":
+            if isinstance(report, Failed):
                 # A rank whose peer died fails inside the collective: name the dead one first.
                 time.sleep(0.5)
                 dead = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
-                self._fail("; ".join(dead + [f"rank {rank} failed: {value}"]))
+                self._fail("; ".join(dead + [f"rank {report.rank} failed: {report.error}"]))
                 continue
-            with self._cond:
-                waiter = self._waiters.get(seq)
-                if waiter is not None:
-                    waiter.got[rank] = value
-                    self._cond.notify_all()
+            if isinstance(report, (Ready, Answer)):
+                seq, value = (None, report.info) if isinstance(report, Ready) else (report.seq, report.value)
+                with self._cond:
+                    waiter = self._waiters.get(seq)
+                    if waiter is not None:
+                        waiter.got[report.rank] = value
+                        self._cond.notify_all()
+                continue
+            if self.on_event is not None:
+                self.on_event(report)
 
     def _registered(self, rank: int, seq: int) -> None:
         """Rank ``rank`` holds the pages of batch ``seq``; once every rank does, say so."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -17,6 +18,24 @@ import torch
 import torch.distributed as dist
 
 from model.checkpoint import LoadedModel
+from prefill.cp.messages import (
+    Answer,
+    Call,
+    Command,
+    Failed,
+    Fetched,
+    Forget,
+    RankInfo,
+    ReadPages,
+    Ready,
+    Registered,
+    Released,
+    RpcTotals,
+    RunPrefill,
+    SetTopology,
+    Shutdown,
+    Snapshot,
+)
 from prefill.cp.page_source import RankPageSource
 from prefill.cp.runner import PrefillBatch, RankRunner
 from prefill.engine_config import EngineConfig, load_for
@@ -26,7 +45,7 @@ from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
 from runtime.security import SecurityConfig
 from runtime.status import TRANSFER_SERVICE
-from transfer.protocol.contract import Agreement, Topology
+from transfer.protocol.contract import Agreement
 from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
 from transfer.rank.progress import LayerProgress
 from transfer.rank.service import serve
@@ -61,9 +80,9 @@ class RpcReporter:
     """A rank's gRPC calls by method and code, sent to the parent as running totals.
 
     The rank's server counts into its own registry (nobody scrapes a rank);
-    ``report`` sends ``("rpcs", "", {(service, method, code): total})`` through
-    the result queue whenever the totals changed, and the parent adds the
-    differences to its own ``lanekv_requests_total``.
+    ``report`` sends ``RpcTotals`` through the result queue whenever the
+    totals changed, and the parent adds the differences to its own
+    ``lanekv_requests_total``.
     """
 
     def __init__(self, rank: int, results: Any) -> None:
@@ -83,7 +102,7 @@ class RpcReporter:
                     totals[service, method, code.name] = value
         if totals != self._sent:
             self._sent = totals
-            self._results.put(("event", self._rank, None, ("rpcs", "", totals)))
+            self._results.put(RpcTotals(self._rank, totals))
 
 
 def shared_pool_path(config: EngineConfig, serve_transfer: TransferServing | tuple[str, int] | None,
@@ -115,10 +134,10 @@ def rank_main(
         if serve_transfer is not None:
             reporter = RpcReporter(rank, results)
             where = TransferServing(*serve_transfer)
-            info.update(_serve_transfer(runner, config, rank, where, results, reporter))
-        results.put(("ready", rank, None, info))
+            info = _serve_transfer(runner, config, rank, where, results, reporter, info)
+        results.put(Ready(rank, info))
     except Exception:  # report start-up failures to the parent, then exit
-        results.put(("error", rank, None, traceback.format_exc()))
+        results.put(Failed(rank, None, traceback.format_exc()))
         remove_shared_pool(shared_path)
         return
     try:
@@ -126,20 +145,21 @@ def rank_main(
             if reporter is not None:
                 reporter.report()
             try:
-                op, seq, payload = commands.get(timeout=_POLL_S)
+                call: Call = commands.get(timeout=_POLL_S)
             except queue.Empty:
                 if os.getppid() != parent:  # orphaned: the launcher is gone
                     return
                 continue
-            if op == "shutdown":
+            if isinstance(call.command, Shutdown):
                 return
-            def registered(seq=seq) -> None:
-                results.put(("event", rank, None, ("registered", seq, None)))
+
+            def registered(seq: int = call.seq) -> None:
+                results.put(Registered(rank, seq))
 
             try:
-                results.put(("ok", rank, seq, handle(runner, op, payload, registered)))
+                results.put(Answer(rank, call.seq, handle(runner, call.command, registered)))
             except Exception:
-                results.put(("error", rank, seq, traceback.format_exc()))
+                results.put(Failed(rank, call.seq, traceback.format_exc()))
     finally:
         served = getattr(runner, "transfer_server", None)
         if served is not None:
@@ -194,8 +214,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     return runner
 
 
-def describe(runner: RankRunner, config: EngineConfig) -> dict:
-    return dict(
+def describe(runner: RankRunner, config: EngineConfig) -> RankInfo:
+    return RankInfo(
         model=runner.model.config.contract_fields(),
         weights_digest=runner.weights_digest,
         pool_shape=tuple(runner.pool.shape),
@@ -203,25 +223,26 @@ def describe(runner: RankRunner, config: EngineConfig) -> dict:
     )
 
 
-def handle(runner: RankRunner, op: str, payload: Any, registered: Callable[[], None] | None = None) -> Any:
-    if op == "prefill":
-        return _prefill(runner, payload, registered)
-    if op == "topology":
-        runner.page_source.set_topology(Topology.from_dict(payload))
+def handle(runner: RankRunner, command: Command, registered: Callable[[], None] | None = None) -> Any:
+    """Run one command on this rank; what it answers (see ``prefill.cp.messages``)."""
+    if isinstance(command, RunPrefill):
+        return _prefill(runner, command.batch, registered)
+    if isinstance(command, SetTopology):
+        runner.page_source.set_topology(command.topology)
         return None
-    if op == "forget":
-        runner.page_source.forget(payload)
+    if isinstance(command, Forget):
+        runner.page_source.forget(command.request_id)
         return None
-    if op == "read":
+    if isinstance(command, ReadPages):
         layout: OwnerLaneLayout = runner.layout
-        pages = torch.tensor(payload, dtype=torch.int64)
+        pages = torch.tensor(command.pages, dtype=torch.int64)
         ps = runner.page_size
         locs = (pages[:, None] * ps + torch.arange(ps)).flatten()
         rows = layout.physical_rows(runner.cp_rank, locs).to(runner.device)
         return runner.pool[:, :, rows].cpu()
-    if op == "snapshot":
+    if isinstance(command, Snapshot):
         return runner.pool.cpu()
-    raise ValueError(f"unknown command op={op!r}")
+    raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")
 
 
 def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], None] | None) -> Any:
@@ -252,23 +273,21 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
     return result
 
 
-def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
-                    where: TransferServing, results: Any, reporter: RpcReporter) -> dict:
-    """Start this rank's KVTransfer server over its own pool; its endpoint and fingerprint.
+def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int, where: TransferServing,
+                    results: Any, reporter: RpcReporter, info: RankInfo) -> RankInfo:
+    """Start this rank's KVTransfer server over its own pool; ``info`` with its endpoint and agreement.
 
-    Releases and finished fetches go to the parent as events:
-    ``("released", request_id, logical pages)`` and
-    ``("fetched", request_id, (payload bytes, seconds))``.
+    Releases and finished fetches go to the parent as ``Released`` and ``Fetched`` events.
     """
     agreement = Agreement.from_model(
         runner.model.config.contract_fields(), runner.weights_digest, config.torch_dtype, config.page_size
     )
 
     def on_release(request_id: str, pages: list[int]) -> None:
-        results.put(("event", rank, None, ("released", request_id, pages)))
+        results.put(Released(rank, request_id, tuple(pages)))
 
     def on_fetched(request_id: str, nbytes: int, seconds: float) -> None:
-        results.put(("event", rank, None, ("fetched", request_id, (nbytes, seconds))))
+        results.put(Fetched(rank, request_id, nbytes, seconds))
 
     keep_freed_buffers()  # this process builds a multi-MiB message per chunk it sends
     runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release, runner.shared_path)
@@ -277,4 +296,5 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int,
         runner.page_source, where.host, port, security=where.security,
         interceptors=[reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
     )
-    return dict(endpoint=f"{where.host}:{runner.transfer_server.port}", agreement=agreement.encode())
+    return dataclasses.replace(info, endpoint=f"{where.host}:{runner.transfer_server.port}",
+                               agreement=agreement.encode())

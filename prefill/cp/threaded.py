@@ -8,12 +8,13 @@ as the colocated single-process path (cp_size 1) of the demo.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from model.checkpoint import LoadedModel
 from prefill.allocator import LaneAllocator
 from prefill.cp.launcher import PrefillEngine
+from prefill.cp.messages import Command, for_each_rank
 from prefill.cp.rank_worker import build_runner, describe, handle
 from prefill.cp.thread_group import ThreadGroup
 from prefill.engine_config import EngineConfig, load_for
@@ -31,12 +32,11 @@ class ThreadedPrefillEngine(PrefillEngine):
         self.runners = [build_runner(loaded, config, r, self.group) for r in range(config.cp_size)]
         self.info = describe(self.runners[0], config)
 
-    def _call(self, op: str, payload: Any, *, per_rank: bool = False, only: int | None = None,
-              on_registered: Callable[[], None] | None = None) -> Any:
+    def call(self, command: Command | Sequence[Command], *, only: int | None = None,
+             on_registered: Callable[[], None] | None = None) -> Any:
         if on_registered is not None:  # rank threads serve no FetchKV: nothing to wait for
             on_registered()
+        per_rank = for_each_rank(command, self.config.cp_size)
         if only is not None:
-            return handle(self.runners[only], op, payload)
-        return self.group.run(
-            lambda rank: handle(self.runners[rank], op, payload[rank] if per_rank else payload)
-        )
+            return handle(self.runners[only], per_rank[only])
+        return self.group.run(lambda rank: handle(self.runners[rank], per_rank[rank]))

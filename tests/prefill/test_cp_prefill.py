@@ -142,12 +142,13 @@ def test_bad_inputs_are_refused_without_leaking_pages(checkpoint):
 
 
 def test_a_rank_refuses_a_loc_it_does_not_own(checkpoint):
+    from prefill.cp.messages import RunPrefill
     from prefill.cp.runner import PrefillBatch
 
     eng = _engine(checkpoint, 2, 4)
     bad = PrefillBatch(("r",), ((5, 6, 7, 8, 9),), (0,), ((),), ((1, 0),), (SamplingParams(),))
     with pytest.raises(NotOwnedError, match="owns"):
-        eng._call("prefill", bad)
+        eng.call(RunPrefill(bad))
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,7 @@ def test_daemon_serves_pages_equal_to_reference(checkpoint, cp_size, page_size):
             t.start()
         for t in threads:
             t.join(120)
-        shape = daemon.engine.info["pool_shape"]
+        shape = daemon.engine.info.pool_shape
         with KVClient() as client:
             for ids, reply in zip(_prompts(), replies):
                 assert reply.contract_fingerprint == daemon.contract.fingerprint
