@@ -21,6 +21,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -269,6 +270,16 @@ class CPPrefillEngine(PrefillEngine):
         ready = self._wait(None, config.start_timeout_s, "start-up")
         self.info: RankInfo = ready[0]
         self.endpoints = [r.endpoint for r in ready]
+
+    @property
+    def processes(self) -> tuple[mp.process.BaseProcess, ...]:
+        """The rank processes, rank by rank (alive or not)."""
+        return tuple(self._procs)
+
+    @property
+    def shared_paths(self) -> tuple[Path | None, ...]:
+        """Each rank's /dev/shm pool file (None: none, or removed once the rank was gone)."""
+        return tuple(self._shared_paths)
 
     def close(self, timeout_s: float = 10.0) -> None:
         for q in self._commands:

@@ -48,7 +48,7 @@ def test_rank_processes_match_rank_threads(checkpoint, cp_size, page_size):
                 rtol=1e-5,
                 atol=1e-5,
             )
-        procs = list(eng._procs)
+        procs = list(eng.processes)
     assert all(not p.is_alive() for p in procs), "close() left a rank running"
 
 
@@ -57,8 +57,8 @@ def test_a_dead_rank_is_reported(checkpoint):
     cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32, start_timeout_s=120)
     with CPPrefillEngine(cfg) as eng:
         eng.prefill([PrefillInput([5, 6, 7])])
-        os.kill(eng._procs[1].pid, signal.SIGKILL)
-        eng._procs[1].join(10)
+        os.kill(eng.processes[1].pid, signal.SIGKILL)
+        eng.processes[1].join(10)
         with pytest.raises(RankDiedError, match="rank1"):
             eng.prefill([PrefillInput([5, 6, 7, 8])])
         # the failed batch's pages went back to the lanes
@@ -97,10 +97,10 @@ def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
 
     cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32, start_timeout_s=120)
     with CPPrefillEngine(cfg, serve_transfer=TransferServing("127.0.0.1", 0, epoch="killtest")) as eng:
-        paths = list(eng._shared_paths)
+        paths = list(eng.shared_paths)
         assert all(path is not None and path.exists() for path in paths), paths
-        os.kill(eng._procs[1].pid, signal.SIGKILL)
-        eng._procs[1].join(10)
+        os.kill(eng.processes[1].pid, signal.SIGKILL)
+        eng.processes[1].join(10)
         deadline = time.monotonic() + 10
         while paths[1].exists() and time.monotonic() < deadline:
             time.sleep(0.05)

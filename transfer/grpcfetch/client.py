@@ -255,7 +255,7 @@ class KVClient:
         policy = self.retry if retry is None else retry
         budget = ByteBudget(max_inflight_bytes)
         job = Job(request_id, fingerprint, max_chunk_bytes, policy, timeout,
-                  self._stream_opener(epoch), budget)
+                  self.stream_opener(epoch), budget)
         ranks: dict[int, RankFetch | RemoteRankFetch] = {}
         threads: list[threading.Thread] = []
         try:
@@ -312,7 +312,7 @@ class KVClient:
             return RankFetch(job, rank, endpoint, span)
         return RemoteRankFetch(job, rank, endpoint, span, epoch, receiver, self.receivers)
 
-    def _stream_opener(self, epoch: str | None) -> Callable[..., Any]:
+    def stream_opener(self, epoch: str | None) -> Callable[..., Any]:
         """``open_stream`` of one fetch: a retry after a broken connection gets a new one."""
         metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
         used: dict[str, grpc.Channel] = {}

@@ -100,7 +100,7 @@ class _Receiver:
     def _fetch(self, spec: RankJob) -> None:
         budget = ByteBudget(self.slots * self.slot_bytes)
         job = Job(spec.request_id, spec.fingerprint, spec.max_chunk_bytes or self.slot_bytes, spec.policy,
-                  spec.timeout_s, self.client._stream_opener(spec.epoch), budget)
+                  spec.timeout_s, self.client.stream_opener(spec.epoch), budget)
         tag = object()
         job.ready = _Tagged(self.inbox, tag)  # the rank's items come in among the client's messages
         part = RankFetch(job, spec.rank, spec.endpoint, spec.span)
