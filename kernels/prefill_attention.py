@@ -12,6 +12,10 @@ each program finds its (segment, query block) itself from a cumulative sum of
 the segments' block counts (O(S) loads per program, from L2); slots past the
 last block exit at once.
 
+Head dims need not be powers of two and v's may differ from q/k's: the qk dim
+is scored as a power-of-two head part plus a masked tail part (192 = 128 + 64
+runs two exact dots), and v's dim is padded to a power of two with masks.
+
 Bounds of the segments (rows inside q and k, page ids inside the pool, rows
 disjoint) need the segment data: they are checked when the segment tensors
 live on the CPU, and on CUDA only with ``validate=True``, so the per-layer hot
@@ -33,6 +37,7 @@ from kernels.prefill_attention_ref import (
     check_attention_args,
     check_segment_bounds,
     cp_prefill_attention_ref,
+    out_shape,
 )
 
 __all__ = [
@@ -84,14 +89,46 @@ def _key_rows(pos, kv_start, page_table, stride_pt, PAGED: tl.constexpr, PAGE_SI
         return kv_start.to(tl.int64) + pos
 
 
+class HeadDimSplit(NamedTuple):
+    """How the kernel tiles the head dims (all powers of two, each >= 16 for tl.dot)."""
+
+    qk_head: int  # columns [0, qk_head) of q/k: the largest power of two <= Dqk
+    qk_tail: int  # columns [qk_head, qk_head + qk_tail), masked to Dqk; 0 when none
+    v_block: int  # columns of v and out, masked to Dv
+
+
+def head_dim_split(qk_dim: int, v_dim: int) -> HeadDimSplit:
+    head = max(16, 1 << (qk_dim.bit_length() - 1))
+    rest = qk_dim - head
+    tail = max(16, triton.next_power_of_2(rest)) if rest > 0 else 0
+    return HeadDimSplit(head, tail, max(16, triton.next_power_of_2(v_dim)))
+
+
+@triton.jit
+def _load_cols(base, rows, stride, cols, DIM: tl.constexpr, EVEN: tl.constexpr):
+    """``base[rows, cols]``; columns at or past DIM read 0 unless EVEN says none are."""
+    ptrs = base + rows[:, None] * stride + cols[None, :]
+    if EVEN:
+        return tl.load(ptrs)
+    else:
+        return tl.load(ptrs, mask=(cols < DIM)[None, :], other=0.0)
+
+
 @triton.jit
 def _attend_block(
-    acc, l_i, m_i, q, K, V, rows, pos_m, pos_n, offs_d, stride_kt, stride_vt, qk_scale,
+    acc, l_i, m_i, q, q_tail, K, V, rows, pos_m, pos_n, offs_d, offs_t, offs_v,
+    stride_kt, stride_vt, qk_scale,
+    QK_DIM: tl.constexpr, V_DIM: tl.constexpr, EVEN_HEAD: tl.constexpr,
+    HAS_TAIL: tl.constexpr, EVEN_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
     MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    k = tl.load(K + rows[:, None] * stride_kt + offs_d[None, :])  # [BLOCK_N, D]
-    v = tl.load(V + rows[:, None] * stride_vt + offs_d[None, :])
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    k = _load_cols(K, rows, stride_kt, offs_d, QK_DIM, EVEN_HEAD)  # [BLOCK_N, QK_HEAD]
+    v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)  # [BLOCK_N, V_BLOCK]
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        k_tail = _load_cols(K, rows, stride_kt, offs_t, QK_DIM, EVEN_TAIL)  # [BLOCK_N, QK_TAIL]
+        qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
+    qk = qk * qk_scale
     if MASKED:
         qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
     # Every row saw at least key 0 by its first block, so m_new is finite.
@@ -111,7 +148,9 @@ def _cp_prefill_attention_kernel(
     stride_ot, stride_oh, stride_lt, stride_lh, stride_pt,
     qk_scale,
     GROUP: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, STORE_LSE: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_DIM: tl.constexpr, V_DIM: tl.constexpr,
+    QK_HEAD: tl.constexpr, QK_TAIL: tl.constexpr, V_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Slots are numbered in segment order; the last block of a segment has
@@ -135,12 +174,22 @@ def _cp_prefill_attention_kernel(
 
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, QK_HEAD)
+    offs_t = QK_HEAD + tl.arange(0, QK_TAIL if QK_TAIL > 0 else 16)  # unread without a tail
+    offs_v = tl.arange(0, V_BLOCK)
+    EVEN_HEAD: tl.constexpr = QK_HEAD <= QK_DIM
+    HAS_TAIL: tl.constexpr = QK_TAIL > 0
+    EVEN_TAIL: tl.constexpr = QK_HEAD + QK_TAIL == QK_DIM
+    EVEN_V: tl.constexpr = V_BLOCK == V_DIM
     row_ok = offs_m < q_len
     pos_m = q_pos + offs_m
     q_rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh
+    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d < QK_DIM)[None, :],
+                other=0.0)  # [BLOCK_M, QK_HEAD]
+    q_tail = tl.load(q_ptrs + offs_t[None, :],
+                     mask=row_ok[:, None] & (offs_t < QK_DIM)[None, :] & HAS_TAIL,
+                     other=0.0)  # [BLOCK_M, QK_TAIL]
     K += kv_head * stride_kh
     V += kv_head * stride_vh
 
@@ -153,24 +202,28 @@ def _cp_prefill_attention_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_BLOCK], dtype=tl.float32)
     for start_n in range(0, full_end, BLOCK_N):
         pos_n = start_n + offs_n
         rows = _key_rows(pos_n, kv_start, page_table, stride_pt, PAGED, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, rows, pos_m, pos_n, offs_d,
-                                      stride_kt, stride_vt, qk_scale, False, DOT_PRECISION)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_tail, K, V, rows, pos_m, pos_n,
+                                      offs_d, offs_t, offs_v, stride_kt, stride_vt, qk_scale,
+                                      QK_DIM, V_DIM, EVEN_HEAD, HAS_TAIL, EVEN_TAIL, EVEN_V,
+                                      False, DOT_PRECISION)
     for start_n in range(full_end, kv_end, BLOCK_N):
         # Clamp past-the-end positions to the last key: an in-bounds load
         # whose score the causal mask drops for every stored row.
         pos_n = start_n + offs_n
         rows = _key_rows(tl.minimum(pos_n, kv_end - 1), kv_start, page_table, stride_pt,
                          PAGED, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, K, V, rows, pos_m, pos_n, offs_d,
-                                      stride_kt, stride_vt, qk_scale, True, DOT_PRECISION)
+        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_tail, K, V, rows, pos_m, pos_n,
+                                      offs_d, offs_t, offs_v, stride_kt, stride_vt, qk_scale,
+                                      QK_DIM, V_DIM, EVEN_HEAD, HAS_TAIL, EVEN_TAIL, EVEN_V,
+                                      True, DOT_PRECISION)
 
     acc = acc / l_i[:, None]
-    tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
+             acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_v < V_DIM)[None, :])
     if STORE_LSE:
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log
         tl.store(LSE + q_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
@@ -196,6 +249,7 @@ def launch_cp_prefill_attention(
     seg = [t.contiguous() for t in segments]
     table = page_table if page_table is not None else seg[3]  # unread when not paged
     lse_arg = lse if lse is not None else out  # unread without STORE_LSE
+    split = head_dim_split(q.shape[2], v.shape[2])
     _cp_prefill_attention_kernel[(num_slots, q.shape[1])](
         q, k, v, out, lse_arg, *seg, num_segments, table,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -207,7 +261,11 @@ def launch_cp_prefill_attention(
         PAGED=page_table is not None,
         PAGE_SIZE=page_size if page_table is not None else 1,
         STORE_LSE=lse is not None,
-        HEAD_DIM=q.shape[2],
+        QK_DIM=q.shape[2],
+        V_DIM=v.shape[2],
+        QK_HEAD=split.qk_head,
+        QK_TAIL=split.qk_tail,
+        V_BLOCK=split.v_block,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         SEG_BLOCK=max(2, triton.next_power_of_2(num_segments)),
@@ -236,7 +294,7 @@ def cp_prefill_attention_triton(
     if validate or not segments.q_len.is_cuda:
         check_segment_bounds(q, k, segments, page_table, page_size)
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(out_shape(q, v))
     lse = None
     if return_lse:
         lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -5,6 +5,9 @@ rank a "prev" and a "next" chunk) and, after the all-gather, its requests'
 whole K/V. A query at absolute position ``p`` attends the keys at positions
 ``[0, p]`` of its own request, a cached prefix included.
 
+q and k share the qk head dim, v has its own (DeepSeek MLA decompressed: 192 =
+128 nope + 64 rope for q/k, 128 for v); neither needs to be a power of two.
+
 The Triton launcher in ``kernels/prefill_attention.py`` shares these checks;
 ``cp_prefill_attention_ref`` is the float32 reference it is tested against.
 """
@@ -19,6 +22,7 @@ import torch
 from kernels.backend import check_same_device
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256  # qk and v head dims each in [1, MAX_HEAD_DIM]
 # Query rows the reference scores at once: bounds its [Hq, rows, keys] buffer.
 _REF_ROWS_PER_CHUNK = 256
 
@@ -39,7 +43,7 @@ class AttnSegments(NamedTuple):
 
 
 class AttnOutput(NamedTuple):
-    out: torch.Tensor  # [Tq, Hq, D], q's dtype
+    out: torch.Tensor  # [Tq, Hq, Dv], q's dtype
     lse: torch.Tensor  # [Tq, Hq] float32, natural log
 
 
@@ -54,6 +58,11 @@ def _check_rows_tensor(name: str, t: object, device: torch.device, dtype: torch.
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{name} needs a contiguous last dim, got strides {t.stride()}")
+
+
+def out_shape(q: torch.Tensor, v: torch.Tensor) -> torch.Size:
+    """``[Tq, Hq, Dv]``: q's rows and heads, v's head dim."""
+    return torch.Size((q.shape[0], q.shape[1], v.shape[2]))
 
 
 def check_attention_args(
@@ -76,11 +85,14 @@ def check_attention_args(
     _check_rows_tensor("q", q, q.device, q.dtype)
     _check_rows_tensor("k", k, q.device, q.dtype)
     _check_rows_tensor("v", v, q.device, q.dtype)
-    head_dim = q.shape[2]
-    if head_dim < 16 or head_dim > 256 or head_dim & (head_dim - 1):
-        raise ValueError(f"head_dim {head_dim} must be a power of two in [16, 256]")
-    if k.shape != v.shape:
-        raise ValueError(f"k shape {tuple(k.shape)} differs from v shape {tuple(v.shape)}")
+    head_dim, v_head_dim = q.shape[2], v.shape[2]
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"q head_dim {head_dim} must be in [1, {MAX_HEAD_DIM}]")
+    if not 1 <= v_head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"v head_dim {v_head_dim} must be in [1, {MAX_HEAD_DIM}]")
+    if k.shape[:2] != v.shape[:2]:
+        raise ValueError(f"v shape {tuple(v.shape)} differs from k shape {tuple(k.shape)} "
+                         "in rows or heads")
     if k.shape[2] != head_dim:
         raise ValueError(f"k head_dim {k.shape[2]} differs from q head_dim {head_dim}")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1]:
@@ -115,8 +127,9 @@ def check_attention_args(
             raise ValueError(f"page_size must be an int >= 1 with a page_table, got {page_size}")
     if out is not None:
         _check_rows_tensor("out", out, q.device, q.dtype)
-        if out.shape != q.shape:
-            raise ValueError(f"out shape {tuple(out.shape)} differs from q shape {tuple(q.shape)}")
+        if out.shape != out_shape(q, v):
+            raise ValueError(f"out shape {tuple(out.shape)} must be [Tq, Hq, Dv] = "
+                             f"{tuple(out_shape(q, v))}")
     if lse_out is not None:
         if not return_lse:
             raise ValueError("lse_out given but return_lse is False")
@@ -202,7 +215,7 @@ def cp_prefill_attention_ref(
     check_attention_args(q, k, v, segments, softmax_scale, page_table, page_size, out, return_lse, lse_out)
     check_segment_bounds(q, k, segments, page_table, page_size)
     if out is None:
-        out = torch.empty_like(q)
+        out = q.new_empty(out_shape(q, v))
     lse = None
     if return_lse:
         lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
@@ -211,12 +224,12 @@ def cp_prefill_attention_ref(
         if q_len == 0:
             continue
         rows = _key_rows(kv_start, q_pos + q_len, page_table, page_size).to(k.device)
-        keys = k[rows].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        keys = k[rows].float().repeat_interleave(group, dim=1)  # [L, Hq, Dqk]
         values = v[rows].float().repeat_interleave(group, dim=1)
         key_pos = torch.arange(q_pos + q_len, device=q.device)
         for lo in range(0, q_len, _REF_ROWS_PER_CHUNK):
             hi = min(q_len, lo + _REF_ROWS_PER_CHUNK)
-            queries = q[q_start + lo : q_start + hi].float()  # [rows, Hq, D]
+            queries = q[q_start + lo : q_start + hi].float()  # [rows, Hq, Dqk]
             scores = torch.einsum("qhd,khd->hqk", queries, keys) * softmax_scale
             query_pos = q_pos + torch.arange(lo, hi, device=q.device)
             scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))

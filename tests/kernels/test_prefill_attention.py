@@ -25,17 +25,21 @@ LSE_SENTINEL = -12345.0
 
 
 class Batch(NamedTuple):
-    q: torch.Tensor  # [Tq, Hq, D]
-    k: torch.Tensor  # [Tk, Hkv, D] (a page pool when paged)
-    v: torch.Tensor
+    q: torch.Tensor  # [Tq, Hq, Dqk]
+    k: torch.Tensor  # [Tk, Hkv, Dqk] (a page pool when paged)
+    v: torch.Tensor  # [Tk, Hkv, Dv]
     segments: AttnSegments
     page_table: torch.Tensor | None
     page_size: int
     covered: torch.Tensor  # [Tq] bool
 
 
-def make_batch(requests, *, hq, hkv, head_dim, dtype, page_size=0, q_gap=2, seed=0, device=DEVICE):
-    """requests: [(kv_len, [(q_pos, q_len), ...]), ...]; q rows get gaps nobody covers."""
+def make_batch(requests, *, hq, hkv, head_dim, dtype, page_size=0, q_gap=2, seed=0, device=DEVICE,
+               v_head_dim=None):
+    """requests: [(kv_len, [(q_pos, q_len), ...]), ...]; q rows get gaps nobody covers.
+
+    v_head_dim defaults to head_dim (the qk head dim)."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
     gen = torch.Generator().manual_seed(seed)
     q_start, q_len, q_pos, kv_start, row = [], [], [], [], q_gap
     for r, (kv_len, segs) in enumerate(requests):
@@ -64,7 +68,7 @@ def make_batch(requests, *, hq, hkv, head_dim, dtype, page_size=0, q_gap=2, seed
             tk += kv_len + 3
         kv_start = [offsets[r] for r in kv_start]
     k = torch.randn(tk, hkv, head_dim, generator=gen).to(dtype)
-    v = torch.randn(tk, hkv, head_dim, generator=gen).to(dtype)
+    v = torch.randn(tk, hkv, v_head_dim, generator=gen).to(dtype)
     covered = torch.zeros(tq, dtype=torch.bool)
     for s, n in zip(q_start, q_len, strict=True):
         covered[s : s + n] = True
@@ -87,7 +91,7 @@ def naive_attention(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Ten
     q, k, v = batch.q.double(), batch.k.double(), batch.v.double()
     hq, hkv = q.shape[1], k.shape[1]
     kv_head = torch.arange(hq) // (hq // hkv)
-    out = torch.zeros_like(q)
+    out = torch.zeros(q.shape[0], hq, v.shape[2], dtype=torch.float64)
     lse = torch.zeros(q.shape[:2], dtype=torch.float64)
     for q_start, q_len, q_pos, kv_start in zip(*(t.tolist() for t in batch.segments), strict=True):
         for i in range(q_len):
@@ -98,7 +102,7 @@ def naive_attention(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Ten
                 else:
                     page = int(batch.page_table[kv_start, j // batch.page_size])
                     keys.append(page * batch.page_size + j % batch.page_size)
-            kk = k[keys][:, kv_head]  # [L, Hq, D]
+            kk = k[keys][:, kv_head]  # [L, Hq, Dqk]
             vv = v[keys][:, kv_head]
             scores = torch.einsum("hd,lhd->hl", q[q_start + i], kk) * scale
             weights = torch.softmax(scores, dim=-1)
@@ -107,8 +111,13 @@ def naive_attention(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Ten
     return out, lse
 
 
+def poisoned_out(batch: Batch) -> torch.Tensor:
+    """[Tq, Hq, Dv] of NaN: an element the kernel should write and does not stays NaN."""
+    return batch.q.new_full((*batch.q.shape[:2], batch.v.shape[2]), POISON)
+
+
 def run_op(op, batch: Batch, scale: float, **kwargs):
-    out = torch.full_like(batch.q, POISON)
+    out = poisoned_out(batch)
     lse = torch.full(batch.q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device=batch.q.device)
     got = op(batch.q, batch.k, batch.v, batch.segments, scale, page_table=batch.page_table,
              page_size=batch.page_size, out=out, return_lse=True, lse_out=lse, **kwargs)
@@ -166,7 +175,7 @@ def test_triton_and_ref_match_float64(name: str) -> None:
 def test_other_tile_shapes(block_m: int, block_n: int) -> None:
     batch = make_batch(THREE_REQUESTS, hq=4, hkv=2, head_dim=64, dtype=torch.float32, page_size=3, seed=1)
     scale = 0.1
-    out = torch.full_like(batch.q, POISON)
+    out = poisoned_out(batch)
     lse = torch.full(batch.q.shape[:2], LSE_SENTINEL, dtype=torch.float32, device=batch.q.device)
     launch_cp_prefill_attention(batch.q, batch.k, batch.v, batch.segments, scale, batch.page_table,
                                 batch.page_size, out, lse, AttnLaunchConfig(block_m, block_n, 4, 1))
@@ -249,7 +258,9 @@ def _bad_calls():
         ("q_dtype", dict(q=q.to(torch.int32)), ValueError, "q dtype"),
         ("k_dtype", dict(k=k.half()), ValueError, "k dtype"),
         ("q_rank", dict(q=q[0]), ValueError, "q must be"),
-        ("head_dim", dict(q=q[..., :48], k=k[..., :48], v=k[..., :48]), ValueError, "head_dim"),
+        ("head_dim", dict(q=torch.randn(8, 4, 264), k=torch.randn(12, 2, 264)), ValueError,
+         "q head_dim 264"),
+        ("v_head_dim", dict(v=torch.randn(12, 2, 0)), ValueError, "v head_dim 0"),
         ("gqa", dict(q=torch.randn(8, 3, 64)), ValueError, "q heads"),
         ("v_shape", dict(v=k[:10]), ValueError, "v shape"),
         ("k_stride", dict(k=torch.randn(12, 2, 128)[..., ::2]), ValueError, "k needs a contiguous"),
