@@ -1,0 +1,331 @@
+"""paged_mla_decode_attention: one query token per request over its MLA latent pages.
+
+The absorbed form of DeepSeek MLA decode: the caller multiplies q_nope by
+kv_b_proj's K part into the latent space and appends q_pe, so ``q [B, H, R+P]``
+(``R = kv_lora_rank``, ``P`` RoPE dims) scores each cached latent row over all
+``R+P`` values, the values are the row's first ``R``, and ``out [B, H, R]``
+goes back through kv_b_proj's V part in the caller. Key ``t`` of request ``b``
+is row ``page_table[b, t // page_size] * page_size + t % page_size`` of
+``latent_cache [rows, R+P]``, which may be a strided view (``pool[l, 0, :, 0, :]``).
+A request with ``seq_lens[b] == 0`` gets zeros. fp32 accumulation, out in q's dtype.
+
+Split-KV as in ``kernels/decode_attention.py``: stage 1 runs one program per
+(block of heads, request, split of the keys); it loads each latent tile once
+for scores and values of all the block's heads and, with several splits,
+writes a partial output and log-sum-exp that stage 2 merges. The grid depends
+only on shapes and ``num_splits``: lengths come from ``seq_lens`` on the
+device and the int arguments that vary per batch are not specialized on, so a
+caller using CUDA graphs fixes ``num_splits`` and the page table's width.
+On CPU the lengths and the page ids they reach are range-checked; on CUDA the
+kernel clamps lengths to the page table's width and trusts the page ids.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.backend import check_same_device, use_triton
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_LOG2E = 1.4426950408889634
+MAX_KV_LORA_RANK = 1024
+MAX_ROPE_DIM = 256
+
+
+class MLADecodeConfig(NamedTuple):
+    """Launch knobs of stage 1 (bench/kernels_mla.py sweeps them)."""
+
+    block_h: int = 16  # query heads per program (tl.dot needs >= 16 rows)
+    block_n: int = 32  # latent rows per loop step
+    num_warps: int = 4
+    num_stages: int = 2
+    # Auto split count: aim for this many stage-1 programs per SM, but never
+    # give a split fewer than min_split_keys keys (merging costs a pass).
+    programs_per_sm: int = 2
+    min_split_keys: int = 256
+
+
+def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLADecodeConfig) -> int:
+    """Splits per (head block, request) so that stage 1 has enough programs."""
+    if programs == 0 or max_kv_len <= 0:
+        return 1
+    wanted = triton.cdiv(num_sms * config.programs_per_sm, programs)
+    return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
+
+
+@triton.jit(do_not_specialize=["max_kv_len", "split_len", "stride_tb"])
+def _paged_mla_decode_kernel(
+    q_ptr, latent_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    scale_log2, max_kv_len, split_len, num_heads,
+    stride_qb, stride_qh, stride_lr, stride_tb, stride_ob, stride_oh,
+    RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Head blocks vary fastest, so the programs sharing a request's latent tiles run together.
+    head_block = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
+    r = tl.arange(0, BLOCK_R)
+    p = RANK + tl.arange(0, BLOCK_P)
+    h_ok = h < num_heads
+    r_ok = r < RANK
+    p_ok = p < RANK + ROPE
+    q_row = q_ptr + b * stride_qb + h[:, None] * stride_qh
+    q_nope = tl.load(q_row + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
+    if ROPE > 0:
+        q_pe = tl.load(q_row + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
+        row = latent_ptr + (page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_lr
+        # Masked rows read 0, never a neighbour's (or a poisoned unused) row.
+        kv = tl.load(row + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        if ROPE > 0:
+            k_pe = tl.load(row + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
+        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
+        # The loop runs only over blocks with a key, so m_new is finite.
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m = m_new
+
+    has_keys = l > 0.0  # false only for an empty split (or seq_len 0)
+    o = acc / tl.where(has_keys, l, 1.0)[:, None]
+    o_mask = h_ok[:, None] & r_ok[None, :]
+    if WRITE_PARTIAL:
+        # Partials: lse [B, H, num_splits], o [B, H, num_splits, RANK].
+        slot = (b * num_heads + h) * num_splits + split
+        tl.store(part_o_ptr + slot[:, None] * RANK + r[None, :], o, mask=o_mask)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + slot, lse, mask=h_ok)
+    else:
+        dst = out_ptr + b * stride_ob + h[:, None] * stride_oh + r[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _mla_decode_merge_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ob, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    h = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    first = (b * num_heads + h) * num_splits
+    top = tl.load(part_lse_ptr + first)
+    for i in range(1, num_splits):
+        top = tl.maximum(top, tl.load(part_lse_ptr + first + i))
+    top = tl.where(top > float("-inf"), top, 0.0)  # every split empty: all weights 0
+    r = tl.arange(0, BLOCK_R)
+    r_ok = r < RANK
+    acc = tl.zeros([BLOCK_R], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for i in range(num_splits):
+        weight = tl.exp2(tl.load(part_lse_ptr + first + i) - top)  # 0 for an empty split
+        o = tl.load(part_o_ptr + (first + i) * RANK + r, mask=r_ok, other=0.0)
+        acc += weight * o
+        total += weight
+    merged = acc / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + r, merged.to(out_ptr.dtype.element_ty),
+             mask=r_ok)
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale, kv_lora_rank,
+                out, num_splits) -> torch.Tensor:
+    """Validate every argument (ValueError naming it); returns ``out``, allocated if None."""
+    for name, t, dims in (("q", q, "[B, H, R+P]"), ("latent_cache", latent_cache, "[rows, R+P]")):
+        want_dim = 3 if name == "q" else 2
+        if not isinstance(t, torch.Tensor) or t.dim() != want_dim:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a {want_dim}-D tensor {dims}, got {shape}")
+        if t.dtype not in _DTYPES:
+            raise ValueError(f"{name}.dtype must be one of {_DTYPES}, got {t.dtype}")
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a dense last dim, got strides {t.stride()}")
+    if latent_cache.dtype != q.dtype:
+        raise ValueError(f"latent_cache.dtype is {latent_cache.dtype} but q.dtype is {q.dtype}")
+    batch, heads, width = q.shape
+    if latent_cache.shape[1] != width:
+        raise ValueError(f"latent_cache rows have {latent_cache.shape[1]} values but q has {width}")
+    if not _is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= min(width, MAX_KV_LORA_RANK):
+        raise ValueError(f"kv_lora_rank must be an int in [1, min(q.shape[2] = {width}, "
+                         f"{MAX_KV_LORA_RANK})], got {kv_lora_rank!r}")
+    if width - kv_lora_rank > MAX_ROPE_DIM:
+        raise ValueError(f"q.shape[2] - kv_lora_rank = {width - kv_lora_rank} RoPE dims, "
+                         f"more than {MAX_ROPE_DIM}")
+    if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2 or (
+        page_table.dtype != torch.int32
+    ):
+        raise ValueError(f"page_table must be a 2-D int32 tensor, got {page_table!r:.80}")
+    if page_table.shape[1] > 1 and page_table.stride(1) != 1:
+        raise ValueError(f"page_table must have a dense last dim, got strides {page_table.stride()}")
+    if not isinstance(seq_lens, torch.Tensor) or seq_lens.dim() != 1 or (
+        seq_lens.dtype != torch.int32
+    ):
+        raise ValueError(f"seq_lens must be a 1-D int32 tensor, got {seq_lens!r:.80}")
+    if not _is_int(page_size) or page_size <= 0:
+        raise ValueError(f"page_size must be a positive int, got {page_size!r}")
+    if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
+            or not math.isfinite(softmax_scale) or softmax_scale <= 0):
+        raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
+    if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+    check_same_device(q=q, latent_cache=latent_cache, page_table=page_table, seq_lens=seq_lens,
+                      out=out)
+    rows = latent_cache.shape[0]
+    if rows % page_size != 0:
+        raise ValueError(f"latent_cache has {rows} rows, not a multiple of page_size {page_size}")
+    if seq_lens.shape[0] != batch or page_table.shape[0] != batch:
+        raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries and page_table "
+                         f"{page_table.shape[0]} rows, but q has batch {batch}")
+    shape = (batch, heads, kv_lora_rank)
+    if out is None:
+        out = q.new_empty(shape)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
+        raise ValueError(f"out is {got}, expected {shape} {q.dtype}")
+    if kv_lora_rank > 1 and out.stride(2) != 1:
+        raise ValueError(f"out must have a dense last dim, got strides {out.stride()}")
+    if not seq_lens.is_cuda and batch > 0:
+        _check_lens_and_pages(page_table, seq_lens, page_size, rows // page_size)
+    return out
+
+
+def _check_lens_and_pages(page_table, seq_lens, page_size, num_pages) -> None:
+    max_len = page_table.shape[1] * page_size
+    low, high = int(seq_lens.min()), int(seq_lens.max())
+    if low < 0 or high > max_len:
+        bad = low if low < 0 else high
+        raise ValueError(f"seq_lens holds {bad}, outside [0, {max_len}] (page_table width "
+                         f"{page_table.shape[1]} x page_size {page_size})")
+    pages_used = (seq_lens.to(torch.int64) + page_size - 1) // page_size
+    used = torch.arange(page_table.shape[1])[None, :] < pages_used[:, None]
+    ids = page_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"page_table holds page {bad}, outside the latent_cache's {num_pages} pages")
+
+
+def paged_mla_decode_attention_triton(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> torch.Tensor:
+    """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them)."""
+    out = _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
+                      kv_lora_rank, out, num_splits)
+    cfg = config or MLADecodeConfig()
+    batch, heads, width = q.shape
+    if out.numel() == 0:
+        return out
+    rope = width - kv_lora_rank
+    block_h = max(16, min(triton.next_power_of_2(cfg.block_h), triton.next_power_of_2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    max_kv_len = page_table.shape[1] * page_size
+    if num_splits is None:
+        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                   if q.is_cuda else 1)  # the interpreter runs programs one by one
+        num_splits = choose_mla_splits(batch * head_blocks, max_kv_len, num_sms, cfg)
+    # Splits are whole key blocks; trailing ones may get no keys (and write an empty partial).
+    split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), cfg.block_n) * cfg.block_n
+    write_partial = num_splits > 1
+    if write_partial:
+        part_o = torch.empty((batch, heads, num_splits, kv_lora_rank), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    block_r = max(16, triton.next_power_of_2(kv_lora_rank))
+    _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
+        q, latent_cache, page_table, seq_lens, part_o, part_lse, out,
+        softmax_scale * _LOG2E, max_kv_len, split_len, heads,
+        q.stride(0), q.stride(1), latent_cache.stride(0), page_table.stride(0),
+        out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
+        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))),
+        BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if write_partial:
+        _mla_decode_merge_kernel[(heads, batch)](
+            part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1),
+            RANK=kv_lora_rank, BLOCK_R=block_r,
+        )
+    return out
+
+
+def paged_mla_decode_attention_ref(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Plain torch, one request at a time in float32; ``num_splits`` has no effect here."""
+    out = _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
+                      kv_lora_rank, out, num_splits)
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        if seq_len == 0:
+            out[b] = 0
+            continue
+        t = torch.arange(seq_len, device=q.device)
+        rows = page_table[b, t // page_size].to(torch.int64) * page_size + t % page_size
+        latent = latent_cache[rows].float()  # [seq_len, R+P]
+        probs = (q[b].float() @ latent.T * softmax_scale).softmax(dim=-1)  # [H, seq_len]
+        out[b] = (probs @ latent[:, :kv_lora_rank]).to(out.dtype)
+    return out
+
+
+def paged_mla_decode_attention(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """Absorbed MLA decode attention of each request's one query token (see module doc)."""
+    run = paged_mla_decode_attention_triton if use_triton(q) else paged_mla_decode_attention_ref
+    return run(q, latent_cache, page_table, seq_lens, page_size, softmax_scale, kv_lora_rank,
+               out=out, num_splits=num_splits)

@@ -1,0 +1,217 @@
+"""paged_mla_decode_attention: Triton (interpreted on CPU) and reference vs float64 math.
+
+Latent pools are 5-D ``[L, 1, rows, 1, R+P]`` as the MLA pool keeps them, and
+the kernels read the per-layer view ``pool[l, 0, :, 0, :]``. Rows no request
+reaches are NaN, so a read past a request's last key shows in the output.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from kernels.mla_decode import (
+    MLADecodeConfig,
+    choose_mla_splits,
+    paged_mla_decode_attention,
+    paged_mla_decode_attention_ref,
+    paged_mla_decode_attention_triton,
+)
+from tests.markers import requires_gpu
+
+RANK, ROPE = 32, 8
+
+
+class Problem(NamedTuple):
+    q: torch.Tensor  # [B, H, R+P]
+    latent: torch.Tensor  # [rows, R+P], a view of a [L, 1, rows, 1, R+P] pool
+    page_table: torch.Tensor  # [B, max_pages] int32
+    seq_lens: torch.Tensor  # [B] int32
+
+
+def make_problem(heads, page_size, seq_lens, dtype, *, rank=RANK, rope=ROPE, seed=0,
+                 device="cpu", layer=1) -> Problem:
+    gen = torch.Generator().manual_seed(seed)
+    batch, width = len(seq_lens), rank + rope
+    max_pages = max(1, max(math.ceil(n / page_size) for n in seq_lens) + 1)
+    num_pages = batch * max_pages + 3
+    rows = num_pages * page_size
+    pool = torch.full((3, 1, rows, 1, width), float("nan"))
+    perm = torch.randperm(num_pages, generator=gen)[: batch * max_pages]
+    page_table = perm.view(batch, max_pages).to(torch.int32)
+    for b, n in enumerate(seq_lens):  # only the rows a request reaches hold numbers
+        t = torch.arange(n)
+        used = page_table[b, t // page_size].long() * page_size + t % page_size
+        pool[layer, 0, used, 0] = torch.randn(n, width, generator=gen)
+    q = torch.randn(batch, heads, width, generator=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    pool = pool.to(device=device, dtype=dtype)
+    return Problem(q.to(device=device, dtype=dtype), pool[layer, 0, :, 0, :],
+                   page_table.to(device), lens.to(device))
+
+
+def naive_mla(p: Problem, page_size: int, scale: float, rank: int) -> torch.Tensor:
+    """float64, one (request, head) at a time; latent rows gathered page by page."""
+    batch, heads, _ = p.q.shape
+    out = torch.zeros(batch, heads, rank, dtype=torch.float64)
+    for b in range(batch):
+        n = int(p.seq_lens[b])
+        if n == 0:
+            continue
+        rows = []
+        for slot in range(math.ceil(n / page_size)):
+            first = int(p.page_table[b, slot]) * page_size
+            rows.extend(range(first, first + page_size))
+        latent = p.latent.cpu()[torch.tensor(rows[:n])].double()  # [n, R+P]
+        for h in range(heads):
+            logits = latent @ p.q[b, h].cpu().double() * scale
+            weights = torch.exp(logits - logits.max())
+            out[b, h] = (weights / weights.sum()) @ latent[:, :rank]
+    return out
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double().cpu() - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+CASES = [
+    # (heads, page_size, seq_lens): lengths cross page and key-block edges
+    (4, 1, [1, 9, 70]),
+    (4, 4, [70, 0, 5, 33]),
+    (4, 16, [130, 17]),
+    (20, 4, [37, 16]),  # two head blocks, the second partly padding
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("heads,page_size,seq_lens", CASES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_mla_decode_matches_float64(dtype, heads, page_size, seq_lens, num_splits):
+    p = make_problem(heads, page_size, seq_lens, dtype, seed=page_size + heads)
+    scale = 0.7 / math.sqrt(RANK + ROPE)
+    want = naive_mla(p, page_size, scale, RANK)
+    out = torch.full((len(seq_lens), heads, RANK), float("nan"), dtype=dtype)
+    got = paged_mla_decode_attention_triton(*p, page_size, scale, RANK, out=out,
+                                            num_splits=num_splits,
+                                            config=MLADecodeConfig(block_n=16))
+    assert got is out
+    assert not torch.isnan(out).any()
+    # fp16 rounds the probabilities before the PV product (as flash decoding does).
+    assert rel_err(out, want) < (2e-3 if dtype == torch.float16 else 1e-5)
+    for b, n in enumerate(seq_lens):
+        if n == 0:
+            assert torch.equal(out[b], torch.zeros_like(out[b]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_reference_matches_float64(dtype):
+    p = make_problem(4, 4, [33, 0, 1, 12], dtype, seed=11)
+    want = naive_mla(p, 4, 0.3, RANK)
+    got = paged_mla_decode_attention_ref(*p, 4, 0.3, RANK)
+    assert got.shape == (4, 4, RANK)
+    assert rel_err(got, want) < (1e-3 if dtype == torch.float16 else 1e-6)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
+    assert torch.equal(paged_mla_decode_attention(*p, 4, 0.3, RANK), got)
+
+
+@pytest.mark.parametrize("rank,rope", [(24, 0), (20, 12)])
+def test_odd_dims_and_no_rope(rank, rope):
+    # R and P off powers of two take masked columns; P = 0 scores the R values alone.
+    p = make_problem(4, 4, [21, 6], torch.float32, rank=rank, rope=rope, seed=rank)
+    want = naive_mla(p, 4, 0.2, rank)
+    got = paged_mla_decode_attention_triton(*p, 4, 0.2, rank, num_splits=2)
+    assert rel_err(got, want) < 1e-5
+
+
+def test_dispatcher_runs_triton_when_asked(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
+    p = make_problem(4, 4, [19, 3], torch.float16, seed=2)
+    got = paged_mla_decode_attention(*p, 4, 0.2, RANK, num_splits=2)
+    assert torch.equal(got, paged_mla_decode_attention_triton(*p, 4, 0.2, RANK, num_splits=2))
+    assert not torch.equal(got, paged_mla_decode_attention_ref(*p, 4, 0.2, RANK))
+
+
+def test_into_strided_out_and_default_config():
+    p = make_problem(4, 16, [40, 3], torch.float32, seed=4)
+    want = naive_mla(p, 16, 0.25, RANK)
+    wide = torch.full((2, 4, RANK + 16), float("nan"))
+    out = wide[:, :, 8 : 8 + RANK]
+    paged_mla_decode_attention_triton(*p, 16, 0.25, RANK, out=out)
+    assert rel_err(out, want) < 1e-5
+    assert torch.isnan(wide[:, :, :8]).all() and torch.isnan(wide[:, :, 8 + RANK :]).all()
+
+
+def test_fixed_grid_serves_any_lengths():
+    # One num_splits and one page-table width (a captured graph's) for shorter and longer batches.
+    p = make_problem(4, 4, [60, 60], torch.float32, seed=9)
+    for lens in ([1, 60], [59, 0], [13, 44]):
+        seq_lens = torch.tensor(lens, dtype=torch.int32)
+        q = p._replace(seq_lens=seq_lens)
+        got = paged_mla_decode_attention_triton(*q, 4, 0.3, RANK, num_splits=4)
+        assert rel_err(got, naive_mla(q, 4, 0.3, RANK)) < 1e-5
+
+
+def test_choose_mla_splits_fills_the_gpu():
+    cfg = MLADecodeConfig()
+    assert choose_mla_splits(1, 1 << 20, 132, cfg) == 2 * 132  # one request, one head block
+    assert choose_mla_splits(1, 32768, 132, cfg) == 32768 // 256
+    assert choose_mla_splits(1, 512, 132, cfg) == 2  # never under min_split_keys keys
+    assert choose_mla_splits(64 * 8, 8192, 132, cfg) == 1
+    assert choose_mla_splits(0, 100, 132, cfg) == 1
+
+
+@pytest.mark.parametrize("impl", [paged_mla_decode_attention_triton, paged_mla_decode_attention_ref])
+def test_rejects_bad_arguments(impl):
+    q, latent, table, lens = make_problem(4, 2, [3, 4], torch.float32, seed=0)
+    bad = [
+        (dict(q=q[0]), "q must be a 3-D"),
+        (dict(q=q.to(torch.int32)), "q.dtype must be"),
+        (dict(latent=latent.half()), "latent_cache.dtype is"),
+        (dict(latent=latent[:, :-1]), "latent_cache rows have 39 values"),
+        (dict(latent=torch.zeros(latent.shape[0], 80)[:, ::2]), "latent_cache must have a dense"),
+        (dict(rank=0), "kv_lora_rank must be an int"),
+        (dict(rank=41), "kv_lora_rank must be an int"),
+        (dict(rank=32.0), "kv_lora_rank must be an int"),
+        (dict(table=table.long()), "page_table must be a 2-D int32"),
+        (dict(table=torch.zeros(2, 8, dtype=torch.int32)[:, ::2]), "page_table must have a dense"),
+        (dict(lens=lens[:1]), "seq_lens has 1 entries"),
+        (dict(lens=torch.tensor([3, 99], dtype=torch.int32)), "seq_lens holds 99"),
+        (dict(table=table + 10_000), "page_table holds page 100"),
+        (dict(page_size=0), "page_size must be"),
+        (dict(page_size=4), "18 rows, not a multiple of page_size 4"),
+        (dict(scale=float("inf")), "softmax_scale"),
+        (dict(scale=-1.0), "softmax_scale"),
+        (dict(out=torch.empty(2, 4, 40)), "out is"),
+        (dict(num_splits=0), "num_splits"),
+    ]
+    for override, match in bad:
+        args = {**dict(q=q, latent=latent, table=table, lens=lens, page_size=2, scale=1.0,
+                       rank=RANK, out=None, num_splits=None), **override}
+        with pytest.raises(ValueError, match=match):
+            impl(args["q"], args["latent"], args["table"], args["lens"], args["page_size"],
+                 args["scale"], args["rank"], out=args["out"], num_splits=args["num_splits"])
+
+
+# ---- GPU: bf16 at DeepSeek shapes (R 512, P 64) -----------------------------
+
+
+@requires_gpu
+@pytest.mark.parametrize("heads", [16, 128])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_gpu_bf16_deepseek_shapes(heads, page_size):
+    gen = torch.Generator().manual_seed(heads + page_size)
+    max_len = 5000 if heads == 16 else 2000
+    seq_lens = torch.randint(1, max_len, (8,), generator=gen).tolist()
+    seq_lens[0], seq_lens[1] = max_len, 0
+    p = make_problem(heads, page_size, seq_lens, torch.bfloat16, rank=512, rope=64, seed=heads,
+                     device="cuda")
+    scale = 192**-0.5
+    want = paged_mla_decode_attention_ref(*p, page_size, scale, 512).double().cpu()
+    for num_splits in (None, 1, 7):
+        got = paged_mla_decode_attention_triton(*p, page_size, scale, 512, num_splits=num_splits)
+        assert not got.isnan().any()
+        assert rel_err(got, want) < 1e-2
+    assert torch.equal(got[1], torch.zeros_like(got[1]))
