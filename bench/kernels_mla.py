@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.kernels_copy import _copy_times, _times, _warm_gpu  # noqa: E402
 from kernels.mla_decode import (  # noqa: E402
     MLADecodeConfig,
+    default_mla_config,
     paged_mla_decode_attention_ref,
     paged_mla_decode_attention_triton,
 )
@@ -98,7 +99,8 @@ def decode(rows: list[dict], shapes, configs, page_size: int) -> None:
                 gbs=latent_bytes / ms * 1e-6, graph_gbs=latent_bytes / graph_ms * 1e-6,
                 copy_gbs=2 * latent_bytes / copy_ms * 1e-6,
                 copy_graph_gbs=2 * latent_bytes / copy_graph_ms * 1e-6,
-                rel_err=err, ok=err < MAX_REL_ERR, config=(cfg or MLADecodeConfig())._asdict()))
+                rel_err=err, ok=err < MAX_REL_ERR,
+                config=(cfg or default_mla_config(heads))._asdict()))
         del args
         torch.cuda.empty_cache()
 

@@ -50,6 +50,15 @@ class MLADecodeConfig(NamedTuple):
     min_split_keys: int = 256
 
 
+def default_mla_config(heads: int) -> MLADecodeConfig:
+    """Tiles by head count: with many heads, bigger head blocks reread the latent less."""
+    if heads >= 64:
+        # H200, 128 heads, batch 16 x 4k: 64-head blocks x 8 warps 1.4x the 16-head default
+        # (BENCHMARKS.md).
+        return MLADecodeConfig(block_h=64, block_n=32, num_warps=8, num_stages=2)
+    return MLADecodeConfig()
+
+
 def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLADecodeConfig) -> int:
     """Splits per (head block, request) so that stage 1 has enough programs."""
     if programs == 0 or max_kv_len <= 0:
@@ -245,8 +254,8 @@ def paged_mla_decode_attention_triton(
     """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them)."""
     out = _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
                       kv_lora_rank, out, num_splits)
-    cfg = config or MLADecodeConfig()
     batch, heads, width = q.shape
+    cfg = config or default_mla_config(heads)
     if out.numel() == 0:
         return out
     rope = width - kv_lora_rank

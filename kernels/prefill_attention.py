@@ -69,8 +69,11 @@ def default_config(q: torch.Tensor) -> AttnLaunchConfig:
         # The interpreter: small tiles so short test sequences still span
         # several query and key blocks and both loops run.
         return AttnLaunchConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
-    if q.shape[2] > 128 or q.dtype == torch.float32:
+    if q.shape[2] > 192 or q.dtype == torch.float32:
         return AttnLaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+    if q.shape[2] > 128:
+        # H200, DeepSeek qk 192 / v 128, 16k causal: 64x64 led 128x64 and 64x32 (BENCHMARKS.md).
+        return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     if triton.cdiv(q.shape[0], 128) * q.shape[1] < _MIN_BIG_TILE_PROGRAMS_PER_SM * num_sms:
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

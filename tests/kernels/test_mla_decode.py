@@ -16,6 +16,7 @@ import torch
 from kernels.mla_decode import (
     MLADecodeConfig,
     choose_mla_splits,
+    default_mla_config,
     paged_mla_decode_attention,
     paged_mla_decode_attention_ref,
     paged_mla_decode_attention_triton,
@@ -152,6 +153,15 @@ def test_fixed_grid_serves_any_lengths():
         q = p._replace(seq_lens=seq_lens)
         got = paged_mla_decode_attention_triton(*q, 4, 0.3, RANK, num_splits=4)
         assert rel_err(got, naive_mla(q, 4, 0.3, RANK)) < 1e-5
+
+
+def test_wide_head_blocks():
+    # The many-heads tiles (64 heads a block) on 20 heads: one block, 44 rows of padding.
+    p = make_problem(20, 4, [37, 5], torch.float32, seed=8)
+    cfg = default_mla_config(128)
+    assert cfg.block_h == 64 and default_mla_config(16).block_h == 16
+    got = paged_mla_decode_attention_triton(*p, 4, 0.3, RANK, num_splits=2, config=cfg)
+    assert rel_err(got, naive_mla(p, 4, 0.3, RANK)) < 1e-5
 
 
 def test_choose_mla_splits_fills_the_gpu():
