@@ -6,6 +6,7 @@ op's own module. ``kernels.backend`` says which one runs for a tensor.
 
 from kernels.decode_attention import paged_decode_attention
 from kernels.kv_layout import KVCacheSpec
+from kernels.mla_decode import paged_mla_decode_attention
 from kernels.page_copy import gather_pages, scatter_pages
 from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
@@ -18,6 +19,7 @@ __all__ = [
     "cp_prefill_attention",
     "gather_pages",
     "paged_decode_attention",
+    "paged_mla_decode_attention",
     "rerange",
     "scatter_pages",
     "store_kv",
