@@ -47,6 +47,7 @@ __all__ = [
     "cp_prefill_attention",
     "cp_prefill_attention_ref",
     "cp_prefill_attention_triton",
+    "head_dim_split",
 ]
 
 _LOG2E = 1.4426950408889634
