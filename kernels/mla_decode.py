@@ -93,8 +93,7 @@ def _paged_mla_decode_kernel(
     p_ok = p < RANK + ROPE
     q_row = q_ptr + b * stride_qb + h[:, None] * stride_qh
     q_nope = tl.load(q_row + r[None, :], mask=h_ok[:, None] & r_ok[None, :], other=0.0)
-    if ROPE > 0:
-        q_pe = tl.load(q_row + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
+    q_pe = tl.load(q_row + p[None, :], mask=h_ok[:, None] & p_ok[None, :], other=0.0)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
@@ -106,9 +105,8 @@ def _paged_mla_decode_kernel(
         # Masked rows read 0, never a neighbour's (or a poisoned unused) row.
         kv = tl.load(row + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        if ROPE > 0:
-            k_pe = tl.load(row + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
+        k_pe = tl.load(row + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
         s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
         # The loop runs only over blocks with a key, so m_new is finite.
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -178,10 +176,12 @@ def _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
         raise ValueError(f"latent_cache.dtype is {latent_cache.dtype} but q.dtype is {q.dtype}")
     batch, heads, width = q.shape
     if latent_cache.shape[1] != width:
-        raise ValueError(f"latent_cache rows have {latent_cache.shape[1]} values but q has {width}")
-    if not _is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= min(width, MAX_KV_LORA_RANK):
-        raise ValueError(f"kv_lora_rank must be an int in [1, min(q.shape[2] = {width}, "
-                         f"{MAX_KV_LORA_RANK})], got {kv_lora_rank!r}")
+        raise ValueError(f"latent_cache must be [rows, {width}] (q.shape[2]), got "
+                         f"{tuple(latent_cache.shape)}")
+    # A latent row is R values and then P >= 1 RoPE values (DESIGN.md, MLA pages).
+    if not _is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= min(width - 1, MAX_KV_LORA_RANK):
+        raise ValueError(f"kv_lora_rank must be an int in [1, {min(width - 1, MAX_KV_LORA_RANK)}] "
+                         f"(q.shape[2] = {width}), got {kv_lora_rank!r}")
     if width - kv_lora_rank > MAX_ROPE_DIM:
         raise ValueError(f"q.shape[2] - kv_lora_rank = {width - kv_lora_rank} RoPE dims, "
                          f"more than {MAX_ROPE_DIM}")
@@ -228,8 +228,8 @@ def _check_lens_and_pages(page_table, seq_lens, page_size, num_pages) -> None:
     low, high = int(seq_lens.min()), int(seq_lens.max())
     if low < 0 or high > max_len:
         bad = low if low < 0 else high
-        raise ValueError(f"seq_lens holds {bad}, outside [0, {max_len}] (page_table width "
-                         f"{page_table.shape[1]} x page_size {page_size})")
+        raise ValueError(f"seq_lens must be in [0, {max_len}] (page_table width "
+                         f"{page_table.shape[1]} x page_size {page_size}), got {bad}")
     pages_used = (seq_lens.to(torch.int64) + page_size - 1) // page_size
     used = torch.arange(page_table.shape[1])[None, :] < pages_used[:, None]
     ids = page_table[used]
@@ -282,7 +282,7 @@ def paged_mla_decode_attention_triton(
         q.stride(0), q.stride(1), latent_cache.stride(0), page_table.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))),
+        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -118,9 +118,9 @@ def test_reference_matches_float64(dtype):
     assert torch.equal(paged_mla_decode_attention(*p, 4, 0.3, RANK), got)
 
 
-@pytest.mark.parametrize("rank,rope", [(24, 0), (20, 12)])
-def test_odd_dims_and_no_rope(rank, rope):
-    # R and P off powers of two take masked columns; P = 0 scores the R values alone.
+@pytest.mark.parametrize("rank,rope", [(24, 1), (20, 12)])
+def test_odd_dims(rank, rope):
+    # R and P off powers of two (a single RoPE value too) take masked columns.
     p = make_problem(4, 4, [21, 6], torch.float32, rank=rank, rope=rope, seed=rank)
     want = naive_mla(p, 4, 0.2, rank)
     got = paged_mla_decode_attention_triton(*p, 4, 0.2, rank, num_splits=2)
@@ -180,15 +180,16 @@ def test_rejects_bad_arguments(impl):
         (dict(q=q[0]), "q must be a 3-D"),
         (dict(q=q.to(torch.int32)), "q.dtype must be"),
         (dict(latent=latent.half()), "latent_cache.dtype is"),
-        (dict(latent=latent[:, :-1]), "latent_cache rows have 39 values"),
+        (dict(latent=latent[:, :-1]), r"latent_cache must be \[rows, 40\]"),
         (dict(latent=torch.zeros(latent.shape[0], 80)[:, ::2]), "latent_cache must have a dense"),
         (dict(rank=0), "kv_lora_rank must be an int"),
-        (dict(rank=41), "kv_lora_rank must be an int"),
+        (dict(rank=40), r"kv_lora_rank must be an int in \[1, 39\]"),
         (dict(rank=32.0), "kv_lora_rank must be an int"),
         (dict(table=table.long()), "page_table must be a 2-D int32"),
         (dict(table=torch.zeros(2, 8, dtype=torch.int32)[:, ::2]), "page_table must have a dense"),
         (dict(lens=lens[:1]), "seq_lens has 1 entries"),
-        (dict(lens=torch.tensor([3, 99], dtype=torch.int32)), "seq_lens holds 99"),
+        (dict(lens=torch.tensor([3, 99], dtype=torch.int32)), r"seq_lens must be in \[0, 6\].*got 99"),
+        (dict(lens=torch.tensor([3, -1], dtype=torch.int32)), "seq_lens must be in.*got -1"),
         (dict(table=table + 10_000), "page_table holds page 100"),
         (dict(page_size=0), "page_size must be"),
         (dict(page_size=4), "18 rows, not a multiple of page_size 4"),
