@@ -1,6 +1,7 @@
 """Loads a Hugging Face safetensors checkpoint into the model class of its architecture.
 
-``CausalLM`` serves the Llama family, ``DeepseekCausalLM`` DeepSeek-V2/V3; any
+``CausalLM`` serves the Llama family, ``DeepseekCausalLM`` DeepSeek-V2/V3,
+``DeepseekV32CausalLM`` DeepSeek-V3.2; any
 other architecture is one ``ValueError`` naming it (from ``ModelConfig``).
 
 Each tensor file is read once; the same bytes feed both the weights digest and
@@ -22,6 +23,7 @@ from safetensors.torch import load as load_safetensors
 
 from model.config import ModelConfig
 from model.deepseek import DeepseekCausalLM
+from model.deepseek_v32 import DeepseekV32CausalLM
 from model.llama import CausalLM
 from model.tokenizer import Tokenizer, load_tokenizer
 
@@ -33,7 +35,9 @@ AnyCausalLM = CausalLM | DeepseekCausalLM
 
 def model_class(config: ModelConfig) -> type[CausalLM] | type[DeepseekCausalLM]:
     """The model class that runs ``config``'s architecture."""
-    return CausalLM if config.mla is None else DeepseekCausalLM
+    if config.mla is None:
+        return CausalLM
+    return DeepseekCausalLM if config.dsa is None else DeepseekV32CausalLM
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,

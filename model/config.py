@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from model.dsa import DSAConfig
 from model.mla_config import (
     DEEPSEEK_ARCHITECTURES,
     DEEPSEEK_MODEL_TYPES,
@@ -45,6 +46,7 @@ _DEFAULT_MAX_POSITIONS = {
     "MistralForCausalLM": 131072,
     "DeepseekV2ForCausalLM": 2048,
     "DeepseekV3ForCausalLM": 4096,
+    "DeepseekV32ForCausalLM": 163840,
 }
 _DEFAULT_ROPE_THETA = 10000.0
 _DEFAULT_RMS_NORM_EPS = 1e-6
@@ -87,6 +89,8 @@ class ModelConfig:
     # and MoE; None for the Llama family.
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
+    # DeepSeek-V3.2: the sparse-attention indexer; None for every other architecture.
+    dsa: DSAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -113,6 +117,9 @@ class ModelConfig:
             self.moe is None) != (self.mla is None):
             raise ValueError(f"architecture={self.architecture!r} needs mla and moe exactly "
                              "when it is a DeepSeek architecture")
+        if (self.dsa is None) != (self.architecture != "DeepseekV32ForCausalLM"):
+            raise ValueError(f"architecture={self.architecture!r} needs dsa exactly when it is "
+                             "DeepseekV32ForCausalLM")
         if self.mla is not None and (self.num_kv_heads, self.head_dim) != (1, self.mla.latent_dim):
             raise ValueError(f"an MLA model has num_kv_heads=1 and head_dim={self.mla.latent_dim}, "
                              f"got {self.num_kv_heads} and {self.head_dim}")
@@ -192,6 +199,7 @@ class ModelConfig:
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
             bos_token_id=hf.get("bos_token_id"),
             **deepseek_fields(hf, architecture),
+            dsa=DSAConfig.from_hf(hf) if architecture == "DeepseekV32ForCausalLM" else None,
         )
 
     @classmethod

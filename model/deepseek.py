@@ -20,6 +20,7 @@ the tokens sorted by expert, never a Python loop over tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,12 @@ from model.mla_config import MoEConfig, yarn_inv_freq
 MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep the default epsilon whatever rms_norm_eps says.
 _LORA_NORM_EPS = 1e-6
+
+
+class MLAProjection(NamedTuple):
+    q: torch.Tensor  # [T, H, qk_head_dim]: q_nope then the RoPE'd q_pe
+    latent: torch.Tensor  # [T, kv_lora_rank + qk_rope_head_dim], the cached row
+    q_lora: torch.Tensor | None  # [T, q_lora_rank] after q_a_layernorm (DSA's index queries)
 
 
 class MLARotary(nn.Module):
@@ -85,13 +92,14 @@ class MLAAttention(nn.Module):
                                    bias=False, **kw)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.attention_bias, **kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: MLAAttentionFn) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjection:
+        """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it)."""
         mla, num_tokens = self.mla, x.shape[0]
         if mla.q_lora_rank is None:
-            q = self.q_proj(x)
+            q_lora, q = None, self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_lora = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_lora)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
@@ -99,12 +107,21 @@ class MLAAttention(nn.Module):
         q_pe = rope_pairs(q_pe, cos, sin, mla.rope_interleave)
         k_pe = rope_pairs(k_pe[:, None, :], cos, sin, mla.rope_interleave)[:, 0]
         latent = torch.cat((self.kv_a_layernorm(compressed), k_pe), dim=-1)
-        o = attention(self.layer_index, torch.cat((q_nope, q_pe), dim=-1), latent)
-        expected = (num_tokens, self.num_heads, mla.v_head_dim)
+        return MLAProjection(torch.cat((q_nope, q_pe), dim=-1), latent, q_lora)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                attention: MLAAttentionFn) -> torch.Tensor:
+        proj = self.project(x, cos, sin)
+        return self.output(attention(self.layer_index, proj.q, proj.latent))
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """The attention callback's ``o [T, H, v_head_dim]``, checked, through o_proj."""
+        num_tokens, v_head_dim = o.shape[0], self.mla.v_head_dim
+        expected = (num_tokens, self.num_heads, v_head_dim)
         if tuple(o.shape) != expected:
             raise ValueError(f"attention callback returned shape {tuple(o.shape)} for layer "
                              f"{self.layer_index}, expected {expected}")
-        return self.o_proj(o.reshape(num_tokens, self.num_heads * mla.v_head_dim))
+        return self.o_proj(o.reshape(num_tokens, self.num_heads * v_head_dim))
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's K part ``[H, qk_nope, R]`` and V part ``[H, v_head_dim, R]``."""

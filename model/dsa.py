@@ -52,17 +52,15 @@ class DSAConfig:
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> DSAConfig:
-        """Read a Hugging Face config dict; DSA needs q_lora (the index queries come from it)."""
-        if config.get("q_lora_rank") is None:
+        """Read a Hugging Face config dict, with DeepseekV32Config's defaults for absent
+        fields; DSA needs q_lora (the index queries come from it)."""
+        if "q_lora_rank" in config and config["q_lora_rank"] is None:
             raise ValueError("q_lora_rank must be set for a DeepSeek sparse attention model, "
                              "got None")
-        defaults = {"index_n_heads": 64, "index_head_dim": 128, "index_topk": 2048}
-        return cls(
-            hidden_size=config.get("hidden_size"),
-            q_lora_rank=config.get("q_lora_rank"),
-            qk_rope_head_dim=config.get("qk_rope_head_dim"),
-            **{name: config.get(name, value) for name, value in defaults.items()},
-        )
+        defaults = {"q_lora_rank": 1536, "qk_rope_head_dim": 64, "index_n_heads": 64,
+                    "index_head_dim": 128, "index_topk": 2048}
+        return cls(hidden_size=config.get("hidden_size"),
+                   **{name: config.get(name, value) for name, value in defaults.items()})
 
     @property
     def softmax_scale(self) -> float:

@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
-DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-DEEPSEEK_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+DEEPSEEK_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                          "DeepseekV32ForCausalLM")
+DEEPSEEK_MODEL_TYPES = {"deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                        "deepseek_v32": "DeepseekV32ForCausalLM"}
 # transformers' defaults for fields a config.json may omit.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "DeepseekV2ForCausalLM": {
@@ -36,6 +38,9 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "rope_interleave": True,
     },
 }
+# DeepSeek-V3.2 is V3 (MLA, sigmoid-routed MoE) plus the DSA indexer (model.dsa).
+_DEFAULTS = {**_DEFAULTS, "DeepseekV32ForCausalLM": {
+    **_DEFAULTS["DeepseekV3ForCausalLM"], "max_position_embeddings": 163840}}
 _V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
 _YARN_KEYS = frozenset({"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
                         "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
