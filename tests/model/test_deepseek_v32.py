@@ -60,3 +60,14 @@ def test_config_reads_the_indexer_and_refuses_it_elsewhere(checkpoint):
     assert (config.dsa.index_n_heads, config.dsa.index_head_dim) == (4, 32)
     with pytest.raises(ValueError, match="needs dsa exactly when"):
         ModelConfig(**{**vars(config), "dsa": None})
+
+
+def test_both_daemons_refuse_it_at_start_up_naming_it(checkpoint):
+    # Served DSA (index-K pages, sparse decode) is not built yet: one line, no traceback.
+    from decode.config import DecodeConfig
+    from prefill.engine_config import EngineConfig
+
+    with pytest.raises(ValueError, match="architecture='DeepseekV32ForCausalLM'"):
+        EngineConfig(model_path=str(checkpoint))
+    with pytest.raises(ValueError, match="architecture='DeepseekV32ForCausalLM'"):
+        DecodeConfig(model_path=str(checkpoint), prefill_endpoint="127.0.0.1:1")
