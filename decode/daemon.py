@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from decode.budget import PageBudget
 from decode.config import DecodeConfig
@@ -43,10 +42,9 @@ from decode.service import DecodeServicer
 from decode.streams import SHUTDOWN, Streams
 from model.checkpoint import load_checkpoint
 from proto import lanekv_pb2_grpc
+from runtime.daemon import DaemonServer
 from runtime.hostmem import keep_freed_buffers
-from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
-from runtime.rpc_metrics import lanekv_metrics
-from runtime.security import bind, make_server, open_channel
+from runtime.security import open_channel
 from runtime.status import TRANSFER_SERVICE
 from transfer.connector.fastpath import FastPathTransport
 from transfer.connector.fetcher import KVFetcher
@@ -60,6 +58,7 @@ from transfer.rank.sources import ContractOnlySource
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 DECODE_SERVICE = "lanekv.v1.DecodeService"
+STOP_GRACE_S = 5.0  # what a stop gives open streams by default
 _IDLE_WAIT_S = 0.1  # how often an idle loop checks for shutdown
 
 
@@ -77,25 +76,25 @@ class DecodeDaemon:
     def __init__(self, config: DecodeConfig) -> None:
         self.config = config
         keep_freed_buffers()  # gRPC hands this process a multi-MiB bytes object per chunk
-        self.registry = Registry()
-        self.metrics = lanekv_metrics(self.registry)
-        self.metrics_endpoint: MetricsEndpoint | None = None
         # Channels to the owner ranks, shared by every request.
         self.kv = KVClient(config.security, retry=config.fetch_retry, receivers=config.resolved_fetch_processes)
         self._prefill_channel = None
         self._stop = threading.Event()
         self._stopped = False
         # Ports first: a busy one fails before the model loads.
-        self.server = make_server(config.security, config.max_workers, interceptors=[self.metrics.interceptor()])
         try:
-            self.port = bind(self.server, config.host, config.port, config.security)
-            if config.metrics_port is not None:
-                self.metrics_endpoint = serve_metrics(self.registry, config.host, config.metrics_port)
+            self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers,
+                                    config.metrics_port)
+        except BaseException:
+            self._close_clients()
+            raise
+        self.registry, self.metrics = self.rpc.registry, self.rpc.metrics
+        try:
             self._start()
         except BaseException:
             self._stop.set()
             self._close_clients()
-            self._close_ports()
+            self.rpc.close()
             raise
 
     # -- start-up -------------------------------------------------------------
@@ -169,28 +168,22 @@ class DecodeDaemon:
         cfg = self.config
         # Our own contract: our agreement and the topology our prefill daemon told us.
         self.contract = LayoutContract(self.agreement, self.prefill_contract.topology)
-        lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self.generate), self.server)
-        add_transfer_service(self.server, KVTransferService(ContractOnlySource(self.contract, "a decode daemon serves no pages")))
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.server.start()
-        for service in ("", DECODE_SERVICE, TRANSFER_SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        security = cfg.security
-        tls = "mutual TLS" if security.require_client_cert else "TLS" if security.tls else "plaintext"
-        log.info("decode daemon on %s, paired with prefill %s (cp %d), fingerprint %s, %s%s%s",
+        server = self.rpc.server
+        lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self.generate), server)
+        add_transfer_service(server, KVTransferService(ContractOnlySource(self.contract, "a decode daemon serves no pages")))
+        self.rpc.start((DECODE_SERVICE, TRANSFER_SERVICE))
+        log.info("decode daemon on %s, paired with prefill %s (cp %d), fingerprint %s, %s",
                  self.endpoint, cfg.prefill_endpoint, self.prefill_contract.topology.cp_size,
-                 self.agreement.fingerprint[:16], tls, " + token" if security.token else "",
-                 f", metrics on http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
+                 self.agreement.fingerprint[:16], self.rpc.describe())
 
     @property
     def endpoint(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return self.rpc.endpoint
 
     @property
     def metrics_port(self) -> int | None:
         """The port serving /metrics (the one picked when ``metrics_port`` was 0), or None."""
-        return None if self.metrics_endpoint is None else self.metrics_endpoint.port
+        return self.rpc.metrics_port
 
     # -- streams and the decode loop -----------------------------------------
 
@@ -222,7 +215,7 @@ class DecodeDaemon:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Drain: say NOT_SERVING, refuse new calls, let open streams finish for
         ``grace_s``, then end them. A second call does nothing.
 
@@ -233,21 +226,16 @@ class DecodeDaemon:
                 return
             self._stopped = True
         active = self.streams.counts().active
-        self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+        drained = self.rpc.drain(grace_s)  # every service NOT_SERVING, for good
         log.info("draining: %d open streams, %.1fs to finish", active, grace_s)
-        self.server.stop(grace_s).wait(grace_s + 1.0)
+        drained.wait(grace_s + 1.0)
         self._stop.set()
         self.streams.broadcast(SHUTDOWN)  # wake streams still waiting
         self._loop.join(5.0)
         self._close_clients()
-        self._close_ports()
+        self.rpc.close()
 
     def _close_clients(self) -> None:
         self.kv.close()
         if self._prefill_channel is not None:
             self._prefill_channel.close()
-
-    def _close_ports(self) -> None:
-        self.server.stop(None)
-        if self.metrics_endpoint is not None:
-            self.metrics_endpoint.close()

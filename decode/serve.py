@@ -11,9 +11,9 @@ import logging
 import sys
 
 from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
+from decode.daemon import STOP_GRACE_S, DecodeDaemon
+from runtime.daemon import serve_until_signal
 from runtime.security import SecurityConfig
-from runtime.serving import serve_until_signal
 from transfer.grpcfetch.client import ContractMismatch, TransferError
 from transfer.protocol.contract import format_diff
 
@@ -21,7 +21,6 @@ log = logging.getLogger("lanekv.decode")
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
 _CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes",
                  "graph_batch_sizes")
-DEFAULT_GRACE_S = 5.0
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
@@ -57,13 +56,7 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, TransferError, ValueError) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
-    metrics = f"; metrics: http://{config.host}:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
-    serve_until_signal(
-        daemon.endpoint,
-        f"lanekv decode serving on {daemon.endpoint} (prefill: {config.prefill_endpoint}){metrics}",
-        args.ready_file,
-    )
     grace_s = getattr(args, "grace_s", None)
-    log.info("shutting down: finishing open streams")
-    daemon.stop(DEFAULT_GRACE_S if grace_s is None else grace_s)
-    return 0
+    return serve_until_signal(daemon, daemon.rpc.banner("lanekv decode", f"prefill: {config.prefill_endpoint}"),
+                              args.ready_file, STOP_GRACE_S if grace_s is None else grace_s, log,
+                              "finishing open streams")

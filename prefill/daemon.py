@@ -36,7 +36,6 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from model.tokenizer import load_tokenizer
 from prefill.allocator import OutOfPagesError
@@ -48,10 +47,9 @@ from prefill.engine_config import EngineConfig
 from prefill.leases import LeaseTable
 from prefill.warmup import warm_up
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
+from runtime.daemon import DaemonServer
 from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
-from runtime.rpc_metrics import lanekv_metrics
-from runtime.security import SecurityConfig, bind, make_server
+from runtime.security import SecurityConfig
 from runtime.status import TRANSFER_SERVICE, Refusal, refusals
 from transfer.protocol.contract import Agreement, LayoutContract, Topology
 from transfer.protocol.manifest import Manifest
@@ -65,6 +63,7 @@ from transfer.rank.sources import ContractOnlySource
 log = logging.getLogger("lanekv.prefill")
 Code = grpc.StatusCode
 PREFILL_SERVICE = "lanekv.v1.PrefillService"
+STOP_GRACE_S = 5.0  # what a stop gives open calls and queued prefills by default
 # The failure cause of a refused Prefill, by its status; any other refusal is bad input.
 _CAUSES = {
     Code.RESOURCE_EXHAUSTED: "out_of_pages",
@@ -108,30 +107,25 @@ class DaemonConfig:
 class PrefillDaemon:
     def __init__(self, engine_config: EngineConfig, config: DaemonConfig = DaemonConfig()) -> None:
         self.config = config
-        self.registry = Registry()
-        self.metrics = lanekv_metrics(self.registry)
         self._rank_calls: dict[int, dict[tuple[str, str, str], float]] = {}  # the ranks' last totals
         self._stopped = False
         # This start of the daemon: its ranks refuse FetchKV and Release naming another
         # one, so pages of a restarted daemon never answer for a request of an old start.
         self.epoch = uuid.uuid4().hex
-        self.metrics_endpoint: MetricsEndpoint | None = None
         # Ports first: a busy one fails before any rank process starts.
-        self.server = make_server(config.security, config.max_workers, interceptors=[self.metrics.interceptor()])
+        self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers, config.metrics_port)
+        self.registry, self.metrics = self.rpc.registry, self.rpc.metrics
         try:
-            self.port = bind(self.server, config.host, config.port, config.security)
-            if config.metrics_port is not None:
-                self.metrics_endpoint = serve_metrics(self.registry, config.host, config.metrics_port)
             serving = TransferServing(config.host, config.transfer_port_base, config.security, self.epoch)
             self.engine = CPPrefillEngine(engine_config, serve_transfer=serving, on_event=self._on_event)
         except BaseException:
-            self._close_ports()
+            self.rpc.close()
             raise
         try:
             self._setup(engine_config)
         except BaseException:
             self.engine.close()
-            self._close_ports()
+            self.rpc.close()
             raise
 
     def _setup(self, engine_config: EngineConfig) -> None:
@@ -157,18 +151,14 @@ class PrefillDaemon:
         self._stop = threading.Event()
         self._expirer = threading.Thread(target=self._expire_loop, name="lanekv-leases", daemon=True)
         self._expirer.start()
-        lanekv_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), self.server)
-        add_transfer_service(self.server, KVTransferService(
+        server = self.rpc.server
+        lanekv_pb2_grpc.add_PrefillServiceServicer_to_server(PrefillServicer(self), server)
+        add_transfer_service(server, KVTransferService(
             ContractOnlySource(self.contract, "pages are served by the owner ranks' endpoints (see the contract topology)")
         ))
-        self.health = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.server.start()
-        for service in ("", PREFILL_SERVICE, TRANSFER_SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("prefill daemon on %s:%d, ranks %s, fingerprint %s, epoch %s, %s%s", cfg.host, self.port,
-                 list(self.topology.endpoints), self.contract.fingerprint[:16], self.epoch, _describe(cfg.security),
-                 f", metrics on http://{cfg.host}:{self.metrics_port}/metrics" if self.metrics_port else "")
+        self.rpc.start((PREFILL_SERVICE, TRANSFER_SERVICE))
+        log.info("prefill daemon on %s, ranks %s, fingerprint %s, epoch %s, %s", self.endpoint,
+                 list(self.topology.endpoints), self.contract.fingerprint[:16], self.epoch, self.rpc.describe())
 
     def _watch_pools(self) -> None:
         """Pool gauges read at every scrape: each lane's free and used pages, and the leases held."""
@@ -182,12 +172,12 @@ class PrefillDaemon:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.config.host}:{self.port}"
+        return self.rpc.endpoint
 
     @property
     def metrics_port(self) -> int | None:
         """The port serving /metrics (the one picked when ``metrics_port`` was 0), or None."""
-        return None if self.metrics_endpoint is None else self.metrics_endpoint.port
+        return self.rpc.metrics_port
 
     # -- work ----------------------------------------------------------------
 
@@ -269,8 +259,7 @@ class PrefillDaemon:
                 return
             self._ranks_down = True
         log.error("prefill ranks are down, NOT_SERVING until restarted: %s", reason)
-        for service in ("", PREFILL_SERVICE):
-            self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.rpc.set_not_serving((PREFILL_SERVICE,))
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.25):
@@ -282,7 +271,7 @@ class PrefillDaemon:
                 # so every rank forgets it, or a reuse of the id would clash there.
                 self.engine.forget(request_id)
 
-    def stop(self, grace_s: float = 5.0) -> None:
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Drain: say NOT_SERVING, refuse new calls, finish what is queued, stop the ranks.
 
         A second call does nothing. An open health Watch is an open call too:
@@ -292,20 +281,14 @@ class PrefillDaemon:
             if self._stopped:
                 return
             self._stopped = True
-        self.health.enter_graceful_shutdown()  # every service NOT_SERVING, for good
+        stopped = self.rpc.drain(grace_s)  # every service NOT_SERVING, for good
         log.info("draining: %d prefills in flight, %d leases held", len(self._in_flight), len(self.leases.held()))
-        stopped = self.server.stop(grace_s)
         self.batcher.close(grace_s)
         stopped.wait(grace_s)
         self._stop.set()
         self._expirer.join(1.0)
         self.engine.close()
-        self._close_ports()
-
-    def _close_ports(self) -> None:
-        self.server.stop(None)
-        if self.metrics_endpoint is not None:
-            self.metrics_endpoint.close()
+        self.rpc.close()
 
 
 class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
@@ -396,8 +379,3 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         except futures.TimeoutError as err:
             raise Refusal(Code.DEADLINE_EXCEEDED, "prefill did not finish within the deadline") from err
 
-
-def _describe(security: SecurityConfig) -> str:
-    """How a port is protected, for the start-up line (never the token itself)."""
-    tls = "mutual TLS" if security.require_client_cert else "TLS" if security.tls else "plaintext"
-    return f"{tls}{' + token' if security.token else ''}"

@@ -11,10 +11,10 @@ import logging
 import sys
 
 from prefill.cp.launcher import RankDiedError
-from prefill.daemon import DaemonConfig, PrefillDaemon
+from prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
+from runtime.daemon import serve_until_signal
 from runtime.security import SecurityConfig
-from runtime.serving import serve_until_signal
 
 log = logging.getLogger("lanekv.prefill")
 
@@ -38,12 +38,6 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, RankDiedError, ValueError) as err:
         print(f"lanekv prefill: could not start: {err}", file=sys.stderr)
         return 1
-    metrics = f"; metrics: http://{config.host}:{daemon.metrics_port}/metrics" if daemon.metrics_port else ""
-    serve_until_signal(
-        daemon.endpoint,
-        f"lanekv prefill serving on {daemon.endpoint} (ranks: {', '.join(daemon.topology.endpoints)}){metrics}",
-        args.ready_file,
-    )
-    log.info("shutting down: draining queued prefills, stopping ranks")
-    daemon.stop()
-    return 0
+    banner = daemon.rpc.banner("lanekv prefill", f"ranks: {', '.join(daemon.topology.endpoints)}")
+    return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
+                              "draining queued prefills, stopping ranks")

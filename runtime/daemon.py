@@ -1,0 +1,143 @@
+"""The skeleton both daemons stand on: their gRPC port, health, metrics, drain and close.
+
+A ``DaemonServer`` binds its port and the metrics endpoint when it is built,
+so a busy port fails before a model loads or a rank starts; the daemon then
+adds its services to ``server`` and calls ``start``. ``drain`` says
+NOT_SERVING for good and refuses new calls while open ones finish; ``close``
+ends both ports and may be called again. Every port speaks the daemon's
+``SecurityConfig`` (TLS, mutual TLS, the token); health stays open.
+
+``serve_until_signal`` is what both command lines do once their daemon is up:
+write the ready file (atomically), print the banner, wait for SIGINT or
+SIGTERM, then hand over to the daemon's own stop (its drain).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Protocol
+
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
+from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
+from runtime.security import SecurityConfig, bind, make_server
+
+_SERVING = health_pb2.HealthCheckResponse.SERVING
+_NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class DaemonServer:
+    """One daemon's gRPC server (calls counted into its ``metrics``), health service and
+    ``/metrics`` endpoint (``metrics_port`` None: none; 0: a free port)."""
+
+    def __init__(self, security: SecurityConfig, host: str, port: int, max_workers: int,
+                 metrics_port: int | None) -> None:
+        self.security = security
+        self.host = host
+        self.registry = Registry()
+        self.metrics: LanekvMetrics = lanekv_metrics(self.registry)
+        self.metrics_endpoint: MetricsEndpoint | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.server = make_server(security, max_workers, interceptors=[self.metrics.interceptor()])
+        try:
+            self.port = bind(self.server, host, port, security)
+            if metrics_port is not None:
+                self.metrics_endpoint = serve_metrics(self.registry, host, metrics_port)
+        except BaseException:
+            self.close()
+            raise
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port serving /metrics (the one picked when it was asked for 0), or None."""
+        return None if self.metrics_endpoint is None else self.metrics_endpoint.port
+
+    def describe(self) -> str:
+        """How the port is protected and where its metrics are, for the start-up line
+        (never the token itself)."""
+        security = self.security
+        tls = "mutual TLS" if security.require_client_cert else "TLS" if security.tls else "plaintext"
+        metrics = f", metrics on http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+        return f"{tls}{' + token' if security.token else ''}{metrics}"
+
+    def banner(self, prog: str, detail: str) -> str:
+        """The line a command prints once its daemon serves."""
+        metrics = f"; metrics: http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+        return f"{prog} serving on {self.endpoint} ({detail}){metrics}"
+
+    def start(self, services: Sequence[str]) -> None:
+        """Start serving: health says SERVING for the server ("") and each of ``services``."""
+        self.server.start()
+        for service in ("", *services):
+            self.health.set(service, _SERVING)
+
+    def set_not_serving(self, services: Sequence[str]) -> None:
+        """Health says NOT_SERVING for the server ("") and each of ``services``; calls still reach them."""
+        for service in ("", *services):
+            self.health.set(service, _NOT_SERVING)
+
+    def drain(self, grace_s: float) -> threading.Event:
+        """Every service NOT_SERVING for good, new calls refused; the event is set once
+        the open calls ended (or ``grace_s`` passed and they were cancelled).
+
+        An open health Watch is an open call too: it holds the drain for ``grace_s``.
+        """
+        self.health.enter_graceful_shutdown()
+        return self.server.stop(grace_s)
+
+    def close(self) -> None:
+        """End the gRPC server and the metrics endpoint now; a second call does nothing."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.server.stop(None)
+        if self.metrics_endpoint is not None:
+            self.metrics_endpoint.close()
+
+
+class Daemon(Protocol):
+    """What ``serve_until_signal`` needs of a started daemon."""
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def stop(self, grace_s: float = ...) -> None: ...
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Readers polling for the file never see it half written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def serve_until_signal(daemon: Daemon, banner: str, ready_file: str | None, grace_s: float,
+                       log: logging.Logger, draining: str) -> int:
+    """Write the daemon's endpoint to ``ready_file``, print ``banner``, block until
+    SIGINT or SIGTERM, log ``draining`` and stop the daemon (``grace_s`` to drain).
+    Returns the command's exit code: 0."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    if ready_file:
+        write_atomically(Path(ready_file), daemon.endpoint)
+    print(banner, flush=True)
+    stop.wait()
+    log.info("shutting down: %s", draining)
+    daemon.stop(grace_s)
+    return 0
+
