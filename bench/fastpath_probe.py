@@ -52,6 +52,7 @@ import tempfile
 import time
 import uuid
 from concurrent import futures
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -60,7 +61,6 @@ import grpc  # noqa: E402
 import torch  # noqa: E402
 
 import transfer.fastpath.client as fastpath_client_module  # noqa: E402
-import transfer.fastpath.devcopy as devcopy  # noqa: E402
 import transfer.fastpath.poolcopy as poolcopy  # noqa: E402
 import transfer.fastpath.rangecopy as rangecopy  # noqa: E402
 import transfer.fastpath.sidestreams as sidestreams  # noqa: E402
@@ -79,6 +79,7 @@ from transfer.connector.placement import place_chunk  # noqa: E402
 from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 from transfer.fastpath.sidestreams import streams_for  # noqa: E402
+from transfer.fastpath.tuning import DEFAULT_COPY, DEFAULT_FAST_PATH  # noqa: E402
 from transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
 from transfer.protocol.descriptors import Descriptor  # noqa: E402
 from transfer.protocol.manifest import Manifest  # noqa: E402
@@ -174,13 +175,14 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     phases: dict = {}
     physical_of = fast.prefill_contract.topology.physical_of
     early = [True]  # the prefill answered: copies start before the rank's announcement
+    tuned = [DEFAULT_FAST_PATH]  # how the fast path calls and copies, per measurement
 
     def fetch_rank(rank, order=None) -> None:
         expect = [physical_of(p) for p in pages[rank]] if early[0] else None
         phases[rank] = fast.fastpath.fetch(
             endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
             dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600, order=order,
-            expect=expect)._asdict()
+            expect=expect, tuning=tuned[0])._asdict()
 
     def fast_once(ranks=tuple(owners), order_by=None) -> None:
         order = None
@@ -202,30 +204,27 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         phases.clear()
         out[f"fast_rank{rank}_alone_s"] = timed(lambda r=rank: fast_once((r,)), args.repeat)
         out[f"fast_rank{rank}_alone_phases"] = dict(phases)
-    group = rangecopy.COPY_GROUP_LAYERS
+
+    def tuned_once(**changes) -> None:
+        """One fast fetch of every rank, with ``changes`` to the default tuning."""
+        copy = replace(DEFAULT_COPY, **changes.pop("copy", {}))
+        tuned[0] = replace(DEFAULT_FAST_PATH, copy=copy, **changes)
+        try:
+            fast_once()
+        finally:
+            tuned[0] = DEFAULT_FAST_PATH
+
     for layers in (32, 8):
-        rangecopy.COPY_GROUP_LAYERS = layers
-        out[f"fast_group{layers}_s"] = timed(fast_once, args.repeat)
-    rangecopy.COPY_GROUP_LAYERS = group
-    fastpath_client_module.DIRECT_DESCRIPTORS = False
-    out["fast_bulk_channel_s"] = timed(fast_once, args.repeat)
+        out[f"fast_group{layers}_s"] = timed(lambda n=layers: tuned_once(copy=dict(group_layers=n)), args.repeat)
+    out["fast_bulk_channel_s"] = timed(lambda: tuned_once(direct_descriptors=False), args.repeat)
     out["fast_bulk_channel_phases"] = dict(phases)
-    fastpath_client_module.DIRECT_DESCRIPTORS = True
-    may_prepare = CopyOrder.may_prepare
-    CopyOrder.may_prepare = lambda self, rank, timeout: None
-    out["fast_any_prepare_order_s"] = timed(fast_once, args.repeat)
+    out["fast_any_prepare_order_s"] = timed(lambda: tuned_once(prepare_in_order=False), args.repeat)
     out["fast_any_prepare_order_phases"] = dict(phases)
-    CopyOrder.may_prepare = may_prepare
-    last_min = rangecopy.LAST_GROUP_MIN_LAYERS
-    rangecopy.LAST_GROUP_MIN_LAYERS = 1 << 10
-    out["fast_last_group_whole_s"] = timed(fast_once, args.repeat)
-    rangecopy.LAST_GROUP_MIN_LAYERS = last_min
-    devcopy._Runtime._loaded = False  # the CUDA runtime bound again, letting the GIL go
-    devcopy.KEEP_GIL = False
-    out["fast_gil_released_s"] = timed(fast_once, args.repeat)
+    out["fast_last_group_whole_s"] = timed(lambda: tuned_once(copy=dict(last_group_min_layers=1 << 10)),
+                                           args.repeat)
+    # The CUDA runtime bound a second time, letting the GIL go during its calls.
+    out["fast_gil_released_s"] = timed(lambda: tuned_once(copy=dict(keep_gil=False)), args.repeat)
     out["fast_gil_released_phases"] = dict(phases)
-    devcopy._Runtime._loaded = False
-    devcopy.KEEP_GIL = True
     out["host_ms_per_call"] = host_times(fetch_rank, owners[-1])
     print(json.dumps(out["host_ms_per_call"], indent=1))
     profiler = cProfile.Profile()  # host time of one rank's fetch, in this thread
@@ -261,18 +260,17 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     out["rpc_one_layer_one_rank_bulk_channel_s"] = timed(lambda: rpc(1, owners[:1], direct=False), args.repeat)
     physical = {r: [p for _, p in prefill_pages(fast, endpoints[r], reply, r, pages[r], epoch)] for r in owners}
 
-    def copies() -> None:
+    def copies(push: bool = True) -> None:
         def one(rank):
             with streams_for(shared[rank].device, dst.device) as streams:
-                copy_pages(shared[rank], physical[rank], dst, [slot[q] for q in pages[rank]], ps, 0, pool.shape[0])
+                copy_pages(shared[rank], physical[rank], dst, [slot[q] for q in pages[rank]], ps, 0, pool.shape[0],
+                           tuning=replace(DEFAULT_COPY, push=push))
             streams.sync()
         in_threads([lambda r=r: one(r) for r in owners])
 
     out["copies_push_s"] = timed(copies, args.repeat)
-    poolcopy.COPY_PUSH = False
-    out["copies_pull_s"] = timed(copies, args.repeat)
-    out["fast_pull_s"] = timed(fast_once, args.repeat)
-    poolcopy.COPY_PUSH = True
+    out["copies_pull_s"] = timed(lambda: copies(push=False), args.repeat)
+    out["fast_pull_s"] = timed(lambda: tuned_once(copy=dict(push=False)), args.repeat)
     index = torch.arange(len(manifest.pages), device=dst.device)
     out["digest_decode_gpu_s"] = timed(lambda: page_digest(dst, index, ps, 0, pool.shape[0]).item(), args.repeat)
     out["ceiling_s"] = copy_ceiling(dst, len(owners), args.repeat)

@@ -26,6 +26,7 @@ from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath.copyorder import CopyOrder
 from transfer.fastpath.rangecopy import Prepared, copy_range
 from transfer.fastpath.sidestreams import Streams, StreamSet, streams_for
+from transfer.fastpath.tuning import DEFAULT_FAST_PATH, FastPathTuning
 from transfer.grpcfetch.client import FETCH_METHOD, KVClient
 from transfer.protocol.contract import Agreement
 from transfer.protocol.descriptors import (
@@ -46,10 +47,6 @@ ATTACH_METHOD = "/lanekv.v1.KVTransfer/AttachPool"
 PagesFor = Callable[[Sequence[int]], list[int]]
 # Told of every copied and verified chunk: (logical pages, layer_start, layer_end).
 OnCopied = Callable[[Sequence[int], int, int], None]
-
-
-# Descriptors on a channel of their own, read by the fetching thread (``KVClient.channel(direct=True)``).
-DIRECT_DESCRIPTORS = True
 
 
 class DigestMismatch(CorruptChunk):
@@ -78,14 +75,12 @@ class FastPath:
     """Mapped pools of same-host prefill ranks, by endpoint."""
 
     def __init__(self, kv: KVClient, agreement: Agreement, transports: Sequence[str] | None = None,
-                 *, copy_at_end: bool = True) -> None:
+                 *, copy_at_end: bool = True, tuning: FastPathTuning = DEFAULT_FAST_PATH) -> None:
         self._kv = kv
+        self.tuning = tuning
         # True: copy every layer once the rank has sent its last descriptor; False:
-        # copy each layer as its descriptor arrives, overlapping the prefill. On
-        # H200s the copies of a whole 32k request take milliseconds, while copies
-        # made during the prefill, from another process on the prefill's GPUs,
-        # slowed it by more (bench/ttft.py: TTFT 1.048x colocated at the end,
-        # 1.085x layer by layer).
+        # copy each layer as its descriptor arrives, overlapping the prefill (copies
+        # from another process on the prefill's GPUs slow it; BENCHMARKS.md).
         self.copy_at_end = copy_at_end
         self._agreement = agreement
         if transports is None:
@@ -155,7 +150,8 @@ class FastPath:
     def fetch(self, endpoint: str, rank: int, src: torch.Tensor, request_id: str, fingerprint: str,
               pages: Sequence[int], dst_pool: torch.Tensor, pages_for: PagesFor, on_copied: OnCopied,
               *, epoch: str | None, timeout: float, on_call: Callable[[Any], None] | None = None,
-              order: CopyOrder | None = None, expect: Sequence[int] | None = None) -> FastStats:
+              order: CopyOrder | None = None, expect: Sequence[int] | None = None,
+              tuning: FastPathTuning | None = None) -> FastStats:
         """Copy layers of the rank's ``pages`` of a request from ``src`` into ``dst_pool``, verified.
 
         ``order``: the copy order of the ranks fetched at once (``CopyOrder``).
@@ -165,18 +161,20 @@ class FastPath:
         round trip before the rank's announcement comes; the announcement must
         name every layer of those places, else the pages are copied again from
         where it says. The rank's digest checks the bytes either way.
+        ``tuning``: how to call and copy (None: this FastPath's ``tuning``).
         """
         order = CopyOrder(()) if order is None else order
+        tuning = self.tuning if tuning is None else tuning
         try:
             return self._fetch(endpoint, rank, src, request_id, fingerprint, pages, dst_pool, pages_for, on_copied,
-                               epoch, time.monotonic() + timeout, on_call, order, expect)
+                               epoch, time.monotonic() + timeout, on_call, order, expect, tuning)
         finally:
             order.done(rank)  # the others go on without this rank's copies
 
     def _fetch(self, endpoint: str, rank: int, src: torch.Tensor, request_id: str, fingerprint: str,
                pages: Sequence[int], dst_pool: torch.Tensor, pages_for: PagesFor, on_copied: OnCopied,
                epoch: str | None, deadline: float, on_call: Callable[[Any], None] | None,
-               order: CopyOrder, expect: Sequence[int] | None) -> FastStats:
+               order: CopyOrder, expect: Sequence[int] | None, tuning: FastPathTuning) -> FastStats:
         start = time.perf_counter()
         a, ps = self._agreement, self._agreement.page_size
         asked = set(pages)
@@ -185,7 +183,7 @@ class FastPath:
         request = lanekv_pb2.FetchRequest(request_id=request_id, fingerprint=fingerprint, layer_start=0,
                                           layer_end=a.num_layers, pages=list(pages), descriptors=True)
         metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
-        channel = self._kv.channel(endpoint, direct=DIRECT_DESCRIPTORS)
+        channel = self._kv.channel(endpoint, direct=tuning.direct_descriptors)
         stream = channel.unary_stream(
             FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
             response_deserializer=lanekv_pb2.KVChunk.FromString)
@@ -204,7 +202,8 @@ class FastPath:
             call = call_rank()  # its round trip runs while this prepares (and copies early)
             with streams_for(src.device, dst_pool.device, self._stream_set(rank, src.device, dst_pool.device)) \
                     as streams, _settled(streams):
-                order.may_prepare(rank, deadline - time.monotonic())
+                if tuning.prepare_in_order:
+                    order.may_prepare(rank, deadline - time.monotonic())
                 # Where the asked pages go here, and a digest of them over every layer
                 # that each range of them adds its layers to (made after early copies).
                 ready = Prepared(tuple(pages), pages_for(pages), dst_pool, ps, a.num_layers, streams)
@@ -213,12 +212,12 @@ class FastPath:
                 early = None
                 if guess is not None:
                     order.turn(rank, deadline - time.monotonic())
-                    early = (guess, copy_range(src, guess, ready.dst, dst_pool, streams, ready, ps))
+                    early = (guess, copy_range(src, guess, ready.dst, dst_pool, streams, ready, ps, tuning.copy))
                     times["issued"] = time.perf_counter()
                     order.done(rank)
                 order.prepared(rank)
                 received = self._receive(call, endpoint, rank, request_id, asked, src, dst_pool, pages_for,
-                                         streams, times, ready, order, deadline, early)
+                                         streams, times, ready, order, deadline, tuning, early)
                 order.all_queued(deadline - time.monotonic())
                 received_s = time.perf_counter() - start
                 with streams.digesting():
@@ -228,7 +227,8 @@ class FastPath:
             self._finish(call, endpoint, rank, request_id, len(received))
         except RemoteError as err:
             if err.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-                self._kv.reconnect(endpoint, channel, direct=DIRECT_DESCRIPTORS)  # the connection may be stuck
+                # the connection may be stuck
+                self._kv.reconnect(endpoint, channel, direct=tuning.direct_descriptors)
             raise
         finally:
             for call in calls:
@@ -249,7 +249,7 @@ class FastPath:
     def _receive(self, call, endpoint: str, rank: int, request_id: str, asked: set[int], src: torch.Tensor,
                  dst_pool: torch.Tensor, pages_for: PagesFor, streams: Streams,
                  times: dict[str, float], ready: Prepared, order: CopyOrder, deadline: float,
-                 early: tuple[Descriptor, tuple[torch.Tensor, int]] | None) -> list[_Range]:
+                 tuning: FastPathTuning, early: tuple[Descriptor, tuple[torch.Tensor, int]] | None) -> list[_Range]:
         """The stream's ranges up to the last layer's, each announced then sealed, checked.
 
         ``early``: a range copied before the first message, and its copy; it stands
@@ -296,7 +296,8 @@ class FastPath:
                         if last:
                             order.turn(rank, deadline - time.monotonic())
                         for r, dst in todo:
-                            copied[r.seq] = copy_range(src, r, dst, dst_pool, streams, ready, a.page_size)
+                            copied[r.seq] = copy_range(src, r, dst, dst_pool, streams, ready, a.page_size,
+                                                       tuning.copy)
                         todo.clear()
                         times["issued"] = time.perf_counter()
                         if last:

@@ -25,6 +25,7 @@ announcement, sent once the layers were written on the device).
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from pathlib import Path
 
@@ -33,17 +34,13 @@ import torch
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from unified addresses
 _ATTR_MAX_PITCH = 11  # cudaDevAttrMaxPitch
 _SONAMES = ("libcudart.so.13", "libcudart.so.12", "libcudart.so")
-# Call the runtime holding the GIL (the calls only queue work, microseconds each):
-# a thread that lets the GIL go for each one may wait to get it back while other
-# threads (another rank's fetch, gRPC's) hold it.
-KEEP_GIL = True
 
 
 class _Runtime:
-    """The few CUDA runtime calls used here, bound once per process."""
+    """The few CUDA runtime calls used here, bound once per process for each way of
+    calling (holding the GIL while a call queues its work, or not: ``CopyTuning.keep_gil``)."""
 
     _lock = threading.Lock()
-    _loaded: _Runtime | None | bool = False  # False: not tried yet
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         size_t, ptr = ctypes.c_size_t, ctypes.c_void_p
@@ -65,11 +62,9 @@ class _Runtime:
         self._peers: set[tuple[int, int]] = set()
 
     @classmethod
-    def get(cls) -> _Runtime | None:
+    def get(cls, keep_gil: bool = True) -> _Runtime | None:
         with cls._lock:
-            if cls._loaded is False:
-                cls._loaded = _load()
-            return cls._loaded  # type: ignore[return-value]
+            return _load(keep_gil)
 
     def max_pitch(self, device: int) -> int:
         if device not in self._max_pitch:
@@ -95,8 +90,10 @@ class _Runtime:
             raise RuntimeError(f"{what} failed: CUDA error {code} ({self._error_string(code).decode()})")
 
 
-def _load() -> _Runtime | None:
-    """The CUDA runtime torch uses: by path from this process's mappings, else by soname."""
+@functools.cache
+def _load(keep_gil: bool) -> _Runtime | None:
+    """The CUDA runtime torch uses: by path from this process's mappings, else by soname
+    (tried once per process and ``keep_gil``; None where it is not found)."""
     candidates: list[str] = []
     try:
         for line in Path("/proc/self/maps").read_text().splitlines():
@@ -107,7 +104,7 @@ def _load() -> _Runtime | None:
         pass
     for name in (*candidates, *_SONAMES):
         try:
-            return _Runtime(ctypes.PyDLL(name) if KEEP_GIL else ctypes.CDLL(name))
+            return _Runtime(ctypes.PyDLL(name) if keep_gil else ctypes.CDLL(name))
         except (OSError, AttributeError):
             continue
     return None
@@ -133,6 +130,7 @@ class BlockCopy:
     caller copies with torch). ``issue(first, count)`` copies blocks
     ``[first, first + count)`` on the stream chosen at planning (the current
     stream of the source's device with ``push``, else of the destination's).
+    ``keep_gil``: the runtime's calls hold the GIL (``CopyTuning.keep_gil``).
     """
 
     def __init__(self, runtime: _Runtime, dst: torch.Tensor, src: torch.Tensor, device: torch.device,
@@ -146,14 +144,15 @@ class BlockCopy:
         self._two_d = max(dpitch, spitch) <= limit
 
     @classmethod
-    def plan(cls, dst: torch.Tensor, src: torch.Tensor, *, push: bool = True) -> BlockCopy | None:
+    def plan(cls, dst: torch.Tensor, src: torch.Tensor, *, push: bool = True,
+             keep_gil: bool = True) -> BlockCopy | None:
         if not (dst.is_cuda and src.is_cuda) or dst.shape != src.shape or dst.dtype != src.dtype \
                 or dst.numel() == 0:
             return None
         shape_d, shape_s = _blocks(dst), _blocks(src)
         if shape_d is None or shape_s is None:
             return None
-        runtime = _Runtime.get()
+        runtime = _Runtime.get(keep_gil)
         if runtime is None:
             return None
         runtime.enable_peers(src.device, dst.device)

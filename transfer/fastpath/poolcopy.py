@@ -17,6 +17,7 @@ import torch
 from kernels.backend import on_device
 from kernels.page_copy import gather_pages, scatter_pages
 from transfer.fastpath.devcopy import BlockCopy
+from transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -36,8 +37,6 @@ def _consecutive(pages: Sequence[int]) -> bool:
     return pages[-1] - pages[0] == len(pages) - 1 and list(pages) == list(range(pages[0], pages[0] + len(pages)))
 
 
-# Between two GPUs, run the copies on the source's stream (True) or the destination's.
-COPY_PUSH = True
 # Up to this many runs of consecutive pages a copy moves run by run (dense
 # copies on the copy engines); more, and it gathers, copies once and scatters.
 MAX_RUN_COPIES = 4
@@ -46,7 +45,8 @@ MAX_STAGING_BYTES = 256 << 20
 
 
 def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
-               dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int) -> None:
+               dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int,
+               *, tuning: CopyTuning = DEFAULT_COPY) -> None:
     """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
 
     When both page lists are a few runs of consecutive pages, each run over
@@ -59,7 +59,8 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
     """
     if len(src_pages) != len(dst_pages):
         raise ValueError(f"{len(src_pages)} source pages but {len(dst_pages)} destination pages")
-    planned = PlannedCopy.plan(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end)
+    planned = PlannedCopy.plan(src_pool, src_pages, dst_pool, dst_pages, page_size, layer_start, layer_end,
+                               tuning=tuning)
     if planned is not None:
         planned.issue(layer_start, layer_end)
         return
@@ -97,7 +98,7 @@ class PlannedCopy:
     @classmethod
     def plan(cls, src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
              dst_pages: Sequence[int], page_size: int, layer_start: int, layer_end: int,
-             *, src_layer_start: int | None = None) -> PlannedCopy | None:
+             *, src_layer_start: int | None = None, tuning: CopyTuning = DEFAULT_COPY) -> PlannedCopy | None:
         src_first = layer_start if src_layer_start is None else src_layer_start
         if not (src_pool.is_cuda and dst_pool.is_cuda) or len(src_pages) != len(dst_pages) or not src_pages \
                 or min(layer_start, src_first, min(src_pages), min(dst_pages)) < 0:
@@ -111,7 +112,8 @@ class PlannedCopy:
         for s, d, n in runs:
             # A run past a pool's end slices short: the shapes differ and plan says None.
             plan = BlockCopy.plan(dst_pool[dst_layers, :, d * page_size:(d + n) * page_size],
-                                  src_pool[src_layers, :, s * page_size:(s + n) * page_size], push=COPY_PUSH)
+                                  src_pool[src_layers, :, s * page_size:(s + n) * page_size],
+                                  push=tuning.push, keep_gil=tuning.keep_gil)
             if plan is None:
                 return None
             copies.append(plan)

@@ -17,16 +17,8 @@ import torch
 from kernels.page_digest import PageDigest
 from transfer.fastpath.poolcopy import PlannedCopy, copy_pages, page_runs
 from transfer.fastpath.sidestreams import Streams
+from transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
 from transfer.protocol.descriptors import Descriptor
-
-# Layers per copy of a range between GPUs: each group's digest runs while the
-# next groups are copied (8; measured on 2x H200, 4 GiB, before the last group
-# was cut: 8.8 ms against 9.6 ms for one group of 32 layers and 12.0 ms for
-# groups of 4, where host work per group became the limit).
-COPY_GROUP_LAYERS = 8
-# The last group is cut in halves down to this many layers: what is left after
-# the last copy is the digest of the last group and its trip to the host.
-LAST_GROUP_MIN_LAYERS = 2
 
 
 def copy_groups(start: int, end: int, size: int, last_min: int) -> list[tuple[int, int]]:
@@ -75,12 +67,12 @@ class Prepared:
 
 
 def copy_range(src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch.Tensor, streams: Streams,
-               ready: Prepared, page_size: int) -> tuple[torch.Tensor, int]:
+               ready: Prepared, page_size: int, tuning: CopyTuning = DEFAULT_COPY) -> tuple[torch.Tensor, int]:
     """Queue the copy of range ``d`` from ``src`` into pages ``dst`` of ``dst_pool`` and the
     digest of what it copied (a 0-dim tensor on the device); also how many runs of
     consecutive pages it copied.
 
-    On a GPU the copies go in groups of ``COPY_GROUP_LAYERS`` layers, all queued
+    On a GPU the copies go in groups of ``tuning.group_layers`` layers, all queued
     before any host work of the digests, and each group's digest runs on a
     stream of its own as soon as that group is copied, so digesting hides
     under the copies still running; the groups' digests add up to the
@@ -88,15 +80,15 @@ def copy_range(src: torch.Tensor, d: Descriptor, dst: list[int], dst_pool: torch
     copies go on the streams planned with them.
     """
     ps = page_size
-    planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+    planned = PlannedCopy.plan(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end, tuning=tuning)
     if planned is None:  # CPU pools or scattered pages: the range in one go, then its digest
-        copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end)
+        copy_pages(src, d.physical, dst_pool, dst, ps, d.layer_start, d.layer_end, tuning=tuning)
         digest = ready.digest if d.pages == ready.pages else \
             _digest(dst_pool, dst, ps, d.layer_start, d.layer_end, streams)
         with streams.digesting():
             digest.add(d.layer_start, d.layer_end)
             return digest.total(d.layer_start, d.layer_end), len(page_runs(d.physical, dst))
-    groups = copy_groups(d.layer_start, d.layer_end, COPY_GROUP_LAYERS, LAST_GROUP_MIN_LAYERS)
+    groups = copy_groups(d.layer_start, d.layer_end, tuning.group_layers, tuning.last_group_min_layers)
     marks = []
     for first, last in groups:
         planned.issue(first, last)  # on the copy streams chosen when planned

@@ -23,6 +23,7 @@ from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from tests.transfer.fastpath.rig import fill
 from transfer.errors import CorruptChunk, RemoteError
 from transfer.fastpath.client import DigestMismatch, FastPath
+from transfer.fastpath.tuning import CopyTuning, FastPathTuning
 from transfer.grpcfetch.client import KVClient, TransferError
 from transfer.protocol.contract import Topology
 from transfer.protocol.descriptors import (
@@ -345,3 +346,37 @@ def test_many_ranges_copied_between_gpus_match_their_digests(copy_at_end):
     finally:
         kv.close()
         served.server.stop(None)
+
+
+def test_a_fetch_tuned_off_the_direct_channel_asks_for_the_bulk_one(rank, monkeypatch):
+    """The tuning is a value handed to the fetch, not a switch of the module: the
+    fetch's own tuning wins over the FastPath's, and the next fetch is back to it."""
+    source, _, endpoint, agreement, kv = rank
+    source.add("req", [(0, 0)], LayerProgress(LAYERS))  # a prefill that never writes a layer
+    fast = FastPath(kv, agreement, transports=[SHM])
+    shared = fast.pool(endpoint, None, 10)
+    asked_for, channel = [], kv.channel
+    monkeypatch.setattr(kv, "channel", lambda *a, **k: (asked_for.append(k.get("direct", False)), channel(*a, **k))[1])
+    dst = torch.zeros(LAYERS, 2, PAGE, 2, 8, dtype=torch.float16)
+    for tuning in (FastPathTuning(direct_descriptors=False), None):
+        with pytest.raises(RemoteError, match="CANCELLED"):
+            fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
+                       epoch=None, timeout=30, on_call=lambda call: threading.Timer(0.2, call.cancel).start(),
+                       tuning=tuning)
+    assert asked_for == [False, True]
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(group_layers=0), "group_layers"), (dict(last_group_min_layers=True), "last_group_min_layers"),
+    (dict(push=1), "push"), (dict(keep_gil="yes"), "keep_gil"),
+])
+def test_a_bad_copy_tuning_is_refused_naming_the_field(kwargs, field):
+    with pytest.raises((ValueError, TypeError), match=f"{field}="):
+        CopyTuning(**kwargs)
+
+
+def test_a_bad_fast_path_tuning_is_refused_naming_the_field():
+    with pytest.raises(TypeError, match="prepare_in_order="):
+        FastPathTuning(prepare_in_order=None)
+    with pytest.raises(TypeError, match="copy="):
+        FastPathTuning(copy={"push": False})
