@@ -47,12 +47,12 @@ LLAMA3_8B = {
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
-LOGITS: dict[tuple[int, int], torch.Tensor] = {}  # (cp, tokens) -> last-token logits, for the check
 TINY = {**LLAMA3_8B, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
 
-def measure(model_dir: str, cp: int, tokens: list[int], args) -> list[dict]:
+def measure(model_dir: str, cp: int, tokens: list[int], args, logits: dict[tuple[int, int], torch.Tensor]) -> list[dict]:
+    """Rows of one CP size; ``logits[(cp, tokens)]`` gets each prompt's last-token logits (for the check)."""
     page = args.page_size
     lane_pages = max(tokens) // page // cp + 64
     cfg = EngineConfig(model_dir, cp_size=cp, page_size=page, pages_per_lane=lane_pages,
@@ -67,7 +67,7 @@ def measure(model_dir: str, cp: int, tokens: list[int], args) -> list[dict]:
                 t0 = time.perf_counter()
                 res = eng.prefill([PrefillInput(prompt)], return_logits=i == 0)[0]
                 if i == 0:
-                    LOGITS[(cp, n)] = res.logits
+                    logits[(cp, n)] = res.logits
                 wall = time.perf_counter() - t0
                 eng.free(res.new_pages)
                 if i >= args.warmup:
@@ -137,7 +137,8 @@ def main() -> None:
     args.dtype = args.dtype or ("bfloat16" if args.llama3_8b else "float32")
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(LLAMA3_8B if args.llama3_8b else TINY))
-        rows = [r for cp in args.cp for r in measure(d, cp, args.tokens, args)]
+        logits: dict[tuple[int, int], torch.Tensor] = {}  # (cp, tokens) -> last-token logits
+        rows = [r for cp in args.cp for r in measure(d, cp, args.tokens, args, logits)]
     base = {r["tokens"]: r["tokens_per_s"] for r in rows if r["cp_size"] == 1}
     for r in rows:
         r["speedup"] = r["tokens_per_s"] / base[r["tokens"]] if r["tokens"] in base else None
@@ -148,7 +149,7 @@ def main() -> None:
         r["tflops"] = prefill_flops(model_cfg, r["tokens"]) / r["wall_s"] / 1e12
         r["matmul_ceiling_tflops"] = ceiling
     for r in rows:  # CP must compute what cp=1 computes (up to bf16 rounding of the sums)
-        ref, got = LOGITS.get((1, r["tokens"])), LOGITS[(r["cp_size"], r["tokens"])]
+        ref, got = logits.get((1, r["tokens"])), logits[(r["cp_size"], r["tokens"])]
         r["logits_rel_err_vs_cp1"] = None if ref is None else float((got - ref).norm() / ref.norm())
         r["same_first_token_as_cp1"] = None if ref is None else bool(got.argmax() == ref.argmax())
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
