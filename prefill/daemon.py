@@ -8,6 +8,7 @@ Layout of the processes:
 - each CP rank process serves ``KVTransfer`` (Handshake, FetchKV, Release) for
   the pages it owns, on its own port.
 
+Its port, health, metrics endpoint and drain are ``runtime.daemon.DaemonServer``'s.
 Every port speaks the daemon's ``SecurityConfig`` (TLS, mutual TLS, the token;
 health stays open). The parent owns the metrics: its own calls, and what the
 ranks report through their event queue (their calls by code, the bytes and

@@ -1,4 +1,4 @@
-"""gRPC plumbing shared by the transfer server and client: status refusals and message limits.
+"""gRPC plumbing shared by every server and client: status refusals and message limits.
 
 Service logic raises ``Refusal(code, message)`` for anything the caller got
 wrong (bad contract, unknown request, bad layer range); the handler turns it

@@ -2,7 +2,8 @@
 
 The parent process owns the lane allocator (so it decides which logical pages
 a batch writes) and talks to each rank through its own command queue; every
-rank answers on a shared result queue. Ranks talk to each other only through
+rank answers on a shared result queue (typed messages, ``prefill.cp.messages``);
+one command is in flight at a time. Ranks talk to each other only through
 torch.distributed (NCCL on CUDA, one GPU per rank; gloo on CPU). A rank that
 dies is reported as ``RankDiedError`` naming it, and the engine refuses
 further work instead of hanging.

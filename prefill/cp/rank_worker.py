@@ -1,4 +1,14 @@
-"""The body of one CP rank process: join the group, load the model, serve commands."""
+"""The body of one CP rank process: join the group, load the model, serve commands.
+
+A rank runs the parent's commands (``prefill.cp.messages``) one at a time in
+the order sent and answers each ``Call`` once, on the shared result queue;
+a failure becomes a ``Failed`` with its traceback, never a dead loop. A rank
+serving transfers registers a batch's pages (``Registered``) before it
+prefills, and reports releases, finished fetches and its call counts as
+events. It exits on ``Shutdown`` or once its parent is gone, stopping its
+transfer server and removing its /dev/shm pool (mappings held elsewhere stay
+valid).
+"""
 
 from __future__ import annotations
 

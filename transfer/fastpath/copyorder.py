@@ -30,8 +30,7 @@ class CopyOrder:
     its copies to finish (the digests' trip to the host) before every rank of
     ``ranks`` has queued its own or ended: a thread waiting on the GPU there
     kept another rank's thread from queuing its copies until the first rank's
-    were done (rank 0's copies were queued 9.9 ms after the call, after rank
-    1's had run, against 2.9 ms alone).
+    were done (BENCHMARKS.md, the fifth session).
     """
 
     def __init__(self, first: Sequence[int], ranks: Sequence[int] = ()) -> None:

@@ -1,12 +1,14 @@
 """The decode side of KV transfer: handshake, concurrent fetch from every owner rank, release.
 
 ``fetch`` opens one stream per owner rank, each received by its own thread
-(``transfer.grpcfetch.fetch.RankFetch``) that decodes and verifies every chunk (header
-checks, XXH3-64). Verified chunks queue up for the calling thread, which
-alone runs ``place``, so a ``place`` that writes a GPU pool needs no locking.
-A byte budget bounds what has been received but not yet placed; a receiver
-that would exceed it stops reading, and gRPC flow control then holds the
-server back.
+(``transfer.grpcfetch.fetch.RankFetch``, or a receiver process) that decodes
+and verifies every chunk (header checks, XXH3-64). Verified chunks are placed
+by one thread per owner rank (``transfer.grpcfetch.placers``; up to
+``MAX_PLACERS``, the fetch's own thread for one rank), so ``place`` is called
+concurrently, each call with cells (layer, page) no other call has: it must
+be safe to call from several threads. A byte budget bounds what has been
+received but not yet placed; a receiver that would exceed it stops reading,
+and gRPC flow control then holds the server back.
 
 Under a ``RetryPolicy`` with more than one attempt, a rank's stream that
 breaks, stalls or delivers a damaged chunk is asked again for only the cells

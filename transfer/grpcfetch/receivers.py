@@ -3,8 +3,7 @@
 Python gRPC copies every received message into a bytes object with the GIL
 held. With every owner rank's stream received in one process, those copies,
 the fetch's own checks and the placement of chunks all take turns at one
-GIL: on 2x H200 (``bench/fastpath_probe.py``, py-spy) a thread held it in
-85% of the samples taken during a fetch, gRPC's threads in 70% of those.
+GIL, which became the limit (BENCHMARKS.md: the py-spy recording).
 
 ``KVClient(receivers=N)`` keeps N processes (``transfer.grpcfetch.receiver_main``),
 each of which runs one owner rank's part of a fetch at a time: its streams,

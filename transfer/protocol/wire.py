@@ -9,13 +9,10 @@ hostile input: every field is type- and range-checked and ``nbytes`` must
 equal the size the other fields imply, so a receiver never sizes a buffer
 from an unchecked number.
 
-Checksum: XXH3-64 (``xxhash``). Measured on the 2-core build machine over
-8-16 MiB buffers: xxh3_64 54 GB/s, xxh64 9.8 GB/s, crc32 2.5-3.9 GB/s,
-adler32 2.8-3.3 GB/s, sha1 1.9 GB/s, blake2b 0.9 GB/s. Wire version 1 used
-CRC-32; at ~3 GB/s on each side it was the largest cost of a FetchKV stream
-(2.8 GB/s raw gRPC on the GPU machine): 2.7 ms of every 8 MiB chunk, twice.
-XXH3 detects accidental corruption (bit flips, torn or reordered chunks) with
-a 64-bit digest; it is not a defence against a forger, which TLS is for.
+Checksum: XXH3-64 (``xxhash``; the fastest of those compared, BENCHMARKS.md;
+wire version 1 used CRC-32). It detects accidental corruption (bit flips,
+torn or reordered chunks) with a 64-bit digest; it is not a defence against
+a forger, which TLS is for.
 """
 
 from __future__ import annotations

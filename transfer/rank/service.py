@@ -299,8 +299,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
 # Chunks built ahead of the one gRPC is sending. Reading pages, hashing and
 # framing a chunk take about as long as sending it, and the read and the hash
-# drop the GIL, so two builders in flight keep the stream fed (measured on
-# the GPU machine: one builder held FetchKV at 0.36x of a raw stream).
+# drop the GIL, so two builders in flight keep the stream fed (one held the
+# stream well below a raw one: BENCHMARKS.md, KV transfer over gRPC).
 LOOKAHEAD = 3
 
 
