@@ -111,14 +111,6 @@ class PrefillEngine(ABC):
         batch's pages for FetchKV, before the ranks prefill.
         """
 
-    def set_topology(self, topology: Topology) -> None:
-        """Every rank's contract names ``topology`` from now on."""
-        self.call(SetTopology(topology))
-
-    def forget(self, request_id: str) -> None:
-        """Every rank drops what it holds for ``request_id`` (a rank may hold none of its pages)."""
-        self.call(Forget(request_id))
-
     def close(self) -> None:  # noqa: B027 - nothing to release by default
         pass
 
@@ -315,8 +307,13 @@ class CPPrefillEngine(PrefillEngine):
         for r in ranks:
             self._commands[r].put(Call(seq, command))
 
+    def set_topology(self, topology: Topology) -> None:
+        """Every rank's transfer service names ``topology`` in its contract from now on."""
+        self.call(SetTopology(topology))
+
     def forget(self, request_id: str) -> None:
-        """Fire-and-forget: the ranks drop ``request_id`` in order with later commands."""
+        """Every rank's transfer service drops ``request_id`` (a rank may hold none of its
+        pages); fire-and-forget, in order with later commands."""
         self.send(Forget(request_id), range(self.config.cp_size))
 
     def call(self, command: Command | Sequence[Command], *, only: int | None = None,
