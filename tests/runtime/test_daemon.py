@@ -1,0 +1,95 @@
+"""runtime.daemon: the skeleton both daemons stand on, against a real gRPC server on loopback."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import threading
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from runtime.daemon import DaemonServer, serve_until_signal
+from runtime.security import SecurityConfig
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+TIMEOUT_S = 10
+
+
+def _status(endpoint: str, service: str = "") -> int:
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=TIMEOUT_S).status
+
+
+@pytest.mark.timeout(60)
+def test_health_follows_start_not_serving_and_drain():
+    node = DaemonServer(SecurityConfig(), "127.0.0.1", 0, 4, metrics_port=0)
+    try:
+        node.start(("lanekv.v1.Test",))
+        assert node.endpoint == f"127.0.0.1:{node.port}" and node.port > 0
+        assert _status(node.endpoint) == SERVING and _status(node.endpoint, "lanekv.v1.Test") == SERVING
+        node.set_not_serving(("lanekv.v1.Test",))
+        assert _status(node.endpoint) == NOT_SERVING and _status(node.endpoint, "lanekv.v1.Test") == NOT_SERVING
+        # The interceptor counted those calls, and /metrics serves the registry.
+        url = f"http://127.0.0.1:{node.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as reply:
+            text = reply.read().decode()
+        assert 'method="Check"' in text and 'code="OK"' in text
+        assert node.drain(1.0).wait(5.0)
+        with pytest.raises(grpc.RpcError):
+            _status(node.endpoint)
+    finally:
+        node.close()
+        node.close()  # a second close does nothing
+
+
+def test_a_busy_port_fails_at_once_and_leaves_no_metrics_endpoint():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
+            DaemonServer(SecurityConfig(), "127.0.0.1", port, 4, metrics_port=None)
+
+
+def test_describe_and_banner_name_the_protection_never_the_token():
+    node = DaemonServer(SecurityConfig(token="s3cret-token"), "127.0.0.1", 0, 4, metrics_port=None)
+    try:
+        assert node.describe() == "plaintext + token"
+        assert node.banner("lanekv x", "detail") == f"lanekv x serving on {node.endpoint} (detail)"
+        assert "s3cret" not in node.describe() + node.banner("lanekv x", "detail")
+    finally:
+        node.close()
+
+
+class _Stoppable:
+    def __init__(self) -> None:
+        self.endpoint = "127.0.0.1:1234"
+        self.stopped_with: float | None = None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        self.stopped_with = grace_s
+
+
+@pytest.mark.timeout(30)
+def test_serve_until_signal_writes_the_ready_file_and_stops_on_sigterm(tmp_path, capsys):
+    daemon, ready = _Stoppable(), tmp_path / "ready"
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sender = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    try:
+        sender.start()
+        code = serve_until_signal(daemon, "the banner", str(ready), 2.5, logging.getLogger("test"), "draining")
+    finally:
+        sender.cancel()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert code == 0 and daemon.stopped_with == 2.5
+    assert ready.read_text() == daemon.endpoint
+    assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary left
+    assert "the banner" in capsys.readouterr().out
