@@ -171,7 +171,7 @@ def rank_main(
             except Exception:
                 results.put(Failed(rank, call.seq, traceback.format_exc()))
     finally:
-        served = getattr(runner, "transfer_server", None)
+        served = runner.transfer_server
         if served is not None:
             served.stop(_STOP_GRACE_S)
         if dist.is_initialized():
@@ -258,7 +258,7 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
 def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], None] | None) -> Any:
     """Pin this rank's pages of each request for FetchKV, say so (``registered``),
     then prefill: FetchKV sends each layer once it is written."""
-    source = getattr(runner, "page_source", None)
+    source = runner.page_source
     progress = None
     if source is not None:
         n = runner.cp_size
