@@ -177,6 +177,11 @@ class DecodeDaemon:
                  self.agreement.fingerprint[:16], self.rpc.describe())
 
     @property
+    def port(self) -> int:
+        """The gRPC port (the one picked when ``port`` was 0)."""
+        return self.rpc.port
+
+    @property
     def endpoint(self) -> str:
         return self.rpc.endpoint
 

@@ -172,6 +172,11 @@ class PrefillDaemon:
             lambda: len(self.leases.held()))
 
     @property
+    def port(self) -> int:
+        """The gRPC port (the one picked when ``port`` was 0)."""
+        return self.rpc.port
+
+    @property
     def endpoint(self) -> str:
         return self.rpc.endpoint
 
