@@ -1,4 +1,4 @@
-"""The decode daemon's calls to its prefill daemon: one ``PrefillStream`` per Generate.
+"""The decode daemon's calls to its prefill daemons: one ``PrefillStream`` per Generate.
 
 ``PrefillClient.stream`` starts ``PrefillService.PrefillStream``; the
 ``PrefillCall``'s ``started`` returns the first message (the pages, as soon as
@@ -6,11 +6,14 @@ every owner rank can stream them) and a thread of its own waits for the last
 one (the first token), so the KV fetch runs while the prefill does;
 ``check_manifest`` holds the first message to our contract, the request and
 the prefill topology. Every failure is a ``Refusal`` with the status the
-Generate call ends with.
+Generate call ends with. ``PrefillPool`` holds the prefill daemons of an xPyD
+decode daemon and picks the one that takes each prompt (the daemon does not
+use it yet: it pairs with one prefill daemon).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -19,6 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.status import Refusal
@@ -26,7 +30,9 @@ from transfer.protocol.contract import Topology
 from transfer.protocol.manifest import Manifest
 from transfer.rank.service import EPOCH_METADATA_KEY
 
+log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
+PREFILL_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 # How long a failed fetch waits to learn whether the prefill failed (and report that instead).
 _PREFILL_VERDICT_S = 5.0
 
@@ -140,3 +146,95 @@ def check_manifest(reply: lanekv_pb2.PrefillReply, request_id: str, num_tokens: 
     except ValueError as err:
         raise Refusal(Code.FAILED_PRECONDITION, f"prefill topology: {err}") from err
     return manifest
+
+
+# -- xPyD: several prefill daemons ---------------------------------------------
+
+
+@dataclass(eq=False)
+class PrefillTarget:
+    """One prefill daemon whose handshake accepted ours, as the decode daemon tracks it."""
+
+    client: PrefillClient
+    topology: Topology  # its ranks: each prefill daemon may have its own cp_size
+    health: health_pb2_grpc.HealthStub
+    healthy: bool = True
+    queued_tokens: int = 0  # prompt tokens sent to it whose prefill has not ended
+    problem: str = ""  # why it is out of the pick
+
+    @property
+    def endpoint(self) -> str:
+        return self.client.endpoint
+
+
+class PrefillPool:
+    """The prefill daemons a decode daemon pairs with, and which one takes a prompt.
+
+    ``pick`` gives the healthy daemon with the fewest queued prompt tokens
+    (ties in turn) and counts the prompt on it until ``done``. A daemon found
+    down (``lost``) leaves the pick; a thread asks every daemon's health
+    service each ``interval_s`` and puts it back at its SERVING answer.
+    """
+
+    def __init__(self, targets: Sequence[PrefillTarget], interval_s: float = 1.0,
+                 timeout_s: float = 2.0) -> None:
+        if not targets:
+            raise ValueError("a PrefillPool needs at least one prefill daemon")
+        self.targets = tuple(targets)
+        self._lock = threading.Lock()
+        self._turn = 0
+        self._interval_s, self._timeout_s = interval_s, timeout_s
+        self._stop = threading.Event()
+        self._watch = threading.Thread(target=self._watch_health, name="lanekv-prefill-health", daemon=True)
+        self._watch.start()
+
+    def pick(self, num_tokens: int, exclude: Sequence[PrefillTarget] = ()) -> PrefillTarget:
+        """UNAVAILABLE when no healthy daemon outside ``exclude`` is left."""
+        with self._lock:
+            healthy = [t for t in self.targets if t.healthy and t not in exclude]
+            if not healthy:
+                down = "; ".join(f"{t.endpoint}: {t.problem or 'tried'}" for t in self.targets)
+                raise Refusal(Code.UNAVAILABLE, f"no prefill daemon can take the request ({down})")
+            least = min(t.queued_tokens for t in healthy)
+            tied = [t for t in healthy if t.queued_tokens == least]
+            self._turn += 1
+            target = tied[self._turn % len(tied)]
+            target.queued_tokens += num_tokens
+            return target
+
+    def done(self, target: PrefillTarget, num_tokens: int) -> None:
+        with self._lock:
+            target.queued_tokens -= num_tokens
+
+    def others(self, exclude: Sequence[PrefillTarget]) -> bool:
+        """Whether a healthy daemon outside ``exclude`` is left."""
+        with self._lock:
+            return any(t.healthy and t not in exclude for t in self.targets)
+
+    def lost(self, target: PrefillTarget, problem: str) -> None:
+        with self._lock:
+            was, target.healthy, target.problem = target.healthy, False, problem
+        if was:
+            log.warning("prefill daemon %s leaves the pick: %s", target.endpoint, problem)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watch.join(self._timeout_s + 1.0)
+
+    def _watch_health(self) -> None:
+        request = health_pb2.HealthCheckRequest(service=PREFILL_SERVICE)
+        while not self._stop.wait(self._interval_s):
+            for target in self.targets:
+                try:
+                    status = target.health.Check(request, timeout=self._timeout_s).status
+                    serving = status == health_pb2.HealthCheckResponse.SERVING
+                    problem = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                except grpc.RpcError as err:
+                    serving, problem = False, f"health check {err.code().name}: {err.details()}"
+                if not serving:
+                    self.lost(target, problem)
+                    continue
+                with self._lock:
+                    back, target.healthy, target.problem = not target.healthy, True, ""
+                if back:
+                    log.info("prefill daemon %s is back in the pick", target.endpoint)
