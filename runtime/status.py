@@ -24,12 +24,26 @@ DEFAULT_CHUNK_BYTES = 8 << 20
 # so the caller can compute the field diff itself.
 CONTRACT_METADATA_KEY = "lanekv-contract-bin"
 TRANSFER_SERVICE = "lanekv.v1.KVTransfer"
+# A status message travels in trailing metadata, which gRPC limits to 8 KiB
+# (soft; 16 KiB hard) together with the contract a refused Handshake sends
+# back (at most contract.MAX_CONTRACT_BYTES, base64-encoded): messages are cut here.
+MAX_DETAILS_CHARS = 2048
+
+
+def bounded(message: str, limit: int = MAX_DETAILS_CHARS) -> str:
+    """``message`` cut to ``limit`` characters, saying how much was cut."""
+    if len(message) <= limit:
+        return message
+    keep = max(0, limit - 40)  # room for the note
+    return f"{message[:keep]}... ({len(message) - keep} more characters)"[:limit]
 
 
 class Refusal(Exception):
-    """A request refused with a gRPC status code and a message for the caller."""
+    """A request refused with a gRPC status code and a message for the caller
+    (cut to ``MAX_DETAILS_CHARS``)."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.code = code
         self.message = message

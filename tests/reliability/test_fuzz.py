@@ -278,7 +278,7 @@ def test_handshake_refuses_hostile_contracts(rig):
         (hostile.packed(plain, drop="rope"), INVALID),
         (hostile.packed(plain, surplus=1), INVALID),
         (hostile.packed(plain, weights_digest="x" * 5000), INVALID),
-        (hostile.packed(plain, weights_digest="x" * (2 << 20)), INVALID),  # beyond the 1 MiB a contract may take
+        (hostile.packed(plain, weights_digest="x" * (2 << 20)), INVALID),  # beyond the 3 KiB a contract may take
         (hostile.packed(plain, model_config=hostile.nested(900)), INVALID),  # nested deeper than Python's recursion
         (hostile.packed(plain, model_config={"x": float("nan")}), INVALID),
         (msgpack.packb({"agreement": plain, "topology": {"cp_size": "two"}}), INVALID),

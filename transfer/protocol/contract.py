@@ -11,6 +11,15 @@ Canonical encoding: msgpack maps with keys sorted at every depth, floats as
 float64, arrays for sequences. Equality of agreements is equality of their
 encodings, so ``10000`` and ``10000.0`` (or ``1`` and ``True``) differ, as
 their fingerprints do.
+
+Size: a contract is decoded as hostile input. Its encoding is at most
+``MAX_CONTRACT_BYTES`` (checked before unpacking), and its shape at most
+``MAX_CONTRACT_KEYS`` map entries, ``MAX_CONTRACT_DEPTH`` deep, keys of
+``MAX_KEY_LEN`` characters (checked in one pass before any other work), so
+decoding and diffing are linear and bounded. Our own contract obeys the same
+bounds; a refused Handshake sends it back in trailing metadata next to a
+diff whose values are cut short (``FieldDiff.describe``), and both together
+stay well under gRPC's 8 KiB metadata limit.
 """
 
 from __future__ import annotations
@@ -62,25 +71,31 @@ CONTRACT_SOURCES = (
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Keys of ModelConfig.contract_fields() that become Agreement fields of their own.
 _OWN_MODEL_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope")
-_MAX_TEXT = 4096
+_MAX_TEXT = 256  # architecture, digests, pool layout: all far shorter
+MAX_CONTRACT_BYTES = 3072  # Llama 3 70B with llama3 RoPE scaling on 8 ranks: 829 bytes
+MAX_CONTRACT_KEYS = 256  # map entries at every depth together
+MAX_CONTRACT_DEPTH = 8  # maps and arrays inside the contract's outer map
+MAX_KEY_LEN = 128
+# In a refused Handshake's message: each value's text is cut to this many
+# characters, and at most this many differing fields are described.
+DIFF_VALUE_CHARS = 72  # a sha256 in hex, quoted, fits
+DIFF_FIELDS_DESCRIBED = 8
 
 
 class FrozenDict(Mapping[str, Any]):
     """An immutable, hashable mapping with sorted str keys; nested values frozen too."""
 
-    __slots__ = ("_items",)
+    __slots__ = ("_items", "_index")
 
     def __init__(self, items: Mapping[str, Any], name: str = "value") -> None:
         for key in items:
             if type(key) is not str:
-                raise TypeError(f"{name} keys must be str, got {key!r}")
-        self._items = tuple((key, _freeze(items[key], f"{name}.{key}")) for key in sorted(items))
+                raise TypeError(f"{name} keys must be str, got {key!r:.80}")
+        self._items = tuple((key, _freeze(items[key], f"{name}.{key:.80}")) for key in sorted(items))
+        self._index = dict(self._items)  # lookups in O(1): diff() reads every key
 
     def __getitem__(self, key: str) -> Any:
-        for name, value in self._items:
-            if name == key:
-                return value
-        raise KeyError(key)
+        return self._index[key]
 
     def __iter__(self) -> Iterator[str]:
         return (key for key, _ in self._items)
@@ -203,7 +218,7 @@ class Agreement:
     def decode(cls, data: bytes) -> Agreement:
         """Parse an untrusted agreement; any defect is a ValueError naming the field."""
         with untrusted("agreement"):
-            return cls.from_dict(unpack_map(data, "agreement"))
+            return cls.from_dict(_unpack_contract(data, "agreement"))
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -289,6 +304,9 @@ class LayoutContract:
             raise TypeError(f"agreement must be an Agreement, got {type(self.agreement).__name__}")
         if not isinstance(self.topology, Topology):
             raise TypeError(f"topology must be a Topology, got {type(self.topology).__name__}")
+        size = len(self.encode())
+        if size > MAX_CONTRACT_BYTES:  # a peer would refuse it: say so at start-up
+            raise ValueError(f"the layout contract encodes to {size} bytes, more than {MAX_CONTRACT_BYTES}")
 
     @property
     def fingerprint(self) -> str:
@@ -301,7 +319,7 @@ class LayoutContract:
     def decode(cls, data: bytes) -> LayoutContract:
         """Parse an untrusted contract; any defect is a ValueError naming the field."""
         with untrusted("layout contract"):
-            value = unpack_map(data, "layout contract")
+            value = _unpack_contract(data, "layout contract")
             check_keys("layout contract", value, ["agreement", "topology"])
             for part in ("agreement", "topology"):
                 if not isinstance(value[part], dict):
@@ -314,10 +332,42 @@ class LayoutContract:
 def agreement_of(data: bytes) -> Agreement:
     """Decode the agreement from either an encoded ``Agreement`` or an encoded ``LayoutContract``."""
     with untrusted("contract"):
-        value = unpack_map(data, "contract")
+        value = _unpack_contract(data, "contract")
         if "agreement" in value:
             return LayoutContract.decode(data).agreement
         return Agreement.from_dict(value)
+
+
+def _unpack_contract(data: bytes, what: str) -> dict:
+    """Unpack an untrusted contract, refusing one too large or too complex before any other work."""
+    value = unpack_map(data, what, MAX_CONTRACT_BYTES)
+    entries, stack = 0, [(value, 0)]
+    while stack:  # one pass, no recursion
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            entries += len(item)
+            if entries > MAX_CONTRACT_KEYS:
+                raise ValueError(f"{what} has more than {MAX_CONTRACT_KEYS} map entries")
+            for key in item:
+                if isinstance(key, str | bytes) and len(key) > MAX_KEY_LEN:
+                    raise ValueError(f"{what} has a key of {len(key)} characters, more than {MAX_KEY_LEN}")
+            children = item.values()
+        elif isinstance(item, tuple):
+            children = item
+        else:
+            continue
+        if depth >= MAX_CONTRACT_DEPTH:
+            raise ValueError(f"{what} is nested more than {MAX_CONTRACT_DEPTH} deep")
+        stack.extend((child, depth + 1) for child in children)
+    return value
+
+
+def _short(value: Any) -> str:
+    """ASCII text of a value, cut to ``DIFF_VALUE_CHARS`` (status messages stay small)."""
+    text = ascii(value)
+    if len(text) <= DIFF_VALUE_CHARS:
+        return text
+    return f"{text[:DIFF_VALUE_CHARS]}... ({len(text)} characters)"
 
 
 class _Absent:
@@ -334,7 +384,8 @@ class FieldDiff(NamedTuple):
     theirs: Any
 
     def describe(self, ours: str = "ours", theirs: str = "theirs") -> str:
-        return f"{self.name}: {ours}={self.ours!r} {theirs}={self.theirs!r}"
+        """``name: ours=... theirs=...``, each value cut to ``DIFF_VALUE_CHARS`` characters."""
+        return f"{self.name}: {ours}={_short(self.ours)} {theirs}={_short(self.theirs)}"
 
     def __str__(self) -> str:
         return self.describe()
@@ -363,8 +414,16 @@ def diff(ours: Agreement, theirs: Agreement) -> list[FieldDiff]:
 
 
 def format_diff(diffs: Iterable[FieldDiff], ours: str = "ours", theirs: str = "theirs") -> str:
-    """One line per differing field, e.g. ``page_size: server=64 caller=16``."""
-    return "\n".join(d.describe(ours, theirs) for d in diffs)
+    """One line per differing field, e.g. ``page_size: server=64 caller=16``; past
+    ``DIFF_FIELDS_DESCRIBED`` fields, the rest only by name on one line."""
+    diffs = list(diffs)
+    lines = [d.describe(ours, theirs) for d in diffs[:DIFF_FIELDS_DESCRIBED]]
+    rest = diffs[DIFF_FIELDS_DESCRIBED:]
+    if rest:
+        names = ", ".join(d.name for d in rest)
+        cut = names if len(names) <= 7 * DIFF_VALUE_CHARS else names[: 7 * DIFF_VALUE_CHARS] + "..."
+        lines.append(f"and {len(rest)} more: {cut}")
+    return "\n".join(lines)
 
 
 def source_digest(files: Iterable[str] | None = None, root: Path | None = None) -> str:

@@ -118,10 +118,15 @@ def unpack_map(data: Any, what: str, max_bytes: int = MAX_HEADER_BYTES) -> dict:
 
 
 def check_keys(what: str, value: dict, expected: Sequence[str]) -> None:
+    """Exactly the ``expected`` keys; the message names at most 8 unknown ones, each cut short."""
     missing = sorted(set(expected) - set(value))
-    extra = sorted(set(value) - set(expected), key=repr)
+    extra = set(value) - set(expected)
     if missing or extra:
-        raise ValueError(f"{what} has missing keys {missing} and unknown keys {extra}")
+        named = [f"{key!r:.40}" for key in sorted(extra, key=repr)[:8]]
+        more = f" (and {len(extra) - 8} more)" if len(extra) > 8 else ""
+        raise ValueError(
+            f"{what} has missing keys {missing} and unknown keys [{', '.join(named)}]{more}"
+        )
 
 
 @contextmanager
