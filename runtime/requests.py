@@ -14,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
+from runtime.limits import same_kind
 from runtime.status import Refusal
 from transfer.protocol.wire import MAX_REQUEST_ID_LEN
 
@@ -119,9 +120,10 @@ class MalformedRequestInterceptor(grpc.ServerInterceptor):
         else:
             behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
 
-        def checked(request: Any, context: grpc.ServicerContext) -> Any:
+        def checked(request: Any, context: grpc.ServicerContext, *args: Any, **kwargs: Any) -> Any:
             if isinstance(request, _Unparsable):
                 context.abort(Code.INVALID_ARGUMENT, f"{method}: the request does not parse: {request.error}")
-            return behavior(request, context)
+            return behavior(request, context, *args, **kwargs)
 
-        return make(checked, request_deserializer=lenient, response_serializer=handler.response_serializer)
+        return make(same_kind(checked, behavior), request_deserializer=lenient,
+                    response_serializer=handler.response_serializer)

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from runtime.limits import is_non_blocking, same_kind
 from runtime.metrics import Counter, Gauge, Histogram, Registry
 
 log = logging.getLogger(__name__)
@@ -82,7 +83,19 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
                 raise
             return _watched(responses, context, lambda code: record(code, start))
 
-        wrapped = stream_response if handler.response_streaming else unary_response
+        def non_blocking_response(request: Any, context: grpc.ServicerContext, *args: Any, **kwargs: Any) -> None:
+            # Returns at once (health Watch); the stream ends later, when the call does.
+            start = time.perf_counter()
+            if not context.add_callback(lambda: record(_ended_code(context), start)):
+                record(_ended_code(context), start)
+            behavior(request, context, *args, **kwargs)
+
+        if not handler.response_streaming:
+            wrapped = unary_response
+        elif is_non_blocking(behavior):
+            wrapped = same_kind(non_blocking_response, behavior)
+        else:
+            wrapped = stream_response
         return make(
             wrapped,
             request_deserializer=handler.request_deserializer,
@@ -106,6 +119,15 @@ def _watched(
         raise
     finally:
         record(code)
+
+
+def _ended_code(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """The code of a non-blocking stream once it has ended (it ends when its caller leaves)."""
+    code = context.code()
+    if code is not None:
+        return code
+    remaining = context.time_remaining()
+    return Code.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else Code.CANCELLED
 
 
 def _final_code(context: grpc.ServicerContext, fallback: grpc.StatusCode) -> grpc.StatusCode:

@@ -31,6 +31,7 @@ from typing import Any
 
 import grpc
 
+from runtime.limits import CallLimits, CallLimitsInterceptor
 from runtime.reflection import ReflectingServer
 from runtime.requests import MalformedRequestInterceptor
 from runtime.status import grpc_options
@@ -240,7 +241,17 @@ class TokenInterceptor(grpc.ServerInterceptor):
         service = handler_call_details.method.lstrip("/").partition("/")[0]
         if handler is None or service in OPEN_SERVICES:
             return handler
-        values = [v for k, v in handler_call_details.invocation_metadata or () if k == AUTH_METADATA_KEY]
+        problem = self._problem(handler_call_details.invocation_metadata)
+        if problem is None:
+            return handler
+        return _refusal(handler, f"{handler_call_details.method}: {problem}")
+
+    def accepts(self, metadata: Sequence[tuple[str, Any]] | None) -> bool:
+        """Whether ``metadata`` carries the token (one ``authorization`` entry, the right one)."""
+        return self._problem(metadata) is None
+
+    def _problem(self, metadata: Sequence[tuple[str, Any]] | None) -> str | None:
+        values = [v for k, v in metadata or () if k == AUTH_METADATA_KEY]
         if not values:
             problem = f"missing '{AUTH_METADATA_KEY}: Bearer <token>' metadata"
         elif len(values) > 1:
@@ -248,8 +259,8 @@ class TokenInterceptor(grpc.ServerInterceptor):
         elif not hmac.compare_digest(_digest(values[0]), self._expected):
             problem = "wrong token" if values[0].startswith("Bearer ") else "not a 'Bearer <token>' value"
         else:
-            return handler
-        return _refusal(handler, f"{handler_call_details.method}: {problem}")
+            return None
+        return problem
 
 
 def _digest(value: str | bytes) -> bytes:
@@ -279,12 +290,16 @@ def make_server(
     options: Sequence[tuple[str, Any]] | None = None,
     *,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    limits: CallLimits | None = None,
 ) -> grpc.Server:
     """A gRPC server with ``interceptors`` (outermost first), the malformed-request
-    check and then the token check.
+    check, the token check and then the call limits (``runtime.limits``;
+    default ``CallLimits.for_workers(max_workers)``).
 
     Metrics interceptors go in ``interceptors`` so that they also count the
-    calls the token check refuses. ``options`` defaults to ``grpc_options()``.
+    calls the token check and the limits refuse. ``options`` defaults to ``grpc_options()``.
+    The thread pool has ``limits.open_total`` threads beyond ``max_workers``:
+    callers without the token never take the threads of authenticated calls.
     SO_REUSEPORT is off unless ``options`` says otherwise: with it, a second
     daemon started on a busy port would silently share its connections. The
     server answers gRPC reflection for the services added to it (``runtime.reflection``).
@@ -292,11 +307,16 @@ def make_server(
     options = list(grpc_options() if options is None else options)
     if not any(key == "grpc.so_reuseport" for key, _ in options):
         options.append(("grpc.so_reuseport", 0))
+    limits = CallLimits.for_workers(max_workers) if limits is None else limits
+    token_check = server_interceptors(config)
+    accepts = token_check[0].accepts if token_check else None
     return ReflectingServer(grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
+        futures.ThreadPoolExecutor(max_workers=max_workers + limits.open_total),
         # Calls counted first, then bytes that do not parse refused with
-        # INVALID_ARGUMENT (gRPC alone answers INTERNAL), then the token check.
-        interceptors=[*interceptors, MalformedRequestInterceptor(), *server_interceptors(config)],
+        # INVALID_ARGUMENT (gRPC alone answers INTERNAL), then the token
+        # check, then the bounds on calls at once.
+        interceptors=[*interceptors, MalformedRequestInterceptor(), *token_check,
+                      CallLimitsInterceptor(limits, OPEN_SERVICES, accepts)],
         options=options,
     ))
 

@@ -180,3 +180,35 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(mutual, certs):
                 fetch_contract(endpoint, TIMEOUT_S, refused)
     assert _prefill(mutual.endpoint, with_cert).first_token >= 0
     assert _refused(_prefill, mutual.endpoint, without).code() == Code.UNAVAILABLE
+
+
+def test_open_watches_do_not_starve_the_daemons(daemons, certs, client):
+    # The numbers: 20 Watches on a rank port, 40 on the prefill port and
+    # 70 on the decode port made authenticated Generate and Check calls time out.
+    prefill, decode = daemons
+    tls_only = SecurityConfig(tls_ca=certs.ca)
+    counts = {decode.endpoint: 70, prefill.endpoint: 40, **dict.fromkeys(prefill.topology.endpoints, 20)}
+    channels, calls, refused = [], [], 0
+    try:
+        for endpoint, count in counts.items():
+            channels.append(open_channel(endpoint, tls_only))
+            health = health_pb2_grpc.HealthStub(channels[-1])
+            for _ in range(count):
+                calls.append(health.Watch(health_pb2.HealthCheckRequest(), timeout=30))
+                try:
+                    next(calls[-1])
+                except grpc.RpcError as err:
+                    assert err.code() == Code.RESOURCE_EXHAUSTED, (err.code(), err.details())
+                    refused += 1
+        assert refused == sum(counts.values()) - 4 * len(counts)  # 4 open calls per host and port
+        _, replies = _generate(decode.endpoint, client)
+        assert sum(len(reply.token_ids) for reply in replies) == 4
+        for endpoint in counts:
+            with open_channel(endpoint, client) as channel:
+                check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert check.status == health_pb2.HealthCheckResponse.SERVING, endpoint
+    finally:
+        for call in calls:
+            call.cancel()
+        for channel in channels:
+            channel.close()
