@@ -1,8 +1,10 @@
 """Prometheus metrics in the text exposition format (0.0.4), with no dependency.
 
 Each daemon owns a ``Registry``; ``serve_metrics`` serves ``GET /metrics``
-over HTTP. The metric set both daemons use and the interceptor that counts
-gRPC calls are in ``runtime.rpc_metrics``.
+over HTTP, or, given the daemon's ``SecurityConfig``, with its TLS
+(HTTPS; client certificates when it requires them) and its token
+(``Authorization: Bearer <token>``, else 401). The metric set both daemons
+use and the interceptor that counts gRPC calls are in ``runtime.rpc_metrics``.
 
     registry = Registry()
     metrics = lanekv_metrics(registry)
@@ -14,11 +16,14 @@ gRPC calls are in ``runtime.rpc_metrics``.
 from __future__ import annotations
 
 import bisect
+import hashlib
+import hmac
 import http.server
 import logging
 import math
 import re
 import socket
+import ssl
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -26,6 +31,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
+
+from runtime.security import SecurityConfig
 
 log = logging.getLogger(__name__)
 
@@ -301,16 +308,63 @@ class Registry:
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True  # a slow scraper never holds up close()
 
-    def __init__(self, address: tuple[str, int], registry: Registry, family: int) -> None:
+    def __init__(self, address: tuple[str, int], registry: Registry, family: int,
+                 security: SecurityConfig) -> None:
         self.address_family = family
         self.registry = registry
+        self.expected = None if security.token is None else _digest(f"Bearer {security.token}")
         super().__init__(address, _Handler)
+        self.tls = _tls_context(security)
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        sock, address = super().get_request()
+        if self.tls is not None:
+            # The handshake runs in the request's thread (do_handshake_on_connect
+            # off), so a client that never completes one holds up no one else.
+            sock = self.tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+        return sock, address
+
+    def finish_request(self, request: Any, client_address: Any) -> None:
+        if isinstance(request, ssl.SSLSocket):
+            request.settimeout(10.0)
+            try:
+                request.do_handshake()
+            except (OSError, ssl.SSLError) as err:
+                log.debug("metrics %s: TLS handshake failed: %s", client_address, err)
+                return
+        super().finish_request(request, client_address)
+
+
+def _tls_context(security: SecurityConfig) -> ssl.SSLContext | None:
+    if not security.tls:
+        return None
+    if security.tls_cert is None:
+        raise ValueError(f"serving /metrics over TLS needs tls_cert and tls_key; only tls_ca={security.tls_ca!r} is given")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(security.tls_cert, security.tls_key)
+    if security.require_client_cert:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(security.tls_ca)
+    return context
+
+
+def _digest(value: str) -> bytes:
+    return hashlib.sha256(value.encode("utf-8", "surrogateescape")).digest()
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:
+        expected = self.server.expected
+        if expected is not None:
+            given = self.headers.get_all("Authorization") or []
+            if len(given) != 1 or not hmac.compare_digest(_digest(given[0]), expected):
+                self.send_response(401, "the daemon's token is required")
+                self.send_header("WWW-Authenticate", "Bearer")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
         if urlsplit(self.path).path != "/metrics":
             self.send_error(404, "only /metrics is served here")
             return
@@ -336,11 +390,19 @@ class MetricsEndpoint(NamedTuple):
         self.thread.join(timeout_s)
 
 
-def serve_metrics(registry: Registry, host: str = "127.0.0.1", port: int = 0) -> MetricsEndpoint:
-    """Serve ``GET /metrics`` on a daemon thread (404 elsewhere); port 0 picks a free port."""
+def serve_metrics(
+    registry: Registry, host: str = "127.0.0.1", port: int = 0, security: SecurityConfig | None = None
+) -> MetricsEndpoint:
+    """Serve ``GET /metrics`` on a daemon thread (404 elsewhere); port 0 picks a free port.
+
+    With ``security`` (the daemon's): HTTPS when it has TLS, and 401 without
+    its token when it has one. None: plain HTTP, open to anyone who can reach
+    ``host`` (bind it to an address only the scraper reaches).
+    """
+    security = SecurityConfig() if security is None else security
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        server = _Server((host.strip("[]"), port), registry, family)
+        server = _Server((host.strip("[]"), port), registry, family, security)
     except OSError as err:
         raise OSError(err.errno, f"cannot bind the metrics port {host}:{port}: {err.strerror or err}") from err
     thread = threading.Thread(

@@ -86,8 +86,8 @@ class RpcMetricsInterceptor(grpc.ServerInterceptor):
         def non_blocking_response(request: Any, context: grpc.ServicerContext, *args: Any, **kwargs: Any) -> None:
             # Returns at once (health Watch); the stream ends later, when the call does.
             start = time.perf_counter()
-            if not context.add_callback(lambda: record(_ended_code(context), start)):
-                record(_ended_code(context), start)
+            if not context.add_callback(lambda: record(left_code(context), start)):
+                record(left_code(context), start)
             behavior(request, context, *args, **kwargs)
 
         if not handler.response_streaming:
@@ -112,7 +112,7 @@ def _watched(
         yield from responses
         code = _final_code(context, Code.OK)
     except GeneratorExit:  # gRPC dropped the stream: the client went away or the deadline passed
-        code = Code.DEADLINE_EXCEEDED if context.time_remaining() <= 0 else Code.CANCELLED
+        code = left_code(context)
         raise
     except Exception:  # as in unary_response
         code = _final_code(context, Code.UNKNOWN)
@@ -121,10 +121,15 @@ def _watched(
         record(code)
 
 
-def _ended_code(context: grpc.ServicerContext) -> grpc.StatusCode:
-    """The code of a non-blocking stream once it has ended (it ends when its caller leaves)."""
+def left_code(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """The code of a call its client left: DEADLINE_EXCEEDED once its deadline has passed,
+    else CANCELLED (whatever gRPC set: it ends an expired call as it ends a cancelled one).
+
+    The one rule for both counts (calls by code here, the daemons' failures by
+    cause): they must agree on every call.
+    """
     code = context.code()
-    if code is not None:
+    if code not in (None, Code.CANCELLED, Code.DEADLINE_EXCEEDED):
         return code
     remaining = context.time_remaining()
     return Code.DEADLINE_EXCEEDED if remaining is not None and remaining <= 0 else Code.CANCELLED
@@ -133,11 +138,9 @@ def _ended_code(context: grpc.ServicerContext) -> grpc.StatusCode:
 def _final_code(context: grpc.ServicerContext, fallback: grpc.StatusCode) -> grpc.StatusCode:
     """The status the call ends with: the one the handler set or aborted with, else ``fallback``."""
     code = context.code()
-    if code is not None:
-        return code
-    if fallback == Code.OK and not context.is_active():  # finished, but the caller is gone
-        return Code.DEADLINE_EXCEEDED if context.time_remaining() <= 0 else Code.CANCELLED
-    return fallback
+    if not context.is_active() and (code == Code.CANCELLED or (code is None and fallback == Code.OK)):
+        return left_code(context)  # the caller is gone
+    return fallback if code is None else code
 
 
 # -- the lanekv metric set --------------------------------------------------
