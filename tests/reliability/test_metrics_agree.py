@@ -25,11 +25,11 @@ from decode.daemon import DecodeDaemon
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.metrics import Registry, serve_metrics
+from runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
 from tests.daemons import start_pair, stop_pair
 from tests.reliability.kv_cluster import wait_until
-from runtime.metrics import Registry, serve_metrics
-from runtime.security import SecurityConfig
 from tests.reliability.test_operations import GENERATE, LONG_NEW_TOKENS, LONG_PROMPT, Scrape
 from tests.tls import make_certs
 

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 import transfer.errors as errors_module
 from runtime.security import SecurityConfig
+from runtime.shmfiles import receiver_prefix
 from runtime.status import DEFAULT_CHUNK_BYTES
 from transfer.grpcfetch.fetch import RetryPolicy
 from transfer.grpcfetch.spans import Span
@@ -67,7 +68,7 @@ class Receiver:
         self.slots, self.slot_bytes = slots, slot_bytes
         self.clean = False  # idle, and every message of its last fetch read
         directory = SHM_DIR if SHM_DIR.is_dir() else None
-        fd, path = tempfile.mkstemp(prefix="lanekv-receiver-", dir=directory)
+        fd, path = tempfile.mkstemp(prefix=receiver_prefix(), dir=directory)
         self._path = path
         ours = None
         try:
