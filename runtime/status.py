@@ -30,6 +30,15 @@ TRANSFER_SERVICE = "lanekv.v1.KVTransfer"
 MAX_DETAILS_CHARS = 2048
 
 
+def one_line(message: str) -> str:
+    """``message`` on one line: its lines joined by '; ' (by a space after a colon)."""
+    parts = [part.strip() for part in message.splitlines() if part.strip()]
+    out = parts[0] if parts else ""
+    for part in parts[1:]:
+        out += f" {part}" if out.endswith(":") else f"; {part}"
+    return out
+
+
 def bounded(message: str, limit: int = MAX_DETAILS_CHARS) -> str:
     """``message`` cut to ``limit`` characters, saying how much was cut."""
     if len(message) <= limit:
@@ -39,11 +48,12 @@ def bounded(message: str, limit: int = MAX_DETAILS_CHARS) -> str:
 
 
 class Refusal(Exception):
-    """A request refused with a gRPC status code and a message for the caller
-    (cut to ``MAX_DETAILS_CHARS``)."""
+    """A request refused with a gRPC status code and a message for the caller: one
+    line (``one_line``), cut to ``MAX_DETAILS_CHARS``. Never a traceback: those go
+    to the log."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        message = bounded(message)
+        message = bounded(one_line(message))
         super().__init__(message)
         self.code = code
         self.message = message
