@@ -68,8 +68,9 @@ class Servers(NamedTuple):
 
 
 def start_servers(cp_size: int, num_pages: int, *, epoch: str | None = None,
-                  security: SecurityConfig | None = None) -> Servers:
-    """One server per rank holding request "req" of ``num_pages`` pages (page P on rank P % cp_size)."""
+                  security: SecurityConfig | None = None, capability: str | None = None) -> Servers:
+    """One server per rank holding request "req" of ``num_pages`` pages (page P on rank P % cp_size),
+    pinned with ``capability`` when given."""
     gen = torch.Generator().manual_seed(num_pages)
     shape = (LAYERS, 2, num_pages * PAGE, HEADS, DIM)
     # Random bit patterns, NaNs included: tests compare bytes.
@@ -81,7 +82,7 @@ def start_servers(cp_size: int, num_pages: int, *, epoch: str | None = None,
         pool = torch.zeros((LAYERS, 2, (len(owned) + 1) * PAGE, HEADS, DIM), dtype=torch.bfloat16)
         pool[:, :, rows_of([p // cp_size for p in owned])] = full[:, :, rows_of(owned)]
         source = TensorPageSource(agreement, rank, pool)
-        source.add("req", [(p, p // cp_size) for p in owned])
+        source.add("req", [(p, p // cp_size) for p in owned], capability=capability)
         served.append(serve(source, security=security, epoch=epoch))
         sources.append(source)
         endpoints[rank] = f"127.0.0.1:{served[-1].port}"

@@ -12,8 +12,10 @@ AttachPool, and their digest, instead of the bytes (``transfer.protocol.descript
 from __future__ import annotations
 
 import dataclasses
+import secrets
+import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any, NamedTuple, TypeVar
@@ -23,6 +25,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.limits import peer_host
 from runtime.security import SecurityConfig, bind, make_server
 from runtime.status import (
     CONTRACT_METADATA_KEY,
@@ -48,11 +51,27 @@ from transfer.rank.sources import PageSource
 
 Code = grpc.StatusCode
 T = TypeVar("T")
-# Request metadata of FetchKV and Release: the start of the prefill daemon that
-# pinned the pages (the prefill daemon hands it out in Prefill's trailing
-# metadata). A server of another start refuses, so a restarted daemon that
-# reuses ports, and maybe request ids, never serves its pages for old ones.
+# Request metadata of FetchKV, Release and AttachPool: the start of the prefill
+# daemon that pinned the pages, and for one request its capability,
+# ``<epoch>:<capability>`` (``access_ticket``; the prefill daemon hands it out
+# in Prefill's and PrefillStream's metadata, and the capability in PrefillReply).
+# A server of another start refuses, so a restarted daemon that reuses ports,
+# and maybe request ids, never serves its pages for old ones; a request pinned
+# with a capability is served only to a caller that presents it
+# (PERMISSION_DENIED otherwise), so knowing a request id is not enough.
 EPOCH_METADATA_KEY = "lanekv-epoch"
+# Attached peers remembered per rank (a descriptors fetch needs an AttachPool first).
+MAX_ATTACHED_PEERS = 1024
+
+
+def access_ticket(epoch: str, capability: str | None) -> str:
+    """The ``EPOCH_METADATA_KEY`` value for one request: its daemon start and capability."""
+    return epoch if capability is None else f"{epoch}:{capability}"
+
+
+def new_capability() -> str:
+    """An unguessable capability for one request (256 random bits)."""
+    return secrets.token_urlsafe(32)
 # The longest a FetchKV waits for one layer of a prefill that is still running
 # (less when the call's deadline comes first).
 LAYER_WAIT_S = 600.0
@@ -89,6 +108,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._on_fetched = on_fetched
         self._epoch = epoch
         self._layer_wait_s = layer_wait_s
+        self._attached: OrderedDict[str, None] = OrderedDict()  # peer hosts that called AttachPool
+        self._attached_lock = threading.Lock()
 
     def Handshake(self, request, context):
         with refusals(context):
@@ -114,7 +135,9 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             start = time.perf_counter()
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
-            self._same_start(context)
+            self._same_start(context, request.request_id)
+            if request.descriptors:
+                self._check_attached(context)
             span = self._span(request, agreement)
             chunks = [] if request.descriptors else self._plan(request, agreement, span)
             rid, sent_bytes = request.request_id, 0
@@ -193,12 +216,16 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 handle = self._source.share(transports)
             except ValueError as err:
                 raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank}: {err}") from err
+            with self._attached_lock:
+                self._attached[peer_host(context.peer() or "")] = None
+                while len(self._attached) > MAX_ATTACHED_PEERS:
+                    self._attached.popitem(last=False)
         return lanekv_pb2.AttachReply(handle=handle.encode())
 
     def Release(self, request, context):
         with refusals(context):
             self._agreed(request.request_id, request.fingerprint)
-            self._same_start(context)
+            self._same_start(context, request.request_id)
             try:
                 freed = self._source.release(request.request_id)
             except KeyError as err:
@@ -230,17 +257,35 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             )
         return agreement
 
-    def _same_start(self, context: grpc.ServicerContext) -> None:
-        """Refuse a caller that names another start of the prefill daemon than ours."""
-        if self._epoch is None:
-            return
+    def _same_start(self, context: grpc.ServicerContext, request_id: str | None = None) -> None:
+        """Refuse a caller that names another start of the prefill daemon than ours, and
+        (with ``request_id``) one without the capability the request was pinned with."""
+        capability = None
         for key, value in context.invocation_metadata() or ():
-            if key == EPOCH_METADATA_KEY and value != self._epoch:
+            if key != EPOCH_METADATA_KEY:
+                continue
+            epoch, _, capability = value.partition(":")
+            if self._epoch is not None and epoch != self._epoch:
                 raise Refusal(
                     Code.FAILED_PRECONDITION,
-                    f"the request was prefilled by prefill daemon start {value!r:.40}, this is start "
+                    f"the request was prefilled by prefill daemon start {epoch!r:.40}, this is start "
                     f"{self._epoch!r}: the daemon restarted and the request's pages are gone",
                 )
+        if request_id is not None and not self._source.admits(request_id, capability or None):
+            raise Refusal(
+                Code.PERMISSION_DENIED,
+                f"request {request_id!r:.80}: {'a wrong' if capability else 'no'} capability; present the one "
+                f"its prefill returned ('{EPOCH_METADATA_KEY}: <epoch>:<capability>' metadata)",
+            )
+
+    def _check_attached(self, context: grpc.ServicerContext) -> None:
+        """Descriptors are for a same-host peer that attached the pool first."""
+        with self._attached_lock:
+            attached = peer_host(context.peer() or "") in self._attached
+        if not attached:
+            raise Refusal(Code.FAILED_PRECONDITION,
+                          f"descriptors=true needs an AttachPool on rank {self._source.rank} first; "
+                          "fetch the bytes (descriptors=false) or attach")
 
     def _holds(self, request_id: str) -> bool:
         try:

@@ -9,6 +9,8 @@ Handshake with it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import threading
 from collections import OrderedDict
@@ -72,6 +74,11 @@ class PageSource(Protocol):
         """Free the request's pages; return how many. KeyError as for ``pages_of``."""
         ...
 
+    def admits(self, request_id: str, capability: str | None) -> bool:
+        """Whether ``capability`` is the one the request was pinned with (True for a
+        request pinned without one, and for an id this source does not hold)."""
+        ...
+
 
 class ContractOnlySource:
     """A ``PageSource`` that answers Handshake and holds no pages (a daemon's own
@@ -107,6 +114,9 @@ class ContractOnlySource:
     def release(self, request_id: str) -> int:
         raise KeyError(self._why)
 
+    def admits(self, request_id: str, capability: str | None) -> bool:
+        return True  # it holds nothing: pages_of answers NOT_FOUND
+
 
 class TensorPageSource:
     """An in-memory ``PageSource`` over one pool tensor ``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
@@ -138,6 +148,7 @@ class TensorPageSource:
         self._requests: dict[str, list[tuple[int, int]]] = {}
         self._progress: dict[str, LayerProgress] = {}
         self._written: dict[str, Any] = {}  # digests taken as layers were written (_Written, or _GAVE_UP)
+        self._capabilities: dict[str, bytes] = {}  # request id -> sha256 of its capability
         self._released: OrderedDict[str, None] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -160,11 +171,14 @@ class TensorPageSource:
                 raise RuntimeError(f"rank {self._rank}: topology not set yet")
             return LayoutContract(self._agreement, self._topology)
 
-    def add(self, request_id: str, pages: Sequence[tuple[int, int]], progress: LayerProgress | None = None) -> None:
+    def add(self, request_id: str, pages: Sequence[tuple[int, int]], progress: LayerProgress | None = None,
+            capability: str | None = None) -> None:
         """Pin (logical page, physical page) pairs of a request on this rank.
 
         ``progress`` tracks a prefill that is still writing them (FetchKV sends
         each layer once it is written); None: every layer is written already.
+        ``capability``: the secret FetchKV and Release must then present
+        (``admits``); only its digest is kept.
         """
         pages = [(int(logical), int(physical)) for logical, physical in pages]
         for logical, physical in pages:
@@ -179,11 +193,20 @@ class TensorPageSource:
                 raise ValueError(f"request {request_id!r} is already held")
             self._requests[request_id] = pages
             self._progress[request_id] = progress or LayerProgress.done(self._agreement.num_layers)
+            if capability is not None:
+                self._capabilities[request_id] = _digest(capability)
             self._released.pop(request_id, None)
 
     def pages_of(self, request_id: str) -> list[tuple[int, int]]:
         with self._lock:
             return list(self._lookup(request_id))
+
+    def admits(self, request_id: str, capability: str | None) -> bool:
+        with self._lock:
+            expected = self._capabilities.get(request_id)
+        if expected is None:
+            return True
+        return hmac.compare_digest(_digest(capability or ""), expected)
 
     def ready(self, request_id: str, layer_end: int, timeout_s: float,
               alive: Callable[[], bool]) -> tuple[int, Any]:
@@ -271,6 +294,7 @@ class TensorPageSource:
             pages = self._lookup(request_id)
             del self._requests[request_id]
             self._written.pop(request_id, None)
+            self._capabilities.pop(request_id, None)
             # One progress serves every request of a prefill batch: releasing this one must
             # not fail the others, so its waiters are only woken (their alive() now says no).
             self._progress.pop(request_id).wake()
@@ -285,6 +309,10 @@ class TensorPageSource:
         if request_id in self._released:
             raise KeyError("released")
         raise KeyError("unknown request")
+
+
+def _digest(capability: str) -> bytes:
+    return hashlib.sha256(capability.encode("utf-8", "surrogateescape")).digest()
 
 
 class _Written:
