@@ -56,11 +56,12 @@ def test_fetch_and_release_need_the_capability(servers):
                                (((EPOCH_METADATA_KEY, access_ticket("start1", "guess")),), "a wrong"),
                                (((EPOCH_METADATA_KEY, access_ticket("start1", CAPABILITY[:-1])),), "a wrong")]:
             chunks: list = []
-            code, details = _status(lambda: chunks.extend(kv.FetchKV(request, timeout=10, metadata=metadata)))
+            code, details = _status(lambda md=metadata, out=chunks: out.extend(
+                kv.FetchKV(request, timeout=10, metadata=md)))
             assert (code, chunks) == (Code.PERMISSION_DENIED, []), (metadata, code, details)
             assert f"{what} capability" in details
             release = pb.ReleaseRequest(request_id="req", fingerprint=servers.fingerprint)
-            code, _ = _status(lambda: kv.Release(release, timeout=10, metadata=metadata))
+            code, _ = _status(lambda md=metadata, r=release: kv.Release(r, timeout=10, metadata=md))
             assert code == Code.PERMISSION_DENIED
         assert servers.pages_of(1)  # nothing was released
         # An unknown id is NOT_FOUND whatever is presented (no capability to hold it to).
