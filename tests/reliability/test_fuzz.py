@@ -491,6 +491,9 @@ class _ContractOnly:
     def share(self, transports):
         raise ValueError("no pool here")
 
+    def admits(self, request_id: str, capability):
+        return True  # holds nothing: pages_of answers NOT_FOUND
+
     def release(self, request_id: str) -> int:
         raise KeyError("no pages here")
 
