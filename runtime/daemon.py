@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
 from runtime.security import SecurityConfig, bind, make_server
+from runtime.shmfiles import reclaim_stale
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -48,13 +49,14 @@ class DaemonServer:
         self.server = make_server(security, max_workers, interceptors=[self.metrics.interceptor()])
         try:
             self.port = bind(self.server, host, port, security)
-            if metrics_port is not None:
-                self.metrics_endpoint = serve_metrics(self.registry, host, metrics_port)
+            if metrics_port is not None:  # with the daemon's TLS and token
+                self.metrics_endpoint = serve_metrics(self.registry, host, metrics_port, security)
         except BaseException:
             self.close()
             raise
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reclaim_stale()  # /dev/shm files of lanekv daemons that died without removing them
 
     @property
     def endpoint(self) -> str:
@@ -70,12 +72,16 @@ class DaemonServer:
         (never the token itself)."""
         security = self.security
         tls = "mutual TLS" if security.require_client_cert else "TLS" if security.tls else "plaintext"
-        metrics = f", metrics on http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+        metrics = f", metrics on {self._metrics_url()}" if self.metrics_port else ""
         return f"{tls}{' + token' if security.token else ''}{metrics}"
+
+    def _metrics_url(self) -> str:
+        scheme = "https" if self.security.tls else "http"
+        return f"{scheme}://{self.host}:{self.metrics_port}/metrics"
 
     def banner(self, prog: str, detail: str) -> str:
         """The line a command prints once its daemon serves."""
-        metrics = f"; metrics: http://{self.host}:{self.metrics_port}/metrics" if self.metrics_port else ""
+        metrics = f"; metrics: {self._metrics_url()}" if self.metrics_port else ""
         return f"{prog} serving on {self.endpoint} ({detail}){metrics}"
 
     def start(self, services: Sequence[str]) -> None:
