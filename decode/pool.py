@@ -1,7 +1,8 @@
 """The decode side's physical page pool and the per-request page tables.
 
-``PagePool`` owns one pool tensor ``[num_layers, 2, num_pages * page_size,
-kv_heads, head_dim]`` (see ``kernels.kv_layout``) and the free list of its
+``PagePool`` owns one pool tensor ``[num_layers, kv, num_pages * page_size,
+kv_heads, head_dim]`` (kv = 2 for K/V, 1 for an MLA latent pool; see
+``kernels.kv_layout``) and the free list of its
 physical pages. A daemon serves many requests at once (transfer threads
 allocate while the decode loop frees), so every change of the free list
 happens under one lock and is all-or-nothing: a failed call changes nothing.
@@ -65,7 +66,8 @@ class PagePool:
                   dtype: torch.dtype, device: torch.device | str = "cpu") -> PagePool:
         """A pool shaped for ``config``'s layers and KV heads (``dtype`` = the model's)."""
         spec = KVCacheSpec(num_layers=config.num_layers, kv_heads=config.num_kv_heads,
-                           head_dim=config.head_dim, dtype=dtype, page_size=page_size)
+                           head_dim=config.head_dim, dtype=dtype, page_size=page_size,
+                           kv=config.kv_planes)
         return cls(spec, num_pages, device)
 
     @property
@@ -96,6 +98,13 @@ class PagePool:
 
     def v_cache(self, layer: int) -> torch.Tensor:
         return self.tensor[layer, 1]
+
+    def latent_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s MLA latent rows ``[num_pages * ps, kv_lora_rank + qk_rope]`` (a view)."""
+        if self.spec.kv != 1 or self.spec.kv_heads != 1:
+            raise ValueError(f"latent_cache needs an MLA pool (kv=1, kv_heads=1), this pool has "
+                             f"kv={self.spec.kv} kv_heads={self.spec.kv_heads}")
+        return self.tensor[layer, 0, :, 0]
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free physical pages, or ``PoolExhausted`` with nothing taken."""

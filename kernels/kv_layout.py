@@ -1,9 +1,12 @@
 """The KV pool tensor and the raw-row views the copy kernels move.
 
-One tensor per pool: ``[num_layers, 2, num_pages * page_size, kv_heads,
-head_dim]``; index 0 of dim 1 is K, 1 is V. ``pool[l, 0]`` and ``pool[l, 1]``
-are the per-layer caches, token-major ("NHD"), so page ``p`` is rows
-``[p * page_size, (p + 1) * page_size)`` of each.
+One tensor per pool: ``[num_layers, kv, num_pages * page_size, kv_heads,
+head_dim]``. A GQA pool has ``kv = 2``: index 0 of dim 1 is K, 1 is V, and
+``pool[l, 0]`` and ``pool[l, 1]`` are the per-layer caches. An MLA pool has
+``kv = 1`` and ``kv_heads = 1``: ``pool[l, 0, :, 0]`` is the layer's latent
+rows ``[num_pages * page_size, kv_lora_rank + qk_rope_head_dim]``. Rows are
+token-major ("NHD"), so page ``p`` is rows ``[p * page_size, (p + 1) * page_size)``
+of each plane; every copy, digest and transfer moves planes alike.
 
 The copy kernels (store_kv, gather/scatter_pages, rerange) never look at
 values: they move rows as machine words, so every dtype, fp8 carried as
@@ -43,8 +46,11 @@ class KVCacheSpec:
     head_dim: int
     dtype: torch.dtype
     page_size: int
+    kv: int = 2  # planes per layer: 2 (K, V) or 1 (an MLA latent row)
 
     def __post_init__(self) -> None:
+        if self.kv not in (1, 2):
+            raise ValueError(f"KVCacheSpec.kv must be 1 or 2, got {self.kv!r}")
         for field in ("num_layers", "kv_heads", "head_dim", "page_size"):
             value = getattr(self, field)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -63,11 +69,11 @@ class KVCacheSpec:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page across all layers, K and V."""
-        return self.num_layers * 2 * self.page_size * self.row_bytes
+        """Bytes of one page across all layers and planes."""
+        return self.num_layers * self.kv * self.page_size * self.row_bytes
 
     def pool_shape(self, num_pages: int) -> tuple[int, ...]:
-        return (self.num_layers, 2, num_pages * self.page_size, *self.row_shape)
+        return (self.num_layers, self.kv, num_pages * self.page_size, *self.row_shape)
 
     def alloc_pool(self, num_pages: int, device: torch.device | str) -> torch.Tensor:
         """A zeroed pool: unwritten rows never carry stale bytes onto the wire."""
@@ -85,10 +91,10 @@ class KVCacheSpec:
         if (
             len(shape) != 5
             or shape[0] != self.num_layers
-            or shape[1] != 2
+            or shape[1] != self.kv
             or shape[3:] != self.row_shape
         ):
-            expected = (self.num_layers, 2, "num_pages * page_size", *self.row_shape)
+            expected = (self.num_layers, self.kv, "num_pages * page_size", *self.row_shape)
             raise ValueError(f"{name} has shape {shape}, expected {expected}")
         if shape[2] % self.page_size != 0:
             raise ValueError(
@@ -103,10 +109,11 @@ def check_pool_tensor(pool: torch.Tensor, page_size: int, name: str = "pool") ->
     """Check a pool against its own shape (no spec at hand); return its number of pages."""
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0:
         raise ValueError(f"page_size must be a positive int, got {page_size!r}")
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 5 or pool.shape[1] != 2:
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 5 or pool.shape[1] not in (1, 2):
         shape = tuple(pool.shape) if isinstance(pool, torch.Tensor) else type(pool).__name__
         raise ValueError(
-            f"{name} must be [num_layers, 2, rows, kv_heads, head_dim], got {shape}"
+            f"{name} must be [num_layers, kv (2, or 1 for MLA), rows, kv_heads, head_dim], "
+            f"got {shape}"
         )
     spec = KVCacheSpec(
         num_layers=pool.shape[0],
@@ -114,6 +121,7 @@ def check_pool_tensor(pool: torch.Tensor, page_size: int, name: str = "pool") ->
         head_dim=pool.shape[4],
         dtype=pool.dtype,
         page_size=page_size,
+        kv=pool.shape[1],
     )
     return spec.check_pool(pool, name)
 

@@ -1,7 +1,8 @@
 """gather_pages / scatter_pages: move whole pages between a pool and a wire buffer.
 
-The wire buffer is ``[layer_end - layer_start, 2, len(pages) * page_size,
-kv_heads, head_dim]``: layer, then K/V, then the pages in the order given,
+The wire buffer is ``[layer_end - layer_start, kv, len(pages) * page_size,
+kv_heads, head_dim]`` (``kv`` as the pool's: 2 for K/V, 1 for an MLA latent
+pool): layer, then K/V, then the pages in the order given,
 then their rows. ``gather_pages`` fills it from a pool; ``scatter_pages`` puts
 it into any list of pages of any pool with the same row shape and dtype (the
 receiver's page order and pool size are its own).
@@ -32,14 +33,14 @@ def _page_copy_kernel(
     pool_ptr, buf_ptr, pages_ptr,
     num_pool_pages, page_words, chunks_per_page, layer_start,
     stride_pool_layer, stride_pool_kv, stride_buf_layer, stride_buf_kv,
-    BLOCK: tl.constexpr, TO_POOL: tl.constexpr,
+    BLOCK: tl.constexpr, TO_POOL: tl.constexpr, KV: tl.constexpr,
 ):
     pid = tl.program_id(0)  # (index in pages) * chunks_per_page + chunk
-    lkv = tl.program_id(1)  # (layer - layer_start) * 2 + (0 for K, 1 for V)
+    lkv = tl.program_id(1)  # (layer - layer_start) * KV + plane (0 for K, 1 for V)
     slot = pid // chunks_per_page
     chunk = pid % chunks_per_page
-    layer = (lkv // 2).to(tl.int64)
-    kv = (lkv % 2).to(tl.int64)
+    layer = (lkv // KV).to(tl.int64)
+    kv = (lkv % KV).to(tl.int64)
     page = tl.load(pages_ptr + slot).to(tl.int64)
     word = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     # An out-of-range page id moves nothing (a bound of 0 masks the whole chunk).
@@ -84,7 +85,7 @@ def _check_common(pool, pages, page_size, layer_start, layer_end, *, distinct: b
 
 def _buf_shape(pool, pages, page_size, layer_start, layer_end) -> tuple[int, ...]:
     rows = pages.shape[0] * page_size
-    return (layer_end - layer_start, 2, rows, pool.shape[3], pool.shape[4])
+    return (layer_end - layer_start, pool.shape[1], rows, pool.shape[3], pool.shape[4])
 
 
 def _check_buf(buf, pool, expected, name: str) -> None:
@@ -111,12 +112,12 @@ def _launch(pool, buf, pages, page_size, layer_start, num_pool_pages, to_pool, c
     cfg = config or CopyConfig.for_rows(page_words)
     block = cfg.block_rows * cfg.block_words
     chunks = triton.cdiv(page_words, block)
-    grid = (pages.shape[0] * chunks, num_layers * 2)
+    grid = (pages.shape[0] * chunks, num_layers * pool.shape[1])
     _page_copy_kernel[grid](
         pool_w, buf_w, pages,
         num_pool_pages, page_words, chunks, layer_start,
         pool_w.stride(0), pool_w.stride(1), buf_w.stride(0), buf_w.stride(1),
-        BLOCK=block, TO_POOL=to_pool, num_warps=cfg.num_warps,
+        BLOCK=block, TO_POOL=to_pool, KV=pool.shape[1], num_warps=cfg.num_warps,
     )
 
 

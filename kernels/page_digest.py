@@ -60,21 +60,21 @@ def _page_digest_kernel(
     pool_ptr, pages_ptr, out_ptr,
     num_pool_pages, page_words, chunks_per_page, layer_start, lkv_base, num_slots,
     stride_pool_layer, stride_pool_kv, weight,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, KV: tl.constexpr,
 ):
     pid = tl.program_id(0)  # (index in pages) * chunks_per_page + chunk
-    lkv = tl.program_id(1)  # (layer - layer_start) * 2 + (0 for K, 1 for V)
+    lkv = tl.program_id(1)  # (layer - layer_start) * KV + plane (0 for K, 1 for V)
     slot = pid // chunks_per_page
     chunk = pid % chunks_per_page
-    layer = (lkv // 2).to(tl.int64)
-    kv = (lkv % 2).to(tl.int64)
+    layer = (lkv // KV).to(tl.int64)
+    kv = (lkv % KV).to(tl.int64)
     page = tl.load(pages_ptr + slot).to(tl.int64)
     word = chunk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     bound = tl.where((page >= 0) & (page < num_pool_pages), page_words, 0)
     mask = word < bound
     src = (layer + layer_start) * stride_pool_layer + kv * stride_pool_kv + page * page_words + word
     values = tl.load(pool_ptr + src, mask=mask, other=0).to(tl.int64)
-    # Where the word sits in the gathered buffer [layers, 2, pages, page_words].
+    # Where the word sits in the gathered buffer [layers, KV, pages, page_words].
     position = ((lkv + lkv_base).to(tl.int64) * num_slots + slot) * page_words + word
     weights = (position * weight) | 1
     partial = tl.sum(tl.where(mask, values * weights, 0), axis=0)
@@ -123,7 +123,7 @@ def page_digest_ref(pool: torch.Tensor, pages: torch.Tensor, page_size: int, lay
         row_bytes = pool.shape[3] * pool.shape[4] * pool.element_size()
         if row_bytes % 4:
             raise ValueError(f"first_layer needs rows of whole 4-byte words, got rows of {row_bytes} bytes")
-        position = 2 * (layer_start - first) * pages.shape[0] * page_size * row_bytes // 4
+        position = pool.shape[1] * (layer_start - first) * pages.shape[0] * page_size * row_bytes // 4
     value = kv_digest(gather_pages_ref(pool, pages, page_size, layer_start, layer_end), position)
     return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.int64, device=pool.device)
 
@@ -168,7 +168,7 @@ class PageDigest:
             self._words = pool.view(torch.uint8).view(torch.int32).view(*pool.shape[:3], -1)
             self._page_words = page_size * self._words.shape[3]
             self._chunks = triton.cdiv(self._page_words, _BLOCK)
-            self._per_layer = 2 * pages.shape[0] * self._chunks
+            self._per_layer = pool.shape[1] * pages.shape[0] * self._chunks
             self._partials = torch.zeros((layer_end - layer_start) * self._per_layer, dtype=torch.int64,
                                          device=pool.device)
 
@@ -184,11 +184,12 @@ class PageDigest:
         out = self._partials[(first - self._start) * self._per_layer:]
         # The launch, and the sum in total(), on the current stream of the pool's device.
         with on_device(self._pool.device):
-            _page_digest_kernel[(self._pages.shape[0] * self._chunks, (last - first) * 2)](
+            kv = self._pool.shape[1]
+            _page_digest_kernel[(self._pages.shape[0] * self._chunks, (last - first) * kv)](
                 self._words, self._pages, out,
-                self._num_pages, self._page_words, self._chunks, first, 2 * (first - self._first_layer),
+                self._num_pages, self._page_words, self._chunks, first, kv * (first - self._first_layer),
                 self._pages.shape[0], self._words.stride(0), self._words.stride(1), DIGEST_WEIGHT,
-                BLOCK=_BLOCK, num_warps=4,
+                BLOCK=_BLOCK, KV=kv, num_warps=4,
             )
 
     def total(self, first: int | None = None, last: int | None = None) -> torch.Tensor:

@@ -130,6 +130,11 @@ class ModelConfig:
         return "gqa" if self.mla is None else "mla"
 
     @property
+    def kv_planes(self) -> int:
+        """Planes per layer of the KV pool: 2 (K, V), or 1 (the MLA latent row)."""
+        return 2 if self.mla is None else 1
+
+    @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5 if self.mla is None else self.mla.softmax_scale
 

@@ -189,13 +189,13 @@ class PrefillEngine(ABC):
         self.allocator.free(pages)
 
     def read_pages(self, pages: Sequence[int]) -> torch.Tensor:
-        """K/V of logical ``pages`` gathered from their owners:
-        ``[num_layers, 2, len(pages) * page_size, kv_heads, head_dim]`` on the CPU."""
+        """K/V (or MLA latent) rows of logical ``pages`` gathered from their owners:
+        ``[num_layers, kv_planes, len(pages) * page_size, kv_heads, head_dim]`` on the CPU."""
         n = self.config.cp_size
         parts = self.call([ReadPages(tuple(p for p in pages if p % n == r)) for r in range(n)])
         ps = self.config.page_size
         shape = parts[0].shape
-        out = torch.empty((shape[0], 2, len(pages) * ps, *shape[3:]), dtype=parts[0].dtype)
+        out = torch.empty((shape[0], shape[1], len(pages) * ps, *shape[3:]), dtype=parts[0].dtype)
         cursor = [0] * n
         for k, page in enumerate(pages):
             r = page % n

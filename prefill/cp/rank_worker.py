@@ -208,7 +208,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     rows = config.pages_per_lane * config.page_size
-    shape = (cfg.num_layers, 2, rows, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, cfg.kv_planes, rows, cfg.num_kv_heads, cfg.head_dim)
     nbytes = math.prod(shape) * config.torch_dtype.itemsize
     if shared_path is not None and device.type == "cpu" and shm_room(shared_path.parent) >= nbytes:
         pool = shared_cpu_pool(shared_path, shape, config.torch_dtype, config.pool_fill)

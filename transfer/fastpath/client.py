@@ -141,7 +141,7 @@ class FastPath:
 
     def _check(self, pool: torch.Tensor) -> None:
         a = self._agreement
-        if pool.dim() != 5 or pool.shape[0] != a.num_layers or pool.shape[1] != 2 \
+        if pool.dim() != 5 or pool.shape[0] != a.num_layers or pool.shape[1] != a.kv_planes \
                 or tuple(pool.shape[3:]) != (a.num_kv_heads, a.head_dim) or pool.shape[2] % a.page_size:
             raise ValueError(f"shared pool is {tuple(pool.shape)}, not a pool of the agreed layout")
         if pool.dtype != kv_dtype(a.kv_dtype):
@@ -239,7 +239,7 @@ class FastPath:
                                      "match the rank's digest")
         for d, *_ in received:
             on_copied(d.pages, d.layer_start, d.layer_end)
-        page_layer_bytes = 2 * ps * src.shape[3] * src.shape[4] * src.element_size()
+        page_layer_bytes = src.shape[1] * ps * src.shape[3] * src.shape[4] * src.element_size()
         nbytes = sum(len(d.pages) * (d.layer_end - d.layer_start) for d, *_ in received) * page_layer_bytes
         runs = max((r.runs for r in received), default=0)
         seconds = time.perf_counter() - start

@@ -87,8 +87,8 @@ class PlannedCopy:
     such as a received chunk).
     """
 
-    def __init__(self, copies: list[BlockCopy], layer_start: int) -> None:
-        self._copies, self._layer_start = copies, layer_start
+    def __init__(self, copies: list[BlockCopy], layer_start: int, planes: int = 2) -> None:
+        self._copies, self._layer_start, self._planes = copies, layer_start, planes
 
     @property
     def runs(self) -> int:
@@ -117,12 +117,14 @@ class PlannedCopy:
             if plan is None:
                 return None
             copies.append(plan)
-        return cls(copies, layer_start)
+        return cls(copies, layer_start, src_pool.shape[1])
 
     def issue(self, first: int, last: int) -> None:
-        """Copy layers ``[first, last)`` of the planned range (K and V: two blocks per layer)."""
+        """Copy layers ``[first, last)`` of the planned range (a block per plane and layer:
+        K and V, or the MLA latent)."""
+        planes = self._planes
         for copy in self._copies:
-            copy.issue(2 * (first - self._layer_start), 2 * (last - first))
+            copy.issue(planes * (first - self._layer_start), planes * (last - first))
 
 
 def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch.Tensor,
@@ -131,7 +133,8 @@ def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: 
         src_index = torch.as_tensor(list(src_pages), dtype=torch.int64).to(src_pool.device)
     with on_device(dst_pool.device):
         dst_index = torch.as_tensor(list(dst_pages), dtype=torch.int64).to(dst_pool.device)
-    layer_bytes = 2 * len(src_pages) * page_size * src_pool[0, 0, 0].numel() * src_pool.element_size()
+    layer_bytes = src_pool.shape[1] * len(src_pages) * page_size * src_pool[0, 0, 0].numel() \
+        * src_pool.element_size()
     step = max(1, MAX_STAGING_BYTES // layer_bytes)  # layers per buffer
     for first in range(layer_start, layer_end, step):
         last = min(layer_end, first + step)

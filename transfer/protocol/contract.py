@@ -51,8 +51,12 @@ from transfer.protocol.wire import (
     untrusted,
 )
 
-# The pool tensor of docs/structure.md: [num_layers, 2 (K, V), num_pages * page_size, kv_heads, head_dim].
+# The pool tensor of docs/structure.md: [num_layers, kv, num_pages * page_size, kv_heads, head_dim],
+# kv = 2 (K, V) for GQA, 1 for MLA (one latent row, kv_heads = 1).
 POOL_LAYOUT = "layer,kv,page*row,head,dim"
+ATTENTION_KINDS = ("gqa", "mla")
+# The MLA dims of an agreement; all 0 for GQA (q_lora_rank 0: no q LoRA).
+MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")
 SPLIT_MODES = ("in_seq",)
 OWNER_RULES = ("page_mod_cp",)
 # The modules whose code defines the layout and what goes over the wire: a
@@ -151,6 +155,17 @@ class Agreement:
     pool_layout: str
     wire_version: int
     source_digest: str
+    attention: str = "gqa"  # one of ATTENTION_KINDS
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
+
+    @property
+    def kv_planes(self) -> int:
+        """Planes per layer in the pool and on the wire: 2 (K, V), or 1 latent for MLA."""
+        return 1 if self.attention == "mla" else 2
 
     def __post_init__(self) -> None:
         for name in ("model_config", "rope"):
@@ -167,6 +182,18 @@ class Agreement:
         check_int("wire_version", self.wire_version, 1, 1 << 31)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
+        mla = self.attention == "mla"
+        for name in MLA_FIELDS:
+            low = (0 if name == "q_lora_rank" else 1) if mla else 0
+            check_int(name, getattr(self, name), low, MAX_HEAD_DIM if mla else 0)
+        if mla and (self.num_kv_heads, self.head_dim) != (
+                1, self.kv_lora_rank + self.qk_rope_head_dim):
+            raise ValueError(
+                f"an MLA agreement has num_kv_heads=1 and head_dim=kv_lora_rank+qk_rope_head_dim="
+                f"{self.kv_lora_rank + self.qk_rope_head_dim}, got num_kv_heads={self.num_kv_heads} "
+                f"head_dim={self.head_dim}")
 
     @classmethod
     def from_model(
@@ -183,9 +210,13 @@ class Agreement:
         missing = [key for key in _OWN_MODEL_FIELDS if key not in model_fields]
         if missing:
             raise ValueError(f"model_fields lacks {missing}; got keys {sorted(model_fields)}")
+        mla = dict(model_fields.get("mla") or {})
+        if mla.get("q_lora_rank") is None and mla:
+            mla["q_lora_rank"] = 0
+        own = (*_OWN_MODEL_FIELDS, "attention", "mla")
         return cls(
             architecture=model_fields["architecture"],
-            model_config={k: v for k, v in model_fields.items() if k not in _OWN_MODEL_FIELDS},
+            model_config={k: v for k, v in model_fields.items() if k not in own},
             rope=model_fields["rope"],
             num_layers=model_fields["num_layers"],
             num_kv_heads=model_fields["num_kv_heads"],
@@ -196,6 +227,8 @@ class Agreement:
             pool_layout=pool_layout,
             wire_version=WIRE_VERSION,
             source_digest=source_digest if source_digest is not None else _hash_sources(None, None),
+            attention=model_fields.get("attention", "gqa"),
+            **{name: mla[name] for name in MLA_FIELDS if name in mla},
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -2,9 +2,9 @@
 
 A chunk is one (layer range, logical page list) slice of a request's KV. Its
 payload is exactly what ``kernels.page_copy.gather_pages`` returns for those
-pages, as raw bytes: ``[num_layers, 2, num_pages * page_size, kv_heads,
-head_dim]`` in the pool dtype (layer, then K/V, then the pages in the header's
-order). The header travels as msgpack next to the payload and is decoded as
+pages, as raw bytes: ``[num_layers, planes, num_pages * page_size, kv_heads,
+head_dim]`` in the pool dtype (layer, then K/V, or the one MLA latent plane,
+then the pages in the header's order). The header travels as msgpack next to the payload and is decoded as
 hostile input: every field is type- and range-checked and ``nbytes`` must
 equal the size the other fields imply, so a receiver never sizes a buffer
 from an unchecked number.
@@ -164,9 +164,11 @@ class ChunkHeader:
     dtype: str
     nbytes: int
     checksum: int
+    planes: int = 2  # per layer: 2 (K, V) or 1 (an MLA latent row)
 
     def __post_init__(self) -> None:
         check_str("request_id", self.request_id, MAX_REQUEST_ID_LEN)
+        check_int("planes", self.planes, 1, 2)
         check_int("rank", self.rank, 0, MAX_RANKS - 1)
         check_int("seq", self.seq, 0, MAX_SEQ - 1)
         check_int("layer_start", self.layer_start, 0, MAX_LAYERS - 1)
@@ -193,9 +195,9 @@ class ChunkHeader:
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
-        """``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
+        """``[num_layers, planes, num_pages * page_size, kv_heads, head_dim]``."""
         rows = len(self.pages) * self.page_size
-        return (self.num_layers, 2, rows, self.kv_heads, self.head_dim)
+        return (self.num_layers, self.planes, rows, self.kv_heads, self.head_dim)
 
     @property
     def expected_nbytes(self) -> int:
@@ -229,11 +231,12 @@ def encode_chunk(
     payload: torch.Tensor,
 ) -> tuple[ChunkHeader, memoryview]:
     """Describe a payload from ``gather_pages``: (header, a byte view of the payload)."""
-    if payload.dim() != 5 or payload.shape[1] != 2:
+    if payload.dim() != 5 or payload.shape[1] not in (1, 2):
         raise ValueError(
-            f"payload must be [layers, 2, rows, kv_heads, head_dim], got {tuple(payload.shape)}"
+            f"payload must be [layers, planes (2, or 1 for MLA), rows, kv_heads, head_dim], "
+            f"got {tuple(payload.shape)}"
         )
-    num_layers, _, rows, kv_heads, head_dim = payload.shape
+    num_layers, planes, rows, kv_heads, head_dim = payload.shape
     if not pages or rows % len(pages):
         raise ValueError(f"payload has {rows} rows, not a whole number of {len(pages)} pages")
     # A flat byte view of the contiguous payload; the message framing copies it once.
@@ -251,6 +254,7 @@ def encode_chunk(
         dtype=dtype_name(payload.dtype),
         nbytes=data.nbytes,
         checksum=checksum(data),
+        planes=planes,
     )
     return header, data
 

@@ -364,14 +364,14 @@ def _one_ahead(produce: Callable[[int], T], count: int) -> Iterator[T]:
 
 
 def _page_bytes(a: Agreement) -> int:
-    """K and V of one page of one layer."""
-    return 2 * a.page_size * a.num_kv_heads * a.head_dim * kv_dtype(a.kv_dtype).itemsize
+    """K and V (or the MLA latent) of one page of one layer."""
+    return a.kv_planes * a.page_size * a.num_kv_heads * a.head_dim * kv_dtype(a.kv_dtype).itemsize
 
 
 def _check_payload(payload: torch.Tensor, chunk: ChunkPlan, a: Agreement) -> None:
     shape = (
         chunk.layer_end - chunk.layer_start,
-        2,
+        a.kv_planes,
         len(chunk.pages) * a.page_size,
         a.num_kv_heads,
         a.head_dim,

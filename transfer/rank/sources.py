@@ -57,7 +57,7 @@ class PageSource(Protocol):
 
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
              after: Any = None) -> torch.Tensor:
-        """CPU tensor ``[layer_end - layer_start, 2, len(physical_pages) * page_size, kv_heads, head_dim]``."""
+        """CPU tensor ``[layer_end - layer_start, kv_planes, len(physical_pages) * page_size, kv_heads, head_dim]``."""
         ...
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
@@ -119,7 +119,7 @@ class ContractOnlySource:
 
 
 class TensorPageSource:
-    """An in-memory ``PageSource`` over one pool tensor ``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``."""
+    """An in-memory ``PageSource`` over one pool tensor ``[num_layers, kv_planes, num_pages * page_size, kv_heads, head_dim]``."""
 
     # Released ids remembered so that a late fetch hears 'released', not 'unknown'.
     RELEASED_MEMORY = 4096
@@ -132,10 +132,11 @@ class TensorPageSource:
         shared_path: Path | None = None,
     ) -> None:
         rows = pool.shape[2] if pool.dim() == 5 else -1
-        expected = (agreement.num_layers, 2, rows, agreement.num_kv_heads, agreement.head_dim)
+        expected = (agreement.num_layers, agreement.kv_planes, rows, agreement.num_kv_heads,
+                    agreement.head_dim)
         if pool.dim() != 5 or tuple(pool.shape) != expected or rows % agreement.page_size:
             raise ValueError(
-                f"pool must be [num_layers, 2, num_pages * page_size, kv_heads, head_dim] = {expected}, got {tuple(pool.shape)}"
+                f"pool must be [num_layers, kv_planes, num_pages * page_size, kv_heads, head_dim] = {expected}, got {tuple(pool.shape)}"
             )
         if pool.dtype != kv_dtype(agreement.kv_dtype):
             raise ValueError(f"pool dtype is {pool.dtype}, the agreement says {agreement.kv_dtype}")
@@ -158,7 +159,7 @@ class TensorPageSource:
 
     @property
     def pool(self) -> torch.Tensor:
-        """``[num_layers, 2, num_pages * page_size, kv_heads, head_dim]``, for subclasses' reads."""
+        """``[num_layers, kv_planes, num_pages * page_size, kv_heads, head_dim]``, for subclasses' reads."""
         return self._pool
 
     def set_topology(self, topology: Topology) -> None:
@@ -282,12 +283,12 @@ class TensorPageSource:
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
              after: Any = None) -> torch.Tensor:
         layers = self._pool[layer_start:layer_end]
-        num_layers, _, _, kv_heads, head_dim = layers.shape
+        num_layers, planes, _, kv_heads, head_dim = layers.shape
         # Index whole pages, not rows: one block of page_size * kv_heads * head_dim
-        # per page is ~6x faster on CPU. [num_layers, 2, num_pages, page_size * kv_heads * head_dim]
-        blocks = layers.reshape(num_layers, 2, self._num_pages, -1)
+        # per page is ~6x faster on CPU. [num_layers, planes, num_pages, page_size * kv_heads * head_dim]
+        blocks = layers.reshape(num_layers, planes, self._num_pages, -1)
         picked = blocks.index_select(2, torch.as_tensor(list(physical_pages), dtype=torch.long))
-        return picked.view(num_layers, 2, -1, kv_heads, head_dim)
+        return picked.view(num_layers, planes, -1, kv_heads, head_dim)
 
     def release(self, request_id: str) -> int:
         with self._lock:
