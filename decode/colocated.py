@@ -17,6 +17,7 @@ import torch
 from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
 from kernels.store_kv import store_kv
+from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM, causal_attention
 from model.sampling import SamplingParams, sample
 
@@ -26,7 +27,7 @@ class PrefillResult(NamedTuple):
     first_token: int  # sampled at generation step 0
 
 
-def prefill_into_pool(model: CausalLM, pool: PagePool, token_ids: Sequence[int] | torch.Tensor,
+def prefill_into_pool(model: CausalLM | DeepseekCausalLM, pool: PagePool, token_ids: Sequence[int] | torch.Tensor,
                       sampling: SamplingParams) -> PrefillResult:
     """Prefill one prompt into freshly allocated pages of ``pool``."""
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).to(pool.device)
@@ -46,9 +47,16 @@ def prefill_into_pool(model: CausalLM, pool: PagePool, token_ids: Sequence[int] 
             store_kv(k, v, pool.k_cache(layer), pool.v_cache(layer), locs)
             return causal_attention(q, k, v, scale)
 
+        def latent_attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+            plane, rows = pool.tensor[layer, 0], latent[:, None, :]
+            store_kv(rows, rows, plane, plane, locs)  # an MLA pool: one latent plane
+            return causal_attention(q, *model.mla_layer(layer).decompress(latent), scale)
+
+
         positions = torch.arange(ids.numel(), device=pool.device)
         with torch.inference_mode():
-            hidden = model(ids, positions, attention)  # [T, hidden]
+            hidden = model(ids, positions,
+                           attention if model.config.mla is None else latent_attention)
             logits = model.compute_logits(hidden[-1:])
         first = int(sample(logits, [sampling], 0)[0])
     except Exception:
@@ -57,7 +65,7 @@ def prefill_into_pool(model: CausalLM, pool: PagePool, token_ids: Sequence[int] 
     return PrefillResult(table, first)
 
 
-def generate_colocated(model: CausalLM, pool: PagePool, prompts: Sequence[Sequence[int]],
+def generate_colocated(model: CausalLM | DeepseekCausalLM, pool: PagePool, prompts: Sequence[Sequence[int]],
                        sampling: SamplingParams | Sequence[SamplingParams],
                        max_new_tokens: int, *, stop_token_ids: Sequence[int] = (),
                        ignore_eos: bool = False, max_batch_size: int = 256) -> list[list[int]]:

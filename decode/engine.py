@@ -53,7 +53,10 @@ import torch
 from decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
 from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from kernels.decode_attention import paged_decode_attention
+from kernels.mla_decode import paged_mla_decode_attention
 from kernels.rope_store import rope_store_kv
+from kernels.store_kv import store_kv
+from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
 
@@ -128,13 +131,13 @@ class _Plan(NamedTuple):
 class DecodeEngine:
     """Continuous batching of decode requests over one ``PagePool``."""
 
-    def __init__(self, model: CausalLM, pool: PagePool, *, max_batch_size: int = 256,
-                 eos_token_ids: Iterable[int] | None = None,
+    def __init__(self, model: CausalLM | DeepseekCausalLM, pool: PagePool, *,
+                 max_batch_size: int = 256, eos_token_ids: Iterable[int] | None = None,
                  graph_sizes: Sequence[int] | None = None, overlap: bool = True) -> None:
         config = model.config
         if pool.spec.num_layers != config.num_layers or pool.spec.row_shape != (
             config.num_kv_heads, config.head_dim
-        ):
+        ) or pool.spec.kv != config.kv_planes:
             raise ValueError(
                 f"pool is {pool.spec.num_layers} layers x {pool.spec.row_shape} rows but the "
                 f"model has {config.num_layers} layers x ({config.num_kv_heads}, {config.head_dim})"
@@ -263,6 +266,11 @@ class DecodeEngine:
         its kernels on the way); call before serving. None on the CPU, or with an
         empty ladder: every step then runs eager."""
         if self.pool.device.type != "cuda" or not self.graph_sizes:
+            return None
+        if self.model.config.mla is not None:
+            # The MoE routes on the host (per-expert GEMMs sized by the step's
+            # choices), which a captured graph cannot replay: MLA steps run eager.
+            log.info("MLA model: decode steps run eager (no CUDA graphs)")
             return None
         with self._lock:
             graphs = DecodeGraphs(self.model, self.pool, self.graph_sizes)
@@ -430,9 +438,29 @@ class DecodeEngine:
                                           batch.seq_lens, page_size, scale)
 
         with torch.inference_mode():
-            hidden = self.model(batch.input_ids, batch.positions, attention,
-                                rope_in_attention=True)  # [B, hidden]
+            if self.model.config.mla is not None:  # an MLA model: its own attention path
+                hidden = self.model(batch.input_ids, batch.positions, self._mla_attention(batch))
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, attention,
+                                    rope_in_attention=True)  # [B, hidden]
             return self.model.compute_logits(hidden)
+
+    def _mla_attention(self, batch: DecodeBatch):
+        """The MLA callback: store the new latent row, attend in the latent space
+        (q_nope absorbed through kv_b_proj's K part), map back through its V part."""
+        pool, model = self.pool, self.model
+        scale, rank = model.config.softmax_scale, model.config.mla.kv_lora_rank
+
+        def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+            mla, plane = model.mla_layer(layer), pool.tensor[layer, 0]  # [rows, 1, R + P]
+            rows = latent[:, None, :]
+            store_kv(rows, rows, plane, plane, batch.locs)  # one plane: "K" and "V" are the row
+            o_latent = paged_mla_decode_attention(
+                mla.absorb_query(q), pool.latent_cache(layer), batch.page_table, batch.seq_lens,
+                pool.page_size, scale, rank)
+            return mla.expand_output(o_latent)
+
+        return attention
 
     def _postprocess(self, batch: DecodeBatch | GraphBatch,
                      output: StepOutput | torch.Tensor) -> list[TokenEvent]:

@@ -41,10 +41,7 @@ class EngineConfig:
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
-        model = ModelConfig.from_dir(self.model_path)
-        if model.mla is not None:
-            raise ValueError(f"architecture={model.architecture!r} (MLA attention) is not served "
-                             "by the prefill daemon yet")
+        ModelConfig.from_dir(self.model_path)
         if self.resolved_device == "cuda":
             visible = torch.cuda.device_count()
             if self.cp_size > visible:

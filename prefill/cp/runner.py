@@ -8,6 +8,11 @@ rank's valid rows into its own pool through physical rows (every loc is checked
 to be owned by this rank once per batch) and (5) runs the CP attention kernel
 for its query segments. The rank holding a request's real last token samples
 the first output token.
+
+An MLA model (DeepSeek) caches one latent row per token and layer: the block
+is the latent rows (``kv_lora_rank + qk_rope_head_dim`` values, not per-head
+K/V), gathered and reranged the same way; the rank stores its own latent rows
+and decompresses the request's rows into per-head K and V for its queries.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from kernels.backend import use_triton
 from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
 from kernels.rerange import rerange
 from kernels.store_kv import store_kv
+from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
 from prefill.cp.thread_group import ThreadGroup
@@ -71,8 +78,8 @@ class RankRunner:
 
     def __init__(
         self,
-        model: CausalLM,
-        pool: torch.Tensor,  # [num_layers, 2, pages * page_size, kv_heads, head_dim]
+        model: CausalLM | DeepseekCausalLM,
+        pool: torch.Tensor,  # [num_layers, kv (2, or 1 for MLA), pages * page_size, kv_heads, head_dim]
         *,
         cp_rank: int,
         cp_size: int,
@@ -87,7 +94,7 @@ class RankRunner:
         self.page_size = page_size
         self.group = group
         cfg = model.config
-        self.softmax_scale = cfg.head_dim**-0.5
+        self.softmax_scale = cfg.softmax_scale
         self.device = pool.device
         # Set by the rank process: what the contract and the transfer service need.
         self.weights_digest = ""
@@ -111,7 +118,8 @@ class RankRunner:
         flat_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64)
         flat_ids = flat_ids.to(self.device)
         input_ids = torch.where(ix.input_index >= 0, flat_ids[ix.input_index.clamp(min=0)], 0)
-        attention = _CPAttention(self, plan, ix, on_layer)
+        kind = _CPAttention if self.model.config.mla is None else _CPLatentAttention
+        attention = kind(self, plan, ix, on_layer)
         hidden = self.model(input_ids, ix.positions, attention)
 
         outputs = []
@@ -173,6 +181,15 @@ class _CPAttention:
         block = k.new_empty((ix.block_rows, 2, *k.shape[1:]))
         block[:n_local, 0] = k
         block[:n_local, 1] = v
+        kv = self._gather(layer, block)  # [kv rows in request order, 2, Hkv, D]
+        store_kv(k, v, r.pool[layer, 0], r.pool[layer, 1], self.store_rows)
+        if self.on_layer is not None:
+            self.on_layer(layer)
+        return cp_prefill_attention(q, kv[:, 0], kv[:, 1], self.segments, r.softmax_scale)
+
+    def _gather(self, layer: int, block: torch.Tensor) -> torch.Tensor:
+        """Fill ``block``'s owned prefix rows, all-gather it, rerange into request order."""
+        r, ix = self.r, self.ix
         if ix.prefix_send_rows.numel():
             sent = r.pool[layer][:, ix.prefix_send_rows].transpose(0, 1)
             block[ix.compute_block_rows : ix.compute_block_rows + sent.shape[0]] = sent
@@ -186,11 +203,42 @@ class _CPAttention:
             t0 = time.perf_counter()
             gathered = _all_gather_rows(block, r.cp_rank, r.cp_size, r.group)
             self.gather_seconds += time.perf_counter() - t0
-        kv = rerange(gathered, ix.rerange_index)  # [kv rows in request order, 2, Hkv, D]
-        store_kv(k, v, r.pool[layer, 0], r.pool[layer, 1], self.store_rows)
+        return rerange(gathered, ix.rerange_index)
+
+
+class _CPLatentAttention(_CPAttention):
+    """The MLA callback: all-gathers latent rows, decompresses them for attention."""
+
+    def __call__(self, layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+        r, ix = self.r, self.ix
+        rows = latent[:, None, :]  # [T, 1 head, R + P]
+        block = latent.new_empty((ix.block_rows, 1, *rows.shape[1:]))
+        block[: rows.shape[0], 0] = rows
+        gathered = self._gather(layer, block)[:, 0, 0]  # [rows in request order, R + P]
+        cache = r.pool[layer, 0]
+        # One plane: the row goes to the same place as "K" and "V" (the same bytes).
+        store_kv(rows, rows, cache, cache, self.store_rows)
         if self.on_layer is not None:
             self.on_layer(layer)
-        return cp_prefill_attention(q, kv[:, 0], kv[:, 1], self.segments, r.softmax_scale)
+        k, v = r.model.mla_layer(layer).decompress(gathered)
+        return mla_prefill_attention(q, k, v, self.segments, r.softmax_scale)
+
+
+def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          segments: AttnSegments, softmax_scale: float) -> torch.Tensor:
+    """``cp_prefill_attention`` for MLA's head dims (q/k 192 and v 128 for V3).
+    Where the Triton kernel runs, the dims are zero-padded to one power of two
+    (zeros add nothing to q.k, and the padded output columns are dropped)."""
+    dqk, dv = q.shape[2], v.shape[2]
+    width = max(16, 1 << (max(dqk, dv) - 1).bit_length())
+    if not use_triton(q) or (dqk == dv == width):
+        return cp_prefill_attention(q, k, v, segments, softmax_scale)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[2])).contiguous()
+
+    out = cp_prefill_attention(pad(q), pad(k), pad(v), segments, softmax_scale)
+    return out[..., :dv]
 
 
 def _all_gather_rows(
