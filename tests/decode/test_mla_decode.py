@@ -42,6 +42,7 @@ def test_reference_equals_per_request_attention():
     gen = torch.Generator().manual_seed(0)
     page_size, rank = 4, 32
     cache = torch.randn(10 * page_size, 40, generator=gen)
+    cache[5 * page_size + 1:6 * page_size] = float("nan")  # past request 1's one row
     q = torch.randn(3, 4, 40, generator=gen)
     page_table = torch.tensor([[7, 2, 0], [5, 0, 0], [1, 9, 3]], dtype=torch.int32)
     seq_lens = torch.tensor([6, 1, 12], dtype=torch.int32)

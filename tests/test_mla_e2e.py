@@ -1,0 +1,125 @@
+"""DeepSeek (MLA latent pages) and Qwen3 end to end: greedy tokens through
+prefill -> transfer -> decode equal transformers' generate.
+
+Many (cp_size, page_size) shapes run with rank threads (``ThreadedPrefillEngine``)
+whose latent pages are gathered in the wire order and scattered into a decode
+pool through the decode remap, as a fetch places them; one pair of real daemons
+per model (rank processes, gRPC and the same-host fast path) runs concurrent
+prompts.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import grpc
+import pytest
+import torch
+
+from decode.engine import DecodeEngine
+from decode.pool import PagePool, PageTable
+from kernels.page_copy import scatter_pages
+from model.sampling import SamplingParams
+from prefill.engine_config import EngineConfig
+from prefill.launcher import PrefillInput
+from prefill.threaded import ThreadedPrefillEngine
+from proto import lanekv_pb2, lanekv_pb2_grpc
+from tests.checkpoints import DEEPSEEK_WRITERS, EOS_TOKEN_ID, VOCAB_SIZE, write_qwen3
+from tests.daemons import running_pair
+
+PROMPT_LENS = [1, 8, 27, 61]
+MAX_NEW_TOKENS = 8
+WRITERS = {**DEEPSEEK_WRITERS, "qwen3": write_qwen3}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mla-e2e")
+    return {name: WRITERS[name](root / name) for name in ("deepseek_v2", "deepseek_v3", "qwen3")}
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(9)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> dict[str, list[list[int]]]:
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for name, path in checkpoints.items():
+        hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                  dtype=torch.float32).eval()
+        with torch.inference_mode():
+            out[name] = [hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
+                                     dtype=torch.long), do_sample=False,
+                                     max_new_tokens=MAX_NEW_TOKENS,
+                                     pad_token_id=EOS_TOKEN_ID)[0, len(ids):].tolist()
+                         for ids in _prompts()]
+    return out
+
+
+@pytest.mark.parametrize("name,cp_size,page_size", [
+    ("deepseek_v2", 1, 4), ("deepseek_v2", 3, 1), ("deepseek_v3", 2, 4), ("deepseek_v3", 4, 16),
+    ("deepseek_v3", 3, 2), ("qwen3", 2, 4),
+])
+def test_threaded_prefill_transfer_decode(checkpoints, reference, name, cp_size, page_size):
+    engine = ThreadedPrefillEngine(EngineConfig(
+        str(checkpoints[name]), cp_size=cp_size, page_size=page_size,
+        pages_per_lane=-(-200 // page_size), pool_fill=math.nan))
+    loaded = engine.loaded
+    pool = PagePool.for_model(loaded.config, -(-400 // page_size), page_size, torch.float32)
+    decode = DecodeEngine(loaded.model, pool)
+    prompts = _prompts()
+    results = engine.prefill([PrefillInput(p) for p in prompts])  # one batch: concurrent prompts
+    outputs = {}
+    for i, res in enumerate(results):
+        pages = [p.page for p in res.pages]
+        table = PageTable.remap(pool, pages, res.num_tokens)
+        payload = engine.read_pages(pages)  # the wire order: [layers, planes, rows, heads, dim]
+        assert payload.shape[1] == loaded.config.kv_planes
+        scatter_pages(payload, pool.tensor, torch.tensor(table.physical_pages_for(pages)),
+                      page_size, 0, loaded.config.num_layers)
+        engine.free(res.new_pages)
+        decode.add(f"r{i}", table, res.first_token, SamplingParams(), MAX_NEW_TOKENS)
+        outputs[f"r{i}"] = [res.first_token]
+    while decode.has_work:
+        for event in decode.step():
+            if event.token_id is not None:
+                outputs[event.request_id].append(event.token_id)
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == reference[name]
+    assert pool.free_count == pool.num_pages
+    assert engine.allocator.free_counts() == [-(-200 // page_size)] * cp_size
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,cp_size,page_size,transport", [
+    ("deepseek_v3", 2, 4, "auto"), ("deepseek_v2", 3, 16, "grpc")])
+def test_daemons_generate_like_transformers(checkpoints, reference, name, cp_size, page_size,
+                                            transport):
+    engine = EngineConfig(str(checkpoints[name]), cp_size=cp_size, page_size=page_size,
+                          pages_per_lane=-(-200 // page_size), start_timeout_s=120)
+    prompts = _prompts()
+    results: list = [None] * len(prompts)
+    with running_pair(engine, pool_pages=-(-600 // page_size), transport=transport) as (pre, dec):
+        assert (dec.agreement.attention, dec.agreement.kv_planes) == ("mla", 1)
+        with grpc.insecure_channel(dec.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+
+            def run(i: int) -> None:
+                request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=prompts[i]),
+                                                     max_new_tokens=MAX_NEW_TOKENS)
+                results[i] = [t for reply in stub.Generate(request, timeout=120)
+                              for t in reply.token_ids]
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(150)
+        used = {dec.fastpath.transport(e) for e in pre.topology.endpoints} if dec.fastpath else {
+            "grpc"}
+        assert used == ({"shm"} if transport == "auto" else {"grpc"})
+    assert results == reference[name]
