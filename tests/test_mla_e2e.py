@@ -21,9 +21,9 @@ from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
 from kernels.page_copy import scatter_pages
 from model.sampling import SamplingParams
+from prefill.cp.launcher import PrefillInput
+from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
-from prefill.launcher import PrefillInput
-from prefill.threaded import ThreadedPrefillEngine
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import DEEPSEEK_WRITERS, EOS_TOKEN_ID, VOCAB_SIZE, write_qwen3
 from tests.daemons import running_pair

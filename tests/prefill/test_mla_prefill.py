@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kernels.prefill_attention_ref import AttnSegments
+from prefill.cp.launcher import PrefillInput
+from prefill.cp.runner import mla_prefill_attention
+from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
-from prefill.launcher import PrefillInput
-from prefill.runner import mla_prefill_attention
-from prefill.threaded import ThreadedPrefillEngine
 from tests.checkpoints import DEEPSEEK_WRITERS
 
 PROMPT_LENS = [1, 6, 29, 70]
@@ -92,7 +92,7 @@ def test_mla_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
 
 def test_padded_head_dims_give_the_same_attention(monkeypatch):
     """The padding the Triton path uses for MLA dims (24/16 -> 32) changes nothing."""
-    import prefill.runner as runner
+    import prefill.cp.runner as runner
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(9, 4, d, generator=gen) for d in (24, 24, 16))
