@@ -1,0 +1,270 @@
+"""DeepSeek-V2-Lite shapes (MLA, MoE) with dummy weights: prefill, attention, KV bytes, decode, transfer.
+
+One process, one GPU; the model is built once (dummy bf16 weights, seed 0) and serves:
+  1. prefill tok/s at cp=1 (rank threads' engine, the same rank code as the daemon);
+  2. attention TFLOP/s of the MLA prefill path (decompressed q/k 192, v 128) against
+     torch SDPA on the same tensors, causal, in the same run;
+  3. KV bytes per token (the latent row) against Llama-3-8B's K/V;
+  4. decode step time at each batch against the weight-read floor (the bytes of the
+     parameters one step reads: every non-expert weight, the shared experts and the
+     routed experts the step's tokens pick, expected under uniform routing; divided
+     by the measured device copy rate);
+  5. transfer GB/s of latent pages: gather into the wire order on the device, the copy
+     to pinned host memory (FetchKV's read side), and a pool-to-pool copy (fast path).
+
+GPU:  python bench/deepseek.py --v2-lite --tokens 8192 32768 --batches 1 16 64 --json out.json
+CPU:  python bench/deepseek.py --tiny --tokens 64 256 --batches 1 4   (checks the script)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from decode.engine import DecodeEngine  # noqa: E402
+from decode.pool import PagePool, PageTable  # noqa: E402
+from kernels.page_copy import gather_pages  # noqa: E402
+from kernels.prefill_attention_ref import AttnSegments  # noqa: E402
+from model.checkpoint import load_dummy_model  # noqa: E402
+from model.sampling import SamplingParams  # noqa: E402
+from prefill.cp.launcher import PrefillInput  # noqa: E402
+from prefill.cp.runner import mla_prefill_attention  # noqa: E402
+from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
+from prefill.engine_config import EngineConfig  # noqa: E402
+from transfer.fastpath.poolcopy import copy_pages  # noqa: E402
+
+V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
+    "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "n_routed_experts": 64, "num_experts_per_tok": 6, "n_shared_experts": 2,
+    "first_k_dense_replace": 1, "topk_method": "greedy", "norm_topk_prob": False,
+    "routed_scaling_factor": 1.0, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0, "rope_scaling": {
+        "type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 100000,
+    "eos_token_id": 100001,
+}
+TINY = {**V2_LITE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
+        "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1}
+LLAMA3_8B_KV_BYTES = 32 * 2 * 8 * 128 * 2  # per token: layers x (K, V) x heads x dim x bf16
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeat: int) -> float:
+    """Median seconds of ``fn()`` over ``repeat`` runs after one warm-up."""
+    fn()
+    sync(device)
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def bench_prefill(model_dir: str, loaded, tokens: list[int], args) -> list[dict]:
+    rows = []
+    for n in tokens:
+        cfg = EngineConfig(model_dir, cp_size=1, page_size=args.page_size,
+                           pages_per_lane=n // args.page_size + 8, dtype=args.dtype,
+                           load_format="dummy")
+        engine = ThreadedPrefillEngine(cfg, loaded)
+        ids = torch.randint(3, loaded.config.vocab_size, (n,),
+                            generator=torch.Generator().manual_seed(n)).tolist()
+
+        def run(engine=engine, ids=ids) -> None:
+            engine.free(engine.prefill([PrefillInput(ids)])[0].new_pages)
+
+        seconds = timed(run, args.device, args.repeat)
+        rows.append({"tokens": n, "cp": 1, "seconds": seconds, "tokens_per_s": n / seconds})
+        del engine
+        if args.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def bench_attention(config, tokens: list[int], args) -> list[dict]:
+    rows = [attention_row(config, n, args) for n in tokens]
+    if args.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def attention_row(config, n: int, args) -> dict:
+    """The MLA prefill attention of one ``n``-token sequence, and SDPA on the same tensors."""
+    mla, heads, scale = config.mla, config.num_heads, config.softmax_scale
+    gen = torch.Generator(device=args.device).manual_seed(1)
+    q, k, v = (torch.randn(n, heads, d, generator=gen, device=args.device, dtype=args.torch_dtype)
+               for d in (mla.qk_head_dim, mla.qk_head_dim, mla.v_head_dim))
+    i32 = {"dtype": torch.int32, "device": args.device}
+    seg = AttnSegments(*(torch.tensor([x], **i32) for x in (0, n, 0, 0)))
+    flops = 2 * heads * (mla.qk_head_dim + mla.v_head_dim) * n * (n + 1) / 2
+    ours = timed(lambda: mla_prefill_attention(q, k, v, seg, scale), args.device, args.repeat)
+    qh, kh, vh = (t.transpose(0, 1) for t in (q, k, v))
+
+    def sdpa_call() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True,
+                                                                scale=scale)
+
+    sdpa = timed(sdpa_call, args.device, args.repeat)
+    ref = sdpa_call().transpose(0, 1).float()
+    err = ((mla_prefill_attention(q, k, v, seg, scale).float() - ref).norm() / ref.norm()).item()
+    return {"tokens": n, "ms": ours * 1e3, "tflops": flops / ours / 1e12, "sdpa_ms": sdpa * 1e3,
+            "sdpa_tflops": flops / sdpa / 1e12, "vs_sdpa": sdpa / ours, "rel_err_vs_sdpa": err}
+
+
+def copy_rate(device: torch.device) -> float:
+    """Bytes/s of one large device copy (read + write counted once each: the read rate)."""
+    n = (1 << 30) if device.type == "cuda" else (64 << 20)
+    src = torch.empty(n, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = timed(lambda: dst.copy_(src), device, 5)
+    return 2 * n / seconds
+
+
+def step_weight_bytes(model, batch: int) -> float:
+    """Parameter bytes one decode step reads: all but the routed experts, plus the
+    experts ``batch`` tokens pick (expected distinct ones under uniform routing),
+    and only ``batch`` rows of the embedding."""
+    config, total, experts = model.config, 0, 0
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if ".experts." in name:
+            experts += size
+        elif name.endswith("embed_tokens.weight"):
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += size
+    moe = config.moe
+    hit = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
+    return total + experts * hit / moe.num_experts
+
+
+def bench_decode(loaded, batches: list[int], args) -> list[dict]:
+    config, ps = loaded.config, args.page_size
+    per_req = -(-(args.context + args.steps + 8) // ps)
+    pool = PagePool.for_model(config, max(batches) * per_req + 8, ps, args.torch_dtype, args.device)
+    pool.tensor.normal_()
+    rate = copy_rate(args.device)
+    rows = []
+    for batch in batches:
+        engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=())
+        for i in range(batch):
+            engine.add(f"r{i}", PageTable.allocate(pool, args.context), 11 + i, SamplingParams(),
+                       args.steps + 4)
+        engine.step()
+        engine.step()
+        sync(args.device)
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        sync(args.device)
+        step = (time.perf_counter() - t0) / args.steps
+        floor = step_weight_bytes(loaded.model, batch) / rate
+        rows.append({"batch": batch, "context": args.context, "step_ms": step * 1e3,
+                     "tokens_per_s": batch / step, "weight_floor_ms": floor * 1e3,
+                     "of_floor": floor / step})
+        while engine.has_work:
+            engine.step()
+    return rows
+
+
+def bench_transfer(config, tokens: int, args) -> dict:
+    ps = args.page_size
+    pages = tokens // ps
+    spec_pool = PagePool.for_model(config, pages + 8, ps, args.torch_dtype, args.device)
+    src = spec_pool.tensor
+    src.normal_()
+    other = "cuda:1" if args.device.type == "cuda" and torch.cuda.device_count() > 1 else args.device
+    dst = torch.empty_like(src, device=other)
+    index = torch.randperm(pages + 8)[:pages].to(args.device)
+    layers = config.num_layers
+    nbytes = pages * spec_pool.spec.page_bytes
+    buf = gather_pages(src, index, ps, 0, layers)
+    host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=args.device.type == "cuda")
+    gather = timed(lambda: gather_pages(src, index, ps, 0, layers, out=buf), args.device, args.repeat)
+    to_host = timed(lambda: host.copy_(buf, non_blocking=True), args.device, args.repeat)
+    src_pages, dst_pages = list(range(pages)), list(range(8, pages + 8))
+    pool_copy = timed(lambda: copy_pages(src, src_pages, dst, dst_pages, ps, 0, layers),
+                      args.device, args.repeat)
+    return {"tokens": tokens, "bytes": nbytes, "gather_gbps": nbytes / gather / 1e9,
+            "device_to_host_gbps": nbytes / to_host / 1e9, "pool_copy_gbps": nbytes / pool_copy / 1e9,
+            "pool_copy_to": str(other)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = ap.add_mutually_exclusive_group(required=True)
+    which.add_argument("--v2-lite", action="store_true")
+    which.add_argument("--tiny", action="store_true")
+    ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    args.dtype = "bfloat16" if args.v2_lite else "float32"
+    args.torch_dtype = getattr(torch, args.dtype)
+    with tempfile.TemporaryDirectory() as model_dir:
+        (Path(model_dir) / "config.json").write_text(json.dumps(V2_LITE if args.v2_lite else TINY))
+        loaded = load_dummy_model(model_dir, dtype=args.torch_dtype, device=args.device)
+        config = loaded.config
+        kv_bytes = config.num_layers * config.head_dim * args.torch_dtype.itemsize
+        result = {
+            "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": args.dtype, "page_size": args.page_size,
+            "kv_bytes_per_token": kv_bytes, "llama3_8b_kv_bytes_per_token": LLAMA3_8B_KV_BYTES,
+            "parameters": sum(p.numel() for p in loaded.model.parameters()),
+            "prefill": bench_prefill(model_dir, loaded, args.tokens, args),
+            "attention": bench_attention(config, args.tokens, args),
+            "decode": bench_decode(loaded, args.batches, args),
+            "transfer": bench_transfer(config, max(args.tokens), args),
+        }
+    print(f"parameters {result['parameters'] / 1e9:.2f} B; KV bytes per token {kv_bytes} "
+          f"({config.num_layers} x {config.head_dim} x {args.torch_dtype.itemsize}) against "
+          f"Llama-3-8B's {LLAMA3_8B_KV_BYTES} ({LLAMA3_8B_KV_BYTES / kv_bytes:.1f}x)")
+    print("| tokens | prefill tok/s | attn ms | attn TFLOP/s | SDPA TFLOP/s | x SDPA | rel err |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for p, a in zip(result["prefill"], result["attention"]):
+        print(f"| {p['tokens']} | {p['tokens_per_s']:.0f} | {a['ms']:.2f} | {a['tflops']:.1f} | "
+              f"{a['sdpa_tflops']:.1f} | {a['vs_sdpa']:.2f} | {a['rel_err_vs_sdpa']:.1e} |")
+    print("| batch | step ms | tok/s | weight-read floor ms | floor / step |")
+    print("|---:|---:|---:|---:|---:|")
+    for d in result["decode"]:
+        print(f"| {d['batch']} | {d['step_ms']:.2f} | {d['tokens_per_s']:.0f} | "
+              f"{d['weight_floor_ms']:.2f} | {d['of_floor']:.2f} |")
+    t = result["transfer"]
+    print(f"latent pages of {t['tokens']} tokens ({t['bytes'] / 1e6:.1f} MB): gather "
+          f"{t['gather_gbps']:.1f} GB/s, device->host {t['device_to_host_gbps']:.1f} GB/s, "
+          f"pool copy to {t['pool_copy_to']} {t['pool_copy_gbps']:.1f} GB/s")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    assert math.isfinite(result["attention"][0]["rel_err_vs_sdpa"])
+
+
+if __name__ == "__main__":
+    main()
