@@ -10,8 +10,13 @@ prompts.
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import grpc
 import pytest
@@ -28,6 +33,7 @@ from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import DEEPSEEK_WRITERS, EOS_TOKEN_ID, VOCAB_SIZE, write_qwen3
 from tests.daemons import running_pair
 
+REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENS = [1, 8, 27, 61]
 MAX_NEW_TOKENS = 8
 WRITERS = {**DEEPSEEK_WRITERS, "qwen3": write_qwen3}
@@ -98,7 +104,7 @@ def test_threaded_prefill_transfer_decode(checkpoints, reference, name, cp_size,
 @pytest.mark.parametrize("name,cp_size,page_size,transport", [
     ("deepseek_v3", 2, 4, "auto"), ("deepseek_v2", 3, 16, "grpc")])
 def test_daemons_generate_like_transformers(checkpoints, reference, name, cp_size, page_size,
-                                            transport):
+                                            transport, tmp_path):
     engine = EngineConfig(str(checkpoints[name]), cp_size=cp_size, page_size=page_size,
                           pages_per_lane=-(-200 // page_size), start_timeout_s=120)
     prompts = _prompts()
@@ -122,4 +128,26 @@ def test_daemons_generate_like_transformers(checkpoints, reference, name, cp_siz
         used = {dec.fastpath.transport(e) for e in pre.topology.endpoints} if dec.fastpath else {
             "grpc"}
         assert used == ({"shm"} if transport == "auto" else {"grpc"})
+        if name == "deepseek_v3":
+            _other_mla_dims_are_refused(checkpoints[name], pre.endpoint, page_size, tmp_path)
     assert results == reference[name]
+
+
+def _other_mla_dims_are_refused(checkpoint: Path, endpoint: str, page_size: int,
+                                tmp_path: Path) -> None:
+    """A decode daemon of an MLA model with another kv_lora_rank does not start
+    against this MLA prefill daemon, and says which field differs."""
+    other = tmp_path / "other-dims"
+    shutil.copytree(checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    config["kv_lora_rank"] = 24
+    (other / "config.json").write_text(json.dumps(config))
+    ready = tmp_path / "ready"
+    result = subprocess.run(
+        [sys.executable, "-m", "lanekv.cli", "decode", "--model", str(other), "--prefill", endpoint,
+         "--page-size", str(page_size), "--device", "cpu", "--load-format", "dummy",
+         "--ready-file", str(ready)], cwd=REPO, capture_output=True, text=True, timeout=150)
+    assert result.returncode == 1, result.stderr
+    assert "disagree on the layout contract" in result.stderr
+    assert "\nkv_lora_rank: decode=24 prefill=32" in result.stderr, result.stderr
+    assert not ready.exists()

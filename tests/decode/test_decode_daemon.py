@@ -24,7 +24,7 @@ from lanekv.client_commands import fetch_contract
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from tests.checkpoints import write_llama
+from tests.checkpoints import write_deepseek_v3, write_llama
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4
@@ -202,6 +202,8 @@ def test_decode_refuses_to_start_against_a_mismatched_prefill(checkpoint, prefil
         "kv_dtype": (checkpoint, ["--dtype", "float16"]),
         "weights_digest": (other_weights, []),
         "rope.theta": (other_rope, []),
+        # An MLA decode daemon against a GQA prefill daemon.
+        "attention": (write_deepseek_v3(tmp_path / "deepseek"), []),
     }
     prefill_free = prefill.engine.allocator.free_counts()
     procs = {}
