@@ -86,8 +86,7 @@ def checkpoints(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name,page_size", [("deepseek_v2", 1), ("deepseek_v2_qlora", 4),
-                                            ("deepseek_v3", 4), ("deepseek_v3", 16),
-                                            ("qwen3", 4)])
+                                            ("deepseek_v3", 16), ("qwen3", 4)])
 def test_greedy_batch_matches_transformers(checkpoints, name, page_size):
     loaded = load_model(checkpoints[name])
     prompts = [_prompt(1, 1), _prompt(19, 2), _prompt(45, 3)]
