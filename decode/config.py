@@ -92,7 +92,10 @@ class DecodeConfig:
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
-        ModelConfig.from_dir(self.model_path)
+        model = ModelConfig.from_dir(self.model_path)
+        if model.dsa is not None:  # index-K pages and sparse decode are not served yet
+            raise ValueError(f"architecture={model.architecture!r} (DSA sparse attention) is not "
+                             "served by the decode daemon yet")
         host, _, port = self.prefill_endpoint.rpartition(":")
         if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")

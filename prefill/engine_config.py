@@ -41,7 +41,10 @@ class EngineConfig:
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
-        ModelConfig.from_dir(self.model_path)
+        model = ModelConfig.from_dir(self.model_path)
+        if model.dsa is not None:  # index-K pages and sparse decode are not served yet
+            raise ValueError(f"architecture={model.architecture!r} (DSA sparse attention) is not "
+                             "served by the prefill daemon yet")
         if self.resolved_device == "cuda":
             visible = torch.cuda.device_count()
             if self.cp_size > visible:
