@@ -13,10 +13,10 @@ valid).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import queue
-import traceback
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -54,7 +54,7 @@ from runtime.hostmem import keep_freed_buffers
 from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
 from runtime.security import SecurityConfig
-from runtime.status import TRANSFER_SERVICE
+from runtime.status import TRANSFER_SERVICE, bounded, one_line
 from transfer.protocol.contract import Agreement
 from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
 from transfer.rank.progress import LayerProgress
@@ -146,8 +146,8 @@ def rank_main(
             where = TransferServing(*serve_transfer)
             info = _serve_transfer(runner, config, rank, where, results, reporter, info)
         results.put(Ready(rank, info))
-    except Exception:  # report start-up failures to the parent, then exit
-        results.put(Failed(rank, None, traceback.format_exc()))
+    except Exception as err:  # report start-up failures to the parent, then exit
+        results.put(Failed(rank, None, _reported(rank, err)))
         remove_shared_pool(shared_path)
         return
     try:
@@ -168,8 +168,8 @@ def rank_main(
 
             try:
                 results.put(Answer(rank, call.seq, handle(runner, call.command, registered)))
-            except Exception:
-                results.put(Failed(rank, call.seq, traceback.format_exc()))
+            except Exception as err:
+                results.put(Failed(rank, call.seq, _reported(rank, err)))
     finally:
         served = runner.transfer_server
         if served is not None:
@@ -308,3 +308,10 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int, where: 
     )
     return dataclasses.replace(info, endpoint=f"{where.host}:{runner.transfer_server.port}",
                                agreement=agreement.encode())
+
+
+def _reported(rank: int, err: Exception) -> str:
+    """Log the traceback here (the daemon's log); the parent gets one line, which may
+    reach a client or a command's error line."""
+    logging.getLogger("lanekv.prefill").error("rank %d failed", rank, exc_info=err)
+    return bounded(one_line(f"{type(err).__name__}: {err}"), 500)
