@@ -141,7 +141,7 @@ class PrefillDaemon:
         self.tokenizer = load_tokenizer(engine_config.model_path)
         if engine_config.resolved_device == "cuda":  # compile before serving, not on a request
             warm_up(self.engine, self.vocab_size, self.max_tokens, cfg.max_batch_tokens,
-                    forget=lambda rid: self.engine.send("forget", rid, range(engine_config.cp_size)))
+                    forget=self.engine.forget)
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
         self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages
