@@ -47,6 +47,8 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
         if size * _BATCH_PROMPT <= max_batch_tokens and _BATCH_PROMPT <= limit:
             # lengths differ so segments end at different places in their pages
             batches.append([_input(_BATCH_PROMPT - i % 3, i, vocab_size) for i in range(size)])
+    skipped = [inputs for inputs in batches if not _fits(engine, inputs)]
+    batches = [inputs for inputs in batches if _fits(engine, inputs)]
     for inputs in batches:
         for res in engine.prefill(inputs):
             if forget is not None:
@@ -55,7 +57,17 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     done = WarmUp(len(batches), time.perf_counter() - start)
     log.info("prefill warm-up: %d batches in %.2f s (kernels compiled before serving)",
              done.prefills, done.seconds)
+    if skipped:  # a pool too small for them cannot serve such batches either
+        log.info("prefill warm-up: %d batch(es) larger than the pool left out", len(skipped))
     return done
+
+
+def _fits(engine: PrefillEngine, inputs: list[PrefillInput]) -> bool:
+    """Whether the batch's pages fit in every lane's free pages: a request of P pages takes
+    about ceil(P / cp_size) pages of each lane, plus one where its segments end unevenly."""
+    ps, cp = engine.config.page_size, engine.config.cp_size
+    per_lane = sum(-(-max(-(-len(i.token_ids) // ps), cp) // cp) + 1 for i in inputs)
+    return per_lane <= min(engine.allocator.free_counts())
 
 
 def _input(length: int, seed: int, vocab_size: int) -> PrefillInput:

@@ -27,3 +27,19 @@ def test_warm_up_leaves_nothing_held(tmp_path, cp):
         assert out[0].num_tokens == 5
     finally:
         engine.close()
+
+
+def test_warm_up_leaves_out_batches_larger_than_the_pool(tmp_path):
+    """A daemon with a small pool (as tests and small deployments run) still starts:
+    the warm-up shapes that could never fit are left out, the rest run."""
+    ckpt = write_llama(tmp_path / "llama")
+    # 2 lanes of 6 pages of 4 rows: a 17-token prompt (5 pages, 3+1 a lane) fits, 2048 would not.
+    engine = ThreadedPrefillEngine(EngineConfig(str(ckpt), cp_size=2, page_size=4, pages_per_lane=6))
+    try:
+        free_before = engine.allocator.free_counts()
+        done = warm_up(engine, VOCAB_SIZE, max_tokens=4096, max_batch_tokens=4096)
+        # lengths 1 and 17, batches of 2 and 3 x 8 tokens (2 a lane each); 300, 2048 and 5+ do not fit
+        assert done.prefills == 4
+        assert engine.allocator.free_counts() == free_before
+    finally:
+        engine.close()
