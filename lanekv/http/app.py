@@ -105,7 +105,8 @@ class Front:
     async def respond(self, request: Request, common: Common, plan: Plan, chat: bool) -> Response:
         endpoint = _endpoint(request.url.path)
         shape = ReplyShape(chat, plan.request_id, common.model, int(time.time()), common.include_usage)
-        generation = Generation(self.backends, plan, self.config.request_timeout_s)
+        generation = Generation(self.backends, plan, self.config.request_timeout_s,
+                                None if self.tokenizer is None else self.tokenizer.decode)
         started = time.monotonic()
         if await run_until_disconnect(asyncio.ensure_future(generation.start()), request.receive):
             self.metrics.request(endpoint, "client_gone")

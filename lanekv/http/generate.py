@@ -16,7 +16,7 @@ daemon notices at once and frees the request's pages.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -63,15 +63,17 @@ class StopMatcher:
         self._text = ""
         self._sent = 0
         self.hit = False
+        self.stop_end = 0  # once hit: the character just past the stop string that was found
 
     def feed(self, piece: str) -> str:
         self._text += piece
         if not self._stops:
             return self._take(len(self._text))
-        found = [i for i in (self._text.find(s, self._sent) for s in self._stops) if i >= 0]
+        found = [(i, i + len(s)) for s in self._stops if (i := self._text.find(s, self._sent)) >= 0]
         if found:
             self.hit = True
-            return self._take(min(found))
+            at, self.stop_end = min(found)
+            return self._take(at)
         return self._take(len(self._text) - self._held())
 
     def flush(self) -> str:
@@ -93,8 +95,13 @@ class StopMatcher:
 
 
 class Generation:
-    def __init__(self, backends: Backends, plan: Plan, timeout_s: float) -> None:
+    def __init__(self, backends: Backends, plan: Plan, timeout_s: float,
+                 decode: Callable[[list[int]], str] | None = None) -> None:
         self._backends, self.plan, self._timeout_s = backends, plan, timeout_s
+        # Turns token ids into text, to count only the tokens up to a stop string when one
+        # reply carried several (the daemon batches replies for a slow reader).
+        self._decode = decode
+        self._token_ids: list[int] = []
         self._call: grpc.aio.UnaryStreamCall | None = None
         self._member: Backend | None = None
         self._first: lanekv_pb2.GenerateReply | None = None
@@ -134,6 +141,16 @@ class Generation:
             self._first = first
             return
 
+    def _count_to(self, stop_end: int, in_reply: int) -> None:
+        """Usage counts the tokens up to the one that completed the stop string."""
+        if self._decode is None or in_reply <= 1:
+            return
+        before = len(self._token_ids) - in_reply
+        for k in range(1, in_reply):
+            if len(self._decode(self._token_ids[:before + k])) >= stop_end:
+                self.completion_tokens = before + k
+                return
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """The text as it comes; the last delta carries the finish reason. Raises ``APIError``."""
         if self._first is None:
@@ -144,8 +161,10 @@ class Generation:
                 if reply is grpc.aio.EOF:
                     raise APIError(502, f"decode daemon {self.endpoint} ended the stream unfinished")
                 self.completion_tokens += len(reply.token_ids)
+                self._token_ids.extend(reply.token_ids)
                 text = stops.feed(reply.text)
                 if stops.hit:
+                    self._count_to(stops.stop_end, len(reply.token_ids))
                     yield Delta(text, "stop")
                     return
                 if reply.finished:
