@@ -2,7 +2,9 @@
 (in the manner of vLLM's benchmark_serving and SGLang's bench_serving).
 
 By default it starts a prefill daemon and a decode daemon (dummy weights of the
-chosen shape) and sends every request to the decode daemon's Generate stream.
+chosen shape), each in its own process through the CLI as they are deployed
+(``--in-process``: both inside the benchmark's process, sharing its GIL), and
+sends every request to the decode daemon's Generate stream.
 With ``--openai URL`` it starts nothing and streams ``POST URL/v1/completions``
 (``stream: true``, prompt as token ids) from any OpenAI-compatible server.
 
@@ -173,17 +175,55 @@ def run_level(send: Callable[[Request], Outcome], requests: list[Request], concu
     return row
 
 
+class _Process(NamedTuple):
+    """A daemon run as ``lanekv prefill|decode`` in its own process."""
+    daemon: object  # lanekv.demo.Daemon
+    endpoint: str
+
+    def stop(self) -> None:
+        from lanekv.demo import stop_daemon
+        stop_daemon(self.daemon)
+
+
 def _daemons(args, model_cfg: dict, workdir: str):
-    """Start a prefill daemon (cp ``--cp``) and a decode daemon on dummy weights."""
+    """Start a prefill daemon (cp ``--cp``) and a decode daemon on dummy weights: each in its
+    own process through the CLI, as they are deployed (``--in-process``: both in this one)."""
+    dtype = "bfloat16" if args.llama3_8b else "float32"
+    (Path(workdir) / "config.json").write_text(json.dumps(model_cfg))
+    per_request = -(-(args.prompt_len + args.output_len + 1) // args.page_size)
+    pool_pages = max(args.concurrency) * per_request + 64
+    max_batch = max(64, max(args.concurrency))
+    if args.in_process:
+        return _daemons_in_process(args, workdir, dtype, pool_pages, max_batch)
+    from lanekv.demo import start_daemon
+
+    common = ["--model", workdir, "--page-size", str(args.page_size), "--dtype", dtype,
+              "--load-format", "dummy"]
+    t0 = time.perf_counter()
+    prefill = start_daemon("prefill", ["prefill", *common, "--cp-size", str(args.cp),
+                                       "--pool-pages", str(pool_pages // args.cp + 64),
+                                       "--lease-s", "600"], Path(workdir), 900)
+    prefill_s = time.perf_counter() - t0
+    try:
+        t0 = time.perf_counter()
+        decode = start_daemon("decode", ["decode", *common, "--prefill", prefill.endpoint,
+                                         "--pool-pages", str(pool_pages),
+                                         "--max-batch-size", str(max_batch)], Path(workdir), 900)
+        decode_s = time.perf_counter() - t0
+    except BaseException:
+        _Process(prefill, prefill.endpoint).stop()
+        raise
+    print(f"daemons up: prefill {prefill_s:.1f} s, decode {decode_s:.1f} s (warm-up included)")
+    return (_Process(prefill, prefill.endpoint), _Process(decode, decode.endpoint),
+            dict(prefill_start_s=prefill_s, decode_start_s=decode_s, daemons="processes"))
+
+
+def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_batch: int):
     from decode.config import DecodeConfig
     from decode.daemon import DecodeDaemon
     from prefill.daemon import DaemonConfig, PrefillDaemon
     from prefill.engine_config import EngineConfig
 
-    dtype = "bfloat16" if args.llama3_8b else "float32"
-    (Path(workdir) / "config.json").write_text(json.dumps(model_cfg))
-    per_request = -(-(args.prompt_len + args.output_len + 1) // args.page_size)
-    pool_pages = max(args.concurrency) * per_request + 64
     t0 = time.perf_counter()
     prefill = PrefillDaemon(
         EngineConfig(workdir, cp_size=args.cp, page_size=args.page_size, dtype=dtype,
@@ -195,13 +235,29 @@ def _daemons(args, model_cfg: dict, workdir: str):
         t0 = time.perf_counter()
         decode = DecodeDaemon(DecodeConfig(workdir, prefill.endpoint, page_size=args.page_size,
                                            dtype=dtype, load_format="dummy", pool_pages=pool_pages,
-                                           max_batch_size=max(64, max(args.concurrency))))
+                                           max_batch_size=max_batch))
         decode_s = time.perf_counter() - t0
     except BaseException:
         prefill.stop()
         raise
-    print(f"daemons up: prefill {prefill_s:.1f} s, decode {decode_s:.1f} s (warm-up included)")
-    return prefill, decode, dict(prefill_start_s=prefill_s, decode_start_s=decode_s)
+    print(f"daemons up (in this process): prefill {prefill_s:.1f} s, decode {decode_s:.1f} s")
+    return prefill, decode, dict(prefill_start_s=prefill_s, decode_start_s=decode_s,
+                                 daemons="in-process")
+
+
+def _new_shape(send: Callable[[Request], Outcome], args, vocab: int) -> dict:
+    """TTFT of the first prompt of a length not sent before, against the median of
+    five more of that length (each sent alone): what a new shape costs."""
+    length = max(1, args.prompt_len * 3 // 4 + 1)
+    reqs = _requests(argparse.Namespace(**{**vars(args), "num_prompts": 6, "prompt_len": length,
+                                           "range_ratio": 0.0}), vocab, 777)
+    ttfts = []
+    for req in reqs:
+        out = send(req)
+        ttfts.append((out.arrivals[0][0] - out.sent) * 1e3 if out.arrivals else None)
+    later = [t for t in ttfts[1:] if t is not None]
+    return dict(new_shape_prompt_len=length, new_shape_first_ttft_ms=ttfts[0],
+                new_shape_later_ttft_ms_p50=statistics.median(later) if later else None)
 
 
 def main() -> None:
@@ -225,6 +281,8 @@ def main() -> None:
                     help="Poisson arrivals at this many requests/s (default inf: all at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--in-process", action="store_true",
+                    help="run both daemons in this process (default: each in its own, by the CLI)")
     args = ap.parse_args()
     for name in ("prompt_len", "output_len", "page_size", "cp"):
         if getattr(args, name) < 1:
@@ -248,6 +306,7 @@ def main() -> None:
             started["first_request_ttft_ms"] = ((warm.arrivals[0][0] - warm.sent) * 1e3
                                                 if warm.arrivals else None)
             started["first_request_s"] = time.perf_counter() - t0
+            started.update(_new_shape(send, args, vocab))
             rows = []
             for i, conc in enumerate(args.concurrency):
                 n = args.num_prompts or max(8, 2 * conc)
@@ -263,6 +322,10 @@ def main() -> None:
                 daemons[1].stop()
                 daemons[0].stop()
     target = args.openai or ("Llama-3-8B shapes" if args.llama3_8b else "tiny")
+    print("first request after start: TTFT {} ms; first of a new length ({}): {} ms, later ones "
+          "{} ms".format(*(f"{started[k]:.1f}" if isinstance(started.get(k), float) else started.get(k)
+                          for k in ("first_request_ttft_ms", "new_shape_prompt_len",
+                                    "new_shape_first_ttft_ms", "new_shape_later_ttft_ms_p50"))))
     print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len}, "
           f"rate {args.request_rate}")
     print(f"{'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
