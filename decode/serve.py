@@ -18,6 +18,11 @@ from transfer.grpcfetch.client import ContractMismatch, TransferError
 from transfer.protocol.contract import format_diff
 
 log = logging.getLogger("lanekv.decode")
+# The decode loop shares this process's GIL with one gRPC thread per open stream.
+# At Python's default switch interval (5 ms) a loop that is ready for its next
+# step can wait that long behind stream threads. A 0.5 ms interval hands the GIL
+# over sooner (BENCHMARKS.md, issue 18: ITL through the daemons at 64 streams).
+GIL_SWITCH_INTERVAL_S = 0.0005
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
 _CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes",
                  "graph_batch_sizes")
@@ -43,6 +48,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         print(f"lanekv decode: {err}", file=sys.stderr)
         return 2
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process's own entry point: nobody else's setting
     try:
         daemon = DecodeDaemon(config)
     except ContractMismatch as err:
