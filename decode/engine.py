@@ -34,9 +34,10 @@ not use. If something outside the engine empties the pool, a running request
 that cannot get its slot sits the step out (it is never given a wrong row).
 
 Threads: the daemon calls ``add``/``cancel`` from gRPC threads and ``step``
-from one loop thread. One lock guards all state and is held for a whole step,
-so ``cancel`` returns only once the request's pages are free and no kernel is
-writing into them.
+from one loop thread. One lock guards all state; the model runs outside it.
+A request cancelled while its step runs is dropped at once and its pages are
+freed when that step lands (no kernel writes into a freed page); ``cancel``'s
+``on_freed`` runs then, which is when the daemon gives back its page budget.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -90,6 +91,7 @@ class _Request:
     stop_token_ids: frozenset[int]
     final_len: int  # tokens in cache when the request ends at the latest
     cancelled: bool = False  # cancelled while its step ran: dropped, pages freed, after the step
+    on_freed: Callable[[], None] | None = None  # the canceller's, once its pages are back
 
     @property
     def pages_to_come(self) -> int:
@@ -220,13 +222,17 @@ class DecodeEngine:
                 self._waiting.append(request)
             self._work.notify_all()
 
-    def cancel(self, request_id: str) -> bool:
+    def cancel(self, request_id: str, on_freed: Callable[[], None] | None = None) -> bool:
         """Drop a request and free its pages at once (after the step in flight,
-        if any). Returns whether the engine knew the request."""
+        if any), then call ``on_freed`` (under the engine lock: keep it short).
+        Returns whether the engine knew the request; if not, ``on_freed`` is
+        not called (its pages were freed when it finished)."""
         with self._lock:
             for i, event in enumerate(self._done_at_add):
                 if event.request_id == request_id:
                     del self._done_at_add[i]
+                    if on_freed is not None:
+                        on_freed()  # freed when it was added
                     return True
             request = self._find(request_id)
             if request is None:
@@ -235,11 +241,18 @@ class DecodeEngine:
                 self._running.remove(request)
             else:
                 self._waiting.remove(request)
+            request.on_freed = on_freed
             if any(request is r for r in self._in_flight):
                 request.cancelled = True  # the step writes into its pages: freed after it
             else:
-                request.table.release()
+                self._free(request)
             return True
+
+    @staticmethod
+    def _free(request: _Request) -> None:
+        request.table.release()
+        if request.on_freed is not None:
+            request.on_freed()
 
     def wait_for_work(self, timeout: float) -> bool:
         """Block until a request is queued or ``timeout`` seconds pass; returns has_work."""
@@ -374,7 +387,7 @@ class DecodeEngine:
         if cancelled and self.pool.device.type == "cuda":
             torch.cuda.current_stream(self.pool.device).synchronize()
         for request in cancelled:
-            request.table.release()
+            self._free(request)
 
     def _admit(self) -> list[_Request]:
         """Admit waiting requests that fit to the end; returns the running ones."""

@@ -320,13 +320,21 @@ class GeneratePipeline:
             call.settled = True
             table, call.table = call.table, None
             in_engine = call.in_engine
-        if in_engine:
-            self._ctx.engine.cancel(call.spec.request_id)  # after a finish event: a no-op
+        budget, reserved = self._ctx.budget, call.reserved_pages
+
+        def give_back() -> None:
+            if reserved:
+                budget.release(reserved)
+
+        # The budget goes back once the pages are free: a request cancelled under a
+        # running step keeps its pages until the step lands, and a request admitted
+        # on its budget before then would find the pool short.
+        deferred = in_engine and self._ctx.engine.cancel(call.spec.request_id, on_freed=give_back)
         if table is not None:
             table.release()
         self._release_prefill(call, wait=False)
-        if call.reserved_pages:
-            self._ctx.budget.release(call.reserved_pages)
+        if not deferred:  # not in the engine, or it had finished: its pages are free
+            give_back()
 
 
 def time_left(deadline: float) -> float:

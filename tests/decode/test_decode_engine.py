@@ -133,8 +133,11 @@ def test_cancel_and_finish_free_every_page(models) -> None:
         engine.add(rid, table, first, GREEDY, max_new_tokens=30, ignore_eos=True)
     engine.step()
     assert (engine.num_running, engine.num_waiting) == (2, 1)  # max_batch_size
-    assert engine.cancel("r2") and engine.cancel("r0")  # one waiting, one running
-    assert not engine.cancel("r0") and not engine.cancel("nope")
+    told = []
+    assert engine.cancel("r2", on_freed=lambda: told.append("r2")) and engine.cancel("r0")  # one waiting, one running
+    assert told == ["r2"]  # nothing in flight: freed, and told, at once
+    assert not engine.cancel("r0") and not engine.cancel("nope", on_freed=lambda: told.append("nope"))
+    assert told == ["r2"]
     duplicate = PageTable.allocate(pool, 1)
     with pytest.raises(ValueError, match="already in the engine"):
         engine.add("r1", duplicate, 5, GREEDY, 4)
@@ -313,17 +316,25 @@ def test_cancel_during_a_step_returns_at_once_and_frees_pages_after_it(models) -
     run = engine._run
     during: dict = {}
 
+    freed_at: list[int] = []  # the pool's free pages when on_freed ran
+
     def run_and_cancel(batch):
         free_before = pool.free_count
-        canceller = threading.Thread(target=lambda: during.update(cancelled=engine.cancel("victim")))
+        canceller = threading.Thread(target=lambda: during.update(cancelled=engine.cancel(
+            "victim", on_freed=lambda: freed_at.append(pool.free_count))))
         canceller.start()
         canceller.join(timeout=10)  # returns while the step's model run has not started
-        during.update(returned=not canceller.is_alive(), freed_early=pool.free_count != free_before)
+        during.update(returned=not canceller.is_alive(), freed_early=pool.free_count != free_before,
+                      told_early=bool(freed_at))
         return run(batch)
 
     engine._run = run_and_cancel
+    free_in_step = pool.free_count
     events = engine.step()
-    assert during == dict(cancelled=True, returned=True, freed_early=False)
+    assert during == dict(cancelled=True, returned=True, freed_early=False, told_early=False)
+    # on_freed ran once, when the step landed and the victim's pages were back (the
+    # daemon gives back the request's page budget then, not before)
+    assert len(freed_at) == 1 and freed_at[0] > free_in_step
     assert [e.request_id for e in events] == ["keep"]
     engine._run = run
     assert not engine.cancel("victim")  # gone
