@@ -7,6 +7,8 @@ chosen shape), each in its own process through the CLI as they are deployed
 sends every request to the decode daemon's Generate stream.
 With ``--openai URL`` it starts nothing and streams ``POST URL/v1/completions``
 (``stream: true``, prompt as token ids) from any OpenAI-compatible server.
+``--front`` also starts ``lanekv serve`` over the daemons it started and runs
+each level through both APIs, gRPC then HTTP, so the front's cost shows.
 
 For each concurrency it sends ``--num-prompts`` requests with at most that many
 in flight, all at once or at a Poisson ``--request-rate`` (requests/s), with
@@ -218,6 +220,26 @@ def _daemons(args, model_cfg: dict, workdir: str):
             dict(prefill_start_s=prefill_s, decode_start_s=decode_s, daemons="processes"))
 
 
+def _write_tokenizer(workdir: str, vocab: int) -> None:
+    """A word-level tokenizer of ``vocab`` words (one word a token, so each token's
+    text is not empty), for the daemons and the front to detokenize with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tok.save(str(Path(workdir) / "tokenizer.json"))
+
+
+def _front(decode: str, workdir: str) -> _Process:
+    """``lanekv serve`` over the decode daemon (the tokenizer written before the daemons)."""
+    from lanekv.demo import start_daemon
+
+    front = start_daemon("front", ["serve", "--decode", decode, "--model", workdir, "--port", "0",
+                                   "--served-model-name", "default"], Path(workdir), 120)
+    return _Process(front, front.endpoint)
+
+
 def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_batch: int):
     from decode.config import DecodeConfig
     from decode.daemon import DecodeDaemon
@@ -281,25 +303,39 @@ def main() -> None:
                     help="Poisson arrivals at this many requests/s (default inf: all at once)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--front", action="store_true",
+                    help="also start `lanekv serve` over the decode daemon and run every level "
+                         "through it too (OpenAI completions), beside the gRPC API")
     ap.add_argument("--in-process", action="store_true",
                     help="run both daemons in this process (default: each in its own, by the CLI)")
     args = ap.parse_args()
     for name in ("prompt_len", "output_len", "page_size", "cp"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.front and args.openai:
+        ap.error("--front starts a front over the daemons it starts; --openai starts none")
     if not 0 <= args.range_ratio < 1 or min(args.concurrency) < 1 or not args.request_rate > 0:
         ap.error("--range-ratio must be in [0, 1), --concurrency >= 1, --request-rate > 0")
     model_cfg = LLAMA3_8B if args.llama3_8b else TINY
     vocab = args.vocab or (model_cfg["vocab_size"] if not args.openai else 32000)
     started: dict = {}
     with tempfile.TemporaryDirectory() as workdir:
-        daemons = None
+        daemons = []
         if args.openai:
             send = _openai_sender(args.openai, args.model)
+            apis = [("openai", send)]
         else:
+            if args.front:
+                _write_tokenizer(workdir, vocab)
             *daemons, started = _daemons(args, model_cfg, workdir)
             send = _grpc_sender(daemons[1].endpoint)
+            apis = [("grpc", send)]
         try:
+            if args.front:
+                daemons.append(_front(daemons[1].endpoint, workdir))
+                apis.append(("openai", _openai_sender(f"http://{daemons[-1].endpoint}", "default")))
+                apis[-1][1](_requests(argparse.Namespace(**{**vars(args), "num_prompts": 1}), vocab,
+                                      998)[0])  # the front's own first request
             first = _requests(argparse.Namespace(**{**vars(args), "num_prompts": 2}), vocab, 999)
             t0 = time.perf_counter()
             warm = send(first[0])
@@ -312,15 +348,16 @@ def main() -> None:
                 n = args.num_prompts or max(8, 2 * conc)
                 reqs = _requests(argparse.Namespace(**{**vars(args), "num_prompts": n}), vocab,
                                  args.seed + i)
-                rows.append(run_level(send, reqs, conc, args.request_rate, args.seed + i))
-                r = rows[-1]
-                print(f"concurrency {conc}: {r['output_tokens_per_s']:,.0f} tok/s, "
-                      f"TTFT p50 {r['ttft_ms_p50'] or float('nan'):.1f} ms, "
-                      f"ITL p50 {r['itl_ms_p50'] or float('nan'):.2f} ms", flush=True)
+                for api, sender in apis:
+                    rows.append(dict(api=api, **run_level(sender, reqs, conc, args.request_rate,
+                                                          args.seed + i)))
+                    r = rows[-1]
+                    print(f"concurrency {conc} ({api}): {r['output_tokens_per_s']:,.0f} tok/s, "
+                          f"TTFT p50 {r['ttft_ms_p50'] or float('nan'):.1f} ms, "
+                          f"ITL p50 {r['itl_ms_p50'] or float('nan'):.2f} ms", flush=True)
         finally:
-            if daemons:
-                daemons[1].stop()
-                daemons[0].stop()
+            for daemon in reversed(daemons):
+                daemon.stop()
     target = args.openai or ("Llama-3-8B shapes" if args.llama3_8b else "tiny")
     print("first request after start: TTFT {} ms; first of a new length ({}): {} ms, later ones "
           "{} ms".format(*(f"{started[k]:.1f}" if isinstance(started.get(k), float) else started.get(k)
@@ -328,12 +365,12 @@ def main() -> None:
                                     "new_shape_first_ttft_ms", "new_shape_later_ttft_ms_p50"))))
     print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len}, "
           f"rate {args.request_rate}")
-    print(f"{'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
+    print(f"{'api':>6} {'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
           f"{'p90':>7} {'p99':>7} {'E2E p50':>9}")
     for r in rows:
         def f(key: str, width: int, digits: int = 1, r: dict = r) -> str:
             return f"{r[key]:>{width}.{digits}f}" if r[key] is not None else f"{'-':>{width}}"
-        print(f"{r['concurrency']:>5} {r['completed']:>5} {r['output_tokens_per_s']:>8,.0f} "
+        print(f"{r['api']:>6} {r['concurrency']:>5} {r['completed']:>5} {r['output_tokens_per_s']:>8,.0f} "
               f"{f('ttft_ms_p50', 9)} {f('ttft_ms_p99', 8)} {f('itl_ms_p50', 8, 2)} "
               f"{f('itl_ms_p90', 7, 2)} {f('itl_ms_p99', 7, 2)} {f('e2e_ms_p50', 9)}")
         if r["errors"]:
