@@ -81,7 +81,10 @@ def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
     return send
 
 
-def _openai_sender(url: str, model: str) -> Callable[[Request], Outcome]:
+def _openai_sender(url: str, model: str, words_are_tokens: bool = False) -> Callable[[Request], Outcome]:
+    """Streamed completions. A chunk counts as one token unless it carries
+    ``token_ids``, or ``words_are_tokens`` (the word-level tokenizer of ``--front``:
+    a chunk of k words is k tokens, as a gRPC reply of k ids is)."""
     parts = urllib.parse.urlsplit(url)
     conn_cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
     path = parts.path.rstrip("/") + "/v1/completions"
@@ -107,7 +110,9 @@ def _openai_sender(url: str, model: str) -> Callable[[Request], Outcome]:
                 choices = chunk.get("choices") or []
                 if choices and (choices[0].get("text") or choices[0].get("token_ids")):
                     ids = choices[0].get("token_ids")
-                    arrivals.append((time.perf_counter(), len(ids) if ids else 1))
+                    k = len(ids) if ids else (
+                        max(1, len(choices[0]["text"].split())) if words_are_tokens else 1)
+                    arrivals.append((time.perf_counter(), k))
         except (OSError, ValueError, http.client.HTTPException) as err:
             return Outcome(sent, arrivals, f"{type(err).__name__}: {err}")
         finally:
@@ -306,6 +311,9 @@ def main() -> None:
     ap.add_argument("--front", action="store_true",
                     help="also start `lanekv serve` over the decode daemon and run every level "
                          "through it too (OpenAI completions), beside the gRPC API")
+    ap.add_argument("--warm-level", action="store_true",
+                    help="first run the largest concurrency once, unmeasured (for comparing "
+                         "APIs: neither then pays for the first growth of the daemons' memory)")
     ap.add_argument("--in-process", action="store_true",
                     help="run both daemons in this process (default: each in its own, by the CLI)")
     args = ap.parse_args()
@@ -333,7 +341,8 @@ def main() -> None:
         try:
             if args.front:
                 daemons.append(_front(daemons[1].endpoint, workdir))
-                apis.append(("openai", _openai_sender(f"http://{daemons[-1].endpoint}", "default")))
+                apis.append(("openai", _openai_sender(f"http://{daemons[-1].endpoint}", "default",
+                                                        words_are_tokens=True)))
                 apis[-1][1](_requests(argparse.Namespace(**{**vars(args), "num_prompts": 1}), vocab,
                                       998)[0])  # the front's own first request
             first = _requests(argparse.Namespace(**{**vars(args), "num_prompts": 2}), vocab, 999)
@@ -343,6 +352,10 @@ def main() -> None:
                                                 if warm.arrivals else None)
             started["first_request_s"] = time.perf_counter() - t0
             started.update(_new_shape(send, args, vocab))
+            if args.warm_level:  # unmeasured: the allocators grow to the largest level here
+                top = max(args.concurrency)
+                run_level(send, _requests(argparse.Namespace(**{**vars(args), "num_prompts": top}),
+                                          vocab, 555), top, float("inf"), 555)
             rows = []
             for i, conc in enumerate(args.concurrency):
                 n = args.num_prompts or max(8, 2 * conc)
