@@ -8,7 +8,7 @@ Each tensor file is read once; the same bytes feed both the weights digest and
 ``safetensors.torch.load``, so the digest always describes exactly the weights
 that were loaded (a second read could see a file replaced in between).
 ``transformers`` is never imported here. A loaded model has its q/k/v and
-gate/up projections fused (``CausalLM.fuse_projections``).
+gate/up projections fused and its MoE experts stacked (``fuse_projections``).
 """
 
 from __future__ import annotations
@@ -130,8 +130,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     model.to(device)  # the rotary frequencies; the weights are there already
     model.eval()
     model.requires_grad_(False)
-    if isinstance(model, CausalLM):  # the Llama family: q/k/v and gate/up as one GEMM each
-        model.fuse_projections()
+    model.fuse_projections()  # q/k/v and gate/up as one GEMM each, MoE experts stacked
     tokenizer = load_tokenizer(path, config.eos_token_ids)
     return LoadedModel(config=config, model=model, weights_digest=digest, tokenizer=tokenizer)
 
@@ -155,8 +154,7 @@ def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 param.normal_(0.0, 0.02, generator=gen)
     model.eval()
     model.requires_grad_(False)
-    if isinstance(model, CausalLM):  # the Llama family: q/k/v and gate/up as one GEMM each
-        model.fuse_projections()
+    model.fuse_projections()
     digest = hashlib.sha256(f"dummy-weights:{seed}:{config!r}".encode()).hexdigest()
     return LoadedModel(config=config, model=model, weights_digest=digest,
                        tokenizer=load_tokenizer(path, config.eos_token_ids))

@@ -13,8 +13,10 @@ The callback decompresses the latent through ``MLAAttention.decompress`` (per-he
 K and V) or works in the latent space through ``absorb_query`` and
 ``expand_output``. Ops and their order follow transformers (RMSNorm and the
 router in float32, YaRN frequencies and cos/sin scaling as it computes them),
-so float32 logits agree with it. Routed experts run one GEMM per expert over
-the tokens sorted by expert, never a Python loop over tokens.
+so float32 logits agree with it. Routed experts run as grouped GEMMs over the
+(token, choice) pairs sorted by expert (``kernels.moe``: on CUDA without a host
+sync, so a decode step can be captured in a CUDA graph); residual adds are fused
+into the RMSNorms (``kernels.rmsnorm``), as in ``model.llama``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.moe import moe_experts
 from model.config import ModelConfig
-from model.llama import MODEL_DTYPES, RMSNorm, causal_attention
+from model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention
 from model.mla_config import MoEConfig, yarn_inv_freq
 
 MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -98,7 +101,7 @@ class MLAAttention(nn.Module):
         if mla.q_lora_rank is None:
             q_lora, q = None, self.q_proj(x)
         else:
-            q_lora = self.q_a_layernorm(self.q_a_proj(x))
+            q_lora = self.q_a_layernorm.fused(self.q_a_proj(x))[0]
             q = self.q_b_proj(q_lora)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
@@ -106,7 +109,7 @@ class MLAAttention(nn.Module):
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         q_pe = rope_pairs(q_pe, cos, sin, mla.rope_interleave)
         k_pe = rope_pairs(k_pe[:, None, :], cos, sin, mla.rope_interleave)[:, 0]
-        latent = torch.cat((self.kv_a_layernorm(compressed), k_pe), dim=-1)
+        latent = torch.cat((self.kv_a_layernorm.fused(compressed)[0], k_pe), dim=-1)
         return MLAProjection(torch.cat((q_nope, q_pe), dim=-1), latent, q_lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -161,9 +164,17 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(hidden, intermediate, **kw)
         self.up_proj = nn.Linear(hidden, intermediate, **kw)
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
+        self.gate_up = FusedLinear()
+
+    def fuse(self) -> None:
+        self.gate_up.fuse(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up.fused:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -206,6 +217,11 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
+    """Routed experts (``kernels.moe.moe_experts``) plus the shared experts. ``fuse``
+    stacks the experts' weights into ``w13 [E, 2I, H]`` (gate rows, then up rows)
+    and ``w2 [E, H, I]``, the experts' parameters becoming views of them (no extra
+    memory, checkpoint names unchanged); unfused, they are stacked per call."""
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         moe = config.moe
@@ -216,23 +232,31 @@ class MoE(nn.Module):
         self.shared_experts = SwiGLU(
             config.hidden_size, moe.moe_intermediate_size * moe.num_shared_experts, dtype, device
         ) if moe.num_shared_experts else None
+        self.w13: torch.Tensor | None = None  # not registered: not a checkpoint tensor
+        self.w2: torch.Tensor | None = None
+
+    def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts])
+        return w13, torch.stack([e.down_proj.weight for e in self.experts])
+
+    def fuse(self) -> None:
+        if self.shared_experts is not None:
+            self.shared_experts.fuse()
+        if self.w13 is not None:
+            return
+        with torch.no_grad():
+            w13, w2 = self._stacked()
+        inter = w2.shape[2]
+        for i, expert in enumerate(self.experts):
+            for name, view in (("gate_proj", w13[i, :inter]), ("up_proj", w13[i, inter:]),
+                               ("down_proj", w2[i])):
+                getattr(expert, name).weight = nn.Parameter(view, requires_grad=False)
+        self.w13, self.w2 = w13, w2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        top_k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.bincount(flat, minlength=len(self.experts)).tolist()
-        tokens = order // top_k
-        rows = x[tokens]
-        out_rows = torch.empty_like(rows)
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                out_rows[start : start + count] = expert(rows[start : start + count])
-                start += count
-        routed = torch.zeros_like(x).index_add_(
-            0, tokens, (out_rows * weights.reshape(-1)[order, None]).to(x.dtype))
+        w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
+        routed = moe_experts(x, w13, w2, weights, ids)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
@@ -246,10 +270,14 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: MLAAttentionFn) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, attention: MLAAttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``: the layer's output is their sum, which the next
+        norm computes, fused with its RMSNorm; ``residual=None`` at layer 0."""
+        x, residual = self.input_layernorm.fused(hidden, residual)
+        hidden = self.self_attn(x, cos, sin, attention)
+        x, residual = self.post_attention_layernorm.fused(hidden, residual)
+        return self.mlp(x), residual
 
 
 class DeepseekStack(nn.Module):
@@ -297,9 +325,17 @@ class DeepseekCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         hidden = self.embed(input_ids)
         cos, sin = self.rotary(positions)
+        residual = None
         for layer in self.model.layers:
-            hidden = layer(hidden, cos, sin, attention)
-        return self.model.norm(hidden)
+            hidden, residual = layer(hidden, residual, cos, sin, attention)
+        return self.model.norm.fused(hidden, residual)[0]
+
+    def fuse_projections(self) -> None:
+        """Gate/up of the dense and shared MLPs as one GEMM each, the routed experts'
+        weights stacked for the grouped GEMM (``MoE.fuse``); call once the weights
+        are in place."""
+        for layer in self.model.layers:
+            layer.mlp.fuse()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
