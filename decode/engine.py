@@ -3,8 +3,9 @@
 Each ``step`` runs one token for every running request, as four verbs:
 **schedule** (admit waiting requests while the pool can hold them to the end,
 secure a slot for every running one), **prepare** (input ids, positions, the
-new slots' rows and the page-table tensors), **run** (the model with an
-attention callback that stores the new K/V and calls paged decode attention)
+new slots' rows and the page-table tensors), **run** (``decode.cuda.step``: the model
+with an attention callback that stores the new K/V, or MLA latent row, and
+calls paged decode attention)
 and **postprocess** (sample, emit, finish, free).
 
 On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
@@ -52,11 +53,8 @@ from typing import NamedTuple
 import torch
 
 from decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
+from decode.cuda.step import step_hidden
 from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
-from kernels.decode_attention import paged_decode_attention
-from kernels.mla_decode import paged_mla_decode_attention
-from kernels.rope_store import rope_store_kv
-from kernels.store_kv import store_kv
 from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
@@ -280,11 +278,6 @@ class DecodeEngine:
         empty ladder: every step then runs eager."""
         if self.pool.device.type != "cuda" or not self.graph_sizes:
             return None
-        if self.model.config.mla is not None:
-            # The MoE routes on the host (per-expert GEMMs sized by the step's
-            # choices), which a captured graph cannot replay: MLA steps run eager.
-            log.info("MLA model: decode steps run eager (no CUDA graphs)")
-            return None
         with self._lock:
             graphs = DecodeGraphs(self.model, self.pool, self.graph_sizes)
             graphs.capture()
@@ -439,41 +432,10 @@ class DecodeEngine:
         captured step's logits and argmax."""
         if isinstance(batch, GraphBatch):
             return self._graphs.replay(batch.side, batch.input_ids, batch.size)
-        pool, page_size = self.pool, self.pool.page_size
-        scale = self.model.config.softmax_scale
-
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-            k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
-            # RoPE, then the new token's K/V first: it attends itself
-            q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, batch.locs)
-            return paged_decode_attention(q, k_cache, v_cache, batch.page_table,
-                                          batch.seq_lens, page_size, scale)
-
         with torch.inference_mode():
-            if self.model.config.mla is not None:  # an MLA model: its own attention path
-                hidden = self.model(batch.input_ids, batch.positions, self._mla_attention(batch))
-            else:
-                hidden = self.model(batch.input_ids, batch.positions, attention,
-                                    rope_in_attention=True)  # [B, hidden]
+            hidden = step_hidden(self.model, self.pool, batch.input_ids, batch.positions,
+                                 batch.locs, batch.page_table, batch.seq_lens)  # [B, hidden]
             return self.model.compute_logits(hidden)
-
-    def _mla_attention(self, batch: DecodeBatch):
-        """The MLA callback: store the new latent row, attend in the latent space
-        (q_nope absorbed through kv_b_proj's K part), map back through its V part."""
-        pool, model = self.pool, self.model
-        scale, rank = model.config.softmax_scale, model.config.mla.kv_lora_rank
-
-        def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-            mla, plane = model.mla_layer(layer), pool.tensor[layer, 0]  # [rows, 1, R + P]
-            rows = latent[:, None, :]
-            store_kv(rows, rows, plane, plane, batch.locs)  # one plane: "K" and "V" are the row
-            o_latent = paged_mla_decode_attention(
-                mla.absorb_query(q), pool.latent_cache(layer), batch.page_table, batch.seq_lens,
-                pool.page_size, scale, rank)
-            return mla.expand_output(o_latent)
-
-        return attention
 
     def _postprocess(self, batch: DecodeBatch | GraphBatch,
                      output: StepOutput | torch.Tensor) -> list[TokenEvent]:

@@ -14,7 +14,7 @@ Split-KV as in ``kernels/decode_attention.py``: stage 1 runs one program per
 for scores and values of all the block's heads and, with several splits,
 writes a partial output and log-sum-exp that stage 2 merges. The grid depends
 only on shapes and ``num_splits``: lengths come from ``seq_lens`` on the
-device and the int arguments that vary per batch are not specialized on, so a
+device, each request's keys are cut into the splits in the kernel, and the int arguments that vary per batch are not specialized on, so a
 caller using CUDA graphs fixes ``num_splits`` and the page table's width.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
@@ -67,10 +67,10 @@ def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLAD
     return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
 
 
-@triton.jit(do_not_specialize=["max_kv_len", "split_len", "stride_tb"])
+@triton.jit(do_not_specialize=["max_kv_len", "stride_tb"])
 def _paged_mla_decode_kernel(
     q_ptr, latent_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    scale_log2, max_kv_len, split_len, num_heads,
+    scale_log2, max_kv_len, num_heads,
     stride_qb, stride_qh, stride_lr, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -82,6 +82,10 @@ def _paged_mla_decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
+    # Each request's own keys are cut into num_splits whole key blocks, so a fixed
+    # grid (a captured step with a page table as wide as the longest context)
+    # spreads a short request over every split too.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -267,7 +271,6 @@ def paged_mla_decode_attention_triton(
                    if q.is_cuda else 1)  # the interpreter runs programs one by one
         num_splits = choose_mla_splits(batch * head_blocks, max_kv_len, num_sms, cfg)
     # Splits are whole key blocks; trailing ones may get no keys (and write an empty partial).
-    split_len = triton.cdiv(triton.cdiv(max(max_kv_len, 1), num_splits), cfg.block_n) * cfg.block_n
     write_partial = num_splits > 1
     if write_partial:
         part_o = torch.empty((batch, heads, num_splits, kv_lora_rank), dtype=torch.float32,
@@ -278,7 +281,7 @@ def paged_mla_decode_attention_triton(
     block_r = max(16, triton.next_power_of_2(kv_lora_rank))
     _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
         q, latent_cache, page_table, seq_lens, part_o, part_lse, out,
-        softmax_scale * _LOG2E, max_kv_len, split_len, heads,
+        softmax_scale * _LOG2E, max_kv_len, heads,
         q.stride(0), q.stride(1), latent_cache.stride(0), page_table.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,

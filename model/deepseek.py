@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.moe import moe_experts
+from kernels.moe.experts import moe_experts
 from model.config import ModelConfig
 from model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention
 from model.mla_config import MoEConfig, yarn_inv_freq

@@ -1,8 +1,11 @@
 """CUDA-graph decode steps: the whole step captured once per batch size of a ladder.
 
-A captured step runs embedding, every layer (fused QKV GEMM, RoPE fused with the
-K/V store, paged decode attention, fused gate/up GEMM, residual adds fused into
-RMSNorm), the final norm, the logits and their argmax, from static buffers:
+A captured step runs embedding, every layer (``decode.cuda.step``: for the Llama
+family fused QKV GEMM, RoPE fused with the K/V store, paged decode attention,
+fused gate/up GEMM; for DeepSeek MLA the latent store, the absorbed query, paged
+MLA decode attention and the MoE's grouped expert GEMMs, routed on the device;
+residual adds fused into RMSNorm), the final norm, the logits and their
+argmax, from static buffers:
 
 - ``ids``, ``positions``, ``locs`` ``[max_size]`` int64 and ``seq_lens``
   ``[max_size]`` int32, and a page table ``[max_size, max_pages]`` int32 wide
@@ -29,9 +32,9 @@ from typing import NamedTuple
 
 import torch
 
+from decode.cuda.step import step_hidden
 from decode.pool import PagePool, PageTable
-from kernels.decode_attention import paged_decode_attention
-from kernels.rope_store import rope_store_kv
+from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 
 log = logging.getLogger("lanekv.decode")
@@ -69,7 +72,8 @@ class _Captured(NamedTuple):
 class DecodeGraphs:
     """Captured decode steps over one pool; ``capture`` once, then ``replay`` per step."""
 
-    def __init__(self, model: CausalLM, pool: PagePool, sizes: Sequence[int]) -> None:
+    def __init__(self, model: CausalLM | DeepseekCausalLM, pool: PagePool,
+                 sizes: Sequence[int]) -> None:
         if not sizes:
             raise ValueError("graph batch sizes must name at least one size")
         self.model, self.pool = model, pool
@@ -107,16 +111,8 @@ class DecodeGraphs:
         return None
 
     def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        pool, page_size = self.pool, self.pool.page_size
-        scale = self.model.config.softmax_scale
-        locs, table, lens = self.locs[:n], self.page_table[:n], self.seq_lens[:n]
-
-        def attention(layer, q, k, v, cos, sin):
-            k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
-            q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, locs)
-            return paged_decode_attention(q, k_cache, v_cache, table, lens, page_size, scale)
-
-        hidden = self.model(self.ids[:n], self.positions[:n], attention, rope_in_attention=True)
+        hidden = step_hidden(self.model, self.pool, self.ids[:n], self.positions[:n],
+                             self.locs[:n], self.page_table[:n], self.seq_lens[:n])
         logits = self.model.compute_logits(hidden)
         return logits, logits.argmax(dim=-1)
 

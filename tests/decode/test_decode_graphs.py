@@ -5,6 +5,8 @@ runs eagerly (the engine never builds one there), so padding, the static
 page table and the ladder are covered without a GPU too. Tokens must equal the
 eager engine's, through admissions and cancellations mid-run and across page
 boundaries, and padding rows must leave every page untouched (poisoned pool).
+Both step kinds are covered: Llama's (GQA) and DeepSeek's (MLA latent pages and
+the MoE, routed on the device on the GPU).
 """
 
 from __future__ import annotations
@@ -20,15 +22,21 @@ from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
 from model.checkpoint import LoadedModel, load_model
 from model.sampling import SamplingParams
-from tests.checkpoints import VOCAB_SIZE, write_llama
+from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_llama
 from tests.markers import requires_gpu
 
 POISON = 0x7FC0DEAD  # a NaN bit pattern: read by mistake, it would poison every logit
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_llama(tmp_path_factory.mktemp("graph-ckpt") / "llama")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("graph-ckpt")
+    return {"llama": write_llama(root / "llama"), "deepseek_v3": write_deepseek_v3(root / "v3")}
+
+
+@pytest.fixture(params=["llama", "deepseek_v3"])
+def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Path:
+    return checkpoints[request.param]
 
 
 def _prompt(length: int, seed: int) -> list[int]:

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.moe import MoETiles, moe_experts, moe_experts_ref, moe_experts_triton
+from kernels.moe.experts import MoETiles, moe_experts, moe_experts_ref, moe_experts_triton
 from tests.markers import requires_gpu
 
 

@@ -1,0 +1,59 @@
+"""The model run of one decode step, shared by the eager engine and the captured steps.
+
+``step_hidden`` feeds one token per request at its position and returns the
+final hidden rows. Attention stores the new token's KV at ``locs`` first (a
+negative loc stores nothing: padding rows) and then reads each request's
+``seq_lens[b]`` cached tokens through ``page_table``:
+
+- a Llama-family model: RoPE fused with the K/V store (``rope_store_kv``), then
+  paged GQA decode attention;
+- an MLA model (DeepSeek): the latent row stored in the pool's one plane, q_nope
+  absorbed through kv_b_proj's K part (one batched GEMM over the heads), paged
+  MLA decode attention in the latent space, the output mapped back through the
+  V part.
+
+Every op is a device op whose shapes depend only on the batch size, so the
+same function runs eagerly or inside a CUDA-graph capture (``decode.cuda.graphs``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from decode.pool import PagePool
+from kernels.decode_attention import paged_decode_attention
+from kernels.mla_decode import paged_mla_decode_attention
+from kernels.rope_store import rope_store_kv
+from kernels.store_kv import store_kv
+from model.deepseek import DeepseekCausalLM
+from model.llama import CausalLM
+
+
+def step_hidden(model: CausalLM | DeepseekCausalLM, pool: PagePool, input_ids: torch.Tensor,
+                positions: torch.Tensor, locs: torch.Tensor, page_table: torch.Tensor,
+                seq_lens: torch.Tensor) -> torch.Tensor:
+    """``[B]`` ids, positions, locs (int64), ``[B, pages]`` page table and ``[B]``
+    seq lens (int32, the new token included) -> hidden ``[B, hidden]``."""
+    page_size, scale = pool.page_size, model.config.softmax_scale
+    if model.config.mla is not None:
+        rank = model.config.mla.kv_lora_rank
+
+        def latent_attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+            mla, plane = model.mla_layer(layer), pool.tensor[layer, 0]  # [rows, 1, R + P]
+            rows = latent[:, None, :]
+            store_kv(rows, rows, plane, plane, locs)  # one plane: "K" and "V" are the row
+            o_latent = paged_mla_decode_attention(
+                mla.absorb_query(q), pool.latent_cache(layer), page_table, seq_lens, page_size,
+                scale, rank)
+            return mla.expand_output(o_latent)
+
+        return model(input_ids, positions, latent_attention)
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = pool.k_cache(layer), pool.v_cache(layer)
+        # RoPE, then the new token's K/V first: it attends itself
+        q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, locs)
+        return paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale)
+
+    return model(input_ids, positions, attention, rope_in_attention=True)
