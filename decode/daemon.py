@@ -119,7 +119,8 @@ class DecodeDaemon:
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                    graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
-        warm_up_kernels(self.pool, model_config.num_heads, model_config.max_position_embeddings)
+        warm_up_kernels(self.pool, model_config.num_heads, model_config.max_position_embeddings,
+                        None if model_config.mla is None else model_config.mla.kv_lora_rank)
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()

@@ -125,8 +125,10 @@ def _paged_mla_decode_kernel(
     o_mask = h_ok[:, None] & r_ok[None, :]
     if WRITE_PARTIAL:
         # Partials: lse [B, H, num_splits], o [B, H, num_splits, RANK].
+        # An empty split (a short request in a wide captured grid) writes only its lse.
         slot = (b * num_heads + h) * num_splits + split
-        tl.store(part_o_ptr + slot[:, None] * RANK + r[None, :], o, mask=o_mask)
+        tl.store(part_o_ptr + slot[:, None] * RANK + r[None, :], o,
+                 mask=o_mask & has_keys[:, None])
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + slot, lse, mask=h_ok)
     else:
@@ -152,7 +154,8 @@ def _mla_decode_merge_kernel(
     total = tl.zeros([BLOCK_R], tl.float32)
     for i in range(num_splits):
         weight = tl.exp2(tl.load(part_lse_ptr + first + i) - top)  # 0 for an empty split
-        o = tl.load(part_o_ptr + (first + i) * RANK + r, mask=r_ok, other=0.0)
+        o = tl.load(part_o_ptr + (first + i) * RANK + r, mask=r < tl.where(weight > 0.0, RANK, 0),
+                    other=0.0)  # an empty split's o is never written: not read
         acc += weight * o
         total += weight
     merged = acc / tl.where(total > 0.0, total, 1.0)

@@ -25,7 +25,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from kernels.backend import use_triton
 from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
 from kernels.rerange import rerange
@@ -226,19 +225,10 @@ class _CPLatentAttention(_CPAttention):
 
 def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           segments: AttnSegments, softmax_scale: float) -> torch.Tensor:
-    """``cp_prefill_attention`` for MLA's head dims (q/k 192 and v 128 for V3).
-    Where the Triton kernel runs, the dims are zero-padded to one power of two
-    (zeros add nothing to q.k, and the padded output columns are dropped)."""
-    dqk, dv = q.shape[2], v.shape[2]
-    width = max(16, 1 << (max(dqk, dv) - 1).bit_length())
-    if not use_triton(q) or (dqk == dv == width):
-        return cp_prefill_attention(q, k, v, segments, softmax_scale)
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[2])).contiguous()
-
-    out = cp_prefill_attention(pad(q), pad(k), pad(v), segments, softmax_scale)
-    return out[..., :dv]
+    """``cp_prefill_attention`` on MLA's decompressed heads (q/k 192 and v 128 for
+    V3) as they are: the Triton kernel scores a qk dim that is no power of two as a
+    power-of-two part plus a masked tail and masks v's dim, so nothing is padded."""
+    return cp_prefill_attention(q, k, v, segments, softmax_scale)
 
 
 def _all_gather_rows(

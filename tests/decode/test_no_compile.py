@@ -1,10 +1,12 @@
 """After the decode engine's warm-up (graph capture, transfer kernels), 200
-random requests in random batches, above the ladder too, compile nothing."""
+random requests in random batches, above the ladder too, compile nothing: a
+Llama-family model and a DeepSeek one (MLA latent pages, the MoE's grouped GEMMs)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from decode.cuda.warmup import warm_up_kernels
@@ -12,20 +14,23 @@ from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
 from model.checkpoint import load_model
 from model.sampling import SamplingParams
-from tests.checkpoints import write_llama
+from tests.checkpoints import write_deepseek_v3, write_llama
 from tests.compiles import recording_compiles
 from tests.markers import requires_gpu
 
 
 @requires_gpu
-def test_no_kernel_compiles_after_warm_up_gpu(tmp_path):
-    loaded = load_model(write_llama(tmp_path / "llama"), dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize("write", [write_llama, write_deepseek_v3], ids=["llama", "deepseek_v3"])
+def test_no_kernel_compiles_after_warm_up_gpu(tmp_path, write):
+    loaded = load_model(write(tmp_path / "model"), dtype=torch.bfloat16, device="cuda")
     pool = PagePool.for_model(loaded.config, 8192, 16, torch.bfloat16, "cuda")
     pool.tensor.normal_()
     engine = DecodeEngine(loaded.model, pool, max_batch_size=24, eos_token_ids=(),
                           graph_sizes=(1, 2, 4, 8, 16))  # 17..24: eager
     engine.capture_graphs()
-    warm_up_kernels(pool, loaded.config.num_heads, loaded.config.max_position_embeddings)
+    mla = loaded.config.mla
+    warm_up_kernels(pool, loaded.config.num_heads, loaded.config.max_position_embeddings,
+                    None if mla is None else mla.kv_lora_rank)
     rng = random.Random(0)
     pending = [(f"r{i}", rng.randint(1, 700), rng.randint(1, 12),
                 SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_k=rng.randint(0, 50),

@@ -90,8 +90,9 @@ def test_mla_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
                                eng.read_pages([p.page for p in whole.pages])[:, :, :70])
 
 
-def test_padded_head_dims_give_the_same_attention(monkeypatch):
-    """The padding the Triton path uses for MLA dims (24/16 -> 32) changes nothing."""
+def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
+    """qk 24 / v 16 go to the Triton kernel as they are (no padding to a power of
+    two) and give the reference's attention."""
     import prefill.cp.runner as runner
 
     gen = torch.Generator().manual_seed(0)
@@ -99,14 +100,15 @@ def test_padded_head_dims_give_the_same_attention(monkeypatch):
     segments = AttnSegments(*(torch.tensor(x, dtype=torch.int32) for x in ([0], [9], [0], [0])))
     plain = mla_prefill_attention(q, k, v, segments, 0.3)
     assert plain.shape == (9, 4, 16)
-    monkeypatch.setattr(runner, "use_triton", lambda t: True)
+    monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
     seen = []
     real = runner.cp_prefill_attention
 
     def spy(q, k, v, *args):
-        seen.append((q.shape[2], v.shape[2]))
+        seen.append((q.shape[2], k.shape[2], v.shape[2]))
         return real(q, k, v, *args)
 
     monkeypatch.setattr(runner, "cp_prefill_attention", spy)
-    torch.testing.assert_close(mla_prefill_attention(q, k, v, segments, 0.3), plain)
-    assert seen == [(32, 32)]
+    torch.testing.assert_close(mla_prefill_attention(q, k, v, segments, 0.3), plain,
+                               rtol=1e-5, atol=1e-5)
+    assert seen == [(24, 24, 16)]

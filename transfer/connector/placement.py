@@ -33,7 +33,9 @@ from transfer.fastpath.poolcopy import PlannedCopy
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
                 layer_start: int, layer_end: int) -> None:
-    """Scatter ``payload`` ``[layers, 2, len(physical) * page_size, Hkv, D]`` into ``physical`` pages of ``pool``.
+    """Scatter ``payload`` ``[layers, kv, len(physical) * page_size, Hkv, D]`` into ``physical``
+    pages of ``pool`` (``kv = 2`` K and V for GQA; an MLA pool is ``[L, 1, rows, 1, R + P]``,
+    one latent plane).
 
     ValueError (from ``scatter_pages``) when the payload does not fit.
     """

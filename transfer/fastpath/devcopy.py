@@ -1,8 +1,10 @@
 """Strided device copies on the copy engines, without torch's per-copy stream barriers.
 
-A run of pages over a range of layers is ``2 * layers`` dense blocks of the
-same width at a fixed pitch in both pools (``[layers, 2, rows, heads, dim]``:
-the K and V blocks of consecutive layers are ``stride(1)`` apart). torch
+A run of pages over a range of layers is ``planes * layers`` dense blocks of
+the same width at a fixed pitch in both pools (``[layers, kv, rows, heads, dim]``:
+a GQA pool has ``kv = 2``, its K and V blocks of consecutive layers
+``stride(1)`` apart; an MLA pool is ``[layers, 1, rows, 1, R + P]``, one latent
+block per layer). torch
 moves such a view either block by block (one ``copy_`` per block; between two
 GPUs each records and waits on two events, tens of microseconds of host time)
 or, not contiguous, with an element-wise kernel. ``BlockCopy`` issues the whole view

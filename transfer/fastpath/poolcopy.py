@@ -50,8 +50,8 @@ def copy_pages(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: torch
     """Copy pages of layers ``[layer_start, layer_end)`` from one pool to another, page i to page i.
 
     When both page lists are a few runs of consecutive pages, each run over
-    the layers is ``2 * layers`` dense blocks at one pitch in both pools and
-    moves as one strided copy (between GPUs ``PlannedCopy``: one 2-D copy on
+    the layers is ``kv * layers`` dense blocks (K and V, or one MLA latent
+    plane) at one pitch in both pools and moves as one strided copy (between GPUs ``PlannedCopy``: one 2-D copy on
     the copy engines; on the CPU one torch copy). Scattered pages go in three
     steps whatever their number: ``gather_pages`` on the source device into
     one dense buffer, one copy of it to the destination device,
