@@ -10,6 +10,14 @@ dropped too (no range check without a sync), on CPU it is refused.
 One program per (token, head) of the Hq + Hkv heads. The kernel rotates in
 float32 and rounds once, so its output can differ from the torch reference
 (which rounds after each op in the model dtype) by one unit in the last place.
+
+``mla_rope(q_pe, k_pe, cos, sin, interleave)`` is DeepSeek MLA's RoPE, in place
+and in one launch: ``q_pe [T, H, P]`` (the RoPE part of the projected queries,
+a strided view) and ``k_pe [T, P]`` (the shared key's part of the compressed
+KV) rotated in float32 by ``cos, sin [T, P/2]`` float32 (YaRN's scale
+included), pairs ``(x[2i], x[2i+1])`` when ``interleave`` else halves, the
+result laid out as the rotated first members then the second ones
+(``rope_pairs``, transformers' order), rounded once to the model dtype.
 """
 
 from __future__ import annotations
@@ -140,3 +148,100 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     """Rotated q; rotated k and v stored at ``locs`` (see the module doc)."""
     run = rope_store_kv_triton if use_triton(q) else rope_store_kv_ref
     return run(q, k, v, cos, sin, k_cache, v_cache, locs)
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _mla_rope_kernel(
+    q_ptr, k_ptr, cos_ptr, sin_ptr, num_tokens, num_heads,
+    stride_qt, stride_qh, stride_kt, stride_ct, stride_st,
+    HALF: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    c = tl.load(cos_ptr + t * stride_ct + i, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + t * stride_st + i, mask=ok, other=0.0)
+    if head < num_heads:
+        row = q_ptr + t * stride_qt + head * stride_qh
+    else:  # the last program of a token rotates its shared key
+        row = k_ptr + t * stride_kt
+    if INTERLEAVE:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, HALF + i
+    x1 = tl.load(row + first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(row + second, mask=ok, other=0.0).to(tl.float32)
+    # Both members are loaded before either store: in place is safe.
+    tl.store(row + i, (x1 * c - x2 * s).to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(row + HALF + i, (x2 * c + x1 * s).to(q_ptr.dtype.element_ty), mask=ok)
+
+
+def _check_mla_rope_args(q_pe, k_pe, cos, sin) -> None:
+    if not isinstance(q_pe, torch.Tensor) or q_pe.dim() != 3:
+        raise ValueError(f"q_pe must be a 3-D tensor [T, H, P], got "
+                         f"{getattr(q_pe, 'shape', type(q_pe))}")
+    num_tokens, _, rope = q_pe.shape
+    if rope % 2:
+        raise ValueError(f"q_pe.shape[2] must be even for RoPE, got {rope}")
+    if q_pe.dtype not in _DTYPES:
+        raise ValueError(f"q_pe.dtype must be one of {_DTYPES}, got {q_pe.dtype}")
+    if not isinstance(k_pe, torch.Tensor) or k_pe.shape != (num_tokens, rope) or (
+        k_pe.dtype != q_pe.dtype
+    ):
+        raise ValueError(f"k_pe must be a {q_pe.dtype} [{num_tokens}, {rope}] tensor, got "
+                         f"{getattr(k_pe, 'shape', type(k_pe))} {getattr(k_pe, 'dtype', '')}")
+    for name, t in (("q_pe", q_pe), ("k_pe", k_pe)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be dense along its last dim, got strides {t.stride()}")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if not isinstance(t, torch.Tensor) or t.shape != (num_tokens, rope // 2) or (
+            t.dtype != torch.float32
+        ) or t.stride(-1) != 1:
+            raise ValueError(f"{name} must be a dense float32 [{num_tokens}, {rope // 2}] tensor, "
+                             f"got {getattr(t, 'shape', type(t))} {getattr(t, 'dtype', '')}")
+    check_same_device(q_pe=q_pe, k_pe=k_pe, cos=cos, sin=sin)
+
+
+def mla_rope_triton(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, interleave: bool) -> None:
+    _check_mla_rope_args(q_pe, k_pe, cos, sin)
+    num_tokens, num_heads, rope = q_pe.shape
+    if num_tokens == 0:
+        return
+    half = rope // 2
+    _mla_rope_kernel[(num_tokens, num_heads + 1)](
+        q_pe, k_pe, cos, sin, num_tokens, num_heads,
+        q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), cos.stride(0), sin.stride(0),
+        HALF=half, BLOCK=max(2, triton.next_power_of_2(half)), INTERLEAVE=bool(interleave),
+        num_warps=1,
+    )
+
+
+def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               interleave: bool) -> torch.Tensor:
+    """RoPE on ``x [T, H, P]`` in float32 as a new tensor: pairs ``(x[2i], x[2i+1])``
+    when ``interleave`` (DeepSeek's layout; the result lists the rotated first members
+    then the second ones, the same for q and k), else halves ``(x[i], x[i+P/2])``."""
+    x32 = x.float()
+    c, s = cos[:, None, :], sin[:, None, :]
+    if interleave:
+        x1, x2 = x32[..., 0::2], x32[..., 1::2]
+    else:
+        x1, x2 = x32.chunk(2, dim=-1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+
+def mla_rope_ref(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, interleave: bool) -> None:
+    """``rope_pairs`` of each, copied back in place."""
+    _check_mla_rope_args(q_pe, k_pe, cos, sin)
+    q_pe.copy_(rope_pairs(q_pe, cos, sin, interleave))
+    k_pe.copy_(rope_pairs(k_pe[:, None, :], cos, sin, interleave)[:, 0])
+
+
+def mla_rope(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             interleave: bool) -> None:
+    """MLA's RoPE on ``q_pe`` and ``k_pe``, in place (see the module doc)."""
+    run = mla_rope_triton if use_triton(q_pe) else mla_rope_ref
+    run(q_pe, k_pe, cos, sin, interleave)

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels.moe.experts import moe_experts
+from kernels.rope_store import mla_rope
 from model.config import ModelConfig
 from model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention
 from model.mla_config import MoEConfig, yarn_inv_freq
@@ -57,20 +58,6 @@ class MLARotary(nn.Module):
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         return freqs.cos() * self.scale, freqs.sin() * self.scale
-
-
-def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               interleave: bool) -> torch.Tensor:
-    """RoPE on ``x [T, H, P]`` in float32: pairs ``(x[2i], x[2i+1])`` when
-    ``interleave`` (DeepSeek's layout; the result lists the rotated first members
-    then the second ones, the same for q and k), else halves ``(x[i], x[i+P/2])``."""
-    x32 = x.float()
-    c, s = cos[:, None, :], sin[:, None, :]
-    if interleave:
-        x1, x2 = x32[..., 0::2], x32[..., 1::2]
-    else:
-        x1, x2 = x32.chunk(2, dim=-1)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
 class MLAAttention(nn.Module):
@@ -104,13 +91,12 @@ class MLAAttention(nn.Module):
             q_lora = self.q_a_layernorm.fused(self.q_a_proj(x))[0]
             q = self.q_b_proj(q_lora)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
-        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
             [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        q_pe = rope_pairs(q_pe, cos, sin, mla.rope_interleave)
-        k_pe = rope_pairs(k_pe[:, None, :], cos, sin, mla.rope_interleave)[:, 0]
+        # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
+        mla_rope(q[..., mla.qk_nope_head_dim:], k_pe, cos, sin, mla.rope_interleave)
         latent = torch.cat((self.kv_a_layernorm.fused(compressed)[0], k_pe), dim=-1)
-        return MLAProjection(torch.cat((q_nope, q_pe), dim=-1), latent, q_lora)
+        return MLAProjection(q, latent, q_lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: MLAAttentionFn) -> torch.Tensor:

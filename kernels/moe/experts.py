@@ -44,14 +44,16 @@ class MoETiles(NamedTuple):
     num_stages: int
 
 
-def default_moe_tiles(pairs: int, num_experts: int, on_cuda: bool) -> MoETiles:
-    """Decode sizes (a few rows per expert): thin row blocks, more columns per program
-    in flight; prefill sizes: square tiles."""
-    if not on_cuda:  # the interpreter: small tiles, so tests span several blocks
+def default_moe_tiles(pairs: int, num_experts: int, x: torch.Tensor) -> MoETiles:
+    """Decode sizes (a few rows per expert): thin row blocks, long k steps, deep
+    pipelines; prefill sizes: square tiles. float32 tiles take half the stages' shared
+    memory of 16-bit ones."""
+    if not x.is_cuda:  # the interpreter: small tiles, so tests span several blocks
         return MoETiles(16, 16, 16, 4, 1)
+    wide = x.dtype == torch.float32
     if pairs <= 4 * num_experts:
-        return MoETiles(16, 64, 128, 4, 4)
-    return MoETiles(64, 64, 64, 4, 3)
+        return MoETiles(16, 64, 64, 4, 2) if wide else MoETiles(16, 64, 128, 4, 4)
+    return MoETiles(64, 64, 32, 4, 2) if wide else MoETiles(64, 64, 64, 4, 3)
 
 
 @triton.jit
@@ -204,7 +206,7 @@ def moe_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     pairs = tokens * top_k
     if pairs == 0:
         return torch.zeros_like(x)
-    cfg = config or default_moe_tiles(pairs, experts, x.is_cuda)
+    cfg = config or default_moe_tiles(pairs, experts, x)
     order, offsets = _sort_pairs(ids, experts)
     slots = triton.cdiv(pairs, cfg.block_m) + min(pairs, experts)
     e_block = max(2, triton.next_power_of_2(experts))

@@ -5,7 +5,14 @@ import pytest
 import torch
 
 from kernels.kv_layout import KVCacheSpec
-from kernels.rope_store import apply_rotary, rope_store_kv, rope_store_kv_ref, rope_store_kv_triton
+from kernels.rope_store import (
+    apply_rotary,
+    mla_rope_ref,
+    mla_rope_triton,
+    rope_store_kv,
+    rope_store_kv_ref,
+    rope_store_kv_triton,
+)
 from tests.markers import requires_gpu
 
 SENTINEL = 0x5A
@@ -73,3 +80,57 @@ def test_rope_store_gpu_bf16():
     got_q = rope_store_kv(q, k, v, cos, sin, pool[1, 0], pool[1, 1], locs)
     torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(pool, want_pool, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_mla_rope_in_place_matches_reference(dtype, tol, interleave):
+    """q_pe a strided view of the projected queries (after 16 nope dims), k_pe a view of
+    the compressed KV; both rotated in place, the rest of the rows untouched."""
+    gen = torch.Generator().manual_seed(int(interleave))
+    tokens, heads, nope, rope, rank = 5, 3, 16, 8, 12
+    q = torch.randn(tokens, heads, nope + rope, generator=gen).to(dtype)
+    kv = torch.randn(tokens, rank + rope, generator=gen).to(dtype)
+    angles = torch.rand(tokens, rope // 2, generator=gen) * 6
+    cos, sin = angles.cos() * 1.3, angles.sin() * 1.3
+    want_q, want_kv = q.clone(), kv.clone()
+    mla_rope_ref(want_q[..., nope:], want_kv[:, rank:], cos, sin, interleave)
+    # the reference is rope_pairs: pairs (or halves) rotated, firsts then seconds
+    x = q[..., nope:].float()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else x.chunk(2, dim=-1)
+    c, s = cos[:, None], sin[:, None]
+    assert torch.equal(want_q[..., nope:], torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), -1).to(dtype))
+    got_q, got_kv = q.clone(), kv.clone()
+    mla_rope_triton(got_q[..., nope:], got_kv[:, rank:], cos, sin, interleave)
+    torch.testing.assert_close(got_q, want_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(got_kv, want_kv, rtol=tol, atol=tol)
+    assert torch.equal(got_q[..., :nope], q[..., :nope]) and torch.equal(got_kv[:, :rank], kv[:, :rank])
+
+
+@pytest.mark.parametrize("change,match", [
+    ({"q_pe": torch.zeros(2, 3, 7)}, "must be even"),
+    ({"k_pe": torch.zeros(2, 6)}, "k_pe must be"),
+    ({"cos": torch.zeros(2, 4, dtype=torch.float16)}, "cos must be"),
+    ({"sin": torch.zeros(3, 4)}, "sin must be"),
+])
+def test_mla_rope_names_bad_arguments(change, match):
+    args = {"q_pe": torch.zeros(2, 3, 8), "k_pe": torch.zeros(2, 8), "cos": torch.zeros(2, 4),
+            "sin": torch.zeros(2, 4), "interleave": True}
+    args.update(change)
+    for impl in (mla_rope_ref, mla_rope_triton):
+        with pytest.raises(ValueError, match=match):
+            impl(**args)
+
+
+@requires_gpu
+def test_mla_rope_gpu_bf16_v2_lite_shapes():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(64, 16, 192, device="cuda", generator=gen).bfloat16()
+    kv = torch.randn(64, 576, device="cuda", generator=gen).bfloat16()
+    angles = torch.rand(64, 32, device="cuda", generator=gen) * 100
+    cos, sin = angles.cos(), angles.sin()
+    want_q, want_kv, got_q, got_kv = q.clone(), kv.clone(), q.clone(), kv.clone()
+    mla_rope_ref(want_q[..., 128:], want_kv[:, 512:], cos, sin, True)
+    mla_rope_triton(got_q[..., 128:], got_kv[:, 512:], cos, sin, True)
+    torch.testing.assert_close(got_q, want_q, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got_kv, want_kv, rtol=1e-2, atol=1e-2)
