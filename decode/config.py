@@ -17,7 +17,7 @@ from transfer.grpcfetch.client import RetryPolicy
 @dataclass(frozen=True)
 class DecodeConfig:
     model_path: str
-    prefill_endpoint: str  # "host:port" of the prefill daemon (Prefill + Handshake)
+    prefill_endpoint: str  # "host:port" of the (first) prefill daemon (Prefill + Handshake)
     page_size: int = 16  # must equal the prefill daemon's (the contract checks it)
     dtype: str = "float32"  # model weights and KV pool
     device: str = "auto"  # "cpu", "cuda" or "auto"
@@ -46,6 +46,10 @@ class DecodeConfig:
     # "auto": ranks on this host that share their pool are read in place
     # (transfer.protocol.descriptors), the others over gRPC; "grpc": every rank over gRPC.
     transport: str = "auto"
+    # xPyD: more prefill daemons beside prefill_endpoint; each request goes to one of them.
+    extra_prefill_endpoints: tuple[str, ...] = ()
+    # How often each prefill daemon's health is asked (one out of the pick rejoins at SERVING).
+    prefill_health_interval_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "grpc"):
@@ -85,7 +89,8 @@ class DecodeConfig:
                              f"got fetch_processes={self.fetch_processes!r}")
         if isinstance(self.fetch_attempts, bool) or not isinstance(self.fetch_attempts, int) or self.fetch_attempts < 1:
             raise ValueError(f"fetch_attempts must be an integer >= 1, got fetch_attempts={self.fetch_attempts!r}")
-        for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s"):
+        for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s",
+                     "prefill_health_interval_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
         if not (Path(self.model_path) / "config.json").is_file():
@@ -96,9 +101,20 @@ class DecodeConfig:
         if model.dsa is not None:  # index-K pages and sparse decode are not served yet
             raise ValueError(f"architecture={model.architecture!r} (DSA sparse attention) is not "
                              "served by the decode daemon yet")
-        host, _, port = self.prefill_endpoint.rpartition(":")
-        if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        if not _is_endpoint(self.prefill_endpoint):
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
+        if not isinstance(self.extra_prefill_endpoints, tuple):
+            raise TypeError(f"extra_prefill_endpoints must be a tuple, got {self.extra_prefill_endpoints!r}")
+        for endpoint in self.extra_prefill_endpoints:
+            if not _is_endpoint(endpoint):
+                raise ValueError(f"extra_prefill_endpoints: {endpoint!r} is not 'host:port'")
+        if len(set(self.prefill_endpoints)) != len(self.prefill_endpoints):
+            raise ValueError(f"prefill endpoints {list(self.prefill_endpoints)!r} name a daemon twice")
+
+    @property
+    def prefill_endpoints(self) -> tuple[str, ...]:
+        """Every prefill daemon, in the order given."""
+        return (self.prefill_endpoint, *self.extra_prefill_endpoints)
 
     @property
     def resolved_fetch_processes(self) -> int:
@@ -120,3 +136,10 @@ class DecodeConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
+
+
+def _is_endpoint(endpoint: object) -> bool:
+    if not isinstance(endpoint, str):
+        return False
+    host, _, port = endpoint.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535

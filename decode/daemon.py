@@ -1,19 +1,22 @@
 """The decode daemon: one process, one page pool, one decode loop, many Generate streams.
 
 At start-up it loads the model, builds its layout agreement and handshakes
-with the prefill daemon (and with every owner rank the prefill contract
-names): a ``ContractMismatch`` ends start-up before anything is served. Then it
+with each of its prefill daemons (and with every owner rank each contract
+names; xPyD: several ``--prefill``). One that refuses is logged, one line per
+differing field, and left out for good; one not reached joins once its health
+says SERVING and its handshake passes. Start-up ends with a
+``ContractMismatch`` (or the first error) only when none accepts. Then it
 serves ``DecodeService.Generate`` (``decode.service``, running ``decode.generate``), ``KVTransfer.Handshake``
 with its own contract (so ``lanekv handshake`` can read it; it holds no pages
 for others, so FetchKV and Release answer NOT_FOUND) and the gRPC health service.
 
 It builds what a Generate call runs on (a ``GenerateContext``: pool, engine,
-KV fetcher, prefill client, page budget, streams) and owns it. Threads: gRPC
+KV fetcher, prefill pool, page budget, streams) and owns it. Threads: gRPC
 handler threads run each request's prefill call, transfer and placement; one
 loop thread runs ``DecodeEngine.step`` while there is work and hands every
 ``TokenEvent`` to its request's stream (``decode.streams``).
 
-Its port, its channel to the prefill daemon and its channels to the ranks all
+Its port, its channels to the prefill daemons and its channels to the ranks all
 speak ``config.security`` (TLS, mutual TLS, the token; health stays open).
 It owns a metrics registry (calls by code, tokens, transfer bytes and
 throughput by prefill rank, failures by cause, pool gauges), served on
@@ -30,6 +33,7 @@ from typing import NamedTuple
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2_grpc
 
 from decode.budget import PageBudget
 from decode.config import DecodeConfig
@@ -37,7 +41,7 @@ from decode.cuda.warmup import warm_up_kernels
 from decode.engine import DecodeEngine
 from decode.generate import GenerateContext
 from decode.pool import PagePool
-from decode.prefill_call import PrefillClient
+from decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from decode.service import DecodeServicer
 from decode.streams import SHUTDOWN, Streams
 from model.checkpoint import load_checkpoint
@@ -49,9 +53,10 @@ from runtime.status import TRANSFER_SERVICE
 from transfer.connector.fastpath import FastPathTransport
 from transfer.connector.fetcher import KVFetcher
 from transfer.connector.grpc import GrpcTransport
+from transfer.errors import ContractMismatch, TransferError
 from transfer.fastpath.client import FastPath
 from transfer.grpcfetch.client import KVClient, RemoteError, channel_options
-from transfer.protocol.contract import Agreement, LayoutContract
+from transfer.protocol.contract import Agreement, LayoutContract, format_diff
 from transfer.rank.service import KVTransferService, add_transfer_service
 from transfer.rank.sources import ContractOnlySource
 
@@ -78,7 +83,8 @@ class DecodeDaemon:
         keep_freed_buffers()  # gRPC hands this process a multi-MiB bytes object per chunk
         # Channels to the owner ranks, shared by every request.
         self.kv = KVClient(config.security, retry=config.fetch_retry, receivers=config.resolved_fetch_processes)
-        self._prefill_channel = None
+        self._prefill_channels: list[grpc.Channel] = []
+        self.prefills: PrefillPool | None = None
         self._stop = threading.Event()
         self._stopped = False
         # Ports first: a busy one fails before the model loads.
@@ -107,10 +113,19 @@ class DecodeDaemon:
         self.agreement = Agreement.from_model(
             model_config.contract_fields(), self.loaded.weights_digest, config.torch_dtype, config.page_size
         )
-        self.prefill_contract = self._handshake()
+        contracts = self._handshake_all()
+        # Ours, as KVTransfer.Handshake serves it, names the first accepting daemon's topology.
+        self.prefill_contract = next(c for c in contracts.values() if c is not None)
         self.fastpath = FastPath(self.kv, self.agreement) if config.transport == "auto" else None
-        self._prefill_channel = open_channel(config.prefill_endpoint, config.security, channel_options())
-        prefill = PrefillClient(lanekv_pb2_grpc.PrefillServiceStub(self._prefill_channel), config.prefill_endpoint)
+        targets = []
+        for endpoint, contract in contracts.items():
+            channel = open_channel(endpoint, config.security, channel_options())
+            self._prefill_channels.append(channel)
+            targets.append(PrefillTarget(PrefillClient(lanekv_pb2_grpc.PrefillServiceStub(channel), endpoint),
+                                         None if contract is None else contract.topology,
+                                         health_pb2_grpc.HealthStub(channel)))
+        self.prefills = PrefillPool(targets, interval_s=config.prefill_health_interval_s,
+                                    rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology)
         grpc_transport = GrpcTransport(self.kv, max_inflight_bytes=config.max_inflight_bytes,
                                        max_chunk_bytes=config.fetch_chunk_bytes)
         fast = None if self.fastpath is None else FastPathTransport(self.fastpath, self.metrics.failures)
@@ -125,8 +140,8 @@ class DecodeDaemon:
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
         self.generate = GenerateContext(
-            config, self.pool, self.engine, KVFetcher(grpc_transport, fast), prefill, self.budget, self.streams,
-            self.agreement, self.prefill_contract.topology, self.loaded.tokenizer, model_config.vocab_size,
+            config, self.pool, self.engine, KVFetcher(grpc_transport, fast), self.prefills, self.budget,
+            self.streams, self.agreement, self.loaded.tokenizer, model_config.vocab_size,
             model_config.max_position_embeddings, self._stop,
         )
         self._watch_pool()
@@ -144,37 +159,93 @@ class DecodeDaemon:
         self.registry.gauge("lanekv_decode_active_requests",
                             "Generate calls between admission and their end").set_function(
             lambda: self.stats().active_requests)
+        healthy = self.registry.gauge("lanekv_decode_prefill_healthy",
+                                      "1 while the prefill daemon is in the pick", ("prefill",))
+        queued = self.registry.gauge("lanekv_decode_prefill_queued_tokens",
+                                     "prompt tokens sent to the prefill daemon, not yet prefilled", ("prefill",))
+        retried = self.registry.gauge("lanekv_decode_prefill_retried_requests",
+                                      "requests that failed on the prefill daemon before a token was sent "
+                                      "and went to another one", ("prefill",))
+        for target in self.prefills.targets:
+            healthy.labels(prefill=target.endpoint).set_function(lambda t=target: float(t.healthy))
+            queued.labels(prefill=target.endpoint).set_function(lambda t=target: t.queued_tokens)
+            retried.labels(prefill=target.endpoint).set_function(lambda t=target: t.retried)
 
-    def _handshake(self) -> LayoutContract:
-        """The prefill daemon's contract, once it and every owner rank accept ours.
+    def _handshake_all(self) -> dict[str, LayoutContract | None]:
+        """Each prefill daemon's contract, in the configured order: None for one not
+        reached (it joins later); one that refuses ours is logged and left out.
 
-        Raises ``ContractMismatch`` at the first refusal; retries only while the
-        prefill daemon is unreachable, until ``connect_timeout_s``.
+        Raises ``ContractMismatch`` (naming every refusal, the first one's diffs)
+        when none accepts and one refused, else the first daemon's error.
+        """
+        endpoints = self.config.prefill_endpoints
+        results: dict[str, LayoutContract | Exception] = {}
+
+        def one(endpoint: str) -> None:
+            try:
+                results[endpoint] = self._handshake(endpoint)
+            except (TransferError, OSError) as err:
+                results[endpoint] = err
+
+        threads = [threading.Thread(target=one, args=(e,), name="lanekv-handshake") for e in endpoints]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        refused = [(e, results[e]) for e in endpoints if isinstance(results[e], ContractMismatch)]
+        for endpoint, err in refused:
+            lines = format_diff(err.diffs, ours="decode", theirs="prefill").splitlines() if err.diffs \
+                else [str(err).splitlines()[0]]
+            for line in lines:  # one line per differing field, each naming the daemon
+                log.error("prefill daemon %s refused, its layout contract differs: %s", endpoint, line)
+        accepted = {e: r for e, r in results.items() if isinstance(r, LayoutContract)}
+        if not accepted:
+            if refused:
+                named = "; ".join(f"{e}: {', '.join(d.name for d in err.diffs) or err}" for e, err in refused)
+                raise ContractMismatch(refused[0][1].diffs, f"no prefill daemon accepts our contract ({named})")
+            raise results[endpoints[0]]
+        out: dict[str, LayoutContract | None] = {}
+        for endpoint in endpoints:
+            result = results[endpoint]
+            if isinstance(result, LayoutContract):
+                out[endpoint] = result
+            elif not isinstance(result, ContractMismatch):
+                log.error("prefill daemon %s not reached at start (%s); it joins once its health says SERVING",
+                          endpoint, str(result).splitlines()[0])
+                out[endpoint] = None
+        return out
+
+    def _handshake(self, endpoint: str, patient: bool = True) -> LayoutContract:
+        """The contract of the prefill daemon at ``endpoint``, once it and every owner
+        rank accept ours.
+
+        Raises ``ContractMismatch`` at the first refusal; ``patient``: retries while
+        the prefill daemon is unreachable, until ``connect_timeout_s``.
         """
         cfg = self.config
         deadline = time.monotonic() + cfg.connect_timeout_s
         while True:
             try:
-                theirs = self.kv.handshake(cfg.prefill_endpoint, self.agreement, timeout=cfg.connect_timeout_s)
+                theirs = self.kv.handshake(endpoint, self.agreement, timeout=cfg.connect_timeout_s)
                 break
             except RemoteError as err:
-                if err.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                if not patient or err.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        for endpoint in theirs.topology.endpoints:
-            self.kv.handshake(endpoint, self.agreement, timeout=cfg.connect_timeout_s)
+        for rank in theirs.topology.endpoints:
+            self.kv.handshake(rank, self.agreement, timeout=cfg.connect_timeout_s)
         return theirs
 
     def _serve(self) -> None:
-        cfg = self.config
-        # Our own contract: our agreement and the topology our prefill daemon told us.
+        # Our own contract: our agreement and the topology the first accepting prefill daemon told us.
         self.contract = LayoutContract(self.agreement, self.prefill_contract.topology)
         server = self.rpc.server
         lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self.generate), server)
         add_transfer_service(server, KVTransferService(ContractOnlySource(self.contract, "a decode daemon serves no pages")))
         self.rpc.start((DECODE_SERVICE, TRANSFER_SERVICE))
-        log.info("decode daemon on %s, paired with prefill %s (cp %d), fingerprint %s, %s",
-                 self.endpoint, cfg.prefill_endpoint, self.prefill_contract.topology.cp_size,
+        log.info("decode daemon on %s, paired with prefill %s, fingerprint %s, %s", self.endpoint,
+                 ", ".join(f"{t.endpoint} (cp {t.topology.cp_size if t.topology else '?'})"
+                           for t in self.prefills.targets),
                  self.agreement.fingerprint[:16], self.rpc.describe())
 
     @property
@@ -242,6 +313,8 @@ class DecodeDaemon:
         self.rpc.close()
 
     def _close_clients(self) -> None:
+        if self.prefills is not None:
+            self.prefills.close()
         self.kv.close()
-        if self._prefill_channel is not None:
-            self._prefill_channel.close()
+        for channel in self._prefill_channels:
+            channel.close()

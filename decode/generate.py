@@ -8,10 +8,14 @@ holds by then is given back (``settle``):
    RESOURCE_EXHAUSTED at once if the pool can never hold it, or after
    ``page_wait_s`` of a full pool. Checked before prefill, so no prefill work
    is wasted on a request that cannot be decoded;
-2. prefill on the prefill daemon (``decode.prefill_call``): its first message
-   comes as soon as every owner rank holds the request's pages, before the
-   prefill runs; from then on the ranks pin them until we release them (or
-   their lease expires);
+2. prefill on the healthy prefill daemon with the fewest queued prompt tokens
+   (``decode.prefill_call.PrefillPool``, xPyD): its first message comes as
+   soon as every owner rank holds the request's pages, before the prefill
+   runs; from then on the ranks pin them until we release them (or their
+   lease expires). A failure of steps 2-3 that another daemon may not have
+   (``RETRY_CODES``: down, full, failing) gives back what the try held and
+   sends the request to another prefill daemon, each at most once: no token
+   has been sent yet;
 3. check the manifest, remap its pages onto fresh pages of our pool and fetch
    the KV while the prefill runs (``transfer.connector.fetcher.KVFetcher``:
    the fast path where a rank shares its pool, gRPC for the others and for a
@@ -46,7 +50,7 @@ from decode.budget import PageBudget
 from decode.config import DecodeConfig
 from decode.engine import DecodeEngine, TokenEvent
 from decode.pool import PagePool, PageTable, PoolExhausted
-from decode.prefill_call import PrefillClient, check_manifest
+from decode.prefill_call import LOST_CODES, RETRY_CODES, PrefillPool, PrefillTarget, check_manifest
 from decode.streams import SHUTDOWN, Streams
 from model.sampling import SamplingParams
 from model.tokenizer import Tokenizer
@@ -54,7 +58,7 @@ from proto import lanekv_pb2
 from runtime.status import Refusal
 from transfer.connector.base import FetchJob, KVFetchError
 from transfer.connector.fetcher import FetchStats, KVFetcher
-from transfer.protocol.contract import Agreement, Topology
+from transfer.protocol.contract import Agreement
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
@@ -103,11 +107,10 @@ class GenerateContext:
     pool: PagePool
     engine: DecodeEngine
     fetcher: KVFetcher
-    prefill: PrefillClient
+    prefills: PrefillPool  # the prefill daemons whose handshake accepted ours (xPyD)
     budget: PageBudget
     streams: Streams
     agreement: Agreement  # ours
-    topology: Topology  # the prefill daemon's
     tokenizer: Tokenizer | None  # the checkpoint's; None: token ids only
     vocab_size: int
     max_positions: int
@@ -178,17 +181,58 @@ class GeneratePipeline:
         budget_s = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
         deadline = time.monotonic() + budget_s
         self._admit(call, deadline)
+        tried: list[PrefillTarget] = []
+        while True:
+            target = ctx.prefills.pick(len(spec.token_ids), exclude=tried)
+            try:
+                return self._prepare_on(target, call, deadline)
+            except Refusal as refusal:
+                tried.append(target)
+                if not self._retry(call, target, refusal, tried, deadline):
+                    raise
+            finally:
+                ctx.prefills.done(target, len(spec.token_ids))
+
+    def _retry(self, call: GenerateCall, target: PrefillTarget, refusal: Refusal,
+               tried: Sequence[PrefillTarget], deadline: float) -> bool:
+        """After steps 2-5 failed on ``target`` (no token sent yet): whether another prefill
+        daemon takes the request; if so, what this try held is given back first."""
+        ctx = self._ctx
+        if refusal.code in LOST_CODES:
+            ctx.prefills.lost(target, f"{refusal.code.name}: {refusal.message}")
+        with call.lock:
+            in_engine = call.in_engine
+        if refusal.code not in RETRY_CODES or in_engine or call.abandoned.is_set() \
+                or time.monotonic() >= deadline or not ctx.prefills.others(tried):
+            return False
+        with call.lock:
+            table, call.table = call.table, None
+        if table is not None:
+            table.release()  # the fetcher raised: nothing writes into these pages any more
+        self._release_prefill(call, wait=False)
+        call.epoch, call.fingerprint = None, ""
+        ctx.prefills.retried(target)
+        log.warning("prefill failed request_id=%s prefill=%s code=%s: %s; retrying on another prefill daemon",
+                    call.spec.request_id, target.endpoint, refusal.code.name, refusal.message,
+                    extra={"request_id": call.spec.request_id})
+        return True
+
+    def _prepare_on(self, target: PrefillTarget, call: GenerateCall, deadline: float) -> Prepared:
+        """Steps 2-5 with the prefill daemon ``target``; the KV comes from its ranks."""
+        ctx, spec = self._ctx, call.spec
+        config, topology = ctx.config, target.topology
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
-        prefill = ctx.prefill.stream(spec.request_id, spec.token_ids, spec.sampling_proto, config.request_timeout_s)
+        prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
+                                       config.request_timeout_s)
         try:
             started = prefill.started()
             call.epoch = prefill.epoch
             call.fingerprint = started.contract_fingerprint
             call.pinned_at = dict(enumerate(started.endpoints))
             manifest = check_manifest(started, spec.request_id, len(spec.token_ids), ctx.agreement.fingerprint,
-                                      config.page_size, ctx.topology)
+                                      config.page_size, topology)
             _check_alive(call)
             try:
                 call.table = PageTable.remap(ctx.pool, [p.page for p in manifest.pages], manifest.num_tokens)
@@ -199,7 +243,7 @@ class GeneratePipeline:
                 spec.request_id, call.fingerprint, call.epoch, tuple(started.endpoints),
                 {rank: manifest.pages_of_owner(rank) for rank in sorted({p.owner for p in manifest.pages})},
                 ctx.agreement.num_layers, config.page_size, ctx.pool.tensor, table.physical_pages_for, deadline,
-                physical_of=ctx.topology.physical_of if prefill.answered() else None,
+                physical_of=topology.physical_of if prefill.answered() else None,
             )
             # The ranks send each layer as soon as it is written: the fetch overlaps the prefill.
             try:

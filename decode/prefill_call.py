@@ -6,9 +6,12 @@ every owner rank can stream them) and a thread of its own waits for the last
 one (the first token), so the KV fetch runs while the prefill does;
 ``check_manifest`` holds the first message to our contract, the request and
 the prefill topology. Every failure is a ``Refusal`` with the status the
-Generate call ends with. ``PrefillPool`` holds the prefill daemons of an xPyD
-decode daemon and picks the one that takes each prompt (the daemon does not
-use it yet: it pairs with one prefill daemon).
+Generate call ends with.
+
+``PrefillPool`` holds the prefill daemons of a decode daemon (xPyD): it picks
+the healthy one with the fewest queued prompt tokens for each prompt, takes
+one found down out of the pick, and puts it back once its health service
+says SERVING and its handshake (its ranks included) accepts ours again.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -26,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.status import Refusal
+from transfer.errors import TransferError
 from transfer.protocol.contract import Topology
 from transfer.protocol.manifest import Manifest
 from transfer.rank.service import EPOCH_METADATA_KEY
@@ -150,21 +154,43 @@ def check_manifest(reply: lanekv_pb2.PrefillReply, request_id: str, num_tokens: 
 
 # -- xPyD: several prefill daemons ---------------------------------------------
 
+# Failures of one prefill daemon (or of the fetch from its ranks) that another
+# may not have: a request that failed so before any token was sent is retried
+# on another one, while its deadline lasts (a rank's stream that stalled reads
+# DEADLINE_EXCEEDED). Not CANCELLED (the client left) nor INVALID_ARGUMENT,
+# OUT_OF_RANGE or ALREADY_EXISTS (the request's fault: every daemon refuses it).
+RETRY_CODES = frozenset({Code.UNAVAILABLE, Code.RESOURCE_EXHAUSTED, Code.ABORTED, Code.INTERNAL,
+                         Code.UNKNOWN, Code.DATA_LOSS, Code.FAILED_PRECONDITION, Code.NOT_FOUND,
+                         Code.DEADLINE_EXCEEDED})
+# Failures that say the daemon itself is gone or no longer ours: out of the pick at once.
+LOST_CODES = frozenset({Code.UNAVAILABLE, Code.FAILED_PRECONDITION})
+
 
 @dataclass(eq=False)
 class PrefillTarget:
-    """One prefill daemon whose handshake accepted ours, as the decode daemon tracks it."""
+    """One prefill daemon of the decode daemon, as the pool tracks it (guarded by the pool's lock)."""
 
     client: PrefillClient
-    topology: Topology  # its ranks: each prefill daemon may have its own cp_size
+    topology: Topology | None  # its ranks (each daemon has its own); None: not handshaken yet
     health: health_pb2_grpc.HealthStub
     healthy: bool = True
     queued_tokens: int = 0  # prompt tokens sent to it whose prefill has not ended
+    retried: int = 0  # requests that failed on it before a token and went to another daemon
     problem: str = ""  # why it is out of the pick
+
+    def __post_init__(self) -> None:
+        if self.topology is None:
+            self.healthy = False
+            self.problem = self.problem or "not handshaken yet"
 
     @property
     def endpoint(self) -> str:
         return self.client.endpoint
+
+
+# Handshakes with a prefill daemon and each of its ranks; its topology, or a
+# TransferError (ContractMismatch when it refuses our contract) or OSError.
+Rejoin = Callable[[str], Topology]
 
 
 class PrefillPool:
@@ -173,27 +199,35 @@ class PrefillPool:
     ``pick`` gives the healthy daemon with the fewest queued prompt tokens
     (ties in turn) and counts the prompt on it until ``done``. A daemon found
     down (``lost``) leaves the pick; a thread asks every daemon's health
-    service each ``interval_s`` and puts it back at its SERVING answer.
+    service each ``interval_s``, and one that says SERVING while out of the
+    pick handshakes again (``rejoin``: its topology may have changed with a
+    restart) before it is back. None of these calls raises but ``pick``.
     """
 
     def __init__(self, targets: Sequence[PrefillTarget], interval_s: float = 1.0,
-                 timeout_s: float = 2.0) -> None:
+                 timeout_s: float = 2.0, rejoin: Rejoin | None = None) -> None:
         if not targets:
             raise ValueError("a PrefillPool needs at least one prefill daemon")
+        if not interval_s > 0 or not timeout_s > 0:
+            raise ValueError(f"interval_s and timeout_s must be > 0, got {interval_s!r} and {timeout_s!r}")
+        if rejoin is None and any(t.topology is None for t in targets):
+            raise ValueError("a prefill daemon without a topology needs a rejoin handshake")
         self.targets = tuple(targets)
         self._lock = threading.Lock()
         self._turn = 0
-        self._interval_s, self._timeout_s = interval_s, timeout_s
+        self._interval_s, self._timeout_s, self._rejoin = interval_s, timeout_s, rejoin
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watch_health, name="lanekv-prefill-health", daemon=True)
         self._watch.start()
 
     def pick(self, num_tokens: int, exclude: Sequence[PrefillTarget] = ()) -> PrefillTarget:
-        """UNAVAILABLE when no healthy daemon outside ``exclude`` is left."""
+        """The daemon to prefill ``num_tokens`` prompt tokens, counted on it until ``done``;
+        a ``Refusal`` UNAVAILABLE naming each daemon's problem when no healthy one
+        outside ``exclude`` is left."""
         with self._lock:
             healthy = [t for t in self.targets if t.healthy and t not in exclude]
             if not healthy:
-                down = "; ".join(f"{t.endpoint}: {t.problem or 'tried'}" for t in self.targets)
+                down = "; ".join(f"{t.endpoint}: {t.problem or 'failed this request'}" for t in self.targets)
                 raise Refusal(Code.UNAVAILABLE, f"no prefill daemon can take the request ({down})")
             least = min(t.queued_tokens for t in healthy)
             tied = [t for t in healthy if t.queued_tokens == least]
@@ -203,8 +237,14 @@ class PrefillPool:
             return target
 
     def done(self, target: PrefillTarget, num_tokens: int) -> None:
+        """The prefill of ``num_tokens`` sent to ``target`` ended (answered or failed)."""
         with self._lock:
             target.queued_tokens -= num_tokens
+
+    def retried(self, target: PrefillTarget) -> None:
+        """A request that failed on ``target`` goes to another daemon."""
+        with self._lock:
+            target.retried += 1
 
     def others(self, exclude: Sequence[PrefillTarget]) -> bool:
         """Whether a healthy daemon outside ``exclude`` is left."""
@@ -212,6 +252,7 @@ class PrefillPool:
             return any(t.healthy and t not in exclude for t in self.targets)
 
     def lost(self, target: PrefillTarget, problem: str) -> None:
+        """``target`` failed as if it were gone: out of the pick until its health says SERVING."""
         with self._lock:
             was, target.healthy, target.problem = target.healthy, False, problem
         if was:
@@ -219,22 +260,45 @@ class PrefillPool:
 
     def close(self) -> None:
         self._stop.set()
-        self._watch.join(self._timeout_s + 1.0)
+        self._watch.join(2 * self._timeout_s + 1.0)
+
+    def check(self, target: PrefillTarget) -> None:
+        """Ask ``target``'s health once; out of the pick unless SERVING, back after a handshake."""
+        request = health_pb2.HealthCheckRequest(service=PREFILL_SERVICE)
+        try:
+            status = target.health.Check(request, timeout=self._timeout_s).status
+            serving = status == health_pb2.HealthCheckResponse.SERVING
+            problem = "" if serving else f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
+        except grpc.RpcError as err:
+            serving, problem = False, f"health check {err.code().name}: {err.details()}"
+        if not serving:
+            self.lost(target, problem)
+            return
+        with self._lock:
+            if target.healthy:
+                return
+            before = target.problem
+        topology = target.topology
+        if self._rejoin is not None:
+            try:
+                topology = self._rejoin(target.endpoint)
+            except (TransferError, OSError) as err:
+                problem = f"handshake: {err}".splitlines()[0]
+                with self._lock:
+                    target.problem = problem
+                if problem != before:
+                    log.error("prefill daemon %s stays out of the pick: %s", target.endpoint, problem)
+                return
+        with self._lock:
+            target.topology, target.healthy, target.problem = topology, True, ""
+        log.info("prefill daemon %s is in the pick (cp %d)", target.endpoint, topology.cp_size)
 
     def _watch_health(self) -> None:
-        request = health_pb2.HealthCheckRequest(service=PREFILL_SERVICE)
         while not self._stop.wait(self._interval_s):
             for target in self.targets:
+                if self._stop.is_set():
+                    return
                 try:
-                    status = target.health.Check(request, timeout=self._timeout_s).status
-                    serving = status == health_pb2.HealthCheckResponse.SERVING
-                    problem = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(status)
-                except grpc.RpcError as err:
-                    serving, problem = False, f"health check {err.code().name}: {err.details()}"
-                if not serving:
-                    self.lost(target, problem)
-                    continue
-                with self._lock:
-                    back, target.healthy, target.problem = not target.healthy, True, ""
-                if back:
-                    log.info("prefill daemon %s is back in the pick", target.endpoint)
+                    self.check(target)
+                except Exception:  # keep watching: one bad round must not end the checks
+                    log.exception("prefill health check of %s failed", target.endpoint)

@@ -25,7 +25,7 @@ log = logging.getLogger("lanekv.decode")
 GIL_SWITCH_INTERVAL_S = 0.0005
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
 _CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes",
-                 "graph_batch_sizes")
+                 "graph_batch_sizes", "prefill_health_interval_s")
 
 
 def config_from_args(args: argparse.Namespace) -> DecodeConfig:
@@ -34,8 +34,10 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     }
     if "graph_batch_sizes" in optional:
         optional["graph_batch_sizes"] = tuple(optional["graph_batch_sizes"])
+    prefills = args.prefill if isinstance(args.prefill, list) else [args.prefill]
     return DecodeConfig(
-        model_path=args.model, prefill_endpoint=args.prefill, page_size=args.page_size,
+        model_path=args.model, prefill_endpoint=prefills[0], extra_prefill_endpoints=tuple(prefills[1:]),
+        page_size=args.page_size,
         dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,
         port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
         metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args), **optional,
@@ -53,16 +55,16 @@ def main(args: argparse.Namespace) -> int:
         daemon = DecodeDaemon(config)
     except ContractMismatch as err:
         detail = format_diff(err.diffs, ours="decode", theirs="prefill") if err.diffs else str(err)
-        print(
-            f"lanekv decode: the prefill daemon at {config.prefill_endpoint} and this decode daemon "
-            f"disagree on the layout contract; nothing was served.\n{detail}",
-            file=sys.stderr,
-        )
+        which = (f"the prefill daemon at {config.prefill_endpoint}" if not config.extra_prefill_endpoints
+                 else f"each of the prefill daemons at {', '.join(config.prefill_endpoints)}")
+        print(f"lanekv decode: {which} and this decode daemon disagree on the layout contract; "
+              f"nothing was served.\n{detail}", file=sys.stderr)
         return 1
     except (OSError, TransferError, ValueError) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
     grace_s = getattr(args, "grace_s", None)
-    return serve_until_signal(daemon, daemon.rpc.banner("lanekv decode", f"prefill: {config.prefill_endpoint}"),
+    return serve_until_signal(daemon, daemon.rpc.banner(
+                                  "lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}"),
                               args.ready_file, STOP_GRACE_S if grace_s is None else grace_s, log,
                               "finishing open streams")

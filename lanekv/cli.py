@@ -1,7 +1,7 @@
 """``lanekv``: one entry point, one subcommand per role.
 
     lanekv prefill  --model DIR --cp-size N --page-size P --port PORT ...
-    lanekv decode   --model DIR --prefill HOST:PORT --page-size P --port PORT ...
+    lanekv decode   --model DIR --prefill HOST:PORT [--prefill ...] --page-size P --port PORT ...
     lanekv generate --decode HOST:PORT "prompt"
     lanekv handshake --prefill HOST:PORT --decode HOST:PORT
     lanekv serve    --decode HOST:PORT [--decode ...] --model DIR --host H --port P
@@ -78,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_metrics_arg(p)
     add_security_args(p)
 
-    p = sub.add_parser("decode", help="run a decode daemon paired with a prefill daemon")
+    p = sub.add_parser("decode", help="run a decode daemon paired with one or more prefill daemons")
     add_engine_args(p)
-    p.add_argument("--prefill", required=True, help="HOST:PORT of the prefill daemon")
+    p.add_argument("--prefill", required=True, action="append", metavar="HOST:PORT",
+                   help="a prefill daemon; repeat for several (xPyD): each request goes to the healthy one "
+                        "with the fewest queued prompt tokens")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--pool-pages", type=int, default=4096, help="physical KV pages in the decode pool")
@@ -92,7 +94,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-wait-s", type=float, default=None,
                    help="seconds a request waits for pages while the pool is full (then RESOURCE_EXHAUSTED)")
     p.add_argument("--connect-timeout-s", type=float, default=None,
-                   help="seconds start-up waits for the prefill daemon to answer")
+                   help="seconds start-up waits for the prefill daemons to answer")
+    p.add_argument("--prefill-health-interval-s", type=float, default=None,
+                   help="seconds between health checks of each prefill daemon (one out of the pick "
+                        "rejoins once SERVING and its handshake passes)")
     p.add_argument("--transport", choices=("auto", "grpc"), default=None,
                    help="auto (default): read prefill ranks on this host in place (CUDA IPC or /dev/shm), "
                         "the others over gRPC; grpc: every rank over gRPC")
