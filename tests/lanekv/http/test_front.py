@@ -1,6 +1,6 @@
 """``lanekv serve`` end to end: the official openai client against the front over real
-daemons (one prefill daemon, two decode daemons, all behind one token), held to
-transformers' greedy output on the same tiny checkpoint.
+daemons (two prefill daemons, two decode daemons each over both: xPyD, all behind
+one token), held to transformers' greedy output on the same tiny checkpoint.
 """
 
 from __future__ import annotations
@@ -57,24 +57,33 @@ def hf(checkpoint):
     return model, AutoTokenizer.from_pretrained(checkpoint)
 
 
-def decode_daemon(checkpoint, prefill_endpoint: str, port: int = 0) -> DecodeDaemon:
-    return DecodeDaemon(DecodeConfig(str(checkpoint), prefill_endpoint, page_size=PAGE_SIZE,
-                                     device="cpu", pool_pages=400, port=port, security=SECURITY))
+def decode_daemon(checkpoint, prefills, port: int = 0) -> DecodeDaemon:
+    """A decode daemon over every prefill daemon of ``prefills``."""
+    endpoints = [p.endpoint for p in prefills]
+    return DecodeDaemon(DecodeConfig(str(checkpoint), endpoints[0], extra_prefill_endpoints=tuple(endpoints[1:]),
+                                     page_size=PAGE_SIZE, device="cpu", pool_pages=400, port=port,
+                                     security=SECURITY))
+
+
+def prefills_done(prefill: PrefillDaemon) -> float:
+    """Prompts the prefill daemon has prefilled (each samples one first token)."""
+    return prefill.metrics.tokens.labels(kind="generated").value
 
 
 @pytest.fixture(scope="module")
 def cluster(checkpoint):
     engine = EngineConfig(str(checkpoint), cp_size=1, page_size=PAGE_SIZE, pages_per_lane=400,
                           start_timeout_s=120)
-    prefill = PrefillDaemon(engine, DaemonConfig(lease_s=600, security=SECURITY))
-    decodes = []
+    prefills, decodes = [], []
     try:
-        decodes = [decode_daemon(checkpoint, prefill.endpoint) for _ in range(2)]
-        yield prefill, decodes
+        prefills = [PrefillDaemon(engine, DaemonConfig(lease_s=600, security=SECURITY)) for _ in range(2)]
+        decodes = [decode_daemon(checkpoint, prefills) for _ in range(2)]
+        yield prefills, decodes
     finally:
         for d in decodes:
             d.stop(grace_s=1.0)
-        prefill.stop()
+        for p in prefills:
+            p.stop()
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +107,9 @@ def _settled(decodes):
                for s in (d.stats() for d in decodes))
 
 
-def test_completions_equal_transformers(front, hf, checkpoint):
+def test_completions_equal_transformers(front, hf, checkpoint, cluster):
     client = openai_client(front)
+    prefilled = [prefills_done(p) for p in cluster[0]]
     ids = load_tokenizer(checkpoint).encode(PROMPT)
     out, text, finish = _expected(hf, ids, 12)
     reply = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0)
@@ -117,6 +127,8 @@ def test_completions_equal_transformers(front, hf, checkpoint):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(out)
     assert len({c.id for c in chunks}) == 1
+    # Idle prefill daemons take turns: both prefilled one of these, and the text was the same.
+    assert all(prefills_done(p) > b for p, b in zip(cluster[0], prefilled))
 
 
 def test_chat_completions_equal_transformers(front, hf):
@@ -218,8 +230,9 @@ def test_models_health_metrics_and_token(front, cluster):
 
 
 def test_reflection_on_every_daemon_port(cluster):
-    prefill, decodes = cluster
-    ranks = decodes[0].prefill_contract.topology.endpoints
+    prefills, decodes = cluster
+    prefill = prefills[0]
+    ranks = prefill.topology.endpoints
     want = {decodes[0].endpoint: {"lanekv.v1.DecodeService", "lanekv.v1.KVTransfer"},
             prefill.endpoint: {"lanekv.v1.PrefillService", "lanekv.v1.KVTransfer"},
             **{rank: {"lanekv.v1.KVTransfer"} for rank in ranks}}
@@ -232,8 +245,9 @@ def test_reflection_on_every_daemon_port(cluster):
 
 
 def test_two_decode_daemons_share_the_load(front, cluster):
-    decodes = cluster[1]
+    prefills, decodes = cluster
     before = [d.stats().finished for d in decodes]
+    prefilled = [prefills_done(p) for p in prefills]
     client, errors, replies = openai_client(front), [], []
 
     def one(i):
@@ -251,6 +265,10 @@ def test_two_decode_daemons_share_the_load(front, cluster):
     assert not errors and len(replies) == 8
     served = [d.stats().finished - b for d, b in zip(decodes, before)]
     assert sum(served) == 8 and min(served) >= 2, served
+    # Each decode daemon sends its prompts to the prefill daemon with fewer queued tokens:
+    # both prefill daemons take some.
+    prefilled = [prefills_done(p) - b for p, b in zip(prefills, prefilled)]
+    assert sum(prefilled) == 8 and min(prefilled) >= 1, prefilled
     wait_for(lambda: _settled(decodes), 10, "decode daemons idle with every page free")
 
 
@@ -300,8 +318,8 @@ def test_full_and_no_daemon(checkpoint, cluster, tmp_path):
 
 
 def test_daemon_leaves_rotation_and_comes_back(checkpoint, cluster, tmp_path):
-    prefill, (steady, _) = cluster
-    moving = decode_daemon(checkpoint, prefill.endpoint)
+    prefills, (steady, _) = cluster
+    moving = decode_daemon(checkpoint, prefills)
     port = moving.port
     try:
         with running_front(checkpoint, [steady.endpoint, moving.endpoint], tmp_path, *AUTH, env=ENV) as url:
@@ -313,7 +331,7 @@ def test_daemon_leaves_rotation_and_comes_back(checkpoint, cluster, tmp_path):
                 assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices
             health = _raw(url, "GET", "/health", None, None)[1]["decode"]
             assert not health[f"127.0.0.1:{port}"]["healthy"] and health[steady.endpoint]["healthy"]
-            moving = decode_daemon(checkpoint, prefill.endpoint, port=port)
+            moving = decode_daemon(checkpoint, prefills, port=port)
             wait_for(lambda: _raw(url, "GET", "/health", None, None)[1]["decode"][moving.endpoint]["healthy"],
                      10, "the restarted daemon back in rotation")
             for _ in range(4):  # idle daemons take turns
