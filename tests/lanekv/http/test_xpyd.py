@@ -92,8 +92,8 @@ class PrefillProcess:
         return float(found.group(1)) if found else 0.0
 
     def prefills_served(self) -> float:
-        return self.metric("lanekv_requests_total",
-                           'service="lanekv.v1.PrefillService",method="PrefillStream",code="OK"')
+        """Prompts it has prefilled (each samples one first token)."""
+        return self.metric("lanekv_tokens_total", 'kind="generated"')
 
     def free_pages(self) -> float:
         return self.metric("lanekv_pool_pages_free", 'rank="0"')
