@@ -53,7 +53,7 @@ from runtime.status import TRANSFER_SERVICE
 from transfer.connector.fastpath import FastPathTransport
 from transfer.connector.fetcher import KVFetcher
 from transfer.connector.grpc import GrpcTransport
-from transfer.errors import ContractMismatch, TransferError
+from transfer.errors import ContractMismatch
 from transfer.fastpath.client import FastPath
 from transfer.grpcfetch.client import KVClient, RemoteError, channel_options
 from transfer.protocol.contract import Agreement, LayoutContract, format_diff
@@ -184,7 +184,7 @@ class DecodeDaemon:
         def one(endpoint: str) -> None:
             try:
                 results[endpoint] = self._handshake(endpoint)
-            except (TransferError, OSError) as err:
+            except Exception as err:  # noqa: BLE001 - judged below, with the other daemons' answers
                 results[endpoint] = err
 
         threads = [threading.Thread(target=one, args=(e,), name="lanekv-handshake") for e in endpoints]
