@@ -1,6 +1,7 @@
 """Loads a Hugging Face safetensors checkpoint into the model class of its architecture.
 
-``CausalLM`` serves the Llama family, ``DeepseekCausalLM`` DeepSeek-V2/V3,
+``CausalLM`` serves the Llama family (``Qwen3MoeCausalLM`` its MoE member),
+``DeepseekCausalLM`` DeepSeek-V2/V3,
 ``DeepseekV32CausalLM`` DeepSeek-V3.2; any
 other architecture is one ``ValueError`` naming it (from ``ModelConfig``).
 
@@ -25,6 +26,7 @@ from model.config import ModelConfig
 from model.deepseek import DeepseekCausalLM
 from model.deepseek_v32 import DeepseekV32CausalLM
 from model.llama import CausalLM
+from model.qwen3_moe import Qwen3MoeCausalLM
 from model.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -36,7 +38,7 @@ AnyCausalLM = CausalLM | DeepseekCausalLM
 def model_class(config: ModelConfig) -> type[CausalLM] | type[DeepseekCausalLM]:
     """The model class that runs ``config``'s architecture."""
     if config.mla is None:
-        return CausalLM
+        return CausalLM if config.moe is None else Qwen3MoeCausalLM
     return DeepseekCausalLM if config.dsa is None else DeepseekV32CausalLM
 
 

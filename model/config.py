@@ -1,8 +1,9 @@
 """The model configuration, read from a Hugging Face ``config.json``.
 
-The Llama family (Llama, Qwen2, Qwen3, Mistral) shares one decoder (RMSNorm,
-RoPE, GQA attention, SwiGLU MLP) and differs in a few switches (Qwen3: per-head
-q/k RMSNorm before RoPE); DeepSeek-V2/V3 add MLA and MoE (``model.mla_config``,
+The Llama family (Llama, Qwen2, Qwen3, Qwen3-MoE, Mistral) shares one decoder
+(RMSNorm, RoPE, GQA attention, SwiGLU MLP) and differs in a few switches (Qwen3:
+per-head q/k RMSNorm before RoPE; Qwen3-MoE: routed experts in place of every
+MLP, carried as ``moe``); DeepSeek-V2/V3 add MLA and MoE (``model.mla_config``,
 carried here as ``mla`` and ``moe``). Every
 field that would change the math in a way the decoder does not implement (a
 sliding window that is actually in effect, another RoPE type, another
@@ -30,11 +31,13 @@ from model.mla_config import (
 )
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "MistralForCausalLM", *DEEPSEEK_ARCHITECTURES)
+                           "Qwen3MoeForCausalLM", "MistralForCausalLM", *DEEPSEEK_ARCHITECTURES)
+_QWEN3 = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "mistral": "MistralForCausalLM",
     **DEEPSEEK_MODEL_TYPES,
 }
@@ -43,6 +46,7 @@ _DEFAULT_MAX_POSITIONS = {
     "LlamaForCausalLM": 2048,
     "Qwen2ForCausalLM": 32768,
     "Qwen3ForCausalLM": 32768,
+    "Qwen3MoeForCausalLM": 32768,
     "MistralForCausalLM": 131072,
     "DeepseekV2ForCausalLM": 2048,
     "DeepseekV3ForCausalLM": 4096,
@@ -86,7 +90,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     qk_norm: bool = False  # Qwen3: RMSNorm over each q and k head before RoPE
     # DeepSeek: MLA (then num_kv_heads is 1 and head_dim the latent row width)
-    # and MoE; None for the Llama family.
+    # and MoE; Qwen3-MoE: MoE alone; None for the rest of the Llama family.
     mla: MLAConfig | None = None
     moe: MoEConfig | None = None
     # DeepSeek-V3.2: the sparse-attention indexer; None for every other architecture.
@@ -113,10 +117,12 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps={self.rms_norm_eps!r} must be > 0")
         if not self.rope_theta > 0:
             raise ValueError(f"rope_theta={self.rope_theta!r} must be > 0")
+        has_moe = self.architecture in (*DEEPSEEK_ARCHITECTURES, "Qwen3MoeForCausalLM")
         if (self.mla is None) != (self.architecture not in DEEPSEEK_ARCHITECTURES) or (
-            self.moe is None) != (self.mla is None):
-            raise ValueError(f"architecture={self.architecture!r} needs mla and moe exactly "
-                             "when it is a DeepSeek architecture")
+            self.moe is None) == has_moe:
+            raise ValueError(f"architecture={self.architecture!r} needs mla exactly when it is a "
+                             "DeepSeek architecture, and moe exactly when it is DeepSeek or "
+                             "Qwen3MoeForCausalLM")
         if (self.dsa is None) != (self.architecture != "DeepseekV32ForCausalLM"):
             raise ValueError(f"architecture={self.architecture!r} needs dsa exactly when it is "
                              "DeepseekV32ForCausalLM")
@@ -158,6 +164,7 @@ class ModelConfig:
                     f"head_dim is absent and hidden_size={hidden_size} is not a multiple of "
                     f"num_attention_heads={num_heads}"
                 )
+            # transformers: Qwen3Config's head_dim defaults to 128, Qwen3MoeConfig has none
             head_dim = 128 if architecture == "Qwen3ForCausalLM" else hidden_size // num_heads
         num_kv_heads = hf.get("num_key_value_heads")
         max_positions = hf.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture])
@@ -166,7 +173,7 @@ class ModelConfig:
             attention_bias, o_proj_bias = True, False
         elif architecture == "LlamaForCausalLM":
             attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
-        elif architecture == "Qwen3ForCausalLM":
+        elif architecture in _QWEN3:
             attention_bias = o_proj_bias = bool(hf.get("attention_bias", False))
         else:
             attention_bias = o_proj_bias = False
@@ -188,7 +195,8 @@ class ModelConfig:
             o_proj_bias=o_proj_bias,
             eos_token_ids=_token_ids(hf.get("eos_token_id"), "eos_token_id"),
             bos_token_id=hf.get("bos_token_id"),
-            qk_norm=architecture == "Qwen3ForCausalLM",
+            qk_norm=architecture in _QWEN3,
+            moe=_qwen3_moe(hf) if architecture == "Qwen3MoeForCausalLM" else None,
         )
 
     @classmethod
@@ -242,8 +250,8 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             **({"qk_norm": True} if self.qk_norm else {}),
             **({} if self.mla is None else {
-                "attention": self.attention_kind, "mla": self.mla.contract_fields(),
-                "moe": dict(sorted(vars(self.moe).items()))}),
+                "attention": self.attention_kind, "mla": self.mla.contract_fields()}),
+            **({} if self.moe is None else {"moe": dict(sorted(vars(self.moe).items()))}),
         }
 
 
@@ -263,6 +271,24 @@ def _architecture(hf: dict[str, Any]) -> str:
             f"(supported model types: {', '.join(_MODEL_TYPES)})"
         )
     return _MODEL_TYPES[model_type]
+
+
+def _qwen3_moe(hf: dict[str, Any]) -> MoEConfig:
+    """Qwen3-MoE's experts: softmax top-k over all experts (renormalised with
+    norm_topk_prob), no shared experts, every layer sparse."""
+    step = hf.get("decoder_sparse_step", 1)
+    if step != 1:
+        raise ValueError(f"decoder_sparse_step={step!r} is not supported (only 1: every layer MoE)")
+    dense = hf.get("mlp_only_layers") or []
+    if dense:
+        raise ValueError(f"mlp_only_layers={dense!r} is not supported (only [])")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    return MoEConfig(num_experts=experts, top_k=hf.get("num_experts_per_tok", 8),
+                     num_shared_experts=0,
+                     moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+                     first_k_dense_replace=0, scoring="softmax", n_group=1, topk_group=1,
+                     routed_scaling_factor=1.0, norm_topk_prob=bool(hf.get("norm_topk_prob",
+                                                                           False)))
 
 
 def _required_int(hf: dict[str, Any], name: str) -> int:
@@ -307,7 +333,7 @@ def _refuse_sliding_window(hf: dict[str, Any], architecture: str) -> None:
                 f"sliding_window={window} < max_position_embeddings={max_positions} "
                 "is not supported (sliding-window attention)"
             )
-    elif architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif architecture in ("Qwen2ForCausalLM", *_QWEN3):
         window = hf.get("sliding_window", _DEFAULT_SLIDING_WINDOW)
         if not hf.get("use_sliding_window", False) or window is None or window >= max_positions:
             return

@@ -92,8 +92,21 @@ def write_qwen3(path: str | Path, *, num_layers: int = 2, seed: int = 3,
     return _write(path, Qwen3ForCausalLM, config, seed, max_shard_size, tokenizer)
 
 
+def write_qwen3_moe(path: str | Path, *, num_layers: int = 2, seed: int = 7,
+                    max_shard_size: str | None = None, tokenizer: bool = False) -> Path:
+    """Qwen3-MoE: Qwen3's attention (head_dim 24) and, in every layer, softmax
+    top-2 of 8 experts renormalised (norm_topk_prob), no shared experts."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**{**_COMMON, "num_hidden_layers": num_layers}, head_dim=24,
+                            rope_theta=1_000_000.0, tie_word_embeddings=False,
+                            use_sliding_window=False, num_experts=8, num_experts_per_tok=2,
+                            moe_intermediate_size=32, norm_topk_prob=True)
+    return _write(path, Qwen3MoeForCausalLM, config, seed, max_shard_size, tokenizer)
+
+
 WRITERS = {"llama": write_llama, "qwen2": write_qwen2, "qwen3": write_qwen3,
-           "mistral": write_mistral}
+           "qwen3_moe": write_qwen3_moe, "mistral": write_mistral}
 
 # MLA dims: latent row 32 + 8 = 40, qk head 16 + 8 = 24, v head 16 (differs from qk).
 _MLA: dict[str, Any] = {

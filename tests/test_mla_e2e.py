@@ -1,4 +1,4 @@
-"""DeepSeek (MLA latent pages) and Qwen3 end to end: greedy tokens through
+"""DeepSeek (MLA latent pages), Qwen3 and Qwen3-MoE end to end: greedy tokens through
 prefill -> transfer -> decode equal transformers' generate.
 
 Many (cp_size, page_size) shapes run with rank threads (``ThreadedPrefillEngine``)
@@ -30,19 +30,26 @@ from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from tests.checkpoints import DEEPSEEK_WRITERS, EOS_TOKEN_ID, VOCAB_SIZE, write_qwen3
+from tests.checkpoints import (
+    DEEPSEEK_WRITERS,
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    write_qwen3,
+    write_qwen3_moe,
+)
 from tests.daemons import running_pair
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENS = [1, 8, 27, 61]
 MAX_NEW_TOKENS = 8
-WRITERS = {**DEEPSEEK_WRITERS, "qwen3": write_qwen3}
+WRITERS = {**DEEPSEEK_WRITERS, "qwen3": write_qwen3, "qwen3_moe": write_qwen3_moe}
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla-e2e")
-    return {name: WRITERS[name](root / name) for name in ("deepseek_v2", "deepseek_v3", "qwen3")}
+    return {name: WRITERS[name](root / name) for name in ("deepseek_v2", "deepseek_v3", "qwen3",
+                                                            "qwen3_moe")}
 
 
 def _prompts() -> list[list[int]]:
@@ -69,6 +76,7 @@ def reference(checkpoints) -> dict[str, list[list[int]]]:
 
 @pytest.mark.parametrize("name,cp_size,page_size", [
     ("deepseek_v2", 3, 1), ("deepseek_v3", 1, 4), ("deepseek_v3", 4, 16), ("qwen3", 2, 4),
+    ("qwen3_moe", 2, 4),
 ])
 def test_threaded_prefill_transfer_decode(checkpoints, reference, name, cp_size, page_size):
     engine = ThreadedPrefillEngine(EngineConfig(

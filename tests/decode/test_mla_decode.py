@@ -13,7 +13,14 @@ from decode.pool import PagePool
 from kernels.mla_decode import paged_mla_decode_attention, paged_mla_decode_attention_ref
 from model.checkpoint import load_model
 from model.sampling import SamplingParams
-from tests.checkpoints import DEEPSEEK_WRITERS, EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_qwen3
+from tests.checkpoints import (
+    DEEPSEEK_WRITERS,
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    write_llama,
+    write_qwen3,
+    write_qwen3_moe,
+)
 
 GREEDY = SamplingParams()
 
@@ -82,11 +89,13 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla-decode")
     out = {name: write(root / name) for name, write in DEEPSEEK_WRITERS.items()}
     out["qwen3"] = write_qwen3(root / "qwen3")
+    out["qwen3_moe"] = write_qwen3_moe(root / "qwen3_moe")
     return out
 
 
 @pytest.mark.parametrize("name,page_size", [("deepseek_v2", 1), ("deepseek_v2_qlora", 4),
-                                            ("deepseek_v3", 16), ("qwen3", 4)])
+                                            ("deepseek_v3", 16), ("qwen3", 4),
+                                            ("qwen3_moe", 1)])
 def test_greedy_batch_matches_transformers(checkpoints, name, page_size):
     loaded = load_model(checkpoints[name])
     prompts = [_prompt(1, 1), _prompt(19, 2), _prompt(45, 3)]

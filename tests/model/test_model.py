@@ -247,6 +247,27 @@ def test_contract_fields_are_plain(checkpoint_dirs) -> None:
     assert ModelConfig.from_dir(checkpoint_dirs["qwen2"]).contract_fields()["attention_bias"]
 
 
+def test_qwen3_moe_reads_its_experts_and_routes_like_transformers(checkpoint_dirs) -> None:
+    """Every layer's MLP is a MoE block (no shared experts, softmax top-2 of 8,
+    renormalised); the contract names the MoE; config.json's expert count may come
+    as num_experts (Qwen's files) or num_local_experts (transformers 5 writes it)."""
+    from model.qwen3_moe import Qwen3MoeCausalLM
+
+    hf = _hf_config(checkpoint_dirs["qwen3_moe"])
+    config = ModelConfig.from_hf(hf)
+    moe = config.moe
+    assert (moe.num_experts, moe.top_k, moe.num_shared_experts, moe.scoring) == (8, 2, 0, "softmax")
+    assert moe.norm_topk_prob and config.qk_norm and config.mla is None
+    assert config.contract_fields()["moe"]["num_experts"] == 8
+    renamed = {k: v for k, v in hf.items() if k != "num_local_experts"}
+    assert ModelConfig.from_hf({**renamed, "num_experts": 8}) == config
+    loaded = load_model(checkpoint_dirs["qwen3_moe"])
+    assert isinstance(loaded.model, Qwen3MoeCausalLM)
+    mlp = loaded.model.model.layers[1].mlp
+    assert mlp.shared_experts is None and mlp.w13.shape == (8, 64, 64)
+    assert mlp.experts[3].up_proj.weight.data_ptr() == mlp.w13[3, 32:].data_ptr()
+
+
 def test_legacy_rope_fields_read_the_same(checkpoint_dirs) -> None:
     hf = _hf_config(checkpoint_dirs["llama"])
     params = dict(hf.pop("rope_parameters"))
@@ -273,6 +294,9 @@ def test_legacy_rope_fields_read_the_same(checkpoint_dirs) -> None:
         ("llama", {"num_key_value_heads": 3}, "num_kv_heads"),
         ("llama", {"vocab_size": None}, "vocab_size"),
         ("mistral", {"sliding_window": 512}, "sliding_window"),
+        ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+        ("qwen3_moe", {"mlp_only_layers": [0]}, "mlp_only_layers"),
+        ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1,
                    "layer_types": None}, "sliding_window"),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 128,
