@@ -16,8 +16,10 @@ import torch
 
 from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
+from kernels.dsa.index_cache import read_index_k, store_index_k
 from kernels.store_kv import store_kv
 from model.deepseek import DeepseekCausalLM
+from model.deepseek_v32 import dsa_causal_attention
 from model.llama import CausalLM, causal_attention
 from model.sampling import SamplingParams, sample
 
@@ -52,11 +54,24 @@ def prefill_into_pool(model: CausalLM | DeepseekCausalLM, pool: PagePool, token_
             store_kv(rows, rows, plane, plane, locs)  # an MLA pool: one latent plane
             return causal_attention(q, *model.mla_layer(layer).decompress(latent), scale)
 
+        def sparse_attention(layer: int, q: torch.Tensor, latent: torch.Tensor, index):
+            # The rows as the pool holds them; the indexer scores the keys read back
+            # (dequantized for an fp8 cache), as decode will.
+            lay, n = pool.dsa, latent.shape[0]
+            rows = latent.new_empty((n, lay.head_dim))
+            lay.latent(rows)[:] = latent
+            every = torch.arange(n, device=rows.device)
+            store_index_k(index.k.contiguous(), lay.index_rows(rows), every, lay.index)
+            store_kv(rows[:, None], rows[:, None], pool.tensor[layer, 0], pool.tensor[layer, 0],
+                     locs)
+            keys = read_index_k(lay.index_rows(rows), every, lay.index).to(index.k.dtype)
+            return dsa_causal_attention(model)(layer, q, latent, index._replace(k=keys))
 
         positions = torch.arange(ids.numel(), device=pool.device)
         with torch.inference_mode():
-            hidden = model(ids, positions,
-                           attention if model.config.mla is None else latent_attention)
+            callback = (attention if model.config.mla is None else
+                        latent_attention if pool.dsa is None else sparse_attention)
+            hidden = model(ids, positions, callback)
             logits = model.compute_logits(hidden[-1:])
         first = int(sample(logits, [sampling], 0)[0])
     except Exception:

@@ -10,6 +10,7 @@ import torch
 from decode.cuda.graphs import check_ladder
 from model.config import ModelConfig
 from model.dtypes import DTYPES
+from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import RetryPolicy
 
@@ -50,6 +51,8 @@ class DecodeConfig:
     extra_prefill_endpoints: tuple[str, ...] = ()
     # How often each prefill daemon's health is asked (one out of the pick rejoins at SERVING).
     prefill_health_interval_s: float = 1.0
+    # DeepSeek-V3.2 (DSA) index-K rows, as the prefill daemon's (the contract checks it)
+    index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "grpc"):
@@ -97,10 +100,8 @@ class DecodeConfig:
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
-        model = ModelConfig.from_dir(self.model_path)
-        if model.dsa is not None:  # index-K pages and sparse decode are not served yet
-            raise ValueError(f"architecture={model.architecture!r} (DSA sparse attention) is not "
-                             "served by the decode daemon yet")
+        check_index_cache_dtype(self.index_cache_dtype)
+        ModelConfig.from_dir(self.model_path)
         if not _is_endpoint(self.prefill_endpoint):
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
         if not isinstance(self.extra_prefill_endpoints, tuple):

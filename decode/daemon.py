@@ -45,6 +45,7 @@ from decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from decode.service import DecodeServicer
 from decode.streams import SHUTDOWN, Streams
 from model.checkpoint import load_checkpoint
+from model.kv_rows import pool_contract_fields
 from proto import lanekv_pb2_grpc
 from runtime.daemon import DaemonServer
 from runtime.hostmem import keep_freed_buffers
@@ -111,7 +112,8 @@ class DecodeDaemon:
         self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
         model_config = self.loaded.config
         self.agreement = Agreement.from_model(
-            model_config.contract_fields(), self.loaded.weights_digest, config.torch_dtype, config.page_size
+            pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype),
+            self.loaded.weights_digest, config.torch_dtype, config.page_size
         )
         contracts = self._handshake_all()
         # Ours, as KVTransfer.Handshake serves it, names the first accepting daemon's topology.
@@ -130,7 +132,8 @@ class DecodeDaemon:
                                        max_chunk_bytes=config.fetch_chunk_bytes)
         fast = None if self.fastpath is None else FastPathTransport(self.fastpath, self.metrics.failures)
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
-                                       config.torch_dtype, device)
+                                       config.torch_dtype, device,
+                                       index_cache_dtype=config.index_cache_dtype)
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                    graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve

@@ -24,7 +24,9 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from kernels.dsa.pool_layout import DSARowLayout
 from kernels.kv_layout import KVCacheSpec
+from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, dsa_layout
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
@@ -49,11 +51,17 @@ class PagePool:
     """A physical KV pool and the free list of its pages."""
 
     def __init__(self, spec: KVCacheSpec, num_pages: int,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, dsa: DSARowLayout | None = None) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         _check_count("num_pages", num_pages)
+        if dsa is not None and (spec.kv, spec.kv_heads, spec.head_dim, spec.dtype) != (
+                1, 1, dsa.head_dim, dsa.dtype):
+            raise ValueError(f"a DSA pool has kv=1, kv_heads=1, head_dim={dsa.head_dim} and dtype "
+                             f"{dsa.dtype}, the spec says kv={spec.kv} kv_heads={spec.kv_heads} "
+                             f"head_dim={spec.head_dim} dtype={spec.dtype}")
         self.spec = spec
+        self.dsa = dsa  # DeepSeek-V3.2: each row is the latent, then the index-K bytes
         self.tensor = spec.alloc_pool(num_pages, device)  # [L, 2, num_pages * ps, Hkv, D]
         self._num_pages = num_pages
         self._lock = threading.Lock()
@@ -63,12 +71,15 @@ class PagePool:
 
     @classmethod
     def for_model(cls, config: ModelConfig, num_pages: int, page_size: int,
-                  dtype: torch.dtype, device: torch.device | str = "cpu") -> PagePool:
-        """A pool shaped for ``config``'s layers and KV heads (``dtype`` = the model's)."""
+                  dtype: torch.dtype, device: torch.device | str = "cpu", *,
+                  index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> PagePool:
+        """A pool shaped for ``config``'s layers and KV heads (``dtype`` = the model's);
+        a DSA model's rows carry the index-K row of ``index_cache_dtype`` too."""
+        dsa = dsa_layout(config, dtype, index_cache_dtype)
         spec = KVCacheSpec(num_layers=config.num_layers, kv_heads=config.num_kv_heads,
-                           head_dim=config.head_dim, dtype=dtype, page_size=page_size,
-                           kv=config.kv_planes)
-        return cls(spec, num_pages, device)
+                           head_dim=config.head_dim if dsa is None else dsa.head_dim,
+                           dtype=dtype, page_size=page_size, kv=config.kv_planes)
+        return cls(spec, num_pages, device, dsa=dsa)
 
     @property
     def num_pages(self) -> int:
@@ -104,7 +115,14 @@ class PagePool:
         if self.spec.kv != 1 or self.spec.kv_heads != 1:
             raise ValueError(f"latent_cache needs an MLA pool (kv=1, kv_heads=1), this pool has "
                              f"kv={self.spec.kv} kv_heads={self.spec.kv_heads}")
-        return self.tensor[layer, 0, :, 0]
+        plane = self.tensor[layer, 0, :, 0]
+        return plane if self.dsa is None else self.dsa.latent(plane)
+
+    def index_cache(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s DSA index-K rows ``[num_pages * ps, row_bytes]`` uint8 (a view)."""
+        if self.dsa is None:
+            raise ValueError("index_cache needs a DSA pool (DeepSeek-V3.2)")
+        return self.dsa.index_rows(self.tensor[layer, 0, :, 0])
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free physical pages, or ``PoolExhausted`` with nothing taken."""

@@ -40,6 +40,7 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
         page_size=args.page_size,
         dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,
         port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
+        index_cache_dtype=args.index_cache_dtype,
         metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args), **optional,
     )
 

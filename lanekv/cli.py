@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d("device"))
     p.add_argument("--load-format", choices=["safetensors", "dummy"], default=d("load_format"),
                    help="dummy: config.json's shapes with seeded random weights (benchmarks)")
+    p.add_argument("--index-cache-dtype", choices=["fp8_e4m3", "model"], default=d("index_cache_dtype"),
+                   help="DeepSeek-V3.2 index-K rows: fp8 e4m3 with a float32 scale per 128 values, "
+                        "or the model dtype (both daemons must agree)")
 
 
 def add_metrics_arg(p: argparse.ArgumentParser) -> None:

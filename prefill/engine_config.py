@@ -9,6 +9,7 @@ import torch
 
 from model.config import ModelConfig
 from model.dtypes import DTYPES
+from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class EngineConfig:
     pool_fill: float = 0.0  # initial pool value; tests poison it with NaN
     cpu_threads: int = 0  # torch threads per rank on CPU; 0 = cores / cp_size
     load_format: str = "safetensors"  # or "dummy": config.json's shapes, seeded random weights
+    # DeepSeek-V3.2 (DSA) index-K rows: "fp8_e4m3" (e4m3 + a float32 scale per 128
+    # values) or "model" (the model dtype, bit-comparable with transformers)
+    index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "pages_per_lane"):
@@ -39,12 +43,10 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, got device={self.device!r}")
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
+        check_index_cache_dtype(self.index_cache_dtype)
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
-        model = ModelConfig.from_dir(self.model_path)
-        if model.dsa is not None:  # index-K pages and sparse decode are not served yet
-            raise ValueError(f"architecture={model.architecture!r} (DSA sparse attention) is not "
-                             "served by the prefill daemon yet")
+        ModelConfig.from_dir(self.model_path)
         if self.resolved_device == "cuda":
             visible = torch.cuda.device_count()
             if self.cp_size > visible:

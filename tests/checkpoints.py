@@ -159,6 +159,23 @@ def write_deepseek_v3(path: str | Path, *, num_layers: int = 3, seed: int = 6,
     return _write(path, DeepseekV3ForCausalLM, config, seed, max_shard_size, tokenizer)
 
 
+def write_deepseek_v32(path: str | Path, *, index_topk: int = 5, index_n_heads: int = 4,
+                       num_layers: int = 2, seed: int = 12, tokenizer: bool = False) -> Path:
+    """DeepSeek-V3.2: the V3 decoder (q_lora, sigmoid routing, plain RoPE) whose
+    attention reads only the top ``index_topk`` keys of its indexer (32-dim index
+    keys, LayerNorm weights and biases off their init)."""
+    from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+    config = DeepseekV32Config(**{**_COMMON, **_MLA, "num_hidden_layers": num_layers},
+                               q_lora_rank=48, n_group=1, topk_group=1, num_experts_per_tok=2,
+                               n_shared_experts=1, first_k_dense_replace=1,
+                               routed_scaling_factor=2.5, norm_topk_prob=True,
+                               tie_word_embeddings=False, index_topk=index_topk,
+                               index_head_dim=32, index_n_heads=index_n_heads,
+                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _write(path, DeepseekV32ForCausalLM, config, seed, None, tokenizer)
+
+
 DEEPSEEK_WRITERS = {
     "deepseek_v2": write_deepseek_v2,
     "deepseek_v2_qlora": lambda path, **kw: write_deepseek_v2(path, q_lora=True, **kw),

@@ -10,7 +10,10 @@ negative loc stores nothing: padding rows) and then reads each request's
 - an MLA model (DeepSeek): the latent row stored in the pool's one plane, q_nope
   absorbed through kv_b_proj's K part (one batched GEMM over the heads), paged
   MLA decode attention in the latent space, the output mapped back through the
-  V part.
+  V part;
+- a DSA model (DeepSeek-V3.2): the latent and index-K row stored together, the
+  top ``index_topk`` positions selected with the index-K pages, sparse MLA
+  decode over those latent rows.
 
 Every op is a device op whose shapes depend only on the batch size, so the
 same function runs eagerly or inside a CUDA-graph capture (``decode.cuda.graphs``).
@@ -22,6 +25,9 @@ import torch
 
 from decode.pool import PagePool
 from kernels.decode_attention import paged_decode_attention
+from kernels.dsa.index_cache import store_index_k
+from kernels.dsa.select import decode_select
+from kernels.dsa.sparse_mla import sparse_mla_decode
 from kernels.mla_decode import paged_mla_decode_attention
 from kernels.rope_store import rope_store_kv
 from kernels.store_kv import store_kv
@@ -35,6 +41,9 @@ def step_hidden(model: CausalLM | DeepseekCausalLM, pool: PagePool, input_ids: t
     """``[B]`` ids, positions, locs (int64), ``[B, pages]`` page table and ``[B]``
     seq lens (int32, the new token included) -> hidden ``[B, hidden]``."""
     page_size, scale = pool.page_size, model.config.softmax_scale
+    if pool.dsa is not None:
+        return model(input_ids, positions,
+                     _sparse_attention(model, pool, locs, page_table, seq_lens))
     if model.config.mla is not None:
         rank = model.config.mla.kv_lora_rank
 
@@ -57,3 +66,29 @@ def step_hidden(model: CausalLM | DeepseekCausalLM, pool: PagePool, input_ids: t
         return paged_decode_attention(q, k_cache, v_cache, page_table, seq_lens, page_size, scale)
 
     return model(input_ids, positions, attention, rope_in_attention=True)
+
+
+def _sparse_attention(model: DeepseekCausalLM, pool: PagePool, locs: torch.Tensor,
+                      page_table: torch.Tensor, seq_lens: torch.Tensor):
+    """The DSA callback: store the new row (latent, then the index key, fp8-quantized
+    by the fused store for an fp8 cache), select each request's top ``index_topk``
+    positions with its index-K pages (``decode_select``), attend to those latent rows
+    only (``sparse_mla_decode``), map back through kv_b_proj's V part."""
+    lay, dsa = pool.dsa, model.config.dsa
+    scale, rank = model.config.softmax_scale, model.config.mla.kv_lora_rank
+    local = torch.arange(locs.shape[0], device=locs.device)
+
+    def attention(layer: int, q: torch.Tensor, latent: torch.Tensor, index) -> torch.Tensor:
+        mla, plane = model.mla_layer(layer), pool.tensor[layer, 0]  # [rows, 1, row]
+        rows = latent.new_empty((latent.shape[0], lay.head_dim))
+        lay.latent(rows)[:] = latent
+        store_index_k(index.k.contiguous(), lay.index_rows(rows), local, lay.index)
+        store_kv(rows[:, None], rows[:, None], plane, plane, locs)
+        selected = decode_select(index.q, index.weights, pool.index_cache(layer), page_table,
+                                 seq_lens, pool.page_size, dsa.softmax_scale, dsa.index_topk,
+                                 lay.index)
+        o_latent = sparse_mla_decode(mla.absorb_query(q), pool.latent_cache(layer), page_table,
+                                     selected, pool.page_size, scale, rank)
+        return mla.expand_output(o_latent)
+
+    return attention

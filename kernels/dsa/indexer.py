@@ -69,12 +69,16 @@ def _index_scores_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["stride_tb"])
+# The page size is a runtime value on purpose: as a constexpr, Triton 3.6 took
+# ``page * PAGE_SIZE + t % PAGE_SIZE`` for a multiple of 16 in every lane and
+# loaded the fp8 rows (132-byte stride) with 16-byte vector loads: "misaligned
+# address" on an H200.
+@triton.jit(do_not_specialize=["stride_tb", "page_size"])
 def _paged_index_scores_kernel(
     q_ptr, w_ptr, pool_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
     num_heads, max_len, scale,
-    stride_qb, stride_qh, stride_wb, stride_pool, stride_scale, stride_tb, stride_o,
-    HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr, FP8: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    stride_qb, stride_qh, stride_wb, stride_pool, stride_scale, stride_tb, stride_o, page_size,
+    HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr, FP8: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -88,8 +92,8 @@ def _paged_index_scores_kernel(
         d = tl.arange(0, BLOCK_D)
         h_ok = h < num_heads
         d_ok = d < HEAD_DIM
-        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
-        row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
+        page = tl.load(table_ptr + b * stride_tb + t // page_size, mask=t_ok, other=0)
+        row = page.to(tl.int64) * page_size + t % page_size
         kmask = t_ok[:, None] & d_ok[None, :]
         raw = tl.load(pool_ptr + row[:, None] * stride_pool + d[None, :], mask=kmask, other=0)
         q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
@@ -248,8 +252,8 @@ def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size:
     _paged_index_scores_kernel[(q.shape[0], triton.cdiv(max_len, block_n))](
         q, weights, keys, scales, page_table, seq_lens, out, q.shape[1], max_len,
         float(softmax_scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
-        scales.stride(0), page_table.stride(0), out.stride(0),
-        HEAD_DIM=spec.head_dim, QBLOCK=spec.block, FP8=fp8, PAGE_SIZE=page_size,
+        scales.stride(0), page_table.stride(0), out.stride(0), page_size,
+        HEAD_DIM=spec.head_dim, QBLOCK=spec.block, FP8=fp8,
         BLOCK_H=max(16, triton.next_power_of_2(q.shape[1])),
         BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from model.checkpoint import LoadedModel
+from model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
 from prefill.cp.messages import (
     Answer,
     Call,
@@ -208,7 +209,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     rows = config.pages_per_lane * config.page_size
-    shape = (cfg.num_layers, cfg.kv_planes, rows, cfg.num_kv_heads, cfg.head_dim)
+    head_dim = pool_head_dim(cfg, config.torch_dtype, config.index_cache_dtype)
+    shape = (cfg.num_layers, cfg.kv_planes, rows, cfg.num_kv_heads, head_dim)
     nbytes = math.prod(shape) * config.torch_dtype.itemsize
     if shared_path is not None and device.type == "cpu" and shm_room(shared_path.parent) >= nbytes:
         pool = shared_cpu_pool(shared_path, shape, config.torch_dtype, config.pool_fill)
@@ -216,7 +218,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
         shared_path = None
         pool = torch.full(shape, config.pool_fill, dtype=config.torch_dtype, device=device)
     runner = RankRunner(
-        loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group
+        loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group,
+        dsa=dsa_layout(cfg, config.torch_dtype, config.index_cache_dtype),
     )
     runner.weights_digest = loaded.weights_digest
     runner.tokenizer = loaded.tokenizer
@@ -226,7 +229,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
 
 def describe(runner: RankRunner, config: EngineConfig) -> RankInfo:
     return RankInfo(
-        model=runner.model.config.contract_fields(),
+        model=pool_contract_fields(runner.model.config, config.torch_dtype, config.index_cache_dtype),
         weights_digest=runner.weights_digest,
         pool_shape=tuple(runner.pool.shape),
         device=str(runner.device),
@@ -290,7 +293,8 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int, where: 
     Releases and finished fetches go to the parent as ``Released`` and ``Fetched`` events.
     """
     agreement = Agreement.from_model(
-        runner.model.config.contract_fields(), runner.weights_digest, config.torch_dtype, config.page_size
+        pool_contract_fields(runner.model.config, config.torch_dtype, config.index_cache_dtype),
+        runner.weights_digest, config.torch_dtype, config.page_size
     )
 
     def on_release(request_id: str, pages: list[int]) -> None:

@@ -29,9 +29,11 @@ from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
 from kernels.rerange import rerange
 from kernels.store_kv import store_kv
+from kernels.dsa.pool_layout import DSARowLayout
 from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample
+from prefill.cp.dsa_attention import CPSparseAttention
 from prefill.cp.thread_group import ThreadGroup
 from prefill.index import RankIndex, build_rank_index
 from prefill.layout import OwnerLaneLayout
@@ -84,9 +86,14 @@ class RankRunner:
         cp_size: int,
         page_size: int,
         group: dist.ProcessGroup | ThreadGroup | None = None,
+        dsa: DSARowLayout | None = None,  # DeepSeek-V3.2: rows carry the index key too
     ) -> None:
+        if (dsa is None) != (model.config.dsa is None):
+            raise ValueError(f"dsa (the pool's row layout) must be given exactly for a DSA model, "
+                             f"got dsa={dsa!r} for architecture={model.config.architecture!r}")
         self.model = model
         self.pool = pool
+        self.dsa = dsa
         self.layout = OwnerLaneLayout(cp_size, page_size)
         self.cp_rank = cp_rank
         self.cp_size = cp_size
@@ -117,8 +124,13 @@ class RankRunner:
         flat_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64)
         flat_ids = flat_ids.to(self.device)
         input_ids = torch.where(ix.input_index >= 0, flat_ids[ix.input_index.clamp(min=0)], 0)
-        kind = _CPAttention if self.model.config.mla is None else _CPLatentAttention
-        attention = kind(self, plan, ix, on_layer)
+        if self.dsa is not None:
+            attention = _CPDSAAttention(self, plan, ix, on_layer)
+            attention.request_lens = [p + len(t) for p, t in zip(batch.prefix_lens,
+                                                                 batch.token_ids)]
+        else:
+            kind = _CPAttention if self.model.config.mla is None else _CPLatentAttention
+            attention = kind(self, plan, ix, on_layer)
         hidden = self.model(input_ids, ix.positions, attention)
 
         outputs = []
@@ -221,6 +233,10 @@ class _CPLatentAttention(_CPAttention):
             self.on_layer(layer)
         k, v = r.model.mla_layer(layer).decompress(gathered)
         return mla_prefill_attention(q, k, v, self.segments, r.softmax_scale)
+
+
+class _CPDSAAttention(CPSparseAttention, _CPAttention):
+    """The DSA callback (``prefill/cp/dsa_attention.py``) on the CP gather."""
 
 
 def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -47,6 +47,7 @@ from transfer.protocol.wire import (
     check_keys,
     check_str,
     dtype_name,
+    kv_dtype,
     unpack_map,
     untrusted,
 )
@@ -57,6 +58,19 @@ POOL_LAYOUT = "layer,kv,page*row,head,dim"
 ATTENTION_KINDS = ("gqa", "mla")
 # The MLA dims of an agreement; all 0 for GQA (q_lora_rank 0: no q LoRA).
 MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "q_lora_rank")
+# DeepSeek sparse attention (DSA): the indexer's dims and the index-K row the pool
+# carries after each latent row (kernels/dsa/pool_layout.py); all 0 / "" without DSA.
+DSA_INT_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "index_block",
+                  "index_row_bytes")
+INDEX_CACHE_DTYPES = ("fp8_e4m3", "model")
+
+
+def dsa_row_elements(latent_dim: int, itemsize: int, index_row_bytes: int) -> int:
+    """Pool elements per DSA row: the latent, then the index-K bytes from the next
+    4-byte boundary, rounded up to 16 bytes (``kernels/dsa/pool_layout.py``'s layout)."""
+    def round_up(n: int, to: int) -> int:
+        return -(-n // to) * to
+    return round_up(round_up(latent_dim * itemsize, 4) + index_row_bytes, 16) // itemsize
 SPLIT_MODES = ("in_seq",)
 OWNER_RULES = ("page_mod_cp",)
 # The modules whose code defines the layout and what goes over the wire: a
@@ -161,6 +175,12 @@ class Agreement:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     q_lora_rank: int = 0
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
+    index_cache_dtype: str = ""  # one of INDEX_CACHE_DTYPES for DSA
+    index_block: int = 0  # values per float32 scale of an fp8 index key
+    index_row_bytes: int = 0
 
     @property
     def kv_planes(self) -> int:
@@ -188,12 +208,21 @@ class Agreement:
         for name in MLA_FIELDS:
             low = (0 if name == "q_lora_rank" else 1) if mla else 0
             check_int(name, getattr(self, name), low, MAX_HEAD_DIM if mla else 0)
-        if mla and (self.num_kv_heads, self.head_dim) != (
-                1, self.kv_lora_rank + self.qk_rope_head_dim):
+        dsa = self.index_head_dim != 0 or self.index_cache_dtype != ""
+        for name in DSA_INT_FIELDS:
+            check_int(name, getattr(self, name), 1 if dsa else 0, MAX_HEAD_DIM if dsa else 0)
+        if dsa and (not mla or self.index_cache_dtype not in INDEX_CACHE_DTYPES):
+            raise ValueError(f"index_cache_dtype must be one of {INDEX_CACHE_DTYPES} in an MLA "
+                             f"agreement, got {self.index_cache_dtype!r} with attention="
+                             f"{self.attention!r}")
+        latent = self.kv_lora_rank + self.qk_rope_head_dim
+        row = latent if not dsa else dsa_row_elements(
+            latent, kv_dtype(self.kv_dtype).itemsize, self.index_row_bytes)
+        if mla and (self.num_kv_heads, self.head_dim) != (1, row):
             raise ValueError(
-                f"an MLA agreement has num_kv_heads=1 and head_dim=kv_lora_rank+qk_rope_head_dim="
-                f"{self.kv_lora_rank + self.qk_rope_head_dim}, got num_kv_heads={self.num_kv_heads} "
-                f"head_dim={self.head_dim}")
+                f"an MLA agreement has num_kv_heads=1 and head_dim={row} (kv_lora_rank+"
+                f"qk_rope_head_dim{', then the index-K row' if dsa else ''}), got num_kv_heads="
+                f"{self.num_kv_heads} head_dim={self.head_dim}")
 
     @classmethod
     def from_model(
@@ -213,7 +242,8 @@ class Agreement:
         mla = dict(model_fields.get("mla") or {})
         if mla.get("q_lora_rank") is None and mla:
             mla["q_lora_rank"] = 0
-        own = (*_OWN_MODEL_FIELDS, "attention", "mla")
+        dsa = dict(model_fields.get("dsa") or {})
+        own = (*_OWN_MODEL_FIELDS, "attention", "mla", "dsa")
         return cls(
             architecture=model_fields["architecture"],
             model_config={k: v for k, v in model_fields.items() if k not in own},
@@ -229,6 +259,7 @@ class Agreement:
             source_digest=source_digest if source_digest is not None else _hash_sources(None, None),
             attention=model_fields.get("attention", "gqa"),
             **{name: mla[name] for name in MLA_FIELDS if name in mla},
+            **{name: dsa[name] for name in (*DSA_INT_FIELDS, "index_cache_dtype") if name in dsa},
         )
 
     def to_dict(self) -> dict[str, Any]:
