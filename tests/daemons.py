@@ -23,7 +23,7 @@ def start_pair(engine: EngineConfig, daemon: DaemonConfig = LONG_LEASE,
     try:
         decode_daemon = DecodeDaemon(DecodeConfig(
             engine.model_path, prefill.endpoint, page_size=engine.page_size,
-            **{"device": "cpu", **decode}))
+            **{"device": "cpu", "index_cache_dtype": engine.index_cache_dtype, **decode}))
     except BaseException:
         prefill.stop()
         raise

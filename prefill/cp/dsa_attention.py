@@ -23,7 +23,6 @@ from kernels.dsa.sparse_mla import sparse_mla_prefill
 from kernels.store_kv import store_kv
 from model.dsa import IndexInputs
 
-
 # Queries scored at once: a [chunk, request length] float32 block of scores.
 QUERY_CHUNK = 2048
 

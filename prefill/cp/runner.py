@@ -25,11 +25,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from kernels.dsa.pool_layout import DSARowLayout
 from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
 from kernels.rerange import rerange
 from kernels.store_kv import store_kv
-from kernels.dsa.pool_layout import DSARowLayout
 from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
 from model.sampling import SamplingParams, sample

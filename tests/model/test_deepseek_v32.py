@@ -62,12 +62,15 @@ def test_config_reads_the_indexer_and_refuses_it_elsewhere(checkpoint):
         ModelConfig(**{**vars(config), "dsa": None})
 
 
-def test_both_daemons_refuse_it_at_start_up_naming_it(checkpoint):
-    # Served DSA (index-K pages, sparse decode) is not built yet: one line, no traceback.
+def test_both_daemons_take_it_and_refuse_an_unknown_index_cache_dtype(checkpoint):
     from decode.config import DecodeConfig
     from prefill.engine_config import EngineConfig
 
-    with pytest.raises(ValueError, match="architecture='DeepseekV32ForCausalLM'"):
-        EngineConfig(model_path=str(checkpoint))
-    with pytest.raises(ValueError, match="architecture='DeepseekV32ForCausalLM'"):
-        DecodeConfig(model_path=str(checkpoint), prefill_endpoint="127.0.0.1:1")
+    assert EngineConfig(model_path=str(checkpoint)).index_cache_dtype == "fp8_e4m3"
+    assert DecodeConfig(model_path=str(checkpoint), prefill_endpoint="127.0.0.1:1",
+                        index_cache_dtype="model").index_cache_dtype == "model"
+    with pytest.raises(ValueError, match="index_cache_dtype='fp4'"):
+        EngineConfig(model_path=str(checkpoint), index_cache_dtype="fp4")
+    with pytest.raises(ValueError, match="index_cache_dtype='bf16'"):
+        DecodeConfig(model_path=str(checkpoint), prefill_endpoint="127.0.0.1:1",
+                     index_cache_dtype="bf16")
