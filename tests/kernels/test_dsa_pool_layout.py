@@ -15,9 +15,11 @@ from kernels.dsa.index_cache import (
 from kernels.dsa.indexer import index_scores_ref, paged_index_scores_ref, paged_index_scores_triton
 from kernels.dsa.pool_layout import DSARowLayout, dsa_row_elements
 from kernels.dsa.select import decode_select
+from kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
 from kernels.kv_layout import KVCacheSpec
 from kernels.page_copy import gather_pages
 from kernels.page_digest import page_digest
+from tests.markers import requires_gpu
 from transfer.protocol.contract import dsa_row_elements as contract_row_elements
 from transfer.protocol.wire import encode_chunk
 
@@ -114,3 +116,33 @@ def test_digest_and_wire_checksum_see_one_index_byte():
     assert page_digest(pool, pages, PAGE, 0, 2) != digest
     damaged, _ = encode_chunk("r", 0, 0, 0, [2, 0], gather_pages(pool, pages, PAGE, 0, 2))
     assert damaged.checksum != header.checksum
+
+
+@requires_gpu
+def test_v32_rows_on_gpu_store_score_and_attend_in_place():
+    """V3.2's bf16 rows (latent 576, fp8 index keys, 1296 bytes): the kernels on the
+    two views of a pool plane equal their references."""
+    lay = DSARowLayout(576, IndexCacheSpec(128, "fp8_e4m3", torch.bfloat16))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    plane = torch.randn(64 * 64, lay.head_dim, device="cuda", generator=gen).bfloat16()
+    want = plane.clone()
+    keys = (torch.randn(plane.shape[0], 128, device="cuda", generator=gen) * 2).bfloat16()
+    every = torch.arange(plane.shape[0], device="cuda")
+    store_index_k_triton(keys, lay.index_rows(plane), every, lay.index)
+    store_index_k_ref(keys, lay.index_rows(want), every, lay.index)
+    assert torch.equal(plane.view(torch.uint8), want.view(torch.uint8))
+    table = torch.randperm(64, device="cuda", generator=gen)[:48].int().view(4, 12)
+    lens = torch.tensor([768, 1, 100, 513], dtype=torch.int32, device="cuda")
+    q = torch.randn(4, 64, 128, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(4, 64, device="cuda", generator=gen)
+    index = lay.index_rows(plane)
+    ref = paged_index_scores_ref(q, w, index, table, lens, 64, 0.1, lay.index)
+    got = paged_index_scores_triton(q, w, index, table, lens, 64, 0.1, lay.index)
+    assert torch.equal(got.isfinite(), ref.isfinite())
+    torch.testing.assert_close(got[ref.isfinite()], ref[ref.isfinite()], atol=5e-2, rtol=2e-2)
+    chosen = decode_select(q, w, index, table, lens, 64, 0.1, 256, lay.index)
+    qa = torch.randn(4, 128, 576, device="cuda", generator=gen).bfloat16()
+    out = sparse_mla_decode_triton(qa, lay.latent(plane), table, chosen, 64, 0.07, 512)
+    torch.testing.assert_close(
+        out.float(), sparse_mla_decode_ref(qa, lay.latent(plane), table, chosen, 64, 0.07,
+                                           512).float(), atol=2e-2, rtol=2e-2)
