@@ -63,7 +63,8 @@ def _warm_up_attention(pool: PagePool, num_q_heads: int, max_positions: int) -> 
     most = max(1, min(triton.cdiv(width * spec.page_size, cfg.block_n),
                       triton.cdiv(sms * cfg.programs_per_sm, spec.kv_heads)))
     k_cache, v_cache = pool.k_cache(0), pool.v_cache(0)
-    q = torch.zeros((1, num_q_heads, spec.head_dim), dtype=spec.dtype, device=pool.device)
+    latent = pool.latent_cache(0)  # a DSA row is wider than its latent
+    q = torch.zeros((1, num_q_heads, latent.shape[1]), dtype=spec.dtype, device=pool.device)
     table = torch.zeros((1, width), dtype=torch.int32, device=pool.device)
     lens = torch.zeros(1, dtype=torch.int32, device=pool.device)
     splits = 1
@@ -79,11 +80,12 @@ def _warm_up_mla_attention(pool: PagePool, num_q_heads: int, max_positions: int,
                            kv_lora_rank: int) -> None:
     spec = pool.spec
     width = max(1, min(pool.num_pages, -(-max_positions // spec.page_size)))
-    q = torch.zeros((1, num_q_heads, spec.head_dim), dtype=spec.dtype, device=pool.device)
+    latent = pool.latent_cache(0)  # a DSA row is wider than its latent
+    q = torch.zeros((1, num_q_heads, latent.shape[1]), dtype=spec.dtype, device=pool.device)
     table = torch.zeros((1, width), dtype=torch.int32, device=pool.device)
     lens = torch.zeros(1, dtype=torch.int32, device=pool.device)
     for splits in (1, 2):  # without and with partials and their merge
-        paged_mla_decode_attention(q, pool.latent_cache(0), table, lens, spec.page_size, 1.0,
+        paged_mla_decode_attention(q, latent, table, lens, spec.page_size, 1.0,
                                    kv_lora_rank, num_splits=splits)
 
 
