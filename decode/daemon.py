@@ -81,6 +81,7 @@ class DecodeStats(NamedTuple):
 class DecodeDaemon:
     def __init__(self, config: DecodeConfig) -> None:
         self.config = config
+        self._serving = False  # health set by start; the prefill pick may change it after
         keep_freed_buffers()  # gRPC hands this process a multi-MiB bytes object per chunk
         # Channels to the owner ranks, shared by every request.
         self.kv = KVClient(config.security, retry=config.fetch_retry, receivers=config.resolved_fetch_processes)
@@ -127,7 +128,8 @@ class DecodeDaemon:
                                          None if contract is None else contract.topology,
                                          health_pb2_grpc.HealthStub(channel)))
         self.prefills = PrefillPool(targets, interval_s=config.prefill_health_interval_s,
-                                    rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology)
+                                    rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
+                                    on_available=self._prefill_available)
         grpc_transport = GrpcTransport(self.kv, max_inflight_bytes=config.max_inflight_bytes,
                                        max_chunk_bytes=config.fetch_chunk_bytes)
         fast = None if self.fastpath is None else FastPathTransport(self.fastpath, self.metrics.failures)
@@ -246,10 +248,26 @@ class DecodeDaemon:
         lanekv_pb2_grpc.add_DecodeServiceServicer_to_server(DecodeServicer(self.generate), server)
         add_transfer_service(server, KVTransferService(ContractOnlySource(self.contract, "a decode daemon serves no pages")))
         self.rpc.start((DECODE_SERVICE, TRANSFER_SERVICE))
+        self._serving = True
+        if not self.prefills.available:  # every prefill daemon left the pick during start-up
+            self._prefill_available(False)
         log.info("decode daemon on %s, paired with prefill %s, fingerprint %s, %s", self.endpoint,
                  ", ".join(f"{t.endpoint} (cp {t.topology.cp_size if t.topology else '?'})"
                            for t in self.prefills.targets),
                  self.agreement.fingerprint[:16], self.rpc.describe())
+
+    def _prefill_available(self, available: bool) -> None:
+        """Our health follows the prefill pick: with no prefill daemon to take a prompt
+        every Generate would fail, so say NOT_SERVING (a front or an orchestrator then
+        sends elsewhere) until one is back. A drain's NOT_SERVING stays for good."""
+        if not self._serving:
+            return  # before start: start sets the health, then asks again
+        if available:
+            log.info("a prefill daemon is back in the pick: SERVING")
+            self.rpc.start_serving((DECODE_SERVICE, TRANSFER_SERVICE))
+        else:
+            log.warning("no prefill daemon is in the pick: NOT_SERVING until one is back")
+            self.rpc.set_not_serving((DECODE_SERVICE, TRANSFER_SERVICE))
 
     @property
     def port(self) -> int:

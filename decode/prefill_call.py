@@ -202,10 +202,13 @@ class PrefillPool:
     service each ``interval_s``, and one that says SERVING while out of the
     pick handshakes again (``rejoin``: its topology may have changed with a
     restart) before it is back. None of these calls raises but ``pick``.
+    ``on_available(bool)`` hears when the pick turns empty and when a daemon is
+    back in it (the decode daemon's own health follows).
     """
 
     def __init__(self, targets: Sequence[PrefillTarget], interval_s: float = 1.0,
-                 timeout_s: float = 2.0, rejoin: Rejoin | None = None) -> None:
+                 timeout_s: float = 2.0, rejoin: Rejoin | None = None,
+                 on_available: Callable[[bool], None] | None = None) -> None:
         if not targets:
             raise ValueError("a PrefillPool needs at least one prefill daemon")
         if not interval_s > 0 or not timeout_s > 0:
@@ -216,6 +219,8 @@ class PrefillPool:
         self._lock = threading.Lock()
         self._turn = 0
         self._interval_s, self._timeout_s, self._rejoin = interval_s, timeout_s, rejoin
+        self._on_available = on_available
+        self._available = self.available
         self._stop = threading.Event()
         self._watch = threading.Thread(target=self._watch_health, name="lanekv-prefill-health", daemon=True)
         self._watch.start()
@@ -235,6 +240,20 @@ class PrefillPool:
             target = tied[self._turn % len(tied)]
             target.queued_tokens += num_tokens
             return target
+
+    @property
+    def available(self) -> bool:
+        """Whether any daemon is in the pick."""
+        with self._lock:
+            return any(t.healthy for t in self.targets)
+
+    def _report(self) -> None:
+        """Tell ``on_available`` when the pick turns empty, or no longer is."""
+        with self._lock:
+            now = any(t.healthy for t in self.targets)
+            changed, self._available = now != self._available, now
+        if changed and self._on_available is not None:
+            self._on_available(now)
 
     def done(self, target: PrefillTarget, num_tokens: int) -> None:
         """The prefill of ``num_tokens`` sent to ``target`` ended (answered or failed)."""
@@ -257,6 +276,7 @@ class PrefillPool:
             was, target.healthy, target.problem = target.healthy, False, problem
         if was:
             log.warning("prefill daemon %s leaves the pick: %s", target.endpoint, problem)
+            self._report()
 
     def close(self) -> None:
         self._stop.set()
@@ -292,6 +312,7 @@ class PrefillPool:
         with self._lock:
             target.topology, target.healthy, target.problem = topology, True, ""
         log.info("prefill daemon %s is in the pick (cp %d)", target.endpoint, topology.cp_size)
+        self._report()
 
     def _watch_health(self) -> None:
         while not self._stop.wait(self._interval_s):

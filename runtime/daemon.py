@@ -87,6 +87,11 @@ class DaemonServer:
     def start(self, services: Sequence[str]) -> None:
         """Start serving: health says SERVING for the server ("") and each of ``services``."""
         self.server.start()
+        self.start_serving(services)
+
+    def start_serving(self, services: Sequence[str]) -> None:
+        """Health says SERVING again for the server ("") and each of ``services``
+        (ignored once a drain began: its NOT_SERVING is for good)."""
         for service in ("", *services):
             self.health.set(service, _SERVING)
 

@@ -232,3 +232,35 @@ def test_decode_refuses_to_start_against_a_mismatched_prefill(checkpoint, prefil
                 proc.wait(10)
     assert prefill.engine.allocator.free_counts() == prefill_free
     assert prefill.leases.held() == {}
+
+
+@pytest.mark.timeout(120)
+def test_health_says_not_serving_while_no_prefill_daemon_can_take_a_prompt(checkpoint):
+    """Its only prefill daemon gone, a decode daemon's health turns NOT_SERVING (a front
+    or an orchestrator then sends elsewhere) and a Generate is UNAVAILABLE naming it."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    own_prefill = PrefillDaemon(EngineConfig(str(checkpoint), cp_size=1, page_size=PAGE_SIZE, pages_per_lane=64,
+                                             start_timeout_s=120), DaemonConfig(lease_s=60))
+    lonely = None
+    try:
+        lonely = DecodeDaemon(DecodeConfig(str(checkpoint), own_prefill.endpoint, page_size=PAGE_SIZE,
+                                           pool_pages=64, device="cpu", prefill_health_interval_s=0.2))
+        with grpc.insecure_channel(lonely.endpoint) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def status() -> int:
+                return health.Check(health_pb2.HealthCheckRequest(service="lanekv.v1.DecodeService"),
+                                    timeout=5).status
+
+            assert status() == health_pb2.HealthCheckResponse.SERVING
+            assert _tokens(lanekv_pb2_grpc.DecodeServiceStub(channel), _request([5, 6, 7], 2)) != []
+            own_prefill.stop()
+            assert _wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10.0)
+            with pytest.raises(grpc.RpcError) as err:
+                _tokens(lanekv_pb2_grpc.DecodeServiceStub(channel), _request([5, 6, 7], 2), timeout=20)
+            assert err.value.code() == Code.UNAVAILABLE and own_prefill.endpoint in err.value.details()
+    finally:
+        if lonely is not None:
+            lonely.stop(grace_s=1.0)
+        own_prefill.stop()

@@ -49,11 +49,12 @@ def _topology(i: int, cp_size: int = 1) -> Topology:
     return Topology(cp_size, "in_seq", "page_mod_cp", tuple(f"127.0.0.1:{7100 + 10 * i + r}" for r in range(cp_size)))
 
 
-def _pool(n: int, interval_s: float = 60.0, rejoin=None, topologies=None):
+def _pool(n: int, interval_s: float = 60.0, rejoin=None, topologies=None, on_available=None):
     topologies = topologies or [_topology(i) for i in range(n)]
     targets = [PrefillTarget(PrefillClient(None, f"127.0.0.1:{7000 + i}"), topologies[i], FakeHealth())
                for i in range(n)]
-    return PrefillPool(targets, interval_s=interval_s, timeout_s=0.5, rejoin=rejoin), targets
+    return PrefillPool(targets, interval_s=interval_s, timeout_s=0.5, rejoin=rejoin,
+                       on_available=on_available), targets
 
 
 def test_fewest_queued_prompt_tokens_win():
@@ -286,5 +287,28 @@ def test_no_healthy_daemon_is_unavailable_before_any_prefill():
             pipeline._prepare(_call(), None)
         assert err.value.code == Code.UNAVAILABLE and "health NOT_SERVING" in err.value.message
         assert pipeline.tried == []
+    finally:
+        pool.close()
+
+
+def test_the_pick_turning_empty_and_back_is_told_once_each():
+    """The decode daemon's health follows this: NOT_SERVING while no prefill daemon
+    can take a prompt, SERVING again once one is back."""
+    told: list[bool] = []
+    pool, (a, b) = _pool(2, on_available=told.append)
+    try:
+        assert pool.available
+        pool.lost(a, "Prefill UNAVAILABLE")
+        assert told == []  # b still takes prompts
+        b.health.status = None
+        pool.check(b)
+        assert told == [False] and not pool.available
+        pool.lost(b, "again")  # already out: nothing new to tell
+        assert told == [False]
+        a.health.status = SERVING
+        pool.check(a)
+        assert told == [False, True] and pool.available
+        pool.check(a)  # still in: nothing new
+        assert told == [False, True]
     finally:
         pool.close()
