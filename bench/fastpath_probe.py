@@ -83,7 +83,7 @@ from transfer.fastpath.tuning import DEFAULT_COPY, DEFAULT_FAST_PATH  # noqa: E4
 from transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
 from transfer.protocol.descriptors import Descriptor  # noqa: E402
 from transfer.protocol.manifest import Manifest  # noqa: E402
-from transfer.rank.service import EPOCH_METADATA_KEY  # noqa: E402
+from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 
 def timed(fn, repeat: int) -> float:
@@ -157,7 +157,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
     reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(
         token_ids=lanekv_pb2.TokenIds(ids=prompt(vocab, args.tokens, 7)), request_id=f"probe-{uuid.uuid4().hex[:8]}"),
         timeout=900)
-    epoch = dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY)
+    epoch = access_ticket(dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY), reply.capability)
     metadata = ((EPOCH_METADATA_KEY, epoch),)
     manifest = Manifest.decode(reply.manifest)
     endpoints = list(reply.endpoints)

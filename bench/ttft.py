@@ -64,7 +64,7 @@ from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from transfer.grpcfetch.client import KVClient  # noqa: E402
 from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
 from transfer.protocol.manifest import Manifest  # noqa: E402
-from transfer.rank.service import EPOCH_METADATA_KEY  # noqa: E402
+from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 
 def prompt(vocab: int, tokens: int, seed: int) -> list[int]:
@@ -83,7 +83,7 @@ def colocated(prefill: PrefillDaemon, stub, ids: list[int]) -> float:
 
 
 def release(prefill: PrefillDaemon, reply, call) -> None:
-    epoch = dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY)
+    epoch = access_ticket(dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY), reply.capability)
     with KVClient() as kv:
         kv.release(dict(enumerate(reply.endpoints)), reply.request_id, reply.contract_fingerprint, epoch=epoch)
 
@@ -126,7 +126,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(
         token_ids=lanekv_pb2.TokenIds(ids=prompt(vocab, tokens, 7)), request_id=f"alone-{uuid.uuid4().hex[:8]}"),
         timeout=900)
-    epoch = dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY)
+    epoch = access_ticket(dict(call.trailing_metadata() or ()).get(EPOCH_METADATA_KEY), reply.capability)
     manifest = Manifest.decode(reply.manifest)
     endpoints = list(reply.endpoints)
     owners = sorted({p.owner for p in manifest.pages})

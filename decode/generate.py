@@ -25,7 +25,8 @@ holds by then is given back (``settle``):
    brings the first token;
 4. release the prefill pages at every rank, in the background (FetchKV and
    Release carry the prefill daemon's epoch from step 2, so a restarted
-   prefill daemon refuses them);
+   prefill daemon refuses them, and the request's capability from the
+   prefill reply, without which the ranks refuse them);
 5. hand the page table to the engine with prefill's first token and yield the
    engine's events.
 
@@ -59,6 +60,7 @@ from runtime.status import Refusal
 from transfer.connector.base import FetchJob, KVFetchError
 from transfer.connector.fetcher import FetchStats, KVFetcher
 from transfer.protocol.contract import Agreement
+from transfer.rank.service import access_ticket
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
@@ -128,7 +130,7 @@ class GenerateCall:
     reserved_pages: int = 0  # promised by the PageBudget
     pinned_at: dict[int, str] | None = None  # prefill ranks still pinning the request's pages
     fingerprint: str = ""
-    epoch: str | None = None  # the prefill daemon start that pinned the pages
+    epoch: str | None = None  # access_ticket: the prefill daemon start that pinned the pages, the capability
     table: PageTable | None = None  # our pages, until the engine owns them
     in_engine: bool = False
     settled: bool = False
@@ -228,7 +230,8 @@ class GeneratePipeline:
                                        config.request_timeout_s)
         try:
             started = prefill.started()
-            call.epoch = prefill.epoch
+            # The start and the request's capability, presented to every rank.
+            call.epoch = access_ticket(prefill.epoch, started.capability)
             call.fingerprint = started.contract_fingerprint
             call.pinned_at = dict(enumerate(started.endpoints))
             manifest = check_manifest(started, spec.request_id, len(spec.token_ids), ctx.agreement.fingerprint,

@@ -19,7 +19,10 @@ Request log lines read ``<what> request_id=<id> key=value ...`` and carry
 Each start of the daemon has its own ``epoch`` (a random id). Prefill hands
 it out in its trailing metadata (``lanekv-epoch``); the ranks refuse a
 FetchKV or Release that carries another start's epoch with
-FAILED_PRECONDITION, and a request id of an old start is unknown to a new
+FAILED_PRECONDITION. Each request gets an unguessable capability (256 random
+bits, ``PrefillReply.capability``), known to its ranks only as a digest:
+FetchKV (descriptors too) and Release must present ``<epoch>:<capability>``,
+else PERMISSION_DENIED. And a request id of an old start is unknown to a new
 one (NOT_FOUND), so a restarted daemon on the same ports never serves its
 pages for an old request. A rank process that dies makes the engine
 unusable: from then on Prefill answers UNAVAILABLE naming the rank, and the
@@ -58,6 +61,7 @@ from transfer.rank.service import (
     EPOCH_METADATA_KEY,
     KVTransferService,
     add_transfer_service,
+    new_capability,
 )
 from transfer.rank.sources import ContractOnlySource
 
@@ -198,7 +202,8 @@ class PrefillDaemon:
             if rid in self._in_flight or rid in self.leases:
                 raise Refusal(Code.ALREADY_EXISTS, f"request_id={rid!r} is already in use")
             self._in_flight[rid] = started
-        done = self.batcher.submit(inp._replace(request_id=rid))
+        # Its ranks serve the pages only to a caller presenting this (PrefillReply.capability).
+        done = self.batcher.submit(inp._replace(request_id=rid, capability=new_capability()))
 
         def finished(_: futures.Future) -> None:
             with self._lock:
@@ -313,7 +318,8 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
                 self._refused(refusal, request_id)
                 raise
             reply = self._reply(res)
-        # FetchKV and Release of this request carry it back (the reply message has no field for it).
+        # FetchKV and Release of this request carry it back with the capability
+        # (``access_ticket``; the reply message has no field for the epoch).
         context.set_trailing_metadata(((EPOCH_METADATA_KEY, d.epoch),))
         self._done(res, start)
         return reply
@@ -352,6 +358,7 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             manifest=manifest.encode(),
             endpoints=list(d.topology.endpoints),
             timings=res.timings,
+            capability=res.capability or "",
         )
 
     def _refused(self, refusal: Refusal, request_id: str | None) -> None:

@@ -40,7 +40,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings")
+    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,13 +54,15 @@ class PrefillReply(_message.Message):
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     contract_fingerprint: str
     manifest: bytes
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     timings: _containers.ScalarMap[str, float]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    capability: str
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("reply", "done")

@@ -71,6 +71,9 @@ class PrefillInput(NamedTuple):
     sampling: SamplingParams = SamplingParams()
     prefix_pages: Sequence[int] = ()  # pinned pages already holding the prompt's first tokens
     request_id: str | None = None
+    # The secret the ranks hold the request's pages to (FetchKV and Release must
+    # present it: ``transfer.rank.service.new_capability``); None: anyone with the id.
+    capability: str | None = None
 
 
 @dataclass
@@ -83,6 +86,7 @@ class PrefillResult:
     pages: list[PageInfo]  # the request's logical pages in order (prefix, then extend)
     logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    capability: str | None = None  # the input's, handed back with the manifest
 
     @property
     def new_pages(self) -> list[int]:
@@ -155,13 +159,15 @@ class PrefillEngine(ABC):
             extend_pages=tuple(tuple(p) for p in extend_pages),
             sampling=tuple(inp.sampling for inp in inputs),
             return_logits=return_logits,
+            capabilities=tuple(inp.capability for inp in inputs),
         )
         results = []
         for b, rid in enumerate(rids):
             pages = list(prefix_pages[b]) + list(extend_pages[b])
             total = prefix_lens[b] + len(ids[b])
             infos = [PageInfo(p, p % n, min(ps, total - k * ps)) for k, p in enumerate(pages)]
-            results.append(PrefillResult(rid, -1, total, prefix_lens[b], ps, infos))
+            results.append(PrefillResult(rid, -1, total, prefix_lens[b], ps, infos,
+                                         capability=inputs[b].capability))
         handed_over = threading.Event()  # on_started owns the pages from then on
 
         def started() -> None:

@@ -266,8 +266,9 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
     if source is not None:
         n = runner.cp_size
         progress = LayerProgress(runner.model.config.num_layers, runner.device)
-        for rid, pages in zip(batch.request_ids, batch.extend_pages):
-            source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank], progress)
+        capabilities = batch.capabilities or (None,) * len(batch.request_ids)
+        for rid, pages, capability in zip(batch.request_ids, batch.extend_pages, capabilities):
+            source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank], progress, capability)
     if registered is not None:
         registered()
 

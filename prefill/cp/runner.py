@@ -51,6 +51,8 @@ class PrefillBatch:
     extend_pages: tuple[tuple[int, ...], ...]  # logical pages for each extend, from the owners' lanes
     sampling: tuple[SamplingParams, ...]
     return_logits: bool = False
+    # Each request's KV capability (FetchKV and Release must present it); None: none.
+    capabilities: tuple[str | None, ...] | None = None
 
     def plan(self, cp_size: int, page_size: int) -> BatchPlan:
         return plan_batch(

@@ -32,7 +32,7 @@ from tests.reliability.kv_cluster import generate_request, wait_until
 from transfer.fastpath.client import FastPath
 from transfer.grpcfetch.client import KVClient
 from transfer.protocol.manifest import Manifest
-from transfer.rank.service import EPOCH_METADATA_KEY
+from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
 PAGE_SIZE = 4
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53]
@@ -80,11 +80,14 @@ def test_prefill_stream_sends_pages_first_and_a_fetch_between_gets_every_byte(ch
             request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT), request_id="streamed")
             call = stub.PrefillStream(request, timeout=60)
             first = next(call)
-            epoch = dict(call.initial_metadata())[EPOCH_METADATA_KEY]
+            # The start, and the request's capability: the ranks serve its pages to no one else.
+            epoch = access_ticket(dict(call.initial_metadata())[EPOCH_METADATA_KEY], first.reply.capability)
+            assert len(first.reply.capability) >= 43
             assert not first.done and first.reply.first_token == -1 and first.reply.request_id == "streamed"
             during = _fetch_all(kv, first.reply, epoch, num_layers)  # may run while the ranks prefill
             last = next(call)
             assert last.done and last.reply.manifest == first.reply.manifest
+            assert last.reply.capability == first.reply.capability
             assert list(call) == []
             after = _fetch_all(kv, last.reply, epoch, num_layers)
             assert during.keys() == after.keys() and len(after) == num_layers * len(Manifest.decode(
@@ -108,7 +111,7 @@ def test_a_release_before_the_prefill_ends_frees_every_page_once(checkpoint):
             call = stub.PrefillStream(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=ids),
                                                                 request_id="let-go"), timeout=60)
             first = next(call)
-            epoch = dict(call.initial_metadata())[EPOCH_METADATA_KEY]
+            epoch = access_ticket(dict(call.initial_metadata())[EPOCH_METADATA_KEY], first.reply.capability)
             assert prefill.leases.held()["let-go"] == len(Manifest.decode(first.reply.manifest).pages)
             # The decode side gives up at once: every rank releases, the prefill may still run.
             freed = kv.release(dict(enumerate(first.reply.endpoints)), "let-go", first.reply.contract_fingerprint,

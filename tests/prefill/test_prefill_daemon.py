@@ -19,6 +19,7 @@ from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 from transfer.grpcfetch.client import KVClient
 from transfer.protocol.manifest import Manifest
+from transfer.rank.service import access_ticket
 
 PROMPT_LENS = [5, 64, 130, 17]
 
@@ -54,7 +55,8 @@ def _fetch_all(client, reply, page_size, shape):
             ]
 
     owners = sorted({p.owner for p in manifest.pages})
-    client.fetch({r: reply.endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint, place)
+    client.fetch({r: reply.endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint, place,
+                 epoch=access_ticket(None, reply.capability))
     return manifest, out
 
 
@@ -96,7 +98,8 @@ def test_daemon_serves_pages_equal_to_reference(checkpoint, cp_size, page_size):
             # Release at every owner returns every page
             for reply in replies:
                 owners = {p.owner for p in Manifest.decode(reply.manifest).pages}
-                client.release({r: reply.endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint)
+                client.release({r: reply.endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
+                               epoch=access_ticket(None, reply.capability))
         deadline = time.monotonic() + 10
         while daemon.engine.allocator.free_counts() != start_free and time.monotonic() < deadline:
             time.sleep(0.05)

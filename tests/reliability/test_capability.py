@@ -11,15 +11,31 @@ that never called AttachPool is refused (FAILED_PRECONDITION).
 from __future__ import annotations
 
 from collections.abc import Iterator
+from functools import partial
 
 import grpc
 import pytest
 import torch
 
+from decode.config import DecodeConfig
+from decode.daemon import DecodeDaemon
+from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2 as pb
 from proto import lanekv_pb2_grpc
-from tests.reliability.kv_cluster import Servers, placer, rows_of, same_bits, start_servers
+from tests.checkpoints import write_llama
+from tests.daemons import running_pair
+from tests.reliability.kv_cluster import (
+    Servers,
+    generate_request,
+    placer,
+    rows_of,
+    same_bits,
+    start_servers,
+    wait_until,
+)
+from transfer.fastpath.client import FastPath
 from transfer.grpcfetch.client import KVClient, RemoteError
+from transfer.protocol.manifest import Manifest
 from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket, new_capability
 
 pytestmark = pytest.mark.timeout(60)
@@ -100,3 +116,96 @@ def test_descriptors_need_an_attach_pool_first(servers):
         # Without the capability it is refused for that first.
         code, _ = _status(lambda: list(kv.FetchKV(request, timeout=10)))
         assert code == Code.PERMISSION_DENIED
+
+
+# -- through the daemons: the prefill daemon issues each request's capability --
+
+PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53, 57, 61, 65, 69]
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("capability-llama"))
+
+
+def _generated(endpoint: str) -> tuple[list[int], str]:
+    """A Generate call's tokens and how each rank's KV came ('0:shm,1:grpc', ...)."""
+    with grpc.insecure_channel(endpoint) as channel:
+        call = lanekv_pb2_grpc.DecodeServiceStub(channel).Generate(generate_request(PROMPT, 5), timeout=60)
+        tokens = [t for reply in call for t in reply.token_ids]
+        return tokens, dict(call.trailing_metadata() or ()).get("lanekv-transfer-paths", "")
+
+
+def _fetched(rank_kv, request: pb.FetchRequest, metadata) -> tuple[Code, str, list]:
+    chunks: list = []
+    code, details = _status(lambda: chunks.extend(rank_kv.FetchKV(request, timeout=10, metadata=metadata)))
+    return code, details, chunks
+
+
+@pytest.mark.timeout(180)
+def test_the_prefill_daemon_pins_every_request_with_its_own_capability(checkpoint):
+    engine = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=64, start_timeout_s=120)
+    with running_pair(engine, pool_pages=64) as (prefill, fast):
+        # Generation still works through both transports, each presenting the capability.
+        grpc_decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=4, pool_pages=64,
+                                                device="cpu", transport="grpc"))
+        try:
+            tokens, paths = _generated(fast.endpoint)
+            assert paths == "0:shm,1:shm"
+            assert _generated(grpc_decode.endpoint) == (tokens, "0:grpc,1:grpc")
+        finally:
+            grpc_decode.stop(grace_s=1.0)
+        assert wait_until(lambda: prefill.leases.held() == {})
+
+        with grpc.insecure_channel(prefill.endpoint) as channel:
+            stub = lanekv_pb2_grpc.PrefillServiceStub(channel)
+            request = pb.PrefillRequest(token_ids=pb.TokenIds(ids=PROMPT), request_id="capped")
+            call = stub.PrefillStream(request, timeout=60)
+            replies = [message.reply for message in call]
+            epoch = dict(call.initial_metadata())[EPOCH_METADATA_KEY]
+            other = stub.Prefill(pb.PrefillRequest(token_ids=pb.TokenIds(ids=PROMPT)), timeout=60)
+        capability = replies[0].capability
+        assert len(capability) >= 43 and replies[-1].capability == capability  # 256 random bits
+        assert other.capability not in ("", capability)  # each request its own
+        reply, ticket = replies[-1], access_ticket(epoch, capability)
+        manifest = Manifest.decode(reply.manifest)
+        fp = reply.contract_fingerprint
+        refused = [None, ((EPOCH_METADATA_KEY, epoch),),
+                   ((EPOCH_METADATA_KEY, access_ticket(epoch, other.capability)),),  # another request's
+                   ((EPOCH_METADATA_KEY, access_ticket(epoch, capability[:-1] + "A")),)]
+        with KVClient() as kv:
+            attach = FastPath(kv, fast.agreement, transports=["shm"])
+            for rank, endpoint in enumerate(reply.endpoints):
+                assert attach.pool(endpoint, ticket, 10) is not None  # descriptors are offered to us now
+                rank_kv = lanekv_pb2_grpc.KVTransferStub(kv.channel(endpoint))
+                fetch = pb.FetchRequest(request_id="capped", fingerprint=fp)
+                describe = pb.FetchRequest(request_id="capped", fingerprint=fp, descriptors=True)
+                for metadata in refused:
+                    for what in (fetch, describe):
+                        code, details, chunks = _fetched(rank_kv, what, metadata)
+                        assert (code, chunks) == (Code.PERMISSION_DENIED, []), (rank, metadata, code, details)
+                        assert "\n" not in details and capability not in details and "capped" in details
+                    code, details = _status(partial(rank_kv.Release, pb.ReleaseRequest(
+                        request_id="capped", fingerprint=fp), timeout=10, metadata=metadata))
+                    assert code == Code.PERMISSION_DENIED and capability not in details
+                presented = ((EPOCH_METADATA_KEY, ticket),)
+                assert list(rank_kv.FetchKV(describe, timeout=10, metadata=presented))  # descriptors
+                assert list(rank_kv.FetchKV(fetch, timeout=10, metadata=presented))
+            assert prefill.leases.held()["capped"] == len(manifest.pages)  # nothing was released
+            # The bytes a capability reads are the request's, bit for bit.
+            want = prefill.engine.read_pages([p.page for p in manifest.pages])
+            dest = torch.full_like(want, float("nan"))
+            slot = {p.page: k for k, p in enumerate(manifest.pages)}
+
+            def place(header, payload):
+                for i, page in enumerate(header.pages):
+                    dest[header.layer_start:header.layer_end, :, slot[page] * 4:(slot[page] + 1) * 4] = \
+                        payload[:, :, i * 4:(i + 1) * 4]
+
+            owners = {r: reply.endpoints[r] for r in sorted({p.owner for p in manifest.pages})}
+            kv.fetch(owners, "capped", fp, place, timeout=10, epoch=ticket)
+            assert same_bits(dest, want)
+            assert kv.release(owners, "capped", fp, timeout=10, epoch=ticket) == len(manifest.pages)
+            kv.release(dict(enumerate(other.endpoints)), other.request_id, other.contract_fingerprint,
+                       timeout=10, epoch=access_ticket(None, other.capability))
+        assert wait_until(lambda: prefill.leases.held() == {})

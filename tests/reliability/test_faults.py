@@ -58,7 +58,7 @@ from tests.reliability.kv_cluster import (
 )
 from tests.reliability.proxy import FaultProxy
 from transfer.grpcfetch.client import KVClient, RemoteError, RetryPolicy
-from transfer.rank.service import EPOCH_METADATA_KEY, KVTransferService
+from transfer.rank.service import EPOCH_METADATA_KEY, KVTransferService, access_ticket
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -441,6 +441,7 @@ def test_a_restarted_prefill_daemon_refuses_the_old_start(checkpoint):
         want = tokens(stub, generate_request(PROMPT, NEW_TOKENS))
         reply, old_epoch = _prefill_with_epoch(old.endpoint, "reused-id")
         assert old_epoch == old.epoch
+        old_ticket = access_ticket(old_epoch, reply.capability)  # what a decode daemon of the old start holds
         endpoints = dict(enumerate(reply.endpoints))
         old.stop()
         new = _prefill_daemon(checkpoint, **ports)
@@ -448,7 +449,7 @@ def test_a_restarted_prefill_daemon_refuses_the_old_start(checkpoint):
         with KVClient() as kv:
             # The new start never saw the id, and says so either way.
             with pytest.raises(RemoteError) as caught:
-                kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: None, epoch=old_epoch)
+                kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: None, epoch=old_ticket)
             assert caught.value.code == Code.FAILED_PRECONDITION and "restarted" in caught.value.details
             with pytest.raises(RemoteError) as caught:
                 kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: None)
@@ -458,14 +459,15 @@ def test_a_restarted_prefill_daemon_refuses_the_old_start(checkpoint):
             placed: list = []
             with pytest.raises(RemoteError) as caught:
                 kv.fetch(endpoints, "reused-id", reply.contract_fingerprint, lambda h, t: placed.append(h),
-                         epoch=old_epoch)
+                         epoch=old_ticket)
             assert caught.value.code == Code.FAILED_PRECONDITION and placed == []
             with pytest.raises(RemoteError) as caught:
-                kv.release(endpoints, "reused-id", reply.contract_fingerprint, epoch=old_epoch)
+                kv.release(endpoints, "reused-id", reply.contract_fingerprint, epoch=old_ticket)
             assert caught.value.code == Code.FAILED_PRECONDITION and "reused-id" in new.leases.held()
-            stats = kv.fetch(endpoints, "reused-id", again.contract_fingerprint, lambda h, t: None, epoch=new_epoch)
+            new_ticket = access_ticket(new_epoch, again.capability)
+            stats = kv.fetch(endpoints, "reused-id", again.contract_fingerprint, lambda h, t: None, epoch=new_ticket)
             assert stats.chunks > 0
-            kv.release(endpoints, "reused-id", again.contract_fingerprint, epoch=new_epoch)
+            kv.release(endpoints, "reused-id", again.contract_fingerprint, epoch=new_ticket)
             assert wait_until(lambda: new.leases.held() == {})
         # The decode daemon serves on through the new start (once its channel reconnects).
         assert wait_until(lambda: status_of(lambda: tokens(stub, generate_request(PROMPT, 1))) == Code.OK)

@@ -40,12 +40,17 @@ from tests.reliability import hostile_inputs as hostile
 from transfer.protocol.contract import Agreement, LayoutContract, agreement_of
 from transfer.protocol.manifest import Manifest
 from transfer.protocol.wire import ChunkHeader, encode_chunk
-from transfer.rank.service import KVTransferService, add_transfer_service
+from transfer.rank.service import (
+    EPOCH_METADATA_KEY,
+    KVTransferService,
+    access_ticket,
+    add_transfer_service,
+)
 
 Code = grpc.StatusCode
 OK, INVALID = Code.OK, Code.INVALID_ARGUMENT
 REFUSALS = frozenset({INVALID, Code.NOT_FOUND, Code.RESOURCE_EXHAUSTED, Code.OUT_OF_RANGE,
-                      Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS})
+                      Code.FAILED_PRECONDITION, Code.ALREADY_EXISTS, Code.PERMISSION_DENIED})
 PAGE_SIZE = 4
 PAGES_PER_LANE = 64  # the prefill pools hold 2 * 64 pages = 512 tokens
 POOL_PAGES = 160  # the decode pool holds 640 tokens
@@ -63,6 +68,7 @@ class Rig(NamedTuple):
     decode: DecodeDaemon
     channels: dict[str, grpc.Channel]  # parent, rank0, rank1, decode
     normal: tuple[int, ...]  # NORMAL's tokens before any fuzzing
+    tickets: dict[str, str]  # request id -> its access ticket, for the requests this test pinned
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,7 @@ def rig(tmp_path_factory) -> Iterator[Rig]:
         rank0, rank1 = prefill.topology.endpoints
         endpoints = {"parent": prefill.endpoint, "rank0": rank0, "rank1": rank1, "decode": decode.endpoint}
         channels = {name: grpc.insecure_channel(at, options=grpc_options()) for name, at in endpoints.items()}
-        yield Rig(prefill, decode, channels, tuple(_generate(channels["decode"], NORMAL)))
+        yield Rig(prefill, decode, channels, tuple(_generate(channels["decode"], NORMAL)), {})
     finally:
         for channel in channels.values():
             channel.close()
@@ -93,6 +99,18 @@ def _generate(channel: grpc.Channel, request: pb.GenerateRequest) -> list[int]:
 
 def _kv(rig: Rig, target: str) -> lanekv_pb2_grpc.KVTransferStub:
     return lanekv_pb2_grpc.KVTransferStub(rig.channels[target])
+
+
+def _ticket(rig: Rig, request_id: str) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that presents a pinned request's capability (None for other ids)."""
+    ticket = rig.tickets.get(request_id)
+    return None if ticket is None else ((EPOCH_METADATA_KEY, ticket),)
+
+
+def _prefilled(rig: Rig, request: pb.PrefillRequest) -> pb.PrefillReply:
+    reply = lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(request, timeout=TIMEOUT_S)
+    rig.tickets[reply.request_id] = access_ticket(None, reply.capability)
+    return reply
 
 
 def _outcome(call: Callable[[], object]) -> Code:
@@ -123,7 +141,7 @@ def _release(rig: Rig, request_id: str, fingerprint: str) -> None:
     for rank in ("rank0", "rank1"):
         try:
             _kv(rig, rank).Release(pb.ReleaseRequest(request_id=request_id, fingerprint=fingerprint),
-                                   timeout=TIMEOUT_S)
+                                   timeout=TIMEOUT_S, metadata=_ticket(rig, request_id))
         except grpc.RpcError as err:
             raise AssertionError(
                 f"release of {request_id!r} at {rank}: {err.code().name} {err.details()}") from None
@@ -131,7 +149,7 @@ def _release(rig: Rig, request_id: str, fingerprint: str) -> None:
 
 def _prefill(rig: Rig, request: pb.PrefillRequest) -> Callable[[], None]:
     def call() -> None:
-        reply = lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(request, timeout=TIMEOUT_S)
+        reply = _prefilled(rig, request)
         _release(rig, reply.request_id, reply.contract_fingerprint)
 
     return call
@@ -141,7 +159,7 @@ def _prefill(rig: Rig, request: pb.PrefillRequest) -> Callable[[], None]:
 def _pinned(rig: Rig, request_id: str, length: int) -> Iterator[pb.PrefillReply]:
     """A prefilled request whose pages stay pinned until the block ends."""
     request = pb.PrefillRequest(token_ids=pb.TokenIds(ids=list(range(3, 3 + length))), request_id=request_id)
-    reply = lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(request, timeout=TIMEOUT_S)
+    reply = _prefilled(rig, request)
     try:
         yield reply
     finally:
@@ -324,15 +342,17 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
     fingerprint = gone.contract_fingerprint
 
     def fetch(target: str, request_id: str = hostile.LIVE, fp: str = fingerprint, layer_end: int | None = None,
-              **kw) -> Callable[[], list]:
+              *, ticket: bool = True, **kw) -> Callable[[], list]:
         request = pb.FetchRequest(request_id=request_id, fingerprint=fp, **kw)
         if layer_end is not None:
             request.layer_end = layer_end
-        return lambda: list(_kv(rig, target).FetchKV(request, timeout=TIMEOUT_S))
+        metadata = _ticket(rig, request_id) if ticket else None
+        return lambda: list(_kv(rig, target).FetchKV(request, timeout=TIMEOUT_S, metadata=metadata))
 
-    def release(target: str, request_id: str, fp: str = fingerprint) -> Callable[[], object]:
+    def release(target: str, request_id: str, fp: str = fingerprint, *, ticket: bool = True) -> Callable[[], object]:
         request = pb.ReleaseRequest(request_id=request_id, fingerprint=fp)
-        return lambda: _kv(rig, target).Release(request, timeout=TIMEOUT_S)
+        metadata = _ticket(rig, request_id) if ticket else None
+        return lambda: _kv(rig, target).Release(request, timeout=TIMEOUT_S, metadata=metadata)
 
     with _pinned(rig, hostile.LIVE, 40) as live:  # 10 pages, 5 on each rank
         manifest = Manifest.decode(live.manifest)
@@ -368,6 +388,10 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
             ("release other fingerprint", release("rank0", hostile.LIVE, "f" * 64), Code.FAILED_PRECONDITION),
             ("release at the parent", release("parent", hostile.LIVE), Code.NOT_FOUND),
             ("release at decode", release("decode", hostile.LIVE), Code.NOT_FOUND),
+            ("fetch without the capability", fetch("rank0", ticket=False), Code.PERMISSION_DENIED),
+            ("descriptors without the capability", fetch("rank1", ticket=False, descriptors=True),
+             Code.PERMISSION_DENIED),
+            ("release without the capability", release("rank1", hostile.LIVE, ticket=False), Code.PERMISSION_DENIED),
         ]
         _expect(cases)
         ids = st.one_of(st.sampled_from([hostile.LIVE, hostile.LIVE, "gone", "", "x" * 257]), st.text(max_size=40))
@@ -395,7 +419,8 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
         _assert_explored(seen, OK, INVALID, Code.NOT_FOUND, Code.FAILED_PRECONDITION)
         # A client that leaves after one chunk of page-sized chunks.
         stream = _kv(rig, "rank0").FetchKV(pb.FetchRequest(request_id=hostile.LIVE, fingerprint=fingerprint,
-                                                          max_chunk_bytes=1024), timeout=TIMEOUT_S)
+                                                          max_chunk_bytes=1024), timeout=TIMEOUT_S,
+                                           metadata=_ticket(rig, hostile.LIVE))
         next(stream)
         stream.cancel()
         # The pinned request is whole: every byte as before the fuzzing.
@@ -403,10 +428,10 @@ def test_fetch_and_release_refuse_hostile_requests(rig):
 
     # A release racing a fetch of the same pages: the stream ends whole or NOT_FOUND,
     # and the pages come back once (a second free would raise in the parent).
-    lanekv_pb2_grpc.PrefillServiceStub(rig.channels["parent"]).Prefill(
-        pb.PrefillRequest(token_ids=pb.TokenIds(ids=list(range(3, 43))), request_id="racy"), timeout=TIMEOUT_S)
+    _prefilled(rig, pb.PrefillRequest(token_ids=pb.TokenIds(ids=list(range(3, 43))), request_id="racy"))
     stream = _kv(rig, "rank0").FetchKV(pb.FetchRequest(request_id="racy", fingerprint=fingerprint,
-                                                      max_chunk_bytes=1024), timeout=TIMEOUT_S)
+                                                      max_chunk_bytes=1024), timeout=TIMEOUT_S,
+                                       metadata=_ticket(rig, "racy"))
     next(stream)
     assert _outcome(release("rank0", "racy")) == OK
     assert _outcome(lambda: list(stream)) in (OK, Code.NOT_FOUND)

@@ -36,6 +36,7 @@ from proto import lanekv_pb2 as pb
 from proto import lanekv_pb2_grpc
 from runtime.requests import sampling_to_proto
 from tests.checkpoints import VOCAB_SIZE, write_llama
+from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
 Code = grpc.StatusCode
 PAGE_SIZE = 4
@@ -327,7 +328,8 @@ def test_full_prefill_pools_refuse_without_corrupting_the_pinned(rig, reference)
     rank0_channel = grpc.insecure_channel(replies[0].endpoints[0])
     rank0 = lanekv_pb2_grpc.KVTransferStub(rank0_channel)
     fetches = [pb.FetchRequest(request_id=r.request_id, fingerprint=r.contract_fingerprint) for r in replies]
-    held = [list(rank0.FetchKV(request, timeout=60)) for request in fetches]
+    tickets = [((EPOCH_METADATA_KEY, access_ticket(None, r.capability)),) for r in replies]
+    held = [list(rank0.FetchKV(request, timeout=60, metadata=md)) for request, md in zip(fetches, tickets)]
 
     outcomes = _run_all(rig.load, [*flood, fits])
     for out in outcomes[:-1]:
@@ -336,14 +338,14 @@ def test_full_prefill_pools_refuse_without_corrupting_the_pinned(rig, reference)
     assert rig.load.stats().reserved_pages == 0  # refused by prefill: the decode pages came back
 
     # The pinned pages hold what they held; released, the refused requests run.
-    assert [list(rank0.FetchKV(request, timeout=60)) for request in fetches] == held
+    assert [list(rank0.FetchKV(request, timeout=60, metadata=md)) for request, md in zip(fetches, tickets)] == held
     rank0_channel.close()
-    for reply in replies:
+    for reply, md in zip(replies, tickets):
         for endpoint in reply.endpoints:
             with grpc.insecure_channel(endpoint) as channel:
                 lanekv_pb2_grpc.KVTransferStub(channel).Release(
                     pb.ReleaseRequest(request_id=reply.request_id, fingerprint=reply.contract_fingerprint),
-                    timeout=30)
+                    timeout=30, metadata=md)
     assert _wait_until(lambda: _settled(rig))
     for job, out in zip(flood, _run_all(rig.load, flood)):
         assert out.code == Code.OK and reference.mismatch(job, out.tokens) is None, (job.request_id, out)

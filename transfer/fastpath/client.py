@@ -39,7 +39,7 @@ from transfer.protocol.descriptors import (
     open_pool,
 )
 from transfer.protocol.wire import kv_dtype
-from transfer.rank.service import EPOCH_METADATA_KEY
+from transfer.rank.service import EPOCH_METADATA_KEY, start_of
 
 log = logging.getLogger("lanekv.transfer")
 ATTACH_METHOD = "/lanekv.v1.KVTransfer/AttachPool"
@@ -92,7 +92,9 @@ class FastPath:
         self._lock = threading.Lock()
 
     def pool(self, endpoint: str, epoch: str | None, timeout: float) -> torch.Tensor | None:
-        """The rank's pool mapped here, or None when the fast path does not reach it."""
+        """The rank's pool mapped here, or None when the fast path does not reach it.
+        ``epoch``: the daemon start, or a request's ``access_ticket`` (one attach per start)."""
+        epoch = start_of(epoch)
         with self._lock:
             known = self._attached.get(endpoint)
             if known is not None and known.epoch == epoch:

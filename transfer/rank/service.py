@@ -64,9 +64,17 @@ EPOCH_METADATA_KEY = "lanekv-epoch"
 MAX_ATTACHED_PEERS = 1024
 
 
-def access_ticket(epoch: str, capability: str | None) -> str:
-    """The ``EPOCH_METADATA_KEY`` value for one request: its daemon start and capability."""
-    return epoch if capability is None else f"{epoch}:{capability}"
+def access_ticket(epoch: str | None, capability: str | None) -> str | None:
+    """The ``EPOCH_METADATA_KEY`` value for one request: its daemon start and capability
+    (an empty start names none; None: nothing to send)."""
+    if not capability:
+        return epoch or None
+    return f"{epoch or ''}:{capability}"
+
+
+def start_of(ticket: str | None) -> str | None:
+    """The daemon start an ``access_ticket`` names (what AttachPool needs), or None."""
+    return (ticket or "").partition(":")[0] or None
 
 
 def new_capability() -> str:
@@ -265,7 +273,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             if key != EPOCH_METADATA_KEY:
                 continue
             epoch, _, capability = value.partition(":")
-            if self._epoch is not None and epoch != self._epoch:
+            if self._epoch is not None and epoch and epoch != self._epoch:
                 raise Refusal(
                     Code.FAILED_PRECONDITION,
                     f"the request was prefilled by prefill daemon start {epoch!r:.40}, this is start "
