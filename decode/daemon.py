@@ -313,6 +313,11 @@ class DecodeDaemon:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def failure(self) -> str | None:
+        """None: nothing of a decode daemon dies apart from it (a dead receiver process
+        is replaced; a prefill daemon that is down fails calls, not the daemon)."""
+        return None
+
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Drain: say NOT_SERVING, refuse new calls, let open streams finish for
         ``grace_s``, then end them. A second call does nothing.

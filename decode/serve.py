@@ -68,4 +68,4 @@ def main(args: argparse.Namespace) -> int:
     return serve_until_signal(daemon, daemon.rpc.banner(
                                   "lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}"),
                               args.ready_file, STOP_GRACE_S if grace_s is None else grace_s, log,
-                              "finishing open streams")
+                              "finishing open streams", prog="lanekv decode")

@@ -25,9 +25,12 @@ FetchKV (descriptors too) and Release must present ``<epoch>:<capability>``,
 else PERMISSION_DENIED. And a request id of an old start is unknown to a new
 one (NOT_FOUND), so a restarted daemon on the same ports never serves its
 pages for an old request. A rank process that dies makes the engine
-unusable: from then on Prefill answers UNAVAILABLE naming the rank, and the
-pages still pinned are freed when their leases expire; health says
-NOT_SERVING once a Prefill has met the dead rank.
+unusable, and the engine notices at once (it watches the rank processes):
+health says NOT_SERVING within milliseconds, every Prefill in flight or
+queued ends UNAVAILABLE naming the rank (its pages go back to the lanes), and
+``failure()`` names the rank; ``lanekv prefill`` then exits with status 1
+and that line (``runtime.daemon.serve_until_signal``), for the orchestrator
+to restart it.
 """
 
 from __future__ import annotations
@@ -114,6 +117,8 @@ class PrefillDaemon:
         self.config = config
         self._rank_calls: dict[int, dict[tuple[str, str, str], float]] = {}  # the ranks' last totals
         self._stopped = False
+        self._failure: str | None = None  # why the ranks are down, once they are
+        self._lock = threading.Lock()
         # This start of the daemon: its ranks refuse FetchKV and Release naming another
         # one, so pages of a restarted daemon never answer for a request of an old start.
         self.epoch = uuid.uuid4().hex
@@ -122,7 +127,8 @@ class PrefillDaemon:
         self.registry, self.metrics = self.rpc.registry, self.rpc.metrics
         try:
             serving = TransferServing(config.host, config.transfer_port_base, config.security, self.epoch)
-            self.engine = CPPrefillEngine(engine_config, serve_transfer=serving, on_event=self._on_event)
+            self.engine = CPPrefillEngine(engine_config, serve_transfer=serving, on_event=self._on_event,
+                                          on_broken=self.ranks_down)
         except BaseException:
             self.rpc.close()
             raise
@@ -149,8 +155,6 @@ class PrefillDaemon:
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
         self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages
-        self._ranks_down = False
-        self._lock = threading.Lock()
         self.batcher = Batcher(self._run_batch, batch_wait_s=cfg.batch_wait_ms / 1e3,
                                max_batch_tokens=cfg.max_batch_tokens)
         self._stop = threading.Event()
@@ -162,6 +166,8 @@ class PrefillDaemon:
             ContractOnlySource(self.contract, "pages are served by the owner ranks' endpoints (see the contract topology)")
         ))
         self.rpc.start((PREFILL_SERVICE, TRANSFER_SERVICE))
+        if self.failure() is not None:  # a rank died while the daemon was starting
+            self.rpc.set_not_serving((PREFILL_SERVICE, TRANSFER_SERVICE))
         log.info("prefill daemon on %s, ranks %s, fingerprint %s, epoch %s, %s", self.endpoint,
                  list(self.topology.endpoints), self.contract.fingerprint[:16], self.epoch, self.rpc.describe())
 
@@ -264,13 +270,19 @@ class PrefillDaemon:
         self._rank_calls[rank] = dict(totals)
 
     def ranks_down(self, reason: str) -> None:
-        """A rank died: the engine serves no more, so health says NOT_SERVING (once)."""
+        """A rank died: the engine serves no more, so health says NOT_SERVING and
+        ``failure`` names the rank (once; the engine's watcher calls this)."""
         with self._lock:
-            if self._ranks_down or self._stopped:
+            if self._failure is not None or self._stopped:
                 return
-            self._ranks_down = True
+            self._failure = reason
         log.error("prefill ranks are down, NOT_SERVING until restarted: %s", reason)
-        self.rpc.set_not_serving((PREFILL_SERVICE,))
+        self.rpc.set_not_serving((PREFILL_SERVICE, TRANSFER_SERVICE))
+
+    def failure(self) -> str | None:
+        """Why this daemon can serve no more (a rank died), or None while it can."""
+        with self._lock:
+            return self._failure
 
     def _expire_loop(self) -> None:
         while not self._stop.wait(0.25):

@@ -1,7 +1,8 @@
 """``lanekv prefill``: start the daemon, serve until SIGINT/SIGTERM, shut down cleanly.
 
 Exit codes: 0 after a clean shutdown, 1 when start-up fails (a busy port, a
-rank that failed to start), 2 for bad arguments.
+rank that failed to start) or a rank dies while serving (one line naming it),
+2 for bad arguments.
 """
 
 from __future__ import annotations
@@ -40,4 +41,4 @@ def main(args: argparse.Namespace) -> int:
         return 1
     banner = daemon.rpc.banner("lanekv prefill", f"ranks: {', '.join(daemon.topology.endpoints)}")
     return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
-                              "draining queued prefills, stopping ranks")
+                              "draining queued prefills, stopping ranks", prog="lanekv prefill")

@@ -9,7 +9,9 @@ ends both ports and may be called again. Every port speaks the daemon's
 
 ``serve_until_signal`` is what both command lines do once their daemon is up:
 write the ready file (atomically), print the banner, wait for SIGINT or
-SIGTERM, then hand over to the daemon's own stop (its drain).
+SIGTERM, then hand over to the daemon's own stop (its drain). A daemon that
+can serve no more (``failure()``: a prefill rank died) ends it too: one
+line on stderr, a short stop, exit status 1.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +31,7 @@ from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
 from runtime.security import SecurityConfig, bind, make_server
 from runtime.shmfiles import reclaim_stale
+from runtime.status import one_line
 
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -128,6 +132,16 @@ class Daemon(Protocol):
 
     def stop(self, grace_s: float = ...) -> None: ...
 
+    def failure(self) -> str | None:
+        """Why the daemon can serve no more, or None while it can."""
+        ...
+
+
+# How often serve_until_signal looks at the daemon's failure(), and what a failed
+# daemon gives open calls to end (they were told why already: UNAVAILABLE).
+_FAILURE_POLL_S = 0.1
+_FAILED_GRACE_S = 1.0
+
 
 def write_atomically(path: Path, text: str) -> None:
     """Readers polling for the file never see it half written."""
@@ -137,17 +151,27 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def serve_until_signal(daemon: Daemon, banner: str, ready_file: str | None, grace_s: float,
-                       log: logging.Logger, draining: str) -> int:
+                       log: logging.Logger, draining: str, prog: str = "lanekv") -> int:
     """Write the daemon's endpoint to ``ready_file``, print ``banner``, block until
     SIGINT or SIGTERM, log ``draining`` and stop the daemon (``grace_s`` to drain).
-    Returns the command's exit code: 0."""
+    Returns the command's exit code: 0; 1 when the daemon failed (``failure()``),
+    after printing ``<prog>: <failure>; exiting`` on stderr."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     if ready_file:
         write_atomically(Path(ready_file), daemon.endpoint)
     print(banner, flush=True)
-    stop.wait()
+    failure = None
+    while not stop.wait(_FAILURE_POLL_S):
+        failure = daemon.failure()
+        if failure is not None:
+            break
+    if failure is not None:
+        log.error("exiting: %s", failure)
+        daemon.stop(min(grace_s, _FAILED_GRACE_S))
+        print(f"{prog}: {one_line(failure)}; exiting", file=sys.stderr, flush=True)
+        return 1
     log.info("shutting down: %s", draining)
     daemon.stop(grace_s)
     return 0

@@ -6,7 +6,9 @@ rank answers on a shared result queue (typed messages, ``prefill.cp.messages``);
 one command is in flight at a time. Ranks talk to each other only through
 torch.distributed (NCCL on CUDA, one GPU per rank; gloo on CPU). A rank that
 dies is reported as ``RankDiedError`` naming it, and the engine refuses
-further work instead of hanging.
+further work instead of hanging; once started, the engine watches the rank
+processes (``prefill.cp.watch``), so a death is noticed within milliseconds,
+breaks every waiting call at once and is reported to ``on_broken``.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from prefill.cp.messages import (
 )
 from prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
 from prefill.cp.runner import PrefillBatch, RankResult
+from prefill.cp.watch import RankWatcher, exit_reason
 from prefill.engine_config import EngineConfig
 from prefill.plan import plan_batch
 from transfer.protocol.contract import Topology
@@ -231,14 +234,19 @@ class CPPrefillEngine(PrefillEngine):
     asked (by sequence number) and events (``on_event(event)``, e.g. a
     rank's transfer service released a request's pages). A rank that exits or
     fails makes the engine unusable, and every waiting call raises
-    ``RankDiedError`` naming it.
+    ``RankDiedError`` naming it. ``on_broken(reason)`` is called once (from
+    the watcher's thread) when a rank process exits after start-up without
+    being told to: ``reason`` is one line naming the rank.
     """
 
     def __init__(self, config: EngineConfig, *, serve_transfer: TransferServing | tuple[str, int] | None = None,
-                 on_event: Callable[[Event], None] | None = None) -> None:
+                 on_event: Callable[[Event], None] | None = None,
+                 on_broken: Callable[[str], None] | None = None) -> None:
         self.config = config
         self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
         self.on_event = on_event
+        self.on_broken = on_broken
+        self._watcher: RankWatcher | None = None
         ctx = mp.get_context("spawn")
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]
@@ -269,6 +277,16 @@ class CPPrefillEngine(PrefillEngine):
         ready = self._wait(None, config.start_timeout_s, "start-up")
         self.info: RankInfo = ready[0]
         self.endpoints = [r.endpoint for r in ready]
+        # From here on a rank that exits is a death (before, its Failed says why it could not start).
+        self._watcher = RankWatcher(self._procs, self._rank_died)
+        log.info("CP ranks started: %s", ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self._procs)))
+
+    def _rank_died(self, rank: int, reason: str) -> None:
+        log.error("CP %s", reason)
+        self._fail(reason)
+        self._remove_pools()
+        if self.on_broken is not None:
+            self.on_broken(reason)
 
     @property
     def processes(self) -> tuple[mp.process.BaseProcess, ...]:
@@ -281,6 +299,8 @@ class CPPrefillEngine(PrefillEngine):
         return tuple(self._shared_paths)
 
     def close(self, timeout_s: float = 10.0) -> None:
+        if self._watcher is not None:  # the ranks exit now because they are told to
+            self._watcher.stop()
         for q in self._commands:
             try:
                 q.put(Call(next(self._seq), Shutdown()))
@@ -360,9 +380,9 @@ class CPPrefillEngine(PrefillEngine):
             try:
                 report = self._results.get(timeout=0.2)
             except queue.Empty:
-                dead = [p for p in self._procs if not p.is_alive()]
-                if dead and not self._stop.is_set():
-                    self._fail(f"{dead[0].name} exited with code {dead[0].exitcode}")
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead and not self._stop.is_set() and self._watcher is None:  # at start-up
+                    self._fail(exit_reason(dead[0], self._procs[dead[0]]))
                     self._remove_pools()
                 continue
             except (EOFError, OSError):
@@ -373,7 +393,7 @@ class CPPrefillEngine(PrefillEngine):
             if isinstance(report, Failed):
                 # A rank whose peer died fails inside the collective: name the dead one first.
                 time.sleep(0.5)
-                dead = [f"{p.name} exited with code {p.exitcode}" for p in self._procs if not p.is_alive()]
+                dead = [exit_reason(r, p) for r, p in enumerate(self._procs) if not p.is_alive()]
                 self._fail("; ".join(dead + [f"rank {report.rank} failed: {report.error}"]))
                 continue
             if isinstance(report, (Ready, Answer)):
