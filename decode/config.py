@@ -11,6 +11,7 @@ from decode.cuda.graphs import check_ladder
 from model.config import ModelConfig
 from model.dtypes import DTYPES
 from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
+from runtime.advertise import check_advertise_host
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import RetryPolicy
 
@@ -53,8 +54,10 @@ class DecodeConfig:
     prefill_health_interval_s: float = 1.0
     # DeepSeek-V3.2 (DSA) index-K rows, as the prefill daemon's (the contract checks it)
     index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
+    advertise_host: str | None = None  # the host the ready file and banner name (runtime.advertise)
 
     def __post_init__(self) -> None:
+        check_advertise_host(self.advertise_host)
         if self.transport not in ("auto", "grpc"):
             raise ValueError(f"transport must be auto or grpc, got transport={self.transport!r}")
         if self.dtype not in DTYPES:

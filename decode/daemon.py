@@ -92,7 +92,7 @@ class DecodeDaemon:
         # Ports first: a busy one fails before the model loads.
         try:
             self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers,
-                                    config.metrics_port)
+                                    config.metrics_port, config.advertise_host)
         except BaseException:
             self._close_clients()
             raise

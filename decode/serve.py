@@ -41,7 +41,8 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
         dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,
         port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
         index_cache_dtype=args.index_cache_dtype,
-        metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args), **optional,
+        metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args),
+        advertise_host=getattr(args, "advertise_host", None), **optional,
     )
 
 

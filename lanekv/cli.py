@@ -72,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pool-pages", type=int, default=_default(EngineConfig, "pages_per_lane"),
                    help="physical KV pages in each rank's pool")
     p.add_argument("--host", default=dd("host"), help="bind address (default loopback)")
+    p.add_argument("--advertise-host", default=None,
+                   help="host the ranks' endpoints and the ready file name for peers (default: --host, or for "
+                        "a wildcard --host such as 0.0.0.0 this host's primary address)")
     p.add_argument("--port", type=int, default=dd("port"), help="Prefill + Handshake port (0 = free port)")
     p.add_argument("--transfer-port-base", type=int, default=dd("transfer_port_base"),
                    help="rank r serves KVTransfer on BASE + r (0 = free ports)")
@@ -87,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a prefill daemon; repeat for several (xPyD): each request goes to the healthy one "
                         "with the fewest queued prompt tokens")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--advertise-host", default=None,
+                   help="host the ready file and banner name for peers (default: --host, or for a wildcard "
+                        "--host this host's primary address)")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--pool-pages", type=int, default=4096, help="physical KV pages in the decode pool")
     p.add_argument("--max-batch-size", type=int, default=256)

@@ -54,6 +54,7 @@ from prefill.engine_config import EngineConfig
 from prefill.leases import LeaseTable
 from prefill.warmup import warm_up
 from proto import lanekv_pb2, lanekv_pb2_grpc
+from runtime.advertise import check_advertise_host
 from runtime.daemon import DaemonServer
 from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
 from runtime.security import SecurityConfig
@@ -92,6 +93,9 @@ class DaemonConfig:
     request_timeout_s: float = 600.0
     metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
     security: SecurityConfig = SecurityConfig()  # every port: the parent's and the ranks'
+    # The host peers are told (the ranks' endpoints, the ready file); None: the bind
+    # host, or for a wildcard bind this host's primary address (runtime.advertise).
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("port", "transfer_port_base"):
@@ -110,6 +114,7 @@ class DaemonConfig:
             raise ValueError(f"batch_wait_ms must be >= 0, got batch_wait_ms={self.batch_wait_ms!r}")
         if not isinstance(self.security, SecurityConfig):
             raise TypeError(f"security must be a SecurityConfig, got security={self.security!r}")
+        check_advertise_host(self.advertise_host)
 
 
 class PrefillDaemon:
@@ -123,10 +128,12 @@ class PrefillDaemon:
         # one, so pages of a restarted daemon never answer for a request of an old start.
         self.epoch = uuid.uuid4().hex
         # Ports first: a busy one fails before any rank process starts.
-        self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers, config.metrics_port)
+        self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers, config.metrics_port,
+                                config.advertise_host)
         self.registry, self.metrics = self.rpc.registry, self.rpc.metrics
         try:
-            serving = TransferServing(config.host, config.transfer_port_base, config.security, self.epoch)
+            serving = TransferServing(config.host, config.transfer_port_base, config.security, self.epoch,
+                                      self.rpc.advertised.host)
             self.engine = CPPrefillEngine(engine_config, serve_transfer=serving, on_event=self._on_event,
                                           on_broken=self.ranks_down)
         except BaseException:

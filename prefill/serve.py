@@ -30,6 +30,7 @@ def main(args: argparse.Namespace) -> int:
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,
                               lease_s=args.lease_s, batch_wait_ms=args.batch_wait_ms,
                               metrics_port=getattr(args, "metrics_port", None),
+                              advertise_host=getattr(args, "advertise_host", None),
                               security=SecurityConfig.from_args(args))
     except (ValueError, TypeError) as err:
         print(f"lanekv prefill: {err}", file=sys.stderr)

@@ -27,24 +27,31 @@ from typing import Protocol
 
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from runtime.advertise import advertise_host, is_wildcard, join_host_port
 from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
 from runtime.security import SecurityConfig, bind, make_server
 from runtime.shmfiles import reclaim_stale
 from runtime.status import one_line
 
+log = logging.getLogger("lanekv.daemon")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class DaemonServer:
     """One daemon's gRPC server (calls counted into its ``metrics``), health service and
-    ``/metrics`` endpoint (``metrics_port`` None: none; 0: a free port)."""
+    ``/metrics`` endpoint (``metrics_port`` None: none; 0: a free port). It binds
+    ``host``; ``endpoint`` names the host peers are told (``runtime.advertise``:
+    ``advertise`` when given, a reachable address for a wildcard bind)."""
 
     def __init__(self, security: SecurityConfig, host: str, port: int, max_workers: int,
-                 metrics_port: int | None) -> None:
+                 metrics_port: int | None, advertise: str | None = None) -> None:
         self.security = security
         self.host = host
+        self.advertised = advertise_host(host, advertise)
+        if advertise is not None or is_wildcard(host):
+            log.info("bound to %r, advertising %s: %s", host, self.advertised.host, self.advertised.why)
         self.registry = Registry()
         self.metrics: LanekvMetrics = lanekv_metrics(self.registry)
         self.metrics_endpoint: MetricsEndpoint | None = None
@@ -64,7 +71,8 @@ class DaemonServer:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.host}:{self.port}"
+        """``host:port`` as peers dial it (the advertised host)."""
+        return join_host_port(self.advertised.host, self.port)
 
     @property
     def metrics_port(self) -> int | None:
@@ -81,7 +89,7 @@ class DaemonServer:
 
     def _metrics_url(self) -> str:
         scheme = "https" if self.security.tls else "http"
-        return f"{scheme}://{self.host}:{self.metrics_port}/metrics"
+        return f"{scheme}://{join_host_port(self.advertised.host, self.metrics_port)}/metrics"
 
     def banner(self, prog: str, detail: str) -> str:
         """The line a command prints once its daemon serves."""

@@ -51,6 +51,7 @@ from prefill.cp.page_source import RankPageSource
 from prefill.cp.runner import PrefillBatch, RankRunner
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
+from runtime.advertise import join_host_port
 from runtime.hostmem import keep_freed_buffers
 from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
@@ -79,12 +80,15 @@ class TransferServing(NamedTuple):
 
     ``epoch`` names this start of the prefill daemon; FetchKV and Release that
     name another start are refused (``transfer.rank.service.EPOCH_METADATA_KEY``).
+    ``advertise``: the host the rank's endpoint names for peers (None: ``host``;
+    the daemon picks it, ``runtime.advertise``, so a wildcard bind is never advertised).
     """
 
     host: str
     port_base: int
     security: SecurityConfig = SecurityConfig()
     epoch: str | None = None
+    advertise: str | None = None
 
 
 class RpcReporter:
@@ -311,7 +315,8 @@ def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int, where: 
         runner.page_source, where.host, port, security=where.security,
         interceptors=[reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
     )
-    return dataclasses.replace(info, endpoint=f"{where.host}:{runner.transfer_server.port}",
+    endpoint = join_host_port(where.advertise or where.host, runner.transfer_server.port)
+    return dataclasses.replace(info, endpoint=endpoint,
                                agreement=agreement.encode())
 
 
