@@ -56,6 +56,7 @@ from runtime.hostmem import keep_freed_buffers
 from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
 from runtime.security import SecurityConfig
+from runtime.shmfiles import pool_file_name
 from runtime.status import TRANSFER_SERVICE, bounded, one_line
 from transfer.protocol.contract import Agreement
 from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
@@ -125,11 +126,13 @@ def shared_pool_path(config: EngineConfig, serve_transfer: TransferServing | tup
     """Where rank ``rank`` keeps a CPU pool in /dev/shm so that a decode daemon of this
     host reads it in place (AttachPool); None where it will not (a GPU pool, no
     transfer service, no /dev/shm). The launcher names it, so that it can remove
-    the file of a rank that died without doing so itself."""
+    the file of a rank that died without doing so itself; the name carries the
+    daemon's start (epoch) and the launcher's pid as its owner, so a daemon
+    starting after both died reclaims it (``runtime.shmfiles.reclaim_stale``)."""
     if serve_transfer is None or config.resolved_device == "cuda" or not SHM_DIR.is_dir():
         return None
     epoch = TransferServing(*serve_transfer).epoch or uuid.uuid4().hex
-    return SHM_DIR / f"lanekv-{epoch}-rank{rank}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return SHM_DIR / pool_file_name(epoch, rank, uuid.uuid4().hex[:8])
 
 
 def rank_main(
