@@ -72,6 +72,7 @@ def test_a_killed_rank_turns_health_not_serving_at_once_and_the_command_exits_na
             assert noticed_s < 1.0, noticed_s
             watch.cancel()
         assert proc.wait(timeout=60) == 1
+        exited_s = time.monotonic() - killed
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -81,7 +82,7 @@ def test_a_killed_rank_turns_health_not_serving_at_once_and_the_command_exits_na
     assert lines == [f"lanekv prefill: rank 1 (lanekv-cp-rank1, pid {rank1}) exited with code -9 (SIGKILL); exiting"], \
         stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
-    print(f"NOT_SERVING {noticed_s * 1e3:.0f} ms after the SIGKILL")
+    print(f"NOT_SERVING {noticed_s * 1e3:.0f} ms after the SIGKILL, exit 1 after {exited_s:.1f} s")
 
 
 def test_a_prefill_in_flight_when_a_rank_dies_ends_unavailable_with_its_pages_freed(checkpoint):
@@ -114,6 +115,7 @@ def test_a_prefill_in_flight_when_a_rank_dies_ends_unavailable_with_its_pages_fr
             assert outcome["code"] == Code.UNAVAILABLE, outcome
             assert "rank 1" in outcome["details"] and "SIGKILL" in outcome["details"], outcome
             assert outcome["at"] - killed < 1.0, outcome["at"] - killed
+            print(f"UNAVAILABLE {(outcome['at'] - killed) * 1e3:.0f} ms after the SIGKILL")
             assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == NOT_SERVING
             assert daemon.engine.allocator.free_counts() == free and daemon.leases.held() == {}
             assert "rank 1" in (daemon.failure() or "")

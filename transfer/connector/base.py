@@ -69,7 +69,7 @@ class FetchJob:
 
     request_id: str
     fingerprint: str  # the layout contract both sides agreed on
-    epoch: str | None  # the prefill daemon start that pinned the pages (servers of another refuse)
+    epoch: str | None  # `<epoch>:<capability>`: the prefill daemon start, the request's capability
     endpoints: tuple[str, ...]  # the KVTransfer endpoint of every prefill rank, by rank
     pages: Mapping[int, list[int]]  # owner rank -> its logical pages, in manifest order
     num_layers: int
