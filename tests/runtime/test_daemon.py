@@ -72,9 +72,13 @@ class _Stoppable:
     def __init__(self) -> None:
         self.endpoint = "127.0.0.1:1234"
         self.stopped_with: float | None = None
+        self.failed: str | None = None
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.stopped_with = grace_s
+
+    def failure(self) -> str | None:
+        return self.failed
 
 
 @pytest.mark.timeout(30)
@@ -93,3 +97,20 @@ def test_serve_until_signal_writes_the_ready_file_and_stops_on_sigterm(tmp_path,
     assert ready.read_text() == daemon.endpoint
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary left
     assert "the banner" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(30)
+def test_serve_until_signal_exits_1_with_one_line_when_the_daemon_fails(tmp_path, capsys):
+    daemon = _Stoppable()
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    failing = threading.Timer(0.3, setattr, (daemon, "failed", "rank 1 (pid 7) exited\nwith code -9"))
+    try:
+        failing.start()
+        code = serve_until_signal(daemon, "the banner", None, 5.0, logging.getLogger("test"), "draining",
+                                  prog="lanekv prefill")
+    finally:
+        failing.cancel()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert code == 1 and daemon.stopped_with == 1.0  # a short stop: the open calls were answered already
+    assert capsys.readouterr().err.splitlines()[-1] == "lanekv prefill: rank 1 (pid 7) exited; with code -9; exiting"
