@@ -63,8 +63,7 @@ def _warm_up_attention(pool: PagePool, num_q_heads: int, max_positions: int) -> 
     most = max(1, min(triton.cdiv(width * spec.page_size, cfg.block_n),
                       triton.cdiv(sms * cfg.programs_per_sm, spec.kv_heads)))
     k_cache, v_cache = pool.k_cache(0), pool.v_cache(0)
-    latent = pool.latent_cache(0)  # a DSA row is wider than its latent
-    q = torch.zeros((1, num_q_heads, latent.shape[1]), dtype=spec.dtype, device=pool.device)
+    q = torch.zeros((1, num_q_heads, spec.head_dim), dtype=spec.dtype, device=pool.device)
     table = torch.zeros((1, width), dtype=torch.int32, device=pool.device)
     lens = torch.zeros(1, dtype=torch.int32, device=pool.device)
     splits = 1
