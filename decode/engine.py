@@ -282,11 +282,6 @@ class DecodeEngine:
         empty ladder: every step then runs eager."""
         if self.pool.device.type != "cuda" or not self.graph_sizes:
             return None
-        if self.pool.dsa is not None:
-            # Not yet captured (its ops look capturable: no host reads on CUDA, shapes
-            # fixed by the batch and the page table's width; untried on a GPU).
-            log.info("DSA model: decode steps run eager (no CUDA graphs)")
-            return None
         with self._lock:
             graphs = DecodeGraphs(self.model, self.pool, self.graph_sizes)
             graphs.capture()

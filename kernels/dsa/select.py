@@ -7,7 +7,13 @@ int32 token positions of each request, ``-1`` padded (``index_topk``'s form, wha
 the pool already.
 
 On CUDA it is one launch of the paged Triton kernel (fp8 dequantized inside)
-over the page table's width and one ``torch.topk``. On CPU each request's keys
+over the page table's width (keys past ``seq_lens[b]`` score ``-inf`` and are
+selected only when fewer than ``topk`` keys exist, then returned as ``-1``, which
+``sparse_mla_decode`` skips) and one ``torch.topk`` (``first_topk``: exactly tied
+scores go to the lowest positions, so the set does not depend on the table's
+width, and a captured step, whose table is as wide as the pool allows, selects
+what an eager step over the batch's own width does). No host read, no shape
+that depends on a value: the step can be captured as a CUDA graph. On CPU each request's keys
 are read back and scored as transformers scores a decode step (one query over
 exactly ``seq_len`` keys, ``index_scores``' reference), so a row of exactly
 tied scores is cut where transformers cuts it (see ``kernels/dsa/indexer.py``).
@@ -29,7 +35,7 @@ def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tens
     if use_triton(q):
         scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
                                     softmax_scale, spec)
-        return index_topk(scores, topk)
+        return first_topk(scores, topk)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len <= 0:
@@ -40,4 +46,31 @@ def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tens
         scores = index_scores(q[b : b + 1], keys, weights[b : b + 1],
                               torch.tensor([seq_len - 1], device=q.device), softmax_scale)
         out[b] = index_topk(scores, topk)[0]
+    return out
+
+
+def first_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``index_topk`` with exact ties broken towards the lowest position: ``[N, T]``
+    float32 scores -> ``[N, topk]`` int32 positions, ``-1`` where no key is left.
+
+    One ``torch.topk`` over int64 keys ``(order(score) << 32) + (2**32 - 1 - t)``,
+    ``order`` the float's bits made monotonic (``-0.0`` counted as ``0.0``), so
+    keys are distinct and the chosen set is a function of the scores alone."""
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
+        raise ValueError(f"scores must be a 2-D float32 tensor, got {scores!r:.80}")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
+        raise ValueError(f"topk must be a positive int, got {topk!r}")
+    if scores.shape[1] >= 1 << 32:
+        raise ValueError(f"scores has {scores.shape[1]} columns, 2**32 or more")
+    kept = min(topk, scores.shape[1])
+    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
+    if kept == 0 or scores.shape[0] == 0:
+        return out
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # monotonic in the float
+    pos = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    keys = order * (1 << 32) + ((1 << 32) - 1 - pos)
+    best = keys.topk(kept, dim=-1).indices
+    hidden = torch.gather(scores, 1, best) == float("-inf")
+    out[:, :kept] = best.to(torch.int32).masked_fill(hidden, -1)
     return out

@@ -5,8 +5,11 @@ runs eagerly (the engine never builds one there), so padding, the static
 page table and the ladder are covered without a GPU too. Tokens must equal the
 eager engine's, through admissions and cancellations mid-run and across page
 boundaries, and padding rows must leave every page untouched (poisoned pool).
-Both step kinds are covered: Llama's (GQA) and DeepSeek's (MLA latent pages and
-the MoE, routed on the device on the GPU).
+Every step kind is covered: Llama's (GQA), DeepSeek's (MLA latent pages and
+the MoE, routed on the device on the GPU) and DeepSeek-V3.2's (DSA: index-K rows
+beside the latent, ``index_topk`` 5 below most contexts, so the selection decides
+the tokens; on the GPU the captured selection runs over the graph's full page-table
+width, the eager one over the batch's).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
 from model.checkpoint import LoadedModel, load_model
 from model.sampling import SamplingParams
-from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_llama
+from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_deepseek_v32, write_llama
 from tests.markers import requires_gpu
 
 POISON = 0x7FC0DEAD  # a NaN bit pattern: read by mistake, it would poison every logit
@@ -31,10 +34,11 @@ POISON = 0x7FC0DEAD  # a NaN bit pattern: read by mistake, it would poison every
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("graph-ckpt")
-    return {"llama": write_llama(root / "llama"), "deepseek_v3": write_deepseek_v3(root / "v3")}
+    return {"llama": write_llama(root / "llama"), "deepseek_v3": write_deepseek_v3(root / "v3"),
+            "deepseek_v32": write_deepseek_v32(root / "v32")}
 
 
-@pytest.fixture(params=["llama", "deepseek_v3"])
+@pytest.fixture(params=["llama", "deepseek_v3", "deepseek_v32"])
 def checkpoint(request: pytest.FixtureRequest, checkpoints: dict[str, Path]) -> Path:
     return checkpoints[request.param]
 
