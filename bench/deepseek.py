@@ -1,5 +1,11 @@
 """DeepSeek-V2-Lite shapes (MLA, MoE) with dummy weights: prefill, attention, KV bytes, decode, transfer.
 
+``--v32``: DeepSeek-V3.2 shapes (DSA: MLA 128 heads over 512 + 64 latent rows, the
+indexer's 64 heads x 128 with fp8 index-K rows, top 2048; MoE 256 experts, top 8
+plus 1 shared) with 4 layers, the first dense, so it fits one GPU: the decode
+step only, at 32k context by default, captured as the decode daemon captures
+it (the graph's page table as wide as the model's 163840 positions allow).
+
 One process, one GPU; the model is built once (dummy bf16 weights, seed 0) and serves:
   1. prefill tok/s at cp=1 (rank threads' engine, the same rank code as the daemon);
   2. attention TFLOP/s of the MLA prefill path (decompressed q/k 192, v 128) against
@@ -14,7 +20,9 @@ One process, one GPU; the model is built once (dummy bf16 weights, seed 0) and s
      to pinned host memory (FetchKV's read side), and a pool-to-pool copy (fast path).
 
 GPU:  python bench/deepseek.py --v2-lite --tokens 8192 32768 --batches 1 16 64 --json out.json
+      python bench/deepseek.py --v32 --batches 1 16 64 --context 32768 --json out.json
 CPU:  python bench/deepseek.py --tiny --tokens 64 256 --batches 1 4   (checks the script)
+      python bench/deepseek.py --tiny-v32 --context 40 --batches 1 4
 ``--parts decode`` (any of prefill, attention, decode, transfer) runs only those.
 """
 
@@ -35,9 +43,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from decode.engine import DecodeEngine  # noqa: E402
 from decode.pool import PagePool, PageTable  # noqa: E402
+from kernels.dsa.index_cache import store_index_k  # noqa: E402
 from kernels.page_copy import gather_pages  # noqa: E402
 from kernels.prefill_attention_ref import AttnSegments  # noqa: E402
 from model.checkpoint import load_dummy_model  # noqa: E402
+from model.kv_rows import pool_head_dim  # noqa: E402
 from model.sampling import SamplingParams  # noqa: E402
 from prefill.cp.launcher import PrefillInput  # noqa: E402
 from prefill.cp.runner import mla_prefill_attention  # noqa: E402
@@ -65,6 +75,30 @@ TINY = {**V2_LITE, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 12
         "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 16,
         "qk_nope_head_dim": 32, "v_head_dim": 32, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "n_shared_experts": 1}
+V32 = {
+    "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32",
+    "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_hidden_layers": 4, "num_attention_heads": 128,
+    "num_key_value_heads": 128, "kv_lora_rank": 512, "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128, "head_dim": 64,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+    "n_group": 8, "topk_group": 4, "first_k_dense_replace": 1, "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6,
+    "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 64,
+    "rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40,
+        "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0},
+    "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+}
+TINY_V32 = {**V32, "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": 48,
+            "qk_rope_head_dim": 16, "qk_nope_head_dim": 32, "v_head_dim": 32, "head_dim": 16,
+            "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+            "index_topk": 16, "index_head_dim": 32, "index_n_heads": 4,
+            "max_position_embeddings": 1024}
+CONFIGS = {"v2_lite": V2_LITE, "tiny": TINY, "v32": V32, "tiny_v32": TINY_V32}
 LLAMA3_8B_KV_BYTES = 32 * 2 * 8 * 128 * 2  # per token: layers x (K, V) x heads x dim x bf16
 PARTS = ("prefill", "attention", "decode", "transfer")
 
@@ -171,11 +205,38 @@ def step_weight_bytes(model, batch: int) -> float:
     return total + experts * hit / moe.num_experts
 
 
+def step_kv_bytes(pool: PagePool, batch: int, context: int, topk: int) -> int:
+    """Pool bytes one decode step reads at ``context`` tokens per request: every
+    latent row (MLA), or every index-K row and the ``topk`` selected latent rows (DSA)."""
+    layers, item = pool.spec.num_layers, pool.spec.dtype.itemsize
+    if pool.dsa is None:
+        return batch * layers * context * pool.spec.head_dim * item
+    latent = pool.dsa.index_offset  # the latent's bytes, to the index row's boundary
+    return batch * layers * (context * pool.dsa.index.row_bytes + min(topk, context) * latent)
+
+
+def fill_pool(pool: PagePool) -> None:
+    """Random latent rows; a DSA pool's index rows hold random keys stored as the
+    decode step stores them (fp8 bytes with valid scales, not random bits)."""
+    pool.tensor.normal_()
+    if pool.dsa is None:
+        return
+    rows = pool.tensor.shape[2]
+    gen = torch.Generator(device=pool.device).manual_seed(2)
+    for layer in range(pool.spec.num_layers):
+        for start in range(0, rows, 1 << 20):
+            locs = torch.arange(start, min(rows, start + (1 << 20)), device=pool.device)
+            keys = torch.randn(locs.shape[0], pool.dsa.index.head_dim, device=pool.device,
+                               generator=gen).to(pool.spec.dtype)
+            store_index_k(keys, pool.index_cache(layer), locs, pool.dsa.index)
+
+
 def bench_decode(loaded, batches: list[int], args) -> list[dict]:
     config, ps = loaded.config, args.page_size
     per_req = -(-(args.context + args.steps + 8) // ps)
     pool = PagePool.for_model(config, max(batches) * per_req + 8, ps, args.torch_dtype, args.device)
-    pool.tensor.normal_()
+    fill_pool(pool)
+    topk = config.dsa.index_topk if config.dsa is not None else 0
     rate = copy_rate(args.device)
     rows = []
     for batch in batches:
@@ -195,10 +256,15 @@ def bench_decode(loaded, batches: list[int], args) -> list[dict]:
             engine.step()
         sync(args.device)
         step = (time.perf_counter() - t0) / args.steps
-        floor = step_weight_bytes(loaded.model, batch) / rate
+        weights = step_weight_bytes(loaded.model, batch)
+        kv = step_kv_bytes(pool, batch, args.context, topk)
+        floor, read_floor = weights / rate, (weights + kv) / rate
         rows.append({"batch": batch, "context": args.context, "step_ms": step * 1e3,
-                     "tokens_per_s": batch / step, "weight_floor_ms": floor * 1e3,
-                     "of_floor": floor / step, "cuda_graph": graphs is not None,
+                     "tokens_per_s": batch / step, "weight_bytes": weights, "kv_read_bytes": kv,
+                     "weight_floor_ms": floor * 1e3, "read_floor_ms": read_floor * 1e3,
+                     "of_floor": floor / step, "of_read_floor": read_floor / step,
+                     "graph_page_table_width": graphs.max_pages if graphs is not None else 0,
+                     "cuda_graph": graphs is not None,
                      "capture_s": capture_s if graphs is not None else 0.0})
         while engine.has_work:
             engine.step()
@@ -233,27 +299,39 @@ def main() -> None:
     which = ap.add_mutually_exclusive_group(required=True)
     which.add_argument("--v2-lite", action="store_true")
     which.add_argument("--tiny", action="store_true")
+    which.add_argument("--v32", action="store_true", help="DeepSeek-V3.2 shapes, 4 layers")
+    which.add_argument("--tiny-v32", action="store_true")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--context", type=int, default=None,
+                    help="tokens per request in decode (default 1024; 32768 with --v32)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS))
+    ap.add_argument("--parts", nargs="+", choices=PARTS, default=None,
+                    help="default: all, or decode only for the V3.2 shapes")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
     args = ap.parse_args()
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    args.dtype = "bfloat16" if args.v2_lite else "float32"
+    name = next(n for n in CONFIGS if getattr(args, n))
+    dsa = name in ("v32", "tiny_v32")
+    if args.context is None:
+        args.context = 32768 if args.v32 else 1024
+    if args.parts is None:
+        args.parts = ["decode"] if dsa else list(PARTS)
+    args.dtype = "bfloat16" if name in ("v2_lite", "v32") else "float32"
     args.torch_dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as model_dir:
-        (Path(model_dir) / "config.json").write_text(json.dumps(V2_LITE if args.v2_lite else TINY))
+        (Path(model_dir) / "config.json").write_text(json.dumps(CONFIGS[name]))
         loaded = load_dummy_model(model_dir, dtype=args.torch_dtype, device=args.device)
         config = loaded.config
-        kv_bytes = config.num_layers * config.head_dim * args.torch_dtype.itemsize
+        row = pool_head_dim(config, args.torch_dtype)  # a DSA row: latent, then index key
+        kv_bytes = config.num_layers * row * args.torch_dtype.itemsize
         result = {
             "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",
-            "torch": torch.__version__, "dtype": args.dtype, "page_size": args.page_size,
+            "torch": torch.__version__, "model": name, "layers": config.num_layers,
+            "dtype": args.dtype, "page_size": args.page_size,
             "kv_bytes_per_token": kv_bytes, "llama3_8b_kv_bytes_per_token": LLAMA3_8B_KV_BYTES,
             "parameters": sum(p.numel() for p in loaded.model.parameters()),
         }
@@ -265,7 +343,7 @@ def main() -> None:
             if part in args.parts:
                 result[part] = runs[part]()
     print(f"parameters {result['parameters'] / 1e9:.2f} B; KV bytes per token {kv_bytes} "
-          f"({config.num_layers} x {config.head_dim} x {args.torch_dtype.itemsize}) against "
+          f"({config.num_layers} x {row} x {args.torch_dtype.itemsize}) against "
           f"Llama-3-8B's {LLAMA3_8B_KV_BYTES} ({LLAMA3_8B_KV_BYTES / kv_bytes:.1f}x)")
     for p in result.get("prefill", []):
         print(f"prefill {p['tokens']} tokens (cp=1): {p['tokens_per_s']:.0f} tok/s")
@@ -276,11 +354,15 @@ def main() -> None:
             print(f"| {a['tokens']} | {a['ms']:.2f} | {a['tflops']:.1f} | "
                   f"{a['sdpa_tflops']:.1f} | {a['vs_sdpa']:.2f} | {a['rel_err_vs_sdpa']:.1e} |")
     if "decode" in result:
-        print("| batch | step ms | tok/s | weight-read floor ms | floor / step | graph |")
-        print("|---:|---:|---:|---:|---:|---|")
+        print(f"decode at {args.context} tokens per request ({config.num_layers} layers)")
+        print("| batch | step ms | tok/s | weight GB | KV read GB | weight-read floor ms | "
+              "+ KV floor ms | floor / step | graph |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
         for d in result["decode"]:
             print(f"| {d['batch']} | {d['step_ms']:.2f} | {d['tokens_per_s']:.0f} | "
-                  f"{d['weight_floor_ms']:.2f} | {d['of_floor']:.2f} | {d['cuda_graph']} |")
+                  f"{d['weight_bytes'] / 1e9:.2f} | {d['kv_read_bytes'] / 1e9:.3f} | "
+                  f"{d['weight_floor_ms']:.2f} | {d['read_floor_ms']:.2f} | "
+                  f"{d['of_read_floor']:.2f} | {d['cuda_graph']} |")
     if "transfer" in result:
         t = result["transfer"]
         print(f"latent pages of {t['tokens']} tokens ({t['bytes'] / 1e6:.1f} MB): gather "

@@ -4,7 +4,8 @@ A captured step runs embedding, every layer (``decode.cuda.step``: for the Llama
 family fused QKV GEMM, RoPE fused with the K/V store, paged decode attention,
 fused gate/up GEMM; for DeepSeek MLA the latent store, the absorbed query, paged
 MLA decode attention and the MoE's grouped expert GEMMs, routed on the device;
-residual adds fused into RMSNorm), the final norm, the logits and their
+for DeepSeek-V3.2 the index-K store, the paged index scores over the table's
+whole width, the top-k and sparse MLA decode; residual adds fused into RMSNorm), the final norm, the logits and their
 argmax, from static buffers:
 
 - ``ids``, ``positions``, ``locs`` ``[max_size]`` int64 and ``seq_lens``
