@@ -19,9 +19,9 @@ so scores equal bit for bit give the same set. The torch reference of
 bit-identical with transformers' indexer; the Triton kernels sum in another
 order and may swap keys whose scores lie within rounding (near-ties). Exact
 ties (several keys at 0 after the relu) resolve as ``torch.topk`` does for the
-row it is given, which depends on the row's length: a decode row padded to the
-page table's width may keep another of the tied keys than a row of exactly
-``seq_len`` keys.
+row it is given, which depends on the row's length; the CUDA decode selection
+(``kernels/dsa/select.py``) takes ``first_topk`` instead, whose ties go to the
+lowest positions whatever the page table's width.
 """
 
 from __future__ import annotations
