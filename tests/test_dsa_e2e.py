@@ -14,7 +14,6 @@ naming the field.
 from __future__ import annotations
 
 import logging
-import math
 import subprocess
 import sys
 import threading
@@ -24,17 +23,12 @@ import grpc
 import pytest
 import torch
 
-from decode.engine import DecodeEngine
-from decode.pool import PagePool, PageTable
-from kernels.page_copy import scatter_pages
 from model.kv_rows import dsa_layout
-from model.sampling import SamplingParams
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_deepseek_v32
 from tests.daemons import running_pair
+from tests.threaded_e2e import threaded_generate
 from transfer.grpcfetch import spans as spans_module
 from transfer.protocol.wire import ChunkHeader
 
@@ -75,33 +69,8 @@ def reference(checkpoint) -> list[list[int]]:
 
 
 def _threaded(checkpoint, cp_size: int, page_size: int, cache_dtype: str) -> list[list[int]]:
-    engine = ThreadedPrefillEngine(EngineConfig(
-        str(checkpoint), cp_size=cp_size, page_size=page_size,
-        pages_per_lane=-(-200 // page_size), pool_fill=math.nan, index_cache_dtype=cache_dtype))
-    loaded = engine.loaded
-    pool = PagePool.for_model(loaded.config, -(-400 // page_size), page_size, torch.float32,
-                              index_cache_dtype=cache_dtype)
-    decode = DecodeEngine(loaded.model, pool)
-    prompts = _prompts()
-    results = engine.prefill([PrefillInput(p) for p in prompts])  # one batch: concurrent prompts
-    outputs = {}
-    for i, res in enumerate(results):
-        pages = [p.page for p in res.pages]
-        table = PageTable.remap(pool, pages, res.num_tokens)
-        payload = engine.read_pages(pages)  # the wire order: [layers, 1, rows, 1, row]
-        assert payload.shape[-1] == pool.dsa.head_dim
-        scatter_pages(payload, pool.tensor, torch.tensor(table.physical_pages_for(pages)),
-                      page_size, 0, loaded.config.num_layers)
-        engine.free(res.new_pages)
-        decode.add(f"r{i}", table, res.first_token, SamplingParams(), MAX_NEW_TOKENS)
-        outputs[f"r{i}"] = [res.first_token]
-    while decode.has_work:
-        for event in decode.step():
-            if event.token_id is not None:
-                outputs[event.request_id].append(event.token_id)
-    assert pool.free_count == pool.num_pages
-    assert engine.allocator.free_counts() == [-(-200 // page_size)] * cp_size
-    return [outputs[f"r{i}"] for i in range(len(prompts))]
+    return threaded_generate(checkpoint, cp_size, page_size, _prompts(), MAX_NEW_TOKENS,
+                             index_cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("cp_size,page_size", [(1, 1), (2, 4), (3, 16), (4, 2)])

@@ -11,7 +11,6 @@ prompts.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -22,12 +21,6 @@ import grpc
 import pytest
 import torch
 
-from decode.engine import DecodeEngine
-from decode.pool import PagePool, PageTable
-from kernels.page_copy import scatter_pages
-from model.sampling import SamplingParams
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import (
@@ -38,6 +31,7 @@ from tests.checkpoints import (
     write_qwen3_moe,
 )
 from tests.daemons import running_pair
+from tests.threaded_e2e import threaded_generate
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENS = [1, 8, 27, 61]
@@ -79,32 +73,8 @@ def reference(checkpoints) -> dict[str, list[list[int]]]:
     ("qwen3_moe", 2, 4),
 ])
 def test_threaded_prefill_transfer_decode(checkpoints, reference, name, cp_size, page_size):
-    engine = ThreadedPrefillEngine(EngineConfig(
-        str(checkpoints[name]), cp_size=cp_size, page_size=page_size,
-        pages_per_lane=-(-200 // page_size), pool_fill=math.nan))
-    loaded = engine.loaded
-    pool = PagePool.for_model(loaded.config, -(-400 // page_size), page_size, torch.float32)
-    decode = DecodeEngine(loaded.model, pool)
-    prompts = _prompts()
-    results = engine.prefill([PrefillInput(p) for p in prompts])  # one batch: concurrent prompts
-    outputs = {}
-    for i, res in enumerate(results):
-        pages = [p.page for p in res.pages]
-        table = PageTable.remap(pool, pages, res.num_tokens)
-        payload = engine.read_pages(pages)  # the wire order: [layers, planes, rows, heads, dim]
-        assert payload.shape[1] == loaded.config.kv_planes
-        scatter_pages(payload, pool.tensor, torch.tensor(table.physical_pages_for(pages)),
-                      page_size, 0, loaded.config.num_layers)
-        engine.free(res.new_pages)
-        decode.add(f"r{i}", table, res.first_token, SamplingParams(), MAX_NEW_TOKENS)
-        outputs[f"r{i}"] = [res.first_token]
-    while decode.has_work:
-        for event in decode.step():
-            if event.token_id is not None:
-                outputs[event.request_id].append(event.token_id)
-    assert [outputs[f"r{i}"] for i in range(len(prompts))] == reference[name]
-    assert pool.free_count == pool.num_pages
-    assert engine.allocator.free_counts() == [-(-200 // page_size)] * cp_size
+    assert threaded_generate(checkpoints[name], cp_size, page_size, _prompts(),
+                             MAX_NEW_TOKENS) == reference[name]
 
 
 @pytest.mark.timeout(300)
