@@ -33,9 +33,8 @@ def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tens
                   softmax_scale: float, topk: int, spec: IndexCacheSpec) -> torch.Tensor:
     """The top ``topk`` key positions of each request's new token, ``-1`` padded."""
     if use_triton(q):
-        scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
-                                    softmax_scale, spec)
-        return first_topk(scores, topk)
+        return select_fixed_width(q, weights, index_pool, page_table, seq_lens, page_size,
+                                  softmax_scale, topk, spec)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int32, device=q.device)
     for b, seq_len in enumerate(seq_lens.tolist()):
         if seq_len <= 0:
@@ -47,6 +46,16 @@ def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tens
                               torch.tensor([seq_len - 1], device=q.device), softmax_scale)
         out[b] = index_topk(scores, topk)[0]
     return out
+
+
+def select_fixed_width(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,
+                       page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                       softmax_scale: float, topk: int, spec: IndexCacheSpec) -> torch.Tensor:
+    """``decode_select``'s CUDA path on any device: scores over the page table's whole
+    width (``-inf`` past each ``seq_len``), then ``first_topk``."""
+    scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
+                                softmax_scale, spec)
+    return first_topk(scores, topk)
 
 
 def first_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:

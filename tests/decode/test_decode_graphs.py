@@ -20,9 +20,11 @@ import pytest
 import torch
 
 from decode.colocated import prefill_into_pool
+from decode.cuda import step as step_module
 from decode.cuda.graphs import DecodeGraphs, check_ladder, default_ladder
 from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
+from kernels.dsa.select import select_fixed_width
 from model.checkpoint import LoadedModel, load_model
 from model.sampling import SamplingParams
 from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_deepseek_v32, write_llama
@@ -122,6 +124,32 @@ def test_static_step_equals_eager_on_cpu(checkpoint, overlap):
     assert captured == eager
     assert (planned > 5) if overlap else planned == 0
     assert len(eager) == 10  # r6 is cancelled on the step it is added: no token
+
+
+def test_static_dsa_step_with_the_cuda_selection_equals_eager_cpu(checkpoints, monkeypatch):
+    """Both runs take the selection a CUDA step runs (scores over the page table's
+    whole width, -inf past each request, ``first_topk``, -1 slots skipped by sparse
+    attention; torch-scored here): the static step over the graph's fixed width
+    gives the eager step's tokens over each batch's own width. The tiny indexer
+    scores many keys exactly 0, so ties are decided inside every request's top 5;
+    they go to the lowest positions whatever the width."""
+    loaded = load_model(checkpoints["deepseek_v32"])
+    sizes = (1, 2, 4, 8, 16)
+    widths: dict[str, list[int]] = {"eager": [], "static": []}
+
+    def patched(run: str):
+        def fixed_width(q, weights, index_pool, page_table, *args):
+            widths[run].append(page_table.shape[1])
+            return select_fixed_width(q, weights, index_pool, page_table, *args)
+        monkeypatch.setattr(step_module, "decode_select", fixed_width)
+
+    patched("eager")
+    eager, _ = _scenario(loaded, torch.device("cpu"), False, 11, sizes[:-1])
+    patched("static")
+    captured, _ = _scenario(loaded, torch.device("cpu"), True, 11, sizes)
+    assert captured == eager
+    assert len(set(widths["static"])) == 1 and len(set(widths["eager"])) > 3
+    assert widths["static"][0] > max(widths["eager"])  # the graph's width, wider than any batch
 
 
 def test_padding_rows_write_nothing_cpu(checkpoint):
