@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels.backend import check_same_device, use_triton
+from kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -209,23 +210,8 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_sc
     if head_dim > 1 and out.stride(2) != 1:
         raise ValueError(f"out must have a dense head_dim, got strides {out.stride()}")
     if not seq_lens.is_cuda and batch > 0:
-        _check_lens_and_pages(page_table, seq_lens, page_size, rows // page_size)
+        check_page_table(page_table, seq_lens, page_size, rows // page_size, "cache")
     return out
-
-
-def _check_lens_and_pages(page_table, seq_lens, page_size, num_pages) -> None:
-    max_len = page_table.shape[1] * page_size
-    low, high = int(seq_lens.min()), int(seq_lens.max())
-    if low < 0 or high > max_len:
-        bad = low if low < 0 else high
-        raise ValueError(f"seq_lens holds {bad}, outside [0, {max_len}] (page_table width "
-                         f"{page_table.shape[1]} x page_size {page_size})")
-    pages_used = (seq_lens.to(torch.int64) + page_size - 1) // page_size
-    used = torch.arange(page_table.shape[1])[None, :] < pages_used[:, None]
-    ids = page_table[used]
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-        raise ValueError(f"page_table holds page {bad}, outside the cache's {num_pages} pages")
 
 
 def paged_decode_attention_triton(

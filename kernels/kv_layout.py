@@ -199,3 +199,23 @@ def as_word_rows(t: torch.Tensor, lead_dims: int, word_bytes: int, name: str) ->
             word_bytes,
         )
     return WordRows(rows.view(torch.uint8).view(_WORD_DTYPES[word_bytes]), word_bytes)
+
+
+def check_page_table(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
+                     num_pages: int, cache: str) -> None:
+    """ValueError unless every length is in [0, width * page_size] and every page a
+    request uses (the first ceil(len / page_size) of its row) is one of ``cache``'s
+    ``num_pages``. Reads the tensors on the host: for CPU inputs (a CUDA launch leaves
+    the check to the caller, as a device read per launch would sync)."""
+    max_len = page_table.shape[1] * page_size
+    low, high = int(seq_lens.min()), int(seq_lens.max())
+    if low < 0 or high > max_len:
+        bad = low if low < 0 else high
+        raise ValueError(f"seq_lens holds {bad}, outside [0, {max_len}] (page_table width "
+                         f"{page_table.shape[1]} x page_size {page_size})")
+    pages_used = (seq_lens.to(torch.int64) + page_size - 1) // page_size
+    used = torch.arange(page_table.shape[1])[None, :] < pages_used[:, None]
+    ids = page_table[used]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
+        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+        raise ValueError(f"page_table holds page {bad}, outside the {cache}'s {num_pages} pages")

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from kernels.backend import check_same_device, use_triton
 from kernels.dsa.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
+from kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_INDEX_HEADS = 128
@@ -225,17 +226,7 @@ def _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax
     _check_scale(softmax_scale)
     check_same_device(q=q, weights=weights, pool=pool, page_table=page_table, seq_lens=seq_lens)
     if not seq_lens.is_cuda and q.shape[0]:
-        width = page_table.shape[1] * page_size
-        low, high = int(seq_lens.min()), int(seq_lens.max())
-        if low < 0 or high > width:
-            raise ValueError(f"seq_lens holds {low if low < 0 else high}, outside [0, {width}]")
-        used = torch.arange(page_table.shape[1])[None, :] < (
-            (seq_lens.long() + page_size - 1) // page_size)[:, None]
-        ids = page_table[used]
-        num_pages = pool.shape[0] // page_size
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_pages):
-            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
-            raise ValueError(f"page_table holds page {bad}, outside the pool's {num_pages} pages")
+        check_page_table(page_table, seq_lens, page_size, pool.shape[0] // page_size, "pool")
 
 
 def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size: int,

@@ -70,7 +70,7 @@ def test_reference_equals_per_request_attention():
 
 @pytest.mark.parametrize("change,match", [
     ({"kv_lora_rank": 40}, "kv_lora_rank must be an int"),
-    ({"seq_lens": torch.tensor([13, 1, 1], dtype=torch.int32)}, "seq_lens must be in"),
+    ({"seq_lens": torch.tensor([13, 1, 1], dtype=torch.int32)}, "seq_lens holds 13, outside"),
     ({"page_size": 3}, "not a multiple of page_size"),
     ({"q": torch.zeros(3, 4, 41)}, "latent_cache must be"),
 ])
