@@ -50,6 +50,7 @@ class Outcome(NamedTuple):
     sent: float  # perf_counter when the request went out
     arrivals: list[tuple[float, int]]  # (time, tokens in that reply), in order
     error: str | None
+    stages: dict[str, float] | None = None  # gRPC: the decode daemon's prefill / transfer seconds
 
 
 class Request(NamedTuple):
@@ -70,13 +71,18 @@ def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
         msg = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=req.prompt),
                                          max_new_tokens=req.output_len)
         sent, arrivals = time.perf_counter(), []
+        call = stub.Generate(msg, timeout=600)
         try:
-            for reply in stub.Generate(msg, timeout=600):
+            for reply in call:
                 if reply.token_ids:
                     arrivals.append((time.perf_counter(), len(reply.token_ids)))
         except grpc.RpcError as err:
             return Outcome(sent, arrivals, f"{err.code().name}: {err.details()}")
-        return Outcome(sent, arrivals, None)
+        meta = dict(call.trailing_metadata() or ())
+        stages = {name: float(meta[key]) * 1e3 for name, key in (
+            ("prefill_ms", "lanekv-prefill-seconds"), ("transfer_ms", "lanekv-transfer-seconds"))
+            if key in meta}
+        return Outcome(sent, arrivals, None, stages)
 
     return send
 
@@ -137,6 +143,10 @@ def _pct(values: list[float], q: float) -> float | None:
         return None
     values = sorted(values)
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def run_level(send: Callable[[Request], Outcome], requests: list[Request], concurrency: int,
@@ -207,15 +217,17 @@ def _daemons(args, model_cfg: dict, workdir: str):
     common = ["--model", workdir, "--page-size", str(args.page_size), "--dtype", dtype,
               "--load-format", "dummy"]
     t0 = time.perf_counter()
+    level = "INFO" if args.keep_logs else "WARNING"
     prefill = start_daemon("prefill", ["prefill", *common, "--cp-size", str(args.cp),
                                        "--pool-pages", str(pool_pages // args.cp + 64),
-                                       "--lease-s", "600"], Path(workdir), 900)
+                                       "--lease-s", "600"], Path(workdir), 900, level)
     prefill_s = time.perf_counter() - t0
     try:
         t0 = time.perf_counter()
         decode = start_daemon("decode", ["decode", *common, "--prefill", prefill.endpoint,
                                          "--pool-pages", str(pool_pages),
-                                         "--max-batch-size", str(max_batch)], Path(workdir), 900)
+                                         "--max-batch-size", str(max_batch)], Path(workdir), 900,
+                                level)
         decode_s = time.perf_counter() - t0
     except BaseException:
         _Process(prefill, prefill.endpoint).stop()
@@ -272,19 +284,32 @@ def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_bat
                                  daemons="in-process")
 
 
-def _new_shape(send: Callable[[Request], Outcome], args, vocab: int) -> dict:
-    """TTFT of the first prompt of a length not sent before, against the median of
-    five more of that length (each sent alone): what a new shape costs."""
-    length = max(1, args.prompt_len * 3 // 4 + 1)
-    reqs = _requests(argparse.Namespace(**{**vars(args), "num_prompts": 6, "prompt_len": length,
-                                           "range_ratio": 0.0}), vocab, 777)
-    ttfts = []
-    for req in reqs:
-        out = send(req)
-        ttfts.append((out.arrivals[0][0] - out.sent) * 1e3 if out.arrivals else None)
-    later = [t for t in ttfts[1:] if t is not None]
-    return dict(new_shape_prompt_len=length, new_shape_first_ttft_ms=ttfts[0],
-                new_shape_later_ttft_ms_p50=statistics.median(later) if later else None)
+def _new_shapes(send: Callable[[Request], Outcome], args, vocab: int) -> dict:
+    """What a new shape costs: for each of ``--new-shapes`` prompt lengths not sent
+    before, the TTFT of its first request against the median of five more of that
+    length (each sent alone, one after another). One ratio per length, so the
+    request-to-request spread shows beside any cost of the first."""
+    base = args.prompt_len
+    lengths = [max(1, base * num // 16 + extra) for num, extra in
+               ((12, 1), (10, 3), (14, 5), (9, 7), (13, 11), (11, 13), (15, 2), (8, 9))]
+    shapes = []
+    for n, length in enumerate(dict.fromkeys(lengths[:args.new_shapes])):
+        reqs = _requests(argparse.Namespace(**{**vars(args), "num_prompts": 6, "prompt_len": length,
+                                               "range_ratio": 0.0}), vocab, 777 + n)
+        outs = [send(req) for req in reqs]
+        ttfts = [(o.arrivals[0][0] - o.sent) * 1e3 if o.arrivals else None for o in outs]
+        later = [t for t in ttfts[1:] if t is not None]
+        shape = dict(prompt_len=length, first_ttft_ms=ttfts[0], ttft_ms=ttfts,
+                     later_ttft_ms_p50=statistics.median(later) if later else None,
+                     stages=[o.stages for o in outs])
+        if ttfts[0] is not None and later:
+            shape["ratio"] = ttfts[0] / shape["later_ttft_ms_p50"]
+            # where a later one stands against the others, for the spread
+            shape["later_max_ratio"] = max(later) / shape["later_ttft_ms_p50"]
+        shapes.append(shape)
+    ratios = [s["ratio"] for s in shapes if "ratio" in s]
+    return dict(new_shapes=shapes, new_shape_ratio_p50=statistics.median(ratios) if ratios else None,
+                new_shape_ratio_max=max(ratios) if ratios else None)
 
 
 def main() -> None:
@@ -314,6 +339,11 @@ def main() -> None:
     ap.add_argument("--warm-level", action="store_true",
                     help="first run the largest concurrency once, unmeasured (for comparing "
                          "APIs: neither then pays for the first growth of the daemons' memory)")
+    ap.add_argument("--new-shapes", type=int, default=4,
+                    help="prompt lengths not sent before whose first request is timed (0: none)")
+    ap.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
+                    help="the daemons log at INFO (each prefill's seconds, each transfer's) and "
+                         "their logs are copied into DIR at the end")
     ap.add_argument("--in-process", action="store_true",
                     help="run both daemons in this process (default: each in its own, by the CLI)")
     args = ap.parse_args()
@@ -351,7 +381,7 @@ def main() -> None:
             started["first_request_ttft_ms"] = ((warm.arrivals[0][0] - warm.sent) * 1e3
                                                 if warm.arrivals else None)
             started["first_request_s"] = time.perf_counter() - t0
-            started.update(_new_shape(send, args, vocab))
+            started.update(_new_shapes(send, args, vocab))
             if args.warm_level:  # unmeasured: the allocators grow to the largest level here
                 top = max(args.concurrency)
                 run_level(send, _requests(argparse.Namespace(**{**vars(args), "num_prompts": top}),
@@ -371,11 +401,26 @@ def main() -> None:
         finally:
             for daemon in reversed(daemons):
                 daemon.stop()
+            if args.keep_logs:
+                import shutil
+
+                args.keep_logs.mkdir(parents=True, exist_ok=True)
+                for log_file in Path(workdir).glob("*.log"):
+                    shutil.copy(log_file, args.keep_logs / log_file.name)
     target = args.openai or ("Llama-3-8B shapes" if args.llama3_8b else "tiny")
-    print("first request after start: TTFT {} ms; first of a new length ({}): {} ms, later ones "
-          "{} ms".format(*(f"{started[k]:.1f}" if isinstance(started.get(k), float) else started.get(k)
-                          for k in ("first_request_ttft_ms", "new_shape_prompt_len",
-                                    "new_shape_first_ttft_ms", "new_shape_later_ttft_ms_p50"))))
+    print(f"first request after start: TTFT {_ms(started.get('first_request_ttft_ms'))} ms")
+    for shape in started.get("new_shapes", ()):
+        first, later = shape["stages"][0] or {}, [st for st in shape["stages"][1:] if st]
+        split = ", ".join(f"{name[:-3]} {_ms(first.get(name))} / "
+                          f"{_ms(statistics.median(st[name] for st in later) if later else None)}"
+                          for name in ("prefill_ms", "transfer_ms") if name in first)
+        print(f"new length {shape['prompt_len']}: first TTFT {_ms(shape['first_ttft_ms'])} ms, "
+              f"later p50 {_ms(shape['later_ttft_ms_p50'])} ms ({shape.get('ratio', float('nan')):.2f}x; "
+              f"slowest later {shape.get('later_max_ratio', float('nan')):.2f}x)"
+              + (f"; first / later ms: {split}" if split else ""))
+    if started.get("new_shape_ratio_p50") is not None:
+        print(f"first of a new length over later ones: p50 {started['new_shape_ratio_p50']:.2f}x, "
+              f"max {started['new_shape_ratio_max']:.2f}x over {len(started['new_shapes'])} lengths")
     print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len}, "
           f"rate {args.request_rate}")
     print(f"{'api':>6} {'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "

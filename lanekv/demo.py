@@ -83,10 +83,12 @@ def write_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def start_daemon(name: str, cli_args: list[str], workdir: Path, timeout_s: float) -> Daemon:
-    """Run ``lanekv <cli_args>`` and wait until its ready file names its endpoint."""
+def start_daemon(name: str, cli_args: list[str], workdir: Path, timeout_s: float,
+                 log_level: str = "WARNING") -> Daemon:
+    """Run ``lanekv <cli_args>`` and wait until its ready file names its endpoint
+    (its log, at ``log_level``, in ``workdir/<name>.log``)."""
     ready, log_path = workdir / f"{name}.ready", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "lanekv.cli", "--log-level", "WARNING", *cli_args, "--ready-file", str(ready)]
+    cmd = [sys.executable, "-m", "lanekv.cli", "--log-level", log_level, *cli_args, "--ready-file", str(ready)]
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout_s

@@ -30,3 +30,24 @@ def test_percentiles():
     assert _pct([], 50) is None
     assert _pct([3, 1, 2], 50) == 2
     assert _pct(list(range(101)), 99) == 99
+
+
+def test_new_shapes_ratio_of_the_first_request_per_length():
+    import argparse
+
+    from bench.serving import _new_shapes
+
+    seen: set[int] = set()
+
+    def send(req: Request) -> Outcome:  # the first of each length takes 150 ms, later ones 100
+        sent = time.perf_counter() - 1.0
+        ttft = 0.1 if len(req.prompt) in seen else 0.15
+        seen.add(len(req.prompt))
+        return Outcome(sent, [(sent + ttft, 1)], None, {"prefill_ms": ttft * 900})
+
+    args = argparse.Namespace(prompt_len=64, output_len=2, range_ratio=0.0, new_shapes=3)
+    got = _new_shapes(send, args, vocab=100)
+    assert [s["prompt_len"] for s in got["new_shapes"]] == [49, 43, 61]
+    assert all(abs(s["ratio"] - 1.5) < 1e-9 and abs(s["later_max_ratio"] - 1) < 1e-9
+               for s in got["new_shapes"])
+    assert abs(got["new_shape_ratio_p50"] - 1.5) < 1e-9 and len(got["new_shapes"][0]["ttft_ms"]) == 6
