@@ -31,7 +31,7 @@ class DecodeConfig:
     # Batch sizes whose decode step is captured as a CUDA graph at start (decode.cuda.graphs);
     # None: 1, 2, 4, 8, steps of 8 to 64, then of 16, up to max_batch_size; (): none, all eager.
     graph_batch_sizes: tuple[int, ...] | None = None
-    max_workers: int = 64  # gRPC threads; each open Generate stream holds one
+    max_workers: int = 64  # calls at once: 8 per worker (CallLimits.for_workers), each holding a thread
     page_wait_s: float = 30.0  # how long a request waits for pages while the pool is full
     connect_timeout_s: float = 30.0  # how long start-up waits for the prefill daemon to answer
     request_timeout_s: float = 600.0  # prefill + transfer of one request, without a client deadline

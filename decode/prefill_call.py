@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.status import Refusal
+from runtime.status import SLOW_CHECKS_TO_LEAVE, Refusal, slow_checks_after
 from transfer.errors import TransferError
 from transfer.protocol.contract import Topology
 from transfer.protocol.manifest import Manifest
@@ -177,6 +177,7 @@ class PrefillTarget:
     queued_tokens: int = 0  # prompt tokens sent to it whose prefill has not ended
     retried: int = 0  # requests that failed on it before a token and went to another daemon
     problem: str = ""  # why it is out of the pick
+    slow_checks: int = 0  # health checks in a row that timed out (it leaves at SLOW_CHECKS_TO_LEAVE)
 
     def __post_init__(self) -> None:
         if self.topology is None:
@@ -199,7 +200,8 @@ class PrefillPool:
     ``pick`` gives the healthy daemon with the fewest queued prompt tokens
     (ties in turn) and counts the prompt on it until ``done``. A daemon found
     down (``lost``) leaves the pick; a thread asks every daemon's health
-    service each ``interval_s``, and one that says SERVING while out of the
+    service each ``interval_s`` (a check that times out counts only once
+    ``SLOW_CHECKS_TO_LEAVE`` do in a row), and one that says SERVING while out of the
     pick handshakes again (``rejoin``: its topology may have changed with a
     restart) before it is back. None of these calls raises but ``pick``.
     ``on_available(bool)`` hears when the pick turns empty and when a daemon is
@@ -285,14 +287,21 @@ class PrefillPool:
     def check(self, target: PrefillTarget) -> None:
         """Ask ``target``'s health once; out of the pick unless SERVING, back after a handshake."""
         request = health_pb2.HealthCheckRequest(service=PREFILL_SERVICE)
+        code = None
         try:
             status = target.health.Check(request, timeout=self._timeout_s).status
             serving = status == health_pb2.HealthCheckResponse.SERVING
             problem = "" if serving else f"health {health_pb2.HealthCheckResponse.ServingStatus.Name(status)}"
         except grpc.RpcError as err:
-            serving, problem = False, f"health check {err.code().name}: {err.details()}"
+            code, serving, problem = err.code(), False, f"health check {err.code().name}: {err.details()}"
+        with self._lock:
+            slow = target.slow_checks = slow_checks_after(code, target.slow_checks)
+        if 0 < slow < SLOW_CHECKS_TO_LEAVE:
+            log.warning("prefill daemon %s: health check %d of %d in a row timed out (%.1f s); it stays "
+                        "in the pick", target.endpoint, slow, SLOW_CHECKS_TO_LEAVE, self._timeout_s)
+            return
         if not serving:
-            self.lost(target, problem)
+            self.lost(target, problem + (f" ({slow} checks in a row)" if slow else ""))
             return
         with self._lock:
             if target.healthy:

@@ -3,9 +3,11 @@
 Every lanekv server installs ``CallLimitsInterceptor`` (``runtime.security.make_server``).
 A call beyond a bound is answered RESOURCE_EXHAUSTED at once, naming the
 bound. The open services (health: no token) have bounds of their own, far
-below the others', and the server's thread pool has ``open_total`` threads
-more than its workers, so callers without the token can never take the
-threads authenticated calls run on. A health Watch holds no thread at all:
+below the others'. The server's thread pool has a thread for every call the
+bounds admit (``total + open_total``), so an admitted call never waits for a
+thread: callers without the token cannot take the threads authenticated
+calls run on, and a health check is answered however many streams hold
+their threads. A health Watch holds no thread at all:
 grpc_health's servicer is non-blocking, and every interceptor here keeps a
 handler's blocking kind (``same_kind``); otherwise each open Watch would sit on
 a worker thread for as long as its caller kept it open.
@@ -62,8 +64,10 @@ class CallLimits:
 
     @classmethod
     def for_workers(cls, max_workers: int) -> CallLimits:
-        """Defaults for a server of ``max_workers`` threads: calls may queue for threads up
-        to 8 per thread (4 per thread from one host); 16 open calls, 4 from one host."""
+        """Defaults for a server sized for ``max_workers`` busy calls: up to 8 calls at once
+        per worker (most of them streams that wait: a Generate for its tokens, a
+        PrefillStream for its batch), 4 per worker from one host; 16 open calls, 4
+        from one host."""
         if type(max_workers) is not int or max_workers < 1:
             raise ValueError(f"max_workers must be an int >= 1, got max_workers={max_workers!r}")
         return cls(total=8 * max_workers, per_peer=4 * max_workers, open_total=16, open_per_peer=4)

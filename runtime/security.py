@@ -298,8 +298,12 @@ def make_server(
 
     Metrics interceptors go in ``interceptors`` so that they also count the
     calls the token check and the limits refuse. ``options`` defaults to ``grpc_options()``.
-    The thread pool has ``limits.open_total`` threads beyond ``max_workers``:
-    callers without the token never take the threads of authenticated calls.
+    The thread pool holds a thread for every call the limits admit
+    (``limits.total + limits.open_total``, made as calls come): an admitted call
+    runs at once, never queued behind streams that hold their threads (a
+    health check queued behind 64 waiting PrefillStream calls timed out, and
+    its caller took a busy daemon for a dead one), and a call past the limits
+    is refused at once instead of waiting.
     SO_REUSEPORT is off unless ``options`` says otherwise: with it, a second
     daemon started on a busy port would silently share its connections. The
     server answers gRPC reflection for the services added to it (``runtime.reflection``).
@@ -311,7 +315,7 @@ def make_server(
     token_check = server_interceptors(config)
     accepts = token_check[0].accepts if token_check else None
     return ReflectingServer(grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers + limits.open_total),
+        futures.ThreadPoolExecutor(max_workers=limits.total + limits.open_total),
         # Calls counted first, then bytes that do not parse refused with
         # INVALID_ARGUMENT (gRPC alone answers INTERNAL), then the token
         # check, then the bounds on calls at once.

@@ -28,6 +28,17 @@ TRANSFER_SERVICE = "lanekv.v1.KVTransfer"
 # (soft; 16 KiB hard) together with the contract a refused Handshake sends
 # back (at most contract.MAX_CONTRACT_BYTES, base64-encoded): messages are cut here.
 MAX_DETAILS_CHARS = 2048
+# A health check that times out says the peer is slow to answer (a daemon busy
+# under load), not that it is gone: a peer leaves a rotation on timeouts only
+# once this many checks in a row have timed out. An answer other than SERVING,
+# or a refused connection, still counts at once.
+SLOW_CHECKS_TO_LEAVE = 3
+
+
+def slow_checks_after(code: grpc.StatusCode | None, before: int) -> int:
+    """Health checks in a row that timed out, after one that ended with ``code``
+    (None: it was answered) following ``before`` of them."""
+    return before + 1 if code == grpc.StatusCode.DEADLINE_EXCEEDED else 0
 
 
 def one_line(message: str) -> str:

@@ -5,7 +5,8 @@ config (TLS as configured; the token rides as ``authorization: Bearer``
 metadata on every call, over plaintext and TLS alike). A background task asks
 each daemon's health service (``lanekv.v1.DecodeService``) every
 ``health_interval_s``: a daemon that does not answer SERVING leaves the
-rotation, and comes back at its next SERVING answer. A Generate call that
+rotation (one whose checks time out, only once ``SLOW_CHECKS_TO_LEAVE`` in a
+row have: busy is not gone), and comes back at its next SERVING answer. A Generate call that
 finds a daemon UNAVAILABLE takes it out at once too.
 
 ``pick`` hands a request to the healthy daemon with the fewest running
@@ -28,7 +29,7 @@ from lanekv.http.config import FrontConfig
 from lanekv.http.errors import APIError
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.security import AUTH_METADATA_KEY, SecurityConfig
-from runtime.status import grpc_options
+from runtime.status import SLOW_CHECKS_TO_LEAVE, grpc_options, slow_checks_after
 
 log = logging.getLogger("lanekv.http")
 DECODE_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
@@ -72,6 +73,7 @@ class Backend:
     running: int = 0
     served: int = 0  # requests handed to it so far
     problem: str = "not asked yet"  # why it is out of rotation
+    slow_checks: int = 0  # health checks in a row that timed out (runtime.status.SLOW_CHECKS_TO_LEAVE)
 
 
 class NoBackend(APIError):
@@ -146,13 +148,21 @@ class Backends:
 
     async def _check(self, member: Backend) -> None:
         request = health_pb2.HealthCheckRequest(service=DECODE_SERVICE)
+        code = None
         try:
             reply = await member.health.Check(request, timeout=self.config.health_timeout_s,
                                               metadata=self.metadata)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             problem = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         except grpc.aio.AioRpcError as err:
-            serving, problem = False, f"health check {err.code().name}: {err.details()}"
+            code, serving, problem = err.code(), False, f"health check {err.code().name}: {err.details()}"
+        member.slow_checks = slow = slow_checks_after(code, member.slow_checks)
+        if 0 < slow < SLOW_CHECKS_TO_LEAVE:  # busy, not gone: it stays where it is for now
+            log.warning("decode daemon %s: health check %d of %d in a row timed out", member.endpoint,
+                        slow, SLOW_CHECKS_TO_LEAVE)
+            return
+        if slow:
+            problem += f" ({slow} checks in a row)"
         if serving and not member.healthy:
             log.info("decode daemon %s is in rotation", member.endpoint)
         elif not serving:

@@ -312,3 +312,45 @@ def test_the_pick_turning_empty_and_back_is_told_once_each():
         assert told == [False, True]
     finally:
         pool.close()
+
+
+class _Slow(grpc.RpcError):
+    def code(self):
+        return Code.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "Deadline Exceeded"
+
+
+def test_a_slow_health_check_leaves_only_after_several_in_a_row():
+    """A busy prefill daemon may answer its health check late: it stays in the pick
+    until SLOW_CHECKS_TO_LEAVE checks in a row time out (one answer between starts
+    the count again); a refused connection or NOT_SERVING takes it out at once."""
+    from decode.prefill_call import SLOW_CHECKS_TO_LEAVE
+
+    pool, (a,) = _pool(1)
+    slow = lambda request, timeout: (_ for _ in ()).throw(_Slow())  # noqa: E731
+    answer = a.health.Check
+    try:
+        a.health.Check = slow
+        for _ in range(SLOW_CHECKS_TO_LEAVE - 1):
+            pool.check(a)
+        assert a.healthy and pool.pick(1) is a
+        a.health.Check = answer
+        pool.check(a)  # answered: the count starts again
+        a.health.Check = slow
+        for _ in range(SLOW_CHECKS_TO_LEAVE - 1):
+            pool.check(a)
+        assert a.healthy
+        pool.check(a)
+        assert not a.healthy
+        assert a.problem == (f"health check DEADLINE_EXCEEDED: Deadline Exceeded "
+                             f"({SLOW_CHECKS_TO_LEAVE} checks in a row)")
+        a.health.Check = answer
+        pool.check(a)
+        assert a.healthy and a.slow_checks == 0
+        a.health.status = None  # connection refused: out at once
+        pool.check(a)
+        assert not a.healthy and "UNAVAILABLE" in a.problem
+    finally:
+        pool.close()

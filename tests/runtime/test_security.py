@@ -131,6 +131,49 @@ def test_token_over_tls_rides_in_call_credentials(certs: CertSet) -> None:
         assert refused(port, SecurityConfig(tls_ca=certs.ca)).code() == Code.UNAUTHENTICATED
 
 
+def test_health_is_answered_while_streams_hold_every_worker() -> None:
+    # A prefill daemon's PrefillStream calls wait for their batch on a thread
+    # each; when they outnumbered the pool's threads, a health check queued
+    # behind them, timed out, and its caller took the daemon for dead. Every
+    # call the limits admit has a thread: 12 held streams on a 2-worker server
+    # (13 calls admitted) leave health, and a 13th call, answered at once.
+    import threading
+
+    from runtime.limits import CallLimits
+
+    release, running = threading.Event(), threading.Semaphore(0)
+
+    def hold(request, context):
+        running.release()
+        release.wait(30)
+        yield request
+
+    held, limits = 12, CallLimits(total=13, per_peer=13, open_total=2, open_per_peer=2)
+    server = make_server(SecurityConfig(), max_workers=2, limits=limits)  # 4 threads before
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("lanekv.test.Hold", {
+        "Hold": grpc.unary_stream_rpc_method_handler(hold)}), _echo_handler()))
+    checker = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(checker, server)
+    port = bind(server, "127.0.0.1", 0, SecurityConfig())
+    server.start()
+    checker.set("", health_pb2.HealthCheckResponse.SERVING)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            streams = [channel.unary_stream("/lanekv.test.Hold/Hold")(b"x", timeout=30) for _ in range(held)]
+            try:
+                assert all(running.acquire(timeout=10) for _ in range(held))  # each on a thread
+                stub = health_pb2_grpc.HealthStub(channel)
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+                assert channel.unary_unary(ECHO)(b"ping", timeout=2) == b"ping"
+            finally:
+                release.set()
+            assert all(list(stream) == [b"x"] for stream in streams)
+    finally:
+        release.set()
+        server.stop(None)
+
+
 def test_bind_names_a_busy_port() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -21,15 +21,23 @@ class _Down(grpc.aio.AioRpcError):
                          details="connection refused")
 
 
+class _Slow(grpc.aio.AioRpcError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                         details="Deadline Exceeded")
+
+
 class FakeHealth:
-    """An asyncio health stub whose answer the test sets (None: no answer)."""
+    """An asyncio health stub whose answer the test sets (None: no answer; "slow": it times out)."""
 
     def __init__(self) -> None:
-        self.status: int | None = SERVING
+        self.status: int | str | None = SERVING
 
     async def Check(self, request, timeout, metadata):  # noqa: N802 (the stub's name)
         if self.status is None:
             raise _Down()
+        if self.status == "slow":
+            raise _Slow()
         return health_pb2.HealthCheckResponse(status=self.status)
 
 
@@ -87,3 +95,20 @@ def test_health_takes_a_daemon_out_and_puts_it_back(tmp_path):
     with pytest.raises(NoBackend) as err:  # the only healthy one already tried
         backends.pick(exclude=[a])
     assert err.value.status == 503
+
+
+def test_a_daemon_slow_to_answer_its_health_check_stays_until_several_in_a_row(tmp_path):
+    from runtime.status import SLOW_CHECKS_TO_LEAVE
+
+    backends = _backends(tmp_path, 1)
+    (a,) = backends.members
+    a.health.status = "slow"
+    for _ in range(SLOW_CHECKS_TO_LEAVE - 1):
+        asyncio.run(backends.check_all())
+    assert a.healthy and backends.pick() is a  # busy is not gone
+    asyncio.run(backends.check_all())
+    assert not a.healthy and a.problem == (f"health check DEADLINE_EXCEEDED: Deadline Exceeded "
+                                           f"({SLOW_CHECKS_TO_LEAVE} checks in a row)")
+    a.health.status = SERVING
+    asyncio.run(backends.check_all())
+    assert a.healthy and a.slow_checks == 0
