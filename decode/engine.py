@@ -171,6 +171,9 @@ class DecodeEngine:
         self._running: list[_Request] = []
         self._done_at_add: list[TokenEvent] = []
         self._in_flight: list[_Request] = []  # the requests of the step whose model runs now
+        # A step launched ahead by the last ``step`` call: its batch and its output (or
+        # the error its launch raised); the next call finishes it.
+        self._launched: tuple[GraphBatch, StepOutput | BaseException] | None = None
 
     # ---- requests in and out (any thread) ----
 
@@ -297,20 +300,33 @@ class DecodeEngine:
         threads wait for the bookkeeping before and after it, not for the step.
         (Holding it throughout, a loop stepping back to back took it again before
         a waiting ``cancel`` woke, so a cancelled request could run to its end.)
+
+        With graphs and ``overlap``, a step whose staged successor still holds
+        launches that successor before it returns (``_run_ahead``): the caller
+        hands the events to their streams while the GPU runs the next step, and
+        the next call starts from it.
         """
         with self._lock:
             events, self._done_at_add = self._done_at_add, []
-            plan, self._plan = self._plan, None
-            if plan is not None and self._plan_holds(plan):
-                batch, prepared = plan.requests, self._commit(plan)
+            launched, self._launched = self._launched, None
+            if launched is not None:
+                prepared, output = launched
+                batch = prepared.requests
             else:
-                batch = self._schedule()
-                if not batch:
-                    return events
-                prepared = self._prepare(batch)
-            self._in_flight = batch
+                plan, self._plan = self._plan, None
+                if plan is not None and self._plan_holds(plan):
+                    batch, prepared = plan.requests, self._commit(plan)
+                else:
+                    batch = self._schedule()
+                    if not batch:
+                        return events
+                    prepared = self._prepare(batch)
+                self._in_flight = batch
         try:
-            output = self._run(prepared)
+            if launched is None:
+                output = self._run(prepared)
+            elif isinstance(output, BaseException):  # the launch ahead failed: this step's failure
+                raise output
             if self.overlap and isinstance(prepared, GraphBatch):
                 with self._lock:  # the GPU runs this step: stage the next meanwhile
                     try:
@@ -324,7 +340,26 @@ class DecodeEngine:
         with self._lock:
             events += self._postprocess(prepared, output)
             self._land(batch)
-            return events
+            ahead = self._plan if self.overlap else None
+            if ahead is not None and self._plan_holds(ahead):
+                self._plan = None
+                ahead_batch = self._commit(ahead)
+                self._in_flight = ahead.requests
+            else:
+                ahead_batch = None
+        if ahead_batch is not None:
+            self._run_ahead(ahead_batch)
+        return events
+
+    def _run_ahead(self, batch: GraphBatch) -> None:
+        """Launch ``batch`` now, for the next ``step`` to finish. A failure is kept
+        and raised by that call, so the events of this one are not lost."""
+        try:
+            output: StepOutput | BaseException = self._run(batch)
+        except Exception as err:  # noqa: BLE001 (raised by the next step, which lands the batch)
+            output = err
+        with self._lock:
+            self._launched = (batch, output)
 
     def _plan_next(self) -> _Plan | None:
         """Stage the step after the one in flight (lock held): admit, secure slots
@@ -474,7 +509,7 @@ class DecodeEngine:
         return None
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._done_at_add)
+        return bool(self._waiting or self._running or self._done_at_add or self._launched is not None)
 
     def _find(self, request_id: str) -> _Request | None:
         for request in (*self._running, *self._waiting):

@@ -113,6 +113,64 @@ def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, size
     return tokens, len(commits)
 
 
+def _engine_with_static_steps(checkpoints, num_requests: int = 3):
+    """A CPU engine over the static-buffer step, with ``num_requests`` greedy
+    requests of 12 new tokens added; its pool too."""
+    loaded = load_model(checkpoints["llama"])
+    pool = PagePool.for_model(loaded.config, 32, 4, loaded.model.dtype, "cpu")
+    engine = DecodeEngine(loaded.model, pool, max_batch_size=4, eos_token_ids=(), graph_sizes=(4,))
+    engine._graphs = DecodeGraphs(loaded.model, pool, engine.graph_sizes)
+    engine._graphs.capture()
+    for i in range(num_requests):
+        table, first = prefill_into_pool(loaded.model, pool, _prompt(5 + i, seed=i), SamplingParams())
+        engine.add(f"r{i}", table, first, SamplingParams(), 12)
+    return engine, pool
+
+
+def test_a_step_launches_the_next_before_it_returns_cpu(checkpoints):
+    """With overlap, a step whose staged successor holds launches it before its
+    events go out; the next call finishes that step. Cancelling every request
+    under a step launched ahead leaves work (the step must land) until the next
+    call, which emits nothing for them and frees their pages."""
+    engine, pool = _engine_with_static_steps(checkpoints)
+    first = engine.step()  # runs step 1 (prepared as usual), stages step 2 and launches it
+    assert [e.request_id for e in first] == ["r0", "r1", "r2"] and engine._launched is not None
+    assert [r.request_id for r in engine._in_flight] == ["r0", "r1", "r2"]
+    second = engine.step()
+    assert [e.step for e in second] == [2, 2, 2]  # step 2's events: finished, not run again
+    for rid in ("r0", "r1", "r2"):
+        assert engine.cancel(rid)
+    assert engine.num_running == 0 and engine.has_work  # step 3 runs: its pages are still written
+    assert pool.free_count < pool.num_pages
+    assert engine.step() == [] and not engine.has_work
+    assert pool.free_count == pool.num_pages
+
+
+def test_a_failed_launch_ahead_fails_the_next_step_not_this_one_cpu(checkpoints):
+    engine, pool = _engine_with_static_steps(checkpoints, num_requests=2)
+    run = engine._run
+    calls = []
+
+    def run_then_fail(batch):
+        calls.append(batch)
+        if len(calls) == 2:  # the launch ahead of step 2
+            raise RuntimeError("launch failed")
+        return run(batch)
+
+    engine._run = run_then_fail
+    assert [e.step for e in engine.step()] == [1, 1]  # step 1's events are not lost
+    with pytest.raises(RuntimeError, match="launch failed"):
+        engine.step()
+    assert engine._launched is None and engine._in_flight == []
+    engine._run = run
+    assert [e.step for e in engine.step()] == [2, 2]  # the engine steps on
+    for rid in ("r0", "r1"):
+        engine.cancel(rid)
+    while engine.has_work:
+        engine.step()
+    assert pool.free_count == pool.num_pages
+
+
 @pytest.mark.parametrize("overlap", [True, False])
 def test_static_step_equals_eager_on_cpu(checkpoint, overlap):
     """Steps above the ladder run eager, the rest padded; with overlap, most
