@@ -18,7 +18,11 @@ rows into the graphs' other staging side) while the GPU runs, then waits for
 step n's ids. Step n+1 uses that plan only if nothing changed meanwhile (no
 request ended by a stop token, was cancelled or could be admitted); else it
 is prepared as usual. Requests that end by length in step n are left out of
-the plan, so no slot is taken for a step that never runs.
+the plan, so no slot is taken for a step that never runs. A plan that holds
+is launched before ``step`` returns step n's events, so the daemon hands them
+to their streams while the GPU runs step n+1 (64 stream threads woken before
+the launch had held the loop up); a request that arrives meanwhile is
+admitted a step later.
 
 A request enters with its prompt's KV already in the pool through its
 ``PageTable`` (placed by the transfer client, or by ``prefill_into_pool``) and
