@@ -24,6 +24,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -323,7 +324,9 @@ class CPPrefillEngine(PrefillEngine):
         """Remove the /dev/shm pools of ranks that are gone (a rank removes its own when
         it stops cleanly; a decode daemon's mapping of one stays valid)."""
         for rank, (proc, path) in enumerate(zip(self._procs, self._shared_paths)):
-            if path is not None and not proc.is_alive():
+            # Its sentinel, not is_alive(): while another thread reaps the process,
+            # is_alive() here can still say True (seen under load: the file stayed).
+            if path is not None and wait([proc.sentinel], timeout=0):
                 remove_shared_pool(path)
                 self._shared_paths[rank] = None
 
