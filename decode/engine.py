@@ -18,10 +18,16 @@ rows into the graphs' other staging side) while the GPU runs, then waits for
 step n's ids. Step n+1 uses that plan only if nothing changed meanwhile (no
 request ended by a stop token, was cancelled or could be admitted); else it
 is prepared as usual. Requests that end by length in step n are left out of
-the plan, so no slot is taken for a step that never runs. A plan that holds
-is launched before ``step`` returns step n's events, so the daemon hands them
-to their streams while the GPU runs step n+1 (64 stream threads woken before
-the launch had held the loop up); a request that arrives meanwhile is
+the plan, so no slot is taken for a step that never runs. When step n+1 runs
+the same greedy requests in the same rows, it is queued on the GPU behind
+step n before step n's ids are read: its input ids are step n's greedy ids,
+fed on the device, so the GPU does not wait for the host between steps; a
+request that samples its stop token in step n then runs once more in step
+n+1, its row dropped and its pages freed when that step lands, as for a
+cancelled one. Otherwise a plan that holds is launched once step n's ids are
+read, before ``step`` returns step n's events. Either way the daemon hands the
+events to their streams while the GPU runs step n+1 (64 stream threads woken
+before the launch had held the loop up); a request that arrives meanwhile is
 admitted a step later.
 
 A request enters with its prompt's KV already in the pool through its
@@ -119,6 +125,7 @@ class GraphBatch(NamedTuple):
     input_ids: list[int]
     size: int  # the captured batch size it runs at (padding rows past len(requests))
     side: int
+    feed: torch.Tensor | None = None  # the ids on the device (the step before's greedy ids)
 
 
 class _Plan(NamedTuple):
@@ -306,9 +313,10 @@ class DecodeEngine:
         a waiting ``cancel`` woke, so a cancelled request could run to its end.)
 
         With graphs and ``overlap``, a step whose staged successor still holds
-        launches that successor before it returns (``_run_ahead``): the caller
-        hands the events to their streams while the GPU runs the next step, and
-        the next call starts from it.
+        launches that successor before it returns (``_run_ahead``): queued
+        before this step's ids are read when it can be (``_queue_next``), else
+        right after. The caller hands the events to their streams while the GPU
+        runs the next step, and the next call starts from it.
         """
         with self._lock:
             events, self._done_at_add = self._done_at_add, []
@@ -326,6 +334,7 @@ class DecodeEngine:
                         return events
                     prepared = self._prepare(batch)
                 self._in_flight = batch
+        queued = None  # the next step, queued before this one's ids are read
         try:
             if launched is None:
                 output = self._run(prepared)
@@ -337,11 +346,19 @@ class DecodeEngine:
                         self._plan = self._plan_next()
                     except Exception:  # noqa: BLE001 (the next step is then prepared as usual)
                         log.exception("decode: staging the next step failed")
+                    queued = self._queue_next(batch, output)
+                if queued is not None:
+                    tokens = self._graphs.read_ids(output.greedy, prepared.side)
+                    self._run_ahead(queued)
         except BaseException:
             with self._lock:
-                self._land(batch)
+                self._land(batch, self._launched[0].requests if self._launched else None)
             raise
         with self._lock:
+            if queued is not None:
+                events += self._postprocess(prepared, output, tokens(), ahead=queued.requests)
+                self._land(batch, queued.requests)
+                return events
             events += self._postprocess(prepared, output)
             self._land(batch)
             ahead = self._plan if self.overlap else None
@@ -354,6 +371,22 @@ class DecodeEngine:
         if ahead_batch is not None:
             self._run_ahead(ahead_batch)
         return events
+
+    def _queue_next(self, batch: list[_Request], output: StepOutput) -> GraphBatch | None:
+        """The staged next step, committed to be queued behind the one in flight before
+        its ids are read (lock held): when it runs the same greedy requests in the same
+        rows (nobody ends by length, none was cancelled, nobody waiting fits), so its
+        input ids are this step's greedy ids on the device. A request this step ends
+        by a stop token then runs once more, its row dropped as a cancelled one is.
+        None: the next step waits for the ids (``_run_ahead`` after them, or prepared)."""
+        plan = self._plan
+        if plan is None or len(plan.requests) != len(batch) or not self._plan_holds(plan) or any(
+            a is not b or not a.sampling.greedy for a, b in zip(plan.requests, batch)
+        ):
+            return None
+        self._plan = None
+        self._in_flight = plan.requests
+        return self._commit(plan)._replace(feed=output.greedy)
 
     def _run_ahead(self, batch: GraphBatch) -> None:
         """Launch ``batch`` now, for the next ``step`` to finish. A failure is kept
@@ -415,11 +448,14 @@ class DecodeEngine:
         return GraphBatch(plan.requests, [r.last_token for r in plan.requests], plan.size,
                           plan.side)
 
-    def _land(self, batch: list[_Request]) -> None:
+    def _land(self, batch: list[_Request], ahead: list[_Request] | None = None) -> None:
         """The step's model run is over: free the pages of requests cancelled under it
-        once its writes into them are done (lock held; in the stepping thread)."""
-        self._in_flight = []
-        cancelled = [request for request in batch if request.cancelled]
+        once its writes into them are done (lock held; in the stepping thread).
+        ``ahead``: the requests of a step queued behind it, which is still in
+        flight (theirs are freed when it lands)."""
+        self._in_flight = ahead or []
+        keep = {id(r) for r in self._in_flight}
+        cancelled = [request for request in batch if request.cancelled and id(request) not in keep]
         if cancelled and self.pool.device.type == "cuda":
             torch.cuda.current_stream(self.pool.device).synchronize()
         for request in cancelled:
@@ -474,41 +510,53 @@ class DecodeEngine:
         """The model over the batch: float32 logits ``[B, vocab]`` (eager), or a
         captured step's logits and argmax."""
         if isinstance(batch, GraphBatch):
-            return self._graphs.replay(batch.side, batch.input_ids, batch.size)
+            return self._graphs.replay(batch.side, batch.input_ids, batch.size, batch.feed)
         with torch.inference_mode():
             hidden = step_hidden(self.model, self.pool, batch.input_ids, batch.positions,
                                  batch.locs, batch.page_table, batch.seq_lens)  # [B, hidden]
             return self.model.compute_logits(hidden)
 
-    def _postprocess(self, batch: DecodeBatch | GraphBatch,
-                     output: StepOutput | torch.Tensor) -> list[TokenEvent]:
+    def _postprocess(self, batch: DecodeBatch | GraphBatch, output: StepOutput | torch.Tensor,
+                     tokens: list[int] | None = None,
+                     ahead: list[_Request] | None = None) -> list[TokenEvent]:
+        """Sample (``tokens``: the step's greedy ids, read already), emit, finish.
+        ``ahead``: the requests of the step queued behind this one: one that
+        finishes here is dropped from that step and freed when it lands."""
         requests = batch.requests
-        logits, greedy = output if isinstance(output, StepOutput) else (output, None)
-        with torch.inference_mode():
-            tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests],
-                            greedy_tokens=greedy)
+        if tokens is None:
+            logits, greedy = output if isinstance(output, StepOutput) else (output, None)
+            with torch.inference_mode():
+                tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests],
+                                greedy_tokens=greedy).tolist()  # the step's one device read
+        queued = {id(r) for r in ahead or ()}
         events = []
-        for request, token in zip(requests, tokens.tolist()):  # the step's one device read
+        for request, token in zip(requests, tokens):
             if request.cancelled:
                 continue  # no event; its pages are freed when the step lands
             request.last_token = token
             request.step += 1
-            reason = self._finish_reason(request)
+            reason = self._finish_reason(request, id(request) in queued)
             events.append(TokenEvent(request.request_id, token, request.step - 1,
                                      reason is not None, reason))
             if reason is not None:
                 self._running.remove(request)
-                request.table.release()
+                if id(request) in queued:
+                    request.cancelled = True  # the queued step writes its slot: freed after it
+                else:
+                    request.table.release()
         return events
 
     # ---- helpers (lock held) ----
 
-    def _finish_reason(self, request: _Request) -> str | None:
-        """Why ``request`` ends after sampling ``last_token``, or None."""
+    def _finish_reason(self, request: _Request, queued: bool = False) -> str | None:
+        """Why ``request`` ends after sampling ``last_token``, or None. ``queued``: the
+        next step is queued already (its slot is counted in ``seq_len``)."""
         if request.last_token in request.stop_token_ids:
             return FINISH_STOP
-        # The next step would feed last_token at position seq_len: room for it?
-        if request.step >= request.max_new_tokens or request.table.seq_len >= request.final_len:
+        # The next step feeds last_token at position seq_len (seq_len - 1 if it is
+        # queued): room for it?
+        position = request.table.seq_len - queued
+        if request.step >= request.max_new_tokens or position >= request.final_len:
             return FINISH_LENGTH
         return None
 

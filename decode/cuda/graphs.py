@@ -27,8 +27,9 @@ tables) run eager. The engine builds these on CUDA only; on a CPU pool (tests)
 
 from __future__ import annotations
 
+import gc
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -94,6 +95,12 @@ class DecodeGraphs:
         # numpy views of the pinned buffers: filling them from lists costs no torch op
         self._host64_np = [t.numpy() for t in self._host64]
         self._host32_np = [t.numpy() for t in self._host32]
+        # Where a step's greedy ids come back to the host (one per step in flight).
+        self._host_ids = [torch.empty(n, dtype=torch.int64) for _ in range(2)]
+        self._ids_read = [None, None]  # per side: the event after the copy to the host
+        if self.cuda:
+            self._host_ids = [t.pin_memory() for t in self._host_ids]
+            self._ids_read = [torch.cuda.Event() for _ in range(2)]
         self._dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)
         self.ids, self.positions, self.locs = self._dev64
@@ -130,11 +137,30 @@ class DecodeGraphs:
             self._graphs = dict.fromkeys(self.sizes)
             return
         device = self.pool.device
+        # No garbage collection while capturing: an object of an earlier engine
+        # freed then (its pinned buffers, its events) makes CUDA calls that end a
+        # capture (seen: "operation failed due to a previous error during capture").
+        gc.collect()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # so that the figure below counts only what the graphs keep
         before = torch.cuda.memory_reserved(device)
         mempool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(device)
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture_all(device, mempool, stream)
+        finally:
+            if gc_was_on:
+                gc.enable()
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the eager runs' blocks go; the graphs' private pool stays
+        self.memory_bytes = torch.cuda.memory_reserved(device) - before
+        log.info("decode: captured CUDA graphs for batch sizes %s (pages per request up to %d); "
+                 "graphs and their buffers take %.1f MiB", list(self.sizes), self.max_pages,
+                 self.memory_bytes / 2**20)
+
+    def _capture_all(self, device: torch.device, mempool, stream: torch.cuda.Stream) -> None:
         with torch.inference_mode(), torch.cuda.device(device):
             self._pad_all()
             for n in reversed(self.sizes):
@@ -146,12 +172,6 @@ class DecodeGraphs:
                 with torch.cuda.graph(graph, pool=mempool, stream=stream):
                     logits, greedy = self._forward(n)
                 self._graphs[n] = _Captured(graph, logits, greedy)
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # the eager runs' blocks go; the graphs' private pool stays
-        self.memory_bytes = torch.cuda.memory_reserved(device) - before
-        log.info("decode: captured CUDA graphs for batch sizes %s (pages per request up to %d); "
-                 "graphs and their buffers take %.1f MiB", list(self.sizes), self.max_pages,
-                 self.memory_bytes / 2**20)
 
     def stage(self, side: int, tables: Sequence[PageTable], positions: Sequence[int],
               locs: Sequence[int], seq_lens: Sequence[int]) -> None:
@@ -170,17 +190,41 @@ class DecodeGraphs:
             pages = t.pages
             table[row, :len(pages)] = pages  # past a request's pages: never read
 
-    def replay(self, side: int, ids: Sequence[int], size: int) -> StepOutput:
+    def replay(self, side: int, ids: Sequence[int], size: int,
+               feed: torch.Tensor | None = None) -> StepOutput:
         """Replay captured ``size`` (from ``size_for``) over staging ``side`` with
-        these input ids, one per request of the staged step."""
+        these input ids, one per request of the staged step; ``feed``: the ids
+        on the device instead (the greedy ids of the step queued before, row for
+        row), so the step can be queued before those are read."""
         n = len(ids)
         captured = self._graphs[size]
         self._host64_np[side][0, :n] = ids
         self._dev64.copy_(self._host64[side], non_blocking=True)
         self._dev32.copy_(self._host32[side], non_blocking=True)
+        if feed is not None:
+            self.ids[:n].copy_(feed)
         if captured is None:  # CPU: the same step, eager
             with torch.inference_mode():
                 logits, greedy = self._forward(size)
             return StepOutput(logits[:n], greedy[:n])
         captured.graph.replay()
         return StepOutput(captured.logits[:n], captured.greedy[:n])
+
+    def read_ids(self, greedy: torch.Tensor, side: int) -> Callable[[], list[int]]:
+        """Queue the copy of a step's ``greedy`` ids to the host now, before a step
+        queued later replays over them; the returned call waits for that copy
+        alone (not for later steps) and gives the ids. ``side``: the step's
+        staging side (two steps in flight use two buffers)."""
+        host = self._host_ids[side][:greedy.shape[0]]
+        host.copy_(greedy, non_blocking=self.cuda)
+        if not self.cuda:
+            values = host.tolist()
+            return lambda: values
+        done = self._ids_read[side]
+        done.record()
+
+        def ids() -> list[int]:
+            done.synchronize()
+            return host.tolist()
+
+        return ids

@@ -68,7 +68,8 @@ def _poisoned_pool(loaded: LoadedModel, num_pages: int, page_size: int, device) 
 
 
 def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, sizes,
-              page_size: int = 4, overlap: bool = True) -> tuple[dict[str, list[int]], int]:
+              page_size: int = 4, overlap: bool = True, stops: dict[str, int] | None = None,
+              queued: list | None = None) -> tuple[dict[str, list[int]], int]:
     """Requests of mixed lengths, a third added mid-run, some cancelled mid-run;
     returns each request's tokens. Page 0 is free throughout (padding rows'
     page-table entries point at it), and checked poisoned at the end."""
@@ -81,6 +82,10 @@ def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, size
     commits = []
     commit = engine._commit
     engine._commit = lambda plan: commits.append(plan) or commit(plan)
+    if queued is not None:  # the steps queued before the ids of the one before were read
+        queue_next = engine._queue_next
+        engine._queue_next = lambda *a: (lambda got: (got is not None and queued.append(got)) or got)(
+            queue_next(*a))
     if graphs:
         if device.type == "cuda":
             assert engine.capture_graphs() is not None
@@ -99,7 +104,8 @@ def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, size
     tokens: dict[str, list[int]] = {}
     for step in range(60):
         for args in adds.get(step, []):
-            engine.add(*args)
+            engine.add(*args, stop_token_ids=() if stops is None or args[0] not in stops
+                       else (stops[args[0]],))
         for rid in cancels.get(step, []):
             engine.cancel(rid)
         for event in engine.step():
@@ -169,6 +175,41 @@ def test_a_failed_launch_ahead_fails_the_next_step_not_this_one_cpu(checkpoints)
     while engine.has_work:
         engine.step()
     assert pool.free_count == pool.num_pages
+
+
+def _queued_through_stop_tokens(loaded: LoadedModel, device: torch.device, num_requests: int,
+                                sizes) -> None:
+    """A step queued behind the one before it (its ids fed on the device) while a
+    request of that step samples its stop token: the request ends there, its extra
+    row is dropped, and every token equals the eager engine's (pages all back,
+    page 0 still poisoned: checked in ``_scenario``)."""
+    plain, _ = _scenario(loaded, device, False, num_requests, sizes)
+    # each request with 4+ tokens stops at its third token (unless it came earlier)
+    stops = {rid: out[2] for rid, out in plain.items() if len(out) >= 4}
+    assert len(stops) >= 5
+    eager, _ = _scenario(loaded, device, False, num_requests, sizes, stops=stops)
+    queued: list = []
+    captured, _ = _scenario(loaded, device, True, num_requests, sizes, stops=stops, queued=queued)
+    assert captured == eager
+    cancelled = {f"r{i}" for i in range(1, num_requests, 5)}  # _scenario's cancels
+    # Each ends at its stop token within 3 tokens; None: prefill's own first token
+    # was it (done when added).
+    ended = [eager[rid][-1] for rid in stops if rid not in cancelled]
+    assert all(eager[rid][-1] in (stops[rid], None) and len(eager[rid]) <= 3
+               for rid in stops if rid not in cancelled)
+    assert sum(token is not None for token in ended) >= 3
+    assert len(queued) >= 2  # the queued path ran (requests end at most steps here)
+
+
+def test_steps_queued_before_the_ids_equal_eager_through_stop_tokens_cpu(checkpoints):
+    _queued_through_stop_tokens(load_model(checkpoints["llama"]), torch.device("cpu"), 11,
+                                (1, 2, 4, 8, 16))
+
+
+@requires_gpu
+def test_steps_queued_before_the_ids_equal_eager_through_stop_tokens_gpu(checkpoint):
+    loaded = load_model(checkpoint, dtype=torch.float32, device="cuda")
+    _queued_through_stop_tokens(loaded, torch.device("cuda"), 64, default_ladder(64))
 
 
 @pytest.mark.parametrize("overlap", [True, False])
