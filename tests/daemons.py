@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+
+import grpc
 
 from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
+from proto import lanekv_pb2, lanekv_pb2_grpc
 
 # Leases long enough that no test's pages expire under it.
 LONG_LEASE = DaemonConfig(lease_s=600)
@@ -43,3 +47,26 @@ def running_pair(engine: EngineConfig, daemon: DaemonConfig = LONG_LEASE,
         yield pair
     finally:
         stop_pair(*pair)
+
+
+def generate_concurrently(endpoint: str, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          id_prefix: str | None = None) -> list[list[int] | None]:
+    """Every prompt's Generate at once, each in a thread; each call's output ids, in
+    prompt order (None where a call did not end within 150 s). ``id_prefix``: the
+    requests are named ``<prefix>-<i>`` (default: the daemon names them)."""
+    results: list[list[int] | None] = [None] * len(prompts)
+    with grpc.insecure_channel(endpoint) as channel:
+        stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+
+        def run(i: int) -> None:
+            named = {} if id_prefix is None else {"request_id": f"{id_prefix}-{i}"}
+            request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=prompts[i]),
+                                                 max_new_tokens=max_new_tokens, **named)
+            results[i] = [t for reply in stub.Generate(request, timeout=120) for t in reply.token_ids]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(150)
+    return results

@@ -16,18 +16,15 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from model.kv_rows import dsa_layout
 from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_deepseek_v32
-from tests.daemons import running_pair
+from tests.daemons import generate_concurrently, running_pair
 from tests.threaded_e2e import threaded_generate
 from transfer.grpcfetch import spans as spans_module
 from transfer.protocol.wire import ChunkHeader
@@ -80,23 +77,7 @@ def test_threaded_prefill_transfer_decode_equals_transformers(checkpoint, refere
 
 
 def _generate_concurrently(endpoint: str) -> list[list[int]]:
-    prompts, results = _prompts(), [None] * len(PROMPT_LENS)
-    with grpc.insecure_channel(endpoint) as channel:
-        stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
-
-        def run(i: int) -> None:
-            request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=prompts[i]),
-                                                 max_new_tokens=MAX_NEW_TOKENS,
-                                                 request_id=f"dsa-{i}")
-            results[i] = [t for reply in stub.Generate(request, timeout=120)
-                          for t in reply.token_ids]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(150)
-    return results
+    return generate_concurrently(endpoint, _prompts(), MAX_NEW_TOKENS, id_prefix="dsa")
 
 
 @pytest.fixture

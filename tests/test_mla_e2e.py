@@ -14,15 +14,12 @@ import json
 import shutil
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
-import grpc
 import pytest
 import torch
 
 from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import (
     DEEPSEEK_WRITERS,
     EOS_TOKEN_ID,
@@ -30,7 +27,7 @@ from tests.checkpoints import (
     write_qwen3,
     write_qwen3_moe,
 )
-from tests.daemons import running_pair
+from tests.daemons import generate_concurrently, running_pair
 from tests.threaded_e2e import threaded_generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -84,24 +81,9 @@ def test_daemons_generate_like_transformers(checkpoints, reference, name, cp_siz
                                             transport, tmp_path):
     engine = EngineConfig(str(checkpoints[name]), cp_size=cp_size, page_size=page_size,
                           pages_per_lane=-(-200 // page_size), start_timeout_s=120)
-    prompts = _prompts()
-    results: list = [None] * len(prompts)
     with running_pair(engine, pool_pages=-(-600 // page_size), transport=transport) as (pre, dec):
         assert (dec.agreement.attention, dec.agreement.kv_planes) == ("mla", 1)
-        with grpc.insecure_channel(dec.endpoint) as channel:
-            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
-
-            def run(i: int) -> None:
-                request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=prompts[i]),
-                                                     max_new_tokens=MAX_NEW_TOKENS)
-                results[i] = [t for reply in stub.Generate(request, timeout=120)
-                              for t in reply.token_ids]
-
-            threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-            for thread in threads:
-                thread.start()
-            for thread in threads:
-                thread.join(150)
+        results = generate_concurrently(dec.endpoint, _prompts(), MAX_NEW_TOKENS)
         used = {dec.fastpath.transport(e) for e in pre.topology.endpoints} if dec.fastpath else {
             "grpc"}
         assert used == ({"shm"} if transport == "auto" else {"grpc"})

@@ -18,16 +18,12 @@ from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from prefill.layout import NotOwnedError
 from tests.checkpoints import write_llama, write_qwen2
+from tests.prefill.oracle import hf_last_logits, random_prompts
 
 # Lengths from one token to a few hundred; with page 16 and cp 4 the short
 # ones have fewer pages than ranks (compute padding).
 PROMPT_LENS = [1, 7, 33, 130, 301]
 LANE_PAGES = 1200  # room for every prompt twice at page_size 1 on one lane
-
-
-def _prompts(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 290, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -40,15 +36,7 @@ def checkpoint(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def hf_logits(checkpoint):
     """Last-token logits of transformers' forward for each prompt (float32)."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    model.eval()
-    out = {}
-    with torch.no_grad():
-        for ids in _prompts(PROMPT_LENS):
-            out[len(ids)] = model(torch.tensor([ids])).logits[0, -1].float()
-    return out
+    return hf_last_logits(checkpoint, random_prompts(PROMPT_LENS))
 
 
 def _engine(checkpoint, cp, ps, **kw):
@@ -61,7 +49,7 @@ def single_rank_kv(checkpoint):
     """K/V of every prompt from a cp=1 run, by position: [L, 2, T, Hkv, D]."""
     eng = _engine(checkpoint, 1, 1)
     out = {}
-    for ids, res in zip(_prompts(PROMPT_LENS), eng.prefill([PrefillInput(p) for p in _prompts(PROMPT_LENS)])):
+    for ids, res in zip(random_prompts(PROMPT_LENS), eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)])):
         out[len(ids)] = eng.read_pages([p.page for p in res.pages])
     return out
 
@@ -70,7 +58,7 @@ def single_rank_kv(checkpoint):
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_cp_prefill_matches_transformers_and_single_rank(checkpoint, hf_logits, single_rank_kv, cp_size, page_size):
     eng = _engine(checkpoint, cp_size, page_size)
-    prompts = _prompts(PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS)
     # two batches: all requests at once, and a batch of one
     results = eng.prefill([PrefillInput(p) for p in prompts], return_logits=True)
     results += eng.prefill([PrefillInput(prompts[2])], return_logits=True)
@@ -108,7 +96,7 @@ def test_cp_prefill_matches_transformers_and_single_rank(checkpoint, hf_logits, 
 @pytest.mark.parametrize("cp_size, page_size", [(2, 4), (3, 16), (4, 1)])
 def test_prefix_reuse_equals_full_prompt(checkpoint, hf_logits, cp_size, page_size):
     eng = _engine(checkpoint, cp_size, page_size)
-    prompt = _prompts(PROMPT_LENS)[4]  # 301 tokens
+    prompt = random_prompts(PROMPT_LENS)[4]  # 301 tokens
     first = eng.prefill([PrefillInput(prompt[:160])])[0]
     prefix_pages = [p.page for p in first.pages][: 160 // page_size - 1]  # page-aligned, < 160 tokens
     reused = eng.prefill([PrefillInput(prompt, prefix_pages=prefix_pages)], return_logits=True)[0]
@@ -123,7 +111,7 @@ def test_prefix_reuse_equals_full_prompt(checkpoint, hf_logits, cp_size, page_si
 
 
 def test_sampling_is_seeded_and_done_by_the_last_token_owner(checkpoint):
-    prompts = _prompts([50, 77], seed=3)
+    prompts = random_prompts([50, 77], seed=3)
     params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=1234)
     one = _engine(checkpoint, 1, 4).prefill([PrefillInput(p, params) for p in prompts])
     three = _engine(checkpoint, 3, 4).prefill([PrefillInput(p, params) for p in prompts])

@@ -16,14 +16,10 @@ from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from tests.checkpoints import write_deepseek_v32
+from tests.prefill.oracle import hf_last_logits, prefill_with_prefix, random_prompts
 
 PROMPT_LENS = [1, 6, 29, 70]
 LANE_PAGES = 200
-
-
-def _prompts(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 290, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module")
@@ -33,13 +29,7 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_logits(checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    with torch.no_grad():
-        return {len(ids): model(torch.tensor([ids])).logits[0, -1].float()
-                for ids in _prompts(PROMPT_LENS)}
+    return hf_last_logits(checkpoint, random_prompts(PROMPT_LENS), attn_implementation="eager")
 
 
 def _engine(checkpoint, cp, ps, cache_dtype="model"):
@@ -58,7 +48,7 @@ def single_rank_rows(checkpoint):
     out = {}
     for cache_dtype in ("model", "fp8_e4m3"):
         eng = _engine(checkpoint, 1, 1, cache_dtype)
-        prompts = _prompts(PROMPT_LENS)
+        prompts = random_prompts(PROMPT_LENS)
         out[cache_dtype] = {len(ids): _rows(eng, res) for ids, res in
                             zip(prompts, eng.prefill([PrefillInput(p) for p in prompts]))}
     return out
@@ -70,7 +60,7 @@ def test_dsa_cp_prefill_matches_transformers_and_single_rank(
         checkpoint, hf_logits, single_rank_rows, cp_size, page_size, cache_dtype):
     eng = _engine(checkpoint, cp_size, page_size, cache_dtype)
     lay = dsa_layout(eng.loaded.config, torch.float32, cache_dtype)
-    results = eng.prefill([PrefillInput(p) for p in _prompts(PROMPT_LENS)], return_logits=True)
+    results = eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)], return_logits=True)
     written = {r: set() for r in range(cp_size)}
     for res in results:
         n = res.num_tokens
@@ -105,11 +95,8 @@ def test_dsa_cp_prefill_matches_transformers_and_single_rank(
 
 def test_dsa_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
     eng = _engine(checkpoint, 3, 4)
-    prompt = _prompts(PROMPT_LENS)[3]  # 70 tokens
-    first = eng.prefill([PrefillInput(prompt[:40])])[0]
-    prefix = [p.page for p in first.pages][:9]
-    reused = eng.prefill([PrefillInput(prompt, prefix_pages=prefix)], return_logits=True)[0]
+    prompt = random_prompts(PROMPT_LENS)[3]  # 70 tokens
+    reused, whole = prefill_with_prefix(eng, prompt, 40, 9)  # 9 of its 10 pages of 4
     assert reused.prefix_len == 36
     torch.testing.assert_close(reused.logits, hf_logits[70], rtol=1e-4, atol=1e-4)
-    whole = eng.prefill([PrefillInput(prompt)])[0]
     torch.testing.assert_close(_rows(eng, reused), _rows(eng, whole))

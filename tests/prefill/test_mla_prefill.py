@@ -15,15 +15,11 @@ from prefill.cp.runner import mla_prefill_attention
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from tests.checkpoints import DEEPSEEK_WRITERS
+from tests.prefill.oracle import hf_last_logits, prefill_with_prefix, random_prompts
 
 PROMPT_LENS = [1, 6, 29, 70]
 LANE_PAGES = 400
 LATENT = 40
-
-
-def _prompts(lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 290, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
@@ -33,13 +29,7 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_logits(checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
-    with torch.no_grad():
-        return {len(ids): model(torch.tensor([ids])).logits[0, -1].float()
-                for ids in _prompts(PROMPT_LENS)}
+    return hf_last_logits(checkpoint, random_prompts(PROMPT_LENS), attn_implementation="eager")
 
 
 def _engine(checkpoint, cp, ps):
@@ -50,7 +40,7 @@ def _engine(checkpoint, cp, ps):
 @pytest.fixture(scope="module")
 def single_rank_latent(checkpoint):
     eng = _engine(checkpoint, 1, 1)
-    prompts = _prompts(PROMPT_LENS)
+    prompts = random_prompts(PROMPT_LENS)
     return {len(ids): eng.read_pages([p.page for p in res.pages])
             for ids, res in zip(prompts, eng.prefill([PrefillInput(p) for p in prompts]))}
 
@@ -60,7 +50,7 @@ def test_mla_cp_prefill_matches_transformers_and_single_rank(
         checkpoint, hf_logits, single_rank_latent, cp_size, page_size):
     eng = _engine(checkpoint, cp_size, page_size)
     assert eng.pool_snapshot(0).shape[1:4:2] == (1, 1)  # one plane, one head of the latent
-    results = eng.prefill([PrefillInput(p) for p in _prompts(PROMPT_LENS)], return_logits=True)
+    results = eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)], return_logits=True)
     written = {r: set() for r in range(cp_size)}
     for res in results:
         n = res.num_tokens
@@ -79,13 +69,10 @@ def test_mla_cp_prefill_matches_transformers_and_single_rank(
 
 def test_mla_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
     eng = _engine(checkpoint, 3, 4)
-    prompt = _prompts(PROMPT_LENS)[3]  # 70 tokens
-    first = eng.prefill([PrefillInput(prompt[:40])])[0]
-    prefix = [p.page for p in first.pages][:9]
-    reused = eng.prefill([PrefillInput(prompt, prefix_pages=prefix)], return_logits=True)[0]
+    prompt = random_prompts(PROMPT_LENS)[3]  # 70 tokens
+    reused, whole = prefill_with_prefix(eng, prompt, 40, 9)  # 9 of its 10 pages of 4
     assert reused.prefix_len == 36
     torch.testing.assert_close(reused.logits, hf_logits[70], rtol=1e-4, atol=1e-4)
-    whole = eng.prefill([PrefillInput(prompt)])[0]
     torch.testing.assert_close(eng.read_pages([p.page for p in reused.pages])[:, :, :70],
                                eng.read_pages([p.page for p in whole.pages])[:, :, :70])
 

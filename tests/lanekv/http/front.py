@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
+from runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -82,6 +83,30 @@ def running_front(model: Path, decode: Sequence[str], tmp: Path, *extra: str,
 
 TOKEN = "front-test-token"
 TOKEN_ENV = "LANEKV_FRONT_TEST_TOKEN"
+SECURITY = SecurityConfig(token=TOKEN)  # the daemons' security, token included
+ENV = {TOKEN_ENV: TOKEN}  # the front's environment: it reads the token from it
+AUTH = ("--auth-token-env", TOKEN_ENV)  # the front's flags for that
+PAGE_SIZE = 4
+
+
+def decode_daemon(checkpoint: Path, endpoints: Sequence[str], **config):
+    """A CPU decode daemon with ``SECURITY`` over the prefill daemons at ``endpoints``
+    (``config``: DecodeConfig fields beyond those)."""
+    from decode.config import DecodeConfig
+    from decode.daemon import DecodeDaemon
+
+    return DecodeDaemon(DecodeConfig(str(checkpoint), endpoints[0], extra_prefill_endpoints=tuple(endpoints[1:]),
+                                     **{"page_size": PAGE_SIZE, "device": "cpu", "pool_pages": 400,
+                                        "security": SECURITY, **config}))
+
+
+def hf_model(checkpoint: Path):
+    """transformers' model of the checkpoint, float32, eager attention (the oracle)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager",
+                                                dtype=torch.float32).eval()
 
 
 def openai_client(url: str, **kwargs):

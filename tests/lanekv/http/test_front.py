@@ -14,7 +14,6 @@ from urllib.parse import urlsplit
 import grpc
 import openai
 import pytest
-import torch
 
 from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
@@ -24,9 +23,14 @@ from prefill.engine_config import EngineConfig
 from runtime.security import SecurityConfig
 from tests.checkpoints import EOS_TOKEN_ID
 from tests.lanekv.http.front import (
+    AUTH,
+    ENV,
+    PAGE_SIZE,
+    SECURITY,
     TOKEN,
-    TOKEN_ENV,
+    decode_daemon,
     hf_greedy,
+    hf_model,
     openai_client,
     running_front,
     wait_for,
@@ -35,10 +39,6 @@ from tests.lanekv.http.front import (
 from tests.reflection import list_services
 
 pytestmark = pytest.mark.timeout(240)
-PAGE_SIZE = 4
-SECURITY = SecurityConfig(token=TOKEN)
-ENV = {TOKEN_ENV: TOKEN}
-AUTH = ("--auth-token-env", TOKEN_ENV)
 PROMPT = "w17 w42 w99 w5 w250"
 MESSAGES = [{"role": "system", "content": "w7 w8"}, {"role": "user", "content": "w33 w34 w35"}]
 
@@ -50,19 +50,14 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager",
-                                                 dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(checkpoint)
+    return hf_model(checkpoint), AutoTokenizer.from_pretrained(checkpoint)
 
 
-def decode_daemon(checkpoint, prefills, port: int = 0) -> DecodeDaemon:
+def decode_over(checkpoint, prefills, port: int = 0) -> DecodeDaemon:
     """A decode daemon over every prefill daemon of ``prefills``."""
-    endpoints = [p.endpoint for p in prefills]
-    return DecodeDaemon(DecodeConfig(str(checkpoint), endpoints[0], extra_prefill_endpoints=tuple(endpoints[1:]),
-                                     page_size=PAGE_SIZE, device="cpu", pool_pages=400, port=port,
-                                     security=SECURITY))
+    return decode_daemon(checkpoint, [p.endpoint for p in prefills], port=port)
 
 
 def prefills_done(prefill: PrefillDaemon) -> float:
@@ -77,7 +72,7 @@ def cluster(checkpoint):
     prefills, decodes = [], []
     try:
         prefills = [PrefillDaemon(engine, DaemonConfig(lease_s=600, security=SECURITY)) for _ in range(2)]
-        decodes = [decode_daemon(checkpoint, prefills) for _ in range(2)]
+        decodes = [decode_over(checkpoint, prefills) for _ in range(2)]
         yield prefills, decodes
     finally:
         for d in decodes:
@@ -319,7 +314,7 @@ def test_full_and_no_daemon(checkpoint, cluster, tmp_path):
 
 def test_daemon_leaves_rotation_and_comes_back(checkpoint, cluster, tmp_path):
     prefills, (steady, _) = cluster
-    moving = decode_daemon(checkpoint, prefills)
+    moving = decode_over(checkpoint, prefills)
     port = moving.port
     try:
         with running_front(checkpoint, [steady.endpoint, moving.endpoint], tmp_path, *AUTH, env=ENV) as url:
@@ -331,7 +326,7 @@ def test_daemon_leaves_rotation_and_comes_back(checkpoint, cluster, tmp_path):
                 assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3).choices
             health = _raw(url, "GET", "/health", None, None)[1]["decode"]
             assert not health[f"127.0.0.1:{port}"]["healthy"] and health[steady.endpoint]["healthy"]
-            moving = decode_daemon(checkpoint, prefills, port=port)
+            moving = decode_over(checkpoint, prefills, port=port)
             wait_for(lambda: _raw(url, "GET", "/health", None, None)[1]["decode"][moving.endpoint]["healthy"],
                      10, "the restarted daemon back in rotation")
             for _ in range(4):  # idle daemons take turns

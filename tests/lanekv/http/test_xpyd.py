@@ -22,21 +22,23 @@ from contextlib import ExitStack
 
 import openai
 import pytest
-import torch
 
-from decode.config import DecodeConfig
 from decode.daemon import DecodeDaemon
 from model.tokenizer import load_tokenizer
 from prefill.daemon import DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
-from runtime.security import SecurityConfig
 from tests.checkpoints import EOS_TOKEN_ID
 from tests.lanekv.http.front import (
+    AUTH,
+    ENV,
+    PAGE_SIZE,
     ROOT,
+    SECURITY,
     START_TIMEOUT_S,
     TOKEN,
-    TOKEN_ENV,
+    decode_daemon,
     hf_greedy,
+    hf_model,
     openai_client,
     running_front,
     wait_for,
@@ -44,10 +46,6 @@ from tests.lanekv.http.front import (
 )
 
 pytestmark = pytest.mark.timeout(360)
-PAGE_SIZE = 4
-SECURITY = SecurityConfig(token=TOKEN)
-ENV = {TOKEN_ENV: TOKEN}
-AUTH = ("--auth-token-env", TOKEN_ENV)
 LOAD_REQUESTS = 16
 MAX_TOKENS = 12
 REQUEST_TIMEOUT_S = 120.0  # each client call's; a hung request fails the test, not the suite
@@ -113,11 +111,6 @@ class PrefillProcess:
                 self.kill()
 
 
-def _decode(checkpoint, endpoints, **kw) -> DecodeDaemon:
-    return DecodeDaemon(DecodeConfig(str(checkpoint), endpoints[0], extra_prefill_endpoints=tuple(endpoints[1:]),
-                                     page_size=PAGE_SIZE, device="cpu", pool_pages=600, security=SECURITY, **kw))
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return write_chat_checkpoint(tmp_path_factory.mktemp("xpyd") / "tiny")
@@ -126,11 +119,7 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(checkpoint):
     """Each load request's prompt and transformers' greedy text for it."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager",
-                                                 dtype=torch.float32).eval()
-    tok = load_tokenizer(checkpoint)
+    model, tok = hf_model(checkpoint), load_tokenizer(checkpoint)
     prompts = [" ".join(f"w{3 + (i * 37 + j * 11) % 290}" for j in range(4 + i % 5)) for i in range(LOAD_REQUESTS)]
     return [(p, tok.decode(hf_greedy(model, tok.encode(p), MAX_TOKENS, EOS_TOKEN_ID), skip_special_tokens=True))
             for p in prompts]
@@ -156,7 +145,8 @@ def test_one_decode_over_two_prefills_kill_one_under_load(checkpoint, references
         steady_free = steady.free_pages()
         # Health is asked only when the test says so (``check``): the killed daemon is
         # found out by the calls sent to it, each of which must then go to the other one.
-        decode = _decode(checkpoint, [steady.endpoint, doomed.endpoint], prefill_health_interval_s=600.0)
+        decode = decode_daemon(checkpoint, [steady.endpoint, doomed.endpoint], pool_pages=600,
+                               prefill_health_interval_s=600.0)
         stack.callback(decode.stop, grace_s=1.0)
         lost = decode.prefills.targets[1]
         url = stack.enter_context(running_front(checkpoint, [decode.endpoint], tmp_path, *AUTH, env=ENV))
@@ -236,7 +226,7 @@ def test_mismatched_prefill_refused_with_fields_named(checkpoint, tmp_path, capl
         good = PrefillDaemon(good_engine, DaemonConfig(lease_s=600, security=SECURITY))
         stack.callback(good.stop)
         with caplog.at_level(logging.ERROR, logger="lanekv.decode"):
-            decode = _decode(checkpoint, [other.endpoint, good.endpoint])
+            decode = decode_daemon(checkpoint, [other.endpoint, good.endpoint], pool_pages=600)
         stack.callback(decode.stop, grace_s=1.0)
         refused = [r.getMessage() for r in caplog.records if other.endpoint in r.getMessage()]
         # One line per differing field, each naming the daemon.
