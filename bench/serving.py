@@ -50,7 +50,7 @@ class Outcome(NamedTuple):
     sent: float  # perf_counter when the request went out
     arrivals: list[tuple[float, int]]  # (time, tokens in that reply), in order
     error: str | None
-    stages: dict[str, float] | None = None  # gRPC: the decode daemon's prefill / transfer seconds
+    stages: dict[str, float] | None = None  # gRPC: the decode daemon's prefill / rank compute / transfer ms
 
 
 class Request(NamedTuple):
@@ -80,7 +80,8 @@ def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
             return Outcome(sent, arrivals, f"{err.code().name}: {err.details()}")
         meta = dict(call.trailing_metadata() or ())
         stages = {name: float(meta[key]) * 1e3 for name, key in (
-            ("prefill_ms", "lanekv-prefill-seconds"), ("transfer_ms", "lanekv-transfer-seconds"))
+            ("prefill_ms", "lanekv-prefill-seconds"), ("compute_ms", "lanekv-prefill-compute-seconds"),
+            ("transfer_ms", "lanekv-transfer-seconds"))
             if key in meta}
         return Outcome(sent, arrivals, None, stages)
 
@@ -413,7 +414,7 @@ def main() -> None:
         first, later = shape["stages"][0] or {}, [st for st in shape["stages"][1:] if st]
         split = ", ".join(f"{name[:-3]} {_ms(first.get(name))} / "
                           f"{_ms(statistics.median(st[name] for st in later) if later else None)}"
-                          for name in ("prefill_ms", "transfer_ms") if name in first)
+                          for name in ("prefill_ms", "compute_ms", "transfer_ms") if name in first)
         print(f"new length {shape['prompt_len']}: first TTFT {_ms(shape['first_ttft_ms'])} ms, "
               f"later p50 {_ms(shape['later_ttft_ms_p50'])} ms ({shape.get('ratio', float('nan')):.2f}x; "
               f"slowest later {shape.get('later_max_ratio', float('nan')):.2f}x)"

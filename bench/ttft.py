@@ -5,19 +5,23 @@ GPU (prefill cp=2 on GPUs 0 and 1, both decode daemons on GPU 0; Llama-3-8B shap
 CPU (the tiny model):
     python bench/ttft.py --tiny --cp 2 --tokens 256 1024
 
-One prefill daemon and three decode daemons against it, one reading every rank
-over gRPC (``transport="grpc"``), two taking the fast path (``"auto"``: CUDA
+One prefill daemon and four decode daemons against it, one reading every rank
+over gRPC (``transport="grpc"``), three taking the fast path (``"auto"``: CUDA
 IPC between processes of one host, /dev/shm pools on the CPU). Per prompt
-length, median of ``--repeat`` after one warm-up:
+length, median of ``--repeat`` after one warm-up, with the min and max:
 
 - (a) colocated: the prefill daemon's own Prefill call, first token out (the
   KV stays where it was written: what a colocated server pays);
-- (b) grpc / (c) fast (the decode daemon copies every layer once the rank
-  has sent its last descriptor; "fast, per layer": it copies each layer as
-  its descriptor comes, during the prefill): Generate on a decode daemon with max_new_tokens=1,
-  prompt sent to the first token received; the decode daemon answers once the
-  whole KV is in its pool, so this is the prefill plus what of the transfer
-  did not overlap it (layer-wise streaming).
+- (b) grpc, (c) fast (the daemons' default: the decode daemon calls the ranks
+  once the prefill has answered and copies every layer at once), (d) "fast,
+  streamed" (it calls the ranks at once, each sends a descriptor pair per layer
+  during the prefill, and copies at the end), (e) "fast, per layer" (it copies
+  each layer as its descriptor comes, during the prefill): Generate on a decode
+  daemon with max_new_tokens=1, prompt sent to the first token received; the
+  decode daemon answers once the whole KV is in its pool, so this is the
+  prefill plus what of the transfer did not overlap it (layer-wise streaming).
+  Beside each: the prefill call as the decode daemon timed it, the slowest
+  rank's own prefill time in it, and the transfer.
 
 Then the transfer alone, of one request already prefilled, at each of ``--transfer-tokens``:
 the fast path (as the decode daemon runs it once the prefill has answered:
@@ -37,7 +41,9 @@ receiver processes and again with every stream in a thread of this process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -72,14 +78,21 @@ def prompt(vocab: int, tokens: int, seed: int) -> list[int]:
     return torch.randint(10, vocab - 10, (tokens,), generator=g).tolist()
 
 
-def colocated(prefill: PrefillDaemon, stub, ids: list[int]) -> float:
-    """Seconds of one Prefill call; its pages are released at once."""
+def colocated(prefill: PrefillDaemon, stub, ids: list[int]) -> tuple[float, dict[str, float]]:
+    """Seconds of one Prefill call, and its timings (each rank's own prefill, until its
+    host had queued it, its garbage collections); its pages are released at once."""
     t0 = time.perf_counter()
     reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=ids)),
                                          timeout=900)
     seconds = time.perf_counter() - t0
     release(prefill, reply, call)
-    return seconds
+    return seconds, dict(reply.timings)
+
+
+def slowest_rank(timings: dict[str, float], what: str = "") -> float:
+    """The largest ``rank<r>_s`` (``what`` "queued": ``rank<r>_queued_s``, ...) of a reply's timings."""
+    key = re.compile(rf"rank\d+_{what + '_' if what else ''}s")
+    return max(v for k, v in timings.items() if key.fullmatch(k))
 
 
 def release(prefill: PrefillDaemon, reply, call) -> None:
@@ -99,23 +112,38 @@ def generate(stub, ids: list[int]) -> tuple[float, dict]:
     return first, dict(call.trailing_metadata() or ())
 
 
+# The decode daemons of the TTFT table: (name, transport), and what each does differently.
+PATHS = (("grpc", "grpc"), ("fast", "auto"), ("fast_streamed", "auto"), ("fast_layer", "auto"))
+
+
 def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
+    """Medians over ``repeat`` prompts of ``tokens`` (after one warm-up) of each path's TTFT,
+    prefill call, transfer and ranks' own compute seconds, with each TTFT's min and max."""
     rows = []
     for i in range(repeat + 1):  # the first is a warm-up
         ids = prompt(vocab, tokens, tokens * 100 + i)
-        row = dict(colocated_s=colocated(prefill, stubs["prefill"], ids))
-        for name in ("grpc", "fast", "fast_layer"):
+        seconds, timings = colocated(prefill, stubs["prefill"], ids)
+        row = dict(colocated_s=seconds, colocated_compute_s=slowest_rank(timings),
+                   colocated_queued_s=slowest_rank(timings, "queued"), colocated_gc_s=slowest_rank(timings, "gc"))
+        for name, _ in PATHS:
             seconds, meta = generate(stubs[name], ids)
             row[f"{name}_s"] = seconds
-            row[f"{name}_transfer_s"] = float(meta.get("lanekv-transfer-seconds", "nan"))
-            row[f"{name}_prefill_s"] = float(meta.get("lanekv-prefill-seconds", "nan"))
+            for key, field in (("transfer", "transfer_s"), ("prefill", "prefill_s"), ("prefill-compute", "compute_s")):
+                row[f"{name}_{field}"] = float(meta.get(f"lanekv-{key}-seconds", "nan"))
             row["bytes"] = int(meta.get("lanekv-transfer-bytes", "0"))
         rows.append(row)
     out = {k: statistics.median(r[k] for r in rows[1:]) for k in rows[0]}
     out["tokens"] = tokens
-    out["grpc_over_colocated"] = out["grpc_s"] / out["colocated_s"]
-    out["fast_over_colocated"] = out["fast_s"] / out["colocated_s"]
-    out["fast_layer_over_colocated"] = out["fast_layer_s"] / out["colocated_s"]
+    # Each colocated prefill: where its time went (the spread between identical requests).
+    out["colocated_samples_ms"] = [
+        {part: r[key] * 1e3 for part, key in (("call", "colocated_s"), ("compute", "colocated_compute_s"),
+                                              ("queued", "colocated_queued_s"), ("gc", "colocated_gc_s"))}
+        for r in rows[1:]]
+    for name in ("colocated", *(n for n, _ in PATHS)):
+        out[f"{name}_min_s"] = min(r[f"{name}_s"] for r in rows[1:])
+        out[f"{name}_max_s"] = max(r[f"{name}_s"] for r in rows[1:])
+        if name != "colocated":
+            out[f"{name}_over_colocated"] = out[f"{name}_s"] / out["colocated_s"]
     return out
 
 
@@ -286,10 +314,13 @@ def main() -> None:
         )
         decoders = {}
         try:
-            for name, transport in (("grpc", "grpc"), ("fast", "auto"), ("fast_layer", "auto")):
+            for name, transport in PATHS:
                 decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
                                                            dtype=dtype, load_format="dummy", pool_pages=pages,
                                                            transport=transport, request_timeout_s=900))
+            # Calls the ranks at once, copies at the end (the ranks send a descriptor pair per layer).
+            streamed = decoders["fast_streamed"].fastpath
+            streamed.tuning = dataclasses.replace(streamed.tuning, wait_for_answer=False)
             decoders["fast_layer"].fastpath.copy_at_end = False  # copies each layer as it comes
             channels = {name: grpc.insecure_channel(dec.endpoint, options=grpc_options())
                         for name, dec in decoders.items()}
@@ -309,12 +340,23 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\nTTFT, prefill cp={args.cp}, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, {dtype}, "
           f"page {args.page_size}, {device}; fast path: {transports}")
-    print(f"{'tokens':>7} {'(a) coloc ms':>13} {'(b) grpc ms':>12} {'b/a':>6} {'(c) fast ms':>12} {'c/a':>6} "
-          f"{'fast, per layer':>18} {'/a':>6} {'KV MiB':>8}")
+    print("(a) colocated: the prefill daemon's own Prefill call; (b) grpc; (c) fast: called once the prefill "
+          "answered; (d) fast, streamed: called at once, copied at the end; (e) fast, per layer: copied as "
+          "each layer comes. Median ms [min-max], and over (a)")
+    print(f"{'tokens':>7} {'path':>14} {'TTFT ms':>9} {'min':>7} {'max':>7} {'/a':>6} {'prefill call':>13} "
+          f"{'rank compute':>13} {'transfer':>9}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['colocated_s'] * 1e3:>13.1f} {r['grpc_s'] * 1e3:>12.1f} "
-              f"{r['grpc_over_colocated']:>6.3f} {r['fast_s'] * 1e3:>12.1f} {r['fast_over_colocated']:>6.3f} "
-              f"{r['fast_layer_s'] * 1e3:>18.1f} {r['fast_layer_over_colocated']:>6.3f} {r['bytes'] / 2**20:>8.0f}")
+        for name in ("colocated", *(n for n, _ in PATHS)):
+            over = "" if name == "colocated" else f"{r[f'{name}_over_colocated']:.3f}"
+            call = "" if name == "colocated" else f"{r[f'{name}_prefill_s'] * 1e3:.1f}"
+            compute = r[f"{name}_compute_s"] * 1e3
+            transfer = "" if name == "colocated" else f"{r[f'{name}_transfer_s'] * 1e3:.1f}"
+            print(f"{r['tokens']:>7} {name:>14} {r[f'{name}_s'] * 1e3:>9.1f} {r[f'{name}_min_s'] * 1e3:>7.1f} "
+                  f"{r[f'{name}_max_s'] * 1e3:>7.1f} {over:>6} {call:>13} {compute:>13.1f} {transfer:>9}")
+        print(f"{'':>7} {'KV MiB':>14} {r['bytes'] / 2**20:>9.0f}")
+        print("colocated, each: call / rank compute / rank host queued / rank GC ms: " + "; ".join(
+            f"{c['call']:.1f}/{c['compute']:.1f}/{c['queued']:.1f}/{c['gc']:.1f}"
+            for c in r["colocated_samples_ms"]))
     print("\ntransfer alone (one request already prefilled), GB/s:")
     print("(fast: copies start before the ranks' announcements, as once the prefill has answered; "
           "announced: each rank's copies wait for its announcement)")

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -81,11 +82,13 @@ class Prepared(NamedTuple):
     prefill_s: float
     fetch: FetchStats
     paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm" or "cuda_ipc"
+    compute_s: float = 0.0  # the slowest prefill rank's own time (its reply's timings)
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Trailing metadata of the stream: what the transfer cost."""
         return (
             ("lanekv-prefill-seconds", f"{self.prefill_s:.6f}"),
+            ("lanekv-prefill-compute-seconds", f"{self.compute_s:.6f}"),
             ("lanekv-transfer-bytes", str(self.fetch.bytes)),
             ("lanekv-transfer-chunks", str(self.fetch.chunks)),
             ("lanekv-transfer-seconds", f"{self.fetch.seconds:.6f}"),
@@ -246,9 +249,10 @@ class GeneratePipeline:
                 spec.request_id, call.fingerprint, call.epoch, tuple(started.endpoints),
                 {rank: manifest.pages_of_owner(rank) for rank in sorted({p.owner for p in manifest.pages})},
                 ctx.agreement.num_layers, config.page_size, ctx.pool.tensor, table.physical_pages_for, deadline,
-                physical_of=topology.physical_of if prefill.answered() else None,
+                physical_of=topology.physical_of, written=None if prefill.answered() else prefill.written,
             )
-            # The ranks send each layer as soon as it is written: the fetch overlaps the prefill.
+            # Over gRPC the ranks send each layer as soon as it is written: the fetch overlaps
+            # the prefill. The fast path copies once the prefill has answered (its tuning).
             try:
                 fetched = ctx.fetcher.fetch(job)
             except KVFetchError:
@@ -269,7 +273,8 @@ class GeneratePipeline:
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
-        return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths)
+        compute_s = max((v for k, v in reply.timings.items() if re.fullmatch(r"rank\d+_s", k)), default=0.0)
+        return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths, compute_s)
 
     def _admit(self, call: GenerateCall, deadline: float) -> None:
         ctx, spec = self._ctx, call.spec

@@ -86,6 +86,17 @@ class PrefillCall:
         the prefill daemon answers once each rank's device is done)."""
         return self._done.done() and self._done.exception() is None
 
+    def written(self, timeout_s: float) -> bool | None:
+        """Wait up to ``timeout_s`` for the last message: True once it came (every rank
+        has written every layer), False if the call failed, None if it is still running."""
+        try:
+            self._done.result(timeout=timeout_s)
+        except FutureTimeout:
+            return None
+        except Exception:  # noqa: BLE001 - the failure itself is reported by done()
+            return False
+        return True
+
     def raise_if_failed(self) -> None:
         """Raise the prefill's own failure, if it fails within a few seconds."""
         try:

@@ -10,9 +10,12 @@ import argparse
 import logging
 import sys
 
+import torch
+
 from decode.config import DecodeConfig
 from decode.daemon import STOP_GRACE_S, DecodeDaemon
 from runtime.daemon import serve_until_signal
+from runtime.gcpause import freeze_start_up
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import ContractMismatch, TransferError
 from transfer.protocol.contract import format_diff
@@ -53,6 +56,8 @@ def main(args: argparse.Namespace) -> int:
         print(f"lanekv decode: {err}", file=sys.stderr)
         return 2
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process's own entry point: nobody else's setting
+    if config.resolved_device == "cuda":
+        torch.set_num_threads(1)  # the host builds small tensors only (see prefill.cp.rank_worker)
     try:
         daemon = DecodeDaemon(config)
     except ContractMismatch as err:
@@ -65,6 +70,8 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, TransferError, ValueError) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
+    # This process is the daemon's alone: what start-up made is never collected again.
+    log.info("garbage collector: froze %d objects", freeze_start_up())
     grace_s = getattr(args, "grace_s", None)
     return serve_until_signal(daemon, daemon.rpc.banner(
                                   "lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}"),

@@ -5,7 +5,10 @@
 returns the rotated q as a new ``[T, Hq, D]`` tensor and writes the rotated k
 and the unchanged v to ``k_cache[locs[t]]`` / ``v_cache[locs[t]]``. A row with
 ``loc < 0`` writes nothing (compute-padding rows); on CUDA a loc ``>= R`` is
-dropped too (no range check without a sync), on CPU it is refused.
+dropped too (no range check without a sync), on CPU it is refused. With
+``kv_out [T, 2, Hkv, D]`` (a CP prefill's block of new rows) it also writes
+every row's rotated k to ``kv_out[t, 0]`` and its v to ``kv_out[t, 1]``,
+whatever its loc.
 
 One program per (token, head) of the Hq + Hkv heads. The kernel rotates in
 float32 and rounds once, so its output can differ from the torch reference
@@ -34,11 +37,12 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit(do_not_specialize=["num_tokens"])
 def _rope_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, locs_ptr, qo_ptr,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, locs_ptr, qo_ptr, kvo_ptr,
     num_tokens, num_rows,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ct, stride_st,
     stride_kcr, stride_kch, stride_vcr, stride_vch, stride_qot, stride_qoh,
-    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+    stride_ot, stride_op, stride_oh,
+    NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -58,22 +62,32 @@ def _rope_store_kv_kernel(
     else:
         kv_head = head - NUM_Q_HEADS
         loc = tl.load(locs_ptr + t)
-        if (loc >= 0) & (loc < num_rows):
+        cached = (loc >= 0) & (loc < num_rows)
+        if cached | WRITE_KV:
             src = k_ptr + t * stride_kt + kv_head * stride_kh
             x1 = tl.load(src + d, mask=ok, other=0.0).to(tl.float32)
             x2 = tl.load(src + HALF + d, mask=ok, other=0.0).to(tl.float32)
-            dst = kc_ptr + loc * stride_kcr + kv_head * stride_kch
-            tl.store(dst + d, (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty), mask=ok)
-            tl.store(dst + HALF + d, (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty), mask=ok)
+            k1 = (x1 * c1 - x2 * s1).to(kc_ptr.dtype.element_ty)
+            k2 = (x2 * c2 + x1 * s2).to(kc_ptr.dtype.element_ty)
             v_src = v_ptr + t * stride_vt + kv_head * stride_vh
-            v_dst = vc_ptr + loc * stride_vcr + kv_head * stride_vch
             v1 = tl.load(v_src + d, mask=ok, other=0.0)
             v2 = tl.load(v_src + HALF + d, mask=ok, other=0.0)
-            tl.store(v_dst + d, v1, mask=ok)
-            tl.store(v_dst + HALF + d, v2, mask=ok)
+            if cached:
+                dst = kc_ptr + loc * stride_kcr + kv_head * stride_kch
+                tl.store(dst + d, k1, mask=ok)
+                tl.store(dst + HALF + d, k2, mask=ok)
+                v_dst = vc_ptr + loc * stride_vcr + kv_head * stride_vch
+                tl.store(v_dst + d, v1, mask=ok)
+                tl.store(v_dst + HALF + d, v2, mask=ok)
+            if WRITE_KV:
+                row = kvo_ptr + t * stride_ot + kv_head * stride_oh
+                tl.store(row + d, k1, mask=ok)
+                tl.store(row + HALF + d, k2, mask=ok)
+                tl.store(row + stride_op + d, v1, mask=ok)
+                tl.store(row + stride_op + HALF + d, v2, mask=ok)
 
 
-def _check_args(q, k, v, cos, sin, k_cache, v_cache, locs) -> None:
+def _check_args(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             raise ValueError(f"{name} must be a 3-D tensor, got {getattr(t, 'shape', type(t))}")
@@ -103,23 +117,33 @@ def _check_args(q, k, v, cos, sin, k_cache, v_cache, locs) -> None:
         raise ValueError(f"locs must be a [{num_tokens}] int64 tensor, got "
                          f"{getattr(locs, 'shape', type(locs))}")
     check_same_device(q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache, locs=locs)
+    if kv_out is not None:
+        want = (num_tokens, 2, *k.shape[1:])
+        if not isinstance(kv_out, torch.Tensor) or tuple(kv_out.shape) != want or kv_out.dtype != q.dtype \
+                or (head_dim > 1 and kv_out.stride(3) != 1):
+            raise ValueError(f"kv_out must be a {q.dtype} {list(want)} tensor with a dense head_dim, got "
+                             f"{getattr(kv_out, 'shape', type(kv_out))}")
+        check_same_device(q=q, kv_out=kv_out)
     if not locs.is_cuda and num_tokens and int(locs.max()) >= k_cache.shape[0]:
         raise ValueError(f"locs holds {int(locs.max())}, beyond the {k_cache.shape[0]} cache rows")
 
 
-def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, locs) -> torch.Tensor:
-    _check_args(q, k, v, cos, sin, k_cache, v_cache, locs)
+def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out=None) -> torch.Tensor:
+    _check_args(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return out
     half = head_dim // 2
+    rows = out if kv_out is None else kv_out  # unread without WRITE_KV
     _rope_store_kv_kernel[(num_tokens, num_q_heads + k.shape[1])](
-        q, k, v, cos, sin, k_cache, v_cache, locs, out, num_tokens, k_cache.shape[0],
+        q, k, v, cos, sin, k_cache, v_cache, locs, out, rows, num_tokens, k_cache.shape[0],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1),
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
-        NUM_Q_HEADS=num_q_heads, HALF=half, BLOCK=triton.next_power_of_2(half), num_warps=1,
+        *((0, 0, 0) if kv_out is None else (kv_out.stride(0), kv_out.stride(1), kv_out.stride(2))),
+        NUM_Q_HEADS=num_q_heads, HALF=half, BLOCK=triton.next_power_of_2(half), WRITE_KV=kv_out is not None,
+        num_warps=1,
     )
     return out
 
@@ -135,19 +159,23 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
 
-def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, locs) -> torch.Tensor:
-    """The unfused ops: ``apply_rotary`` on q and k, then ``store_kv``."""
-    _check_args(q, k, v, cos, sin, k_cache, v_cache, locs)
-    store_kv_ref(apply_rotary(k, cos, sin), v, k_cache, v_cache, locs)
+def rope_store_kv_ref(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out=None) -> torch.Tensor:
+    """The unfused ops: ``apply_rotary`` on q and k, then ``store_kv`` (and the rows into ``kv_out``)."""
+    _check_args(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out)
+    k = apply_rotary(k, cos, sin)
+    store_kv_ref(k, v, k_cache, v_cache, locs)
+    if kv_out is not None:
+        kv_out[:, 0] = k
+        kv_out[:, 1] = v
     return apply_rotary(q, cos, sin)
 
 
 def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                   sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  locs: torch.Tensor) -> torch.Tensor:
-    """Rotated q; rotated k and v stored at ``locs`` (see the module doc)."""
+                  locs: torch.Tensor, kv_out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotated q; rotated k and v stored at ``locs``, and into ``kv_out`` when given (see the module doc)."""
     run = rope_store_kv_triton if use_triton(q) else rope_store_kv_ref
-    return run(q, k, v, cos, sin, k_cache, v_cache, locs)
+    return run(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out)
 
 
 @triton.jit(do_not_specialize=["num_tokens"])

@@ -159,6 +159,8 @@ class PrefillDaemon:
         if engine_config.resolved_device == "cuda":  # compile before serving, not on a request
             warm_up(self.engine, self.vocab_size, self.max_tokens, cfg.max_batch_tokens,
                     forget=self.engine.forget)
+        # What start-up made lives as long as a rank: no collection walks it again.
+        log.info("garbage collector: froze %s objects in the rank processes", self.engine.freeze_heap())
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
         self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages

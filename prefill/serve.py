@@ -11,10 +11,13 @@ import argparse
 import logging
 import sys
 
+import torch
+
 from prefill.cp.launcher import RankDiedError
 from prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from runtime.daemon import serve_until_signal
+from runtime.gcpause import freeze_start_up
 from runtime.security import SecurityConfig
 
 log = logging.getLogger("lanekv.prefill")
@@ -35,11 +38,15 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         print(f"lanekv prefill: {err}", file=sys.stderr)
         return 2
+    if engine.resolved_device == "cuda":
+        torch.set_num_threads(1)  # as in each rank: this process builds small host tensors only
     try:
         daemon = PrefillDaemon(engine, config)
     except (OSError, RankDiedError, ValueError) as err:
         print(f"lanekv prefill: could not start: {err}", file=sys.stderr)
         return 1
+    # This process is the daemon's alone: what start-up made is never collected again.
+    log.info("garbage collector: froze %d objects", freeze_start_up())
     banner = daemon.rpc.banner("lanekv prefill", f"ranks: {', '.join(daemon.topology.endpoints)}")
     return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
                               "draining queued prefills, stopping ranks", prog="lanekv prefill")

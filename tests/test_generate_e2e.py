@@ -124,6 +124,8 @@ def test_concurrent_generations_equal_transformers(daemons, checkpoint, referenc
         assert text == tokenizer.decode(tokens)
         assert int(stats["lanekv-transfer-bytes"]) == -(-len(ids) // agreement.page_size) * page_bytes
         assert float(stats["lanekv-transfer-seconds"]) > 0 and float(stats["lanekv-prefill-seconds"]) > 0
+        # The ranks' own time is within the prefill call's.
+        assert 0 < float(stats["lanekv-prefill-compute-seconds"]) <= float(stats["lanekv-prefill-seconds"])
         how = "shm" if decode.config.transport == "auto" else "grpc"
         paths = dict(item.split(":") for item in stats["lanekv-transfer-paths"].split(","))
         assert paths and set(paths.values()) == {how}

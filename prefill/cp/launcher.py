@@ -39,6 +39,7 @@ from prefill.cp.messages import (
     Event,
     Failed,
     Forget,
+    FreezeHeap,
     RankInfo,
     ReadPages,
     Ready,
@@ -189,7 +190,10 @@ class PrefillEngine(ABC):
             for out in rr.outputs:
                 results[out.index].first_token = out.first_token
                 results[out.index].logits = out.logits
-        timings = {f"rank{rr.rank}_s": rr.seconds for rr in rank_results}
+        timings = {}
+        for rr in rank_results:
+            timings.update({f"rank{rr.rank}_s": rr.seconds, f"rank{rr.rank}_queued_s": rr.queued_seconds,
+                            f"rank{rr.rank}_gc_s": rr.gc_seconds})
         timings["gather_s"] = max(rr.gather_seconds for rr in rank_results)
         for res in results:
             res.timings = dict(timings)
@@ -212,6 +216,11 @@ class PrefillEngine(ABC):
             out[:, :, k * ps : (k + 1) * ps] = parts[r][:, :, cursor[r] * ps : (cursor[r] + 1) * ps]
             cursor[r] += 1
         return out
+
+    def freeze_heap(self) -> list[int]:
+        """Every rank collects and freezes what start-up and warm-up left alive (a later
+        collection walks only what serving made); the objects frozen, by rank."""
+        return self.call(FreezeHeap())
 
     def pool_snapshot(self, rank: int) -> torch.Tensor:
         """A CPU copy of rank ``rank``'s whole pool (tests check what it holds)."""

@@ -54,11 +54,17 @@ class Snapshot:
 
 
 @dataclass(frozen=True)
+class FreezeHeap:
+    """Collect, then freeze every object alive (``runtime.gcpause.freeze_start_up``): sent
+    once warm-up is done; answers how many objects were frozen."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop serving and exit; no answer."""
 
 
-Command = RunPrefill | SetTopology | Forget | ReadPages | Snapshot | Shutdown
+Command = RunPrefill | SetTopology | Forget | ReadPages | Snapshot | FreezeHeap | Shutdown
 
 
 def for_each_rank(command: Command | Sequence[Command], cp_size: int) -> list[Command]:

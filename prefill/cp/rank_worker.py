@@ -36,6 +36,7 @@ from prefill.cp.messages import (
     Failed,
     Fetched,
     Forget,
+    FreezeHeap,
     RankInfo,
     ReadPages,
     Ready,
@@ -52,6 +53,7 @@ from prefill.cp.runner import PrefillBatch, RankRunner
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from runtime.advertise import join_host_port
+from runtime.gcpause import GcClock, freeze_start_up
 from runtime.hostmem import keep_freed_buffers
 from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
@@ -148,6 +150,7 @@ def rank_main(
     reporter = None
     try:
         runner = _start(rank, config, port, shared_path)
+        runner.gc_clock = GcClock().install()  # this process's collections, timed per prefill
         info = describe(runner, config)
         if serve_transfer is not None:
             reporter = RpcReporter(rank, results)
@@ -191,6 +194,9 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None)
     device = torch.device(config.resolved_device, rank) if config.resolved_device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+        # The host only builds small index tensors here: a pool of CPU threads per op
+        # cost more than the op (BENCHMARKS.md: a 1k-token prefill's index build).
+        torch.set_num_threads(1)
     else:
         threads = config.cpu_threads or max(1, (os.cpu_count() or 1) // config.cp_size)
         torch.set_num_threads(threads)
@@ -262,6 +268,8 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
         return runner.pool[:, :, rows].cpu()
     if isinstance(command, Snapshot):
         return runner.pool.cpu()
+    if isinstance(command, FreezeHeap):
+        return freeze_start_up()
     raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")
 
 

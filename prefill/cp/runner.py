@@ -29,6 +29,7 @@ from kernels.dsa.pool_layout import DSARowLayout
 from kernels.prefill_attention import cp_prefill_attention
 from kernels.prefill_attention_ref import AttnSegments
 from kernels.rerange import rerange
+from kernels.rope_store import rope_store_kv
 from kernels.store_kv import store_kv
 from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
@@ -38,6 +39,7 @@ from prefill.cp.thread_group import ThreadGroup
 from prefill.index import RankIndex, build_rank_index
 from prefill.layout import OwnerLaneLayout
 from prefill.plan import BatchPlan, plan_batch
+from runtime.gcpause import GcClock
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,8 @@ class RankResult:
     gather_seconds: float = 0.0
     rows: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    queued_seconds: float = 0.0  # until the host had queued the whole forward (its launches)
+    gc_seconds: float = 0.0  # this process's garbage collections during the run
 
 
 class RankRunner:
@@ -110,11 +114,13 @@ class RankRunner:
         self.page_source = None  # prefill.cp.page_source.RankPageSource when serving KVTransfer
         self.transfer_server = None  # transfer.rank.service.Served
         self.shared_path = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
+        self.gc_clock: GcClock | None = None  # the rank process's, when it times its collections
 
     @torch.inference_mode()
     def run(self, batch: PrefillBatch, on_layer: Callable[[int], None] | None = None) -> RankResult:
         """Prefill ``batch``; ``on_layer(l)`` right after layer ``l``'s K/V store is queued."""
         start = time.perf_counter()
+        gc_start = 0.0 if self.gc_clock is None else self.gc_clock.seconds
         plan = batch.plan(self.cp_size, self.page_size)
         ix = build_rank_index(
             plan,
@@ -130,10 +136,14 @@ class RankRunner:
             attention = _CPDSAAttention(self, plan, ix, on_layer)
             attention.request_lens = [p + len(t) for p, t in zip(batch.prefix_lens,
                                                                  batch.token_ids)]
-        else:
-            kind = _CPAttention if self.model.config.mla is None else _CPLatentAttention
-            attention = kind(self, plan, ix, on_layer)
-        hidden = self.model(input_ids, ix.positions, attention)
+            hidden = self.model(input_ids, ix.positions, attention)
+        elif self.model.config.mla is not None:
+            attention = _CPLatentAttention(self, plan, ix, on_layer)
+            hidden = self.model(input_ids, ix.positions, attention)
+        else:  # RoPE in the callback: fused with the K/V store (kernels/rope_store.py)
+            attention = _CPAttention(self, plan, ix, on_layer)
+            hidden = self.model(input_ids, ix.positions, attention, rope_in_attention=True)
+        queued = time.perf_counter() - start
 
         outputs = []
         mine = [b for b, row in enumerate(ix.last_rows) if row >= 0]
@@ -152,6 +162,8 @@ class RankRunner:
             time.perf_counter() - start,
             gather_seconds=attention.finish(),
             rows=int(input_ids.numel()),
+            queued_seconds=queued,
+            gc_seconds=0.0 if self.gc_clock is None else self.gc_clock.seconds - gc_start,
         )
 
 
@@ -186,16 +198,19 @@ class _CPAttention:
             self.gather_seconds = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
         return self.gather_seconds
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """q and k before RoPE: one launch rotates them, stores this rank's owned rows and
+        fills the block's new rows (it replaced a dozen per layer: 1k-token prefills are
+        bound by the host's launches, BENCHMARKS.md)."""
         r, ix = self.r, self.ix
         n_local = k.shape[0]
         # [block_rows, 2, kv_heads, head_dim]: new K/V rows, then owned prefix rows
         # Padding rows stay unwritten: the rerange index never points at them.
         block = k.new_empty((ix.block_rows, 2, *k.shape[1:]))
-        block[:n_local, 0] = k
-        block[:n_local, 1] = v
+        q = rope_store_kv(q, k, v, cos, sin, r.pool[layer, 0], r.pool[layer, 1], self.store_rows,
+                          kv_out=block[:n_local])
         kv = self._gather(layer, block)  # [kv rows in request order, 2, Hkv, D]
-        store_kv(k, v, r.pool[layer, 0], r.pool[layer, 1], self.store_rows)
         if self.on_layer is not None:
             self.on_layer(layer)
         return cp_prefill_attention(q, kv[:, 0], kv[:, 1], self.segments, r.softmax_scale)

@@ -32,6 +32,10 @@ class ThreadedPrefillEngine(PrefillEngine):
         self.runners = [build_runner(loaded, config, r, self.group) for r in range(config.cp_size)]
         self.info = describe(self.runners[0], config)
 
+    def freeze_heap(self) -> list[int]:
+        """Nothing: the ranks are threads of a process that is not theirs to freeze."""
+        return []
+
     def call(self, command: Command | Sequence[Command], *, only: int | None = None,
              on_registered: Callable[[], None] | None = None) -> Any:
         if on_registered is not None:  # rank threads serve no FetchKV: nothing to wait for

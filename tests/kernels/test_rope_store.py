@@ -57,6 +57,37 @@ def test_rope_store_matches_unfused(dtype, tol, num_tokens, q_heads, kv_heads, h
     assert (pool[0].view(torch.uint8) == SENTINEL).all()
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_rope_store_also_writes_every_row_into_kv_out(dtype, tol):
+    """A CP prefill's block: every row's rotated k and its v, padding rows (loc < 0) included,
+    in a strided slice of a larger block; the rows past it keep their poison."""
+    gen = torch.Generator().manual_seed(5)
+    pool, q, k, v, cos, sin, locs = _case(dtype, 7, 4, 2, 16, gen)
+    block = torch.full((9, 2, 2, 16), float("nan"), dtype=dtype)  # 2 rows more than the tokens
+    want_pool, want_block = pool.clone(), block.clone()
+    want_q = rope_store_kv_ref(q, k, v, cos, sin, want_pool[1, 0], want_pool[1, 1], locs, kv_out=want_block[:7])
+    torch.testing.assert_close(want_block[:7, 0], apply_rotary(k, cos, sin), rtol=0, atol=0)
+    assert torch.equal(want_block[:7, 1], v)
+    got_q = rope_store_kv_triton(q, k, v, cos, sin, pool[1, 0], pool[1, 1], locs, kv_out=block[:7])
+    torch.testing.assert_close(got_q, want_q, rtol=tol, atol=tol)
+    torch.testing.assert_close(block[:7, 0], want_block[:7, 0], rtol=tol, atol=tol)
+    assert torch.equal(block[:7, 1], v)  # v bit for bit
+    assert block[7:].isnan().all()
+    torch.testing.assert_close(pool, want_pool, rtol=tol, atol=tol, equal_nan=True)
+    # The cache holds what the block holds, row for row, where a row has a loc.
+    kept = locs >= 0
+    assert torch.equal(pool[1, 0, locs[kept]], block[:7, 0][kept])
+
+
+def test_rope_store_refuses_a_bad_kv_out():
+    gen = torch.Generator().manual_seed(0)
+    pool, q, k, v, cos, sin, locs = _case(torch.float32, 3, 2, 1, 8, gen)
+    for bad in (torch.zeros(2, 2, 1, 8), torch.zeros(3, 2, 1, 8, dtype=torch.float16),
+                torch.zeros(3, 2, 1, 16)[..., ::2]):
+        with pytest.raises(ValueError, match="kv_out must be"):
+            rope_store_kv(q, k, v, cos, sin, pool[0, 0], pool[0, 1], locs, kv_out=bad)
+
+
 def test_rope_store_refuses_bad_args():
     gen = torch.Generator().manual_seed(0)
     pool, q, k, v, cos, sin, locs = _case(torch.float32, 3, 2, 1, 8, gen)
@@ -80,6 +111,13 @@ def test_rope_store_gpu_bf16():
     got_q = rope_store_kv(q, k, v, cos, sin, pool[1, 0], pool[1, 1], locs)
     torch.testing.assert_close(got_q, want_q, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(pool, want_pool, rtol=2e-2, atol=2e-2)
+    # With the block of a CP prefill: the same q and cache, and the block holds the cache's rows.
+    block = torch.empty((37, 2, 8, 128), dtype=torch.bfloat16, device="cuda")
+    again = want_pool.clone()
+    got_again = rope_store_kv(q, k, v, cos, sin, again[1, 0], again[1, 1], locs, kv_out=block)
+    assert torch.equal(got_again, got_q) and torch.equal(again, pool)
+    kept = locs >= 0
+    assert torch.equal(block[kept, 0], pool[1, 0, locs[kept]]) and torch.equal(block[:, 1], v)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])

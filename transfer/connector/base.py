@@ -77,10 +77,13 @@ class FetchJob:
     pool: torch.Tensor  # the decode pool (``kernels.kv_layout``), where the pages go
     pages_for: PagesFor
     deadline: float  # time.monotonic() when the fetch must be done
-    # Where a rank keeps a logical page (``Topology.physical_of``), given once the
-    # prefill has answered (every layer written): the fast path copies before the
-    # rank announces.
+    # Where a rank keeps a logical page (``Topology.physical_of``): once every layer
+    # is written, the fast path copies from there before the rank announces.
     physical_of: Callable[[int], int] | None = None
+    # Whether every layer is written: waits up to the seconds given for the prefill's
+    # answer; True once it came, False if the prefill failed, None while it runs.
+    # None (no callable): every layer is written already.
+    written: Callable[[float], bool | None] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "page_size"):

@@ -40,6 +40,8 @@ from transfer.grpcfetch.client import RankStats
 log = logging.getLogger("lanekv.decode")
 # How long a fast-path attach to one rank may take before that rank goes over gRPC.
 ATTACH_TIMEOUT_S = 5.0
+# How often a fetch waiting for the prefill's answer looks whether it was stopped.
+ANSWER_POLL_S = 0.05
 # How long a stopped fast-path fetch waits for its ranks' threads (each syncs its copies as it fails).
 STOP_WAIT_S = 10.0
 
@@ -68,9 +70,12 @@ class FastPathTransport(KVTransport):
 class _FastFetch(TransportFetch):
     """The fast-path fetches of one job, one thread per rank.
 
-    With ``job.physical_of`` (the prefill has answered, so every layer is
-    written), each rank's pages are copied from where the owner-lane rule puts
-    them without waiting for the rank's announcement (``FastPath.fetch``'s ``expect``).
+    With ``job.physical_of`` and every layer written (``job.written``), each
+    rank's pages are copied from where the owner-lane rule puts them without
+    waiting for the rank's announcement (``FastPath.fetch``'s ``expect``). A
+    fast path that copies at the end (``FastPath.copy_at_end`` and its tuning's
+    ``wait_for_answer``) waits for the prefill's answer before it calls the
+    ranks, so a rank does no transfer work while its prefill runs.
     """
 
     def __init__(self, fastpath: FastPath, failures: Counter | None, job: FetchJob,
@@ -94,16 +99,30 @@ class _FastFetch(TransportFetch):
         job = self._job
         pages = job.pages[rank]
         try:
+            written = job.physical_of is not None and self._written()
             got = self._fastpath.fetch(
                 job.endpoints[rank], rank, pool, job.request_id, job.fingerprint, pages, job.pool,
                 job.pages_for, self._coverage.placed, epoch=job.epoch,
                 timeout=max(0.001, job.deadline - time.monotonic()), on_call=self._on_call,
-                order=self._order,
-                expect=None if job.physical_of is None else [job.physical_of(p) for p in pages])
+                order=self._order, expect=[job.physical_of(p) for p in pages] if written else None)
             self._stats[rank] = RankStats(got.bytes, got.chunks, got.seconds)
         except BaseException as err:  # noqa: BLE001 - reported by wait
             self._errors[rank] = err
             self._order.done(rank)  # also when it failed before its fetch began
+
+    def _written(self) -> bool:
+        """Whether every layer is written, waiting for the prefill's answer where this fast
+        path copies at the end (until it comes, the prefill fails, ``stop`` or the deadline)."""
+        written = self._job.written
+        if written is None:
+            return True
+        wait = self._fastpath.copy_at_end and self._fastpath.tuning.wait_for_answer
+        while True:
+            answered = written(ANSWER_POLL_S if wait else 0.0)
+            if answered is not None:
+                return answered
+            if not wait or self._stopped or time.monotonic() >= self._job.deadline:
+                return False  # the rank's stream then says how far it has written
 
     def _on_call(self, call: Any) -> None:
         with self._lock:

@@ -40,10 +40,16 @@ class FastPathTuning:
     direct_descriptors: bool = True
     # Ranks on other GPUs prepare first (``CopyOrder.may_prepare``); False: any rank prepares at once.
     prepare_in_order: bool = True
+    # With ``FastPath.copy_at_end``, a fetch that begins while the prefill runs calls the
+    # rank once the prefill has answered (``FetchJob.written``), then copies every layer
+    # at once from where the owner-lane rule puts it. False: it calls at once, and the
+    # rank wakes and sends a descriptor pair per layer while its prefill runs; on one
+    # H200 that slowed a 1k-token prefill (BENCHMARKS.md).
+    wait_for_answer: bool = True
     copy: CopyTuning = field(default_factory=CopyTuning)
 
     def __post_init__(self) -> None:
-        for name in ("direct_descriptors", "prepare_in_order"):
+        for name in ("direct_descriptors", "prepare_in_order", "wait_for_answer"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {name}={getattr(self, name)!r}")
         if not isinstance(self.copy, CopyTuning):
