@@ -4,7 +4,8 @@
   a FetchKV between the two gets every byte, equal to a fetch after it;
 - a decode daemon whose prefill has answered before the fetch copies every
   rank's pages from where the owner-lane rule puts them, before any
-  announcement, and generates the same tokens;
+  announcement, and generates the same tokens; by default a fetch that
+  begins while the prefill runs waits for its answer and does the same;
 - a decode daemon whose digests never match (patched here) fetches every
   rank again over gRPC and generates the same tokens, counting the cause;
 - on a GPU: the decode daemon maps the ranks' pools over CUDA IPC and
@@ -156,6 +157,44 @@ def test_a_prefill_that_answered_is_copied_before_the_ranks_announce_it(checkpoi
         assert not [r for r in caplog.records if "copying again" in r.getMessage()]  # at the right places
         assert decode.metrics.failures.labels(cause="fastpath_digest").value == 0
         assert wait_until(lambda: prefill.leases.held() == {})
+
+
+@pytest.mark.timeout(180)
+def test_the_fast_path_calls_the_ranks_once_the_prefill_has_answered(checkpoint, monkeypatch):
+    """The default: a fetch made while the prefill runs waits for its answer, then copies
+    every layer from where the owner-lane rule puts it; each rank sends one range."""
+    with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
+        expected = _tokens(decode.endpoint)
+    calls = []  # per rank: (prefill answered when the rank was called, copied before its first message)
+    fetch, receive = FastPath._fetch, FastPath._receive
+
+    def fetch_and_note(self, *args):
+        calls.append([prefill_calls[-1].answered()])
+        return fetch(self, *args)
+
+    def receive_and_note(self, *args):
+        calls[-1].append(args[-1] is not None)
+        return receive(self, *args)
+
+    prefill_calls = []
+    init = PrefillCall.__init__
+
+    def init_and_keep(self, *args, **kw):
+        init(self, *args, **kw)
+        prefill_calls.append(self)
+
+    monkeypatch.setattr(PrefillCall, "__init__", init_and_keep)
+    monkeypatch.setattr(FastPath, "_fetch", fetch_and_note)
+    monkeypatch.setattr(FastPath, "_receive", receive_and_note)
+    with running_pair(_engine(checkpoint), pool_pages=64) as (_, decode):
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            call = stub.Generate(generate_request(PROMPT, NEW_TOKENS), timeout=60)
+            assert [t for reply in call for t in reply.token_ids] == expected
+            meta = dict(call.trailing_metadata())
+    assert calls == [[True, True], [True, True]]
+    assert meta["lanekv-transfer-chunks"] == "2"  # one range from each rank
+    assert meta["lanekv-transfer-paths"] == "0:shm,1:shm"
 
 
 @pytest.mark.timeout(180)

@@ -48,6 +48,16 @@ def test_rank_processes_match_rank_threads(checkpoint, cp_size, page_size):
                 rtol=1e-5,
                 atol=1e-5,
             )
+            # Each rank's own time, until its host had queued the forward, and its GC pauses.
+            for r in range(cp_size):
+                total, queued, gc_s = (g.timings[f"rank{r}_{k}s"] for k in ("", "queued_", "gc_"))
+                assert 0 < queued <= total and 0 <= gc_s <= total
+        # Each rank process freezes what it holds (the threaded engine's ranks are not theirs to freeze).
+        frozen = eng.freeze_heap()
+        assert len(frozen) == cp_size and all(count > 1000 for count in frozen), frozen
+        assert ref.freeze_heap() == []
+        again = eng.prefill([PrefillInput(_prompts()[1])], return_logits=True)[0]
+        assert again.first_token == want[1].first_token  # still serving after the freeze
         procs = list(eng.processes)
     assert all(not p.is_alive() for p in procs), "close() left a rank running"
 

@@ -1,6 +1,7 @@
 """The fast-path transport's fetch of several ranks (``transfer.connector.fastpath``),
 over a stand-in ``FastPath``: stop cancels late calls and waits for the ranks' threads;
-a rank that fails before its fetch gives its turn away."""
+a rank that fails before its fetch gives its turn away; a fast path that copies at
+the end calls the ranks once the prefill has answered."""
 
 from __future__ import annotations
 
@@ -34,12 +35,79 @@ class _Call:
         self.cancelled.set()
 
 
-def _fast_fetches(fetch, pools, *, physical_of=None):
+def _fast_fetches(fetch, pools, *, physical_of=None, written=None, copy_at_end=True, wait_for_answer=True):
     """The fast-path transport's fetch of one job over a stand-in FastPath whose ``fetch`` is ``fetch``."""
     job = FetchJob("req", "f" * 64, None, ("127.0.0.1:1",) * len(pools), {r: [r] for r in pools}, 1, 1,
-                   torch.zeros(1), list, time.monotonic() + 30, physical_of=physical_of)
+                   torch.zeros(1), list, time.monotonic() + 30, physical_of=physical_of, written=written)
     routes = {rank: Route(SHM, pool) for rank, pool in pools.items()}
-    return FastPathTransport(SimpleNamespace(fetch=fetch)).start(job, routes, Coverage(job.pages, 1))
+    fastpath = SimpleNamespace(fetch=fetch, copy_at_end=copy_at_end,
+                               tuning=SimpleNamespace(wait_for_answer=wait_for_answer))
+    return FastPathTransport(fastpath).start(job, routes, Coverage(job.pages, 1))
+
+
+class _Prefill:
+    """A prefill that answers (True) or fails (False) once ``finish`` is called; ``written`` as
+    ``PrefillCall.written`` answers it."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.outcome: bool | None = None
+
+    def finish(self, ok: bool) -> None:
+        self.outcome = ok
+        self._done.set()
+
+    def written(self, timeout_s: float) -> bool | None:
+        return self.outcome if self._done.wait(timeout_s) else None
+
+
+def _recording_fetch(calls):
+    def fetch(endpoint, rank, *args, expect, **kw):
+        calls.append((time.monotonic(), expect))
+        return SimpleNamespace(bytes=0, chunks=0, seconds=0.0)
+    return fetch
+
+
+def test_copying_at_the_end_calls_the_rank_once_the_prefill_answered():
+    calls, prefill = [], _Prefill()
+    fast = _fast_fetches(_recording_fetch(calls), {0: torch.zeros(1)}, physical_of=lambda p: p + 10,
+                         written=prefill.written)
+    time.sleep(0.3)
+    assert calls == [], "the rank was called while its prefill ran"
+    answered = time.monotonic()
+    prefill.finish(True)
+    fast.wait()
+    (at, expect), = calls
+    assert at >= answered and expect == [10]  # every layer written: copied from where its page is
+
+
+@pytest.mark.parametrize("how", ["prefill failed", "copies per layer", "no waiting"])
+def test_a_fetch_that_does_not_wait_streams_from_the_rank(how):
+    """A failed prefill, a fast path that copies each layer as it comes, or one tuned not to
+    wait: the rank is called at once (or after the failure) and nothing is copied early."""
+    calls, prefill = [], _Prefill()
+    if how == "prefill failed":
+        threading.Timer(0.2, prefill.finish, (False,)).start()
+    fast = _fast_fetches(_recording_fetch(calls), {0: torch.zeros(1)}, physical_of=lambda p: p,
+                         written=prefill.written, copy_at_end=how != "copies per layer",
+                         wait_for_answer=how != "no waiting")
+    started = time.monotonic()
+    fast.wait()
+    (at, expect), = calls
+    assert expect is None
+    if how != "prefill failed":
+        assert at - started < 0.15, "it waited for an answer that was not to be waited for"
+
+
+def test_a_fetch_waiting_for_the_answer_ends_when_stopped():
+    calls, prefill = [], _Prefill()
+    fast = _fast_fetches(_recording_fetch(calls), {0: torch.zeros(1)}, physical_of=lambda p: p,
+                         written=prefill.written)
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    fast.stop(wait_s=5.0)
+    assert time.monotonic() - t0 < 1.0, "stop() waited for a prefill that never answered"
+    assert [expect for _, expect in calls] == [None]  # the late call is cancelled as it is made
 
 
 def test_stopped_fast_fetches_cancel_late_calls_and_wait_for_their_threads():

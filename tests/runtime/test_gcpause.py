@@ -1,0 +1,54 @@
+"""GC pauses: the clock adds up collections, and a frozen start-up is never walked again."""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runtime.gcpause import GcClock
+
+
+def test_the_clock_counts_collections_and_their_time():
+    clock = GcClock().install()
+    try:
+        before, seconds = clock.collections, clock.seconds
+        cycle = []
+        cycle.append(cycle)  # something for a full collection to find
+        del cycle
+        gc.collect()
+        gc.collect()
+        assert clock.collections >= before + 2
+        assert clock.seconds > seconds
+    finally:
+        clock.uninstall()
+    count = clock.collections
+    gc.collect()
+    assert clock.collections == count  # uninstalled: no longer counting
+    clock.install().install()  # installing twice registers once
+    try:
+        gc.collect()
+        assert clock.collections == count + 1
+    finally:
+        clock.uninstall()
+
+
+@pytest.mark.timeout(60)
+def test_a_frozen_start_up_is_left_out_of_later_collections():
+    # In a process of its own: freezing is for the whole process, as in a daemon.
+    script = textwrap.dedent("""
+        import gc
+        from runtime.gcpause import freeze_start_up
+        junk = [[i] for i in range(200000)]  # what start-up leaves alive
+        frozen = freeze_start_up()
+        assert frozen >= 200000 and gc.get_freeze_count() == frozen, frozen
+        tracked = len(gc.get_objects())
+        assert tracked < 1000, tracked  # later collections walk only what came after
+        print("ok", frozen)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok")
