@@ -15,7 +15,7 @@ import torch
 from decode.config import DecodeConfig
 from decode.daemon import STOP_GRACE_S, DecodeDaemon
 from runtime.daemon import serve_until_signal
-from runtime.gcpause import freeze_start_up
+from runtime.gcpause import frozen
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import ContractMismatch, TransferError
 from transfer.protocol.contract import format_diff
@@ -70,10 +70,10 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, TransferError, ValueError) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
-    # This process is the daemon's alone: what start-up made is never collected again.
-    log.info("garbage collector: froze %d objects", freeze_start_up())
     grace_s = getattr(args, "grace_s", None)
-    return serve_until_signal(daemon, daemon.rpc.banner(
-                                  "lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}"),
-                              args.ready_file, STOP_GRACE_S if grace_s is None else grace_s, log,
-                              "finishing open streams", prog="lanekv decode")
+    banner = daemon.rpc.banner("lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}")
+    # This process is the daemon's alone: what start-up made is not collected while it serves.
+    with frozen() as count:
+        log.info("garbage collector: froze %d objects", count)
+        return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S if grace_s is None else grace_s,
+                                  log, "finishing open streams", prog="lanekv decode")

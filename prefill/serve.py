@@ -17,7 +17,7 @@ from prefill.cp.launcher import RankDiedError
 from prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from runtime.daemon import serve_until_signal
-from runtime.gcpause import freeze_start_up
+from runtime.gcpause import frozen
 from runtime.security import SecurityConfig
 
 log = logging.getLogger("lanekv.prefill")
@@ -45,8 +45,9 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, RankDiedError, ValueError) as err:
         print(f"lanekv prefill: could not start: {err}", file=sys.stderr)
         return 1
-    # This process is the daemon's alone: what start-up made is never collected again.
-    log.info("garbage collector: froze %d objects", freeze_start_up())
     banner = daemon.rpc.banner("lanekv prefill", f"ranks: {', '.join(daemon.topology.endpoints)}")
-    return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
-                              "draining queued prefills, stopping ranks", prog="lanekv prefill")
+    # This process is the daemon's alone: what start-up made is not collected while it serves.
+    with frozen() as count:
+        log.info("garbage collector: froze %d objects", count)
+        return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
+                                  "draining queued prefills, stopping ranks", prog="lanekv prefill")

@@ -6,16 +6,21 @@ process. A full collection walks all of them while the thread that runs the
 model waits (tens of milliseconds on one request's path). ``freeze_start_up``
 collects once and moves every object alive at that moment into the permanent
 generation, so later collections walk only what serving made; it is called
-once the daemon is warm, before it reports SERVING. ``GcClock`` adds up the
+once the daemon is warm, before it reports SERVING, and undone (``thaw``)
+before the process exits, so the interpreter's last collections free it
+(Triton's nanobind bindings report at exit every object nobody freed).
+``frozen`` does both around a daemon's serving. ``GcClock`` adds up the
 time spent in collections (``gc.callbacks``), for the timings a daemon reports.
 Both are process-wide by nature, as the collector is.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -24,6 +29,21 @@ def freeze_start_up() -> int:
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
+
+
+def thaw() -> None:
+    """Undo ``freeze_start_up``: everything frozen is collected as usual again."""
+    gc.unfreeze()
+
+
+@contextlib.contextmanager
+def frozen() -> Iterator[int]:
+    """``freeze_start_up`` for the body (which serves), ``thaw`` after it; yields the count frozen."""
+    count = freeze_start_up()
+    try:
+        yield count
+    finally:
+        thaw()
 
 
 class GcClock:

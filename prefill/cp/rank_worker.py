@@ -53,7 +53,7 @@ from prefill.cp.runner import PrefillBatch, RankRunner
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from runtime.advertise import join_host_port
-from runtime.gcpause import GcClock, freeze_start_up
+from runtime.gcpause import GcClock, freeze_start_up, thaw
 from runtime.hostmem import keep_freed_buffers
 from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
@@ -188,6 +188,7 @@ def rank_main(
         if dist.is_initialized():
             dist.destroy_process_group()
         remove_shared_pool(shared_path)  # mappings a decode daemon holds stay valid
+        thaw()  # the interpreter's last collections free what FreezeHeap kept
 
 
 def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None) -> RankRunner:

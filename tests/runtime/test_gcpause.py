@@ -52,3 +52,15 @@ def test_a_frozen_start_up_is_left_out_of_later_collections():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("thawed", [True, False])
+def test_a_thawed_process_exits_without_nanobind_reporting_leaks(thawed):
+    """Frozen objects are not collected at exit: Triton's bindings then print a leak report
+    on stderr (a daemon's stderr is one line when it fails). ``frozen`` thaws on the way out."""
+    body = "with frozen():\n    pass" if thawed else "freeze_start_up()"
+    script = f"import triton  # noqa: F401\nfrom runtime.gcpause import freeze_start_up, frozen\n{body}\n"
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert ("leaked" in out.stderr) is not thawed, out.stderr[:300]
