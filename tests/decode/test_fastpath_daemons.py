@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import grpc
 import pytest
@@ -165,25 +166,30 @@ def test_the_fast_path_calls_the_ranks_once_the_prefill_has_answered(checkpoint,
     every layer from where the owner-lane rule puts it; each rank sends one range."""
     with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
         expected = _tokens(decode.endpoint)
-    calls = []  # per rank: (prefill answered when the rank was called, copied before its first message)
+    answered, early = {}, {}  # by rank: the prefill had answered when the rank was called; copied early
     fetch, receive = FastPath._fetch, FastPath._receive
 
-    def fetch_and_note(self, *args):
-        calls.append([prefill_calls[-1].answered()])
-        return fetch(self, *args)
+    def fetch_and_note(self, endpoint, rank, *args):
+        answered[rank] = prefill_calls[-1].answered()
+        return fetch(self, endpoint, rank, *args)
 
-    def receive_and_note(self, *args):
-        calls[-1].append(args[-1] is not None)
-        return receive(self, *args)
+    def receive_and_note(self, call, endpoint, rank, *args):
+        early[rank] = args[-1] is not None  # its copies were made before its first message
+        return receive(self, call, endpoint, rank, *args)
 
     prefill_calls = []
-    init = PrefillCall.__init__
+    init, finish = PrefillCall.__init__, PrefillCall._finish
 
     def init_and_keep(self, *args, **kw):
         init(self, *args, **kw)
         prefill_calls.append(self)
 
+    def finish_late(self, reply):
+        time.sleep(0.5)  # the answer comes well after the first message: a fetch has begun by then
+        finish(self, reply)
+
     monkeypatch.setattr(PrefillCall, "__init__", init_and_keep)
+    monkeypatch.setattr(PrefillCall, "_finish", finish_late)
     monkeypatch.setattr(FastPath, "_fetch", fetch_and_note)
     monkeypatch.setattr(FastPath, "_receive", receive_and_note)
     with running_pair(_engine(checkpoint), pool_pages=64) as (_, decode):
@@ -192,7 +198,7 @@ def test_the_fast_path_calls_the_ranks_once_the_prefill_has_answered(checkpoint,
             call = stub.Generate(generate_request(PROMPT, NEW_TOKENS), timeout=60)
             assert [t for reply in call for t in reply.token_ids] == expected
             meta = dict(call.trailing_metadata())
-    assert calls == [[True, True], [True, True]]
+    assert answered == early == {0: True, 1: True}
     assert meta["lanekv-transfer-chunks"] == "2"  # one range from each rank
     assert meta["lanekv-transfer-paths"] == "0:shm,1:shm"
 
