@@ -1,12 +1,12 @@
 """One CP rank's prefill of a batch: plan, embed, attend across ranks, write owned pages.
 
 Each rank runs the whole model on its own rows (valid + compute padding). In
-every layer the attention callback (1) packs this rank's new K/V rows and the
-K/V rows of the cached-prefix pages it owns into one block, (2) all-gathers the
-blocks, (3) reranges the rank-major result into request order, (4) writes this
-rank's valid rows into its own pool through physical rows (every loc is checked
-to be owned by this rank once per batch) and (5) runs the CP attention kernel
-for its query segments. The rank holding a request's real last token samples
+every layer the attention callback (1) applies RoPE to q and k and, in the same
+launch, writes this rank's valid rows into its own pool through physical rows
+(every loc is checked to be owned by this rank once per batch) and its new K/V
+rows into a block, which also takes the K/V rows of the cached-prefix pages it
+owns, (2) all-gathers the blocks, (3) reranges the rank-major result into
+request order and (4) runs the CP attention kernel for its query segments. The rank holding a request's real last token samples
 the first output token.
 
 An MLA model (DeepSeek) caches one latent row per token and layer: the block
