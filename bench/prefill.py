@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -73,7 +72,7 @@ def measure(model_dir: str, cp: int, tokens: list[int], args, logits: dict[tuple
                 eng.free(res.new_pages)
                 if i >= args.warmup:
                     walls.append(wall)
-                    ranks.append(max(v for k, v in res.timings.items() if re.fullmatch(r"rank\d+_s", k)))
+                    ranks.append(res.timings["compute_s"])
                     gathers.append(res.timings["gather_s"])
             wall, rank_s = statistics.median(walls), statistics.median(ranks)
             shape = eng.info.pool_shape  # [layers, 2, rows, kv_heads, head_dim]

@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -79,20 +78,14 @@ def prompt(vocab: int, tokens: int, seed: int) -> list[int]:
 
 
 def colocated(prefill: PrefillDaemon, stub, ids: list[int]) -> tuple[float, dict[str, float]]:
-    """Seconds of one Prefill call, and its timings (each rank's own prefill, until its
-    host had queued it, its garbage collections); its pages are released at once."""
+    """Seconds of one Prefill call, and its timings (the slowest rank's own prefill, until
+    its host had queued it, its garbage collections); its pages are released at once."""
     t0 = time.perf_counter()
     reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=ids)),
                                          timeout=900)
     seconds = time.perf_counter() - t0
     release(prefill, reply, call)
     return seconds, dict(reply.timings)
-
-
-def slowest_rank(timings: dict[str, float], what: str = "") -> float:
-    """The largest ``rank<r>_s`` (``what`` "queued": ``rank<r>_queued_s``, ...) of a reply's timings."""
-    key = re.compile(rf"rank\d+_{what + '_' if what else ''}s")
-    return max(v for k, v in timings.items() if key.fullmatch(k))
 
 
 def release(prefill: PrefillDaemon, reply, call) -> None:
@@ -123,8 +116,7 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
     for i in range(repeat + 1):  # the first is a warm-up
         ids = prompt(vocab, tokens, tokens * 100 + i)
         seconds, timings = colocated(prefill, stubs["prefill"], ids)
-        row = dict(colocated_s=seconds, colocated_compute_s=slowest_rank(timings),
-                   colocated_queued_s=slowest_rank(timings, "queued"), colocated_gc_s=slowest_rank(timings, "gc"))
+        row = dict(colocated_s=seconds, **{f"colocated_{k}": timings[k] for k in ("compute_s", "queued_s", "gc_s")})
         for name, _ in PATHS:
             seconds, meta = generate(stubs[name], ids)
             row[f"{name}_s"] = seconds

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -273,8 +272,8 @@ class GeneratePipeline:
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
-        compute_s = max((v for k, v in reply.timings.items() if re.fullmatch(r"rank\d+_s", k)), default=0.0)
-        return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths, compute_s)
+        return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths,
+                        reply.timings.get("compute_s", 0.0))
 
     def _admit(self, call: GenerateCall, deadline: float) -> None:
         ctx, spec = self._ctx, call.spec

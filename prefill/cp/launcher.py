@@ -194,7 +194,9 @@ class PrefillEngine(ABC):
         for rr in rank_results:
             timings.update({f"rank{rr.rank}_s": rr.seconds, f"rank{rr.rank}_queued_s": rr.queued_seconds,
                             f"rank{rr.rank}_gc_s": rr.gc_seconds})
-        timings["gather_s"] = max(rr.gather_seconds for rr in rank_results)
+        slowest = max(rank_results, key=lambda rr: rr.seconds)  # the one the batch waited for
+        timings.update(compute_s=slowest.seconds, queued_s=slowest.queued_seconds, gc_s=slowest.gc_seconds,
+                       gather_s=max(rr.gather_seconds for rr in rank_results))
         for res in results:
             res.timings = dict(timings)
         return results

@@ -52,6 +52,9 @@ def test_rank_processes_match_rank_threads(checkpoint, cp_size, page_size):
             for r in range(cp_size):
                 total, queued, gc_s = (g.timings[f"rank{r}_{k}s"] for k in ("", "queued_", "gc_"))
                 assert 0 < queued <= total and 0 <= gc_s <= total
+            slowest = max(range(cp_size), key=lambda r: g.timings[f"rank{r}_s"])
+            assert [g.timings[k] for k in ("compute_s", "queued_s", "gc_s")] == \
+                [g.timings[f"rank{slowest}_{k}s"] for k in ("", "queued_", "gc_")]
         # Each rank process freezes what it holds (the threaded engine's ranks are not theirs to freeze).
         frozen = eng.freeze_heap()
         assert len(frozen) == cp_size and all(count > 1000 for count in frozen), frozen
