@@ -362,12 +362,7 @@ class DecodeEngine:
             events += self._postprocess(prepared, output)
             self._land(batch)
             ahead = self._plan if self.overlap else None
-            if ahead is not None and self._plan_holds(ahead):
-                self._plan = None
-                ahead_batch = self._commit(ahead)
-                self._in_flight = ahead.requests
-            else:
-                ahead_batch = None
+            ahead_batch = self._commit(ahead) if ahead is not None and self._plan_holds(ahead) else None
         if ahead_batch is not None:
             self._run_ahead(ahead_batch)
         return events
@@ -384,8 +379,6 @@ class DecodeEngine:
             a is not b or not a.sampling.greedy for a, b in zip(plan.requests, batch)
         ):
             return None
-        self._plan = None
-        self._in_flight = plan.requests
         return self._commit(plan)._replace(feed=output.greedy)
 
     def _run_ahead(self, batch: GraphBatch) -> None:
@@ -443,6 +436,8 @@ class DecodeEngine:
         return True
 
     def _commit(self, plan: _Plan) -> GraphBatch:
+        """``plan`` becomes the step in flight (lock held): no longer staged, its slots taken."""
+        self._plan, self._in_flight = None, plan.requests
         for request in plan.requests:
             request.table.append_slot()  # the planned slot: its page was reserved
         return GraphBatch(plan.requests, [r.last_token for r in plan.requests], plan.size,
