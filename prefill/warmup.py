@@ -6,8 +6,11 @@ declared ``do_not_specialize`` in the kernels, so the set left is bounded: the
 dtypes, the head shapes, the page size, and the power of two above a batch's
 segment count. ``warm_up`` prefills prompts that reach each of those (one
 request of a few lengths, then batches of 2, 3, 5, 9, ... requests), then frees
-their pages and has the ranks forget them. The cuBLAS handles and the caching
-allocator warm up on the way. On the CPU there is nothing to compile.
+their pages and has the ranks forget them. The GEMMs do depend on the rows:
+before those prefills, every rank runs its model's GEMMs over a ladder of row
+counts up to the longest prompt it takes (``prefill.cp.gemm_warmup``), so a
+new prompt length finds its cuBLAS kernels loaded. On the CPU there is nothing
+to compile.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ _BATCH_PROMPT = 8
 class WarmUp(NamedTuple):
     prefills: int
     seconds: float
+    gemm_calls: int = 0  # on the busiest rank (prefill.cp.gemm_warmup)
+    gemm_seconds: float = 0.0  # the slowest rank's
 
 
 def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_tokens: int,
@@ -40,6 +45,7 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     start = time.perf_counter()
     batches: list[list[PrefillInput]] = []
     limit = min(max_tokens - 1, max_batch_tokens)
+    gemms = engine.warm_gemms(_max_rows(engine, limit))
     for length in _SINGLE_LENGTHS:
         if length <= limit:
             batches.append([_input(length, 0, vocab_size)])
@@ -54,12 +60,24 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
             if forget is not None:
                 forget(res.request_id)  # the ranks drop it, then its pages go back
             engine.free(res.new_pages)
-    done = WarmUp(len(batches), time.perf_counter() - start)
-    log.info("prefill warm-up: %d batches in %.2f s (kernels compiled before serving)",
-             done.prefills, done.seconds)
+    done = WarmUp(len(batches), time.perf_counter() - start, max(g.calls for g in gemms),
+                  max(g.seconds for g in gemms))
+    log.info("prefill warm-up: %d batches in %.2f s (kernels compiled before serving), of which "
+             "%d GEMM calls (%d shapes, up to %d rows) in %.2f s", done.prefills, done.seconds,
+             done.gemm_calls, gemms[0].shapes, gemms[0].max_rows, done.gemm_seconds)
     if skipped:  # a pool too small for them cannot serve such batches either
         log.info("prefill warm-up: %d batch(es) larger than the pool left out", len(skipped))
     return done
+
+
+def _max_rows(engine: PrefillEngine, limit: int) -> int:
+    """The most rows a GEMM of a one-prompt prefill multiplies: the prompt's tokens in
+    whole pages (a rank computes its share of them; an MLA model decompresses the
+    prompt's whole latent), no more than the pool holds. A batch of many short
+    prompts pads each to a page per rank and may go past it (then cuBLAS may load
+    a kernel on it)."""
+    cfg = engine.config
+    return max(1, min(limit, cfg.cp_size * cfg.pages_per_lane * cfg.page_size))
 
 
 def _fits(engine: PrefillEngine, inputs: list[PrefillInput]) -> bool:

@@ -32,6 +32,7 @@ import torch
 
 from model.sampling import SamplingParams
 from prefill.allocator import LaneAllocator
+from prefill.cp.gemm_warmup import GemmWarmUp
 from prefill.cp.messages import (
     Answer,
     Call,
@@ -48,6 +49,7 @@ from prefill.cp.messages import (
     SetTopology,
     Shutdown,
     Snapshot,
+    WarmGemms,
     for_each_rank,
 )
 from prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
@@ -223,6 +225,11 @@ class PrefillEngine(ABC):
         """Every rank collects and freezes what start-up and warm-up left alive (a later
         collection walks only what serving made); the objects frozen, by rank."""
         return self.call(FreezeHeap())
+
+    def warm_gemms(self, max_rows: int) -> list[GemmWarmUp]:
+        """Every rank runs its model's GEMMs at the row counts prefills of up to
+        ``max_rows`` rows use (``prefill.cp.gemm_warmup``); what each did, by rank."""
+        return self.call(WarmGemms(max_rows))
 
     def pool_snapshot(self, rank: int) -> torch.Tensor:
         """A CPU copy of rank ``rank``'s whole pool (tests check what it holds)."""

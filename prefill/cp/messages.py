@@ -60,11 +60,19 @@ class FreezeHeap:
 
 
 @dataclass(frozen=True)
+class WarmGemms:
+    """Run the model's GEMMs at the row counts of ``prefill.cp.gemm_warmup.row_ladder``
+    up to ``max_rows`` (start-up, before serving); answers a ``GemmWarmUp``."""
+
+    max_rows: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop serving and exit; no answer."""
 
 
-Command = RunPrefill | SetTopology | Forget | ReadPages | Snapshot | FreezeHeap | Shutdown
+Command = RunPrefill | SetTopology | Forget | ReadPages | Snapshot | FreezeHeap | WarmGemms | Shutdown
 
 
 def for_each_rank(command: Command | Sequence[Command], cp_size: int) -> list[Command]:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from model.checkpoint import LoadedModel
 from model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
+from prefill.cp.gemm_warmup import warm_gemms
 from prefill.cp.messages import (
     Answer,
     Call,
@@ -47,6 +48,7 @@ from prefill.cp.messages import (
     SetTopology,
     Shutdown,
     Snapshot,
+    WarmGemms,
 )
 from prefill.cp.page_source import RankPageSource
 from prefill.cp.runner import PrefillBatch, RankRunner
@@ -271,6 +273,8 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
         return runner.pool.cpu()
     if isinstance(command, FreezeHeap):
         return freeze_start_up()
+    if isinstance(command, WarmGemms):
+        return warm_gemms(runner.model, runner.page_size, command.max_rows)
     raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")
 
 

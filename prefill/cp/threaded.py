@@ -13,8 +13,9 @@ from typing import Any
 
 from model.checkpoint import LoadedModel
 from prefill.allocator import LaneAllocator
+from prefill.cp.gemm_warmup import GemmWarmUp
 from prefill.cp.launcher import PrefillEngine
-from prefill.cp.messages import Command, for_each_rank
+from prefill.cp.messages import Command, WarmGemms, for_each_rank
 from prefill.cp.rank_worker import build_runner, describe, handle
 from prefill.cp.thread_group import ThreadGroup
 from prefill.engine_config import EngineConfig, load_for
@@ -35,6 +36,10 @@ class ThreadedPrefillEngine(PrefillEngine):
     def freeze_heap(self) -> list[int]:
         """Nothing: the ranks are threads of a process that is not theirs to freeze."""
         return []
+
+    def warm_gemms(self, max_rows: int) -> list[GemmWarmUp]:
+        """Once: the rank threads share one model on one device."""
+        return [self.call(WarmGemms(max_rows), only=0)]
 
     def call(self, command: Command | Sequence[Command], *, only: int | None = None,
              on_registered: Callable[[], None] | None = None) -> Any:

@@ -59,6 +59,11 @@ def test_rank_processes_match_rank_threads(checkpoint, cp_size, page_size):
         frozen = eng.freeze_heap()
         assert len(frozen) == cp_size and all(count > 1000 for count in frozen), frozen
         assert ref.freeze_heap() == []
+        # Each rank process runs its own GEMM ladder; the rank threads share one model, run once.
+        gemms = eng.warm_gemms(100)
+        assert [g.max_rows for g in gemms] == [-(-100 // page_size) * page_size] * cp_size
+        assert len({g.calls for g in gemms}) == 1 and gemms[0].calls > 0
+        assert [g.calls for g in ref.warm_gemms(100)] == [gemms[0].calls]
         again = eng.prefill([PrefillInput(_prompts()[1])], return_logits=True)[0]
         assert again.first_token == want[1].first_token  # still serving after the freeze
         procs = list(eng.processes)

@@ -1,10 +1,12 @@
 """Prefill warm-up: every warm-up shape runs, and afterwards nothing is held
-(every page free, the ranks serve none of the warm-up requests)."""
+(every page free, the ranks serve none of the warm-up requests); the GEMM ladder
+runs first (``tests/prefill/test_gemm_warmup.py`` checks what it runs)."""
 
 from __future__ import annotations
 
 import pytest
 
+from prefill.cp.gemm_warmup import LOGIT_ROWS
 from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
@@ -22,6 +24,8 @@ def test_warm_up_leaves_nothing_held(tmp_path, cp):
         done = warm_up(engine, VOCAB_SIZE, max_tokens=1024, max_batch_tokens=100)
         # lengths 1 and 17 (300 and 2048 are past the batch limit), batches of 2..9 x 8 tokens
         assert done.prefills == 2 + 4
+        # before them, the GEMM ladder up to the 100-token limit: 4 shapes x 25 row counts, plus the head's
+        assert done.gemm_calls == 4 * 100 // 4 + LOGIT_ROWS
         assert engine.allocator.free_counts() == free_before
         out = engine.prefill([PrefillInput([5, 6, 7, 8, 9])])  # still serves
         assert out[0].num_tokens == 5

@@ -1,0 +1,114 @@
+"""A rank's GEMMs at the row counts its prefills run them with, before the daemon serves.
+
+A prefill's matrix products are cuBLAS calls whose shape is the model's weight
+by the rank's rows, and the rows change with every prompt length (page units:
+``k * page_size``). cuBLAS picks its kernel by that shape, and CUDA loads a
+kernel's code the first time it is launched (lazy module loading, the default),
+so the first prompt whose rows pick a kernel not used before waits for it. The
+Triton kernels do not depend on the rows (``prefill.warmup``); this module runs
+each distinct GEMM of the model once per row count of a ladder instead:
+
+- every multiple of the page size up to ``FINE_ROWS`` rows, where one row count
+  to the next changes the kernel choice most;
+- above that, every multiple of ``COARSE_STEP`` rows rounded down to whole pages, up to the
+  rows of the longest prompt the daemon takes (a cost bound: every page-size
+  step to 16k rows would cost several seconds of start-up per rank).
+
+The GEMMs are the modules the forward multiplies with: ``nn.Linear`` and
+``FusedLinear`` (a linear whose weight is a slice of a larger tensor runs as
+part of that one: fused q/k/v or gate/up, stacked MoE experts) and the MoE
+routers, each with inputs in its weight's dtype. The vocabulary projection
+runs on one row per request, so it gets ``1 .. LOGIT_ROWS`` rows. On the CPU it
+runs too (nothing loads lazily there; the tests check what it calls).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from model.deepseek import DeepseekCausalLM, Router
+from model.llama import CausalLM, FusedLinear
+
+# Row counts up to this get every multiple of the page size ...
+FINE_ROWS = 2048
+# ... and above it, multiples of COARSE_STEP rounded down to whole pages (at least one).
+COARSE_STEP = 128
+# The vocabulary projection: one row per request whose last token the rank holds.
+LOGIT_ROWS = 64
+
+
+class GemmWarmUp(NamedTuple):
+    calls: int  # GEMM calls made (distinct shapes x row counts, plus the logits')
+    shapes: int  # distinct GEMM shapes of the model
+    max_rows: int
+    seconds: float
+
+
+def row_ladder(page_size: int, max_rows: int) -> list[int]:
+    """The row counts warmed: see the module docstring. ``max_rows`` is rounded up
+    to a page; the ladder always ends there."""
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got page_size={page_size}")
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got max_rows={max_rows}")
+    top = -(-max_rows // page_size) * page_size
+    rows = list(range(page_size, min(top, FINE_ROWS) + 1, page_size))
+    coarse = page_size * max(1, COARSE_STEP // page_size)  # still whole pages
+    last = rows[-1] if rows else 0
+    rows += range(last - last % coarse + coarse, top + 1, coarse)
+    if not rows or rows[-1] != top:
+        rows.append(top)
+    return sorted(set(rows))
+
+
+def model_gemms(model: CausalLM | DeepseekCausalLM) -> list[nn.Module]:
+    """One module of each distinct GEMM the forward runs (type, weight shape and
+    dtype, bias), the vocabulary projection left out."""
+    head = getattr(model, "lm_head", None)
+    seen: dict[tuple, nn.Module] = {}
+    for module in model.modules():
+        if module is head or not isinstance(module, (nn.Linear, FusedLinear, Router)):
+            continue
+        weight = module.weight
+        if weight is None or weight.dim() != 2:
+            continue  # an unfused FusedLinear: its parts run instead
+        if isinstance(module, nn.Linear) and _is_slice(weight):
+            continue  # runs as part of the fused or stacked tensor it is a view of
+        bias = getattr(module, "bias", None) is not None
+        seen.setdefault((type(module), tuple(weight.shape), weight.dtype, bias), module)
+    return list(seen.values())
+
+
+def _is_slice(weight: torch.Tensor) -> bool:
+    return weight.untyped_storage().nbytes() > weight.numel() * weight.element_size()
+
+
+@torch.inference_mode()
+def warm_gemms(model: CausalLM | DeepseekCausalLM, page_size: int, max_rows: int) -> GemmWarmUp:
+    """Run every GEMM of ``model`` at every row count of ``row_ladder``; on CUDA,
+    waits for the device before it answers."""
+    start = time.perf_counter()
+    ladder = row_ladder(page_size, max_rows)
+    gemms = model_gemms(model)
+    device = model.model.embed_tokens.weight.device
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+    calls = 0
+    for module in gemms:
+        weight = module.weight
+        key = (weight.shape[1], weight.dtype)
+        if key not in inputs:
+            inputs[key] = torch.zeros((ladder[-1], weight.shape[1]), dtype=weight.dtype, device=device)
+        for rows in ladder:
+            module(inputs[key][:rows])
+            calls += 1
+    hidden = torch.zeros((LOGIT_ROWS, model.config.hidden_size), dtype=model.dtype, device=device)
+    for rows in range(1, LOGIT_ROWS + 1):
+        model.compute_logits(hidden[:rows])
+        calls += 1
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return GemmWarmUp(calls, len(gemms), ladder[-1], time.perf_counter() - start)
