@@ -10,9 +10,16 @@ each distinct GEMM of the model once per row count of a ladder instead:
 
 - every multiple of the page size up to ``FINE_ROWS`` rows, where one row count
   to the next changes the kernel choice most;
-- above that, every multiple of ``COARSE_STEP`` rows rounded down to whole pages, up to the
-  rows of the longest prompt the daemon takes (a cost bound: every page-size
-  step to 16k rows would cost several seconds of start-up per rank).
+- then every multiple of ``COARSE_STEP`` rows (rounded down to whole pages) up
+  to ``LINEAR_ROWS``;
+- above that, rungs ``1 / GROWTH`` apart (rounded up to whole pages), up to the
+  rows of the longest prompt the daemon takes: start-up stays bounded (every
+  128 rows to 128k rows would cost most of a minute of GEMMs per rank, 8B shapes), and a row count
+  between two rungs may still load a kernel on first use.
+
+A rung that runs out of device memory ends the ladder there (logged; the
+answer's ``max_rows`` says how far it got): the daemon still starts, as it did
+before, and a prompt that long would not fit either.
 
 The GEMMs are the modules the forward multiplies with: ``nn.Linear`` and
 ``FusedLinear`` (a linear whose weight is a slice of a larger tensor runs as
@@ -24,6 +31,7 @@ runs too (nothing loads lazily there; the tests check what it calls).
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import NamedTuple
 
@@ -33,10 +41,14 @@ from torch import nn
 from model.deepseek import DeepseekCausalLM, Router
 from model.llama import CausalLM, FusedLinear
 
+log = logging.getLogger("lanekv.prefill")
 # Row counts up to this get every multiple of the page size ...
 FINE_ROWS = 2048
-# ... and above it, multiples of COARSE_STEP rounded down to whole pages (at least one).
+# ... then multiples of COARSE_STEP rounded down to whole pages (at least one) to LINEAR_ROWS ...
 COARSE_STEP = 128
+LINEAR_ROWS = 16384
+# ... and above it, each rung at least 1/GROWTH more rows than the one before.
+GROWTH = 16
 # The vocabulary projection: one row per request whose last token the rank holds.
 LOGIT_ROWS = 64
 
@@ -44,7 +56,7 @@ LOGIT_ROWS = 64
 class GemmWarmUp(NamedTuple):
     calls: int  # GEMM calls made (distinct shapes x row counts, plus the logits')
     shapes: int  # distinct GEMM shapes of the model
-    max_rows: int
+    max_rows: int  # the ladder's last rung run (lower than asked when the device ran out of memory)
     seconds: float
 
 
@@ -59,9 +71,11 @@ def row_ladder(page_size: int, max_rows: int) -> list[int]:
     rows = list(range(page_size, min(top, FINE_ROWS) + 1, page_size))
     coarse = page_size * max(1, COARSE_STEP // page_size)  # still whole pages
     last = rows[-1] if rows else 0
-    rows += range(last - last % coarse + coarse, top + 1, coarse)
-    if not rows or rows[-1] != top:
-        rows.append(top)
+    rows += range(last - last % coarse + coarse, min(top, LINEAR_ROWS) + 1, coarse)
+    rows = rows or [top]
+    while rows[-1] < top:  # the rest, in growing rungs
+        grown = rows[-1] + max(coarse, rows[-1] // GROWTH)
+        rows.append(min(top, -(-grown // page_size) * page_size))
     return sorted(set(rows))
 
 
@@ -89,26 +103,35 @@ def _is_slice(weight: torch.Tensor) -> bool:
 
 @torch.inference_mode()
 def warm_gemms(model: CausalLM | DeepseekCausalLM, page_size: int, max_rows: int) -> GemmWarmUp:
-    """Run every GEMM of ``model`` at every row count of ``row_ladder``; on CUDA,
-    waits for the device before it answers."""
+    """Run every GEMM of ``model`` at every row count of ``row_ladder``, fewest rows
+    first; on CUDA, waits for the device before it answers."""
     start = time.perf_counter()
-    ladder = row_ladder(page_size, max_rows)
     gemms = model_gemms(model)
     device = model.model.embed_tokens.weight.device
-    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}
-    calls = 0
-    for module in gemms:
-        weight = module.weight
-        key = (weight.shape[1], weight.dtype)
-        if key not in inputs:
-            inputs[key] = torch.zeros((ladder[-1], weight.shape[1]), dtype=weight.dtype, device=device)
-        for rows in ladder:
-            module(inputs[key][:rows])
-            calls += 1
+    calls, done = 0, 0
     hidden = torch.zeros((LOGIT_ROWS, model.config.hidden_size), dtype=model.dtype, device=device)
     for rows in range(1, LOGIT_ROWS + 1):
         model.compute_logits(hidden[:rows])
         calls += 1
+    inputs: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # grown to each rung
+    for rows in row_ladder(page_size, max_rows):
+        try:
+            for module in gemms:
+                weight = module.weight
+                key = (weight.shape[1], weight.dtype)
+                if key not in inputs or inputs[key].shape[0] < rows:
+                    inputs.pop(key, None)
+                    inputs[key] = torch.zeros((rows, weight.shape[1]), dtype=weight.dtype, device=device)
+                module(inputs[key][:rows])
+                calls += 1
+        except torch.OutOfMemoryError:
+            inputs.clear()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log.warning("prefill warm-up: GEMMs at %d rows ran out of device memory; the GEMM ladder "
+                        "stops at %d rows (a longer prompt may load a kernel on first use)", rows, done)
+            break
+        done = rows
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return GemmWarmUp(calls, len(gemms), ladder[-1], time.perf_counter() - start)
+    return GemmWarmUp(calls, len(gemms), done, time.perf_counter() - start)

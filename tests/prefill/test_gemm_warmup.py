@@ -5,6 +5,7 @@ count of the ladder."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 
 import pytest
@@ -16,6 +17,8 @@ from model.llama import FusedLinear
 from prefill.cp.gemm_warmup import (
     COARSE_STEP,
     FINE_ROWS,
+    GROWTH,
+    LINEAR_ROWS,
     LOGIT_ROWS,
     model_gemms,
     row_ladder,
@@ -35,20 +38,23 @@ from tests.checkpoints import (
 
 
 @pytest.mark.parametrize("page_size", [1, 16, 48, 64, 256])
-@pytest.mark.parametrize("max_rows", [1, 100, 2048, 5000, 16384])
-def test_the_ladder_covers_every_page_multiple_up_to_the_fine_rows_then_coarse_whole_pages(page_size, max_rows):
+@pytest.mark.parametrize("max_rows", [1, 100, 2048, 5000, 16384, 20000, 131072])
+def test_the_ladder_covers_every_page_multiple_up_to_the_fine_rows_then_coarser_whole_pages(page_size, max_rows):
     rows = row_ladder(page_size, max_rows)
     top = -(-max_rows // page_size) * page_size
     assert rows == sorted(set(rows)) and rows[-1] == top
     assert all(r % page_size == 0 for r in rows)
     fine = [r for r in rows if r <= FINE_ROWS]
     assert fine == list(range(page_size, min(top, FINE_ROWS) + 1, page_size))
-    coarse = [r for r in rows if r > FINE_ROWS]
-    if coarse:  # gaps of one coarse step (whole pages), then the top itself
-        step = page_size * max(1, COARSE_STEP // page_size)
-        gaps = {b - a for a, b in zip([fine[-1], *coarse[:-1]], coarse[:-1])}
-        assert gaps <= {step, step - fine[-1] % step}, gaps
-        assert top - coarse[-2] <= step if len(coarse) > 1 else True
+    step = page_size * max(1, COARSE_STEP // page_size)
+    for before, after in zip(rows, rows[1:]):
+        if after > LINEAR_ROWS:  # growing rungs, each at least 1/GROWTH past the one before
+            assert after == top or max(step, before // GROWTH) <= after - before < \
+                max(step, before // GROWTH) + page_size, (before, after)
+        elif before >= FINE_ROWS:  # one coarse step of whole pages (the first one up to a multiple of it)
+            assert after - before <= step, (before, after)
+    # bounded: the rungs past LINEAR_ROWS grow geometrically
+    assert len([r for r in rows if r > LINEAR_ROWS]) <= 2 + math.log(top / LINEAR_ROWS + 1) / math.log(1 + 1 / GROWTH)
 
 
 @pytest.mark.parametrize("page_size, max_rows, field", [(0, 10, "page_size"), (16, 0, "max_rows")])
@@ -119,5 +125,36 @@ def test_the_ladder_leaves_the_model_as_it_was(tmp_path):
         assert all(torch.equal(v, state[k]) for k, v in engine.loaded.model.state_dict().items())
         assert after.first_token == before.first_token
         torch.testing.assert_close(after.logits, before.logits, rtol=0, atol=0)
+    finally:
+        engine.close()
+
+
+class _RunsOutAbove(nn.Linear):
+    """A linear whose GEMM runs out of device memory above ``limit`` rows."""
+
+    limit = 100
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return super().forward(x)
+
+
+def test_a_rung_out_of_device_memory_ends_the_ladder_and_says_so(tmp_path, caplog):
+    """The daemon still starts; the answer and the log say how far the ladder got."""
+    engine = ThreadedPrefillEngine(EngineConfig(str(write_llama(tmp_path / "llama")), cp_size=1,
+                                                page_size=16, pages_per_lane=64))
+    try:
+        model = engine.loaded.model
+        down = model.model.layers[0].mlp.down_proj
+        down.__class__ = _RunsOutAbove
+        with caplog.at_level("WARNING", logger="lanekv.prefill"):
+            done = warm_gemms(model, 16, 300)
+        assert done.max_rows == 96  # the last rung at or under 100 rows
+        assert "GEMMs at 112 rows ran out of device memory" in caplog.text
+        assert "stops at 96 rows" in caplog.text
+        down.__class__ = nn.Linear
+        out = engine.prefill([PrefillInput(list(range(3, 60)))])  # the engine still serves
+        assert out[0].num_tokens == 57
     finally:
         engine.close()
