@@ -19,7 +19,9 @@ each distinct GEMM of the model once per row count of a ladder instead:
 
 A rung that runs out of device memory ends the ladder there (logged; the
 answer's ``max_rows`` says how far it got): the daemon still starts, as it did
-before, and a prompt that long would not fit either.
+before, and a prompt that long would not fit either. Afterwards the caching
+allocator gives back what the ladder cached, so the device's free memory is
+what it was without it.
 
 The GEMMs are the modules the forward multiplies with: ``nn.Linear`` and
 ``FusedLinear`` (a linear whose weight is a slice of a larger tensor runs as
@@ -132,6 +134,11 @@ def warm_gemms(model: CausalLM | DeepseekCausalLM, page_size: int, max_rows: int
                         "stops at %d rows (a longer prompt may load a kernel on first use)", rows, done)
             break
         done = rows
+    inputs.clear()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        # The ladder's top rungs cached blocks as large as the longest prompt's
+        # activations: give them back, so the pool beside this one (a decode daemon
+        # on the same GPU) finds the memory it found before the ladder existed.
+        torch.cuda.empty_cache()
     return GemmWarmUp(calls, len(gemms), done, time.perf_counter() - start)
