@@ -62,9 +62,9 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
             engine.free(res.new_pages)
     done = WarmUp(len(batches), time.perf_counter() - start, max(g.calls for g in gemms),
                   max(g.seconds for g in gemms))
-    log.info("prefill warm-up: %d batches in %.2f s (kernels compiled before serving), of which "
-             "%d GEMM calls (%d shapes, up to %d rows) in %.2f s", done.prefills, done.seconds,
-             done.gemm_calls, gemms[0].shapes, gemms[0].max_rows, done.gemm_seconds)
+    log.info("prefill warm-up in %.2f s: %d GEMM calls (%d shapes, up to %d rows) in %.2f s, then "
+             "%d batches (kernels compiled before serving)", done.seconds, done.gemm_calls,
+             gemms[0].shapes, min(g.max_rows for g in gemms), done.gemm_seconds, done.prefills)
     if skipped:  # a pool too small for them cannot serve such batches either
         log.info("prefill warm-up: %d batch(es) larger than the pool left out", len(skipped))
     return done
