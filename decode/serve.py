@@ -15,7 +15,6 @@ import torch
 from decode.config import DecodeConfig
 from decode.daemon import STOP_GRACE_S, DecodeDaemon
 from runtime.daemon import serve_until_signal
-from runtime.gcpause import frozen
 from runtime.security import SecurityConfig
 from transfer.grpcfetch.client import ContractMismatch, TransferError
 from transfer.protocol.contract import format_diff
@@ -72,8 +71,5 @@ def main(args: argparse.Namespace) -> int:
         return 1
     grace_s = getattr(args, "grace_s", None)
     banner = daemon.rpc.banner("lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}")
-    # This process is the daemon's alone: what start-up made is not collected while it serves.
-    with frozen() as count:
-        log.info("garbage collector: froze %d objects", count)
-        return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S if grace_s is None else grace_s,
-                                  log, "finishing open streams", prog="lanekv decode")
+    return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S if grace_s is None else grace_s,
+                              log, "finishing open streams", prog="lanekv decode")

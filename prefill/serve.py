@@ -17,7 +17,6 @@ from prefill.cp.launcher import RankDiedError
 from prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from prefill.engine_config import EngineConfig
 from runtime.daemon import serve_until_signal
-from runtime.gcpause import frozen
 from runtime.security import SecurityConfig
 
 log = logging.getLogger("lanekv.prefill")
@@ -46,8 +45,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"lanekv prefill: could not start: {err}", file=sys.stderr)
         return 1
     banner = daemon.rpc.banner("lanekv prefill", f"ranks: {', '.join(daemon.topology.endpoints)}")
-    # This process is the daemon's alone: what start-up made is not collected while it serves.
-    with frozen() as count:
-        log.info("garbage collector: froze %d objects", count)
-        return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
-                                  "draining queued prefills, stopping ranks", prog="lanekv prefill")
+    return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
+                              "draining queued prefills, stopping ranks", prog="lanekv prefill")

@@ -9,7 +9,8 @@ ends both ports and may be called again. Every port speaks the daemon's
 
 ``serve_until_signal`` is what both command lines do once their daemon is up:
 write the ready file (atomically), print the banner, wait for SIGINT or
-SIGTERM, then hand over to the daemon's own stop (its drain). A daemon that
+SIGTERM, then hand over to the daemon's own stop (its drain), with start-up's
+objects frozen out of garbage collection meanwhile. A daemon that
 can serve no more (``failure()``: a prefill rank died) ends it too: one
 line on stderr, a short stop, exit status 1.
 """
@@ -28,6 +29,7 @@ from typing import Protocol
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from runtime.advertise import advertise_host, is_wildcard, join_host_port
+from runtime.gcpause import frozen
 from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
 from runtime.security import SecurityConfig, bind, make_server
@@ -163,7 +165,16 @@ def serve_until_signal(daemon: Daemon, banner: str, ready_file: str | None, grac
     """Write the daemon's endpoint to ``ready_file``, print ``banner``, block until
     SIGINT or SIGTERM, log ``draining`` and stop the daemon (``grace_s`` to drain).
     Returns the command's exit code: 0; 1 when the daemon failed (``failure()``),
-    after printing ``<prog>: <failure>; exiting`` on stderr."""
+    after printing ``<prog>: <failure>; exiting`` on stderr. The process is the
+    daemon's alone: what start-up made is frozen out of garbage collection while
+    it serves (``runtime.gcpause.frozen``)."""
+    with frozen() as count:
+        log.info("garbage collector: froze %d objects", count)
+        return _serve(daemon, banner, ready_file, grace_s, log, draining, prog)
+
+
+def _serve(daemon: Daemon, banner: str, ready_file: str | None, grace_s: float,
+           log: logging.Logger, draining: str, prog: str) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -73,9 +74,11 @@ class _Stoppable:
         self.endpoint = "127.0.0.1:1234"
         self.stopped_with: float | None = None
         self.failed: str | None = None
+        self.frozen_while_serving = 0
 
     def stop(self, grace_s: float = 5.0) -> None:
         self.stopped_with = grace_s
+        self.frozen_while_serving = gc.get_freeze_count()
 
     def failure(self) -> str | None:
         return self.failed
@@ -94,6 +97,8 @@ def test_serve_until_signal_writes_the_ready_file_and_stops_on_sigterm(tmp_path,
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert code == 0 and daemon.stopped_with == 2.5
+    # start-up's objects were frozen out of collection while it served, and thawed after
+    assert daemon.frozen_while_serving > 1000 and gc.get_freeze_count() == 0
     assert ready.read_text() == daemon.endpoint
     assert not list(tmp_path.glob(".*.tmp"))  # written atomically: no temporary left
     assert "the banner" in capsys.readouterr().out
