@@ -32,7 +32,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from prefill.cp.gemm_warmup import GemmWarmUp  # noqa: E402
 from prefill.cp.launcher import PrefillInput  # noqa: E402
 from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
@@ -67,9 +66,8 @@ def measure(args, model_dir: str, vocab: int) -> dict:
     try:
         if torch.cuda.is_available():
             torch.set_num_threads(1)  # as the daemon's ranks run
-        if args.no_gemm_ladder:
-            engine.warm_gemms = lambda max_rows: [GemmWarmUp(0, 0, 0, 0.0)]
-        warm = warm_up(engine, vocab, args.max_tokens, args.max_batch_tokens)
+        warm = warm_up(engine, vocab, args.max_tokens, args.max_batch_tokens,
+                       gemm_ladder=not args.no_gemm_ladder)
         gen = torch.Generator().manual_seed(0)
         rows = []
         for length in dict.fromkeys(args.lengths):

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
+from prefill.cp.gemm_warmup import GemmWarmUp
 from prefill.cp.launcher import PrefillEngine, PrefillInput
 
 log = logging.getLogger("lanekv.prefill")
@@ -38,14 +39,15 @@ class WarmUp(NamedTuple):
 
 
 def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_tokens: int,
-            forget: Callable[[str], None] | None = None) -> WarmUp:
+            forget: Callable[[str], None] | None = None, *, gemm_ladder: bool = True) -> WarmUp:
     """Prefill the warm-up shapes on ``engine``; returns how many batches and how long.
     ``forget(request_id)`` has ranks that serve pages drop a warm-up request
-    before its pages go back (None: the ranks serve no pages)."""
+    before its pages go back (None: the ranks serve no pages). ``gemm_ladder=False``
+    leaves the GEMM ladder out (``bench/first_prefill.py`` measures what it buys)."""
     start = time.perf_counter()
     batches: list[list[PrefillInput]] = []
     limit = min(max_tokens - 1, max_batch_tokens)
-    gemms = engine.warm_gemms(_max_rows(engine, limit))
+    gemms = engine.warm_gemms(_max_rows(engine, limit)) if gemm_ladder else [GemmWarmUp(0, 0, 0, 0.0)]
     for length in _SINGLE_LENGTHS:
         if length <= limit:
             batches.append([_input(length, 0, vocab_size)])
