@@ -168,16 +168,16 @@ def serve_until_signal(daemon: Daemon, banner: str, ready_file: str | None, grac
     after printing ``<prog>: <failure>; exiting`` on stderr. The process is the
     daemon's alone: what start-up made is frozen out of garbage collection while
     it serves (``runtime.gcpause.frozen``)."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # first: a signal during the freeze still drains
+        signal.signal(sig, lambda *_: stop.set())
     with frozen() as count:
         log.info("garbage collector: froze %d objects", count)
-        return _serve(daemon, banner, ready_file, grace_s, log, draining, prog)
+        return _serve(daemon, stop, banner, ready_file, grace_s, log, draining, prog)
 
 
-def _serve(daemon: Daemon, banner: str, ready_file: str | None, grace_s: float,
+def _serve(daemon: Daemon, stop: threading.Event, banner: str, ready_file: str | None, grace_s: float,
            log: logging.Logger, draining: str, prog: str) -> int:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
     if ready_file:
         write_atomically(Path(ready_file), daemon.endpoint)
     print(banner, flush=True)

@@ -105,6 +105,37 @@ def test_serve_until_signal_writes_the_ready_file_and_stops_on_sigterm(tmp_path,
 
 
 @pytest.mark.timeout(30)
+def test_a_signal_while_start_up_is_frozen_still_drains(monkeypatch):
+    """The handlers come before the freeze (a full collection of a big heap takes a
+    while): a SIGTERM then still stops the daemon with its grace, never kills it."""
+    import contextlib
+
+    import runtime.daemon
+
+    daemon, seen = _Stoppable(), []
+
+    @contextlib.contextmanager
+    def freezing():
+        seen.append(signal.getsignal(signal.SIGTERM))
+        os.kill(os.getpid(), signal.SIGTERM)
+        yield 0
+
+    monkeypatch.setattr(runtime.daemon, "frozen", freezing)
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, lambda *_: seen.append("killed"))  # what the old order would reach
+    backstop = threading.Timer(3.0, setattr, (daemon, "failed", "the signal was lost"))
+    try:
+        backstop.start()
+        code = serve_until_signal(daemon, "the banner", None, 2.5, logging.getLogger("test"), "draining")
+    finally:
+        backstop.cancel()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert "killed" not in seen and callable(seen[0])
+    assert code == 0 and daemon.stopped_with == 2.5
+
+
+@pytest.mark.timeout(30)
 def test_serve_until_signal_exits_1_with_one_line_when_the_daemon_fails(tmp_path, capsys):
     daemon = _Stoppable()
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
