@@ -5,9 +5,12 @@ daemon's own warm-up (``prefill.warmup.warm_up``), then for each prompt length
 not sent before, one prefill and ``--later`` more of it, one after another.
 Each row has the first's time against the later ones' median, how long the
 host took to queue the forward (the prefill is bound by its launches at 1k
-tokens), and on CUDA the device memory segments the caching allocator had to
-allocate during the first. ``--no-gemm-ladder`` leaves out the warm-up's GEMM
-ladder (``prefill/cp/gemm_warmup.py``) to see what it buys; run with
+tokens), on CUDA the device memory segments the caching allocator had to
+allocate during the first, and the Triton kernels that compiled (or came from
+the disk cache) during it: none should, after warm-up. Give each run its own
+``TRITON_CACHE_DIR`` to see what a compile costs on a fresh machine.
+``--no-gemm-ladder`` leaves out the warm-up's GEMM ladder
+(``prefill/cp/gemm_warmup.py``) to see what it buys; run with
 ``CUDA_MODULE_LOADING=EAGER`` to see what lazily loaded kernels cost.
 
 GPU (Llama-3-8B shapes, dummy bf16 weights):
@@ -32,10 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
+from kernels.compiles import recording_compiles  # noqa: E402
 from prefill.cp.launcher import PrefillInput  # noqa: E402
 from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
 from prefill.warmup import warm_up  # noqa: E402
+from runtime.gcpause import GcClock, frozen  # noqa: E402
 
 # Row counts no warm-up prefill uses (page 64: 832, 704, 960, 640, 896, 768, ... rows).
 DEFAULT_LENGTHS = (769, 643, 901, 583, 843, 717, 1500, 3001, 5000, 7001)
@@ -45,17 +50,19 @@ def _segments() -> int:
     return torch.cuda.memory_stats().get("segment.all.allocated", 0) if torch.cuda.is_available() else 0
 
 
-def _one(engine: ThreadedPrefillEngine, length: int, gen: torch.Generator, vocab: int) -> dict:
+def _one(engine: ThreadedPrefillEngine, length: int, gen: torch.Generator, vocab: int, clock: GcClock) -> dict:
     ids = torch.randint(10, vocab, (length,), generator=gen).tolist()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    segments = _segments()
-    start = time.perf_counter()
-    res = engine.prefill([PrefillInput(ids)])[0]
-    wall = time.perf_counter() - start
+    segments, gc_before = _segments(), clock.seconds
+    with recording_compiles() as compiles:
+        start = time.perf_counter()
+        res = engine.prefill([PrefillInput(ids)])[0]
+        wall = time.perf_counter() - start
     engine.free(res.new_pages)
     return dict(ms=wall * 1e3, queued_ms=res.timings["queued_s"] * 1e3,
-                compute_ms=res.timings["compute_s"] * 1e3, new_segments=_segments() - segments)
+                compute_ms=res.timings["compute_s"] * 1e3, new_segments=_segments() - segments,
+                gc_ms=(clock.seconds - gc_before) * 1e3, compiles=list(compiles))
 
 
 def measure(args, model_dir: str, vocab: int) -> dict:
@@ -70,21 +77,28 @@ def measure(args, model_dir: str, vocab: int) -> dict:
                        gemm_ladder=not args.no_gemm_ladder)
         gen = torch.Generator().manual_seed(0)
         rows = []
-        for length in dict.fromkeys(args.lengths):
-            first = _one(engine, length, gen, vocab)
-            later = [_one(engine, length, gen, vocab) for _ in range(args.later)]
-            med = {k: statistics.median(x[k] for x in later) for k in ("ms", "queued_ms", "compute_ms")}
-            rows.append(dict(prompt_len=length, first_ms=first["ms"], later_ms_p50=med["ms"],
-                             ratio=first["ms"] / med["ms"], first_queued_ms=first["queued_ms"],
-                             later_queued_ms_p50=med["queued_ms"], first_compute_ms=first["compute_ms"],
-                             later_compute_ms_p50=med["compute_ms"], first_new_segments=first["new_segments"],
-                             later_ms=[x["ms"] for x in later]))
+        with frozen(), GcClock().installed() as clock:  # as the daemon serves (runtime.daemon)
+            for length in dict.fromkeys(args.lengths):
+                first = _one(engine, length, gen, vocab, clock)
+                later = [_one(engine, length, gen, vocab, clock) for _ in range(args.later)]
+                rows.append(_row(length, first, later))
     finally:
         engine.close()
     ratios = [r["ratio"] for r in rows]
     return dict(rows=rows, warm_up_s=warm.seconds, warm_up_prefills=warm.prefills,
                 gemm_calls=warm.gemm_calls, gemm_s=warm.gemm_seconds,
                 ratio_p50=statistics.median(ratios), ratio_max=max(ratios))
+
+
+def _row(length: int, first: dict, later: list[dict]) -> dict:
+    med = {k: statistics.median(x[k] for x in later) for k in ("ms", "queued_ms", "compute_ms", "gc_ms")}
+    return dict(prompt_len=length, first_ms=first["ms"], later_ms_p50=med["ms"], ratio=first["ms"] / med["ms"],
+                later_spread=max(x["ms"] for x in later) / med["ms"],
+                first_queued_ms=first["queued_ms"], later_queued_ms_p50=med["queued_ms"],
+                first_compute_ms=first["compute_ms"], later_compute_ms_p50=med["compute_ms"],
+                first_gc_ms=first["gc_ms"], later_gc_ms_p50=med["gc_ms"], first_new_segments=first["new_segments"],
+                first_compiles=first["compiles"], later_compiles=sum(len(x["compiles"]) for x in later),
+                later_ms=[x["ms"] for x in later])
 
 
 def main() -> None:
@@ -118,11 +132,15 @@ def main() -> None:
           f"GEMM ladder {'on' if out['gemm_ladder'] else 'off'}, CUDA_MODULE_LOADING={out['cuda_module_loading']}")
     print(f"warm-up: {out['warm_up_prefills']} prefills and {out['gemm_calls']} GEMM calls "
           f"({out['gemm_s']:.2f} s) in {out['warm_up_s']:.2f} s")
-    print(f"{'tokens':>7} {'first ms':>9} {'later p50':>10} {'ratio':>6} {'queued first/later':>19} "
-          f"{'new segments':>13}")
+    print(f"{'tokens':>7} {'first ms':>9} {'later p50':>10} {'ratio':>6} {'later max/p50':>14} {'queued first/later':>19} "
+          f"{'gc ms first/later':>18} {'new segments':>13} {'compiles':>9}")
     for r in out["rows"]:
-        print(f"{r['prompt_len']:>7} {r['first_ms']:>9.1f} {r['later_ms_p50']:>10.1f} {r['ratio']:>5.2f}x "
-              f"{r['first_queued_ms']:>9.1f} / {r['later_queued_ms_p50']:<7.1f} {r['first_new_segments']:>13}")
+        print(f"{r['prompt_len']:>7} {r['first_ms']:>9.1f} {r['later_ms_p50']:>10.1f} {r['ratio']:>5.2f}x {r['later_spread']:>13.2f}x "
+              f"{r['first_queued_ms']:>9.1f} / {r['later_queued_ms_p50']:<7.1f} "
+              f"{r['first_gc_ms']:>8.1f} / {r['later_gc_ms_p50']:<7.1f} {r['first_new_segments']:>13} {len(r['first_compiles']):>9}")
+    for r in out["rows"]:
+        for kernel in r["first_compiles"]:
+            print(f"compiled during the first {r['prompt_len']}-token prefill: {kernel}")
     print(f"ratio p50 {out['ratio_p50']:.2f}x, max {out['ratio_max']:.2f}x")
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))

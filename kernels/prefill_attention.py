@@ -65,6 +65,17 @@ class AttnLaunchConfig(NamedTuple):
 _MIN_BIG_TILE_PROGRAMS_PER_SM = 4
 
 
+def big_tile_min_rows(num_heads: int, qk_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The fewest query rows for which ``default_config`` picks the 128-row tile; None
+    where the tile does not depend on the rows. Each tile is its own compiled kernel,
+    so the prefill warm-up (``prefill.warmup``) runs both sides of this."""
+    if device.type != "cuda" or qk_dim > 128 or dtype == torch.float32:
+        return None
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    # cdiv(rows, 128) * num_heads >= programs, for the fewest rows
+    return (triton.cdiv(_MIN_BIG_TILE_PROGRAMS_PER_SM * num_sms, num_heads) - 1) * 128 + 1
+
+
 def default_config(q: torch.Tensor) -> AttnLaunchConfig:
     if not q.is_cuda:
         # The interpreter: small tiles so short test sequences still span
@@ -75,8 +86,7 @@ def default_config(q: torch.Tensor) -> AttnLaunchConfig:
     if q.shape[2] > 128:
         # H200, DeepSeek qk 192 / v 128, 16k causal: 64x64 led 128x64 and 64x32 (BENCHMARKS.md).
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
-    num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    if triton.cdiv(q.shape[0], 128) * q.shape[1] < _MIN_BIG_TILE_PROGRAMS_PER_SM * num_sms:
+    if q.shape[0] < big_tile_min_rows(q.shape[1], q.shape[2], q.dtype, q.device):
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     # H200, Llama-3-8B heads, 16k causal: best of a 19-config sweep (466 TFLOP/s,
     # 128x64 447); later runs put the two within run-to-run spread.

@@ -3,14 +3,16 @@
 Triton compiles a kernel on first use for each set of compile-time values, and
 integer arguments that vary per request (lengths, counts, offsets, widths) are
 declared ``do_not_specialize`` in the kernels, so the set left is bounded: the
-dtypes, the head shapes, the page size, and the power of two above a batch's
-segment count. ``warm_up`` prefills prompts that reach each of those (one
-request of a few lengths, then batches of 2, 3, 5, 9, ... requests), then frees
-their pages and has the ranks forget them. The GEMMs do depend on the rows:
-before those prefills, every rank runs its model's GEMMs over a ladder of row
-counts up to the longest prompt it takes (``prefill.cp.gemm_warmup``), so a
-new prompt length finds its cuBLAS kernels loaded. On the CPU there is nothing
-to compile.
+dtypes, the head shapes, the page size, the power of two above a batch's
+segment count, and the tiles of the two launchers that pick them by a batch's
+rows (``prefill.cp.tile_rows``). ``warm_up`` prefills prompts that reach each
+of those: one request of a few lengths, then batches of 2, 3, 5, 9, ...
+requests, then one request and those batches again with every rank's rows past
+each row count where tiles change. It frees their pages and has the ranks
+forget them. The GEMMs depend on the rows too: before those prefills, every
+rank runs its model's GEMMs over a ladder of row counts up to the longest
+prompt it takes (``prefill.cp.gemm_warmup``), so a new prompt length finds its
+cuBLAS kernels loaded. On the CPU there is nothing to compile.
 """
 
 from __future__ import annotations
@@ -55,6 +57,13 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
         if size * _BATCH_PROMPT <= max_batch_tokens and _BATCH_PROMPT <= limit:
             # lengths differ so segments end at different places in their pages
             batches.append([_input(_BATCH_PROMPT - i % 3, i, vocab_size) for i in range(size)])
+    for rows in engine.tile_switch_rows():
+        # One request and the batches again, every rank's rows past the switch: the
+        # kernels' other tiles, with each count of segments.
+        for size in (1, *_BATCH_SIZES):
+            length = _tokens_past(engine, -(-rows // size))
+            if length + 2 <= limit and size * (length + 2) <= max_batch_tokens:
+                batches.append([_input(length + i % 3, i, vocab_size) for i in range(size)])
     skipped = [inputs for inputs in batches if not _fits(engine, inputs)]
     batches = [inputs for inputs in batches if _fits(engine, inputs)]
     for inputs in batches:
@@ -80,6 +89,13 @@ def _max_rows(engine: PrefillEngine, limit: int) -> int:
     a kernel on it)."""
     cfg = engine.config
     return max(1, min(limit, cfg.cp_size * cfg.pages_per_lane * cfg.page_size))
+
+
+def _tokens_past(engine: PrefillEngine, rows: int) -> int:
+    """The tokens of a prompt that gives every rank at least ``rows`` rows: a rank's
+    share of a request's pages is within one page of an even split."""
+    cfg = engine.config
+    return cfg.cp_size * (-(-rows // cfg.page_size) + 1) * cfg.page_size
 
 
 def _fits(engine: PrefillEngine, inputs: list[PrefillInput]) -> bool:

@@ -67,6 +67,15 @@ class GcClock:
             gc.callbacks.remove(self._on_gc)
             self._installed = False
 
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[GcClock]:
+        """Counts the collections inside the block."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
+
     @property
     def seconds(self) -> float:
         with self._lock:

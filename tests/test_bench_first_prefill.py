@@ -27,6 +27,9 @@ def test_one_row_per_new_length_with_the_ladder_on_or_off(monkeypatch, tmp_path)
     for r in on["rows"]:
         assert len(r["later_ms"]) == 2 and r["ratio"] == r["first_ms"] / r["later_ms_p50"]
         assert 0 < r["first_queued_ms"] <= r["first_compute_ms"]
+        assert r["later_spread"] == max(r["later_ms"]) / r["later_ms_p50"]
+        assert r["first_compiles"] == [] and r["later_compiles"] == 0  # nothing compiles on the CPU
+        assert r["first_gc_ms"] >= 0 and r["later_gc_ms_p50"] >= 0
     # the ladder to 511 tokens at page 64: 8 rungs x 4 GEMM shapes, plus the head's 64
     assert on["gemm_ladder"] and on["gemm_calls"] == 8 * 4 + 64
     off = _run(monkeypatch, tmp_path, "--no-gemm-ladder")

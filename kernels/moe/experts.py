@@ -44,6 +44,13 @@ class MoETiles(NamedTuple):
     num_stages: int
 
 
+def prefill_tile_min_pairs(num_experts: int) -> int:
+    """The fewest (token, expert) pairs for which ``default_moe_tiles`` picks the prefill
+    tiles on CUDA. Each tile set is its own compiled kernel, so the prefill warm-up
+    (``prefill.warmup``) runs both sides of this."""
+    return 4 * num_experts + 1
+
+
 def default_moe_tiles(pairs: int, num_experts: int, x: torch.Tensor) -> MoETiles:
     """Decode sizes (a few rows per expert): thin row blocks, long k steps, deep
     pipelines; prefill sizes: square tiles. float32 tiles take half the stages' shared
@@ -51,7 +58,7 @@ def default_moe_tiles(pairs: int, num_experts: int, x: torch.Tensor) -> MoETiles
     if not x.is_cuda:  # the interpreter: small tiles, so tests span several blocks
         return MoETiles(16, 16, 16, 4, 1)
     wide = x.dtype == torch.float32
-    if pairs <= 4 * num_experts:
+    if pairs < prefill_tile_min_pairs(num_experts):
         return MoETiles(16, 64, 64, 4, 2) if wide else MoETiles(16, 64, 128, 4, 4)
     return MoETiles(64, 64, 32, 4, 2) if wide else MoETiles(64, 64, 64, 4, 3)
 

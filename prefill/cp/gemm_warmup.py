@@ -4,9 +4,10 @@ A prefill's matrix products are cuBLAS calls whose shape is the model's weight
 by the rank's rows, and the rows change with every prompt length (page units:
 ``k * page_size``). cuBLAS picks its kernel by that shape, and CUDA loads a
 kernel's code the first time it is launched (lazy module loading, the default),
-so the first prompt whose rows pick a kernel not used before waits for it. The
-Triton kernels do not depend on the rows (``prefill.warmup``); this module runs
-each distinct GEMM of the model once per row count of a ladder instead:
+so the first prompt whose rows pick a kernel not used before waits for it.
+(The Triton kernels change only at a few row counts, which the warm-up's
+prefills cover: ``prefill.cp.tile_rows``.) This module runs each distinct GEMM
+of the model once per row count of a ladder:
 
 - every multiple of the page size up to ``FINE_ROWS`` rows, where one row count
   to the next changes the kernel choice most;

@@ -49,6 +49,7 @@ from prefill.cp.messages import (
     SetTopology,
     Shutdown,
     Snapshot,
+    TileRows,
     WarmGemms,
     for_each_rank,
 )
@@ -230,6 +231,11 @@ class PrefillEngine(ABC):
         """Every rank runs its model's GEMMs at the row counts prefills of up to
         ``max_rows`` rows use (``prefill.cp.gemm_warmup``); what each did, by rank."""
         return self.call(WarmGemms(max_rows))
+
+    def tile_switch_rows(self) -> tuple[int, ...]:
+        """The row counts at which a rank's prefill kernels change their tiles
+        (``prefill.cp.tile_rows``), over every rank."""
+        return tuple(sorted(set().union(*self.call(TileRows()))))
 
     def pool_snapshot(self, rank: int) -> torch.Tensor:
         """A CPU copy of rank ``rank``'s whole pool (tests check what it holds)."""

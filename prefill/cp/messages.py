@@ -68,11 +68,18 @@ class WarmGemms:
 
 
 @dataclass(frozen=True)
+class TileRows:
+    """Answer the row counts at which this rank's prefill kernels change their tiles
+    (``prefill.cp.tile_rows``); the warm-up prefills both sides of each."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop serving and exit; no answer."""
 
 
-Command = RunPrefill | SetTopology | Forget | ReadPages | Snapshot | FreezeHeap | WarmGemms | Shutdown
+Command = (RunPrefill | SetTopology | Forget | ReadPages | Snapshot | FreezeHeap | WarmGemms | TileRows
+           | Shutdown)
 
 
 def for_each_rank(command: Command | Sequence[Command], cp_size: int) -> list[Command]:

@@ -48,10 +48,12 @@ from prefill.cp.messages import (
     SetTopology,
     Shutdown,
     Snapshot,
+    TileRows,
     WarmGemms,
 )
 from prefill.cp.page_source import RankPageSource
 from prefill.cp.runner import PrefillBatch, RankRunner
+from prefill.cp.tile_rows import tile_switch_rows
 from prefill.engine_config import EngineConfig, load_for
 from prefill.layout import OwnerLaneLayout
 from runtime.advertise import join_host_port
@@ -275,6 +277,8 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
         return freeze_start_up()
     if isinstance(command, WarmGemms):
         return warm_gemms(runner.model, runner.page_size, command.max_rows)
+    if isinstance(command, TileRows):
+        return tile_switch_rows(runner.model.config, runner.model.dtype, runner.device)
     raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")
 
 

@@ -1,16 +1,17 @@
 """After warm-up, a prefill engine on the GPU compiles nothing for 200 random
-prompts in batches of random composition."""
+prompts in batches of random composition, some of them past the row count where
+the attention changes tiles."""
 
 from __future__ import annotations
 
 import random
 
+from kernels.compiles import recording_compiles
 from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
 from prefill.warmup import warm_up
 from tests.checkpoints import VOCAB_SIZE, write_llama
-from tests.compiles import recording_compiles
 from tests.markers import requires_gpu
 
 
@@ -21,12 +22,18 @@ def test_no_kernel_compiles_after_warm_up_gpu(tmp_path):
                                                 pages_per_lane=4096, dtype="bfloat16",
                                                 device="cuda"))
     try:
-        warm_up(engine, VOCAB_SIZE, max_tokens=1024, max_batch_tokens=65536)
+        # Prompts past the attention's tile switch too (4 heads: 16,769 rows on an H200).
+        switch = max(engine.tile_switch_rows())
+        warm_up(engine, VOCAB_SIZE, max_tokens=switch + 4096, max_batch_tokens=65536)
         rng = random.Random(1)
-        lengths = [rng.randint(1, 900) for _ in range(200)]
+        lengths = [rng.randint(1, 900) for _ in range(170)] + [
+            rng.randint(switch - 900, switch + 4000) for _ in range(30)]
+        rng.shuffle(lengths)
         with recording_compiles() as compiles:
             while lengths:
-                batch = [lengths.pop() for _ in range(min(len(lengths), rng.randint(1, 12)))]
+                batch, size = [lengths.pop()], rng.randint(1, 12)
+                while lengths and len(batch) < size and sum(batch) + lengths[-1] <= 60000:
+                    batch.append(lengths.pop())
                 inputs = [PrefillInput([(3 + 7 * t) % VOCAB_SIZE for t in range(n)]) for n in batch]
                 for res in engine.prefill(inputs):
                     engine.free(res.new_pages)

@@ -36,6 +36,15 @@ def test_the_clock_counts_collections_and_their_time():
         clock.uninstall()
 
 
+def test_the_clock_counts_only_inside_installed():
+    with GcClock().installed() as clock:
+        gc.collect()
+        assert clock.collections == 1
+    gc.collect()
+    assert clock.collections == 1
+    assert clock._on_gc not in gc.callbacks
+
+
 @pytest.mark.timeout(60)
 def test_a_frozen_start_up_is_left_out_of_later_collections():
     # In a process of its own: freezing is for the whole process, as in a daemon.

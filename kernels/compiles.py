@@ -1,6 +1,7 @@
 """Counting Triton kernel compilations (``triton.knobs.runtime.jit_cache_hook``:
 called whenever a launch finds no compiled kernel in memory for its
-specialisation, before it compiles or loads one from the disk cache)."""
+specialisation, before it compiles or loads one from the disk cache). The
+no-compile tests and ``bench/first_prefill.py`` use it."""
 
 from __future__ import annotations
 
