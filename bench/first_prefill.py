@@ -39,7 +39,7 @@ from kernels.compiles import recording_compiles  # noqa: E402
 from prefill.cp.launcher import PrefillInput  # noqa: E402
 from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402
-from prefill.warmup import warm_up  # noqa: E402
+from prefill.warmup import settle_after_freeze, warm_up  # noqa: E402
 from runtime.gcpause import GcClock, frozen  # noqa: E402
 
 # Row counts no warm-up prefill uses (page 64: 832, 704, 960, 640, 896, 768, ... rows).
@@ -77,7 +77,8 @@ def measure(args, model_dir: str, vocab: int) -> dict:
                        gemm_ladder=not args.no_gemm_ladder)
         gen = torch.Generator().manual_seed(0)
         rows = []
-        with frozen(), GcClock().installed() as clock:  # as the daemon serves (runtime.daemon)
+        with frozen(), GcClock().installed() as clock:  # as the daemon serves (runtime.daemon) ...
+            settle_after_freeze(engine, vocab)  # ... once it has settled (prefill.daemon)
             for length in dict.fromkeys(args.lengths):
                 first = _one(engine, length, gen, vocab, clock)
                 later = [_one(engine, length, gen, vocab, clock) for _ in range(args.later)]

@@ -52,7 +52,7 @@ from prefill.cp.messages import Event, Fetched, Released, RpcTotals
 from prefill.cp.rank_worker import TransferServing
 from prefill.engine_config import EngineConfig
 from prefill.leases import LeaseTable
-from prefill.warmup import warm_up
+from prefill.warmup import settle_after_freeze, warm_up
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.advertise import check_advertise_host
 from runtime.daemon import DaemonServer
@@ -161,6 +161,7 @@ class PrefillDaemon:
                     forget=self.engine.forget)
         # What start-up made lives as long as a rank: no collection walks it again.
         log.info("garbage collector: froze %s objects in the rank processes", self.engine.freeze_heap())
+        self.settle()
         self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
         self._watch_pools()
         self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages
@@ -287,6 +288,11 @@ class PrefillDaemon:
             self._failure = reason
         log.error("prefill ranks are down, NOT_SERVING until restarted: %s", reason)
         self.rpc.set_not_serving((PREFILL_SERVICE, TRANSFER_SERVICE))
+
+    def settle(self) -> None:
+        """One short prefill, after a freeze of the heap (``prefill.warmup.settle_after_freeze``):
+        start-up runs it once the ranks froze theirs, ``serve_until_signal`` once this process did."""
+        settle_after_freeze(self.engine, self.vocab_size, self.engine.forget)
 
     def failure(self) -> str | None:
         """Why this daemon can serve no more (a rank died), or None while it can."""

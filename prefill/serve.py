@@ -46,4 +46,5 @@ def main(args: argparse.Namespace) -> int:
         return 1
     banner = daemon.rpc.banner("lanekv prefill", f"ranks: {', '.join(daemon.topology.endpoints)}")
     return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S, log,
-                              "draining queued prefills, stopping ranks", prog="lanekv prefill")
+                              "draining queued prefills, stopping ranks", prog="lanekv prefill",
+                              settle=daemon.settle)

@@ -81,6 +81,17 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     return done
 
 
+def settle_after_freeze(engine: PrefillEngine, vocab_size: int, forget: Callable[[str], None] | None = None) -> None:
+    """One short prefill, to run after the heap is frozen (``runtime.gcpause``): the
+    first prefill after a collect-and-freeze runs slow (on an H200, a 2k-token one
+    took 17 ms longer, in starting its rank thread and building its index; the
+    next ones did not), so this takes that instead of the first request."""
+    for res in engine.prefill([_input(1, 0, vocab_size)]):
+        if forget is not None:
+            forget(res.request_id)
+        engine.free(res.new_pages)
+
+
 def _max_rows(engine: PrefillEngine, limit: int) -> int:
     """The most rows a GEMM of a one-prompt prefill multiplies: the prompt's tokens in
     whole pages (a rank computes its share of them; an MLA model decompresses the

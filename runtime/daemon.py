@@ -22,7 +22,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -161,18 +161,23 @@ def write_atomically(path: Path, text: str) -> None:
 
 
 def serve_until_signal(daemon: Daemon, banner: str, ready_file: str | None, grace_s: float,
-                       log: logging.Logger, draining: str, prog: str = "lanekv") -> int:
+                       log: logging.Logger, draining: str, prog: str = "lanekv",
+                       settle: Callable[[], None] | None = None) -> int:
     """Write the daemon's endpoint to ``ready_file``, print ``banner``, block until
     SIGINT or SIGTERM, log ``draining`` and stop the daemon (``grace_s`` to drain).
     Returns the command's exit code: 0; 1 when the daemon failed (``failure()``),
     after printing ``<prog>: <failure>; exiting`` on stderr. The process is the
     daemon's alone: what start-up made is frozen out of garbage collection while
-    it serves (``runtime.gcpause.frozen``)."""
+    it serves (``runtime.gcpause.frozen``). ``settle()`` runs once after the
+    freeze, before the ready file: the first work after a collect-and-freeze runs
+    slow, and it takes that instead of the first request."""
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # first: a signal during the freeze still drains
         signal.signal(sig, lambda *_: stop.set())
     with frozen() as count:
         log.info("garbage collector: froze %d objects", count)
+        if settle is not None:
+            settle()
         return _serve(daemon, stop, banner, ready_file, grace_s, log, draining, prog)
 
 

@@ -10,7 +10,7 @@ from prefill.cp.gemm_warmup import LOGIT_ROWS
 from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
-from prefill.warmup import warm_up
+from prefill.warmup import settle_after_freeze, warm_up
 from tests.checkpoints import VOCAB_SIZE, write_llama
 
 
@@ -44,6 +44,19 @@ def test_warm_up_leaves_out_batches_larger_than_the_pool(tmp_path):
         done = warm_up(engine, VOCAB_SIZE, max_tokens=4096, max_batch_tokens=4096)
         # lengths 1 and 17, batches of 2 and 3 x 8 tokens (2 a lane each); 300, 2048 and 5+ do not fit
         assert done.prefills == 4
+        assert engine.allocator.free_counts() == free_before
+    finally:
+        engine.close()
+
+
+def test_settling_after_a_freeze_leaves_nothing_held(tmp_path):
+    ckpt = write_llama(tmp_path / "llama")
+    engine = ThreadedPrefillEngine(EngineConfig(str(ckpt), cp_size=2, page_size=4, pages_per_lane=8))
+    forgotten: list[str] = []
+    try:
+        free_before = engine.allocator.free_counts()
+        settle_after_freeze(engine, VOCAB_SIZE, forgotten.append)
+        assert len(forgotten) == 1 and forgotten[0].startswith("warmup-")
         assert engine.allocator.free_counts() == free_before
     finally:
         engine.close()

@@ -105,6 +105,28 @@ def test_serve_until_signal_writes_the_ready_file_and_stops_on_sigterm(tmp_path,
 
 
 @pytest.mark.timeout(30)
+def test_settle_runs_once_after_the_freeze_and_before_the_ready_file(tmp_path):
+    daemon, ready = _Stoppable(), tmp_path / "ready"
+    seen: list[tuple[int, bool]] = []
+
+    def settle() -> None:
+        seen.append((gc.get_freeze_count(), ready.exists()))
+        os.kill(os.getpid(), signal.SIGTERM)  # the handlers are in: it drains at once
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = serve_until_signal(daemon, "the banner", str(ready), 2.5, logging.getLogger("test"), "draining",
+                                  settle=settle)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert code == 0 and len(seen) == 1
+    frozen_count, ready_then = seen[0]
+    assert frozen_count > 1000 and not ready_then
+    assert ready.read_text() == daemon.endpoint
+
+
+@pytest.mark.timeout(30)
 def test_a_signal_while_start_up_is_frozen_still_drains(monkeypatch):
     """The handlers come before the freeze (a full collection of a big heap takes a
     while): a SIGTERM then still stops the daemon with its grace, never kills it."""
