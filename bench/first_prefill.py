@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from kernels.compiles import recording_compiles  # noqa: E402
+from kernels.backend import recording_compiles  # noqa: E402
 from prefill.cp.launcher import PrefillInput  # noqa: E402
 from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from prefill.engine_config import EngineConfig  # noqa: E402

@@ -6,12 +6,19 @@ read by ``triton.jit`` when the kernel modules are imported) and the caller
 asked for it with ``LANEKV_CPU_KERNELS=triton``: then the interpreted Triton
 kernels run on CPU tensors too. End-to-end tests use that to push a small run
 through the real kernels without a GPU.
+
+``recording_compiles`` counts the Triton compiles of a block
+(``triton.knobs.runtime.jit_cache_hook``: called whenever a launch finds no
+compiled kernel in memory for its specialisation, before it compiles or loads
+one from the disk cache); the no-compile tests and ``bench/first_prefill.py``
+use it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -45,3 +52,23 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     if device is None:
         raise ValueError("no tensor given")
     return device
+
+
+@contextlib.contextmanager
+def recording_compiles() -> Iterator[list[str]]:
+    """Yields a list that collects a description of every compile inside the block."""
+    import triton
+
+    runtime = triton.knobs.runtime
+    seen: list[str] = []
+    previous = runtime.jit_cache_hook
+
+    def hook(*, repr: str, **_: object) -> bool:  # noqa: A002 (the hook's own keyword)
+        seen.append(repr)
+        return False  # go on and compile
+
+    runtime.jit_cache_hook = hook
+    try:
+        yield seen
+    finally:
+        runtime.jit_cache_hook = previous

@@ -67,10 +67,7 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     skipped = [inputs for inputs in batches if not _fits(engine, inputs)]
     batches = [inputs for inputs in batches if _fits(engine, inputs)]
     for inputs in batches:
-        for res in engine.prefill(inputs):
-            if forget is not None:
-                forget(res.request_id)  # the ranks drop it, then its pages go back
-            engine.free(res.new_pages)
+        _prefill_and_drop(engine, inputs, forget)
     done = WarmUp(len(batches), time.perf_counter() - start, max(g.calls for g in gemms),
                   max(g.seconds for g in gemms))
     log.info("prefill warm-up in %.2f s: %d GEMM calls (%d shapes, up to %d rows) in %.2f s, then "
@@ -86,9 +83,14 @@ def settle_after_freeze(engine: PrefillEngine, vocab_size: int, forget: Callable
     first prefill after a collect-and-freeze runs slow (on an H200, a 2k-token one
     took 17 ms longer, in starting its rank thread and building its index; the
     next ones did not), so this takes that instead of the first request."""
-    for res in engine.prefill([_input(1, 0, vocab_size)]):
+    _prefill_and_drop(engine, [_input(1, 0, vocab_size)], forget)
+
+
+def _prefill_and_drop(engine: PrefillEngine, inputs: list[PrefillInput],
+                      forget: Callable[[str], None] | None) -> None:
+    for res in engine.prefill(inputs):
         if forget is not None:
-            forget(res.request_id)
+            forget(res.request_id)  # the ranks drop it, then its pages go back
         engine.free(res.new_pages)
 
 

@@ -12,7 +12,7 @@ import torch
 from decode.cuda.warmup import warm_up_kernels
 from decode.engine import DecodeEngine
 from decode.pool import PagePool, PageTable
-from kernels.compiles import recording_compiles
+from kernels.backend import recording_compiles
 from model.checkpoint import load_model
 from model.sampling import SamplingParams
 from tests.checkpoints import write_deepseek_v3, write_llama

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from kernels.compiles import recording_compiles
+from kernels.backend import recording_compiles
 from prefill.cp.launcher import PrefillInput
 from prefill.cp.threaded import ThreadedPrefillEngine
 from prefill.engine_config import EngineConfig
