@@ -1,13 +1,15 @@
 """The first prefill of a new prompt length against later ones of that length, after warm-up.
 
 In this process (one rank, cp=1, the rank code the daemon runs): the prefill
-daemon's own warm-up (``prefill.warmup.warm_up``), then for each prompt length
-not sent before, one prefill and ``--later`` more of it, one after another.
-Each row has the first's time against the later ones' median, how long the
-host took to queue the forward (the prefill is bound by its launches at 1k
-tokens), on CUDA the device memory segments the caching allocator had to
-allocate during the first, and the Triton kernels that compiled (or came from
-the disk cache) during it: none should, after warm-up. Give each run its own
+daemon's own warm-up (``prefill.warmup.warm_up``), its heap freeze and the
+prefill that settles it, then for each prompt length not sent before, one
+prefill and ``--later`` more of it, one after another. Each row has the
+first's time against the later ones' median and the slowest later one's (the
+spread a first is judged against), how long the host took to queue the forward
+(the prefill is bound by its launches at 1k tokens), the garbage collector's
+time, on CUDA the device memory segments the caching allocator had to allocate
+during the first, and the Triton kernels that compiled (or came from the disk
+cache) during it: none should, after warm-up. Give each run its own
 ``TRITON_CACHE_DIR`` to see what a compile costs on a fresh machine.
 ``--no-gemm-ladder`` leaves out the warm-up's GEMM ladder
 (``prefill/cp/gemm_warmup.py``) to see what it buys; run with
