@@ -177,7 +177,10 @@ def serve_until_signal(daemon: Daemon, banner: str, ready_file: str | None, grac
     with frozen() as count:
         log.info("garbage collector: froze %d objects", count)
         if settle is not None:
-            settle()
+            try:
+                settle()
+            except Exception as err:  # best effort: the daemon serves anyway (a dead rank shows below)
+                log.warning("settling after the freeze failed: %s", one_line(str(err)), exc_info=True)
         return _serve(daemon, stop, banner, ready_file, grace_s, log, draining, prog)
 
 

@@ -127,6 +127,26 @@ def test_settle_runs_once_after_the_freeze_and_before_the_ready_file(tmp_path):
 
 
 @pytest.mark.timeout(30)
+def test_a_failing_settle_is_logged_and_the_daemon_serves_on(tmp_path, caplog):
+    daemon, ready = _Stoppable(), tmp_path / "ready"
+
+    def settle() -> None:
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        raise RuntimeError("no free pages in lane 0")
+
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with caplog.at_level(logging.WARNING, logger="test"):
+            code = serve_until_signal(daemon, "the banner", str(ready), 2.5, logging.getLogger("test"),
+                                      "draining", settle=settle)
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    assert code == 0 and ready.read_text() == daemon.endpoint
+    assert "settling after the freeze failed: no free pages in lane 0" in caplog.text
+
+
+@pytest.mark.timeout(30)
 def test_a_signal_while_start_up_is_frozen_still_drains(monkeypatch):
     """The handlers come before the freeze (a full collection of a big heap takes a
     while): a SIGTERM then still stops the daemon with its grace, never kills it."""
