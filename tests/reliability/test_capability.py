@@ -61,6 +61,7 @@ def _status(call) -> tuple[Code, str]:
 def test_capabilities_are_unguessable():
     drawn = {new_capability() for _ in range(1000)}
     assert len(drawn) == 1000 and min(len(c) for c in drawn) >= 43  # 256 random bits
+    assert all(_one_character_off(c) != c and len(_one_character_off(c)) == len(c) for c in drawn)
 
 
 def test_fetch_and_release_need_the_capability(servers):
@@ -136,6 +137,12 @@ def _generated(endpoint: str) -> tuple[list[int], str]:
         return tokens, dict(call.trailing_metadata() or ()).get("lanekv-transfer-paths", "")
 
 
+def _one_character_off(capability: str) -> str:
+    """``capability`` with its last character changed. (Replacing it with "A" gave the
+    capability itself one time in 16: its last character carries 4 bits.)"""
+    return capability[:-1] + ("B" if capability[-1] == "A" else "A")
+
+
 def _fetched(rank_kv, request: pb.FetchRequest, metadata) -> tuple[Code, str, list]:
     chunks: list = []
     code, details = _status(lambda: chunks.extend(rank_kv.FetchKV(request, timeout=10, metadata=metadata)))
@@ -172,7 +179,7 @@ def test_the_prefill_daemon_pins_every_request_with_its_own_capability(checkpoin
         fp = reply.contract_fingerprint
         refused = [None, ((EPOCH_METADATA_KEY, epoch),),
                    ((EPOCH_METADATA_KEY, access_ticket(epoch, other.capability)),),  # another request's
-                   ((EPOCH_METADATA_KEY, access_ticket(epoch, capability[:-1] + "A")),)]
+                   ((EPOCH_METADATA_KEY, access_ticket(epoch, _one_character_off(capability))),)]
         with KVClient() as kv:
             attach = FastPath(kv, fast.agreement, transports=["shm"])
             for rank, endpoint in enumerate(reply.endpoints):
