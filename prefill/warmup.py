@@ -64,7 +64,7 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
             length = _tokens_past(engine, -(-rows // size))
             if length + 2 <= limit and size * (length + 2) <= max_batch_tokens:
                 batches.append([_input(length + i % 3, i, vocab_size) for i in range(size)])
-    skipped = [inputs for inputs in batches if not _fits(engine, inputs)]
+    planned = len(batches)
     batches = [inputs for inputs in batches if _fits(engine, inputs)]
     for inputs in batches:
         _prefill_and_drop(engine, inputs, forget)
@@ -73,8 +73,8 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     log.info("prefill warm-up in %.2f s: %d GEMM calls (%d shapes, up to %d rows) in %.2f s, then "
              "%d batches (kernels compiled before serving)", done.seconds, done.gemm_calls,
              gemms[0].shapes, min(g.max_rows for g in gemms), done.gemm_seconds, done.prefills)
-    if skipped:  # a pool too small for them cannot serve such batches either
-        log.info("prefill warm-up: %d batch(es) larger than the pool left out", len(skipped))
+    if planned > len(batches):  # a pool too small for them cannot serve such batches either
+        log.info("prefill warm-up: %d batch(es) larger than the pool left out", planned - len(batches))
     return done
 
 

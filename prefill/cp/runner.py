@@ -6,8 +6,8 @@ launch, writes this rank's valid rows into its own pool through physical rows
 (every loc is checked to be owned by this rank once per batch) and its new K/V
 rows into a block, which also takes the K/V rows of the cached-prefix pages it
 owns, (2) all-gathers the blocks, (3) reranges the rank-major result into
-request order and (4) runs the CP attention kernel for its query segments. The rank holding a request's real last token samples
-the first output token.
+request order and (4) runs the CP attention kernel for its query segments. The
+rank holding a request's real last token samples the first output token.
 
 An MLA model (DeepSeek) caches one latent row per token and layer: the block
 is the latent rows (``kv_lora_rank + qk_rope_head_dim`` values, not per-head
