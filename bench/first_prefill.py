@@ -70,7 +70,8 @@ def _one(engine: ThreadedPrefillEngine, length: int, gen: torch.Generator, vocab
 def measure(args, model_dir: str, vocab: int) -> dict:
     cfg = EngineConfig(model_dir, cp_size=1, page_size=args.page_size,
                        pages_per_lane=max(args.max_batch_tokens, max(args.lengths)) // args.page_size + 64,
-                       dtype=args.dtype, load_format="dummy", start_timeout_s=900)
+                       dtype=args.dtype, load_format="dummy", start_timeout_s=900,
+                       graph_max_rows=args.graph_max_rows)
     engine = ThreadedPrefillEngine(cfg)
     try:
         if torch.cuda.is_available():
@@ -89,7 +90,8 @@ def measure(args, model_dir: str, vocab: int) -> dict:
         engine.close()
     ratios = [r["ratio"] for r in rows]
     return dict(rows=rows, warm_up_s=warm.seconds, warm_up_prefills=warm.prefills,
-                gemm_calls=warm.gemm_calls, gemm_s=warm.gemm_seconds,
+                gemm_calls=warm.gemm_calls, gemm_s=warm.gemm_seconds, graphs=warm.graphs,
+                graph_s=warm.graph_seconds,
                 ratio_p50=statistics.median(ratios), ratio_max=max(ratios))
 
 
@@ -113,9 +115,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8192, help="the warm-up's longest prompt")
     ap.add_argument("--max-batch-tokens", type=int, default=16384)
     ap.add_argument("--no-gemm-ladder", action="store_true")
+    ap.add_argument("--graph-max-rows", type=int, default=EngineConfig.graph_max_rows,
+                    help="prefills of up to this many rows replay CUDA graphs (0: eager)")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
+    if args.graph_max_rows < 0:
+        ap.error(f"--graph-max-rows must be >= 0, got {args.graph_max_rows}")
     for name in ("later", "page_size", "max_tokens", "max_batch_tokens"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -130,11 +136,13 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     out.update(device=device, model="llama3-8b" if args.llama3_8b else "tiny", dtype=args.dtype,
                page_size=args.page_size, gemm_ladder=not args.no_gemm_ladder,
+               graph_max_rows=args.graph_max_rows,
                cuda_module_loading=os.environ.get("CUDA_MODULE_LOADING", "default"))
     print(f"\nFirst prefill of a new length, {out['model']}, {args.dtype}, page {args.page_size}, {device}, "
           f"GEMM ladder {'on' if out['gemm_ladder'] else 'off'}, CUDA_MODULE_LOADING={out['cuda_module_loading']}")
-    print(f"warm-up: {out['warm_up_prefills']} prefills and {out['gemm_calls']} GEMM calls "
-          f"({out['gemm_s']:.2f} s) in {out['warm_up_s']:.2f} s")
+    print(f"warm-up: {out['warm_up_prefills']} prefills, {out['gemm_calls']} GEMM calls "
+          f"({out['gemm_s']:.2f} s) and {out['graphs']} CUDA graphs up to {args.graph_max_rows} rows "
+          f"({out['graph_s']:.2f} s) in {out['warm_up_s']:.2f} s")
     print(f"{'tokens':>7} {'first ms':>9} {'later p50':>10} {'ratio':>6} {'later max/p50':>14} {'queued first/later':>19} "
           f"{'gc ms first/later':>18} {'new segments':>13} {'compiles':>9}")
     for r in out["rows"]:

@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rank r serves KVTransfer on BASE + r (0 = free ports)")
     p.add_argument("--lease-s", type=float, default=dd("lease_s"), help="seconds pages stay pinned without a Release")
     p.add_argument("--batch-wait-ms", type=float, default=dd("batch_wait_ms"))
+    p.add_argument("--graph-max-rows", type=int, default=_default(EngineConfig, "graph_max_rows"),
+                   help="CUDA: prefills of up to this many rows per rank replay CUDA graphs captured at "
+                        "start (0 = always eager)")
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
     add_metrics_arg(p)
     add_security_args(p)

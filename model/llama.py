@@ -155,9 +155,8 @@ class Attention(nn.Module):
     def fuse(self) -> None:
         self.qkv.fuse(self.q_proj, self.k_proj, self.v_proj)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: AttentionFn | RopeAttentionFn, rope_in_attention: bool = False,
-                ) -> torch.Tensor:
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``x [T, hidden]`` -> q ``[T, Hq, D]``, k and v ``[T, Hkv, D]``, before RoPE."""
         num_tokens = x.shape[0]
         if self.qkv.fused:
             q, k, v = self.qkv(x).split(self._sizes, dim=-1)
@@ -168,6 +167,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:  # per head: rows of head_dim
             q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, attention: AttentionFn | RopeAttentionFn,
+               rope_in_attention: bool = False) -> torch.Tensor:
+        """The callback's ``o [T, Hq, D]`` for ``project``'s q, k, v."""
         if rope_in_attention:
             o = attention(self.layer_index, q, k, v, cos, sin)
         else:
@@ -178,7 +183,11 @@ class Attention(nn.Module):
                 f"attention callback returned shape {tuple(o.shape)} for layer "
                 f"{self.layer_index}, expected {tuple(q.shape)}"
             )
-        return self.o_proj(o.reshape(num_tokens, self.num_heads * self.head_dim))
+        return o
+
+    def output(self, o: torch.Tensor) -> torch.Tensor:
+        """``o [T, Hq, D]`` -> ``[T, hidden]``."""
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -215,9 +224,22 @@ class DecoderLayer(nn.Module):
                 rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)``: the layer's output is their sum, which the
         next norm computes (fused with its RMSNorm); ``residual=None`` at layer 0."""
+        q, k, v, residual = self.attention_inputs(hidden, residual)
+        o = self.self_attn.attend(q, k, v, cos, sin, attention, rope_in_attention)
+        return self.after_attention(o, residual)
+
+    # The layer in two halves around its attention (``prefill.cp.graphs`` captures
+    # what lies between two layers' attention as one CUDA graph).
+    def attention_inputs(self, hidden: torch.Tensor, residual: torch.Tensor | None,
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q, k, v, residual)``: the input norm (the add fused) and the projections."""
         x, residual = self.input_layernorm.fused(hidden, residual)
-        hidden = self.self_attn(x, cos, sin, attention, rope_in_attention)
-        x, residual = self.post_attention_layernorm.fused(hidden, residual)
+        return (*self.self_attn.project(x), residual)
+
+    def after_attention(self, o: torch.Tensor, residual: torch.Tensor,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)`` from the attention's ``o [T, Hq, D]``."""
+        x, residual = self.post_attention_layernorm.fused(self.self_attn.output(o), residual)
         return self.mlp(x), residual
 
 

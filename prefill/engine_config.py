@@ -29,12 +29,20 @@ class EngineConfig:
     # DeepSeek-V3.2 (DSA) index-K rows: "fp8_e4m3" (e4m3 + a float32 scale per 128
     # values) or "model" (the model dtype, bit-comparable with transformers)
     index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
+    # CUDA: prefills of up to this many rows per rank replay piecewise CUDA graphs
+    # (``prefill.cp.graphs``, captured at warm-up); 0 = always eager. Past it the GPU's
+    # work outweighs the host's launches (8B shapes).
+    graph_max_rows: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "pages_per_lane"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+        if isinstance(self.graph_max_rows, bool) or not isinstance(self.graph_max_rows, int) or (
+            self.graph_max_rows < 0
+        ):
+            raise ValueError(f"graph_max_rows must be an integer >= 0, got graph_max_rows={self.graph_max_rows!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
         if self.load_format not in ("safetensors", "dummy"):

@@ -12,7 +12,9 @@ each row count where tiles change. It frees their pages and has the ranks
 forget them. The GEMMs depend on the rows too: before those prefills, every
 rank runs its model's GEMMs over a ladder of row counts up to the longest
 prompt it takes (``prefill.cp.gemm_warmup``), so a new prompt length finds its
-cuBLAS kernels loaded. On the CPU there is nothing to compile.
+cuBLAS kernels loaded; then every rank captures its prefill's CUDA graphs
+(``prefill.cp.graphs``), which the prefills after it replay. On the CPU there is
+nothing to compile or capture.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class WarmUp(NamedTuple):
     seconds: float
     gemm_calls: int = 0  # on the busiest rank (prefill.cp.gemm_warmup)
     gemm_seconds: float = 0.0  # the slowest rank's
+    graphs: int = 0  # CUDA graphs captured on the busiest rank (prefill.cp.graphs)
+    graph_seconds: float = 0.0  # the slowest rank's capture
 
 
 def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_tokens: int,
@@ -50,6 +54,7 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     batches: list[list[PrefillInput]] = []
     limit = min(max_tokens - 1, max_batch_tokens)
     gemms = engine.warm_gemms(_max_rows(engine, limit)) if gemm_ladder else [GemmWarmUp(0, 0, 0, 0.0)]
+    graphs = engine.capture_graphs(engine.config.graph_max_rows)
     for length in _SINGLE_LENGTHS:
         if length <= limit:
             batches.append([_input(length, 0, vocab_size)])
@@ -69,10 +74,13 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
     for inputs in batches:
         _prefill_and_drop(engine, inputs, forget)
     done = WarmUp(len(batches), time.perf_counter() - start, max(g.calls for g in gemms),
-                  max(g.seconds for g in gemms))
-    log.info("prefill warm-up in %.2f s: %d GEMM calls (%d shapes, up to %d rows) in %.2f s, then "
-             "%d batches (kernels compiled before serving)", done.seconds, done.gemm_calls,
-             gemms[0].shapes, min(g.max_rows for g in gemms), done.gemm_seconds, done.prefills)
+                  max(g.seconds for g in gemms), max(g.graphs for g in graphs),
+                  max(g.seconds for g in graphs))
+    log.info("prefill warm-up in %.2f s: %d GEMM calls (%d shapes, up to %d rows) in %.2f s, %d CUDA "
+             "graphs (up to %d rows) in %.2f s, then %d batches (kernels compiled before serving)",
+             done.seconds, done.gemm_calls, gemms[0].shapes, min(g.max_rows for g in gemms),
+             done.gemm_seconds, done.graphs, min(g.max_rows for g in graphs), done.graph_seconds,
+             done.prefills)
     if planned > len(batches):  # a pool too small for them cannot serve such batches either
         log.info("prefill warm-up: %d batch(es) larger than the pool left out", planned - len(batches))
     return done

@@ -33,9 +33,11 @@ import torch
 from model.sampling import SamplingParams
 from prefill.allocator import LaneAllocator
 from prefill.cp.gemm_warmup import GemmWarmUp
+from prefill.cp.graphs import GraphCapture
 from prefill.cp.messages import (
     Answer,
     Call,
+    CaptureGraphs,
     Command,
     Event,
     Failed,
@@ -231,6 +233,11 @@ class PrefillEngine(ABC):
         """Every rank runs its model's GEMMs at the row counts prefills of up to
         ``max_rows`` rows use (``prefill.cp.gemm_warmup``); what each did, by rank."""
         return self.call(WarmGemms(max_rows))
+
+    def capture_graphs(self, max_rows: int) -> list[GraphCapture]:
+        """Every rank captures its prefill pieces for up to ``max_rows`` rows
+        (``prefill.cp.graphs``); what each captured, by rank."""
+        return self.call(CaptureGraphs(max_rows))
 
     def tile_switch_rows(self) -> tuple[int, ...]:
         """The row counts at which a rank's prefill kernels change their tiles

@@ -74,12 +74,20 @@ class TileRows:
 
 
 @dataclass(frozen=True)
+class CaptureGraphs:
+    """Capture the rank's prefill pieces as CUDA graphs for up to ``max_rows`` rows
+    (``prefill.cp.graphs``; start-up, before serving); answers a ``GraphCapture``."""
+
+    max_rows: int
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Stop serving and exit; no answer."""
 
 
 Command = (RunPrefill | SetTopology | Forget | ReadPages | Snapshot | FreezeHeap | WarmGemms | TileRows
-           | Shutdown)
+           | CaptureGraphs | Shutdown)
 
 
 def for_each_rank(command: Command | Sequence[Command], cp_size: int) -> list[Command]:

@@ -30,9 +30,11 @@ import torch.distributed as dist
 from model.checkpoint import LoadedModel
 from model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
 from prefill.cp.gemm_warmup import warm_gemms
+from prefill.cp.graphs import capture_graphs
 from prefill.cp.messages import (
     Answer,
     Call,
+    CaptureGraphs,
     Command,
     Failed,
     Fetched,
@@ -277,6 +279,8 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
         return freeze_start_up()
     if isinstance(command, WarmGemms):
         return warm_gemms(runner.model, runner.page_size, command.max_rows)
+    if isinstance(command, CaptureGraphs):
+        return capture_graphs(runner, command.max_rows)
     if isinstance(command, TileRows):
         return tile_switch_rows(runner.model.config, runner.model.dtype, runner.device)
     raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")

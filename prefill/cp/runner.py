@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,9 @@ from prefill.index import RankIndex, build_rank_index
 from prefill.layout import OwnerLaneLayout
 from prefill.plan import BatchPlan, plan_batch
 from runtime.gcpause import GcClock
+
+if TYPE_CHECKING:
+    from prefill.cp.graphs import PrefillGraphs
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,7 @@ class RankRunner:
         self.transfer_server = None  # transfer.rank.service.Served
         self.shared_path = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
         self.gc_clock: GcClock | None = None  # the rank process's, when it times its collections
+        self.graphs: PrefillGraphs | None = None  # captured at warm-up (``capture_graphs``)
 
     @torch.inference_mode()
     def run(self, batch: PrefillBatch, on_layer: Callable[[int], None] | None = None) -> RankResult:
@@ -142,7 +146,10 @@ class RankRunner:
             hidden = self.model(input_ids, ix.positions, attention)
         else:  # RoPE in the callback: fused with the K/V store (kernels/rope_store.py)
             attention = _CPAttention(self, plan, ix, on_layer)
-            hidden = self.model(input_ids, ix.positions, attention, rope_in_attention=True)
+            if self.graphs is not None and self.graphs.size_for(input_ids.numel()) is not None:
+                hidden = self.graphs.forward(input_ids, ix.positions, attention)
+            else:
+                hidden = self.model(input_ids, ix.positions, attention, rope_in_attention=True)
         queued = time.perf_counter() - start
 
         outputs = []

@@ -14,8 +14,9 @@ from typing import Any
 from model.checkpoint import LoadedModel
 from prefill.allocator import LaneAllocator
 from prefill.cp.gemm_warmup import GemmWarmUp
+from prefill.cp.graphs import GraphCapture
 from prefill.cp.launcher import PrefillEngine
-from prefill.cp.messages import Command, WarmGemms, for_each_rank
+from prefill.cp.messages import CaptureGraphs, Command, WarmGemms, for_each_rank
 from prefill.cp.rank_worker import build_runner, describe, handle
 from prefill.cp.thread_group import ThreadGroup
 from prefill.engine_config import EngineConfig, load_for
@@ -40,6 +41,10 @@ class ThreadedPrefillEngine(PrefillEngine):
     def warm_gemms(self, max_rows: int) -> list[GemmWarmUp]:
         """Once: the rank threads share one model on one device."""
         return [self.call(WarmGemms(max_rows), only=0)]
+
+    def capture_graphs(self, max_rows: int) -> list[GraphCapture]:
+        """Rank by rank: two threads capturing at once would see each other's launches."""
+        return [self.call(CaptureGraphs(max_rows), only=r) for r in range(self.config.cp_size)]
 
     def call(self, command: Command | Sequence[Command], *, only: int | None = None,
              on_registered: Callable[[], None] | None = None) -> Any:
