@@ -91,7 +91,7 @@ def measure(args, model_dir: str, vocab: int) -> dict:
     ratios = [r["ratio"] for r in rows]
     return dict(rows=rows, warm_up_s=warm.seconds, warm_up_prefills=warm.prefills,
                 gemm_calls=warm.gemm_calls, gemm_s=warm.gemm_seconds, graphs=warm.graphs,
-                graph_s=warm.graph_seconds,
+                graph_s=warm.graph_seconds, graph_mib=warm.graph_bytes / 2**20,
                 ratio_p50=statistics.median(ratios), ratio_max=max(ratios))
 
 
@@ -142,7 +142,7 @@ def main() -> None:
           f"GEMM ladder {'on' if out['gemm_ladder'] else 'off'}, CUDA_MODULE_LOADING={out['cuda_module_loading']}")
     print(f"warm-up: {out['warm_up_prefills']} prefills, {out['gemm_calls']} GEMM calls "
           f"({out['gemm_s']:.2f} s) and {out['graphs']} CUDA graphs up to {args.graph_max_rows} rows "
-          f"({out['graph_s']:.2f} s) in {out['warm_up_s']:.2f} s")
+          f"({out['graph_s']:.2f} s, {out['graph_mib']:.1f} MiB) in {out['warm_up_s']:.2f} s")
     print(f"{'tokens':>7} {'first ms':>9} {'later p50':>10} {'ratio':>6} {'later max/p50':>14} {'queued first/later':>19} "
           f"{'gc ms first/later':>18} {'new segments':>13} {'compiles':>9}")
     for r in out["rows"]:

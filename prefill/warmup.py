@@ -42,6 +42,7 @@ class WarmUp(NamedTuple):
     gemm_seconds: float = 0.0  # the slowest rank's
     graphs: int = 0  # CUDA graphs captured on the busiest rank (prefill.cp.graphs)
     graph_seconds: float = 0.0  # the slowest rank's capture
+    graph_bytes: int = 0  # device memory the busiest rank's graphs and their buffers take
 
 
 def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_tokens: int,
@@ -75,12 +76,12 @@ def warm_up(engine: PrefillEngine, vocab_size: int, max_tokens: int, max_batch_t
         _prefill_and_drop(engine, inputs, forget)
     done = WarmUp(len(batches), time.perf_counter() - start, max(g.calls for g in gemms),
                   max(g.seconds for g in gemms), max(g.graphs for g in graphs),
-                  max(g.seconds for g in graphs))
+                  max(g.seconds for g in graphs), max(g.memory_bytes for g in graphs))
     log.info("prefill warm-up in %.2f s: %d GEMM calls (%d shapes, up to %d rows) in %.2f s, %d CUDA "
-             "graphs (up to %d rows) in %.2f s, then %d batches (kernels compiled before serving)",
-             done.seconds, done.gemm_calls, gemms[0].shapes, min(g.max_rows for g in gemms),
-             done.gemm_seconds, done.graphs, min(g.max_rows for g in graphs), done.graph_seconds,
-             done.prefills)
+             "graphs (up to %d rows, %.1f MiB) in %.2f s, then %d batches (kernels compiled before "
+             "serving)", done.seconds, done.gemm_calls, gemms[0].shapes, min(g.max_rows for g in gemms),
+             done.gemm_seconds, done.graphs, min(g.max_rows for g in graphs), done.graph_bytes / 2**20,
+             done.graph_seconds, done.prefills)
     if planned > len(batches):  # a pool too small for them cannot serve such batches either
         log.info("prefill warm-up: %d batch(es) larger than the pool left out", planned - len(batches))
     return done

@@ -32,8 +32,17 @@ def test_one_row_per_new_length_with_the_ladder_on_or_off(monkeypatch, tmp_path)
         assert r["first_gc_ms"] >= 0 and r["later_gc_ms_p50"] >= 0
     # the ladder to 511 tokens at page 64: 8 rungs x 4 GEMM shapes, plus the head's 64
     assert on["gemm_ladder"] and on["gemm_calls"] == 8 * 4 + 64
+    # graphs up to 2048 rows asked for; the CPU captures none (it runs the model eagerly)
+    assert on["graph_max_rows"] == 2048 and on["graphs"] == 0 and on["graph_mib"] == 0
     off = _run(monkeypatch, tmp_path, "--no-gemm-ladder")
     assert not off["gemm_ladder"] and off["gemm_calls"] == 0
+
+
+def test_a_negative_graph_max_rows_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["first_prefill.py", "--tiny", "--graph-max-rows", "-1"])
+    with pytest.raises(SystemExit):
+        first_prefill.main()
+    assert "--graph-max-rows must be >= 0, got -1" in capsys.readouterr().err
 
 
 def test_a_length_past_the_longest_prompt_is_refused(monkeypatch, capsys):

@@ -40,14 +40,11 @@ import gc
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import torch
 
 from model.llama import MLP, CausalLM, RopeAttentionFn
-
-if TYPE_CHECKING:
-    from prefill.cp.runner import RankRunner
 
 log = logging.getLogger("lanekv.prefill")
 # Row counts captured: every FINE_STEP rows up to FINE_ROWS, then every COARSE_STEP
@@ -224,21 +221,21 @@ class PrefillGraphs:
                 self._graphs[size] = graphs
 
 
-def capture_graphs(runner: RankRunner, max_rows: int) -> GraphCapture:
-    """Capture ``runner``'s prefill pieces for up to ``max_rows`` rows on CUDA
-    (``prefill.cp.graphs``); nothing on the CPU or for a model that takes none. Out
-    of device memory, the rank goes on eager (logged), as it ran before graphs."""
-    sizes = graph_sizes(runner.page_size, max_rows)
-    if runner.device.type != "cuda" or not sizes or not takes_graphs(runner.model):
-        return GraphCapture(0, 0, 0, 0.0, 0)
-    graphs = PrefillGraphs(runner.model, sizes)
+def capture_graphs(model: torch.nn.Module, page_size: int, max_rows: int,
+                   ) -> tuple[PrefillGraphs | None, GraphCapture]:
+    """A rank's prefill pieces captured for up to ``max_rows`` rows on CUDA, and what
+    that took; None on the CPU or for a model that takes none. Out of device memory,
+    None too (logged): the rank runs eager, as it did before graphs."""
+    sizes = graph_sizes(page_size, max_rows)
+    device = next(model.parameters()).device
+    if device.type != "cuda" or not sizes or not takes_graphs(model):
+        return None, GraphCapture(0, 0, 0, 0.0, 0)
+    graphs = PrefillGraphs(model, sizes)
     try:
-        done = graphs.capture()
+        return graphs, graphs.capture()
     except torch.OutOfMemoryError:
-        log.warning("prefill rank %d: out of device memory capturing graphs up to %d rows; "
-                    "its prefills run eager", runner.cp_rank, max_rows)
+        log.warning("prefill on %s: out of device memory capturing graphs up to %d rows; its "
+                    "prefills run eager", device, max_rows)
         del graphs
         torch.cuda.empty_cache()
-        return GraphCapture(0, 0, 0, 0.0, 0)
-    runner.graphs = graphs
-    return done
+        return None, GraphCapture(0, 0, 0, 0.0, 0)

@@ -280,7 +280,8 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
     if isinstance(command, WarmGemms):
         return warm_gemms(runner.model, runner.page_size, command.max_rows)
     if isinstance(command, CaptureGraphs):
-        return capture_graphs(runner, command.max_rows)
+        runner.graphs, done = capture_graphs(runner.model, runner.page_size, command.max_rows)
+        return done
     if isinstance(command, TileRows):
         return tile_switch_rows(runner.model.config, runner.model.dtype, runner.device)
     raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")

@@ -124,7 +124,8 @@ def test_the_attention_sees_only_the_real_rows(tmp_path):
 
 def test_nothing_is_captured_on_the_cpu(tmp_path):
     engine = _engine(write_llama(tmp_path / "llama"), 1, 16)
-    assert capture_graphs(engine.runners[0], 2048).graphs == 0
+    assert capture_graphs(engine.runners[0].model, 16, 2048) == (None, (0, 0, 0, 0.0, 0))
+    assert engine.capture_graphs(2048)[0].graphs == 0
     assert engine.runners[0].graphs is None  # the CPU path stays the eager one
 
 
