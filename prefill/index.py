@@ -21,6 +21,7 @@ owns, in the order they enter its block, and the attention segments.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,9 @@ class RankIndex(NamedTuple):
     seg_q_pos: list[int]
     seg_request: list[int]
     last_rows: list[int]  # per request: rank-local row of its last token, -1 if not here
+    # The rerange keeps the gathered rows in order (one run from row 0: one rank and
+    # no cached prefix), so it is their first len(rerange_index) rows.
+    rerange_in_order: bool = False
 
 
 def _expand(starts: list[int], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,6 +161,8 @@ def build_rank_index(
         cursor += req.prefix_len + req.compute_len
     run, within = _expand(run_src, run_len)
     rerange_index = torch.tensor(run_src, dtype=torch.int64)[run] + within
+    starts = itertools.accumulate(run_len, initial=0)  # where each run lands
+    in_order = all(src == start for src, start, n in zip(run_src, starts, run_len) if n)
 
     last_rows = [t.local_row if t.rank == cp_rank else -1 for t in plan.last_tokens]
     to = dict(device=device)
@@ -175,4 +181,5 @@ def build_rank_index(
         seg_q_pos=pos0,
         seg_request=seg_req,
         last_rows=last_rows,
+        rerange_in_order=in_order,
     )

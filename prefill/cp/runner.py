@@ -199,6 +199,7 @@ class _CPAttention:
         # On CUDA the all-gather is timed with events (a host timer would sync every layer).
         self.events: list | None = [] if dev.type == "cuda" else None
 
+
     def finish(self) -> float:
         """Seconds spent in the all-gathers of this batch (call after a device sync)."""
         if self.events:
@@ -228,6 +229,8 @@ class _CPAttention:
         if ix.prefix_send_rows.numel():
             sent = r.pool[layer][:, ix.prefix_send_rows].transpose(0, 1)
             block[ix.compute_block_rows : ix.compute_block_rows + sent.shape[0]] = sent
+        if r.cp_size == 1:  # nothing to gather, nothing to time
+            return self._in_request_order(block)
         if self.events is not None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -238,7 +241,15 @@ class _CPAttention:
             t0 = time.perf_counter()
             gathered = _all_gather_rows(block, r.cp_rank, r.cp_size, r.group)
             self.gather_seconds += time.perf_counter() - t0
-        return rerange(gathered, ix.rerange_index)
+        return self._in_request_order(gathered)
+
+    def _in_request_order(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The gathered rows in request order: a slice when the rerange keeps their
+        order (one rank, no cached prefix), so no launch (the host's launches bound a
+        short prefill, BENCHMARKS.md)."""
+        if self.ix.rerange_in_order:
+            return gathered[: self.ix.rerange_index.numel()]
+        return rerange(gathered, self.ix.rerange_index)
 
 
 class _CPLatentAttention(_CPAttention):

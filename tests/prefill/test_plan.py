@@ -88,6 +88,16 @@ def test_bad_input_names_the_field(kwargs, field):
         plan_batch(**kwargs)
 
 
+def test_one_rank_without_a_cached_prefix_keeps_the_rows_in_order():
+    one = build_rank_index(plan_batch([100], cp_size=1, page_size=16), 0)
+    assert one.rerange_in_order and torch.equal(one.rerange_index, torch.arange(112))  # 7 pages
+    prefixed = build_rank_index(plan_batch([40], [32], cp_size=1, page_size=16), 0,
+                                prefix_pages=[[0, 1]], extend_pages=[[2, 3, 4]])
+    assert not prefixed.rerange_in_order  # the prefix rows come from the block's end
+    split = build_rank_index(plan_batch([100], cp_size=2, page_size=16), 0)
+    assert not split.rerange_in_order
+
+
 def test_rank_out_of_range():
     plan = plan_batch([5], cp_size=2, page_size=1)
     with pytest.raises(ValueError, match="cp_rank"):
@@ -183,6 +193,9 @@ def test_page_aligned_plan_properties(case):
             prefix_t[req_of_row[real]] + ix.input_index[real] - start_t[req_of_row[real]],
         )
         assert bool((ix.positions[~real] >= end_t[req_of_row[~real]]).all())
+        # the rerange is said to keep the rows' order exactly when it does (then a slice replaces it)
+        in_order = torch.equal(ix.rerange_index, torch.arange(ix.rerange_index.numel()))
+        assert ix.rerange_in_order == in_order
     # the locs written across ranks are the requests' pages, each row once
     all_locs = torch.sort(torch.cat([ix.write_locs for ix in idx])).values
     expect = torch.sort(
