@@ -285,6 +285,9 @@ def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_bat
                                  daemons="in-process")
 
 
+_STAGES = ("prefill_ms", "compute_ms", "transfer_ms")  # a Generate's trailing metadata
+
+
 def _new_shapes(send: Callable[[Request], Outcome], args, vocab: int) -> dict:
     """What a new shape costs: for each of ``--new-shapes`` prompt lengths not sent
     before, the TTFT of its first request against the median of five more of that
@@ -382,6 +385,7 @@ def main() -> None:
             started["first_request_ttft_ms"] = ((warm.arrivals[0][0] - warm.sent) * 1e3
                                                 if warm.arrivals else None)
             started["first_request_s"] = time.perf_counter() - t0
+            started["first_request_stages"] = warm.stages
             started.update(_new_shapes(send, args, vocab))
             if args.warm_level:  # unmeasured: the allocators grow to the largest level here
                 top = max(args.concurrency)
@@ -409,12 +413,14 @@ def main() -> None:
                 for log_file in Path(workdir).glob("*.log"):
                     shutil.copy(log_file, args.keep_logs / log_file.name)
     target = args.openai or ("Llama-3-8B shapes" if args.llama3_8b else "tiny")
-    print(f"first request after start: TTFT {_ms(started.get('first_request_ttft_ms'))} ms")
+    stages = started.get("first_request_stages") or {}
+    print(f"first request after start: TTFT {_ms(started.get('first_request_ttft_ms'))} ms"
+          + "".join(f", {name[:-3]} {_ms(stages[name])}" for name in _STAGES if name in stages))
     for shape in started.get("new_shapes", ()):
         first, later = shape["stages"][0] or {}, [st for st in shape["stages"][1:] if st]
         split = ", ".join(f"{name[:-3]} {_ms(first.get(name))} / "
                           f"{_ms(statistics.median(st[name] for st in later) if later else None)}"
-                          for name in ("prefill_ms", "compute_ms", "transfer_ms") if name in first)
+                          for name in _STAGES if name in first)
         print(f"new length {shape['prompt_len']}: first TTFT {_ms(shape['first_ttft_ms'])} ms, "
               f"later p50 {_ms(shape['later_ttft_ms_p50'])} ms ({shape.get('ratio', float('nan')):.2f}x; "
               f"slowest later {shape.get('later_max_ratio', float('nan')):.2f}x)"
