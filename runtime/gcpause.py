@@ -9,7 +9,8 @@ generation, so later collections walk only what serving made; it is called
 once the daemon is warm, before it reports SERVING, and undone (``thaw``)
 before the process exits, so the interpreter's last collections free it
 (Triton's nanobind bindings report at exit every object nobody freed).
-``frozen`` does both around a daemon's serving. ``GcClock`` adds up the
+``frozen`` does both around a daemon's serving; ``paused`` keeps the collector
+out of a block (CUDA graph capture). ``GcClock`` adds up the
 time spent in collections (``gc.callbacks``), for the timings a daemon reports.
 Both are process-wide by nature, as the collector is.
 """
@@ -44,6 +45,22 @@ def frozen() -> Iterator[int]:
         yield count
     finally:
         thaw()
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Collect once, then no automatic collection inside the block. CUDA graphs are
+    captured inside one: an object of an earlier engine freed mid-capture (its pinned
+    buffers, its events) makes CUDA calls that end the capture (seen: "operation
+    failed due to a previous error during capture")."""
+    gc.collect()
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 class GcClock:

@@ -27,7 +27,6 @@ tables) run eager. The engine builds these on CUDA only; on a CPU pool (tests)
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -38,6 +37,7 @@ from decode.cuda.step import step_hidden
 from decode.pool import PagePool, PageTable
 from model.deepseek import DeepseekCausalLM
 from model.llama import CausalLM
+from runtime.gcpause import paused
 
 log = logging.getLogger("lanekv.decode")
 
@@ -137,22 +137,11 @@ class DecodeGraphs:
             self._graphs = dict.fromkeys(self.sizes)
             return
         device = self.pool.device
-        # No garbage collection while capturing: an object of an earlier engine
-        # freed then (its pinned buffers, its events) makes CUDA calls that end a
-        # capture (seen: "operation failed due to a previous error during capture").
-        gc.collect()
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # so that the figure below counts only what the graphs keep
-        before = torch.cuda.memory_reserved(device)
-        mempool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
-            self._capture_all(device, mempool, stream)
-        finally:
-            if gc_was_on:
-                gc.enable()
+        with paused():  # no garbage collection while capturing
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()  # so that the figure below counts only what the graphs keep
+            before = torch.cuda.memory_reserved(device)
+            self._capture_all(device, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the eager runs' blocks go; the graphs' private pool stays
         self.memory_bytes = torch.cuda.memory_reserved(device) - before

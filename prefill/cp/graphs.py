@@ -36,7 +36,6 @@ model's own forward).
 from __future__ import annotations
 
 import bisect
-import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -45,6 +44,7 @@ from typing import NamedTuple
 import torch
 
 from model.llama import MLP, CausalLM, RopeAttentionFn
+from runtime.gcpause import paused
 
 log = logging.getLogger("lanekv.prefill")
 # Row counts captured: every FINE_STEP rows up to FINE_ROWS, then every COARSE_STEP
@@ -171,22 +171,14 @@ class PrefillGraphs:
         if self.device.type != "cuda":
             return GraphCapture(0, 0, 0, 0.0, 0)
         device = self.device
-        # No collection while capturing: a freed object of someone else's making CUDA
-        # calls then would end the capture (decode.cuda.graphs says what was seen).
-        gc.collect()
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        before = torch.cuda.memory_reserved(device)
         buffers = sum(t.numel() * t.element_size() for t in (
             self.ids, self.positions, self.cos, self.sin, self.q, self.k, self.v, self.o,
             self.residual, self.hidden))
-        gc_was_on = gc.isenabled()
-        gc.disable()
-        try:
+        with paused():  # no garbage collection while capturing
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+            before = torch.cuda.memory_reserved(device)
             self._capture_all(device)
-        finally:
-            if gc_was_on:
-                gc.enable()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the eager runs' blocks go; the graphs' private pool stays
         done = GraphCapture(len(self.sizes), len(self.sizes) * (len(self.layers) + 1), self.sizes[-1],

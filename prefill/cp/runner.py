@@ -199,7 +199,6 @@ class _CPAttention:
         # On CUDA the all-gather is timed with events (a host timer would sync every layer).
         self.events: list | None = [] if dev.type == "cuda" else None
 
-
     def finish(self) -> float:
         """Seconds spent in the all-gathers of this batch (call after a device sync)."""
         if self.events:

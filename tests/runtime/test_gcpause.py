@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from runtime.gcpause import GcClock
+from runtime.gcpause import GcClock, paused
 
 
 def test_the_clock_counts_collections_and_their_time():
@@ -46,6 +46,21 @@ def test_the_clock_counts_only_inside_installed():
 
 
 @pytest.mark.timeout(60)
+def test_paused_collects_once_keeps_the_collector_off_and_restores_it():
+    with GcClock().installed() as clock:
+        with paused():
+            assert not gc.isenabled() and clock.collections == 1  # its own collection, then none
+            gc.collect()  # an explicit one still runs
+        assert gc.isenabled() and clock.collections == 2
+        gc.disable()
+        try:
+            with pytest.raises(RuntimeError), paused():
+                raise RuntimeError("a failed capture")
+            assert not gc.isenabled()  # as it was before the block
+        finally:
+            gc.enable()
+
+
 def test_a_frozen_start_up_is_left_out_of_later_collections():
     # In a process of its own: freezing is for the whole process, as in a daemon.
     script = textwrap.dedent("""
