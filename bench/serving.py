@@ -193,6 +193,9 @@ def run_level(send: Callable[[Request], Outcome], requests: list[Request], concu
         for q in (50, 90, 99):
             row[f"{name}_p{q}"] = _pct(values, q)
         row[f"{name}_mean"] = statistics.mean(values) if values else None
+    staged = [o.stages for o in ok if o.stages]
+    row["stages_ms_p50"] = ({name: statistics.median(st[name] for st in staged) for name in staged[0]}
+                            if staged else None)
     return row
 
 
@@ -230,8 +233,9 @@ def _daemons(args, model_cfg: dict, workdir: str):
         t0 = time.perf_counter()
         decode = start_daemon("decode", ["decode", *common, "--prefill", prefill.endpoint,
                                          "--pool-pages", str(pool_pages),
-                                         "--max-batch-size", str(max_batch)], Path(workdir), 900,
-                                level)
+                                         "--max-batch-size", str(max_batch),
+                                         *_WARM_UP_FLAGS[args.warm_up_request]],
+                              Path(workdir), 900, level)
         decode_s = time.perf_counter() - t0
     except BaseException:
         _Process(prefill, prefill.endpoint).stop()
@@ -279,6 +283,9 @@ def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_bat
         decode = DecodeDaemon(DecodeConfig(workdir, prefill.endpoint, page_size=args.page_size,
                                            dtype=dtype, load_format="dummy", pool_pages=pool_pages,
                                            max_batch_size=max_batch))
+        if args.warm_up_request == "on" or (args.warm_up_request == "auto"
+                                            and decode.config.resolved_device == "cuda"):
+            decode.warm_up()  # as `lanekv decode` does before its ready file
         decode_s = time.perf_counter() - t0
     except BaseException:
         prefill.stop()
@@ -288,6 +295,8 @@ def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_bat
                                  daemons="in-process")
 
 
+# bench --warm-up-request -> the flags of `lanekv decode`
+_WARM_UP_FLAGS = {"auto": [], "on": ["--warm-up-request"], "off": ["--no-warm-up-request"]}
 _STAGES = ("prefill_ms", "compute_ms", "transfer_ms")  # a Generate's trailing metadata
 
 
@@ -351,6 +360,10 @@ def main() -> None:
     ap.add_argument("--keep-logs", type=Path, default=None, metavar="DIR",
                     help="the daemons log at INFO (each prefill's seconds, each transfer's) and "
                          "their logs are copied into DIR at the end")
+    ap.add_argument("--warm-up-request", choices=tuple(_WARM_UP_FLAGS), default="auto",
+                    help="the decode daemon's warm-up request before its ready file (lanekv decode "
+                         "--[no-]warm-up-request; auto: its default, on with a GPU); off shows what "
+                         "the first request pays without it")
     ap.add_argument("--in-process", action="store_true",
                     help="run both daemons in this process (default: each in its own, by the CLI)")
     args = ap.parse_args()
@@ -419,6 +432,14 @@ def main() -> None:
     stages = started.get("first_request_stages") or {}
     print(f"first request after start: TTFT {_ms(started.get('first_request_ttft_ms'))} ms"
           + "".join(f", {name[:-3]} {_ms(stages[name])}" for name in _STAGES if name in stages))
+    if rows and rows[0]["ttft_ms_p50"] and started.get("first_request_ttft_ms") is not None:
+        # The first level sends prompts of the same length: its p50 is "a later request".
+        later = rows[0]
+        started["first_request_ratio"] = started["first_request_ttft_ms"] / later["ttft_ms_p50"]
+        later_stages = later.get("stages_ms_p50") or {}
+        print(f"  against the concurrency-{later['concurrency']} level's p50: TTFT {_ms(later['ttft_ms_p50'])} ms"
+              + "".join(f", {name[:-3]} {_ms(later_stages[name])}" for name in _STAGES if name in later_stages)
+              + f" ({started['first_request_ratio']:.2f}x)")
     for shape in started.get("new_shapes", ()):
         first, later = shape["stages"][0] or {}, [st for st in shape["stages"][1:] if st]
         split = ", ".join(f"{name[:-3]} {_ms(first.get(name))} / "

@@ -26,9 +26,11 @@ and carry ``request_id`` as a record attribute too.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
+import uuid
 from typing import NamedTuple
 
 import grpc
@@ -39,18 +41,19 @@ from decode.budget import PageBudget
 from decode.config import DecodeConfig
 from decode.cuda.warmup import warm_up_kernels
 from decode.engine import DecodeEngine
-from decode.generate import GenerateContext
+from decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
 from decode.pool import PagePool
 from decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from decode.service import DecodeServicer
 from decode.streams import SHUTDOWN, Streams
 from model.checkpoint import load_checkpoint
 from model.kv_rows import pool_contract_fields
-from proto import lanekv_pb2_grpc
+from model.sampling import SamplingParams
+from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.daemon import DaemonServer
 from runtime.hostmem import keep_freed_buffers
 from runtime.security import open_channel
-from runtime.status import TRANSFER_SERVICE
+from runtime.status import TRANSFER_SERVICE, Refusal, one_line
 from transfer.connector.fastpath import FastPathTransport
 from transfer.connector.fetcher import KVFetcher
 from transfer.connector.grpc import GrpcTransport
@@ -65,6 +68,8 @@ log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 DECODE_SERVICE = "lanekv.v1.DecodeService"
 STOP_GRACE_S = 5.0  # what a stop gives open streams by default
+WARM_UP_TIMEOUT_S = 60.0  # one warm-up request, its prefill to its last token
+WARM_UP_NEW_TOKENS = 2  # prefill's first token and one decode step
 _IDLE_WAIT_S = 0.1  # how often an idle loop checks for shutdown
 
 
@@ -282,6 +287,65 @@ class DecodeDaemon:
     def metrics_port(self) -> int | None:
         """The port serving /metrics (the one picked when ``metrics_port`` was 0), or None."""
         return self.rpc.metrics_port
+
+    # -- the warm-up request ---------------------------------------------------
+
+    def warm_up(self) -> int:
+        """One short greedy request through each prefill daemon in the pick and the
+        whole pipeline, as a client's would go, outside our metrics and counts; how
+        many went through.
+
+        The first request after start otherwise pays for what is made on first use:
+        the prefill daemon's first PrefillStream, the fast path's attach and mapping
+        of each rank's pool, the connections to the ranks, the copy and digest
+        kernels, the engine's first step. ``lanekv decode`` runs it after its heap
+        freeze, before the ready file (on CUDA unless ``--no-warm-up-request``). The
+        prefill daemon counts it as a request. One that fails is logged; the daemon
+        serves anyway.
+        """
+        ctx = self.generate
+        config = dataclasses.replace(self.config, request_timeout_s=WARM_UP_TIMEOUT_S)
+        pipeline = GeneratePipeline(dataclasses.replace(ctx, config=config))
+        # Two pages when the model and the pool allow (a remap across pages), and one decode step.
+        tokens = max(1, min(2 * config.page_size, ctx.max_positions - WARM_UP_NEW_TOKENS,
+                            config.pool_pages * config.page_size - WARM_UP_NEW_TOKENS))
+        ids = [(7 * i + 1) % ctx.vocab_size for i in range(tokens)]
+        done = 0
+        for target in self.prefills.targets:
+            if target.topology is None or not target.healthy:
+                continue
+            spec = GenerateSpec(f"lanekv-warm-up-{uuid.uuid4().hex[:12]}", ids, SamplingParams(),
+                                lanekv_pb2.SamplingParams(), WARM_UP_NEW_TOKENS, ())
+            done += self._warm_up_through(pipeline, spec, target)
+        return done
+
+    def _warm_up_through(self, pipeline: GeneratePipeline, spec: GenerateSpec, target: PrefillTarget) -> bool:
+        caller, code, details = LocalCaller(WARM_UP_TIMEOUT_S), Code.OK, ""
+        start, first = time.perf_counter(), None
+        call = pipeline.open(spec, counted=False)
+        try:
+            events = pipeline.run(call, caller, target)
+            try:
+                for _ in events:
+                    first = time.perf_counter() - start if first is None else first
+            finally:
+                events.close()
+        except Refusal as refusal:
+            code, details = refusal.code, refusal.message
+        except Exception as err:  # noqa: BLE001 - a warm-up that fails must not stop the daemon
+            log.warning("warm-up request through prefill %s failed", target.endpoint, exc_info=True)
+            code, details = Code.INTERNAL, one_line(str(err))
+        finally:
+            pipeline.close(call, code, details)
+        if code != Code.OK:
+            log.warning("warm-up request through prefill %s: %s: %s; serving anyway", target.endpoint,
+                        code.name, details)
+            return False
+        paths = dict(caller.metadata).get("lanekv-transfer-paths", "")
+        log.info("warm-up request through prefill %s: %d prompt tokens, first token after %.1f ms, "
+                 "%d tokens in %.1f ms (transfer %s)", target.endpoint, len(spec.token_ids), first * 1e3,
+                 spec.max_new_tokens, (time.perf_counter() - start) * 1e3, paths or "-")
+        return True
 
     # -- streams and the decode loop -----------------------------------------
 

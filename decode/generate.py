@@ -103,6 +103,23 @@ class Caller(Protocol):
     def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None: ...
 
 
+class LocalCaller:
+    """The ``Caller`` of a call the daemon makes itself (its warm-up): no RPC, a deadline."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self._deadline = time.monotonic() + timeout_s
+        self.metadata: tuple[tuple[str, str], ...] = ()
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return True  # nobody goes away
+
+    def time_remaining(self) -> float:
+        return max(0.0, self._deadline - time.monotonic())
+
+    def set_trailing_metadata(self, metadata: Sequence[tuple[str, str]]) -> None:
+        self.metadata = tuple(metadata)
+
+
 @dataclass(frozen=True)
 class GenerateContext:
     """What the pipeline runs on, built and owned by the daemon (``decode.daemon``)."""
@@ -147,20 +164,23 @@ class GeneratePipeline:
     def __init__(self, ctx: GenerateContext) -> None:
         self._ctx = ctx
 
-    def open(self, spec: GenerateSpec) -> GenerateCall:
-        """A call with a stream of its own; ALREADY_EXISTS while the request id is in use."""
-        events = self._ctx.streams.open(spec.request_id)
+    def open(self, spec: GenerateSpec, counted: bool = True) -> GenerateCall:
+        """A call with a stream of its own; ALREADY_EXISTS while the request id is in use.
+        ``counted=False``: outside the daemon's metrics and counts (its warm-up)."""
+        events = self._ctx.streams.open(spec.request_id, counted)
         if events is None:
             raise Refusal(Code.ALREADY_EXISTS, f"request_id={spec.request_id!r} is already in use")
         return GenerateCall(spec, events)
 
-    def run(self, call: GenerateCall, caller: Caller) -> Iterator[list[TokenEvent]]:
+    def run(self, call: GenerateCall, caller: Caller,
+            target: PrefillTarget | None = None) -> Iterator[list[TokenEvent]]:
         """Steps 1-5: the events of the request in batches (see ``_events``), prefill's
-        first token first; settled at the end."""
+        first token first; settled at the end. ``target``: that prefill daemon only
+        (no other is tried); None: the pick's."""
         try:
             if not caller.add_callback(lambda: self._abandon(call)):
                 call.abandoned.set()  # the RPC has ended already
-            prepared = self._prepare(call, caller.time_remaining())
+            prepared = self._prepare(call, caller.time_remaining(), target)
             spec = call.spec
             self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s)
             caller.set_trailing_metadata(prepared.metadata())
@@ -179,12 +199,15 @@ class GeneratePipeline:
 
     # -- steps 1-5 --------------------------------------------------------------
 
-    def _prepare(self, call: GenerateCall, remaining: float | None) -> Prepared:
+    def _prepare(self, call: GenerateCall, remaining: float | None,
+                 only: PrefillTarget | None = None) -> Prepared:
         ctx, spec = self._ctx, call.spec
         config = ctx.config
         budget_s = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
         deadline = time.monotonic() + budget_s
         self._admit(call, deadline)
+        if only is not None:
+            return self._prepare_on(only, call, deadline)
         tried: list[PrefillTarget] = []
         while True:
             target = ctx.prefills.pick(len(spec.token_ids), exclude=tried)

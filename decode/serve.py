@@ -1,5 +1,9 @@
 """``lanekv decode``: start the daemon, serve until SIGINT/SIGTERM, drain, shut down.
 
+After start-up and the heap freeze, and before the ready file, one warm-up
+request goes through each prefill daemon (``DecodeDaemon.warm_up``; on CUDA by
+default, ``--[no-]warm-up-request``).
+
 Exit codes: 0 after a clean shutdown, 1 when start-up fails (a refused layout
 contract prints the field-by-field diff to stderr first), 2 for bad arguments.
 """
@@ -70,6 +74,10 @@ def main(args: argparse.Namespace) -> int:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
     grace_s = getattr(args, "grace_s", None)
+    warm = getattr(args, "warm_up_request", None)
+    if warm is None:
+        warm = config.resolved_device == "cuda"
     banner = daemon.rpc.banner("lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}")
     return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S if grace_s is None else grace_s,
-                              log, "finishing open streams", prog="lanekv decode")
+                              log, "finishing open streams", prog="lanekv decode",
+                              settle=daemon.warm_up if warm else None)

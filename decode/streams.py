@@ -4,7 +4,9 @@
 the decode loop ``deliver``s every engine event to its request's queue and
 counts the tokens; ``close`` forgets the request and counts how it ended
 (finished, cancelled, refused), with a failure cause from the status it ended
-with. A daemon that stops ``broadcast``s ``SHUTDOWN`` to every queue.
+with. A daemon that stops ``broadcast``s ``SHUTDOWN`` to every queue. A stream
+opened with ``counted=False`` (the daemon's own warm-up request) gets its queue
+and its log lines but no metrics and no counts.
 """
 
 from __future__ import annotations
@@ -52,9 +54,10 @@ class Streams:
         self._queues: dict[str, queue.SimpleQueue] = {}
         self._generated: dict[str, int] = {}  # tokens sent so far, per open stream
         self._counts = {"finished": 0, "cancelled": 0, "refused": 0}
+        self._uncounted: set[str] = set()  # open streams outside the metrics and counts
         self._lock = threading.Lock()
 
-    def open(self, request_id: str) -> queue.SimpleQueue | None:
+    def open(self, request_id: str, counted: bool = True) -> queue.SimpleQueue | None:
         """A fresh event queue for ``request_id``; None if that id is in use."""
         with self._lock:
             if request_id in self._queues:
@@ -62,16 +65,20 @@ class Streams:
             events: queue.SimpleQueue = queue.SimpleQueue()
             self._queues[request_id] = events
             self._generated[request_id] = 0
+            if not counted:
+                self._uncounted.add(request_id)
             return events
 
     def transferred(self, request_id: str, prompt_tokens: int, fetch: FetchStats, prefill_s: float) -> None:
         """The request's KV is in our pool and the engine has it: count and log the transfer."""
-        self._metrics.tokens.labels(kind="prompt").inc(prompt_tokens)
-        self._metrics.tokens.labels(kind="generated").inc(1)  # prefill's first token
         with self._lock:
             if request_id in self._generated:
-                self._generated[request_id] += 1
-        self._metrics.record_transfer({rank: s.bytes for rank, s in fetch.per_rank.items()}, fetch.seconds)
+                self._generated[request_id] += 1  # prefill's first token
+            counted = request_id not in self._uncounted
+        if counted:
+            self._metrics.tokens.labels(kind="prompt").inc(prompt_tokens)
+            self._metrics.tokens.labels(kind="generated").inc(1)
+            self._metrics.record_transfer({rank: s.bytes for rank, s in fetch.per_rank.items()}, fetch.seconds)
         log.info("transfer done request_id=%s bytes=%d chunks=%d ranks=%d retries=%d seconds=%.4f gbps=%.3f "
                  "prefill_s=%.4f", request_id, fetch.bytes, fetch.chunks, len(fetch.per_rank), fetch.retries,
                  fetch.seconds, fetch.bytes / fetch.seconds / 1e9 if fetch.seconds > 0 else 0.0, prefill_s,
@@ -84,7 +91,7 @@ class Streams:
             for event in events:
                 if event.token_id is not None and event.request_id in self._generated:
                     self._generated[event.request_id] += 1
-                    generated += 1
+                    generated += event.request_id not in self._uncounted
                 events_of = self._queues.get(event.request_id)
                 if events_of is not None:
                     events_of.put(event)
@@ -104,7 +111,10 @@ class Streams:
             if request_id is not None:
                 self._queues.pop(request_id, None)
             tokens = self._generated.pop(request_id, 0)
-            self._counts[outcome] += 1
+            counted = request_id not in self._uncounted
+            self._uncounted.discard(request_id)
+            if counted:
+                self._counts[outcome] += 1
         extra = {"request_id": request_id}
         if outcome == "finished":
             log.info("generate finished request_id=%s tokens=%d", request_id, tokens, extra=extra)
@@ -112,12 +122,13 @@ class Streams:
         cause = FAILURE_CAUSES.get(code, "internal")
         if code == Code.ABORTED and "NOT_FOUND" in details:
             cause = "lease_expired"  # the ranks no longer held the pages
-        self._metrics.failures.labels(cause=cause).inc()
+        if counted:
+            self._metrics.failures.labels(cause=cause).inc()
         level = logging.INFO if outcome == "cancelled" else logging.WARNING
         log.log(level, "generate %s request_id=%s tokens=%d cause=%s code=%s: %s", outcome,
                 request_id or "-", tokens, cause, code.name, details, extra=extra)
 
     def counts(self) -> StreamCounts:
         with self._lock:
-            return StreamCounts(len(self._queues), self._counts["finished"], self._counts["cancelled"],
+            return StreamCounts(len(self._queues) - len(self._uncounted), self._counts["finished"], self._counts["cancelled"],
                                 self._counts["refused"])

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 4 with a GPU pool, else 0: threads of the daemon)")
     p.add_argument("--grace-s", type=float, default=None,
                    help="on SIGINT/SIGTERM, seconds open streams get to finish")
+    p.add_argument("--warm-up-request", action=argparse.BooleanOptionalAction, default=None,
+                   help="before the ready file, send one short request through each prefill daemon and "
+                        "the whole pipeline, so the first client's does not pay for first use "
+                        "(default: on with a GPU pool, off on the CPU)")
     add_metrics_arg(p)
     add_security_args(p)
 

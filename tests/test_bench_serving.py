@@ -1,5 +1,5 @@
 """bench/serving.py's figures from a fake server: TTFT, ITL (a reply of k
-tokens counts k gaps), percentiles, tokens/s and errors."""
+tokens counts k gaps), percentiles, tokens/s, errors and the daemon's split."""
 
 from __future__ import annotations
 
@@ -14,9 +14,10 @@ def test_run_level_figures_from_known_arrivals():
         if req.output_len == 0:
             return Outcome(sent, [], "UNAVAILABLE: down")
         # first token after 100 ms, then a reply of 1 token after 10 ms and one of 2 after 20 ms
-        return Outcome(sent, [(sent + 0.1, 1), (sent + 0.11, 1), (sent + 0.13, 2)], None)
+        stages = {"prefill_ms": 80.0 + len(req.prompt), "compute_ms": 70.0}
+        return Outcome(sent, [(sent + 0.1, 1), (sent + 0.11, 1), (sent + 0.13, 2)], None, stages)
 
-    reqs = [Request([1, 2, 3], 4)] * 5 + [Request([1], 0)]
+    reqs = [Request([1, 2, 3], 4)] * 2 + [Request([1, 2], 4)] * 3 + [Request([1], 0)]
     row = run_level(send, reqs, concurrency=2, rate=float("inf"), seed=0)
     assert row["completed"] == 5 and row["errors"] == ["UNAVAILABLE: down"]
     assert row["output_tokens"] == 20
@@ -24,6 +25,8 @@ def test_run_level_figures_from_known_arrivals():
     assert abs(row["itl_ms_p50"] - 10) < 1e-6 and abs(row["itl_ms_p99"] - 10) < 1e-6
     assert abs(row["e2e_ms_p99"] - 130) < 1e-6
     assert row["output_tokens_per_s"] > 0 and row["concurrency"] == 2
+    # The daemon's split of the completed requests, by median (the failed one has none).
+    assert row["stages_ms_p50"] == {"prefill_ms": 82.0, "compute_ms": 70.0}
 
 
 def test_percentiles():
