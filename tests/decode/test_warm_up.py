@@ -12,7 +12,6 @@ import logging
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -34,6 +33,7 @@ from runtime.metrics import Registry
 from runtime.rpc_metrics import lanekv_metrics
 from tests.checkpoints import write_llama
 from tests.markers import requires_gpu
+from tests.reliability.kv_cluster import wait_until
 from transfer.grpcfetch.client import FetchStats, RankStats
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,13 +69,6 @@ def _generate(endpoint: str, ids: list[int], max_new_tokens: int) -> list[int]:
         stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
         request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids), max_new_tokens=max_new_tokens)
         return [t for reply in stub.Generate(request, timeout=60) for t in reply.token_ids]
-
-
-def _wait_until(predicate, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return predicate()
 
 
 def _prefill_idle(prefill: PrefillDaemon, free: object) -> bool:
@@ -116,7 +109,7 @@ def test_the_warm_up_goes_through_every_step_and_leaves_no_trace(checkpoint, pre
         assert "2 tokens in" in lines[0] and "0:" in lines[0] and "1:" in lines[0], lines[0]
         assert decode.stats() == before  # no request counted, every page and promise back
         assert decode.registry.render() == metrics
-        assert _wait_until(lambda: _prefill_idle(prefill, free))
+        assert wait_until(lambda: _prefill_idle(prefill, free))
         # The first client request after it decodes as a colocated run does.
         assert _generate(decode.endpoint, PROMPT, 6) == _colocated(checkpoint, PROMPT, 6)
         assert decode.stats().finished == before.finished + 1
@@ -163,7 +156,7 @@ def test_lanekv_decode_warms_up_before_its_ready_file(checkpoint, prefill, tmp_p
     procs = {flag: (ready, _start_cli(checkpoint, prefill, ready, flag)) for flag, (ready, _) in procs.items()}
     try:
         for flag, (ready, proc) in procs.items():
-            assert _wait_until(lambda r=ready, p=proc: r.exists() or p.poll() is not None, 150), flag
+            assert wait_until(lambda r=ready, p=proc: r.exists() or p.poll() is not None, 150), flag
             assert proc.poll() is None, (flag, proc.communicate(timeout=10))
             expected = _colocated(checkpoint, PROMPT, 5)
             assert _generate(ready.read_text().strip(), PROMPT, 5) == expected, flag
@@ -177,7 +170,7 @@ def test_lanekv_decode_warms_up_before_its_ready_file(checkpoint, prefill, tmp_p
     warmed = [line for line in outs["--warm-up-request"][1].splitlines() if "warm-up request through" in line]
     assert len(warmed) == 1 and "first token after" in warmed[0], outs["--warm-up-request"][1]
     assert "warm-up request" not in outs["--no-warm-up-request"][1]
-    assert _wait_until(lambda: _prefill_idle(prefill, free))
+    assert wait_until(lambda: _prefill_idle(prefill, free))
 
 
 @requires_gpu
@@ -200,7 +193,7 @@ def test_on_cuda_the_warm_up_attaches_the_fast_path_and_decodes_what_grpc_does(c
         assert {fast.fastpath.transport(e) for e in ranks} == {"cuda_ipc"}
         assert fast.stats() == before and fast.registry.render() == metrics
         assert _generate(fast.endpoint, PROMPT, 6) == _generate(over_grpc.endpoint, PROMPT, 6)
-        assert _wait_until(lambda: prefill.leases.held() == {})
+        assert wait_until(lambda: prefill.leases.held() == {})
     finally:
         for decoder in decoders:
             decoder.stop(grace_s=1.0)
