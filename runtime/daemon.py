@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.advertise import advertise_host, is_wildcard, join_host_port
 from runtime.gcpause import frozen
@@ -34,7 +34,7 @@ from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
 from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
 from runtime.security import SecurityConfig, bind, make_server
 from runtime.shmfiles import reclaim_stale
-from runtime.status import one_line
+from runtime.status import HealthServicer, one_line
 
 log = logging.getLogger("lanekv.daemon")
 _SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -67,7 +67,7 @@ class DaemonServer:
         except BaseException:
             self.close()
             raise
-        self.health = health.HealthServicer()
+        self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reclaim_stale()  # /dev/shm files of lanekv daemons that died without removing them
 

@@ -1,4 +1,5 @@
-"""gRPC plumbing shared by every server and client: status refusals and message limits.
+"""gRPC plumbing shared by every server and client: status refusals, message limits
+and the health servicer every server installs (``HealthServicer``).
 
 Service logic raises ``Refusal(code, message)`` for anything the caller got
 wrong (bad contract, unknown request, bad layer range); the handler turns it
@@ -8,10 +9,12 @@ an ``assert`` and never kills the server: the next call is served as usual.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import grpc
+from grpc_health.v1 import health
 
 # A chunk's payload is capped by the server at MAX_CHUNK_BYTES_LIMIT; the
 # message limit leaves room for the header (up to wire.MAX_HEADER_BYTES) and framing.
@@ -85,3 +88,28 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+
+
+class HealthServicer(health.HealthServicer):
+    """grpc_health's servicer, with the end of a Watch handled off gRPC's polling thread.
+
+    grpc_health sends a Watch's first status, and each later change, while it holds its
+    lock, and each send waits until gRPC's polling thread has sent it. gRPC runs the
+    callback of a Watch that ends on that polling thread, and grpc_health's callback
+    takes the same lock. So a Watch that ends while another is answered leaves each
+    waiting for the other, and the server answers nothing more (seen: a client opening
+    and cancelling Watches in a loop; the server's stop then hung). Here the callback
+    only hands that work to a thread of this servicer, which waits for the lock instead.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lanekv-health-watch-end")
+
+    def _on_close_callback(self, send_response_callback: Callable, service: str) -> Callable[[], None]:
+        end = super()._on_close_callback(send_response_callback, service)
+
+        def ended() -> None:  # on gRPC's polling thread: must not wait
+            self._closer.submit(end)
+
+        return ended

@@ -22,7 +22,7 @@ from typing import Any, NamedTuple, TypeVar
 
 import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2, lanekv_pb2_grpc
 from runtime.limits import peer_host
@@ -32,6 +32,7 @@ from runtime.status import (
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES_LIMIT,
     TRANSFER_SERVICE,
+    HealthServicer,
     Refusal,
     refusals,
 )
@@ -430,7 +431,7 @@ def add_transfer_service(server: grpc.Server, service: KVTransferService) -> Non
 class Served(NamedTuple):
     server: grpc.Server
     port: int
-    health: health.HealthServicer
+    health: HealthServicer
 
     def stop(self, grace_s: float) -> None:
         """Say NOT_SERVING, then let open streams finish for ``grace_s`` and stop."""
@@ -460,7 +461,7 @@ def serve(
     security = SecurityConfig() if security is None else security
     server = make_server(security, max_workers, interceptors=interceptors)
     add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch))
-    checker = health.HealthServicer()
+    checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     bound = bind(server, host, port, security)
     server.start()
