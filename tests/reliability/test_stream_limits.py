@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import lanekv_pb2 as pb
 from proto import lanekv_pb2_grpc
@@ -27,6 +27,7 @@ from runtime.metrics import Registry
 from runtime.requests import MalformedRequestInterceptor
 from runtime.rpc_metrics import lanekv_metrics
 from runtime.security import OPEN_SERVICES, SecurityConfig, open_channel
+from runtime.status import HealthServicer
 from tests.reliability.kv_cluster import make_agreement, start_servers, status_of, wait_until
 from tests.tls import make_certs
 from transfer.rank.service import KVTransferService, add_transfer_service
@@ -122,7 +123,7 @@ def test_a_watch_holds_no_worker_thread():
     )
     servers = start_servers(1, 4)
     add_transfer_service(server, KVTransferService(servers.sources[0]))
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:

@@ -12,11 +12,12 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.metrics import CONTENT_TYPE, Registry, serve_metrics
 from runtime.rpc_metrics import lanekv_metrics
 from runtime.security import SecurityConfig, bind, make_server, open_channel
+from runtime.status import HealthServicer
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode
@@ -248,7 +249,7 @@ def test_interceptor_counts_every_call_by_final_code() -> None:
     config = SecurityConfig(token=TOKEN)
     server = make_server(config, max_workers=8, interceptors=[metrics.interceptor()])
     server.add_generic_rpc_handlers((_calls_handler(),))
-    checker = health.HealthServicer()
+    checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     port = bind(server, "127.0.0.1", 0, config)
     server.start()

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
 from runtime.security import SecurityConfig, bind, make_server, open_channel
+from runtime.status import HealthServicer
 from tests.reflection import list_services
 from transfer.rank.service import KVTransferService, add_transfer_service
 from transfer.rank.sources import ContractOnlySource
@@ -23,7 +24,7 @@ def server():
     security = SecurityConfig(token=TOKEN)
     server = make_server(security, 4)
     add_transfer_service(server, KVTransferService(ContractOnlySource(None, "no pages here")))
-    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    health_pb2_grpc.add_HealthServicer_to_server(HealthServicer(), server)
     port = bind(server, "127.0.0.1", 0, security)
     server.start()
     yield f"127.0.0.1:{port}", server

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from runtime.security import (
     SecurityConfig,
@@ -20,6 +20,7 @@ from runtime.security import (
     make_server,
     open_channel,
 )
+from runtime.status import HealthServicer
 from tests.tls import CertSet, make_certs
 from transfer.grpcfetch.client import KVClient
 
@@ -44,7 +45,7 @@ def serving(config: SecurityConfig) -> Iterator[int]:
     """A server with the echo service and the health service; yields its port."""
     server = make_server(config, max_workers=4)
     server.add_generic_rpc_handlers((_echo_handler(),))
-    checker = health.HealthServicer()
+    checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     port = bind(server, "127.0.0.1", 0, config)
     server.start()
@@ -152,7 +153,7 @@ def test_health_is_answered_while_streams_hold_every_worker() -> None:
     server = make_server(SecurityConfig(), max_workers=2, limits=limits)  # 4 threads before
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("lanekv.test.Hold", {
         "Hold": grpc.unary_stream_rpc_method_handler(hold)}), _echo_handler()))
-    checker = health.HealthServicer()
+    checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     port = bind(server, "127.0.0.1", 0, SecurityConfig())
     server.start()
