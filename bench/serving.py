@@ -153,6 +153,11 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _split(stages: dict[str, float] | None) -> str:
+    """``", prefill 36.3, compute 29.5, transfer 33.2"`` for a request's stages (ms)."""
+    return "".join(f", {name[:-3]} {_ms(stages[name])}" for name in _STAGES if name in (stages or {}))
+
+
 def run_level(send: Callable[[Request], Outcome], requests: list[Request], concurrency: int,
               rate: float, seed: int) -> dict:
     """Send ``requests`` with at most ``concurrency`` in flight; the level's figures."""
@@ -283,8 +288,7 @@ def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_bat
         decode = DecodeDaemon(DecodeConfig(workdir, prefill.endpoint, page_size=args.page_size,
                                            dtype=dtype, load_format="dummy", pool_pages=pool_pages,
                                            max_batch_size=max_batch))
-        if args.warm_up_request == "on" or (args.warm_up_request == "auto"
-                                            and decode.config.resolved_device == "cuda"):
+        if args.warm_up_request == "on" or (args.warm_up_request == "auto" and decode.warms_up_by_default):
             decode.warm_up()  # as `lanekv decode` does before its ready file
         decode_s = time.perf_counter() - t0
     except BaseException:
@@ -429,17 +433,14 @@ def main() -> None:
                 for log_file in Path(workdir).glob("*.log"):
                     shutil.copy(log_file, args.keep_logs / log_file.name)
     target = args.openai or ("Llama-3-8B shapes" if args.llama3_8b else "tiny")
-    stages = started.get("first_request_stages") or {}
     print(f"first request after start: TTFT {_ms(started.get('first_request_ttft_ms'))} ms"
-          + "".join(f", {name[:-3]} {_ms(stages[name])}" for name in _STAGES if name in stages))
+          + _split(started.get("first_request_stages")))
     if rows and rows[0]["ttft_ms_p50"] and started.get("first_request_ttft_ms") is not None:
         # The first level sends prompts of the same length: its p50 is "a later request".
         later = rows[0]
         started["first_request_ratio"] = started["first_request_ttft_ms"] / later["ttft_ms_p50"]
-        later_stages = later.get("stages_ms_p50") or {}
         print(f"  against the concurrency-{later['concurrency']} level's p50: TTFT {_ms(later['ttft_ms_p50'])} ms"
-              + "".join(f", {name[:-3]} {_ms(later_stages[name])}" for name in _STAGES if name in later_stages)
-              + f" ({started['first_request_ratio']:.2f}x)")
+              + _split(later.get("stages_ms_p50")) + f" ({started['first_request_ratio']:.2f}x)")
     for shape in started.get("new_shapes", ()):
         first, later = shape["stages"][0] or {}, [st for st in shape["stages"][1:] if st]
         split = ", ".join(f"{name[:-3]} {_ms(first.get(name))} / "

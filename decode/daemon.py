@@ -10,6 +10,9 @@ serves ``DecodeService.Generate`` (``decode.service``, running ``decode.generate
 with its own contract (so ``lanekv handshake`` can read it; it holds no pages
 for others, so FetchKV and Release answer NOT_FOUND) and the gRPC health service.
 
+``warm_up`` sends one short request of its own through each prefill daemon and
+the whole pipeline (``lanekv decode`` runs it before its ready file).
+
 It builds what a Generate call runs on (a ``GenerateContext``: pool, engine,
 KV fetcher, prefill pool, page budget, streams) and owns it. Threads: gRPC
 handler threads run each request's prefill call, transfer and placement; one
@@ -290,6 +293,12 @@ class DecodeDaemon:
 
     # -- the warm-up request ---------------------------------------------------
 
+    @property
+    def warms_up_by_default(self) -> bool:
+        """Whether ``lanekv decode`` runs ``warm_up`` unless told: with a GPU pool
+        (first use costs milliseconds there; a CPU pool has no kernels to load)."""
+        return self.config.resolved_device == "cuda"
+
     def warm_up(self) -> int:
         """One short greedy request through each prefill daemon in the pick and the
         whole pipeline, as a client's would go, outside our metrics and counts; how
@@ -327,7 +336,8 @@ class DecodeDaemon:
             events = pipeline.run(call, caller, target)
             try:
                 for _ in events:
-                    first = time.perf_counter() - start if first is None else first
+                    if first is None:
+                        first = time.perf_counter() - start
             finally:
                 events.close()
         except Refusal as refusal:

@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     grace_s = getattr(args, "grace_s", None)
     warm = getattr(args, "warm_up_request", None)
     if warm is None:
-        warm = config.resolved_device == "cuda"
+        warm = daemon.warms_up_by_default
     banner = daemon.rpc.banner("lanekv decode", f"prefill: {', '.join(config.prefill_endpoints)}")
     return serve_until_signal(daemon, banner, args.ready_file, STOP_GRACE_S if grace_s is None else grace_s,
                               log, "finishing open streams", prog="lanekv decode",

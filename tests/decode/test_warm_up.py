@@ -100,6 +100,7 @@ def test_the_warm_up_goes_through_every_step_and_leaves_no_trace(checkpoint, pre
     decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE,
                                        pool_pages=POOL_PAGES, device="cpu"))
     try:
+        assert not decode.warms_up_by_default  # a CPU pool: only when asked
         before, metrics = decode.stats(), decode.registry.render()
         with caplog.at_level(logging.INFO, logger="lanekv.decode"):
             assert decode.warm_up() == 1
@@ -186,6 +187,7 @@ def test_on_cuda_the_warm_up_attaches_the_fast_path_and_decodes_what_grpc_does(c
             decoders.append(DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE,
                                                       device="cuda", pool_pages=POOL_PAGES, transport=transport)))
         over_grpc, fast = decoders
+        assert fast.warms_up_by_default
         ranks = prefill.topology.endpoints
         assert {fast.fastpath.transport(e) for e in ranks} == {"grpc"}  # nothing attached before a request
         before, metrics = fast.stats(), fast.registry.render()
