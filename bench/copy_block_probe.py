@@ -21,10 +21,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from kernels.page_digest import PageDigest  # noqa: E402
-from transfer.fastpath.poolcopy import PlannedCopy  # noqa: E402
-from transfer.fastpath.sidestreams import StreamSet, streams_for  # noqa: E402
+from lanekv.kernels.page_digest import PageDigest  # noqa: E402
+from lanekv.transfer.fastpath.poolcopy import PlannedCopy  # noqa: E402
+from lanekv.transfer.fastpath.sidestreams import StreamSet, streams_for  # noqa: E402
 
 LAYERS, PAGE, HEADS, DIM = 32, 64, 8, 128
 

@@ -25,12 +25,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from lanekv.decode.engine import DecodeEngine  # noqa: E402
+from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
+from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
+from lanekv.model.sampling import SamplingParams  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
-from decode.engine import DecodeEngine  # noqa: E402
-from decode.pool import PagePool, PageTable  # noqa: E402
-from model.checkpoint import load_dummy_model  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
 
 
 def sync(device: torch.device) -> None:

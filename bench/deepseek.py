@@ -39,21 +39,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from lanekv.decode.engine import DecodeEngine  # noqa: E402
+from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
+from lanekv.kernels.dsa.index_cache import store_index_k  # noqa: E402
+from lanekv.kernels.page_copy import gather_pages  # noqa: E402
+from lanekv.kernels.prefill_attention_ref import AttnSegments  # noqa: E402
+from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
+from lanekv.model.kv_rows import pool_head_dim  # noqa: E402
+from lanekv.model.sampling import SamplingParams  # noqa: E402
+from lanekv.prefill.cp.launcher import PrefillInput  # noqa: E402
+from lanekv.prefill.cp.runner import mla_prefill_attention  # noqa: E402
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
+from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-from decode.engine import DecodeEngine  # noqa: E402
-from decode.pool import PagePool, PageTable  # noqa: E402
-from kernels.dsa.index_cache import store_index_k  # noqa: E402
-from kernels.page_copy import gather_pages  # noqa: E402
-from kernels.prefill_attention_ref import AttnSegments  # noqa: E402
-from model.checkpoint import load_dummy_model  # noqa: E402
-from model.kv_rows import pool_head_dim  # noqa: E402
-from model.sampling import SamplingParams  # noqa: E402
-from prefill.cp.launcher import PrefillInput  # noqa: E402
-from prefill.cp.runner import mla_prefill_attention  # noqa: E402
-from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
-from prefill.engine_config import EngineConfig  # noqa: E402
-from transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",

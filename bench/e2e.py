@@ -23,14 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
+from lanekv.decode.config import DecodeConfig  # noqa: E402
+from lanekv.decode.daemon import DecodeDaemon  # noqa: E402
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
+from lanekv.runtime.status import grpc_options  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from decode.config import DecodeConfig  # noqa: E402
-from decode.daemon import DecodeDaemon  # noqa: E402
-from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
-from prefill.engine_config import EngineConfig  # noqa: E402
-from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
-from runtime.status import grpc_options  # noqa: E402
 
 
 def generate(stub, ids: list[int], max_new: int) -> tuple[list[float], dict[str, str]]:

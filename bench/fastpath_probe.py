@@ -58,32 +58,32 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
+import lanekv.transfer.fastpath.client as fastpath_client_module  # noqa: E402
+import lanekv.transfer.fastpath.poolcopy as poolcopy  # noqa: E402
+import lanekv.transfer.fastpath.rangecopy as rangecopy  # noqa: E402
+import lanekv.transfer.fastpath.sidestreams as sidestreams  # noqa: E402
+import lanekv.transfer.protocol.descriptors as fastpath_module  # noqa: E402
 import torch  # noqa: E402
+from lanekv.decode.config import DecodeConfig  # noqa: E402
+from lanekv.decode.daemon import DecodeDaemon  # noqa: E402
+from lanekv.kernels.page_digest import page_digest  # noqa: E402
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
+from lanekv.runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
+from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
+from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
+from lanekv.transfer.fastpath.sidestreams import streams_for  # noqa: E402
+from lanekv.transfer.fastpath.tuning import DEFAULT_COPY, DEFAULT_FAST_PATH  # noqa: E402
+from lanekv.transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
+from lanekv.transfer.protocol.descriptors import Descriptor  # noqa: E402
+from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
-import transfer.fastpath.client as fastpath_client_module  # noqa: E402
-import transfer.fastpath.poolcopy as poolcopy  # noqa: E402
-import transfer.fastpath.rangecopy as rangecopy  # noqa: E402
-import transfer.fastpath.sidestreams as sidestreams  # noqa: E402
-import transfer.protocol.descriptors as fastpath_module  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
-from decode.config import DecodeConfig  # noqa: E402
-from decode.daemon import DecodeDaemon  # noqa: E402
-from kernels.page_digest import page_digest  # noqa: E402
-from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
-from prefill.engine_config import EngineConfig  # noqa: E402
-from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
-from runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
-from transfer.connector.placement import place_chunk  # noqa: E402
-from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
-from transfer.fastpath.poolcopy import copy_pages  # noqa: E402
-from transfer.fastpath.sidestreams import streams_for  # noqa: E402
-from transfer.fastpath.tuning import DEFAULT_COPY, DEFAULT_FAST_PATH  # noqa: E402
-from transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
-from transfer.protocol.descriptors import Descriptor  # noqa: E402
-from transfer.protocol.manifest import Manifest  # noqa: E402
-from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 
 def timed(fn, repeat: int) -> float:

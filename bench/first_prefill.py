@@ -35,14 +35,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from lanekv.kernels.backend import recording_compiles  # noqa: E402
+from lanekv.prefill.cp.launcher import PrefillInput  # noqa: E402
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
+from lanekv.prefill.warmup import settle_after_freeze, warm_up  # noqa: E402
+from lanekv.runtime.gcpause import GcClock, frozen  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from kernels.backend import recording_compiles  # noqa: E402
-from prefill.cp.launcher import PrefillInput  # noqa: E402
-from prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
-from prefill.engine_config import EngineConfig  # noqa: E402
-from prefill.warmup import settle_after_freeze, warm_up  # noqa: E402
-from runtime.gcpause import GcClock, frozen  # noqa: E402
 
 # Row counts no warm-up prefill uses (page 64: 832, 704, 960, 640, 896, 768, ... rows).
 DEFAULT_LENGTHS = (769, 643, 901, 583, 843, 717, 1500, 3001, 5000, 7001)

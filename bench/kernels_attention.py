@@ -31,16 +31,15 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
-
-from kernels.prefill_attention import (
+from lanekv.kernels.prefill_attention import (
     AttnLaunchConfig,
     AttnSegments,
     cp_prefill_attention_triton,
     default_config,
     launch_cp_prefill_attention,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from triton.testing import do_bench
 
 HQ, HKV, HEAD_DIM = 32, 8, 128
 SEQ_LENS = (4096, 16384, 32768)

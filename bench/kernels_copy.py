@@ -25,19 +25,19 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.decode_attention import (  # noqa: E402
+from lanekv.kernels.decode_attention import (  # noqa: E402
     DecodeConfig,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
-from kernels.kv_layout import CopyConfig, KVCacheSpec  # noqa: E402
-from kernels.page_copy import (  # noqa: E402
+from lanekv.kernels.kv_layout import CopyConfig, KVCacheSpec  # noqa: E402
+from lanekv.kernels.page_copy import (  # noqa: E402
     gather_pages_ref,
     gather_pages_triton,
     scatter_pages_triton,
 )
-from kernels.rerange import rerange_ref, rerange_triton  # noqa: E402
-from kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
+from lanekv.kernels.rerange import rerange_ref, rerange_triton  # noqa: E402
+from lanekv.kernels.store_kv import store_kv_ref, store_kv_triton  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, Q_HEADS = 32, 8, 128, 32
 DTYPE = torch.bfloat16

@@ -30,18 +30,17 @@ import json
 import sys
 
 import torch
-from triton.testing import do_bench
-
-from kernels.dsa.index_cache import IndexCacheSpec, store_index_k_ref, store_index_k_triton
-from kernels.dsa.indexer import (
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_ref, store_index_k_triton
+from lanekv.kernels.dsa.indexer import (
     index_scores_ref,
     index_scores_triton,
     index_topk,
     paged_index_scores_triton,
 )
-from kernels.dsa.pool_layout import DSARowLayout
-from kernels.dsa.sparse_mla import sparse_mla_decode_triton, sparse_mla_prefill_triton
-from kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.dsa.pool_layout import DSARowLayout
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton, sparse_mla_prefill_triton
+from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from triton.testing import do_bench
 
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048
 HEADS, RANK, ROPE = 128, 512, 64

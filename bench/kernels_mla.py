@@ -34,14 +34,13 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.kernels_copy import _copy_times, _times, _warm_gpu  # noqa: E402
-from kernels.mla_decode import (  # noqa: E402
+from lanekv.kernels.mla_decode import (  # noqa: E402
     MLADecodeConfig,
     default_mla_config,
     paged_mla_decode_attention_ref,
     paged_mla_decode_attention_triton,
 )
-from kernels.prefill_attention import (  # noqa: E402
+from lanekv.kernels.prefill_attention import (  # noqa: E402
     AttnLaunchConfig,
     AttnSegments,
     cp_prefill_attention_ref,
@@ -49,6 +48,8 @@ from kernels.prefill_attention import (  # noqa: E402
     default_config,
     launch_cp_prefill_attention,
 )
+
+from bench.kernels_copy import _copy_times, _times, _warm_gpu  # noqa: E402
 
 RANK, ROPE, QK_DIM, V_DIM = 512, 64, 192, 128
 DTYPE = torch.bfloat16

@@ -14,9 +14,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from prefill.allocator import LaneAllocator  # noqa: E402
-from prefill.index import build_rank_index  # noqa: E402
-from prefill.plan import plan_batch  # noqa: E402
+from lanekv.prefill.allocator import LaneAllocator  # noqa: E402
+from lanekv.prefill.index import build_rank_index  # noqa: E402
+from lanekv.prefill.plan import plan_batch  # noqa: E402
 
 
 def _median_ms(fn, repeat: int = 20) -> float:

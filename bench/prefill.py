@@ -19,9 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-
-from prefill.cp.launcher import CPPrefillEngine, PrefillInput  # noqa: E402
-from prefill.engine_config import EngineConfig  # noqa: E402
+from lanekv.prefill.cp.launcher import CPPrefillEngine, PrefillInput  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"],

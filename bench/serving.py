@@ -60,9 +60,8 @@ class Request(NamedTuple):
 
 def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
     import grpc
-
-    from proto import lanekv_pb2, lanekv_pb2_grpc
-    from runtime.status import grpc_options
+    from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+    from lanekv.runtime.status import grpc_options
 
     channel = grpc.insecure_channel(endpoint, options=grpc_options())
     # Connected before the first request: its TTFT is then the daemon's, not this
@@ -271,10 +270,10 @@ def _front(decode: str, workdir: str) -> _Process:
 
 
 def _daemons_in_process(args, workdir: str, dtype: str, pool_pages: int, max_batch: int):
-    from decode.config import DecodeConfig
-    from decode.daemon import DecodeDaemon
-    from prefill.daemon import DaemonConfig, PrefillDaemon
-    from prefill.engine_config import EngineConfig
+    from lanekv.decode.config import DecodeConfig
+    from lanekv.decode.daemon import DecodeDaemon
+    from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+    from lanekv.prefill.engine_config import EngineConfig
 
     t0 = time.perf_counter()
     prefill = PrefillDaemon(

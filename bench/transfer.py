@@ -43,12 +43,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.status import grpc_options  # noqa: E402
-from transfer.grpcfetch.client import KVClient  # noqa: E402
-from transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology  # noqa: E402
-from transfer.protocol.wire import WIRE_VERSION  # noqa: E402
-from transfer.rank.service import serve  # noqa: E402
-from transfer.rank.sources import TensorPageSource  # noqa: E402
+from lanekv.runtime.status import grpc_options  # noqa: E402
+from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology  # noqa: E402
+from lanekv.transfer.protocol.wire import WIRE_VERSION  # noqa: E402
+from lanekv.transfer.rank.service import serve  # noqa: E402
+from lanekv.transfer.rank.sources import TensorPageSource  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD_DIM, PAGE_SIZE = 32, 8, 128, 64
 RAW_METHOD = "/lanekv.bench.Raw/Stream"

@@ -55,21 +55,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 import torch  # noqa: E402
+from lanekv.decode.config import DecodeConfig  # noqa: E402
+from lanekv.decode.daemon import DecodeDaemon  # noqa: E402
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
+from lanekv.runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
+from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
+from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
+from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
+from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
-from decode.config import DecodeConfig  # noqa: E402
-from decode.daemon import DecodeDaemon  # noqa: E402
-from prefill.daemon import DaemonConfig, PrefillDaemon  # noqa: E402
-from prefill.engine_config import EngineConfig  # noqa: E402
-from proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
-from runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
-from transfer.connector.placement import place_chunk  # noqa: E402
-from transfer.fastpath.copyorder import CopyOrder  # noqa: E402
-from transfer.grpcfetch.client import KVClient  # noqa: E402
-from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
-from transfer.protocol.manifest import Manifest  # noqa: E402
-from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 
 def prompt(vocab: int, tokens: int, seed: int) -> list[int]:

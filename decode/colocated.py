@@ -13,15 +13,14 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-
-from decode.engine import DecodeEngine
-from decode.pool import PagePool, PageTable
-from kernels.dsa.index_cache import read_index_k, store_index_k
-from kernels.store_kv import store_kv
-from model.deepseek import DeepseekCausalLM
-from model.deepseek_v32 import dsa_causal_attention
-from model.llama import CausalLM, causal_attention
-from model.sampling import SamplingParams, sample
+from lanekv.decode.engine import DecodeEngine
+from lanekv.decode.pool import PagePool, PageTable
+from lanekv.kernels.dsa.index_cache import read_index_k, store_index_k
+from lanekv.kernels.store_kv import store_kv
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.deepseek_v32 import dsa_causal_attention
+from lanekv.model.llama import CausalLM, causal_attention
+from lanekv.model.sampling import SamplingParams, sample
 
 
 class PrefillResult(NamedTuple):

@@ -6,14 +6,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from decode.cuda.graphs import check_ladder
-from model.config import ModelConfig
-from model.dtypes import DTYPES
-from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
-from runtime.advertise import check_advertise_host
-from runtime.security import SecurityConfig
-from transfer.grpcfetch.client import RetryPolicy
+from lanekv.decode.cuda.graphs import check_ladder
+from lanekv.model.config import ModelConfig
+from lanekv.model.dtypes import DTYPES
+from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
+from lanekv.runtime.advertise import check_advertise_host
+from lanekv.runtime.security import SecurityConfig
+from lanekv.transfer.grpcfetch.client import RetryPolicy
 
 
 @dataclass(frozen=True)

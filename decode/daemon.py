@@ -39,33 +39,32 @@ from typing import NamedTuple
 import grpc
 import torch
 from grpc_health.v1 import health_pb2_grpc
-
-from decode.budget import PageBudget
-from decode.config import DecodeConfig
-from decode.cuda.warmup import warm_up_kernels
-from decode.engine import DecodeEngine
-from decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
-from decode.pool import PagePool
-from decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
-from decode.service import DecodeServicer
-from decode.streams import SHUTDOWN, Streams
-from model.checkpoint import load_checkpoint
-from model.kv_rows import pool_contract_fields
-from model.sampling import SamplingParams
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.daemon import DaemonServer
-from runtime.hostmem import keep_freed_buffers
-from runtime.security import open_channel
-from runtime.status import TRANSFER_SERVICE, Refusal, one_line
-from transfer.connector.fastpath import FastPathTransport
-from transfer.connector.fetcher import KVFetcher
-from transfer.connector.grpc import GrpcTransport
-from transfer.errors import ContractMismatch
-from transfer.fastpath.client import FastPath
-from transfer.grpcfetch.client import KVClient, RemoteError, channel_options
-from transfer.protocol.contract import Agreement, LayoutContract, format_diff
-from transfer.rank.service import KVTransferService, add_transfer_service
-from transfer.rank.sources import ContractOnlySource
+from lanekv.decode.budget import PageBudget
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.cuda.warmup import warm_up_kernels
+from lanekv.decode.engine import DecodeEngine
+from lanekv.decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
+from lanekv.decode.pool import PagePool
+from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
+from lanekv.decode.service import DecodeServicer
+from lanekv.decode.streams import SHUTDOWN, Streams
+from lanekv.model.checkpoint import load_checkpoint
+from lanekv.model.kv_rows import pool_contract_fields
+from lanekv.model.sampling import SamplingParams
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.daemon import DaemonServer
+from lanekv.runtime.hostmem import keep_freed_buffers
+from lanekv.runtime.security import open_channel
+from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, one_line
+from lanekv.transfer.connector.fastpath import FastPathTransport
+from lanekv.transfer.connector.fetcher import KVFetcher
+from lanekv.transfer.connector.grpc import GrpcTransport
+from lanekv.transfer.errors import ContractMismatch
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
+from lanekv.transfer.protocol.contract import Agreement, LayoutContract, format_diff
+from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.sources import ContractOnlySource
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

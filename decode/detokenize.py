@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from model.tokenizer import Tokenizer
+from lanekv.model.tokenizer import Tokenizer
 
 
 class Detokenizer:

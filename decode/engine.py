@@ -61,13 +61,12 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
-
-from decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
-from decode.cuda.step import step_hidden
-from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
-from model.deepseek import DeepseekCausalLM
-from model.llama import CausalLM
-from model.sampling import SamplingParams, sample
+from lanekv.decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
+from lanekv.decode.cuda.step import step_hidden
+from lanekv.decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.llama import CausalLM
+from lanekv.model.sampling import SamplingParams, sample
 
 log = logging.getLogger("lanekv.decode")
 FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled

@@ -46,21 +46,26 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import grpc
-
-from decode.budget import PageBudget
-from decode.config import DecodeConfig
-from decode.engine import DecodeEngine, TokenEvent
-from decode.pool import PagePool, PageTable, PoolExhausted
-from decode.prefill_call import LOST_CODES, RETRY_CODES, PrefillPool, PrefillTarget, check_manifest
-from decode.streams import SHUTDOWN, Streams
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from proto import lanekv_pb2
-from runtime.status import Refusal
-from transfer.connector.base import FetchJob, KVFetchError
-from transfer.connector.fetcher import FetchStats, KVFetcher
-from transfer.protocol.contract import Agreement
-from transfer.rank.service import access_ticket
+from lanekv.decode.budget import PageBudget
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.engine import DecodeEngine, TokenEvent
+from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
+from lanekv.decode.prefill_call import (
+    LOST_CODES,
+    RETRY_CODES,
+    PrefillPool,
+    PrefillTarget,
+    check_manifest,
+)
+from lanekv.decode.streams import SHUTDOWN, Streams
+from lanekv.model.sampling import SamplingParams
+from lanekv.model.tokenizer import Tokenizer
+from lanekv.proto import lanekv_pb2
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.connector.base import FetchJob, KVFetchError
+from lanekv.transfer.connector.fetcher import FetchStats, KVFetcher
+from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.rank.service import access_ticket
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

@@ -23,13 +23,12 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-
-from kernels.dsa.pool_layout import DSARowLayout
-from kernels.kv_layout import KVCacheSpec
-from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, dsa_layout
+from lanekv.kernels.dsa.pool_layout import DSARowLayout
+from lanekv.kernels.kv_layout import KVCacheSpec
+from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, dsa_layout
 
 if TYPE_CHECKING:
-    from model.config import ModelConfig
+    from lanekv.model.config import ModelConfig
 
 
 class PoolExhausted(RuntimeError):

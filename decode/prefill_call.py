@@ -26,13 +26,12 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.status import SLOW_CHECKS_TO_LEAVE, Refusal, slow_checks_after
-from transfer.errors import TransferError
-from transfer.protocol.contract import Topology
-from transfer.protocol.manifest import Manifest
-from transfer.rank.service import EPOCH_METADATA_KEY
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE, Refusal, slow_checks_after
+from lanekv.transfer.errors import TransferError
+from lanekv.transfer.protocol.contract import Topology
+from lanekv.transfer.protocol.manifest import Manifest
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

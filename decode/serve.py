@@ -15,13 +15,12 @@ import logging
 import sys
 
 import torch
-
-from decode.config import DecodeConfig
-from decode.daemon import STOP_GRACE_S, DecodeDaemon
-from runtime.daemon import serve_until_signal
-from runtime.security import SecurityConfig
-from transfer.grpcfetch.client import ContractMismatch, TransferError
-from transfer.protocol.contract import format_diff
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
+from lanekv.runtime.daemon import serve_until_signal
+from lanekv.runtime.security import SecurityConfig
+from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError
+from lanekv.transfer.protocol.contract import format_diff
 
 log = logging.getLogger("lanekv.decode")
 # The decode loop shares this process's GIL with one gRPC thread per open stream.

@@ -12,13 +12,12 @@ from __future__ import annotations
 import uuid
 
 import grpc
-
-from decode.detokenize import Detokenizer
-from decode.engine import TokenEvent
-from decode.generate import GenerateCall, GenerateContext, GeneratePipeline, GenerateSpec
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
-from runtime.status import Refusal, refusals
+from lanekv.decode.detokenize import Detokenizer
+from lanekv.decode.engine import TokenEvent
+from lanekv.decode.generate import GenerateCall, GenerateContext, GeneratePipeline, GenerateSpec
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from lanekv.runtime.status import Refusal, refusals
 
 Code = grpc.StatusCode
 MAX_STOP_TOKEN_IDS = 1024

@@ -18,10 +18,9 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import grpc
-
-from decode.engine import TokenEvent
-from runtime.rpc_metrics import LanekvMetrics
-from transfer.connector.fetcher import FetchStats
+from lanekv.decode.engine import TokenEvent
+from lanekv.runtime.rpc_metrics import LanekvMetrics
+from lanekv.transfer.connector.fetcher import FetchStats
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

@@ -4,14 +4,14 @@ Import the dispatchers from here; ``name_triton`` and ``name_ref`` live in the
 op's own module. ``kernels.backend`` says which one runs for a tensor.
 """
 
-from kernels.decode_attention import paged_decode_attention
-from kernels.kv_layout import KVCacheSpec
-from kernels.mla_decode import paged_mla_decode_attention
-from kernels.page_copy import gather_pages, scatter_pages
-from kernels.prefill_attention import cp_prefill_attention
-from kernels.prefill_attention_ref import AttnSegments
-from kernels.rerange import rerange
-from kernels.store_kv import store_kv
+from lanekv.kernels.decode_attention import paged_decode_attention
+from lanekv.kernels.kv_layout import KVCacheSpec
+from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.page_copy import gather_pages, scatter_pages
+from lanekv.kernels.prefill_attention import cp_prefill_attention
+from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.rerange import rerange
+from lanekv.kernels.store_kv import store_kv
 
 __all__ = [
     "AttnSegments",

@@ -30,9 +30,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
-from kernels.kv_layout import check_page_table
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634

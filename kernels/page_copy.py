@@ -23,9 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
-from kernels.kv_layout import CopyConfig, as_word_rows, check_pool_tensor, word_bytes_for
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.kv_layout import CopyConfig, as_word_rows, check_pool_tensor, word_bytes_for
 
 
 @triton.jit(do_not_specialize=["layer_start"])  # varies per call

@@ -17,10 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, on_device, use_triton
-from kernels.kv_layout import check_pool_tensor
-from kernels.page_copy import gather_pages_ref
+from lanekv.kernels.backend import check_same_device, on_device, use_triton
+from lanekv.kernels.kv_layout import check_pool_tensor
+from lanekv.kernels.page_copy import gather_pages_ref
 
 # The position weight of kv_digest, odd, as a signed int64.
 DIGEST_WEIGHT = 0x9E3779B97F4A7C15 - (1 << 64)

@@ -29,9 +29,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import use_triton
-from kernels.prefill_attention_ref import (
+from lanekv.kernels.backend import use_triton
+from lanekv.kernels.prefill_attention_ref import (
     AttnOutput,
     AttnSegments,
     check_attention_args,

@@ -18,8 +18,7 @@ import math
 from typing import NamedTuple
 
 import torch
-
-from kernels.backend import check_same_device
+from lanekv.kernels.backend import check_same_device
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # qk and v head dims each in [1, MAX_HEAD_DIM]

@@ -18,9 +18,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
-from kernels.kv_layout import CopyConfig, as_word_rows, word_bytes_for
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.kv_layout import CopyConfig, as_word_rows, word_bytes_for
 
 
 @triton.jit(do_not_specialize=["num_out", "num_src"])  # vary per call

@@ -18,8 +18,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
+from lanekv.kernels.backend import check_same_device, use_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

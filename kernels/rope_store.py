@@ -28,9 +28,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
-from kernels.store_kv import store_kv_ref
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.store_kv import store_kv_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -23,15 +23,15 @@ import logging
 import sys
 
 from lanekv.http.config import FrontConfig
-from prefill.daemon import DaemonConfig
-from prefill.engine_config import DTYPES, EngineConfig
-from runtime.security import add_security_args
+from lanekv.prefill.daemon import DaemonConfig
+from lanekv.prefill.engine_config import DTYPES, EngineConfig
+from lanekv.runtime.security import add_security_args
 
 # subcommand -> (module, function(args) -> exit code); imported on use so that
 # `lanekv generate` does not load torch models.
 COMMANDS = {
-    "prefill": ("prefill.serve", "main"),
-    "decode": ("decode.serve", "main"),
+    "prefill": ("lanekv.prefill.serve", "main"),
+    "decode": ("lanekv.decode.serve", "main"),
     "generate": ("lanekv.client_commands", "generate"),
     "handshake": ("lanekv.client_commands", "handshake"),
     "serve": ("lanekv.http.serve", "main"),

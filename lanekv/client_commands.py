@@ -21,10 +21,10 @@ import sys
 
 import grpc
 
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.security import SecurityConfig, open_channel
-from runtime.status import CONTRACT_METADATA_KEY
-from transfer.protocol.contract import Agreement, LayoutContract, diff, format_diff
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.security import SecurityConfig, open_channel
+from lanekv.runtime.status import CONTRACT_METADATA_KEY
+from lanekv.transfer.protocol.contract import Agreement, LayoutContract, diff, format_diff
 
 # A well-formed agreement that differs from every real one (its digests name no code or weights).
 _PROBE = Agreement(

@@ -61,8 +61,8 @@ def write_tiny_checkpoint(path: Path, seed: int = 0) -> Path:
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
-    from model.config import ModelConfig
-    from model.llama import CausalLM
+    from lanekv.model.config import ModelConfig
+    from lanekv.model.llama import CausalLM
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(TINY_CONFIG, indent=2))
@@ -127,7 +127,7 @@ class Generation(NamedTuple):
 
 def generate_remote(endpoint: str, prompt: list[int], max_new_tokens: int) -> Generation:
     """One greedy generation through the decode daemon, printed as it streams."""
-    from proto import lanekv_pb2, lanekv_pb2_grpc
+    from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
     request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=prompt), max_new_tokens=max_new_tokens)
     tokens, text = [], ""
@@ -148,11 +148,11 @@ def generate_remote(endpoint: str, prompt: list[int], max_new_tokens: int) -> Ge
 
 
 def generate_colocated_run(args: argparse.Namespace, model_path: str, prompt: list[int]) -> list[int]:
-    from decode.colocated import generate_colocated
-    from decode.pool import PagePool
-    from model.checkpoint import load_dummy_model, load_model
-    from model.sampling import SamplingParams
-    from prefill.engine_config import DTYPES
+    from lanekv.decode.colocated import generate_colocated
+    from lanekv.decode.pool import PagePool
+    from lanekv.model.checkpoint import load_dummy_model, load_model
+    from lanekv.model.sampling import SamplingParams
+    from lanekv.prefill.engine_config import DTYPES
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     load = load_dummy_model if args.load_format == "dummy" else load_model
@@ -163,8 +163,8 @@ def generate_colocated_run(args: argparse.Namespace, model_path: str, prompt: li
 
 
 def prompt_ids(args: argparse.Namespace, model_path: str) -> list[int]:
-    from model.config import ModelConfig
-    from model.tokenizer import load_tokenizer
+    from lanekv.model.config import ModelConfig
+    from lanekv.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(model_path)
     if args.prompt is not None:

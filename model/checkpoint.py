@@ -20,14 +20,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.deepseek_v32 import DeepseekV32CausalLM
+from lanekv.model.llama import CausalLM
+from lanekv.model.qwen3_moe import Qwen3MoeCausalLM
+from lanekv.model.tokenizer import Tokenizer, load_tokenizer
 from safetensors.torch import load as load_safetensors
-
-from model.config import ModelConfig
-from model.deepseek import DeepseekCausalLM
-from model.deepseek_v32 import DeepseekV32CausalLM
-from model.llama import CausalLM
-from model.qwen3_moe import Qwen3MoeCausalLM
-from model.tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that are recomputed here, never loaded.

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from model.dsa import DSAConfig
-from model.mla_config import (
+from lanekv.model.dsa import DSAConfig
+from lanekv.model.mla_config import (
     DEEPSEEK_ARCHITECTURES,
     DEEPSEEK_MODEL_TYPES,
     MLAConfig,

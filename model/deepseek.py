@@ -26,13 +26,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.moe.experts import moe_experts
+from lanekv.kernels.rope_store import mla_rope
+from lanekv.model.config import ModelConfig
+from lanekv.model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention
+from lanekv.model.mla_config import MoEConfig, yarn_inv_freq
 from torch import nn
-
-from kernels.moe.experts import moe_experts
-from kernels.rope_store import mla_rope
-from model.config import ModelConfig
-from model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention
-from model.mla_config import MoEConfig, yarn_inv_freq
 
 MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep the default epsilon whatever rms_norm_eps says.

@@ -19,11 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-
-from kernels.dsa.sparse_mla import sparse_mla_prefill
-from model.config import ModelConfig
-from model.deepseek import DeepseekCausalLM, MLAAttention
-from model.dsa import Indexer, IndexInputs
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_prefill
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import DeepseekCausalLM, MLAAttention
+from lanekv.model.dsa import Indexer, IndexInputs
 
 DSAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor, IndexInputs], torch.Tensor]
 

@@ -21,9 +21,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+from lanekv.kernels.dsa.indexer import index_scores, index_topk
 from torch import nn
-
-from kernels.dsa.indexer import index_scores, index_topk
 
 _K_NORM_EPS = 1e-6  # transformers' indexer LayerNorm epsilon, whatever the config says
 _PREFIX = "model.layers.{layer}.self_attn.indexer."

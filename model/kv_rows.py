@@ -15,10 +15,9 @@ import math
 from typing import Any
 
 import torch
-
-from kernels.dsa.index_cache import INDEX_CACHE_DTYPES, IndexCacheSpec
-from kernels.dsa.pool_layout import DSARowLayout
-from model.config import ModelConfig
+from lanekv.kernels.dsa.index_cache import INDEX_CACHE_DTYPES, IndexCacheSpec
+from lanekv.kernels.dsa.pool_layout import DSARowLayout
+from lanekv.model.config import ModelConfig
 
 DEFAULT_INDEX_CACHE_DTYPE = "fp8_e4m3"
 MAX_QUANT_BLOCK = 128  # values per float32 scale, as DeepSeek and SGLang store index K

@@ -20,11 +20,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.rmsnorm import add_rmsnorm
+from lanekv.kernels.rope_store import apply_rotary, rotate_half  # noqa: F401 (the model's RoPE ops)
+from lanekv.model.config import ModelConfig
 from torch import nn
-
-from kernels.rmsnorm import add_rmsnorm
-from kernels.rope_store import apply_rotary, rotate_half  # noqa: F401 (the model's RoPE ops)
-from model.config import ModelConfig
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # With ``rope_in_attention=True`` the callback also gets cos/sin [T, D] and

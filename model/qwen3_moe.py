@@ -12,10 +12,9 @@ are the same. Attention, caches and the transfer contract are the GQA ones.
 from __future__ import annotations
 
 import torch
-
-from model.config import ModelConfig
-from model.deepseek import MoE
-from model.llama import CausalLM
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import MoE
+from lanekv.model.llama import CausalLM
 
 
 class Qwen3MoeCausalLM(CausalLM):

@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
 
-from prefill.plan import BatchPlan
+from lanekv.prefill.plan import BatchPlan
 
 
 class OutOfPagesError(RuntimeError):

@@ -14,8 +14,8 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
-from prefill.allocator import OutOfPagesError
-from prefill.cp.launcher import PrefillInput, PrefillResult
+from lanekv.prefill.allocator import OutOfPagesError
+from lanekv.prefill.cp.launcher import PrefillInput, PrefillResult
 
 RunBatch = Callable[[Sequence[PrefillInput]], list[PrefillResult]]
 

@@ -43,31 +43,30 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-
-from model.tokenizer import load_tokenizer
-from prefill.allocator import OutOfPagesError
-from prefill.batcher import Batcher
-from prefill.cp.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
-from prefill.cp.messages import Event, Fetched, Released, RpcTotals
-from prefill.cp.rank_worker import TransferServing
-from prefill.engine_config import EngineConfig
-from prefill.leases import LeaseTable
-from prefill.warmup import settle_after_freeze, warm_up
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.advertise import check_advertise_host
-from runtime.daemon import DaemonServer
-from runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
-from runtime.security import SecurityConfig
-from runtime.status import TRANSFER_SERVICE, Refusal, refusals
-from transfer.protocol.contract import Agreement, LayoutContract, Topology
-from transfer.protocol.manifest import Manifest
-from transfer.rank.service import (
+from lanekv.model.tokenizer import load_tokenizer
+from lanekv.prefill.allocator import OutOfPagesError
+from lanekv.prefill.batcher import Batcher
+from lanekv.prefill.cp.launcher import CPPrefillEngine, PrefillInput, PrefillResult, RankDiedError
+from lanekv.prefill.cp.messages import Event, Fetched, Released, RpcTotals
+from lanekv.prefill.cp.rank_worker import TransferServing
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.leases import LeaseTable
+from lanekv.prefill.warmup import settle_after_freeze, warm_up
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.advertise import check_advertise_host
+from lanekv.runtime.daemon import DaemonServer
+from lanekv.runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from lanekv.runtime.security import SecurityConfig
+from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, refusals
+from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
+from lanekv.transfer.protocol.manifest import Manifest
+from lanekv.transfer.rank.service import (
     EPOCH_METADATA_KEY,
     KVTransferService,
     add_transfer_service,
     new_capability,
 )
-from transfer.rank.sources import ContractOnlySource
+from lanekv.transfer.rank.sources import ContractOnlySource
 
 log = logging.getLogger("lanekv.prefill")
 Code = grpc.StatusCode

@@ -6,10 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from model.config import ModelConfig
-from model.dtypes import DTYPES
-from model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
+from lanekv.model.config import ModelConfig
+from lanekv.model.dtypes import DTYPES
+from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 
 
 @dataclass(frozen=True)
@@ -75,6 +74,6 @@ class EngineConfig:
 
 def load_for(config: EngineConfig, device: torch.device | str):
     """The model of ``config`` on ``device`` (weights read, or dummy ones made there)."""
-    from model.checkpoint import load_checkpoint
+    from lanekv.model.checkpoint import load_checkpoint
 
     return load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)

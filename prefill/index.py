@@ -25,9 +25,8 @@ import itertools
 from typing import NamedTuple
 
 import torch
-
-from prefill.layout import OwnerLaneLayout
-from prefill.plan import BatchPlan, check_rank
+from lanekv.prefill.layout import OwnerLaneLayout
+from lanekv.prefill.plan import BatchPlan, check_rank
 
 
 class RankIndex(NamedTuple):

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prefill.allocator import LaneAllocator
+from lanekv.prefill.allocator import LaneAllocator
 
 
 @dataclass

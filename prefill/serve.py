@@ -12,12 +12,11 @@ import logging
 import sys
 
 import torch
-
-from prefill.cp.launcher import RankDiedError
-from prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from runtime.daemon import serve_until_signal
-from runtime.security import SecurityConfig
+from lanekv.prefill.cp.launcher import RankDiedError
+from lanekv.prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.runtime.daemon import serve_until_signal
+from lanekv.runtime.security import SecurityConfig
 
 log = logging.getLogger("lanekv.prefill")
 

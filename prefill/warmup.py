@@ -25,8 +25,8 @@ import uuid
 from collections.abc import Callable
 from typing import NamedTuple
 
-from prefill.cp.gemm_warmup import GemmWarmUp
-from prefill.cp.launcher import PrefillEngine, PrefillInput
+from lanekv.prefill.cp.gemm_warmup import GemmWarmUp
+from lanekv.prefill.cp.launcher import PrefillEngine, PrefillInput
 
 log = logging.getLogger("lanekv.prefill")
 # Requests per warm-up batch: each reaches the next power of two of segments.

@@ -5,9 +5,10 @@ Run from anywhere: ``python proto/generate.py`` (``make proto``) writes
 ``--out DIR`` writes them under ``DIR/proto/`` instead (the test that checks
 the committed modules are current uses that).
 
-protoc runs with the repository root as include path, so the modules are
-named ``proto.lanekv_pb2`` and the gRPC module imports
-``from proto import lanekv_pb2``. The output is then post-processed so that
+protoc runs with the repository root as include path, so it names the
+modules ``proto.lanekv_pb2``; the output is renamed into the one import
+package, ``lanekv.proto.lanekv_pb2`` (``from lanekv.proto import lanekv_pb2``
+in the gRPC module). It is also post-processed so that
 it imports on every runtime the project supports (protobuf >= 5.26,
 grpcio >= 1.60), older than the generator: recent generators emit guards
 that refuse any runtime older than themselves
@@ -69,7 +70,14 @@ def _strip_grpc_guard(text: str) -> str:
     return text
 
 
+def _into_lanekv(text: str) -> str:
+    """protoc names the modules after the include path (``proto.``); they install as ``lanekv.proto``."""
+    text = text.replace("from proto import lanekv_pb2", "from lanekv.proto import lanekv_pb2")
+    return text.replace("'proto.lanekv_pb2'", "'lanekv.proto.lanekv_pb2'")
+
+
 def _post_process(name: str, text: str) -> str:
+    text = _into_lanekv(text)
     if name == "lanekv_pb2.py":
         text = _strip_protobuf_guard(text)
     elif name == "lanekv_pb2_grpc.py":

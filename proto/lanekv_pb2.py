@@ -19,7 +19,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/lanekv.p
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'proto.lanekv_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'lanekv.proto.lanekv_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PREFILLREPLY_TIMINGSENTRY']._loaded_options = None

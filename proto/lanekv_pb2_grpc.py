@@ -3,7 +3,7 @@
 """Client and server classes corresponding to protobuf-defined services."""
 import grpc
 
-from proto import lanekv_pb2 as proto_dot_lanekv__pb2
+from lanekv.proto import lanekv_pb2 as proto_dot_lanekv__pb2
 
 
 class PrefillServiceStub:

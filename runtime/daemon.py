@@ -27,14 +27,13 @@ from pathlib import Path
 from typing import Protocol
 
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from runtime.advertise import advertise_host, is_wildcard, join_host_port
-from runtime.gcpause import frozen
-from runtime.metrics import MetricsEndpoint, Registry, serve_metrics
-from runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
-from runtime.security import SecurityConfig, bind, make_server
-from runtime.shmfiles import reclaim_stale
-from runtime.status import HealthServicer, one_line
+from lanekv.runtime.advertise import advertise_host, is_wildcard, join_host_port
+from lanekv.runtime.gcpause import frozen
+from lanekv.runtime.metrics import MetricsEndpoint, Registry, serve_metrics
+from lanekv.runtime.rpc_metrics import LanekvMetrics, lanekv_metrics
+from lanekv.runtime.security import SecurityConfig, bind, make_server
+from lanekv.runtime.shmfiles import reclaim_stale
+from lanekv.runtime.status import HealthServicer, one_line
 
 log = logging.getLogger("lanekv.daemon")
 _SERVING = health_pb2.HealthCheckResponse.SERVING

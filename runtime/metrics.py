@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
-from runtime.security import SecurityConfig
+from lanekv.runtime.security import SecurityConfig
 
 log = logging.getLogger(__name__)
 

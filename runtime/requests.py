@@ -11,12 +11,11 @@ from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
-
-from model.sampling import SamplingParams
-from model.tokenizer import Tokenizer
-from runtime.limits import same_kind
-from runtime.status import Refusal
-from transfer.protocol.wire import MAX_REQUEST_ID_LEN
+from lanekv.model.sampling import SamplingParams
+from lanekv.model.tokenizer import Tokenizer
+from lanekv.runtime.limits import same_kind
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.protocol.wire import MAX_REQUEST_ID_LEN
 
 Code = grpc.StatusCode
 # A generous bound on characters per token, to refuse absurd texts before tokenizing.

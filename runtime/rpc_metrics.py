@@ -14,9 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-
-from runtime.limits import is_non_blocking, same_kind
-from runtime.metrics import Counter, Gauge, Histogram, Registry
+from lanekv.runtime.limits import is_non_blocking, same_kind
+from lanekv.runtime.metrics import Counter, Gauge, Histogram, Registry
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-
-from runtime.limits import CallLimits, CallLimitsInterceptor
-from runtime.reflection import ReflectingServer
-from runtime.requests import MalformedRequestInterceptor
-from runtime.status import grpc_options
+from lanekv.runtime.limits import CallLimits, CallLimitsInterceptor
+from lanekv.runtime.reflection import ReflectingServer
+from lanekv.runtime.requests import MalformedRequestInterceptor
+from lanekv.runtime.status import grpc_options
 
 log = logging.getLogger(__name__)
 

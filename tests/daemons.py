@@ -8,12 +8,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import grpc
-
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
 # Leases long enough that no test's pages expire under it.
 LONG_LEASE = DaemonConfig(lease_s=600)

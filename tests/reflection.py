@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from runtime.security import SecurityConfig, open_channel
+from lanekv.runtime.security import SecurityConfig, open_channel
 
 
 def list_services(endpoint: str, security: SecurityConfig, timeout: float = 10.0) -> list[str]:

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.model.kv_rows import dsa_layout
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.transfer.grpcfetch import spans as spans_module
+from lanekv.transfer.protocol.wire import ChunkHeader
 
-from model.kv_rows import dsa_layout
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_deepseek_v32
 from tests.daemons import generate_concurrently, running_pair
 from tests.threaded_e2e import threaded_generate
-from transfer.grpcfetch import spans as spans_module
-from transfer.protocol.wire import ChunkHeader
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT_LENS = [1, 8, 27, 61]

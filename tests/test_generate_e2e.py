@@ -18,10 +18,10 @@ import time
 import grpc
 import pytest
 import torch
+from lanekv.model.tokenizer import load_tokenizer
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
-from model.tokenizer import load_tokenizer
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
 from tests.daemons import running_pair
 

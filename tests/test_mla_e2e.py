@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.prefill.engine_config import EngineConfig
 
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import (
     DEEPSEEK_WRITERS,
     EOS_TOKEN_ID,

@@ -4,8 +4,7 @@ from importlib import metadata
 from pathlib import Path
 
 import pytest
-
-from proto import generate
+from lanekv.proto import generate
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,9 +42,9 @@ def test_no_runtime_version_guards(name):
 
 
 def test_generated_modules_import_as_package():
-    from proto import lanekv_pb2, lanekv_pb2_grpc
+    from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
-    assert "from proto import lanekv_pb2" in committed("lanekv_pb2_grpc.py")
+    assert "from lanekv.proto import lanekv_pb2" in committed("lanekv_pb2_grpc.py")
     assert lanekv_pb2.DESCRIPTOR.package == "lanekv.v1"
     services = set(lanekv_pb2.DESCRIPTOR.services_by_name)
     assert services == {"PrefillService", "KVTransfer", "DecodeService"}

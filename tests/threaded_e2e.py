@@ -8,14 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
-
-from decode.engine import DecodeEngine
-from decode.pool import PagePool, PageTable
-from kernels.page_copy import scatter_pages
-from model.sampling import SamplingParams
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
+from lanekv.decode.engine import DecodeEngine
+from lanekv.decode.pool import PagePool, PageTable
+from lanekv.kernels.page_copy import scatter_pages
+from lanekv.model.sampling import SamplingParams
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
 
 PROMPT_TOKENS_BOUND = 200  # the prompts' and outputs' tokens, together, stay below this
 

@@ -32,12 +32,11 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
-
-from decode.cuda.step import step_hidden
-from decode.pool import PagePool, PageTable
-from model.deepseek import DeepseekCausalLM
-from model.llama import CausalLM
-from runtime.gcpause import paused
+from lanekv.decode.cuda.step import step_hidden
+from lanekv.decode.pool import PagePool, PageTable
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.llama import CausalLM
+from lanekv.runtime.gcpause import paused
 
 log = logging.getLogger("lanekv.decode")
 

@@ -22,17 +22,16 @@ same function runs eagerly or inside a CUDA-graph capture (``decode.cuda.graphs`
 from __future__ import annotations
 
 import torch
-
-from decode.pool import PagePool
-from kernels.decode_attention import paged_decode_attention
-from kernels.dsa.index_cache import store_index_k
-from kernels.dsa.select import decode_select
-from kernels.dsa.sparse_mla import sparse_mla_decode
-from kernels.mla_decode import paged_mla_decode_attention
-from kernels.rope_store import rope_store_kv
-from kernels.store_kv import store_kv
-from model.deepseek import DeepseekCausalLM
-from model.llama import CausalLM
+from lanekv.decode.pool import PagePool
+from lanekv.kernels.decode_attention import paged_decode_attention
+from lanekv.kernels.dsa.index_cache import store_index_k
+from lanekv.kernels.dsa.select import decode_select
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode
+from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.rope_store import rope_store_kv
+from lanekv.kernels.store_kv import store_kv
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.llama import CausalLM
 
 
 def step_hidden(model: CausalLM | DeepseekCausalLM, pool: PagePool, input_ids: torch.Tensor,

@@ -25,12 +25,11 @@ import time
 
 import torch
 import triton
-
-from decode.pool import PagePool
-from kernels.decode_attention import DecodeConfig, paged_decode_attention
-from kernels.mla_decode import paged_mla_decode_attention
-from kernels.page_copy import scatter_pages
-from kernels.page_digest import PageDigest
+from lanekv.decode.pool import PagePool
+from lanekv.kernels.decode_attention import DecodeConfig, paged_decode_attention
+from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.page_copy import scatter_pages
+from lanekv.kernels.page_digest import PageDigest
 
 log = logging.getLogger("lanekv.decode")
 

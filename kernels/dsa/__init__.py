@@ -3,9 +3,9 @@ the model dtype), the lightning indexer's scores and top-k, and sparse MLA
 attention over the selected latent rows. Each op sits beside its torch
 reference, as the other kernels do."""
 
-from kernels.dsa.index_cache import IndexCacheSpec, read_index_k, store_index_k
-from kernels.dsa.indexer import index_scores, index_topk, paged_index_scores
-from kernels.dsa.sparse_mla import sparse_mla_decode, sparse_mla_prefill
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k, store_index_k
+from lanekv.kernels.dsa.indexer import index_scores, index_topk, paged_index_scores
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 
 __all__ = [
     "IndexCacheSpec",

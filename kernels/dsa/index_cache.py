@@ -25,9 +25,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
-from kernels.store_kv import store_kv_triton
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.store_kv import store_kv_triton
 
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-4  # an all-zero block gets a tiny finite scale, never 0 / 0

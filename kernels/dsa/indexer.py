@@ -31,10 +31,9 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
-from kernels.dsa.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
-from kernels.kv_layout import check_page_table
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
+from lanekv.kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_INDEX_HEADS = 128

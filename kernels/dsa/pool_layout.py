@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
-from kernels.dsa.index_cache import IndexCacheSpec
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

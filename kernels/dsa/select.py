@@ -22,10 +22,9 @@ tied scores is cut where transformers cuts it (see ``kernels/dsa/indexer.py``).
 from __future__ import annotations
 
 import torch
-
-from kernels.backend import use_triton
-from kernels.dsa.index_cache import IndexCacheSpec, read_index_k
-from kernels.dsa.indexer import index_scores, index_topk, paged_index_scores
+from lanekv.kernels.backend import use_triton
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k
+from lanekv.kernels.dsa.indexer import index_scores, index_topk, paged_index_scores
 
 
 def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,

@@ -27,8 +27,7 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
+from lanekv.kernels.backend import check_same_device, use_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634

@@ -2,6 +2,6 @@
 (token, choice) pairs sorted by expert on the device, beside their torch
 reference."""
 
-from kernels.moe.experts import MoETiles, moe_experts
+from lanekv.kernels.moe.experts import MoETiles, moe_experts
 
 __all__ = ["MoETiles", "moe_experts"]

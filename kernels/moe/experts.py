@@ -27,8 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-
-from kernels.backend import check_same_device, use_triton
+from lanekv.kernels.backend import check_same_device, use_triton
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_EXPERTS = 1024

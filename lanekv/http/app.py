@@ -32,8 +32,8 @@ from lanekv.http.generate import Generation, Plan, run_until_disconnect, wait_di
 from lanekv.http.metrics import FrontMetrics
 from lanekv.http.protocol import ChatRequest, Common, parse_chat, parse_completion
 from lanekv.http.replies import DONE, ReplyShape, sse
-from model.config import ModelConfig
-from model.tokenizer import load_tokenizer
+from lanekv.model.config import ModelConfig
+from lanekv.model.tokenizer import load_tokenizer
 
 log = logging.getLogger("lanekv.http")
 OPEN_PATHS = ("/health",)

@@ -27,9 +27,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lanekv.http.config import FrontConfig
 from lanekv.http.errors import APIError
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.security import AUTH_METADATA_KEY, SecurityConfig
-from runtime.status import SLOW_CHECKS_TO_LEAVE, grpc_options, slow_checks_after
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.security import AUTH_METADATA_KEY, SecurityConfig
+from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE, grpc_options, slow_checks_after
 
 log = logging.getLogger("lanekv.http")
 DECODE_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.security import SecurityConfig
+from lanekv.runtime.security import SecurityConfig
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import grpc
 from lanekv.http.backends import Backend, Backends
 from lanekv.http.errors import APIError, from_grpc
 from lanekv.http.protocol import Sampling
-from proto import lanekv_pb2
+from lanekv.proto import lanekv_pb2
 
 FINISH_REASONS = ("stop", "length")
 

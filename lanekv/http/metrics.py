@@ -8,7 +8,7 @@ running requests, requests handed to it and whether it is in rotation.
 from __future__ import annotations
 
 from lanekv.http.backends import Backends
-from runtime.metrics import CONTENT_TYPE, Registry
+from lanekv.runtime.metrics import CONTENT_TYPE, Registry
 
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 

@@ -22,8 +22,8 @@ import uvicorn
 
 from lanekv.http.app import build_app
 from lanekv.http.config import FrontConfig
-from runtime.daemon import write_atomically
-from runtime.security import SecurityConfig
+from lanekv.runtime.daemon import write_atomically
+from lanekv.runtime.security import SecurityConfig
 
 log = logging.getLogger("lanekv.http")
 

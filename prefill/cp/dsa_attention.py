@@ -16,12 +16,11 @@ long as the request) and attends only to those rows in the latent space
 from __future__ import annotations
 
 import torch
-
-from kernels.dsa.index_cache import read_index_k, store_index_k
-from kernels.dsa.indexer import index_scores, index_topk
-from kernels.dsa.sparse_mla import sparse_mla_prefill
-from kernels.store_kv import store_kv
-from model.dsa import IndexInputs
+from lanekv.kernels.dsa.index_cache import read_index_k, store_index_k
+from lanekv.kernels.dsa.indexer import index_scores, index_topk
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_prefill
+from lanekv.kernels.store_kv import store_kv
+from lanekv.model.dsa import IndexInputs
 
 # Queries scored at once: a [chunk, request length] float32 block of scores.
 QUERY_CHUNK = 2048

@@ -39,10 +39,9 @@ import time
 from typing import NamedTuple
 
 import torch
+from lanekv.model.deepseek import DeepseekCausalLM, Router
+from lanekv.model.llama import CausalLM, FusedLinear
 from torch import nn
-
-from model.deepseek import DeepseekCausalLM, Router
-from model.llama import CausalLM, FusedLinear
 
 log = logging.getLogger("lanekv.prefill")
 # Row counts up to this get every multiple of the page size ...

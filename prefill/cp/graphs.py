@@ -42,9 +42,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-
-from model.llama import MLP, CausalLM, RopeAttentionFn
-from runtime.gcpause import paused
+from lanekv.model.llama import MLP, CausalLM, RopeAttentionFn
+from lanekv.runtime.gcpause import paused
 
 log = logging.getLogger("lanekv.prefill")
 # Row counts captured: every FINE_STEP rows up to FINE_ROWS, then every COARSE_STEP

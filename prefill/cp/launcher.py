@@ -29,12 +29,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-
-from model.sampling import SamplingParams
-from prefill.allocator import LaneAllocator
-from prefill.cp.gemm_warmup import GemmWarmUp
-from prefill.cp.graphs import GraphCapture
-from prefill.cp.messages import (
+from lanekv.model.sampling import SamplingParams
+from lanekv.prefill.allocator import LaneAllocator
+from lanekv.prefill.cp.gemm_warmup import GemmWarmUp
+from lanekv.prefill.cp.graphs import GraphCapture
+from lanekv.prefill.cp.messages import (
     Answer,
     Call,
     CaptureGraphs,
@@ -55,13 +54,13 @@ from prefill.cp.messages import (
     WarmGemms,
     for_each_rank,
 )
-from prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
-from prefill.cp.runner import PrefillBatch, RankResult
-from prefill.cp.watch import RankWatcher, exit_reason
-from prefill.engine_config import EngineConfig
-from prefill.plan import plan_batch
-from transfer.protocol.contract import Topology
-from transfer.protocol.descriptors import remove_shared_pool
+from lanekv.prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
+from lanekv.prefill.cp.runner import PrefillBatch, RankResult
+from lanekv.prefill.cp.watch import RankWatcher, exit_reason
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.plan import plan_batch
+from lanekv.transfer.protocol.contract import Topology
+from lanekv.transfer.protocol.descriptors import remove_shared_pool
 
 log = logging.getLogger("lanekv.prefill")
 

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from prefill.cp.runner import PrefillBatch
-from transfer.protocol.contract import Topology
+from lanekv.prefill.cp.runner import PrefillBatch
+from lanekv.transfer.protocol.contract import Topology
 
 # -- parent -> rank ---------------------------------------------------------
 

@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from kernels.page_copy import gather_pages
-from transfer.protocol.contract import Agreement
-from transfer.rank.sources import TensorPageSource
+from lanekv.kernels.page_copy import gather_pages
+from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.rank.sources import TensorPageSource
 
 
 class RankPageSource(TensorPageSource):

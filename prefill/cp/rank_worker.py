@@ -26,12 +26,11 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 import torch.distributed as dist
-
-from model.checkpoint import LoadedModel
-from model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
-from prefill.cp.gemm_warmup import warm_gemms
-from prefill.cp.graphs import capture_graphs
-from prefill.cp.messages import (
+from lanekv.model.checkpoint import LoadedModel
+from lanekv.model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
+from lanekv.prefill.cp.gemm_warmup import warm_gemms
+from lanekv.prefill.cp.graphs import capture_graphs
+from lanekv.prefill.cp.messages import (
     Answer,
     Call,
     CaptureGraphs,
@@ -53,23 +52,28 @@ from prefill.cp.messages import (
     TileRows,
     WarmGemms,
 )
-from prefill.cp.page_source import RankPageSource
-from prefill.cp.runner import PrefillBatch, RankRunner
-from prefill.cp.tile_rows import tile_switch_rows
-from prefill.engine_config import EngineConfig, load_for
-from prefill.layout import OwnerLaneLayout
-from runtime.advertise import join_host_port
-from runtime.gcpause import GcClock, freeze_start_up, thaw
-from runtime.hostmem import keep_freed_buffers
-from runtime.metrics import Registry
-from runtime.rpc_metrics import lanekv_metrics
-from runtime.security import SecurityConfig
-from runtime.shmfiles import pool_file_name
-from runtime.status import TRANSFER_SERVICE, bounded, one_line
-from transfer.protocol.contract import Agreement
-from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool, shm_room
-from transfer.rank.progress import LayerProgress
-from transfer.rank.service import serve
+from lanekv.prefill.cp.page_source import RankPageSource
+from lanekv.prefill.cp.runner import PrefillBatch, RankRunner
+from lanekv.prefill.cp.tile_rows import tile_switch_rows
+from lanekv.prefill.engine_config import EngineConfig, load_for
+from lanekv.prefill.layout import OwnerLaneLayout
+from lanekv.runtime.advertise import join_host_port
+from lanekv.runtime.gcpause import GcClock, freeze_start_up, thaw
+from lanekv.runtime.hostmem import keep_freed_buffers
+from lanekv.runtime.metrics import Registry
+from lanekv.runtime.rpc_metrics import lanekv_metrics
+from lanekv.runtime.security import SecurityConfig
+from lanekv.runtime.shmfiles import pool_file_name
+from lanekv.runtime.status import TRANSFER_SERVICE, bounded, one_line
+from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.descriptors import (
+    SHM_DIR,
+    remove_shared_pool,
+    shared_cpu_pool,
+    shm_room,
+)
+from lanekv.transfer.rank.progress import LayerProgress
+from lanekv.transfer.rank.service import serve
 
 # How often an idle rank checks that its parent is still alive (and reports its call counts).
 _POLL_S = 1.0

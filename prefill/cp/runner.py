@@ -24,25 +24,24 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
-
-from kernels.dsa.pool_layout import DSARowLayout
-from kernels.prefill_attention import cp_prefill_attention
-from kernels.prefill_attention_ref import AttnSegments
-from kernels.rerange import rerange
-from kernels.rope_store import rope_store_kv
-from kernels.store_kv import store_kv
-from model.deepseek import DeepseekCausalLM
-from model.llama import CausalLM
-from model.sampling import SamplingParams, sample
-from prefill.cp.dsa_attention import CPSparseAttention
-from prefill.cp.thread_group import ThreadGroup
-from prefill.index import RankIndex, build_rank_index
-from prefill.layout import OwnerLaneLayout
-from prefill.plan import BatchPlan, plan_batch
-from runtime.gcpause import GcClock
+from lanekv.kernels.dsa.pool_layout import DSARowLayout
+from lanekv.kernels.prefill_attention import cp_prefill_attention
+from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.rerange import rerange
+from lanekv.kernels.rope_store import rope_store_kv
+from lanekv.kernels.store_kv import store_kv
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.llama import CausalLM
+from lanekv.model.sampling import SamplingParams, sample
+from lanekv.prefill.cp.dsa_attention import CPSparseAttention
+from lanekv.prefill.cp.thread_group import ThreadGroup
+from lanekv.prefill.index import RankIndex, build_rank_index
+from lanekv.prefill.layout import OwnerLaneLayout
+from lanekv.prefill.plan import BatchPlan, plan_batch
+from lanekv.runtime.gcpause import GcClock
 
 if TYPE_CHECKING:
-    from prefill.cp.graphs import PrefillGraphs
+    from lanekv.prefill.cp.graphs import PrefillGraphs
 
 
 @dataclass(frozen=True)

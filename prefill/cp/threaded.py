@@ -11,15 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from model.checkpoint import LoadedModel
-from prefill.allocator import LaneAllocator
-from prefill.cp.gemm_warmup import GemmWarmUp
-from prefill.cp.graphs import GraphCapture
-from prefill.cp.launcher import PrefillEngine
-from prefill.cp.messages import CaptureGraphs, Command, WarmGemms, for_each_rank
-from prefill.cp.rank_worker import build_runner, describe, handle
-from prefill.cp.thread_group import ThreadGroup
-from prefill.engine_config import EngineConfig, load_for
+from lanekv.model.checkpoint import LoadedModel
+from lanekv.prefill.allocator import LaneAllocator
+from lanekv.prefill.cp.gemm_warmup import GemmWarmUp
+from lanekv.prefill.cp.graphs import GraphCapture
+from lanekv.prefill.cp.launcher import PrefillEngine
+from lanekv.prefill.cp.messages import CaptureGraphs, Command, WarmGemms, for_each_rank
+from lanekv.prefill.cp.rank_worker import build_runner, describe, handle
+from lanekv.prefill.cp.thread_group import ThreadGroup
+from lanekv.prefill.engine_config import EngineConfig, load_for
 
 
 class ThreadedPrefillEngine(PrefillEngine):

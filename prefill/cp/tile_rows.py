@@ -13,10 +13,9 @@ kernel while a request waits. On the CPU nothing compiles: the set is empty.
 from __future__ import annotations
 
 import torch
-
-from kernels.moe.experts import prefill_tile_min_pairs
-from kernels.prefill_attention import big_tile_min_rows
-from model.config import ModelConfig
+from lanekv.kernels.moe.experts import prefill_tile_min_pairs
+from lanekv.kernels.prefill_attention import big_tile_min_rows
+from lanekv.model.config import ModelConfig
 
 
 def tile_switch_rows(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> tuple[int, ...]:

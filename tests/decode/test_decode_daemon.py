@@ -17,13 +17,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
 from lanekv.client_commands import fetch_contract
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_deepseek_v3, write_llama
 
 REPO = Path(__file__).resolve().parents[2]

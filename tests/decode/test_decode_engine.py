@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.decode.colocated import generate_colocated, prefill_into_pool
+from lanekv.decode.engine import FINISH_LENGTH, FINISH_STOP, DecodeEngine, TokenEvent
+from lanekv.decode.pool import PagePool, PageTable
+from lanekv.model.checkpoint import LoadedModel, load_model
+from lanekv.model.sampling import SamplingParams
 
-from decode.colocated import generate_colocated, prefill_into_pool
-from decode.engine import FINISH_LENGTH, FINISH_STOP, DecodeEngine, TokenEvent
-from decode.pool import PagePool, PageTable
-from model.checkpoint import LoadedModel, load_model
-from model.sampling import SamplingParams
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_mistral, write_qwen2
 
 GREEDY = SamplingParams()

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.decode.colocated import prefill_into_pool
+from lanekv.decode.cuda import step as step_module
+from lanekv.decode.cuda.graphs import DecodeGraphs, check_ladder, default_ladder
+from lanekv.decode.engine import DecodeEngine
+from lanekv.decode.pool import PagePool, PageTable
+from lanekv.kernels.dsa.select import select_fixed_width
+from lanekv.model.checkpoint import LoadedModel, load_model
+from lanekv.model.sampling import SamplingParams
 
-from decode.colocated import prefill_into_pool
-from decode.cuda import step as step_module
-from decode.cuda.graphs import DecodeGraphs, check_ladder, default_ladder
-from decode.engine import DecodeEngine
-from decode.pool import PagePool, PageTable
-from kernels.dsa.select import select_fixed_width
-from model.checkpoint import LoadedModel, load_model
-from model.sampling import SamplingParams
 from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_deepseek_v32, write_llama
 from tests.markers import requires_gpu
 

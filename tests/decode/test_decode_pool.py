@@ -7,9 +7,8 @@ import threading
 
 import pytest
 import torch
-
-from decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
-from kernels.kv_layout import KVCacheSpec
+from lanekv.decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
+from lanekv.kernels.kv_layout import KVCacheSpec
 
 
 def make_pool(num_pages: int = 8, page_size: int = 4) -> PagePool:

@@ -20,21 +20,21 @@ import time
 import grpc
 import pytest
 import torch
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.decode.prefill_call import PrefillCall
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.manifest import Manifest
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from decode.prefill_call import PrefillCall
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import generate_request, wait_until
-from transfer.fastpath.client import FastPath
-from transfer.grpcfetch.client import KVClient
-from transfer.protocol.manifest import Manifest
-from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
 PAGE_SIZE = 4
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 49, 53]
@@ -210,7 +210,7 @@ def test_a_digest_that_never_matches_falls_back_to_grpc(checkpoint, monkeypatch)
     with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
         assert _tokens(decode.endpoint) == expected  # the fast path, digests matching
         assert {decode.fastpath.transport(e) for e in prefill.topology.endpoints} == {"shm"}
-        monkeypatch.setattr("transfer.fastpath.rangecopy.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
+        monkeypatch.setattr("lanekv.transfer.fastpath.rangecopy.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
         failures = decode.metrics.failures.labels(cause="fastpath_digest")
         before = failures.value
         assert _tokens(decode.endpoint, request_id="mismatch") == expected

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanekv.decode.colocated import generate_colocated
+from lanekv.decode.engine import DecodeEngine
+from lanekv.decode.pool import PagePool
+from lanekv.kernels.mla_decode import paged_mla_decode_attention, paged_mla_decode_attention_ref
+from lanekv.model.checkpoint import load_model
+from lanekv.model.sampling import SamplingParams
 
-from decode.colocated import generate_colocated
-from decode.engine import DecodeEngine
-from decode.pool import PagePool
-from kernels.mla_decode import paged_mla_decode_attention, paged_mla_decode_attention_ref
-from model.checkpoint import load_model
-from model.sampling import SamplingParams
 from tests.checkpoints import (
     DEEPSEEK_WRITERS,
     EOS_TOKEN_ID,

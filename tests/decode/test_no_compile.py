@@ -8,13 +8,13 @@ import random
 
 import pytest
 import torch
+from lanekv.decode.cuda.warmup import warm_up_kernels
+from lanekv.decode.engine import DecodeEngine
+from lanekv.decode.pool import PagePool, PageTable
+from lanekv.kernels.backend import recording_compiles
+from lanekv.model.checkpoint import load_model
+from lanekv.model.sampling import SamplingParams
 
-from decode.cuda.warmup import warm_up_kernels
-from decode.engine import DecodeEngine
-from decode.pool import PagePool, PageTable
-from kernels.backend import recording_compiles
-from model.checkpoint import load_model
-from model.sampling import SamplingParams
 from tests.checkpoints import write_deepseek_v3, write_llama
 from tests.markers import requires_gpu
 

@@ -10,13 +10,18 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2
-
-from decode.budget import PageBudget
-from decode.generate import GenerateCall, GenerateContext, GeneratePipeline, GenerateSpec, Prepared
-from decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
-from runtime.status import Refusal
-from transfer.errors import ContractMismatch
-from transfer.protocol.contract import FieldDiff, Topology
+from lanekv.decode.budget import PageBudget
+from lanekv.decode.generate import (
+    GenerateCall,
+    GenerateContext,
+    GeneratePipeline,
+    GenerateSpec,
+    Prepared,
+)
+from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.errors import ContractMismatch
+from lanekv.transfer.protocol.contract import FieldDiff, Topology
 
 Code = grpc.StatusCode
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -326,7 +331,7 @@ def test_a_slow_health_check_leaves_only_after_several_in_a_row():
     """A busy prefill daemon may answer its health check late: it stays in the pick
     until SLOW_CHECKS_TO_LEAVE checks in a row time out (one answer between starts
     the count again); a refused connection or NOT_SERVING takes it out at once."""
-    from decode.prefill_call import SLOW_CHECKS_TO_LEAVE
+    from lanekv.decode.prefill_call import SLOW_CHECKS_TO_LEAVE
 
     pool, (a,) = _pool(1)
     slow = lambda request, timeout: (_ for _ in ()).throw(_Slow())  # noqa: E731

@@ -9,13 +9,13 @@ import threading
 from types import SimpleNamespace
 
 import pytest
+from lanekv.decode.detokenize import Detokenizer
+from lanekv.decode.engine import TokenEvent
+from lanekv.decode.generate import _ABANDONED, GenerateCall, GeneratePipeline
+from lanekv.decode.service import _reply
+from lanekv.model.tokenizer import load_tokenizer
+from lanekv.runtime.status import Refusal
 
-from decode.detokenize import Detokenizer
-from decode.engine import TokenEvent
-from decode.generate import _ABANDONED, GenerateCall, GeneratePipeline
-from decode.service import _reply
-from model.tokenizer import load_tokenizer
-from runtime.status import Refusal
 from tests.checkpoints import write_llama
 
 

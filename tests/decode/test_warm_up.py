@@ -17,24 +17,24 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from lanekv.decode.colocated import generate_colocated
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.decode.engine import TokenEvent
+from lanekv.decode.pool import PagePool
+from lanekv.decode.streams import Streams
+from lanekv.model.checkpoint import load_model
+from lanekv.model.sampling import SamplingParams
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.metrics import Registry
+from lanekv.runtime.rpc_metrics import lanekv_metrics
+from lanekv.transfer.grpcfetch.client import FetchStats, RankStats
 
-from decode.colocated import generate_colocated
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from decode.engine import TokenEvent
-from decode.pool import PagePool
-from decode.streams import Streams
-from model.checkpoint import load_model
-from model.sampling import SamplingParams
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.metrics import Registry
-from runtime.rpc_metrics import lanekv_metrics
 from tests.checkpoints import write_llama
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import wait_until
-from transfer.grpcfetch.client import FetchStats, RankStats
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4

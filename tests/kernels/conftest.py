@@ -4,8 +4,7 @@ interpreter is off, so those tests cannot run there: they are skipped with a
 reason, and the ``gpu``-marked tests run the compiled kernels instead."""
 
 import pytest
-
-from kernels.backend import interpreter_enabled
+from lanekv.kernels.backend import interpreter_enabled
 
 
 def pytest_collection_modifyitems(config, items):

@@ -4,14 +4,14 @@ import math
 
 import pytest
 import torch
-
-from kernels.decode_attention import (
+from lanekv.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
 )
+
 from tests.markers import requires_gpu
 
 

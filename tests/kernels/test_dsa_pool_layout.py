@@ -5,23 +5,27 @@ digest and a wire chunk's checksum see one flipped index byte."""
 
 import pytest
 import torch
-
-from kernels.dsa.index_cache import (
+from lanekv.kernels.dsa.index_cache import (
     IndexCacheSpec,
     quantize_index_k_ref,
     store_index_k_ref,
     store_index_k_triton,
 )
-from kernels.dsa.indexer import index_scores_ref, paged_index_scores_ref, paged_index_scores_triton
-from kernels.dsa.pool_layout import DSARowLayout, dsa_row_elements
-from kernels.dsa.select import decode_select
-from kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
-from kernels.kv_layout import KVCacheSpec
-from kernels.page_copy import gather_pages
-from kernels.page_digest import page_digest
+from lanekv.kernels.dsa.indexer import (
+    index_scores_ref,
+    paged_index_scores_ref,
+    paged_index_scores_triton,
+)
+from lanekv.kernels.dsa.pool_layout import DSARowLayout, dsa_row_elements
+from lanekv.kernels.dsa.select import decode_select
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
+from lanekv.kernels.kv_layout import KVCacheSpec
+from lanekv.kernels.page_copy import gather_pages
+from lanekv.kernels.page_digest import page_digest
+from lanekv.transfer.protocol.contract import dsa_row_elements as contract_row_elements
+from lanekv.transfer.protocol.wire import encode_chunk
+
 from tests.markers import requires_gpu
-from transfer.protocol.contract import dsa_row_elements as contract_row_elements
-from transfer.protocol.wire import encode_chunk
 
 LATENT, DIM, PAGE = 20, 32, 4
 
@@ -98,7 +102,7 @@ def test_paged_scores_and_selection_read_the_view_in_place(cache_dtype):
 
 
 def _keys(index, table_row, t, lay):
-    from kernels.dsa.index_cache import read_index_k_ref
+    from lanekv.kernels.dsa.index_cache import read_index_k_ref
 
     rows = table_row[t // PAGE].long() * PAGE + t % PAGE
     return read_index_k_ref(index, rows, lay.index).float()

@@ -7,12 +7,12 @@ path does, for requests longer than ``topk``, shorter than it, and padding rows
 
 import pytest
 import torch
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_ref
+from lanekv.kernels.dsa.indexer import paged_index_scores_triton
+from lanekv.kernels.dsa.pool_layout import DSARowLayout
+from lanekv.kernels.dsa.select import decode_select, first_topk
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
 
-from kernels.dsa.index_cache import IndexCacheSpec, store_index_k_ref
-from kernels.dsa.indexer import paged_index_scores_triton
-from kernels.dsa.pool_layout import DSARowLayout
-from kernels.dsa.select import decode_select, first_topk
-from kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
 from tests.markers import requires_gpu
 
 LATENT, ROPE, DIM, PAGE, TOPK = 16, 8, 32, 4, 6

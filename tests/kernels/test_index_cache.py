@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from kernels.dsa.index_cache import (
+from lanekv.kernels.dsa.index_cache import (
     IndexCacheSpec,
     quantize_index_k_ref,
     read_index_k,
@@ -13,6 +12,7 @@ from kernels.dsa.index_cache import (
     store_index_k_ref,
     store_index_k_triton,
 )
+
 from tests.markers import requires_gpu
 
 SENTINEL = 0xA5

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from kernels.dsa.index_cache import IndexCacheSpec, read_index_k_ref, store_index_k_ref
-from kernels.dsa.indexer import (
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k_ref, store_index_k_ref
+from lanekv.kernels.dsa.indexer import (
     index_scores,
     index_scores_ref,
     index_scores_triton,
@@ -13,6 +12,7 @@ from kernels.dsa.indexer import (
     paged_index_scores_ref,
     paged_index_scores_triton,
 )
+
 from tests.markers import requires_gpu
 
 

@@ -12,8 +12,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-
-from kernels.mla_decode import (
+from lanekv.kernels.mla_decode import (
     MLADecodeConfig,
     choose_mla_splits,
     default_mla_config,
@@ -21,6 +20,7 @@ from kernels.mla_decode import (
     paged_mla_decode_attention_ref,
     paged_mla_decode_attention_triton,
 )
+
 from tests.markers import requires_gpu
 
 RANK, ROPE = 32, 8

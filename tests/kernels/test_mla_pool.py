@@ -3,11 +3,10 @@ kernels: the same wire order, bytes and digests as a K/V pool, one plane per lay
 
 import pytest
 import torch
-
-from kernels.kv_layout import KVCacheSpec, check_pool_tensor
-from kernels.page_copy import gather_pages_ref, gather_pages_triton, scatter_pages_triton
-from kernels.page_digest import kv_digest, page_digest_ref, page_digest_triton
-from kernels.store_kv import store_kv_ref, store_kv_triton
+from lanekv.kernels.kv_layout import KVCacheSpec, check_pool_tensor
+from lanekv.kernels.page_copy import gather_pages_ref, gather_pages_triton, scatter_pages_triton
+from lanekv.kernels.page_digest import kv_digest, page_digest_ref, page_digest_triton
+from lanekv.kernels.store_kv import store_kv_ref, store_kv_triton
 
 U64 = (1 << 64) - 1
 LATENT = 40  # kv_lora_rank 32 + qk_rope_head_dim 8 of the tiny test models

@@ -4,8 +4,8 @@ reference, and the reference against a plain per-token loop over each token's ex
 import pytest
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.moe.experts import MoETiles, moe_experts, moe_experts_ref, moe_experts_triton
 
-from kernels.moe.experts import MoETiles, moe_experts, moe_experts_ref, moe_experts_triton
 from tests.markers import requires_gpu
 
 

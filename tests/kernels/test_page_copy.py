@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from kernels.kv_layout import KVCacheSpec, check_pool_tensor
-from kernels.page_copy import (
+from lanekv.kernels.kv_layout import KVCacheSpec, check_pool_tensor
+from lanekv.kernels.page_copy import (
     gather_pages,
     gather_pages_ref,
     gather_pages_triton,
@@ -12,6 +11,7 @@ from kernels.page_copy import (
     scatter_pages_ref,
     scatter_pages_triton,
 )
+
 from tests.markers import requires_gpu
 
 SENTINEL = 0x5A

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from lanekv.kernels.kv_layout import KVCacheSpec
+from lanekv.kernels.page_copy import gather_pages_ref
+from lanekv.kernels.page_digest import kv_digest, page_digest, page_digest_ref, page_digest_triton
 
-from kernels.kv_layout import KVCacheSpec
-from kernels.page_copy import gather_pages_ref
-from kernels.page_digest import kv_digest, page_digest, page_digest_ref, page_digest_triton
 from tests.markers import requires_gpu
 
 U64 = (1 << 64) - 1
@@ -77,7 +77,7 @@ def test_compiled_kernel_equals_the_cpu_reference(dtype):
 
 @pytest.mark.parametrize("triton_path", [True, False])
 def test_page_digest_in_groups_equals_the_whole(monkeypatch, triton_path):
-    import kernels.page_digest as module
+    import lanekv.kernels.page_digest as module
 
     monkeypatch.setattr(module, "use_triton", lambda t: triton_path)
     pool = _pool(torch.float16, 7, 4, seed=5)

@@ -7,8 +7,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
-
-from kernels.prefill_attention import (
+from lanekv.kernels.prefill_attention import (
     AttnLaunchConfig,
     AttnSegments,
     cp_prefill_attention,
@@ -16,6 +15,7 @@ from kernels.prefill_attention import (
     cp_prefill_attention_triton,
     launch_cp_prefill_attention,
 )
+
 from tests.markers import requires_gpu
 
 # Kernel cases run compiled on a GPU machine and interpreted on CPU.

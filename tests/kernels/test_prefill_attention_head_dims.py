@@ -11,14 +11,14 @@ import math
 
 import pytest
 import torch
-
-from kernels.prefill_attention import (
+from lanekv.kernels.prefill_attention import (
     AttnSegments,
     cp_prefill_attention,
     cp_prefill_attention_ref,
     cp_prefill_attention_triton,
     head_dim_split,
 )
+
 from tests.kernels.test_prefill_attention import (
     THREE_REQUESTS,
     TWO_REQUESTS,

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
+from lanekv.kernels.rerange import rerange, rerange_ref, rerange_triton
 
-from kernels.rerange import rerange, rerange_ref, rerange_triton
 from tests.markers import requires_gpu
 
 SENTINEL = 0xC3

@@ -3,8 +3,8 @@ is the model's unfused RMSNorm (residual add, float32 statistics)."""
 
 import pytest
 import torch
+from lanekv.kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, add_rmsnorm_triton
 
-from kernels.rmsnorm import add_rmsnorm, add_rmsnorm_ref, add_rmsnorm_triton
 from tests.markers import requires_gpu
 
 

@@ -3,9 +3,8 @@
 
 import pytest
 import torch
-
-from kernels.kv_layout import KVCacheSpec
-from kernels.rope_store import (
+from lanekv.kernels.kv_layout import KVCacheSpec
+from lanekv.kernels.rope_store import (
     apply_rotary,
     mla_rope_ref,
     mla_rope_triton,
@@ -13,6 +12,7 @@ from kernels.rope_store import (
     rope_store_kv_ref,
     rope_store_kv_triton,
 )
+
 from tests.markers import requires_gpu
 
 SENTINEL = 0x5A

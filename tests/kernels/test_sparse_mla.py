@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from kernels.dsa.sparse_mla import (
+from lanekv.kernels.dsa.sparse_mla import (
     sparse_mla_decode,
     sparse_mla_decode_ref,
     sparse_mla_decode_triton,
@@ -11,6 +10,7 @@ from kernels.dsa.sparse_mla import (
     sparse_mla_prefill_ref,
     sparse_mla_prefill_triton,
 )
+
 from tests.markers import requires_gpu
 
 

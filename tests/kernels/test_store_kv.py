@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from lanekv.kernels.kv_layout import KVCacheSpec
+from lanekv.kernels.store_kv import store_kv, store_kv_ref, store_kv_triton
 
-from kernels.kv_layout import KVCacheSpec
-from kernels.store_kv import store_kv, store_kv_ref, store_kv_triton
 from tests.markers import requires_gpu
 
 SENTINEL = 0xA5

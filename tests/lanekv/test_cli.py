@@ -16,18 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.decode.colocated import generate_colocated
+from lanekv.decode.pool import PagePool
+from lanekv.model.checkpoint import load_model
+from lanekv.model.sampling import SamplingParams
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.transfer.protocol.contract import LayoutContract
+from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.sources import TensorPageSource
 
-from decode.colocated import generate_colocated
-from decode.pool import PagePool
 from lanekv.cli import main as lanekv
-from model.checkpoint import load_model
-from model.sampling import SamplingParams
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
-from transfer.protocol.contract import LayoutContract
-from transfer.rank.service import serve
-from transfer.rank.sources import TensorPageSource
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE_SIZE = 4

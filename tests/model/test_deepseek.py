@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.model.checkpoint import load_model
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import DeepseekCausalLM, mla_causal_attention
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import load_model
-from model.config import ModelConfig
-from model.deepseek import DeepseekCausalLM, mla_causal_attention
 from tests.checkpoints import DEEPSEEK_WRITERS, VOCAB_SIZE, write_deepseek_v3
 
 NAMES = sorted(DEEPSEEK_WRITERS)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanekv.model.checkpoint import load_model
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek_v32 import DeepseekV32CausalLM, dsa_causal_attention
 
-from model.checkpoint import load_model
-from model.config import ModelConfig
-from model.deepseek_v32 import DeepseekV32CausalLM, dsa_causal_attention
 from tests.model.test_dsa import _write_v32
 
 VOCAB = 120
@@ -63,8 +63,8 @@ def test_config_reads_the_indexer_and_refuses_it_elsewhere(checkpoint):
 
 
 def test_both_daemons_take_it_and_refuse_an_unknown_index_cache_dtype(checkpoint):
-    from decode.config import DecodeConfig
-    from prefill.engine_config import EngineConfig
+    from lanekv.decode.config import DecodeConfig
+    from lanekv.prefill.engine_config import EngineConfig
 
     assert EngineConfig(model_path=str(checkpoint)).index_cache_dtype == "fp8_e4m3"
     assert DecodeConfig(model_path=str(checkpoint), prefill_endpoint="127.0.0.1:1",

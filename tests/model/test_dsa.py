@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-
-from model.checkpoint import read_state_dict
-from model.dsa import DSAConfig, Indexer, indexer_tensor_names, load_indexer
+from lanekv.model.checkpoint import read_state_dict
+from lanekv.model.dsa import DSAConfig, Indexer, indexer_tensor_names, load_indexer
 
 SEQ_LEN = 24
 

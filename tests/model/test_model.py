@@ -10,11 +10,11 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from lanekv.model.checkpoint import LoadedModel, load_model, tensor_files
+from lanekv.model.config import ModelConfig
+from lanekv.model.llama import CausalLM, causal_attention
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import LoadedModel, load_model, tensor_files
-from model.config import ModelConfig
-from model.llama import CausalLM, causal_attention
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, WRITERS, write_llama
 
 ARCHS = sorted(WRITERS)
@@ -251,7 +251,7 @@ def test_qwen3_moe_reads_its_experts_and_routes_like_transformers(checkpoint_dir
     """Every layer's MLP is a MoE block (no shared experts, softmax top-2 of 8,
     renormalised); the contract names the MoE; config.json's expert count may come
     as num_experts (Qwen's files) or num_local_experts (transformers 5 writes it)."""
-    from model.qwen3_moe import Qwen3MoeCausalLM
+    from lanekv.model.qwen3_moe import Qwen3MoeCausalLM
 
     hf = _hf_config(checkpoint_dirs["qwen3_moe"])
     config = ModelConfig.from_hf(hf)

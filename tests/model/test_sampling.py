@@ -6,8 +6,7 @@ import math
 
 import pytest
 import torch
-
-from model.sampling import SamplingParams, sample, step_seed
+from lanekv.model.sampling import SamplingParams, sample, step_seed
 
 GREEDY = SamplingParams()
 

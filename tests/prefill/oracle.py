@@ -29,7 +29,7 @@ def prefill_with_prefix(eng, prompt: Sequence[int], prefix_tokens: int, reuse_pa
     """``prompt`` prefilled twice on ``eng``: reusing the first ``reuse_pages`` pages
     of an earlier prefill of its first ``prefix_tokens`` tokens (logits returned),
     and whole. Returns (reused, whole)."""
-    from prefill.cp.launcher import PrefillInput
+    from lanekv.prefill.cp.launcher import PrefillInput
 
     first = eng.prefill([PrefillInput(list(prompt[:prefix_tokens]))])[0]
     prefix = [p.page for p in first.pages][:reuse_pages]

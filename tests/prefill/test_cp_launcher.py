@@ -10,10 +10,10 @@ import signal
 
 import pytest
 import torch
+from lanekv.prefill.cp.launcher import CPPrefillEngine, PrefillInput, RankDiedError
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
 
-from prefill.cp.launcher import CPPrefillEngine, PrefillInput, RankDiedError
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import write_llama
 
 
@@ -95,7 +95,7 @@ def test_cp_prefill_through_interpreted_triton_kernels(checkpoint, monkeypatch):
     prompts = [[5, 9, 11, 200, 17, 3, 8], [100, 101, 102]]
     want = ThreadedPrefillEngine(cfg).prefill([PrefillInput(p) for p in prompts], return_logits=True)
     monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
-    from kernels.backend import use_triton
+    from lanekv.kernels.backend import use_triton
 
     assert use_triton(torch.empty(1)), "the interpreter must be on (tests/conftest.py)"
     with CPPrefillEngine(cfg) as eng:  # the rank processes inherit both variables
@@ -111,7 +111,7 @@ def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
     other rank's at close."""
     import time
 
-    from prefill.cp.rank_worker import TransferServing
+    from lanekv.prefill.cp.rank_worker import TransferServing
 
     cfg = EngineConfig(str(checkpoint), cp_size=2, page_size=4, pages_per_lane=32, start_timeout_s=120)
     with CPPrefillEngine(cfg, serve_transfer=TransferServing("127.0.0.1", 0, epoch="killtest")) as eng:
@@ -127,9 +127,9 @@ def test_the_shm_pool_of_a_killed_rank_is_removed_by_the_launcher(checkpoint):
 
 
 def test_a_cpu_pool_goes_to_shm_only_when_it_fits(checkpoint, monkeypatch, tmp_path):
-    import prefill.cp.rank_worker as rank_worker
-    from prefill.engine_config import load_for
-    from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool
+    import lanekv.prefill.cp.rank_worker as rank_worker
+    from lanekv.prefill.engine_config import load_for
+    from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool
 
     cfg = EngineConfig(str(checkpoint), cp_size=1, page_size=4, pages_per_lane=8)
     loaded = load_for(cfg, "cpu")

@@ -11,12 +11,12 @@ import math
 
 import pytest
 import torch
+from lanekv.model.sampling import SamplingParams
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.layout import NotOwnedError
 
-from model.sampling import SamplingParams
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
-from prefill.layout import NotOwnedError
 from tests.checkpoints import write_llama, write_qwen2
 from tests.prefill.oracle import hf_last_logits, random_prompts
 
@@ -130,8 +130,8 @@ def test_bad_inputs_are_refused_without_leaking_pages(checkpoint):
 
 
 def test_a_rank_refuses_a_loc_it_does_not_own(checkpoint):
-    from prefill.cp.messages import RunPrefill
-    from prefill.cp.runner import PrefillBatch
+    from lanekv.prefill.cp.messages import RunPrefill
+    from lanekv.prefill.cp.runner import PrefillBatch
 
     eng = _engine(checkpoint, 2, 4)
     bad = PrefillBatch(("r",), ((5, 6, 7, 8, 9),), (0,), ((),), ((1, 0),), (SamplingParams(),))

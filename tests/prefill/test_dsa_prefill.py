@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
+from lanekv.kernels.dsa.index_cache import quantize_index_k_ref, read_index_k_ref
+from lanekv.model.kv_rows import dsa_layout
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
 
-from kernels.dsa.index_cache import quantize_index_k_ref, read_index_k_ref
-from model.kv_rows import dsa_layout
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import write_deepseek_v32
 from tests.prefill.oracle import hf_last_logits, prefill_with_prefix, random_prompts
 

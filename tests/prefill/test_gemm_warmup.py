@@ -10,11 +10,9 @@ from collections import defaultdict
 
 import pytest
 import torch
-from torch import nn
-
-from model.deepseek import Router
-from model.llama import FusedLinear
-from prefill.cp.gemm_warmup import (
+from lanekv.model.deepseek import Router
+from lanekv.model.llama import FusedLinear
+from lanekv.prefill.cp.gemm_warmup import (
     COARSE_STEP,
     FINE_ROWS,
     GROWTH,
@@ -24,10 +22,12 @@ from prefill.cp.gemm_warmup import (
     row_ladder,
     warm_gemms,
 )
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
-from prefill.warmup import warm_up
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.warmup import warm_up
+from torch import nn
+
 from tests.checkpoints import (
     VOCAB_SIZE,
     write_deepseek_v3,

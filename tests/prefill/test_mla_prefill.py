@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.runner import mla_prefill_attention
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
 
-from kernels.prefill_attention_ref import AttnSegments
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.runner import mla_prefill_attention
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import DEEPSEEK_WRITERS
 from tests.prefill.oracle import hf_last_logits, prefill_with_prefix, random_prompts
 
@@ -80,7 +80,7 @@ def test_mla_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
 def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
     """qk 24 / v 16 go to the Triton kernel as they are (no padding to a power of
     two) and give the reference's attention."""
-    import prefill.cp.runner as runner
+    import lanekv.prefill.cp.runner as runner
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(9, 4, d, generator=gen) for d in (24, 24, 16))

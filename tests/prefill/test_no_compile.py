@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import random
 
-from kernels.backend import recording_compiles
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
-from prefill.warmup import warm_up
+from lanekv.kernels.backend import recording_compiles
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.warmup import warm_up
+
 from tests.checkpoints import VOCAB_SIZE, write_llama
 from tests.markers import requires_gpu
 

@@ -4,11 +4,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from prefill.allocator import LaneAllocator, OutOfPagesError
-from prefill.index import build_rank_index
-from prefill.layout import NotOwnedError, OwnerLaneLayout
-from prefill.plan import (
+from lanekv.prefill.allocator import LaneAllocator, OutOfPagesError
+from lanekv.prefill.index import build_rank_index
+from lanekv.prefill.layout import NotOwnedError, OwnerLaneLayout
+from lanekv.prefill.plan import (
     SplitMode,
     plan_batch,
     plan_request,

@@ -10,16 +10,16 @@ import time
 import grpc
 import pytest
 import torch
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.manifest import Manifest
+from lanekv.transfer.rank.service import access_ticket
 
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.checkpoints import write_llama
-from transfer.grpcfetch.client import KVClient
-from transfer.protocol.manifest import Manifest
-from transfer.rank.service import access_ticket
 
 PROMPT_LENS = [5, 64, 130, 17]
 

@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
+from lanekv.model.checkpoint import load_checkpoint
+from lanekv.prefill.cp.graphs import PrefillGraphs, capture_graphs, graph_sizes, takes_graphs
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.warmup import warm_up
 
-from model.checkpoint import load_checkpoint
-from prefill.cp.graphs import PrefillGraphs, capture_graphs, graph_sizes, takes_graphs
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
-from prefill.warmup import warm_up
 from tests.checkpoints import (
     VOCAB_SIZE,
     write_deepseek_v3,

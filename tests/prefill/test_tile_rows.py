@@ -13,19 +13,19 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import lanekv.prefill.cp.runner as runner_module
 import pytest
 import torch
 import triton
+from lanekv.kernels.moe.experts import default_moe_tiles, prefill_tile_min_pairs
+from lanekv.kernels.prefill_attention import big_tile_min_rows, default_config
+from lanekv.model.config import ModelConfig
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.cp.tile_rows import tile_switch_rows
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.warmup import warm_up
 
-import prefill.cp.runner as runner_module
-from kernels.moe.experts import default_moe_tiles, prefill_tile_min_pairs
-from kernels.prefill_attention import big_tile_min_rows, default_config
-from model.config import ModelConfig
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.cp.tile_rows import tile_switch_rows
-from prefill.engine_config import EngineConfig
-from prefill.warmup import warm_up
 from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_llama, write_qwen3_moe
 from tests.markers import requires_gpu
 

@@ -5,12 +5,12 @@ runs first (``tests/prefill/test_gemm_warmup.py`` checks what it runs)."""
 from __future__ import annotations
 
 import pytest
+from lanekv.prefill.cp.gemm_warmup import LOGIT_ROWS
+from lanekv.prefill.cp.launcher import PrefillInput
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.warmup import settle_after_freeze, warm_up
 
-from prefill.cp.gemm_warmup import LOGIT_ROWS
-from prefill.cp.launcher import PrefillInput
-from prefill.cp.threaded import ThreadedPrefillEngine
-from prefill.engine_config import EngineConfig
-from prefill.warmup import settle_after_freeze, warm_up
 from tests.checkpoints import VOCAB_SIZE, write_llama
 
 

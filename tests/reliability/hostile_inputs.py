@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgpack
 from hypothesis import strategies as st
+from lanekv.proto import lanekv_pb2 as pb
 
-from proto import lanekv_pb2 as pb
 from tests.checkpoints import VOCAB_SIZE
 
 LIVE = "live"  # a request id the tests keep pinned on the prefill side while they fuzz

@@ -17,13 +17,12 @@ from typing import NamedTuple
 
 import grpc
 import torch
-
-from proto import lanekv_pb2
-from runtime.security import SecurityConfig
-from transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology
-from transfer.protocol.wire import WIRE_VERSION
-from transfer.rank.service import Served, serve
-from transfer.rank.sources import TensorPageSource
+from lanekv.proto import lanekv_pb2
+from lanekv.runtime.security import SecurityConfig
+from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology
+from lanekv.transfer.protocol.wire import WIRE_VERSION
+from lanekv.transfer.rank.service import Served, serve
+from lanekv.transfer.rank.sources import TensorPageSource
 
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4
 PAGE_LAYER_BYTES = 2 * PAGE * HEADS * DIM * 2  # K and V of one page of one layer, bfloat16

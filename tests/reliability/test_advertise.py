@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.prefill.daemon import DaemonConfig
+from lanekv.runtime.advertise import Advertised, advertise_host, join_host_port, primary_address
+from lanekv.runtime.daemon import DaemonServer
+from lanekv.runtime.security import SecurityConfig
 
-from prefill.daemon import DaemonConfig
-from runtime.advertise import Advertised, advertise_host, join_host_port, primary_address
-from runtime.daemon import DaemonServer
-from runtime.security import SecurityConfig
 from tests.checkpoints import EOS_TOKEN_ID, write_llama
 
 pytestmark = pytest.mark.timeout(240)

@@ -16,12 +16,16 @@ from functools import partial
 import grpc
 import pytest
 import torch
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2 as pb
+from lanekv.proto import lanekv_pb2_grpc
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.grpcfetch.client import KVClient, RemoteError
+from lanekv.transfer.protocol.manifest import Manifest
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket, new_capability
 
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2 as pb
-from proto import lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
 from tests.reliability.kv_cluster import (
@@ -33,10 +37,6 @@ from tests.reliability.kv_cluster import (
     start_servers,
     wait_until,
 )
-from transfer.fastpath.client import FastPath
-from transfer.grpcfetch.client import KVClient, RemoteError
-from transfer.protocol.manifest import Manifest
-from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket, new_capability
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

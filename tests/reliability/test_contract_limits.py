@@ -17,13 +17,11 @@ from collections.abc import Iterator
 import grpc
 import msgpack
 import pytest
-
-from proto import lanekv_pb2 as pb
-from proto import lanekv_pb2_grpc
-from runtime.status import CONTRACT_METADATA_KEY, MAX_DETAILS_CHARS
-from tests.reliability.kv_cluster import make_agreement, start_servers
-from transfer.protocol import contract as contract_module
-from transfer.protocol.contract import (
+from lanekv.proto import lanekv_pb2 as pb
+from lanekv.proto import lanekv_pb2_grpc
+from lanekv.runtime.status import CONTRACT_METADATA_KEY, MAX_DETAILS_CHARS
+from lanekv.transfer.protocol import contract as contract_module
+from lanekv.transfer.protocol.contract import (
     MAX_CONTRACT_BYTES,
     MAX_CONTRACT_DEPTH,
     MAX_CONTRACT_KEYS,
@@ -31,6 +29,8 @@ from transfer.protocol.contract import (
     LayoutContract,
     diff,
 )
+
+from tests.reliability.kv_cluster import make_agreement, start_servers
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

@@ -24,12 +24,16 @@ import time
 import grpc
 import pytest
 import torch
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2_grpc
+from lanekv.transfer.grpcfetch import spans as spans_module
+from lanekv.transfer.grpcfetch.client import ChecksumError, CorruptChunk, KVClient, RetryPolicy
+from lanekv.transfer.protocol.wire import ChunkHeader, checksum, frame_chunk, split_chunk
+from lanekv.transfer.rank.service import KVTransferService
 
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 from tests.reliability.kv_cluster import (
     LAYERS,
@@ -42,10 +46,6 @@ from tests.reliability.kv_cluster import (
     tokens,
     wait_until,
 )
-from transfer.grpcfetch import spans as spans_module
-from transfer.grpcfetch.client import ChecksumError, CorruptChunk, KVClient, RetryPolicy
-from transfer.protocol.wire import ChunkHeader, checksum, frame_chunk, split_chunk
-from transfer.rank.service import KVTransferService
 
 Code = grpc.StatusCode
 NUM_PAGES = 13
@@ -205,7 +205,7 @@ def test_generate_with_damaged_chunks_equals_a_clean_run(pair, receive_damage, m
     free = prefill.engine.allocator.free_counts()
     clean = tokens(stub, generate_request(PROMPT, NEW_TOKENS))
     # Every scatter into the decode pool copies a payload whose checksum a server computed.
-    import transfer.connector.placement as placement
+    import lanekv.transfer.connector.placement as placement
 
     scatter, scattered = placement.scatter_pages, []
 

@@ -22,11 +22,11 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2 as pb
+from lanekv.proto import lanekv_pb2_grpc
 
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2 as pb
-from proto import lanekv_pb2_grpc
 from tests.checkpoints import write_llama
 from tests.reliability.kv_cluster import wait_until
 

@@ -35,13 +35,15 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import PREFILL_SERVICE, DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.security import SecurityConfig
+from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, RetryPolicy
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, KVTransferService, access_ticket
 
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from prefill.daemon import PREFILL_SERVICE, DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
 from tests.reliability.kv_cluster import (
     LAYERS,
@@ -57,8 +59,6 @@ from tests.reliability.kv_cluster import (
     wait_until,
 )
 from tests.reliability.proxy import FaultProxy
-from transfer.grpcfetch.client import KVClient, RemoteError, RetryPolicy
-from transfer.rank.service import EPOCH_METADATA_KEY, KVTransferService, access_ticket
 
 REPO = Path(__file__).resolve().parents[2]
 

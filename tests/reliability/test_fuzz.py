@@ -26,26 +26,26 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2 as pb
-from proto import lanekv_pb2_grpc
-from runtime.requests import MalformedRequestInterceptor
-from runtime.status import grpc_options
-from tests.checkpoints import VOCAB_SIZE, write_llama
-from tests.reliability import hostile_inputs as hostile
-from transfer.protocol.contract import Agreement, LayoutContract, agreement_of
-from transfer.protocol.manifest import Manifest
-from transfer.protocol.wire import ChunkHeader, encode_chunk
-from transfer.rank.service import (
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2 as pb
+from lanekv.proto import lanekv_pb2_grpc
+from lanekv.runtime.requests import MalformedRequestInterceptor
+from lanekv.runtime.status import grpc_options
+from lanekv.transfer.protocol.contract import Agreement, LayoutContract, agreement_of
+from lanekv.transfer.protocol.manifest import Manifest
+from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk
+from lanekv.transfer.rank.service import (
     EPOCH_METADATA_KEY,
     KVTransferService,
     access_ticket,
     add_transfer_service,
 )
+
+from tests.checkpoints import VOCAB_SIZE, write_llama
+from tests.reliability import hostile_inputs as hostile
 
 Code = grpc.StatusCode
 OK, INVALID = Code.OK, Code.INVALID_ARGUMENT

@@ -22,21 +22,21 @@ from typing import NamedTuple
 import grpc
 import pytest
 import torch
+from lanekv.decode.colocated import generate_colocated
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.decode.pool import PagePool
+from lanekv.model.checkpoint import load_model
+from lanekv.model.llama import causal_attention
+from lanekv.model.sampling import SamplingParams, sample
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2 as pb
+from lanekv.proto import lanekv_pb2_grpc
+from lanekv.runtime.requests import sampling_to_proto
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
-from decode.colocated import generate_colocated
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from decode.pool import PagePool
-from model.checkpoint import load_model
-from model.llama import causal_attention
-from model.sampling import SamplingParams, sample
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2 as pb
-from proto import lanekv_pb2_grpc
-from runtime.requests import sampling_to_proto
 from tests.checkpoints import VOCAB_SIZE, write_llama
-from transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
 Code = grpc.StatusCode
 PAGE_SIZE = 4

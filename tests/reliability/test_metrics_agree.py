@@ -20,13 +20,13 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.metrics import Registry, serve_metrics
+from lanekv.runtime.security import SecurityConfig
 
-from decode.daemon import DecodeDaemon
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.metrics import Registry, serve_metrics
-from runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
 from tests.daemons import start_pair, stop_pair
 from tests.reliability.kv_cluster import wait_until

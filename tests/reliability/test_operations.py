@@ -22,17 +22,17 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.status import TRANSFER_SERVICE
+from lanekv.transfer.grpcfetch.client import KVClient, RemoteError
 
-from decode.daemon import DecodeDaemon
 from lanekv.cli import main as lanekv
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.status import TRANSFER_SERVICE
 from tests.checkpoints import write_llama
 from tests.daemons import start_pair, stop_pair
 from tests.runtime.test_metrics import parse
-from transfer.grpcfetch.client import KVClient, RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

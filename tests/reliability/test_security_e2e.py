@@ -15,17 +15,17 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.security import SecurityConfig, open_channel
+from lanekv.transfer.grpcfetch.client import KVClient, RemoteError
 
 from lanekv.cli import main as lanekv
 from lanekv.client_commands import CommandError, fetch_contract
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.security import SecurityConfig, open_channel
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
 from tests.tls import CertSet, make_certs
-from transfer.grpcfetch.client import KVClient, RemoteError
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

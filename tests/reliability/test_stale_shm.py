@@ -18,10 +18,16 @@ import time
 from pathlib import Path
 
 import pytest
+from lanekv.runtime.daemon import DaemonServer
+from lanekv.runtime.security import SecurityConfig
+from lanekv.runtime.shmfiles import (
+    SHM_DIR,
+    owner_of,
+    pool_file_name,
+    receiver_prefix,
+    reclaim_stale,
+)
 
-from runtime.daemon import DaemonServer
-from runtime.security import SecurityConfig
-from runtime.shmfiles import SHM_DIR, owner_of, pool_file_name, receiver_prefix, reclaim_stale
 from tests.checkpoints import write_llama
 
 pytestmark = pytest.mark.timeout(180)

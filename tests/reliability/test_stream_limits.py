@@ -19,18 +19,18 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.proto import lanekv_pb2 as pb
+from lanekv.proto import lanekv_pb2_grpc
+from lanekv.runtime.limits import Admission, CallLimits, CallLimitsInterceptor, peer_host
+from lanekv.runtime.metrics import Registry
+from lanekv.runtime.requests import MalformedRequestInterceptor
+from lanekv.runtime.rpc_metrics import lanekv_metrics
+from lanekv.runtime.security import OPEN_SERVICES, SecurityConfig, open_channel
+from lanekv.runtime.status import HealthServicer
+from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
 
-from proto import lanekv_pb2 as pb
-from proto import lanekv_pb2_grpc
-from runtime.limits import Admission, CallLimits, CallLimitsInterceptor, peer_host
-from runtime.metrics import Registry
-from runtime.requests import MalformedRequestInterceptor
-from runtime.rpc_metrics import lanekv_metrics
-from runtime.security import OPEN_SERVICES, SecurityConfig, open_channel
-from runtime.status import HealthServicer
 from tests.reliability.kv_cluster import make_agreement, start_servers, status_of, wait_until
 from tests.tls import make_certs
-from transfer.rank.service import KVTransferService, add_transfer_service
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from lanekv.runtime.status import MAX_DETAILS_CHARS, Refusal, refusals
 
-from runtime.status import MAX_DETAILS_CHARS, Refusal, refusals
 from tests.checkpoints import write_llama
 
 pytestmark = pytest.mark.timeout(240)

@@ -1,4 +1,4 @@
-"""runtime.daemon: the skeleton both daemons stand on, against a real gRPC server on loopback."""
+"""lanekv.runtime.daemon: the skeleton both daemons stand on, against a real gRPC server on loopback."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from runtime.daemon import DaemonServer, serve_until_signal
-from runtime.security import SecurityConfig
+from lanekv.runtime.daemon import DaemonServer, serve_until_signal
+from lanekv.runtime.security import SecurityConfig
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -152,7 +151,7 @@ def test_a_signal_while_start_up_is_frozen_still_drains(monkeypatch):
     while): a SIGTERM then still stops the daemon with its grace, never kills it."""
     import contextlib
 
-    import runtime.daemon
+    import lanekv.runtime.daemon
 
     daemon, seen = _Stoppable(), []
 
@@ -162,7 +161,7 @@ def test_a_signal_while_start_up_is_frozen_still_drains(monkeypatch):
         os.kill(os.getpid(), signal.SIGTERM)
         yield 0
 
-    monkeypatch.setattr(runtime.daemon, "frozen", freezing)
+    monkeypatch.setattr(lanekv.runtime.daemon, "frozen", freezing)
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     signal.signal(signal.SIGTERM, lambda *_: seen.append("killed"))  # what the old order would reach
     backstop = threading.Timer(3.0, setattr, (daemon, "failed", "the signal was lost"))

@@ -8,8 +8,7 @@ import sys
 import textwrap
 
 import pytest
-
-from runtime.gcpause import GcClock, paused
+from lanekv.runtime.gcpause import GcClock, paused
 
 
 def test_the_clock_counts_collections_and_their_time():
@@ -65,7 +64,7 @@ def test_a_frozen_start_up_is_left_out_of_later_collections():
     # In a process of its own: freezing is for the whole process, as in a daemon.
     script = textwrap.dedent("""
         import gc
-        from runtime.gcpause import freeze_start_up
+        from lanekv.runtime.gcpause import freeze_start_up
         junk = [[i] for i in range(200000)]  # what start-up leaves alive
         frozen = freeze_start_up()
         assert frozen >= 200000 and gc.get_freeze_count() == frozen, frozen

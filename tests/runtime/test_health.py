@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from lanekv.runtime.status import HealthServicer
 
-from runtime.status import HealthServicer
 from tests.reliability.kv_cluster import wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

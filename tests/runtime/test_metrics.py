@@ -1,4 +1,4 @@
-"""runtime.metrics: exposition text, counters and histograms, the HTTP endpoint, the RPC interceptor."""
+"""lanekv.runtime.metrics: exposition text, counters and histograms, the HTTP endpoint, the RPC interceptor."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from runtime.metrics import CONTENT_TYPE, Registry, serve_metrics
-from runtime.rpc_metrics import lanekv_metrics
-from runtime.security import SecurityConfig, bind, make_server, open_channel
-from runtime.status import HealthServicer
+from lanekv.runtime.metrics import CONTENT_TYPE, Registry, serve_metrics
+from lanekv.runtime.rpc_metrics import lanekv_metrics
+from lanekv.runtime.security import SecurityConfig, bind, make_server, open_channel
+from lanekv.runtime.status import HealthServicer
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode

@@ -8,12 +8,12 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from lanekv.runtime.security import SecurityConfig, bind, make_server, open_channel
+from lanekv.runtime.status import HealthServicer
+from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.sources import ContractOnlySource
 
-from runtime.security import SecurityConfig, bind, make_server, open_channel
-from runtime.status import HealthServicer
 from tests.reflection import list_services
-from transfer.rank.service import KVTransferService, add_transfer_service
-from transfer.rank.sources import ContractOnlySource
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "reflection-token"

@@ -2,10 +2,9 @@
 
 import grpc
 import pytest
-
-from proto import lanekv_pb2
-from runtime.requests import prompt_from_proto, sampling_from_proto
-from runtime.status import Refusal
+from lanekv.proto import lanekv_pb2
+from lanekv.runtime.requests import prompt_from_proto, sampling_from_proto
+from lanekv.runtime.status import Refusal
 
 
 def test_a_huge_text_is_refused_before_tokenizing():

@@ -1,4 +1,4 @@
-"""runtime.security against real gRPC servers on loopback: TLS, mutual TLS, the token, binding."""
+"""lanekv.runtime.security against real gRPC servers on loopback: TLS, mutual TLS, the token, binding."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from dataclasses import replace
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from runtime.security import (
+from lanekv.runtime.security import (
     SecurityConfig,
     add_security_args,
     bind,
     make_server,
     open_channel,
 )
-from runtime.status import HealthServicer
+from lanekv.runtime.status import HealthServicer
+from lanekv.transfer.grpcfetch.client import KVClient
+
 from tests.tls import CertSet, make_certs
-from transfer.grpcfetch.client import KVClient
 
 pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode
@@ -140,7 +140,7 @@ def test_health_is_answered_while_streams_hold_every_worker() -> None:
     # (13 calls admitted) leave health, and a 13th call, answered at once.
     import threading
 
-    from runtime.limits import CallLimits
+    from lanekv.runtime.limits import CallLimits
 
     release, running = threading.Event(), threading.Semaphore(0)
 
@@ -193,7 +193,7 @@ def test_make_server_does_not_share_a_port_with_another_server() -> None:
 
 
 def test_bind_warns_about_plaintext_off_loopback(caplog: pytest.LogCaptureFixture, certs: CertSet) -> None:
-    caplog.set_level(logging.WARNING, logger="runtime.security")
+    caplog.set_level(logging.WARNING, logger="lanekv.runtime.security")
     server = make_server(SecurityConfig(), max_workers=1)
     bind(server, "127.0.0.1", 0, SecurityConfig())
     assert not caplog.records

@@ -19,10 +19,9 @@ from typing import NamedTuple
 
 import grpc
 import torch
-
-from runtime.status import Refusal
-from transfer.errors import CorruptChunk, RemoteError, TransferError
-from transfer.grpcfetch.client import RankStats
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
+from lanekv.transfer.grpcfetch.client import RankStats
 
 Code = grpc.StatusCode
 # A rank's status after every try that says it (or the path to it) is down for now.

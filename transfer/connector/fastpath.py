@@ -17,10 +17,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-
-from runtime.metrics import Counter
-from runtime.status import Refusal
-from transfer.connector.base import (
+from lanekv.runtime.metrics import Counter
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.connector.base import (
     Code,
     Coverage,
     FetchJob,
@@ -32,10 +31,10 @@ from transfer.connector.base import (
     fetch_error,
     time_left,
 )
-from transfer.errors import TransferError
-from transfer.fastpath.client import DigestMismatch, FastPath
-from transfer.fastpath.copyorder import CopyOrder
-from transfer.grpcfetch.client import RankStats
+from lanekv.transfer.errors import TransferError
+from lanekv.transfer.fastpath.client import DigestMismatch, FastPath
+from lanekv.transfer.fastpath.copyorder import CopyOrder
+from lanekv.transfer.grpcfetch.client import RankStats
 
 log = logging.getLogger("lanekv.decode")
 # How long a fast-path attach to one rank may take before that rank goes over gRPC.

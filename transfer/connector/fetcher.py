@@ -17,10 +17,10 @@ import time
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from transfer.connector.base import Code, Coverage, FetchJob, KVFetchError
-from transfer.connector.fastpath import FastPathTransport
-from transfer.connector.grpc import GrpcTransport
-from transfer.grpcfetch.client import FetchStats, RankStats
+from lanekv.transfer.connector.base import Code, Coverage, FetchJob, KVFetchError
+from lanekv.transfer.connector.fastpath import FastPathTransport
+from lanekv.transfer.connector.grpc import GrpcTransport
+from lanekv.transfer.grpcfetch.client import FetchStats, RankStats
 
 __all__ = ["FetchStats", "Fetched", "KVFetcher"]  # FetchStats: what a fetch cost, as the callers see it
 

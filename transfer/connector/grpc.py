@@ -12,8 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-
-from transfer.connector.base import (
+from lanekv.transfer.connector.base import (
     Code,
     Coverage,
     FetchJob,
@@ -25,10 +24,10 @@ from transfer.connector.base import (
     fetch_error,
     time_left,
 )
-from transfer.connector.placement import place_chunk
-from transfer.errors import TransferError
-from transfer.grpcfetch.client import KVClient
-from transfer.protocol.wire import ChunkHeader
+from lanekv.transfer.connector.placement import place_chunk
+from lanekv.transfer.errors import TransferError
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.wire import ChunkHeader
 
 GRPC = "grpc"
 

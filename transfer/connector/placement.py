@@ -26,9 +26,8 @@ import ctypes
 from collections.abc import Sequence
 
 import torch
-
-from kernels.page_copy import scatter_pages
-from transfer.fastpath.poolcopy import PlannedCopy
+from lanekv.kernels.page_copy import scatter_pages
+from lanekv.transfer.fastpath.poolcopy import PlannedCopy
 
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,

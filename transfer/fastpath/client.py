@@ -20,16 +20,15 @@ from typing import Any, NamedTuple
 
 import grpc
 import torch
-
-from proto import lanekv_pb2
-from transfer.errors import CorruptChunk, RemoteError
-from transfer.fastpath.copyorder import CopyOrder
-from transfer.fastpath.rangecopy import Prepared, copy_range
-from transfer.fastpath.sidestreams import Streams, StreamSet, streams_for
-from transfer.fastpath.tuning import DEFAULT_FAST_PATH, FastPathTuning
-from transfer.grpcfetch.client import FETCH_METHOD, KVClient
-from transfer.protocol.contract import Agreement
-from transfer.protocol.descriptors import (
+from lanekv.proto import lanekv_pb2
+from lanekv.transfer.errors import CorruptChunk, RemoteError
+from lanekv.transfer.fastpath.copyorder import CopyOrder
+from lanekv.transfer.fastpath.rangecopy import Prepared, copy_range
+from lanekv.transfer.fastpath.sidestreams import Streams, StreamSet, streams_for
+from lanekv.transfer.fastpath.tuning import DEFAULT_FAST_PATH, FastPathTuning
+from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient
+from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.descriptors import (
     CUDA_IPC,
     SHM,
     Descriptor,
@@ -38,8 +37,8 @@ from transfer.protocol.descriptors import (
     host_id,
     open_pool,
 )
-from transfer.protocol.wire import kv_dtype
-from transfer.rank.service import EPOCH_METADATA_KEY, start_of
+from lanekv.transfer.protocol.wire import kv_dtype
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, start_of
 
 log = logging.getLogger("lanekv.transfer")
 ATTACH_METHOD = "/lanekv.v1.KVTransfer/AttachPool"

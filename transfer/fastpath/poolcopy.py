@@ -13,11 +13,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from kernels.backend import on_device
-from kernels.page_copy import gather_pages, scatter_pages
-from transfer.fastpath.devcopy import BlockCopy
-from transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
+from lanekv.kernels.backend import on_device
+from lanekv.kernels.page_copy import gather_pages, scatter_pages
+from lanekv.transfer.fastpath.devcopy import BlockCopy
+from lanekv.transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
 
 
 def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:

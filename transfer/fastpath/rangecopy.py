@@ -13,12 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-
-from kernels.page_digest import PageDigest
-from transfer.fastpath.poolcopy import PlannedCopy, copy_pages, page_runs
-from transfer.fastpath.sidestreams import Streams
-from transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
-from transfer.protocol.descriptors import Descriptor
+from lanekv.kernels.page_digest import PageDigest
+from lanekv.transfer.fastpath.poolcopy import PlannedCopy, copy_pages, page_runs
+from lanekv.transfer.fastpath.sidestreams import Streams
+from lanekv.transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
+from lanekv.transfer.protocol.descriptors import Descriptor
 
 
 def copy_groups(start: int, end: int, size: int, last_min: int) -> list[tuple[int, int]]:

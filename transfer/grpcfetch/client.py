@@ -30,25 +30,24 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 from grpc.experimental import ChannelOptions
-
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.security import SecurityConfig, open_channel
-from runtime.status import CONTRACT_METADATA_KEY, grpc_options
-from transfer.errors import (
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.security import SecurityConfig, open_channel
+from lanekv.runtime.status import CONTRACT_METADATA_KEY, grpc_options
+from lanekv.transfer.errors import (
     ChecksumError,
     ContractMismatch,
     CorruptChunk,
     RemoteError,
     TransferError,
 )
-from transfer.grpcfetch.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
-from transfer.grpcfetch.placers import MAX_PLACERS, Placers
-from transfer.grpcfetch.receivers import ReceiverPool
-from transfer.grpcfetch.remotefetch import RemoteRankFetch
-from transfer.grpcfetch.spans import Span
-from transfer.protocol.contract import Agreement, FieldDiff, LayoutContract, diff
-from transfer.protocol.wire import ChunkHeader
-from transfer.rank.service import EPOCH_METADATA_KEY
+from lanekv.transfer.grpcfetch.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
+from lanekv.transfer.grpcfetch.placers import MAX_PLACERS, Placers
+from lanekv.transfer.grpcfetch.receivers import ReceiverPool
+from lanekv.transfer.grpcfetch.remotefetch import RemoteRankFetch
+from lanekv.transfer.grpcfetch.spans import Span
+from lanekv.transfer.protocol.contract import Agreement, FieldDiff, LayoutContract, diff
+from lanekv.transfer.protocol.wire import ChunkHeader
+from lanekv.transfer.rank.service import EPOCH_METADATA_KEY
 
 __all__ = [
     "NO_RETRY",

@@ -28,11 +28,10 @@ from typing import Any, NamedTuple
 
 import grpc
 import torch
-
-from proto import lanekv_pb2
-from transfer.errors import CorruptChunk, RemoteError, TransferError
-from transfer.grpcfetch.spans import Cells, Span, StreamCheck, leftovers
-from transfer.protocol.wire import ChunkHeader, payload_to_tensor
+from lanekv.proto import lanekv_pb2
+from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
+from lanekv.transfer.grpcfetch.spans import Cells, Span, StreamCheck, leftovers
+from lanekv.transfer.protocol.wire import ChunkHeader, payload_to_tensor
 
 Code = grpc.StatusCode
 # (endpoint, request, timeout_s, fresh_connection) -> a started server-streaming call

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
-from transfer.grpcfetch.fetch import Item, Job
+from lanekv.transfer.grpcfetch.fetch import Item, Job
 
 MAX_PLACERS = 4
 WAKE = Item(-1, None, None, None)  # what a failed placement puts on the fetch's queue

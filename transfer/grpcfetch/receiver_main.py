@@ -43,10 +43,10 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any
 
-from transfer.errors import TransferError
-from transfer.grpcfetch.client import KVClient
-from transfer.grpcfetch.fetch import ByteBudget, Item, Job, RankFetch
-from transfer.grpcfetch.receivers import RankJob
+from lanekv.transfer.errors import TransferError
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.grpcfetch.fetch import ByteBudget, Item, Job, RankFetch
+from lanekv.transfer.grpcfetch.receivers import RankJob
 
 ALIVE_EVERY_S = 0.5  # how often a fetch under way says so when it has nothing else to say
 RANK_JOIN_S = 5.0  # how long a stopped fetch waits for its rank's thread (the client waits 10 s)

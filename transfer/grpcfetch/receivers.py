@@ -35,13 +35,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import transfer.errors as errors_module
-from runtime.security import SecurityConfig
-from runtime.shmfiles import receiver_prefix
-from runtime.status import DEFAULT_CHUNK_BYTES
-from transfer.grpcfetch.fetch import RetryPolicy
-from transfer.grpcfetch.spans import Span
-from transfer.protocol.descriptors import SHM_DIR
+import lanekv.transfer.errors as errors_module
+from lanekv.runtime.security import SecurityConfig
+from lanekv.runtime.shmfiles import receiver_prefix
+from lanekv.runtime.status import DEFAULT_CHUNK_BYTES
+from lanekv.transfer.grpcfetch.fetch import RetryPolicy
+from lanekv.transfer.grpcfetch.spans import Span
+from lanekv.transfer.protocol.descriptors import SHM_DIR
 
 log = logging.getLogger("lanekv.transfer")
 SLOTS = 4
@@ -83,7 +83,7 @@ class Receiver:
                 paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
                 env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
                 self.process = subprocess.Popen(
-                    [sys.executable, "-m", "transfer.grpcfetch.receiver_main", str(theirs.fileno()), path, str(slots),
+                    [sys.executable, "-m", "lanekv.transfer.grpcfetch.receiver_main", str(theirs.fileno()), path, str(slots),
                      str(slot_bytes)], pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
             finally:
                 theirs.close()

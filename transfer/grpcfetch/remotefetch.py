@@ -15,11 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import transfer.errors as errors_module
-from transfer.grpcfetch.fetch import Item, Job, RankFetch
-from transfer.grpcfetch.receivers import RankJob, Receiver, ReceiverPool
-from transfer.grpcfetch.spans import Cells, Span
-from transfer.protocol.wire import payload_to_tensor
+import lanekv.transfer.errors as errors_module
+from lanekv.transfer.grpcfetch.fetch import Item, Job, RankFetch
+from lanekv.transfer.grpcfetch.receivers import RankJob, Receiver, ReceiverPool
+from lanekv.transfer.grpcfetch.spans import Cells, Span
+from lanekv.transfer.protocol.wire import payload_to_tensor
 
 log = logging.getLogger("lanekv.transfer")
 # How long a stopped receiver may take to answer.

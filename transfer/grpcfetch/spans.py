@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from proto import lanekv_pb2
-from transfer.errors import ChecksumError, CorruptChunk, TransferError
-from transfer.protocol.wire import ChunkHeader, checksum, split_chunk
+from lanekv.proto import lanekv_pb2
+from lanekv.transfer.errors import ChecksumError, CorruptChunk, TransferError
+from lanekv.transfer.protocol.wire import ChunkHeader, checksum, split_chunk
 
 
 class Span(NamedTuple):

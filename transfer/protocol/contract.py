@@ -34,8 +34,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 import torch
-
-from transfer.protocol.wire import (
+from lanekv.transfer.protocol.wire import (
     KV_DTYPES,
     MAX_HEAD_DIM,
     MAX_KV_HEADS,
@@ -79,14 +78,17 @@ OWNER_RULES = ("page_mod_cp",)
 # seals them are wire too: two builds that digest differently would otherwise
 # fail every fast-path check and fall back to gRPC without saying why.
 CONTRACT_SOURCES = (
-    "prefill/plan.py",
-    "prefill/layout.py",
-    "transfer/protocol/wire.py",
-    "transfer/protocol/contract.py",
-    "transfer/protocol/descriptors.py",
-    "kernels/page_digest.py",
+    "lanekv.prefill.plan",
+    "lanekv.prefill.layout",
+    "lanekv.transfer.protocol.wire",
+    "lanekv.transfer.protocol.contract",
+    "lanekv.transfer.protocol.descriptors",
+    "lanekv.kernels.page_digest",
 )
-REPO_ROOT = Path(__file__).resolve().parents[2]
+# The folder holding the lanekv subpackages' folders: the repository's top in
+# a checkout (kernels/, prefill/, ...), site-packages/lanekv in a wheel. A
+# module lanekv.a.b is the file a/b.py under it.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 # Keys of ModelConfig.contract_fields() that become Agreement fields of their own.
 _OWN_MODEL_FIELDS = ("architecture", "num_layers", "num_kv_heads", "head_dim", "rope")
 _MAX_TEXT = 256  # architecture, digests, pool layout: all far shorter
@@ -491,22 +493,30 @@ def format_diff(diffs: Iterable[FieldDiff], ours: str = "ours", theirs: str = "t
 
 
 def source_digest(files: Iterable[str] | None = None, root: Path | None = None) -> str:
-    """sha256 over the contract's defining files: repo-relative name and raw bytes, sorted by name.
+    """sha256 over the contract's defining modules: module name and raw bytes, sorted by name.
 
-    Defaults: ``CONTRACT_SOURCES`` under ``REPO_ROOT``. Nothing else (paths on
+    Defaults: ``CONTRACT_SOURCES`` under ``PACKAGE_ROOT``. Nothing else (paths on
     disk, mtimes, the interpreter) enters, so the digest is the same across
     processes, machines and checkouts of the same code.
     """
     return _hash_sources(files, root)
 
 
+def _module_file(name: str, root: Path) -> Path:
+    """``lanekv.a.b`` -> ``root/a/b.py``."""
+    package, _, rest = name.partition(".")
+    if package != "lanekv" or not rest:
+        raise ValueError(f"source_digest: contract source {name!r} is not a module of lanekv")
+    return root.joinpath(*rest.split(".")).with_suffix(".py")
+
+
 def _hash_sources(files: Iterable[str] | None, root: Path | None) -> str:
     # Globals read at call time, so a test can point them elsewhere.
     files = CONTRACT_SOURCES if files is None else files
-    root = REPO_ROOT if root is None else Path(root)
+    root = PACKAGE_ROOT if root is None else Path(root)
     digest = hashlib.sha256()
     for name in sorted(files):
-        path = root / name
+        path = _module_file(name, root)
         if not path.is_file():
             raise FileNotFoundError(f"source_digest: contract source {name} not found under {root}")
         content = path.read_bytes()

@@ -48,8 +48,7 @@ from typing import Any
 
 import msgpack
 import torch
-
-from transfer.protocol.wire import (
+from lanekv.transfer.protocol.wire import (
     MAX_LAYERS,
     MAX_PAGE_ID,
     MAX_PAGES_PER_CHUNK,

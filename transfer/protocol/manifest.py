@@ -12,8 +12,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import msgpack
-
-from transfer.protocol.wire import (
+from lanekv.transfer.protocol.wire import (
     MAX_REQUEST_ID_LEN,
     check_int,
     check_keys,

@@ -23,11 +23,10 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from runtime.limits import peer_host
-from runtime.security import SecurityConfig, bind, make_server
-from runtime.status import (
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.limits import peer_host
+from lanekv.runtime.security import SecurityConfig, bind, make_server
+from lanekv.runtime.status import (
     CONTRACT_METADATA_KEY,
     DEFAULT_CHUNK_BYTES,
     MAX_CHUNK_BYTES_LIMIT,
@@ -36,9 +35,15 @@ from runtime.status import (
     Refusal,
     refusals,
 )
-from transfer.protocol.contract import Agreement, LayoutContract, agreement_of, diff, format_diff
-from transfer.protocol.descriptors import MAX_TRANSPORTS, Descriptor, host_id
-from transfer.protocol.wire import (
+from lanekv.transfer.protocol.contract import (
+    Agreement,
+    LayoutContract,
+    agreement_of,
+    diff,
+    format_diff,
+)
+from lanekv.transfer.protocol.descriptors import MAX_TRANSPORTS, Descriptor, host_id
+from lanekv.transfer.protocol.wire import (
     MAX_REQUEST_ID_LEN,
     ChunkHeader,
     ChunkPlan,
@@ -47,8 +52,8 @@ from transfer.protocol.wire import (
     kv_dtype,
     plan_chunks,
 )
-from transfer.rank.progress import PrefillFailed
-from transfer.rank.sources import PageSource
+from lanekv.transfer.rank.progress import PrefillFailed
+from lanekv.transfer.rank.sources import PageSource
 
 Code = grpc.StatusCode
 T = TypeVar("T")

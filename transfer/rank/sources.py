@@ -19,12 +19,11 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-
-from kernels.page_digest import PageDigest, page_digest
-from transfer.protocol.contract import Agreement, LayoutContract, Topology
-from transfer.protocol.descriptors import PoolHandle, as_u64, share_pool
-from transfer.protocol.wire import kv_dtype
-from transfer.rank.progress import LayerProgress
+from lanekv.kernels.page_digest import PageDigest, page_digest
+from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
+from lanekv.transfer.protocol.descriptors import PoolHandle, as_u64, share_pool
+from lanekv.transfer.protocol.wire import kv_dtype
+from lanekv.transfer.rank.progress import LayerProgress
 
 _U64 = (1 << 64) - 1
 _GAVE_UP = object()  # a request whose digests are not taken as written (see digest_written)

@@ -18,7 +18,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
-from runtime.security import SecurityConfig
+from lanekv.runtime.security import SecurityConfig
+
 from tests.checkpoints import write_llama
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -92,8 +93,8 @@ PAGE_SIZE = 4
 def decode_daemon(checkpoint: Path, endpoints: Sequence[str], **config):
     """A CPU decode daemon with ``SECURITY`` over the prefill daemons at ``endpoints``
     (``config``: DecodeConfig fields beyond those)."""
-    from decode.config import DecodeConfig
-    from decode.daemon import DecodeDaemon
+    from lanekv.decode.config import DecodeConfig
+    from lanekv.decode.daemon import DecodeDaemon
 
     return DecodeDaemon(DecodeConfig(str(checkpoint), endpoints[0], extra_prefill_endpoints=tuple(endpoints[1:]),
                                      **{"page_size": PAGE_SIZE, "device": "cpu", "pool_pages": 400,

@@ -98,7 +98,7 @@ def test_health_takes_a_daemon_out_and_puts_it_back(tmp_path):
 
 
 def test_a_daemon_slow_to_answer_its_health_check_stays_until_several_in_a_row(tmp_path):
-    from runtime.status import SLOW_CHECKS_TO_LEAVE
+    from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE
 
     backends = _backends(tmp_path, 1)
     (a,) = backends.members

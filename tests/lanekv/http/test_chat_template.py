@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from lanekv.model.tokenizer import load_tokenizer
 
 from lanekv.http.chat import ChatTemplate
 from lanekv.http.errors import APIError
-from model.tokenizer import load_tokenizer
 from tests.checkpoints import write_tokenizer
 from tests.lanekv.http.front import CHAT_TEMPLATE
 

@@ -14,13 +14,13 @@ from urllib.parse import urlsplit
 import grpc
 import openai
 import pytest
+from lanekv.decode.config import DecodeConfig
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.model.tokenizer import load_tokenizer
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.runtime.security import SecurityConfig
 
-from decode.config import DecodeConfig
-from decode.daemon import DecodeDaemon
-from model.tokenizer import load_tokenizer
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
-from runtime.security import SecurityConfig
 from tests.checkpoints import EOS_TOKEN_ID
 from tests.lanekv.http.front import (
     AUTH,

@@ -22,11 +22,11 @@ from contextlib import ExitStack
 
 import openai
 import pytest
+from lanekv.decode.daemon import DecodeDaemon
+from lanekv.model.tokenizer import load_tokenizer
+from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
+from lanekv.prefill.engine_config import EngineConfig
 
-from decode.daemon import DecodeDaemon
-from model.tokenizer import load_tokenizer
-from prefill.daemon import DaemonConfig, PrefillDaemon
-from prefill.engine_config import EngineConfig
 from tests.checkpoints import EOS_TOKEN_ID
 from tests.lanekv.http.front import (
     AUTH,

@@ -12,12 +12,11 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-
-from runtime.status import Refusal
-from transfer.connector.base import Coverage, FetchJob, Route
-from transfer.connector.fastpath import FastPathTransport
-from transfer.errors import RemoteError
-from transfer.protocol.descriptors import (
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.connector.base import Coverage, FetchJob, Route
+from lanekv.transfer.connector.fastpath import FastPathTransport
+from lanekv.transfer.errors import RemoteError
+from lanekv.transfer.protocol.descriptors import (
     SHM,
 )
 

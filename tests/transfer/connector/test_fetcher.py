@@ -12,24 +12,24 @@ from __future__ import annotations
 import time
 
 import grpc
+import lanekv.transfer.grpcfetch.spans as spans_module
 import pytest
 import torch
+from lanekv.kernels.page_digest import PageDigest
+from lanekv.runtime.metrics import Registry
+from lanekv.runtime.rpc_metrics import lanekv_metrics
+from lanekv.runtime.status import Refusal
+from lanekv.transfer.connector.base import FetchJob, KVFetchError
+from lanekv.transfer.connector.fastpath import FastPathTransport
+from lanekv.transfer.connector.fetcher import KVFetcher
+from lanekv.transfer.connector.grpc import GrpcTransport
+from lanekv.transfer.errors import TransferError
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.protocol.descriptors import SHM
+from lanekv.transfer.protocol.wire import frame_chunk, split_chunk
 
-import transfer.grpcfetch.spans as spans_module
-from kernels.page_digest import PageDigest
-from runtime.metrics import Registry
-from runtime.rpc_metrics import lanekv_metrics
-from runtime.status import Refusal
 from tests.reliability.kv_cluster import LAYERS, PAGE, rows_of
 from tests.transfer.fastpath.rig import fill, shm_rank
-from transfer.connector.base import FetchJob, KVFetchError
-from transfer.connector.fastpath import FastPathTransport
-from transfer.connector.fetcher import KVFetcher
-from transfer.connector.grpc import GrpcTransport
-from transfer.errors import TransferError
-from transfer.fastpath.client import FastPath
-from transfer.protocol.descriptors import SHM
-from transfer.protocol.wire import frame_chunk, split_chunk
 
 Code = grpc.StatusCode
 PAGES = [(p, (3 * p + 1) % 8) for p in range(5)]  # (logical, physical at the rank)
@@ -85,7 +85,7 @@ def test_a_rank_that_shares_its_pool_is_copied_in_place(rank):
 @pytest.mark.parametrize("refusal", ["another_host", "no_fast_path"])
 def test_a_rank_the_fast_path_does_not_reach_is_fetched_over_grpc(rank, monkeypatch, refusal):
     if refusal == "another_host":
-        monkeypatch.setattr("transfer.fastpath.client.host_id", lambda: "elsewhere/0")
+        monkeypatch.setattr("lanekv.transfer.fastpath.client.host_id", lambda: "elsewhere/0")
     fetcher, _ = _fetcher(rank, fast=refusal != "no_fast_path")
     job, dst = _job(rank)
     fetched = fetcher.fetch(job)
@@ -95,7 +95,7 @@ def test_a_rank_the_fast_path_does_not_reach_is_fetched_over_grpc(rank, monkeypa
 
 
 def test_a_copy_that_fails_its_digest_is_fetched_again_over_grpc(rank, monkeypatch):
-    monkeypatch.setattr("transfer.fastpath.rangecopy.PageDigest", _WrongDigest)
+    monkeypatch.setattr("lanekv.transfer.fastpath.rangecopy.PageDigest", _WrongDigest)
     fetcher, failures = _fetcher(rank)
     job, dst = _job(rank)
     fetched = fetcher.fetch(job)
@@ -105,7 +105,7 @@ def test_a_copy_that_fails_its_digest_is_fetched_again_over_grpc(rank, monkeypat
 
 
 def test_a_digest_mismatch_then_damaged_grpc_chunks_is_one_data_loss(rank, monkeypatch):
-    monkeypatch.setattr("transfer.fastpath.rangecopy.PageDigest", _WrongDigest)
+    monkeypatch.setattr("lanekv.transfer.fastpath.rangecopy.PageDigest", _WrongDigest)
 
     def damaging_split(message):
         header, data = split_chunk(message)

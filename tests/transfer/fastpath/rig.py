@@ -12,13 +12,13 @@ import uuid
 from collections.abc import Iterator
 
 import torch
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.contract import Agreement, Topology
+from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool
+from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
-from transfer.grpcfetch.client import KVClient
-from transfer.protocol.contract import Agreement, Topology
-from transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool
-from transfer.rank.service import serve
-from transfer.rank.sources import TensorPageSource
 
 POOL_PAGES = 8
 

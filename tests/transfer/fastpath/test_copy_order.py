@@ -9,15 +9,15 @@ import time
 import grpc
 import pytest
 import torch
+from lanekv.transfer.errors import RemoteError
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.fastpath.copyorder import CopyOrder
+from lanekv.transfer.protocol.descriptors import (
+    SHM,
+)
 
 from tests.reliability.kv_cluster import LAYERS, PAGE, rows_of
 from tests.transfer.fastpath.rig import fill
-from transfer.errors import RemoteError
-from transfer.fastpath.client import FastPath
-from transfer.fastpath.copyorder import CopyOrder
-from transfer.protocol.descriptors import (
-    SHM,
-)
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1

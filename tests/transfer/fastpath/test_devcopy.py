@@ -1,4 +1,4 @@
-"""transfer.fastpath.devcopy: strided block copies between pools through the CUDA runtime.
+"""lanekv.transfer.fastpath.devcopy: strided block copies between pools through the CUDA runtime.
 
 CPU: which views are blocks at one pitch, and that CPU tensors are left to
 torch. GPU: a run of pages over layers copied in one 2-D copy, in groups of
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanekv.transfer.fastpath import devcopy
+from lanekv.transfer.fastpath.devcopy import BlockCopy
 
 from tests.markers import GPU_CASE, requires_gpu
-from transfer.fastpath import devcopy
-from transfer.fastpath.devcopy import BlockCopy
 
 
 def _pool(device="cpu", layers=3, rows=40):
@@ -62,9 +62,9 @@ def test_block_copies_between_pools_on_gpus(monkeypatch, cross, small_pitch_limi
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=GPU_CASE)])
 @pytest.mark.parametrize("physical", [[5, 6, 7, 2], [1, 3, 5, 7, 9, 0], [4]], ids=["runs", "scattered", "one"])
 def test_place_chunk_puts_each_page_of_a_host_chunk_in_its_place(device, physical):
-    """transfer.connector.placement: a few runs of pages go by 2-D copies on a GPU, scattered ones
+    """lanekv.transfer.connector.placement: a few runs of pages go by 2-D copies on a GPU, scattered ones
     (more than MAX_RUN_COPIES runs) by scatter_pages; the CPU always scatters. Same pool either way."""
-    from transfer.connector.placement import place_chunk
+    from lanekv.transfer.connector.placement import place_chunk
 
     ps, layers = 4, (1, 3)
     pool = torch.zeros(4, 2, 10 * ps, 2, 4, device=device)

@@ -9,22 +9,22 @@
 from __future__ import annotations
 
 import grpc
+import lanekv.kernels.page_digest as page_digest_module
+import lanekv.transfer.protocol.descriptors as fastpath
 import pytest
 import torch
-
-import kernels.page_digest as page_digest_module
-import transfer.protocol.descriptors as fastpath
-from kernels.page_copy import gather_pages, scatter_pages
-from kernels.page_digest import kv_digest
-from tests.markers import GPU_CASE
-from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement
-from transfer.fastpath.poolcopy import copy_pages, page_runs
-from transfer.fastpath.rangecopy import copy_groups
-from transfer.protocol.descriptors import (
+from lanekv.kernels.page_copy import gather_pages, scatter_pages
+from lanekv.kernels.page_digest import kv_digest
+from lanekv.transfer.fastpath.poolcopy import copy_pages, page_runs
+from lanekv.transfer.fastpath.rangecopy import copy_groups
+from lanekv.transfer.protocol.descriptors import (
     SHM_DIR,
 )
-from transfer.rank.progress import LayerProgress
-from transfer.rank.sources import TensorPageSource
+from lanekv.transfer.rank.progress import LayerProgress
+from lanekv.transfer.rank.sources import TensorPageSource
+
+from tests.markers import GPU_CASE
+from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
@@ -105,7 +105,7 @@ def test_copy_pages_equals_gather_then_scatter(src_pages, dst_pages):
 def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device):
     """A large request's layers are digested as they are written; a range's digest is then
     their sum, equal to digesting it afresh (each layer at its place among all layers)."""
-    from kernels.page_digest import page_digest
+    from lanekv.kernels.page_digest import page_digest
 
     agreement = make_agreement(kv_dtype="float16")
     num_pages = TensorPageSource.DIGEST_AT_WRITE_MIN_PAGES + 4
@@ -122,7 +122,7 @@ def test_digests_taken_as_layers_are_written_seal_any_range(monkeypatch, device)
         return int(page_digest(pool, pages, PAGE, first, last, first_layer=0).item()) & U64
 
     ranges = [(0, LAYERS), (1, LAYERS - 1), (2, 3)]
-    monkeypatch.setattr("transfer.rank.sources.page_digest", lambda *a, **k: pytest.fail("digested afresh"))
+    monkeypatch.setattr("lanekv.transfer.rank.sources.page_digest", lambda *a, **k: pytest.fail("digested afresh"))
     got = [source.digest(physical, a, b, request_id="big") for a, b in ranges]
     monkeypatch.undo()
     assert got == [fresh(a, b) for a, b in ranges]

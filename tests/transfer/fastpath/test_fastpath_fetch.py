@@ -16,24 +16,24 @@ import time
 import grpc
 import pytest
 import torch
-
-from kernels.page_digest import PageDigest
-from tests.markers import requires_gpu
-from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
-from tests.transfer.fastpath.rig import fill
-from transfer.errors import CorruptChunk, RemoteError
-from transfer.fastpath.client import DigestMismatch, FastPath
-from transfer.fastpath.tuning import CopyTuning, FastPathTuning
-from transfer.grpcfetch.client import KVClient, TransferError
-from transfer.protocol.contract import Topology
-from transfer.protocol.descriptors import (
+from lanekv.kernels.page_digest import PageDigest
+from lanekv.transfer.errors import CorruptChunk, RemoteError
+from lanekv.transfer.fastpath.client import DigestMismatch, FastPath
+from lanekv.transfer.fastpath.tuning import CopyTuning, FastPathTuning
+from lanekv.transfer.grpcfetch.client import KVClient, TransferError
+from lanekv.transfer.protocol.contract import Topology
+from lanekv.transfer.protocol.descriptors import (
     SHM,
     Descriptor,
 )
-from transfer.protocol.wire import frame_chunk
-from transfer.rank.progress import LayerProgress
-from transfer.rank.service import KVTransferService, serve
-from transfer.rank.sources import TensorPageSource
+from lanekv.transfer.protocol.wire import frame_chunk
+from lanekv.transfer.rank.progress import LayerProgress
+from lanekv.transfer.rank.service import KVTransferService, serve
+from lanekv.transfer.rank.sources import TensorPageSource
+
+from tests.markers import requires_gpu
+from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
+from tests.transfer.fastpath.rig import fill
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
@@ -66,7 +66,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
         def total(self, first=None, last=None):
             return torch.tensor(12345)
 
-    monkeypatch.setattr("transfer.fastpath.rangecopy.PageDigest", WrongDigest)
+    monkeypatch.setattr("lanekv.transfer.fastpath.rangecopy.PageDigest", WrongDigest)
     with pytest.raises(DigestMismatch, match="digest"):
         fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)

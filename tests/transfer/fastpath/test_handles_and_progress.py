@@ -10,14 +10,13 @@ import time
 import grpc
 import msgpack
 import pytest
-
-from transfer.protocol.descriptors import (
+from lanekv.transfer.protocol.descriptors import (
     SHM,
     SHM_DIR,
     Descriptor,
     PoolHandle,
 )
-from transfer.rank.progress import LayerProgress, PrefillFailed
+from lanekv.transfer.rank.progress import LayerProgress, PrefillFailed
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1

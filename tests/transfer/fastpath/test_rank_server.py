@@ -15,15 +15,12 @@ import uuid
 import grpc
 import pytest
 import torch
-
-from proto import lanekv_pb2, lanekv_pb2_grpc
-from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
-from tests.transfer.fastpath.rig import fill
-from transfer.errors import RemoteError
-from transfer.fastpath.client import FastPath
-from transfer.grpcfetch.client import KVClient
-from transfer.protocol.contract import Topology
-from transfer.protocol.descriptors import (
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.transfer.errors import RemoteError
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.contract import Topology
+from lanekv.transfer.protocol.descriptors import (
     SHM,
     SHM_DIR,
     PoolHandle,
@@ -31,9 +28,12 @@ from transfer.protocol.descriptors import (
     remove_shared_pool,
     shared_cpu_pool,
 )
-from transfer.rank.progress import LayerProgress
-from transfer.rank.service import serve
-from transfer.rank.sources import TensorPageSource
+from lanekv.transfer.rank.progress import LayerProgress
+from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.sources import TensorPageSource
+
+from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
+from tests.transfer.fastpath.rig import fill
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
@@ -123,7 +123,7 @@ def test_a_new_prefill_start_is_attached_again_and_an_old_one_refused():
 
 def test_a_rank_on_another_host_is_read_over_grpc(rank, monkeypatch):
     _, _, endpoint, agreement, kv = rank
-    monkeypatch.setattr("transfer.fastpath.client.host_id", lambda: "elsewhere/0")
+    monkeypatch.setattr("lanekv.transfer.fastpath.client.host_id", lambda: "elsewhere/0")
     fast = FastPath(kv, agreement, transports=[SHM])
     assert fast.pool(endpoint, None, 10) is None and fast.transport(endpoint) == "grpc"
 

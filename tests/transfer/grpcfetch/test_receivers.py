@@ -16,11 +16,24 @@ import threading
 import time
 
 import grpc
+import lanekv.transfer.grpcfetch.remotefetch as remotefetch_module
 import pytest
 import torch
+from lanekv.runtime.security import SecurityConfig
+from lanekv.transfer.grpcfetch import client as client_module
+from lanekv.transfer.grpcfetch.client import (
+    ChecksumError,
+    KVClient,
+    RemoteError,
+    RetryPolicy,
+    TransferError,
+)
+from lanekv.transfer.grpcfetch.fetch import ByteBudget, Job
+from lanekv.transfer.grpcfetch.receivers import ReceiverPool
+from lanekv.transfer.grpcfetch.remotefetch import RemoteRankFetch
+from lanekv.transfer.grpcfetch.spans import Span
+from lanekv.transfer.rank.service import KVTransferService
 
-import transfer.grpcfetch.remotefetch as remotefetch_module
-from runtime.security import SecurityConfig
 from tests.reliability.kv_cluster import (
     PAGE_LAYER_BYTES,
     make_agreement,
@@ -29,19 +42,6 @@ from tests.reliability.kv_cluster import (
     start_servers,
 )
 from tests.reliability.proxy import FaultProxy
-from transfer.grpcfetch import client as client_module
-from transfer.grpcfetch.client import (
-    ChecksumError,
-    KVClient,
-    RemoteError,
-    RetryPolicy,
-    TransferError,
-)
-from transfer.grpcfetch.fetch import ByteBudget, Job
-from transfer.grpcfetch.receivers import ReceiverPool
-from transfer.grpcfetch.remotefetch import RemoteRankFetch
-from transfer.grpcfetch.spans import Span
-from transfer.rank.service import KVTransferService
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore:The given buffer is not writable")]
 

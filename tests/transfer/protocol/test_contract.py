@@ -7,9 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from transfer.protocol import contract as contract_module
-from transfer.protocol.contract import (
+from lanekv.transfer.protocol import contract as contract_module
+from lanekv.transfer.protocol.contract import (
     Agreement,
     FieldDiff,
     LayoutContract,
@@ -19,7 +18,7 @@ from transfer.protocol.contract import (
     format_diff,
     source_digest,
 )
-from transfer.protocol.wire import WIRE_VERSION
+from lanekv.transfer.protocol.wire import WIRE_VERSION
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -232,19 +231,22 @@ def write_sources(root: Path, content: dict[str, bytes]) -> list[str]:
 
 def test_source_digest(tmp_path, monkeypatch):
     files = {"prefill/plan.py": b"a = 1\n", "transfer/protocol/wire.py": b"b = 2\n"}
+    modules = ["lanekv.prefill.plan", "lanekv.transfer.protocol.wire"]
     one, two = tmp_path / "one", tmp_path / "two"
-    names = write_sources(one, files)
+    write_sources(one, files)
     write_sources(two, files)
-    digest = source_digest(names, one)
-    assert digest == source_digest(list(reversed(names)), two)  # location and order do not matter
+    digest = source_digest(modules, one)
+    assert digest == source_digest(list(reversed(modules)), two)  # location and order do not matter
     write_sources(two, {"transfer/protocol/wire.py": b"b = 3\n"})
-    assert source_digest(names, two) != digest
+    assert source_digest(modules, two) != digest
     write_sources(two, {"prefill/planner.py": b"a = 1\n", "transfer/protocol/wire.py": b"b = 2\n"})
-    assert source_digest(["prefill/planner.py", "transfer/protocol/wire.py"], two) != digest
-    with pytest.raises(FileNotFoundError, match="prefill/layout.py"):
-        source_digest(["prefill/layout.py"], one)
-    monkeypatch.setattr(contract_module, "CONTRACT_SOURCES", tuple(names))
-    monkeypatch.setattr(contract_module, "REPO_ROOT", one)
+    assert source_digest(["lanekv.prefill.planner", "lanekv.transfer.protocol.wire"], two) != digest
+    with pytest.raises(FileNotFoundError, match="lanekv.prefill.layout"):
+        source_digest(["lanekv.prefill.layout"], one)
+    with pytest.raises(ValueError, match="not a module of lanekv"):
+        source_digest(["prefill.plan"], one)
+    monkeypatch.setattr(contract_module, "CONTRACT_SOURCES", tuple(modules))
+    monkeypatch.setattr(contract_module, "PACKAGE_ROOT", one)
     assert Agreement.from_model(MODEL_FIELDS, "w", "bfloat16", 64).source_digest == digest
 
 
@@ -252,8 +254,8 @@ FINGERPRINT_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 from tests.transfer.protocol.test_contract import make_agreement
-from transfer.protocol.contract import source_digest
-digest = source_digest(["transfer/protocol/wire.py", "transfer/protocol/contract.py"])
+from lanekv.transfer.protocol.contract import source_digest
+digest = source_digest(["lanekv.transfer.protocol.wire", "lanekv.transfer.protocol.contract"])
 print(make_agreement(source_digest=digest, model_config={{str(i): i for i in range(50)}}).fingerprint)
 """
 

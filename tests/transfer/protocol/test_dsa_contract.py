@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
+from lanekv.model.config import ModelConfig
+from lanekv.model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
+from lanekv.transfer.protocol.contract import DSA_INT_FIELDS, Agreement, diff, dsa_row_elements
 
-from model.config import ModelConfig
-from model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
 from tests.checkpoints import write_deepseek_v3, write_deepseek_v32
-from transfer.protocol.contract import DSA_INT_FIELDS, Agreement, diff, dsa_row_elements
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from lanekv.model.config import ModelConfig
+from lanekv.transfer.protocol.contract import MLA_FIELDS, Agreement, diff
+from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk, payload_to_tensor
 
-from model.config import ModelConfig
 from tests.checkpoints import DEEPSEEK_WRITERS, write_llama
-from transfer.protocol.contract import MLA_FIELDS, Agreement, diff
-from transfer.protocol.wire import ChunkHeader, encode_chunk, payload_to_tensor
 
 pytestmark = pytest.mark.timeout(120)
 

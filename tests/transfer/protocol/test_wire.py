@@ -7,9 +7,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from proto import lanekv_pb2
-from transfer.protocol.wire import (
+from lanekv.proto import lanekv_pb2
+from lanekv.transfer.protocol.wire import (
     MAX_HEADER_BYTES,
     ChunkHeader,
     check_ints,

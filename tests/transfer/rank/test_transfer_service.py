@@ -7,8 +7,21 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.transfer.grpcfetch import client as client_module
+from lanekv.transfer.grpcfetch.client import (
+    ChecksumError,
+    ContractMismatch,
+    KVClient,
+    RemoteError,
+    fetch_kv,
+    handshake,
+    release,
+)
+from lanekv.transfer.protocol.wire import WIRE_VERSION
+from lanekv.transfer.rank.service import KVTransferService, serve
+from lanekv.transfer.rank.sources import TensorPageSource
 
-from proto import lanekv_pb2, lanekv_pb2_grpc
 from tests.reliability.kv_cluster import (
     DIM,
     HEADS,
@@ -21,19 +34,6 @@ from tests.reliability.kv_cluster import (
     same_bits,
     start_servers,
 )
-from transfer.grpcfetch import client as client_module
-from transfer.grpcfetch.client import (
-    ChecksumError,
-    ContractMismatch,
-    KVClient,
-    RemoteError,
-    fetch_kv,
-    handshake,
-    release,
-)
-from transfer.protocol.wire import WIRE_VERSION
-from transfer.rank.service import KVTransferService, serve
-from transfer.rank.sources import TensorPageSource
 
 pytestmark = [
     pytest.mark.timeout(60),
