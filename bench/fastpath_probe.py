@@ -77,9 +77,9 @@ from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 from lanekv.transfer.fastpath.sidestreams import streams_for  # noqa: E402
 from lanekv.transfer.fastpath.tuning import DEFAULT_COPY, DEFAULT_FAST_PATH  # noqa: E402
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import Descriptor  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402

@@ -64,9 +64,9 @@ from lanekv.runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E40
 from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402

@@ -28,8 +28,8 @@ from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.transfer.fastpath.client import FastPath
 from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair

@@ -34,7 +34,7 @@ from lanekv.transfer.connector.base import (
 from lanekv.transfer.errors import TransferError
 from lanekv.transfer.fastpath.client import DigestMismatch, FastPath
 from lanekv.transfer.fastpath.copyorder import CopyOrder
-from lanekv.transfer.grpcfetch.client import RankStats
+from lanekv.transfer.protocol.stats import RankStats
 
 log = logging.getLogger("lanekv.decode")
 # How long a fast-path attach to one rank may take before that rank goes over gRPC.

@@ -27,6 +27,7 @@ from lanekv.transfer.fastpath.rangecopy import Prepared, copy_range
 from lanekv.transfer.fastpath.sidestreams import Streams, StreamSet, streams_for
 from lanekv.transfer.fastpath.tuning import DEFAULT_FAST_PATH, FastPathTuning
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, start_of
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.descriptors import (
     CUDA_IPC,
@@ -38,7 +39,6 @@ from lanekv.transfer.protocol.descriptors import (
     open_pool,
 )
 from lanekv.transfer.protocol.wire import kv_dtype
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, start_of
 
 log = logging.getLogger("lanekv.transfer")
 ATTACH_METHOD = "/lanekv.v1.KVTransfer/AttachPool"
