@@ -58,9 +58,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
-import lanekv.transfer.fastpath.client as fastpath_client_module  # noqa: E402
 import lanekv.transfer.fastpath.poolcopy as poolcopy  # noqa: E402
 import lanekv.transfer.fastpath.rangecopy as rangecopy  # noqa: E402
+import lanekv.transfer.fastpath.rankfetch as rankfetch  # noqa: E402
 import lanekv.transfer.fastpath.sidestreams as sidestreams  # noqa: E402
 import lanekv.transfer.protocol.descriptors as fastpath_module  # noqa: E402
 import torch  # noqa: E402
@@ -74,12 +74,13 @@ from lanekv.runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E40
 from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
+from lanekv.transfer.fastpath.rankfetch import FastRequest, RankPages  # noqa: E402
 from lanekv.transfer.fastpath.sidestreams import streams_for  # noqa: E402
 from lanekv.transfer.fastpath.tuning import DEFAULT_COPY, DEFAULT_FAST_PATH  # noqa: E402
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD  # noqa: E402
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import Descriptor  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
@@ -179,10 +180,10 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
 
     def fetch_rank(rank, order=None) -> None:
         expect = [physical_of(p) for p in pages[rank]] if early[0] else None
-        phases[rank] = fast.fastpath.fetch(
-            endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
-            dst, lambda p: [slot[q] for q in p], lambda *a: None, epoch=epoch, timeout=600, order=order,
-            expect=expect, tuning=tuned[0])._asdict()
+        request = FastRequest(reply.request_id, reply.contract_fingerprint, dst, lambda p: [slot[q] for q in p],
+                              lambda *a: None, epoch, time.monotonic() + 600)
+        part = RankPages(rank, endpoints[rank], shared[rank], tuple(pages[rank]), None if expect is None else tuple(expect))
+        phases[rank] = fast.fastpath.fetch(request, part, order=order, tuning=tuned[0])._asdict()
 
     def fast_once(ranks=tuple(owners), order_by=None) -> None:
         order = None
@@ -333,8 +334,8 @@ def host_times(fetch_rank, rank, repeat: int = 5) -> dict:
     spent: dict = {}
     targets = [(poolcopy.PlannedCopy, "plan"), (poolcopy.PlannedCopy, "issue"),
                (fastpath_module.Descriptor, "decode"), (fastpath_module.Descriptor, "sealed_by"),
-               (fastpath_client_module, "copy_range"), (fastpath_client_module.FastPath, "_finish"),
-               (fastpath_client_module, "Prepared"), (fastpath_client_module, "_mismatch"),
+               (rankfetch, "copy_range"), (rankfetch.RankFetch, "finish"),
+               (rankfetch, "Prepared"), (rankfetch.RankFetch, "_mismatch"),
                (rangecopy.PageDigest, "add"), (rangecopy.PageDigest, "total"),
                (sidestreams.Streams, "digesting"), (sidestreams.Streams, "sync")]
     fetch_rank(rank)  # once untimed: what a first call loads (the CUDA runtime's binding) is not counted

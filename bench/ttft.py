@@ -63,10 +63,11 @@ from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from lanekv.runtime.status import DEFAULT_CHUNK_BYTES, grpc_options  # noqa: E402
 from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
+from lanekv.transfer.fastpath.rankfetch import FastRequest, RankPages  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
@@ -171,10 +172,11 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
 
         def one(rank: int) -> None:
             try:
-                phases[rank] = fast.fastpath.fetch(
-                    endpoints[rank], rank, shared[rank], reply.request_id, reply.contract_fingerprint, pages[rank],
-                    dst, lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=epoch, timeout=600,
-                    order=order, expect=[physical_of(p) for p in pages[rank]] if early else None)._asdict()
+                request = FastRequest(reply.request_id, reply.contract_fingerprint, dst,
+                                      lambda ps: [slot[p] for p in ps], lambda *a: None, epoch, time.monotonic() + 600)
+                part = RankPages(rank, endpoints[rank], shared[rank], tuple(pages[rank]),
+                                 tuple(physical_of(p) for p in pages[rank]) if early else None)
+                phases[rank] = fast.fastpath.fetch(request, part, order=order)._asdict()
             except Exception as err:  # noqa: BLE001 - raised below
                 errors.append(err)
 

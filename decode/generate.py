@@ -64,8 +64,8 @@ from lanekv.proto import lanekv_pb2
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.connector.base import FetchJob, KVFetchError
 from lanekv.transfer.connector.fetcher import FetchStats, KVFetcher
+from lanekv.transfer.protocol.access import access_ticket
 from lanekv.transfer.protocol.contract import Agreement
-from lanekv.transfer.rank.service import access_ticket
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

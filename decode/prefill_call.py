@@ -29,9 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE, Refusal, slow_checks_after
 from lanekv.transfer.errors import TransferError
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

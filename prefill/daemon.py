@@ -58,14 +58,10 @@ from lanekv.runtime.daemon import DaemonServer
 from lanekv.runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, refusals
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, new_capability
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import (
-    EPOCH_METADATA_KEY,
-    KVTransferService,
-    add_transfer_service,
-    new_capability,
-)
+from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
 from lanekv.transfer.rank.sources import ContractOnlySource
 
 log = logging.getLogger("lanekv.prefill")

@@ -81,7 +81,7 @@ class PrefillInput(NamedTuple):
     prefix_pages: Sequence[int] = ()  # pinned pages already holding the prompt's first tokens
     request_id: str | None = None
     # The secret the ranks hold the request's pages to (FetchKV and Release must
-    # present it: ``transfer.rank.service.new_capability``); None: anyone with the id.
+    # present it: ``transfer.protocol.access.new_capability``); None: anyone with the id.
     capability: str | None = None
 
 

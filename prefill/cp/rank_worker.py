@@ -92,7 +92,7 @@ class TransferServing(NamedTuple):
     """How each rank serves KVTransfer: rank r binds ``host:port_base + r`` (any free port when 0).
 
     ``epoch`` names this start of the prefill daemon; FetchKV and Release that
-    name another start are refused (``transfer.rank.service.EPOCH_METADATA_KEY``).
+    name another start are refused (``transfer.protocol.access.EPOCH_METADATA_KEY``).
     ``advertise``: the host the rank's endpoint names for peers (None: ``host``;
     the daemon picks it, ``runtime.advertise``, so a wildcard bind is never advertised).
     """

@@ -27,9 +27,10 @@ from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.fastpath.rankfetch import RankFetch
 from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
 
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
@@ -143,14 +144,14 @@ def test_a_prefill_that_answered_is_copied_before_the_ranks_announce_it(checkpoi
         return first
 
     copied_early = []  # per rank: whether its copies were made before it read its first message
-    receive = FastPath._receive
+    receive = RankFetch.receive
 
     def receive_and_note(self, *args):
-        copied_early.append(args[-1] is not None)
+        copied_early.append(self.early is not None)
         return receive(self, *args)
 
     monkeypatch.setattr(PrefillCall, "started", answered_first)
-    monkeypatch.setattr(FastPath, "_receive", receive_and_note)
+    monkeypatch.setattr(RankFetch, "receive", receive_and_note)
     with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
         with caplog.at_level(logging.INFO, logger="lanekv.transfer"):
             assert _tokens(decode.endpoint) == expected
@@ -167,15 +168,15 @@ def test_the_fast_path_calls_the_ranks_once_the_prefill_has_answered(checkpoint,
     with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
         expected = _tokens(decode.endpoint)
     answered, early = {}, {}  # by rank: the prefill had answered when the rank was called; copied early
-    fetch, receive = FastPath._fetch, FastPath._receive
+    fetch, receive = FastPath.fetch, RankFetch.receive
 
-    def fetch_and_note(self, endpoint, rank, *args):
-        answered[rank] = prefill_calls[-1].answered()
-        return fetch(self, endpoint, rank, *args)
+    def fetch_and_note(self, request, part, **kw):
+        answered[part.rank] = prefill_calls[-1].answered()
+        return fetch(self, request, part, **kw)
 
-    def receive_and_note(self, call, endpoint, rank, *args):
-        early[rank] = args[-1] is not None  # its copies were made before its first message
-        return receive(self, call, endpoint, rank, *args)
+    def receive_and_note(self, *args):
+        early[self.part.rank] = self.early is not None  # its copies were made before its first message
+        return receive(self, *args)
 
     prefill_calls = []
     init, finish = PrefillCall.__init__, PrefillCall._finish
@@ -190,8 +191,8 @@ def test_the_fast_path_calls_the_ranks_once_the_prefill_has_answered(checkpoint,
 
     monkeypatch.setattr(PrefillCall, "__init__", init_and_keep)
     monkeypatch.setattr(PrefillCall, "_finish", finish_late)
-    monkeypatch.setattr(FastPath, "_fetch", fetch_and_note)
-    monkeypatch.setattr(FastPath, "_receive", receive_and_note)
+    monkeypatch.setattr(FastPath, "fetch", fetch_and_note)
+    monkeypatch.setattr(RankFetch, "receive", receive_and_note)
     with running_pair(_engine(checkpoint), pool_pages=64) as (_, decode):
         with grpc.insecure_channel(decode.endpoint) as channel:
             stub = lanekv_pb2_grpc.DecodeServiceStub(channel)

@@ -30,7 +30,7 @@ from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.metrics import Registry
 from lanekv.runtime.rpc_metrics import lanekv_metrics
-from lanekv.transfer.grpcfetch.client import FetchStats, RankStats
+from lanekv.transfer.protocol.stats import FetchStats, RankStats
 
 from tests.checkpoints import write_llama
 from tests.markers import requires_gpu

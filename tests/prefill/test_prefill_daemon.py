@@ -16,8 +16,8 @@ from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.access import access_ticket
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import access_ticket
 
 from tests.checkpoints import write_llama
 

@@ -23,8 +23,8 @@ from lanekv.proto import lanekv_pb2 as pb
 from lanekv.proto import lanekv_pb2_grpc
 from lanekv.transfer.fastpath.client import FastPath
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket, new_capability
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket, new_capability
 
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair

@@ -42,7 +42,8 @@ from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, RetryPolicy
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, KVTransferService, access_ticket
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
+from lanekv.transfer.rank.service import KVTransferService
 
 from tests.checkpoints import write_llama
 from tests.reliability.kv_cluster import (

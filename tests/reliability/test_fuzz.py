@@ -34,15 +34,11 @@ from lanekv.proto import lanekv_pb2 as pb
 from lanekv.proto import lanekv_pb2_grpc
 from lanekv.runtime.requests import MalformedRequestInterceptor
 from lanekv.runtime.status import grpc_options
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, agreement_of
 from lanekv.transfer.protocol.manifest import Manifest
 from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk
-from lanekv.transfer.rank.service import (
-    EPOCH_METADATA_KEY,
-    KVTransferService,
-    access_ticket,
-    add_transfer_service,
-)
+from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
 
 from tests.checkpoints import VOCAB_SIZE, write_llama
 from tests.reliability import hostile_inputs as hostile

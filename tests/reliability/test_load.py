@@ -34,7 +34,7 @@ from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2 as pb
 from lanekv.proto import lanekv_pb2_grpc
 from lanekv.runtime.requests import sampling_to_proto
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
 
 from tests.checkpoints import VOCAB_SIZE, write_llama
 

@@ -21,7 +21,7 @@ import grpc
 import torch
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
-from lanekv.transfer.grpcfetch.client import RankStats
+from lanekv.transfer.protocol.stats import RankStats
 
 Code = grpc.StatusCode
 # A rank's status after every try that says it (or the path to it) is down for now.

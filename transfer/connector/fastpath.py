@@ -32,9 +32,10 @@ from lanekv.transfer.connector.base import (
     time_left,
 )
 from lanekv.transfer.errors import TransferError
-from lanekv.transfer.fastpath.client import DigestMismatch, FastPath
+from lanekv.transfer.fastpath.client import FastPath
 from lanekv.transfer.fastpath.copyorder import CopyOrder
-from lanekv.transfer.grpcfetch.client import RankStats
+from lanekv.transfer.fastpath.rankfetch import DigestMismatch, FastRequest, RankPages
+from lanekv.transfer.protocol.stats import RankStats
 
 log = logging.getLogger("lanekv.decode")
 # How long a fast-path attach to one rank may take before that rank goes over gRPC.
@@ -71,7 +72,7 @@ class _FastFetch(TransportFetch):
 
     With ``job.physical_of`` and every layer written (``job.written``), each
     rank's pages are copied from where the owner-lane rule puts them without
-    waiting for the rank's announcement (``FastPath.fetch``'s ``expect``). A
+    waiting for the rank's announcement (``RankPages.expect``). A
     fast path that copies at the end (``FastPath.copy_at_end`` and its tuning's
     ``wait_for_answer``) waits for the prefill's answer before it calls the
     ranks, so a rank does no transfer work while its prefill runs.
@@ -85,6 +86,9 @@ class _FastFetch(TransportFetch):
         self._calls: list[Any] = []
         self._stopped = False
         self._lock = threading.Lock()
+        # What every rank's fetch shares; each rank adds its pool, pages and places.
+        self._request = FastRequest(job.request_id, job.fingerprint, job.pool, job.pages_for, coverage.placed,
+                                    job.epoch, job.deadline)
         pools = {rank: route.source for rank, route in routes.items()}
         self._order = CopyOrder.for_pools(pools, job.pool.device)
         self._threads = [
@@ -96,14 +100,12 @@ class _FastFetch(TransportFetch):
 
     def _run(self, rank: int, pool: torch.Tensor) -> None:
         job = self._job
-        pages = job.pages[rank]
+        pages = tuple(job.pages[rank])
         try:
             written = job.physical_of is not None and self._written()
-            got = self._fastpath.fetch(
-                job.endpoints[rank], rank, pool, job.request_id, job.fingerprint, pages, job.pool,
-                job.pages_for, self._coverage.placed, epoch=job.epoch,
-                timeout=max(0.001, job.deadline - time.monotonic()), on_call=self._on_call,
-                order=self._order, expect=[job.physical_of(p) for p in pages] if written else None)
+            expect = tuple(job.physical_of(p) for p in pages) if written else None
+            got = self._fastpath.fetch(self._request, RankPages(rank, job.endpoints[rank], pool, pages, expect),
+                                       on_call=self._on_call, order=self._order)
             self._stats[rank] = RankStats(got.bytes, got.chunks, got.seconds)
         except BaseException as err:  # noqa: BLE001 - reported by wait
             self._errors[rank] = err

@@ -20,7 +20,7 @@ from typing import NamedTuple
 from lanekv.transfer.connector.base import Code, Coverage, FetchJob, KVFetchError
 from lanekv.transfer.connector.fastpath import FastPathTransport
 from lanekv.transfer.connector.grpc import GrpcTransport
-from lanekv.transfer.grpcfetch.client import FetchStats, RankStats
+from lanekv.transfer.protocol.stats import FetchStats, RankStats
 
 __all__ = ["FetchStats", "Fetched", "KVFetcher"]  # FetchStats: what a fetch cost, as the callers see it
 

@@ -25,7 +25,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 import torch
@@ -45,18 +45,17 @@ from lanekv.transfer.grpcfetch.placers import MAX_PLACERS, Placers
 from lanekv.transfer.grpcfetch.receivers import ReceiverPool
 from lanekv.transfer.grpcfetch.remotefetch import RemoteRankFetch
 from lanekv.transfer.grpcfetch.spans import Span
+from lanekv.transfer.protocol.access import epoch_metadata
 from lanekv.transfer.protocol.contract import Agreement, FieldDiff, LayoutContract, diff
+from lanekv.transfer.protocol.stats import FetchStats, RankStats
 from lanekv.transfer.protocol.wire import ChunkHeader
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY
 
 __all__ = [
     "NO_RETRY",
     "ChecksumError",
     "ContractMismatch",
     "CorruptChunk",
-    "FetchStats",
     "KVClient",
-    "RankStats",
     "RemoteError",
     "RetryPolicy",
     "TransferError",
@@ -91,21 +90,6 @@ def channel_options() -> list[tuple[str, int]]:
         ("grpc.min_reconnect_backoff_ms", 200),
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
-
-
-class RankStats(NamedTuple):
-    bytes: int
-    chunks: int
-    seconds: float  # from the start of the fetch to this rank's last placed chunk
-    retries: int = 0  # streams of this rank asked again after a failure
-
-
-class FetchStats(NamedTuple):
-    bytes: int
-    chunks: int
-    seconds: float
-    per_rank: dict[int, RankStats]
-    retries: int = 0
 
 
 class KVClient:
@@ -315,7 +299,7 @@ class KVClient:
 
     def stream_opener(self, epoch: str | None) -> Callable[..., Any]:
         """``open_stream`` of one fetch: a retry after a broken connection gets a new one."""
-        metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
+        metadata = epoch_metadata(epoch)
         used: dict[str, grpc.Channel] = {}
 
         def open_stream(endpoint: str, request: lanekv_pb2.FetchRequest, timeout: float, fresh: bool) -> Any:
@@ -342,7 +326,7 @@ class KVClient:
         """Release the request on every owner rank; return the pages freed in all."""
         freed = 0
         request = lanekv_pb2.ReleaseRequest(request_id=request_id, fingerprint=fingerprint)
-        metadata = ((EPOCH_METADATA_KEY, epoch),) if epoch else None
+        metadata = epoch_metadata(epoch)
         for rank, endpoint in endpoints.items():
             try:
                 freed += self.stub(endpoint).Release(request, timeout=timeout, metadata=metadata).pages_freed

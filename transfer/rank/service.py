@@ -12,7 +12,6 @@ AttachPool, and their digest, instead of the bytes (``transfer.protocol.descript
 from __future__ import annotations
 
 import dataclasses
-import secrets
 import threading
 import time
 from collections import OrderedDict, deque
@@ -35,6 +34,7 @@ from lanekv.runtime.status import (
     Refusal,
     refusals,
 )
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
 from lanekv.transfer.protocol.contract import (
     Agreement,
     LayoutContract,
@@ -57,35 +57,8 @@ from lanekv.transfer.rank.sources import PageSource
 
 Code = grpc.StatusCode
 T = TypeVar("T")
-# Request metadata of FetchKV, Release and AttachPool: the start of the prefill
-# daemon that pinned the pages, and for one request its capability,
-# ``<epoch>:<capability>`` (``access_ticket``; the prefill daemon hands it out
-# in Prefill's and PrefillStream's metadata, and the capability in PrefillReply).
-# A server of another start refuses, so a restarted daemon that reuses ports,
-# and maybe request ids, never serves its pages for old ones; a request pinned
-# with a capability is served only to a caller that presents it
-# (PERMISSION_DENIED otherwise), so knowing a request id is not enough.
-EPOCH_METADATA_KEY = "lanekv-epoch"
 # Attached peers remembered per rank (a descriptors fetch needs an AttachPool first).
 MAX_ATTACHED_PEERS = 1024
-
-
-def access_ticket(epoch: str | None, capability: str | None) -> str | None:
-    """The ``EPOCH_METADATA_KEY`` value for one request: its daemon start and capability
-    (an empty start names none; None: nothing to send)."""
-    if not capability:
-        return epoch or None
-    return f"{epoch or ''}:{capability}"
-
-
-def start_of(ticket: str | None) -> str | None:
-    """The daemon start an ``access_ticket`` names (what AttachPool needs), or None."""
-    return (ticket or "").partition(":")[0] or None
-
-
-def new_capability() -> str:
-    """An unguessable capability for one request (256 random bits)."""
-    return secrets.token_urlsafe(32)
 # The longest a FetchKV waits for one layer of a prefill that is still running
 # (less when the call's deadline comes first).
 LAYER_WAIT_S = 600.0

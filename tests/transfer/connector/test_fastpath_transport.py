@@ -61,8 +61,8 @@ class _Prefill:
 
 
 def _recording_fetch(calls):
-    def fetch(endpoint, rank, *args, expect, **kw):
-        calls.append((time.monotonic(), expect))
+    def fetch(request, part, **kw):
+        calls.append((time.monotonic(), None if part.expect is None else list(part.expect)))
         return SimpleNamespace(bytes=0, chunks=0, seconds=0.0)
     return fetch
 
@@ -112,7 +112,8 @@ def test_a_fetch_waiting_for_the_answer_ends_when_stopped():
 def test_stopped_fast_fetches_cancel_late_calls_and_wait_for_their_threads():
     ended = []
 
-    def fetch(endpoint, rank, *args, on_call, **kw):
+    def fetch(request, part, *, on_call, **kw):
+        rank, endpoint = part.rank, part.endpoint
         if rank == 1:
             time.sleep(0.3)  # calls after stop()
         call = _Call()
@@ -133,7 +134,8 @@ def test_stopped_fast_fetches_cancel_late_calls_and_wait_for_their_threads():
 def test_a_rank_that_fails_before_its_fetch_gives_its_turn_away():
     waited = {}
 
-    def fetch(endpoint, rank, *args, order, **kw):
+    def fetch(request, part, *, order, **kw):
+        rank = part.rank
         t0 = time.monotonic()
         order.may_prepare(rank, 5.0)
         waited[rank] = time.monotonic() - t0

@@ -2,16 +2,20 @@
 
 ``shm_rank()`` serves rank 0 of a cp=1 layout (float16 pages, ``LAYERS``
 layers of ``kv_cluster``) and yields ``(source, pool, endpoint, agreement,
-kv)``; ``fill`` writes seeded random bytes into some pages of one layer.
+kv)``; ``fill`` writes seeded random bytes into some pages of one layer;
+``fetch_rank`` runs ``FastPath.fetch`` for one rank's pages.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import Iterator
 
 import torch
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.fastpath.rankfetch import FastRequest, FastStats, RankPages
 from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.protocol.contract import Agreement, Topology
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool
@@ -44,3 +48,12 @@ def shm_rank() -> Iterator[tuple[TensorPageSource, torch.Tensor, str, Agreement,
 def fill(pool: torch.Tensor, physical: list[int], layer: int, seed: int | None = None) -> None:
     g = torch.Generator().manual_seed(layer if seed is None else seed)
     pool[layer, :, rows_of(physical)] = torch.randn(2, len(physical) * PAGE, 2, 8, generator=g).half()
+
+
+def fetch_rank(fast: FastPath, endpoint: str, rank: int, src: torch.Tensor, request_id: str, fingerprint: str,
+               pages, dst: torch.Tensor, pages_for, on_copied, *, epoch: str | None, timeout: float,
+               expect=None, **kw) -> FastStats:
+    """``FastPath.fetch`` of one rank's ``pages`` of ``request_id``, within ``timeout`` seconds."""
+    request = FastRequest(request_id, fingerprint, dst, pages_for, on_copied, epoch, time.monotonic() + timeout)
+    part = RankPages(rank, endpoint, src, tuple(pages), None if expect is None else tuple(expect))
+    return fast.fetch(request, part, **kw)

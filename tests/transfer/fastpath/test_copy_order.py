@@ -17,7 +17,7 @@ from lanekv.transfer.protocol.descriptors import (
 )
 
 from tests.reliability.kv_cluster import LAYERS, PAGE, rows_of
-from tests.transfer.fastpath.rig import fill
+from tests.transfer.fastpath.rig import fetch_rank, fill
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
@@ -83,7 +83,7 @@ def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):
     copied = []
 
     def fetch():
-        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list,
+        fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list,
                    lambda *a: copied.append(time.monotonic()), epoch=None, timeout=30, order=order)
 
     waiter = threading.Thread(target=fetch)
@@ -91,7 +91,7 @@ def test_a_rank_waits_for_its_turn_and_a_failed_fetch_gives_its_turn_away(rank):
     time.sleep(0.3)
     assert copied == [], "copied before the rank that goes first queued its copies"
     with pytest.raises(RemoteError, match="NOT_FOUND"):  # rank 1's fetch fails: its turn passes on
-        fast.fetch(endpoint, 1, shared, "no-such-request", agreement.fingerprint, [0], dst, list,
+        fetch_rank(fast, endpoint, 1, shared, "no-such-request", agreement.fingerprint, [0], dst, list,
                    lambda *a: None, epoch=None, timeout=30, order=order)
     waiter.join(10)
     assert len(copied) == 1

@@ -18,7 +18,8 @@ import pytest
 import torch
 from lanekv.kernels.page_digest import PageDigest
 from lanekv.transfer.errors import CorruptChunk, RemoteError
-from lanekv.transfer.fastpath.client import DigestMismatch, FastPath
+from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.fastpath.rankfetch import DigestMismatch, RankFetch
 from lanekv.transfer.fastpath.tuning import CopyTuning, FastPathTuning
 from lanekv.transfer.grpcfetch.client import KVClient, TransferError
 from lanekv.transfer.protocol.contract import Topology
@@ -33,10 +34,11 @@ from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
-from tests.transfer.fastpath.rig import fill
+from tests.transfer.fastpath.rig import fetch_rank, fill
 
 Code = grpc.StatusCode
 U64 = (1 << 64) - 1
+
 
 
 
@@ -54,7 +56,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
     dst = torch.full((LAYERS, 2, 12 * PAGE, 2, 8), -1.0, dtype=torch.float16)
     slot = {logical: 11 - logical for logical, _ in pages}
     copied = []
-    stats = fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [p for p, _ in pages], dst,
+    stats = fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [p for p, _ in pages], dst,
                        lambda ps: [slot[p] for p in ps], lambda ps, a, b: copied.append((tuple(ps), a, b)),
                        epoch=None, timeout=30)
     # The prefill was done: one descriptor covers every layer.
@@ -68,7 +70,7 @@ def test_fast_path_copies_a_shared_pool_and_checks_digests(rank, monkeypatch):
 
     monkeypatch.setattr("lanekv.transfer.fastpath.rangecopy.PageDigest", WrongDigest)
     with pytest.raises(DigestMismatch, match="digest"):
-        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
+        fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, lambda ps: [0], lambda *a: None,
                    epoch=None, timeout=30)
 
 
@@ -81,8 +83,8 @@ def _early_fetch(rank, monkeypatch, pages, expect):
     for layer in range(LAYERS):
         fill(pool, [p for _, p in pages], layer)
     source.add("req", pages, progress)
-    reading, receive = threading.Event(), FastPath._receive
-    monkeypatch.setattr(FastPath, "_receive", lambda *args: (reading.set(), receive(*args))[1])
+    reading, receive = threading.Event(), RankFetch.receive
+    monkeypatch.setattr(RankFetch, "receive", lambda *args: (reading.set(), receive(*args))[1])
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
     dst = torch.full((LAYERS, 2, len(pages) * PAGE, 2, 8), -1.0, dtype=torch.float16)
@@ -91,7 +93,7 @@ def _early_fetch(rank, monkeypatch, pages, expect):
 
     def fetch():
         try:
-            fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, logical, dst,
+            fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, logical, dst,
                        lambda ps: [logical.index(p) for p in ps], lambda *a: None, epoch=None, timeout=30,
                        expect=expect)
         except Exception as err:  # noqa: BLE001 - looked at by the test
@@ -134,10 +136,10 @@ def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank, monkeypat
     source, pool, endpoint, agreement, kv = rank
     source.add("req", [(p, p) for p in range(3)])  # the caller says "written" too soon
     written, reading = threading.Event(), threading.Event()
-    ready, receive = source.ready, FastPath._receive
+    ready, receive = source.ready, RankFetch.receive
     # The rank announces once the test has written the pages; the fetch copied them before.
     monkeypatch.setattr(source, "ready", lambda *args: (written.wait(10), ready(*args))[1])
-    monkeypatch.setattr(FastPath, "_receive", lambda *args: (reading.set(), receive(*args))[1])
+    monkeypatch.setattr(RankFetch, "receive", lambda *args: (reading.set(), receive(*args))[1])
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
@@ -145,7 +147,7 @@ def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank, monkeypat
 
     def fetch():
         try:
-            fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list, lambda *a: None,
+            fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list, lambda *a: None,
                        epoch=None, timeout=30, expect=[0, 1, 2])
         except Exception as err:  # noqa: BLE001 - looked at below
             errors.append(err)
@@ -170,7 +172,7 @@ def test_an_early_copy_then_a_prefill_announced_layer_by_layer_is_copied_again(r
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
     got = []
-    fetching = threading.Thread(target=lambda: got.append(fast.fetch(
+    fetching = threading.Thread(target=lambda: got.append(fetch_rank(fast,
         endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], dst, list, lambda *a: None, epoch=None,
         timeout=30, expect=[0, 1, 2])))
     fetching.start()
@@ -197,7 +199,7 @@ def test_bad_expected_places_are_refused_before_any_call(rank, expect, words):
     shared = fast.pool(endpoint, None, 10)
     calls = []
     with pytest.raises(ValueError, match=f"expect.*{words}"):
-        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8),
+        fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0, 1, 2], torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8),
                    list, lambda *a: None, epoch=None, timeout=30, on_call=calls.append, expect=expect)
     assert calls == []
 
@@ -228,7 +230,7 @@ def test_a_range_must_be_announced_then_sealed_as_announced(rank, monkeypatch, s
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros((LAYERS, 2, 2 * PAGE, 2, 8), dtype=torch.float16)
     with pytest.raises(CorruptChunk, match=words):
-        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1], dst, lambda ps: list(ps),
+        fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0, 1], dst, lambda ps: list(ps),
                    lambda *a: None, epoch=None, timeout=30)
 
 
@@ -251,7 +253,7 @@ def test_a_range_of_the_asked_pages_in_another_order_is_copied_and_checked(rank,
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros((LAYERS, 2, 4 * PAGE, 2, 8), dtype=torch.float16)
     copied = []
-    fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1], dst, lambda ps: [2 + p for p in ps],
+    fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0, 1], dst, lambda ps: [2 + p for p in ps],
                lambda ps, a, b: copied.append((tuple(ps), a, b)), epoch=None, timeout=30)
     assert copied == [((1, 0), 0, LAYERS)]
     assert torch.equal(dst[:, :, rows_of([2, 3])], pool[:, :, rows_of([1, 4])])
@@ -266,7 +268,7 @@ def test_descriptors_follow_the_prefill_layer_by_layer(rank):
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros((LAYERS, 2, 4 * PAGE, 2, 8), dtype=torch.float16)
     copied = []
-    fetch = threading.Thread(target=fast.fetch, args=(endpoint, 0, shared, "req", agreement.fingerprint, [0, 1],
+    fetch = threading.Thread(target=fetch_rank, args=(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0, 1],
                                                        dst, lambda ps: list(ps), lambda ps, a, b: copied.append((a, b))),
                              kwargs=dict(epoch=None, timeout=30))
     fill(pool, [2, 3], 0)
@@ -296,14 +298,14 @@ def test_descriptors_come_on_a_direct_channel_that_a_cancel_ends(rank, monkeypat
     dst = torch.zeros(LAYERS, 2, PAGE, 2, 8, dtype=torch.float16)
     t0 = time.monotonic()
     with pytest.raises(RemoteError, match="CANCELLED"):  # cancelled from another thread, as the fast-path transport's stop does
-        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
+        fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
                    epoch=None, timeout=30, on_call=lambda call: threading.Timer(0.3, call.cancel).start())
     assert time.monotonic() - t0 < 10.0
     assert asked_for == [True]
     # A stuck connection is left behind: a fetch that runs out of time gets the next one a new channel.
     before = channel(endpoint, direct=True)
     with pytest.raises(RemoteError, match="DEADLINE_EXCEEDED"):
-        fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
+        fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
                    epoch=None, timeout=0.5)
     assert channel(endpoint, direct=True) is not before
     kv.close()
@@ -339,7 +341,7 @@ def test_many_ranges_copied_between_gpus_match_their_digests(copy_at_end):
 
         def run_fetch():
             try:
-                done.append(fast.fetch(endpoint, 0, pool, "req", agreement.fingerprint, [0, 1, 2, 3], dst,
+                done.append(fetch_rank(fast, endpoint, 0, pool, "req", agreement.fingerprint, [0, 1, 2, 3], dst,
                                        lambda ps: [slot[p] for p in ps], lambda *a: None, epoch=None, timeout=60))
             except (RemoteError, DigestMismatch) as err:
                 done.append(err)
@@ -370,7 +372,7 @@ def test_a_fetch_tuned_off_the_direct_channel_asks_for_the_bulk_one(rank, monkey
     dst = torch.zeros(LAYERS, 2, PAGE, 2, 8, dtype=torch.float16)
     for tuning in (FastPathTuning(direct_descriptors=False), None):
         with pytest.raises(RemoteError, match="CANCELLED"):
-            fast.fetch(endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
+            fetch_rank(fast, endpoint, 0, shared, "req", agreement.fingerprint, [0], dst, list, lambda *a: None,
                        epoch=None, timeout=30, on_call=lambda call: threading.Timer(0.2, call.cancel).start(),
                        tuning=tuning)
     assert asked_for == [False, True]
