@@ -20,6 +20,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -ra tests
 
+# The unit tests: everything but the end-to-end tests that start daemons (marked slow
+# by tests/conftest.py) and the GPU tests.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -ra -m "not slow and not gpu" tests
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 

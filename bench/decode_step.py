@@ -3,10 +3,14 @@
 Requests start with a random KV context already in the pool and decode
 together, so tokens/s here is batch / step time. On CUDA the engine's step is
 a captured graph (``step_ms``) and is also timed eager (``eager_step_ms``).
-In the same run, the ceilings: reading the weights once at the device-copy
-rate (``weight_read_floor_ms``), and transformers' LlamaForCausalLM on the
+In the same run, the ceilings: reading the weights a step reads once at the
+device-read rate (``weight_read_floor_ms`` per batch: the embedding counts the
+rows the batch looks up, not the table, by ``bench.stats.step_weight_bytes``,
+the rule bench/deepseek.py uses), and transformers' LlamaForCausalLM on the
 same shapes with a static cache under ``torch.compile(mode="reduce-overhead")``
 (``hf_compiled_step_ms``; skipped with a printed reason where it cannot run).
+Both are timed alike (``bench.stats.time_steps``): CUDA events around
+``--steps`` back-to-back steps, the median of ``--runs`` runs.
 Also prints where the host time of one eager step goes (torch profiler).
 
     python bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 --json out.json
@@ -31,6 +35,7 @@ from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
 from lanekv.model.sampling import SamplingParams  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
+from bench.stats import step_weight_bytes, time_steps  # noqa: E402
 
 
 def sync(device: torch.device) -> None:
@@ -47,6 +52,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=5, help="timed runs of --steps steps; the median is reported")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--hf-batches", type=int, nargs="*", default=None,
                     help="batches to time transformers compiled at (default: those <= 16); "
@@ -59,7 +65,7 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(cfg_json))
         loaded = load_dummy_model(d, dtype=dtype, device=device)
     cfg = loaded.config
-    per_req = -(-(args.context + args.steps + 8) // args.page_size)
+    per_req = -(-(args.context + args.steps * (args.runs + 1) + 8) // args.page_size)
     pool = PagePool.for_model(cfg, max(args.batches) * per_req + 8, args.page_size, dtype, device)
     pool.tensor.normal_()
     rows = []
@@ -73,35 +79,40 @@ def main() -> None:
                 graphs = engine.capture_graphs()
                 row["graph_capture_s"] = time.perf_counter() - t0
                 row["graph_memory_mib"] = graphs.memory_bytes / 2**20
-            step_s = _time_steps(engine, pool, batch, args, device)
-            row["step_ms" if mode == "graph" or device.type != "cuda" else "eager_step_ms"] = (
-                step_s * 1e3)
+            timing = _time_steps(engine, pool, batch, args, device)
+            key = "step_ms" if mode == "graph" or device.type != "cuda" else "eager_step_ms"
+            row[key], row[f"{key}_runs"] = timing.ms, timing.runs_ms
             if mode == "eager" and batch == min(args.batches):
                 _profile(engine, pool, batch, args, device)
             del engine
         row["tokens_per_s"] = batch / (row["step_ms"] / 1e3)
         rows.append(row)
-    # the ceiling: reading the weights once per step at the device-copy rate
+    # the ceiling: reading what a step reads once, at the device's read rate (half a copy's traffic)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    read_gbps = None
     if device.type == "cuda":
         src = torch.empty(weight_bytes // 2, dtype=torch.bfloat16, device=device)
         dst = torch.empty_like(src)
-        dst.copy_(src)
-        sync(device)
-        t0 = time.perf_counter()
-        for _ in range(5):
-            dst.copy_(src)
-        sync(device)
-        copy_s = (time.perf_counter() - t0) / 5
-        floor_ms = copy_s / 2 * 1e3  # a read of the weights is half a copy's traffic
-    else:
-        floor_ms = None
+        copy = time_steps(lambda: dst.copy_(src), 5, args.runs, device)
+        read_gbps = 2 * src.numel() * src.element_size() / (copy.ms / 1e3) / 1e9
+        del src, dst
+    for row in rows:
+        read = step_weight_bytes(loaded.model, row["batch"])
+        row["weight_bytes_read"] = read.dense + read.experts
+        row["weight_read_floor_ms"] = (None if read_gbps is None
+                                       else row["weight_bytes_read"] / (read_gbps * 1e9) * 1e3)
+        row["step_over_floor"] = (None if read_gbps is None
+                                  else row["step_ms"] / row["weight_read_floor_ms"])
+    timing_note = (f"median of {args.runs} runs of {args.steps} back-to-back steps, "
+                   f"{'cuda events' if device.type == 'cuda' else 'perf_counter'}")
+
     def write(hf: dict) -> None:
         if args.json:
             args.json.write_text(json.dumps(dict(
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
                 model="Llama-3-8B shapes" if args.llama3_8b else "tiny", dtype=str(dtype),
-                rows=rows, weight_read_floor_ms=floor_ms, hf_skipped=hf.get("skipped")), indent=2))
+                rows=rows, device_read_gbps=read_gbps, timing=timing_note, hf_skipped=hf.get("skipped")),
+                indent=2))
 
     for r in rows:
         r["hf_compiled_step_ms"] = None
@@ -113,32 +124,31 @@ def main() -> None:
     for r in rows:
         r["hf_compiled_step_ms"] = hf.get(r["batch"])
     print(f"\ndecode step, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, context {args.context}, {device}")
-    print(f"{'batch':>5} {'step ms':>8} {'eager ms':>9} {'hf compiled':>11} {'tok/s':>9}")
+    print(f"{'batch':>5} {'step ms':>8} {'eager ms':>9} {'hf compiled':>11} {'tok/s':>9} {'floor ms':>9} "
+          f"{'step/floor':>10}")
+    nan = float("nan")
     for r in rows:
         eager, hfc = r.get("eager_step_ms"), r["hf_compiled_step_ms"]
-        print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {eager or float('nan'):>9.2f} "
-              f"{hfc or float('nan'):>11.2f} {r['tokens_per_s']:>9,.0f}")
-    if floor_ms:
-        print(f"floor: reading {weight_bytes / 2**30:.1f} GiB of weights at the device-copy rate = {floor_ms:.2f} ms/step")
+        print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {eager or nan:>9.2f} "
+              f"{hfc or nan:>11.2f} {r['tokens_per_s']:>9,.0f} {r['weight_read_floor_ms'] or nan:>9.2f} "
+              f"{r['step_over_floor'] or nan:>10.2f}")
+    print(f"every step time: {timing_note} (ours and transformers' alike)")
+    if read_gbps:
+        print(f"floor: the weight bytes a step reads (embedding: the rows it looks up) at the device read "
+              f"rate, {read_gbps:.0f} GB/s")
     write(hf)
 
 
-def _time_steps(engine: DecodeEngine, pool: PagePool, batch: int, args, device) -> float:
-    """Seconds per step of ``batch`` requests with ``args.context`` tokens of context."""
+def _time_steps(engine: DecodeEngine, pool: PagePool, batch: int, args, device):
+    """``bench.stats.StepTiming`` of steps of ``batch`` requests with ``args.context`` tokens of context."""
     for i in range(batch):
         table = PageTable.allocate(pool, args.context)
-        engine.add(f"r{i}", table, 11 + i, SamplingParams(), args.steps + 4)
-    engine.step()  # admit + warm up (kernel compilation on the eager path)
-    engine.step()
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    sync(device)
-    step_s = (time.perf_counter() - t0) / args.steps
+        engine.add(f"r{i}", table, 11 + i, SamplingParams(), args.steps * (args.runs + 1) + 4)
+    engine.step()  # admit (the warm-up step, kernel compilation on the eager path, is time_steps')
+    timing = time_steps(engine.step, args.steps, args.runs, device)
     while engine.has_work:
         engine.step()
-    return step_s
+    return timing
 
 
 def _profile(engine: DecodeEngine, pool: PagePool, batch: int, args, device) -> None:
@@ -171,25 +181,27 @@ def hf_compiled_steps(cfg_json: dict, dtype: torch.dtype, device: torch.device,
             hf = LlamaForCausalLM._from_config(config, dtype=dtype).eval()
         out = {}
         for batch in batches:
-            cache = StaticCache(config=config, max_cache_len=args.context + args.steps + 16)
+            cache = StaticCache(config=config, max_cache_len=args.context + args.steps * (args.runs + 6) + 16)
             prompt = torch.randint(0, config.vocab_size, (batch, args.context), device=device)
             with torch.inference_mode():
                 hf(input_ids=prompt, past_key_values=cache, use_cache=True,
                    cache_position=torch.arange(args.context, device=device))
             torch._dynamo.reset()  # one static shape per compile
-            step = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
+            compiled = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True, dynamic=False)
             tok = torch.randint(0, config.vocab_size, (batch, 1), device=device)
-            times = []
-            with torch.inference_mode():
-                for i in range(args.steps + 5):
-                    pos = torch.tensor([args.context + i], device=device)
-                    sync(device)
-                    t0 = time.perf_counter()
-                    step(input_ids=tok, past_key_values=cache, use_cache=True,
+            # Positions advance on the device, as our engine's do: no host sync between steps.
+            pos = torch.tensor([args.context], device=device)
+
+            def step() -> None:
+                compiled(input_ids=tok, past_key_values=cache, use_cache=True,
                          cache_position=pos, position_ids=pos[None].expand(batch, 1))
-                    sync(device)
-                    times.append(time.perf_counter() - t0)
-            out[batch] = sorted(times[5:])[len(times[5:]) // 2] * 1e3  # median after warm-up
+                pos.add_(1)
+
+            with torch.inference_mode():
+                for _ in range(4):  # compile and record the graphs outside the timing
+                    step()
+                timing = time_steps(step, args.steps, args.runs, device)
+            out[batch] = timing.ms
             print(f"transformers compiled, batch {batch}: {out[batch]:.2f} ms/step")
             del cache
         del hf

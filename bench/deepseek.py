@@ -54,6 +54,9 @@ from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from bench.stats import step_weight_bytes as shared_step_weight_bytes  # noqa: E402
+from bench.stats import time_steps  # noqa: E402
+
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
     "vocab_size": 102400, "hidden_size": 2048, "intermediate_size": 10944,
@@ -187,21 +190,13 @@ def copy_rate(device: torch.device) -> float:
 
 
 def step_weight_bytes(model, batch: int) -> float:
-    """Parameter bytes one decode step reads: all but the routed experts, plus the
-    experts ``batch`` tokens pick (expected distinct ones under uniform routing),
-    and only ``batch`` rows of the embedding."""
-    config, total, experts = model.config, 0, 0
-    for name, p in model.named_parameters():
-        size = p.numel() * p.element_size()
-        if ".experts." in name:
-            experts += size
-        elif name.endswith("embed_tokens.weight"):
-            total += batch * p.shape[1] * p.element_size()
-        else:
-            total += size
-    moe = config.moe
+    """Parameter bytes one decode step reads (``bench.stats.step_weight_bytes``: the
+    embedding rows it looks up), with the experts ``batch`` tokens pick (expected
+    distinct ones under uniform routing)."""
+    read = shared_step_weight_bytes(model, batch)
+    moe = model.config.moe
     hit = moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** batch)
-    return total + experts * hit / moe.num_experts
+    return read.dense + read.experts * hit / moe.num_experts
 
 
 def step_kv_bytes(pool: PagePool, batch: int, context: int, topk: int) -> int:
@@ -232,7 +227,7 @@ def fill_pool(pool: PagePool) -> None:
 
 def bench_decode(loaded, batches: list[int], args) -> list[dict]:
     config, ps = loaded.config, args.page_size
-    per_req = -(-(args.context + args.steps + 8) // ps)
+    per_req = -(-(args.context + args.steps * (args.runs + 1) + 8) // ps)
     pool = PagePool.for_model(config, max(batches) * per_req + 8, ps, args.torch_dtype, args.device)
     fill_pool(pool)
     topk = config.dsa.index_topk if config.dsa is not None else 0
@@ -246,15 +241,10 @@ def bench_decode(loaded, batches: list[int], args) -> list[dict]:
         capture_s = time.perf_counter() - t0
         for i in range(batch):
             engine.add(f"r{i}", PageTable.allocate(pool, args.context), 11 + i, SamplingParams(),
-                       args.steps + 4)
-        engine.step()
-        engine.step()
-        sync(args.device)
-        t0 = time.perf_counter()
-        for _ in range(args.steps):
-            engine.step()
-        sync(args.device)
-        step = (time.perf_counter() - t0) / args.steps
+                       args.steps * (args.runs + 1) + 4)
+        engine.step()  # admit
+        timing = time_steps(engine.step, args.steps, args.runs, args.device)
+        step = timing.ms / 1e3
         weights = step_weight_bytes(loaded.model, batch)
         kv = step_kv_bytes(pool, batch, args.context, topk)
         floor, read_floor = weights / rate, (weights + kv) / rate
@@ -262,6 +252,8 @@ def bench_decode(loaded, batches: list[int], args) -> list[dict]:
                      "tokens_per_s": batch / step, "weight_bytes": weights, "kv_read_bytes": kv,
                      "weight_floor_ms": floor * 1e3, "read_floor_ms": read_floor * 1e3,
                      "of_floor": floor / step, "of_read_floor": read_floor / step,
+                     "step_ms_runs": timing.runs_ms, "timing": f"median of {args.runs} runs of "
+                     f"{args.steps} back-to-back steps, {timing.clock}",
                      "graph_page_table_width": graphs.max_pages if graphs is not None else 0,
                      "cuda_graph": graphs is not None,
                      "capture_s": capture_s if graphs is not None else 0.0})
@@ -306,6 +298,7 @@ def main() -> None:
                     help="tokens per request in decode (default 1024; 32768 with --v32)")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--runs", type=int, default=5, help="timed runs of --steps steps; the median is reported")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=None,
@@ -362,6 +355,9 @@ def main() -> None:
                   f"{d['weight_bytes'] / 1e9:.2f} | {d['kv_read_bytes'] / 1e9:.3f} | "
                   f"{d['weight_floor_ms']:.2f} | {d['read_floor_ms']:.2f} | "
                   f"{d['of_read_floor']:.2f} | {d['cuda_graph']} |")
+        if result["decode"]:
+            print(f"step ms: {result['decode'][0]['timing']}; weight bytes count the embedding rows "
+                  "a step looks up, not the table")
     if "transfer" in result:
         t = result["transfer"]
         print(f"latent pages of {t['tokens']} tokens ({t['bytes'] / 1e6:.1f} MB): gather "

@@ -15,7 +15,8 @@ in flight, all at once or at a Poisson ``--request-rate`` (requests/s), with
 ``--prompt-len`` / ``--output-len`` tokens (``--range-ratio`` r draws each
 uniformly in [len * (1 - r), len]). Per request: TTFT (send to first token),
 ITL (gaps between tokens; a reply carrying k tokens after a gap g counts k gaps
-of g / k), end-to-end latency. Reported at p50/p90/p99, with output tokens/s
+of g / k), end-to-end latency. Reported at p50/p90/p99 (interpolated, each with
+its sample count: ``bench.stats.percentiles``), with output tokens/s
 (every output token over the run's wall time). One warm-up request first.
 
     python bench/serving.py --llama3-8b --concurrency 1 16 64 --prompt-len 1024 --output-len 128 \\
@@ -44,6 +45,7 @@ from typing import NamedTuple
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
+from bench.stats import percentiles  # noqa: E402
 
 
 class Outcome(NamedTuple):
@@ -141,13 +143,6 @@ def _requests(args, vocab: int, seed: int) -> list[Request]:
                     draw(args.output_len)) for _ in range(args.num_prompts)]
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
-
-
 def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
@@ -194,8 +189,7 @@ def run_level(send: Callable[[Request], Outcome], requests: list[Request], concu
                requests_per_s=len(ok) / wall,
                mean_prompt_tokens=statistics.mean(len(r.prompt) for r in requests))
     for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
-        for q in (50, 90, 99):
-            row[f"{name}_p{q}"] = _pct(values, q)
+        row.update(percentiles(name, values))  # interpolated, with the sample count (name_n)
         row[f"{name}_mean"] = statistics.mean(values) if values else None
     staged = [o.stages for o in ok if o.stages]
     row["stages_ms_p50"] = ({name: statistics.median(st[name] for st in staged) for name in staged[0]}
@@ -454,16 +448,18 @@ def main() -> None:
               f"max {started['new_shape_ratio_max']:.2f}x over {len(started['new_shapes'])} lengths")
     print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len}, "
           f"rate {args.request_rate}")
-    print(f"{'api':>6} {'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'ITL p50':>8} "
-          f"{'p90':>7} {'p99':>7} {'E2E p50':>9}")
+    print(f"{'api':>6} {'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'n':>5} {'ITL p50':>8} "
+          f"{'p90':>7} {'p99':>7} {'n':>7} {'E2E p50':>9} {'n':>5}")
     for r in rows:
         def f(key: str, width: int, digits: int = 1, r: dict = r) -> str:
             return f"{r[key]:>{width}.{digits}f}" if r[key] is not None else f"{'-':>{width}}"
         print(f"{r['api']:>6} {r['concurrency']:>5} {r['completed']:>5} {r['output_tokens_per_s']:>8,.0f} "
-              f"{f('ttft_ms_p50', 9)} {f('ttft_ms_p99', 8)} {f('itl_ms_p50', 8, 2)} "
-              f"{f('itl_ms_p90', 7, 2)} {f('itl_ms_p99', 7, 2)} {f('e2e_ms_p50', 9)}")
+              f"{f('ttft_ms_p50', 9)} {f('ttft_ms_p99', 8)} {r['ttft_ms_n']:>5} {f('itl_ms_p50', 8, 2)} "
+              f"{f('itl_ms_p90', 7, 2)} {f('itl_ms_p99', 7, 2)} {r['itl_ms_n']:>7} {f('e2e_ms_p50', 9)} "
+              f"{r['e2e_ms_n']:>5}")
         if r["errors"]:
             print(f"      errors: {r['errors']}")
+    print("percentiles interpolate between ranks; n: the samples each is over")
     if args.json:
         import torch
 

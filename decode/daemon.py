@@ -47,7 +47,7 @@ from lanekv.decode.generate import GenerateContext, GeneratePipeline, GenerateSp
 from lanekv.decode.pool import PagePool
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.service import DecodeServicer
-from lanekv.decode.streams import SHUTDOWN, Streams
+from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.checkpoint import load_checkpoint
 from lanekv.model.kv_rows import pool_contract_fields
 from lanekv.model.sampling import SamplingParams
@@ -96,6 +96,7 @@ class DecodeDaemon:
         self.prefills: PrefillPool | None = None
         self._stop = threading.Event()
         self._stopped = False
+        self._failure: str | None = None  # why the decode loop stopped (fail-stop), once it has
         # Ports first: a busy one fails before the model loads.
         try:
             self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers,
@@ -364,11 +365,10 @@ class DecodeDaemon:
                 continue
             try:
                 events = self.engine.step()
-            except Exception as err:  # keep serving: fail the requests of this step, not the daemon
-                log.exception("decode step failed")
-                self.streams.broadcast(err)
-                self._stop.wait(_IDLE_WAIT_S)
-                continue
+            except Exception as err:  # noqa: BLE001 - every step failure is the daemon's: fail-stop
+                log.exception("decode step failed: the daemon stops serving")
+                self._fail(f"decode step failed: {type(err).__name__}: {one_line(str(err))}")
+                return
             if not events:  # requests wait for pages freed by others: do not spin
                 self._stop.wait(0.001)
             self.streams.deliver(events)
@@ -386,10 +386,22 @@ class DecodeDaemon:
     def stopping(self) -> bool:
         return self._stop.is_set()
 
+    def _fail(self, reason: str) -> None:
+        """Fail-stop after a decode step failed. Requests were checked at admission, so
+        the failure is the daemon's (a poisoned CUDA context fails every later step
+        too): health turns NOT_SERVING, open streams end UNAVAILABLE (their clients
+        retry elsewhere), new calls are refused, and ``failure()`` says why, so
+        ``lanekv decode`` exits 1 for its supervisor."""
+        self._failure = reason
+        self.rpc.health.enter_graceful_shutdown()  # NOT_SERVING for good: a prefill daemon's return cannot undo it
+        self._stop.set()
+        self.streams.broadcast(DaemonFailed(reason))
+
     def failure(self) -> str | None:
-        """None: nothing of a decode daemon dies apart from it (a dead receiver process
-        is replaced; a prefill daemon that is down fails calls, not the daemon)."""
-        return None
+        """Why the daemon can no longer serve (a decode step failed), or None. A dead
+        receiver process is replaced and a prefill daemon that is down fails calls,
+        not the daemon."""
+        return self._failure
 
     def stop(self, grace_s: float = STOP_GRACE_S) -> None:
         """Drain: say NOT_SERVING, refuse new calls, let open streams finish for

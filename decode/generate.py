@@ -57,7 +57,7 @@ from lanekv.decode.prefill_call import (
     PrefillTarget,
     check_manifest,
 )
-from lanekv.decode.streams import SHUTDOWN, Streams
+from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import Tokenizer
 from lanekv.proto import lanekv_pb2
@@ -172,6 +172,8 @@ class GeneratePipeline:
     def open(self, spec: GenerateSpec, counted: bool = True) -> GenerateCall:
         """A call with a stream of its own; ALREADY_EXISTS while the request id is in use.
         ``counted=False``: outside the daemon's metrics and counts (its warm-up)."""
+        if self._ctx.stopping.is_set():
+            raise Refusal(Code.UNAVAILABLE, "the decode daemon is stopping")
         events = self._ctx.streams.open(spec.request_id, counted)
         if events is None:
             raise Refusal(Code.ALREADY_EXISTS, f"request_id={spec.request_id!r} is already in use")
@@ -435,5 +437,7 @@ def _raise_for(item: object) -> None:
         raise Refusal(Code.CANCELLED, "the client went away")
     if item is SHUTDOWN:
         raise Refusal(Code.UNAVAILABLE, "the decode daemon is shutting down")
+    if isinstance(item, DaemonFailed):
+        raise Refusal(Code.UNAVAILABLE, f"the decode daemon failed and is stopping: {item}")
     if isinstance(item, Exception):
         raise Refusal(Code.INTERNAL, f"decode step failed: {item}")

@@ -25,6 +25,11 @@ from lanekv.transfer.connector.fetcher import FetchStats
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
 SHUTDOWN = object()  # queued to every open stream when the daemon stops
+
+
+class DaemonFailed(Exception):
+    """Queued to every open stream when a decode step fails: the daemon stops (fail-stop),
+    and each stream ends UNAVAILABLE so its client goes to another daemon."""
 # The failure cause of a Generate call that did not finish, by the status it ended with.
 FAILURE_CAUSES = {
     Code.CANCELLED: "cancelled",

@@ -160,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health checks of each decode daemon")
     p.add_argument("--request-timeout-s", type=float, default=df("request_timeout_s"),
                    help="deadline of one generation")
+    p.add_argument("--max-body-bytes", type=int, default=df("max_body_bytes"),
+                   help="largest request body read (beyond it, 413)")
+    p.add_argument("--header-timeout-s", type=float, default=df("header_timeout_s"),
+                   help="a connection's request headers must arrive within this; then it is closed")
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
     add_security_args(p)
     return parser

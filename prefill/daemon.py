@@ -22,7 +22,7 @@ FetchKV or Release that carries another start's epoch with
 FAILED_PRECONDITION. Each request gets an unguessable capability (256 random
 bits, ``PrefillReply.capability``), known to its ranks only as a digest:
 FetchKV (descriptors too) and Release must present ``<epoch>:<capability>``,
-else PERMISSION_DENIED. And a request id of an old start is unknown to a new
+else NOT_FOUND, the answer an unknown id gets. And a request id of an old start is unknown to a new
 one (NOT_FOUND), so a restarted daemon on the same ports never serves its
 pages for an old request. A rank process that dies makes the engine
 unusable, and the engine notices at once (it watches the rank processes):

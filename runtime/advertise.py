@@ -6,16 +6,22 @@ another host to its own loopback. ``advertise_host`` picks what peers are
 told: ``--advertise-host`` when given; else the bind host when it is not a
 wildcard; else this host's primary address (the source address of a route
 to a documentation address: a UDP socket is connected, no packet is sent;
-IPv4 first, IPv6 too for ``::``),
-then the first non-loopback address its host name resolves to, then the
-host name itself. Every choice comes back with why, for the start-up log.
+IPv4 first, IPv6 too for ``::``). Without a default route: an address
+its host name resolves to that is one of this host's own; else this host's
+only non-loopback address; else nothing can be told for sure, and
+``advertise_host`` raises ValueError with the hint to pass ``--advertise-host``
+(a name that resolves elsewhere, or to nothing, would send peers astray).
+Every choice comes back with why, for the start-up log.
 """
 
 from __future__ import annotations
 
+import fcntl
 import ipaddress
 import socket
-from collections.abc import Callable
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
@@ -60,23 +66,55 @@ def primary_address(family: int = socket.AF_INET) -> str | None:
     return None if _is_loopback(address) or _is_unspecified(address) else address
 
 
-def resolved_address(hostname: str) -> str | None:
-    """The first non-loopback address ``hostname`` resolves to, or None."""
+def resolved_addresses(hostname: str) -> list[str]:
+    """The non-loopback addresses ``hostname`` resolves to, IPv4 first."""
     try:
         infos = socket.getaddrinfo(hostname, None, type=socket.SOCK_STREAM)
     except (OSError, UnicodeError):
-        return None
+        return []
+    out: list[str] = []
     for family in (socket.AF_INET, socket.AF_INET6):
         for info_family, *_, sockaddr in infos:
-            if info_family == family and not _is_loopback(sockaddr[0]) and not _is_unspecified(sockaddr[0]):
-                return sockaddr[0]
-    return None
+            address = sockaddr[0]
+            if info_family == family and _usable(address) and address not in out:
+                out.append(address)
+    return out
+
+
+_SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+_IF_INET6 = Path("/proc/net/if_inet6")
+
+
+def host_addresses() -> list[str]:
+    """This host's own non-loopback addresses (IPv4 by interface, then global IPv6; Linux)."""
+    out: list[str] = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                packed = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on it
+                continue
+            address = socket.inet_ntoa(packed[20:24])
+            if _usable(address) and address not in out:
+                out.append(address)
+    try:
+        lines = _IF_INET6.read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 4 and fields[3] == "00":  # scope global (not link-local: it needs a zone)
+            address = str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))
+            if _usable(address) and address not in out:
+                out.append(address)
+    return out
 
 
 def advertise_host(bind_host: str, advertise: str | None = None, *,
                    primary: Callable[[int], str | None] = primary_address,
-                   resolve: Callable[[str], str | None] = resolved_address,
-                   hostname: Callable[[], str] = socket.gethostname) -> Advertised:
+                   resolve: Callable[[str], Sequence[str]] = resolved_addresses,
+                   hostname: Callable[[], str] = socket.gethostname,
+                   interfaces: Callable[[], Sequence[str]] = host_addresses) -> Advertised:
     """What peers are told for a daemon bound to ``bind_host`` (see the module docstring)."""
     check_advertise_host(advertise)
     if advertise is not None:
@@ -89,11 +127,22 @@ def advertise_host(bind_host: str, advertise: str | None = None, *,
         address = primary(family)
         if address is not None:
             return Advertised(address, f"the primary address (bound to {bind_host or 'all interfaces'!r})")
-    name = hostname()
-    address = resolve(name)
-    if address is not None:
-        return Advertised(address, f"the address host name {name!r} resolves to (no default route)")
-    return Advertised(name, "the host name (no default route, and it resolves to no other address)")
+    name, own = hostname(), list(interfaces())
+    resolved = list(resolve(name))
+    for address in resolved:
+        if address in own:
+            return Advertised(address, f"the address host name {name!r} resolves to (no default route)")
+    if len(own) == 1:
+        return Advertised(own[0], "this host's only non-loopback address (no default route)")
+    named = f"resolves to {', '.join(resolved)}, not an address of this host" if resolved \
+        else "resolves to no other address"
+    raise ValueError(f"cannot tell which address peers can reach: no default route, host name {name!r} "
+                     f"{named}, and this host has {len(own)} non-loopback addresses "
+                     f"({', '.join(own) or 'none'}); pass --advertise-host")
+
+
+def _usable(address: str) -> bool:
+    return not _is_loopback(address) and not _is_unspecified(address)
 
 
 def _is_loopback(address: str) -> bool:

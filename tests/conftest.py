@@ -11,3 +11,19 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+# Tests that start daemons end to end: ``slow`` (``make test-fast`` leaves them out).
+SLOW_PATHS = ("tests/reliability/", "tests/lanekv/http/test_front.py", "tests/lanekv/http/test_xpyd.py",
+              "tests/decode/test_decode_daemon.py", "tests/decode/test_fastpath_daemons.py",
+              "tests/test_generate_e2e.py", "tests/test_dsa_e2e.py", "tests/test_mla_e2e.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    root = str(config.rootpath)
+    for item in items:
+        path = str(item.path).removeprefix(root).lstrip("/")
+        if path.startswith(SLOW_PATHS):
+            item.add_marker(pytest.mark.slow)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-from bench.serving import Outcome, Request, _pct, run_level
+from bench.serving import Outcome, Request, run_level
 
 
 def test_run_level_figures_from_known_arrivals():
@@ -24,15 +24,10 @@ def test_run_level_figures_from_known_arrivals():
     assert abs(row["ttft_ms_p50"] - 100) < 1e-6
     assert abs(row["itl_ms_p50"] - 10) < 1e-6 and abs(row["itl_ms_p99"] - 10) < 1e-6
     assert abs(row["e2e_ms_p99"] - 130) < 1e-6
+    assert (row["ttft_ms_n"], row["itl_ms_n"], row["e2e_ms_n"]) == (5, 15, 5)  # each percentile's samples
     assert row["output_tokens_per_s"] > 0 and row["concurrency"] == 2
     # The daemon's split of the completed requests, by median (the failed one has none).
     assert row["stages_ms_p50"] == {"prefill_ms": 82.0, "compute_ms": 70.0}
-
-
-def test_percentiles():
-    assert _pct([], 50) is None
-    assert _pct([3, 1, 2], 50) == 2
-    assert _pct(list(range(101)), 99) == 99
 
 
 def test_new_shapes_ratio_of_the_first_request_per_length():

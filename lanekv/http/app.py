@@ -68,10 +68,26 @@ class Front:
             raise APIError(404, f"model: {model!r} is not served here (this server serves "
                            f"{self.config.model_name!r})", param="model", code="model_not_found")
 
+    @property
+    def max_text_chars(self) -> int:
+        """The longest text tokenized at all (``FrontConfig.max_chars_per_position``)."""
+        return self.max_positions * self.config.max_chars_per_position
+
+    def check_text_length(self, chars: int, field: str) -> None:
+        if chars > self.max_text_chars:
+            raise bad_field(field, f"{chars} characters is more than this server tokenizes ("
+                            f"{self.max_text_chars}: the model's {self.max_positions} positions x "
+                            f"{self.config.max_chars_per_position})")
+
     def text_ids(self, text: str, field: str, add_special_tokens: bool) -> tuple[int, ...]:
+        """Token ids of ``text``; blocking (the routes call it off the event loop)."""
         if self.tokenizer is None:
             raise bad_field(field, "this model has no tokenizer.json; send token ids")
-        return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        self.check_text_length(len(text), field)
+        try:
+            return tuple(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except (TypeError, UnicodeError) as err:  # lone surrogates from a template's variables
+            raise bad_field(field, f"is not valid Unicode text: {err}") from None
 
     def plan(self, common: Common, ids: tuple[int, ...], field: str, kind: str) -> Plan:
         if not ids:
@@ -90,15 +106,16 @@ class Front:
         if max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, room) if kind == "cmpl" else room
         elif max_tokens > room:
-            name = "max_completion_tokens" if kind == "chatcmpl" else "max_tokens"
-            raise bad_field(name, f"{len(ids)} prompt tokens + {max_tokens} is more than the model's "
+            raise bad_field(common.max_tokens_field, f"{len(ids)} prompt tokens + {max_tokens} is more than the model's "
                             f"{self.max_positions} positions")
         return Plan(f"{kind}-{uuid.uuid4().hex}", ids, max_tokens, common.sampling, common.stop,
                     common.stop_token_ids)
 
     def chat_ids(self, chat: ChatRequest) -> tuple[int, ...]:
+        """Token ids of the rendered conversation; blocking (called off the event loop)."""
         if self.template is None:
             raise bad_field("messages", "this model has no chat template; use /v1/completions")
+        self.check_text_length(chat.text_chars, "messages")
         text = self.template.render(list(chat.messages), chat.add_generation_prompt, **chat.template_kwargs)
         return self.text_ids(text, "messages", add_special_tokens=False)
 
@@ -179,6 +196,7 @@ def build_app(config: FrontConfig) -> FastAPI:
     app.state.front = front
 
     guarded = [Depends(front.check_auth)]
+    config = front.config
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError):
@@ -220,18 +238,24 @@ def build_app(config: FrontConfig) -> FastAPI:
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
-        parsed = parse_completion(await _json(request))
+        parsed = parse_completion(await _json(request, config))
         front.check_model(parsed.common.model)
         prompt = parsed.prompt
-        ids = front.text_ids(prompt, "prompt", True) if isinstance(prompt, str) else prompt
+        if isinstance(prompt, str):
+            front.check_text_length(len(prompt), "prompt")
+            ids = await asyncio.to_thread(front.text_ids, prompt, "prompt", True)
+        else:
+            ids = prompt
         plan = front.plan(parsed.common, ids, "prompt", "cmpl")
         return await front.respond(request, parsed.common, plan, chat=False)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request):
-        parsed = parse_chat(await _json(request))
+        parsed = parse_chat(await _json(request, config))
         front.check_model(parsed.common.model)
-        plan = front.plan(parsed.common, front.chat_ids(parsed), "messages", "chatcmpl")
+        front.check_text_length(parsed.text_chars, "messages")
+        ids = await asyncio.to_thread(front.chat_ids, parsed)
+        plan = front.plan(parsed.common, ids, "messages", "chatcmpl")
         return await front.respond(request, parsed.common, plan, chat=True)
 
     return app
@@ -249,9 +273,31 @@ def _model_card(front: Front) -> dict[str, Any]:
             "owned_by": "lanekv", "max_model_len": front.max_positions}
 
 
-async def _json(request: Request) -> Any:
-    raw = await request.body()
+async def _json(request: Request, config: FrontConfig) -> Any:
+    """The request's JSON body, read within ``body_timeout_s`` and ``max_body_bytes`` and
+    parsed off the event loop (so no body, however built, stalls the other clients)."""
+    limit = config.max_body_bytes
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"body: {declared} bytes is more than this server reads ({limit})",
+                       param="body")
+
+    async def read() -> bytes:
+        parts, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise APIError(413, f"body: more than {limit} bytes (this server's bound)", param="body")
+            parts.append(part)
+        return b"".join(parts)
+
     try:
-        return json.loads(raw)
+        raw = await asyncio.wait_for(read(), config.body_timeout_s)
+    except TimeoutError:
+        raise APIError(408, f"body: not received within {config.body_timeout_s:g}s", param="body") from None
+    try:
+        return await asyncio.to_thread(json.loads, raw)
+    except RecursionError:
+        raise bad_field("body", "nests too deeply to be a request") from None
     except (ValueError, UnicodeDecodeError) as err:
         raise bad_field("body", f"is not valid JSON: {err}") from None

@@ -103,7 +103,10 @@ class ChatTemplate:
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                **kwargs: Any) -> str:
         """The prompt text; a template that refuses the conversation is a 400 on ``messages``."""
+        # The request's own variables win over kwargs of the same name (the protocol refuses those).
         variables = {**self.special_tokens, **kwargs}
+        for name in ("messages", "add_generation_prompt", "tools", "documents"):
+            variables.pop(name, None)
         try:
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **variables)

@@ -22,6 +22,14 @@ class FrontConfig:
     health_timeout_s: float = 2.0
     request_timeout_s: float = 600.0  # deadline of one Generate call
     default_max_tokens: int = 16  # completions without max_tokens (OpenAI's default)
+    # Bounds that keep one client from stalling the others (413/408/400 before any tokenizing).
+    max_body_bytes: int = 16 * 2**20  # a request body; 128k token ids as JSON are about 1 MB
+    # A text prompt (or rendered conversation) longer than the model's positions times this is
+    # refused untokenized: text runs 3-5 characters per token, so only whitespace padding is lost.
+    max_chars_per_position: int = 32
+    header_timeout_s: float = 10.0  # a connection's request line and headers must arrive in this
+    body_timeout_s: float = 30.0  # a request body must arrive in this
+    keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not Path(self.model_path).is_dir():
@@ -39,11 +47,13 @@ class FrontConfig:
             raise ValueError(f"served_model_name={self.served_model_name!r} must be a non-empty string")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port < 65536:
             raise ValueError(f"port={self.port!r} must be in [0, 65535]")
-        for name in ("max_running_per_decode", "default_max_tokens"):
+        for name in ("max_running_per_decode", "default_max_tokens", "max_body_bytes",
+                     "max_chars_per_position"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s"):
+        for name in ("health_interval_s", "health_timeout_s", "request_timeout_s", "header_timeout_s",
+                     "body_timeout_s", "keep_alive_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value <= 0:

@@ -27,6 +27,8 @@ UNSUPPORTED = {
              "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
              "response_format": None, "audio": None, "modalities": None, "prediction": None},
 }
+# Template variables the request itself sets: chat_template_kwargs may not name them.
+TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents")
 # Values of those fields that ask for nothing this front does not do.
 HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
 
@@ -50,6 +52,7 @@ class Common:
     stop_token_ids: tuple[int, ...]
     stream: bool
     include_usage: bool
+    max_tokens_field: str = "max_tokens"  # the name the client gave the bound (errors name it)
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,11 @@ class ChatRequest:
     messages: tuple[dict[str, Any], ...]
     add_generation_prompt: bool
     template_kwargs: dict[str, Any]
+
+    @property
+    def text_chars(self) -> int:
+        """Characters of the messages' text (bounded before the template renders them)."""
+        return sum(len(part) for m in self.messages for part in _texts(m.get("content")))
 
 
 def parse_completion(body: Any) -> CompletionRequest:
@@ -85,6 +93,11 @@ def parse_chat(body: Any) -> ChatRequest:
         kwargs = {}
     if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
         raise bad_field("chat_template_kwargs", f"must be an object, got {_show(kwargs)}")
+    for name in TEMPLATE_ARGUMENTS:
+        if name in kwargs:
+            raise bad_field(f"chat_template_kwargs.{name}", f"is set by the request itself; give "
+                            f"{'it as a top-level field' if name == 'add_generation_prompt' else 'messages'}"
+                            " instead")
     return ChatRequest(common, checked, add, kwargs)
 
 
@@ -132,6 +145,7 @@ def _common(body: dict[str, Any], kind: str) -> Common:
     return Common(
         model=model,
         max_tokens=max_completion if max_completion is not None else max_tokens,
+        max_tokens_field="max_completion_tokens" if max_completion is not None else "max_tokens",
         sampling=Sampling(temperature, top_p, max(top_k, 0), seed),
         stop=_stop(body.get("stop")),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
@@ -146,7 +160,7 @@ def _prompt(prompt: Any) -> str | tuple[int, ...]:
     if isinstance(prompt, str):
         if not prompt:
             raise bad_field("prompt", "must not be empty")
-        return prompt
+        return _unicode("prompt", prompt)
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         if any(t < 0 for t in prompt):
             raise bad_field("prompt", f"token ids must be >= 0, got {min(prompt)}")
@@ -170,11 +184,14 @@ def _message(i: int, message: Any) -> dict[str, Any]:
             if kind != "text" or not isinstance(part.get("text"), str):
                 raise bad_field(f"{where}.content[{j}]",
                                 f"only text parts are supported, got {_show(part)}")
+            _unicode(f"{where}.content[{j}].text", part["text"])
     elif content is None:
         if role != "assistant":
             raise bad_field(f"{where}.content", f"is required for role {role!r}")
     elif not isinstance(content, str):
         raise bad_field(f"{where}.content", f"must be a string or an array of text parts, got {_show(content)}")
+    else:
+        _unicode(f"{where}.content", content)
     # As transformers does: keys holding None are dropped (templates test for presence).
     return {k: v for k, v in message.items() if v is not None}
 
@@ -190,6 +207,7 @@ def _stop(stop: Any) -> tuple[str, ...]:
     for s in stops:
         if not s or len(s) > MAX_STOP_CHARS:
             raise bad_field("stop", f"each string must have 1..{MAX_STOP_CHARS} characters, got {_show(s)}")
+        _unicode("stop", s)
     return tuple(dict.fromkeys(stops))
 
 
@@ -201,6 +219,25 @@ def _stop_token_ids(ids: Any) -> tuple[int, ...]:
     if len(ids) > MAX_STOP_TOKEN_IDS:
         raise bad_field("stop_token_ids", f"{len(ids)} ids, at most {MAX_STOP_TOKEN_IDS}")
     return tuple(ids)
+
+
+def _unicode(field: str, text: str) -> str:
+    """``text`` if it is valid Unicode; JSON's escapes can carry lone surrogates (``\\ud800``),
+    which no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise bad_field(field, f"holds a lone surrogate {text[err.start]!r} at character {err.start}; "
+                        "send valid Unicode") from None
+    return text
+
+
+def _texts(content: Any) -> list[str]:
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list):
+        return [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    return []
 
 
 def _is_int(value: Any) -> bool:

@@ -18,7 +18,9 @@ import ssl
 import sys
 from pathlib import Path
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from lanekv.http.app import build_app
 from lanekv.http.config import FrontConfig
@@ -33,8 +35,54 @@ def config_from_args(args: argparse.Namespace) -> FrontConfig:
         model_path=args.model, decode_endpoints=tuple(args.decode), served_model_name=args.served_model_name,
         host=args.host, port=args.port, security=SecurityConfig.from_args(args),
         max_running_per_decode=args.max_running_per_decode, health_interval_s=args.health_interval_s,
-        request_timeout_s=args.request_timeout_s,
+        request_timeout_s=args.request_timeout_s, **_bounds_from_args(args),
     )
+
+
+def _bounds_from_args(args: argparse.Namespace) -> dict:
+    names = ("max_body_bytes", "header_timeout_s", "body_timeout_s", "keep_alive_s")
+    return {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+
+
+# h11 buffers at most this much of an unfinished request line and headers.
+MAX_HEADER_BYTES = 64 * 1024
+
+
+class BoundedH11Protocol(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline on each request's line and headers.
+
+    uvicorn bounds idle kept-alive connections (``timeout_keep_alive``) but not a
+    client that sends its headers a byte at a time; such a connection is closed
+    once ``header_timeout_s`` passes, counted from when it opened or its last
+    response ended. A request whose headers arrived is bounded by the app
+    (``body_timeout_s``, ``request_timeout_s``).
+    """
+
+    header_timeout_s = 10.0  # set per server by ``uvicorn_config``
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is not h11.IDLE:
+            self._header_deadline.cancel()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._header_deadline.cancel()
+        if not self.transport.is_closing():
+            self._header_deadline = self.loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def connection_lost(self, exc) -> None:
+        self._header_deadline.cancel()
+        super().connection_lost(exc)
+
+    def _headers_too_slow(self) -> None:
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            log.info("closing %s: no request headers within %gs", self.client, self.header_timeout_s)
+            self.transport.close()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -60,9 +108,11 @@ def uvicorn_config(app, config: FrontConfig) -> uvicorn.Config:
         tls = {"ssl_certfile": security.tls_cert, "ssl_keyfile": security.tls_key}
         if security.require_client_cert:
             tls.update(ssl_ca_certs=security.tls_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
+    protocol = type("FrontH11Protocol", (BoundedH11Protocol,), {"header_timeout_s": config.header_timeout_s})
     # The asyncio loop (not uvloop): grpc.aio runs on it.
-    return uvicorn.Config(app, loop="asyncio", log_level="warning", access_log=False,
-                          timeout_graceful_shutdown=5, **tls)
+    return uvicorn.Config(app, loop="asyncio", http=protocol, log_level="warning", access_log=False,
+                          timeout_graceful_shutdown=5, timeout_keep_alive=config.keep_alive_s,
+                          h11_max_incomplete_event_size=MAX_HEADER_BYTES, **tls)
 
 
 def main(args: argparse.Namespace) -> int:

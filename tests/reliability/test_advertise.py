@@ -42,8 +42,9 @@ def _never(*_) -> None:
 def test_the_advertised_host_is_chosen_in_order():
     primary = {socket.AF_INET: "10.1.2.3", socket.AF_INET6: "fd00::7"}
     pick = lambda bind, advertise=None, **kw: advertise_host(  # noqa: E731
-        bind, advertise, **{"primary": primary.get, "resolve": lambda name: "10.9.9.9",
-                            "hostname": lambda: "node-7", **kw})
+        bind, advertise, **{"primary": primary.get, "resolve": lambda name: ["10.9.9.9"],
+                            "hostname": lambda: "node-7", "interfaces": lambda: ["10.9.9.9", "10.1.2.3"],
+                            **kw})
     assert pick("0.0.0.0", "prefill-3.example") == Advertised("prefill-3.example", "--advertise-host")
     assert pick("10.0.0.5").host == "10.0.0.5" and pick("127.0.0.1").host == "127.0.0.1"
     assert pick("0.0.0.0").host == pick("").host == pick("::").host == "10.1.2.3"
@@ -51,8 +52,27 @@ def test_the_advertised_host_is_chosen_in_order():
     assert pick("0.0.0.0", primary={socket.AF_INET6: "fd00::7"}.get).host == "10.9.9.9"  # no IPv4 route
     assert pick("0.0.0.0", primary=_never).host == "10.9.9.9"
     assert "resolves" in pick("0.0.0.0", primary=_never).why
-    assert pick("0.0.0.0", primary=_never, resolve=_never) == Advertised(
-        "node-7", "the host name (no default route, and it resolves to no other address)")
+
+
+def test_without_a_default_route_only_an_address_of_this_host_is_advertised():
+    """No default route, and the host name resolves to nothing or to an address this host
+    does not have: its only non-loopback address, or a refusal with the flag to pass."""
+    pick = lambda resolved, own: advertise_host(  # noqa: E731
+        "0.0.0.0", primary=_never, resolve=lambda name: resolved, hostname=lambda: "node-7",
+        interfaces=lambda: own)
+    assert pick(["10.9.9.9", "10.0.0.4"], ["10.0.0.4", "10.0.0.5"]).host == "10.0.0.4"  # one of ours
+    for resolved in ([], ["10.9.9.9"]):  # nothing, or not an address of this host
+        assert pick(resolved, ["10.0.0.4"]) == Advertised(
+            "10.0.0.4", "this host's only non-loopback address (no default route)")
+        for own in ([], ["10.0.0.4", "10.0.0.5"]):
+            with pytest.raises(ValueError) as err:
+                pick(resolved, own)
+            message = str(err.value)
+            assert "\n" not in message and message.endswith("pass --advertise-host")
+            assert "'node-7'" in message and f"{len(own)} non-loopback addresses" in message
+    # On this machine: its own addresses are found, none of them loopback.
+    from lanekv.runtime.advertise import host_addresses
+    assert all(not a.startswith("127.") and a != "::1" for a in host_addresses())
     assert join_host_port("fd00::7", 50) == "[fd00::7]:50" and join_host_port("10.1.2.3", 50) == "10.1.2.3:50"
     for bad in ("0.0.0.0", "::", "", "a b", "x" * 300, "host/path"):
         with pytest.raises(ValueError, match="advertise_host"):

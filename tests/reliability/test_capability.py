@@ -4,7 +4,8 @@ Anyone who reached a rank and knew a request id (clients may choose their
 own) could read that request's KV and release it. A prefilled request now has
 an unguessable capability (returned with its manifest); FetchKV, Release and
 descriptor fetches must present it in ``lanekv-epoch: <epoch>:<capability>``
-metadata, else PERMISSION_DENIED and no byte. A descriptors fetch from a peer
+metadata, else NOT_FOUND (the very answer an unknown id gets, so a caller without
+the capability cannot tell which ids are live) and no byte. A descriptors fetch from a peer
 that never called AttachPool is refused (FAILED_PRECONDITION).
 """
 
@@ -69,21 +70,25 @@ def test_fetch_and_release_need_the_capability(servers):
     request = pb.FetchRequest(request_id="req", fingerprint=servers.fingerprint)
     with grpc.insecure_channel(endpoint) as channel:
         kv = lanekv_pb2_grpc.KVTransferStub(channel)
-        for metadata, what in [(None, "no"), (((EPOCH_METADATA_KEY, "start1"),), "no"),
-                               (((EPOCH_METADATA_KEY, access_ticket("start1", "guess")),), "a wrong"),
-                               (((EPOCH_METADATA_KEY, access_ticket("start1", CAPABILITY[:-1])),), "a wrong")]:
+        unknown = pb.FetchRequest(request_id="oth", fingerprint=servers.fingerprint)  # as long as "req"
+        for metadata in [None, ((EPOCH_METADATA_KEY, "start1"),),
+                         ((EPOCH_METADATA_KEY, access_ticket("start1", "guess")),),
+                         ((EPOCH_METADATA_KEY, access_ticket("start1", CAPABILITY[:-1])),)]:
             chunks: list = []
             code, details = _status(lambda md=metadata, out=chunks: out.extend(
                 kv.FetchKV(request, timeout=10, metadata=md)))
-            assert (code, chunks) == (Code.PERMISSION_DENIED, []), (metadata, code, details)
-            assert f"{what} capability" in details
+            assert (code, chunks) == (Code.NOT_FOUND, []), (metadata, code, details)
+            assert "capability" in details and CAPABILITY not in details
+            # A live id and an unknown one get the same answer, word for word.
+            assert _status(lambda md=metadata: list(kv.FetchKV(unknown, timeout=10, metadata=md))) == (
+                Code.NOT_FOUND, details.replace("'req'", "'oth'"))
             release = pb.ReleaseRequest(request_id="req", fingerprint=servers.fingerprint)
-            code, _ = _status(lambda md=metadata, r=release: kv.Release(r, timeout=10, metadata=md))
-            assert code == Code.PERMISSION_DENIED
+            other = pb.ReleaseRequest(request_id="oth", fingerprint=servers.fingerprint)
+            released = _status(lambda md=metadata, r=release: kv.Release(r, timeout=10, metadata=md))
+            assert released == (Code.NOT_FOUND, details)
+            assert _status(lambda md=metadata: kv.Release(other, timeout=10, metadata=md)) == (
+                Code.NOT_FOUND, details.replace("'req'", "'oth'"))
         assert servers.pages_of(1)  # nothing was released
-        # An unknown id is NOT_FOUND whatever is presented (no capability to hold it to).
-        unknown = pb.FetchRequest(request_id="other", fingerprint=servers.fingerprint)
-        assert _status(lambda: list(kv.FetchKV(unknown, timeout=10)))[0] == Code.NOT_FOUND
 
 
 def test_the_capability_reads_the_bytes_and_releases(servers):
@@ -116,7 +121,7 @@ def test_descriptors_need_an_attach_pool_first(servers):
         assert "AttachPool" in details
         # Without the capability it is refused for that first.
         code, _ = _status(lambda: list(kv.FetchKV(request, timeout=10)))
-        assert code == Code.PERMISSION_DENIED
+        assert code == Code.NOT_FOUND
 
 
 # -- through the daemons: the prefill daemon issues each request's capability --
@@ -190,11 +195,11 @@ def test_the_prefill_daemon_pins_every_request_with_its_own_capability(checkpoin
                 for metadata in refused:
                     for what in (fetch, describe):
                         code, details, chunks = _fetched(rank_kv, what, metadata)
-                        assert (code, chunks) == (Code.PERMISSION_DENIED, []), (rank, metadata, code, details)
+                        assert (code, chunks) == (Code.NOT_FOUND, []), (rank, metadata, code, details)
                         assert "\n" not in details and capability not in details and "capped" in details
                     code, details = _status(partial(rank_kv.Release, pb.ReleaseRequest(
                         request_id="capped", fingerprint=fp), timeout=10, metadata=metadata))
-                    assert code == Code.PERMISSION_DENIED and capability not in details
+                    assert code == Code.NOT_FOUND and capability not in details
                 presented = ((EPOCH_METADATA_KEY, ticket),)
                 assert list(rank_kv.FetchKV(describe, timeout=10, metadata=presented))  # descriptors
                 assert list(rank_kv.FetchKV(fetch, timeout=10, metadata=presented))

@@ -72,8 +72,8 @@ def test_open_watches_leave_authenticated_calls_served(tls_rank):
     with open_channel(endpoint, no_token) as watching, open_channel(endpoint, with_token) as working:
         calls, outcomes = _open_watches(watching, WATCHES)
         try:
-            assert outcomes.count(Code.OK) == limits.open_per_peer, outcomes
-            assert outcomes.count(Code.RESOURCE_EXHAUSTED) == WATCHES - limits.open_per_peer, outcomes
+            assert outcomes.count(Code.OK) == limits.watch_per_peer, outcomes
+            assert outcomes.count(Code.RESOURCE_EXHAUSTED) == WATCHES - limits.watch_per_peer, outcomes
             # Authenticated calls run at once beside the open streams, 20 together.
             kv = lanekv_pb2_grpc.KVTransferStub(working)
             health = health_pb2_grpc.HealthStub(working)
@@ -94,10 +94,10 @@ def test_open_watches_leave_authenticated_calls_served(tls_rank):
             for call in calls:
                 call.cancel()
         # The slots come back when the streams end: new Watches are admitted again.
-        again, outcomes = _wait_for_free_slots(watching, limits.open_per_peer)
+        again, outcomes = _wait_for_free_slots(watching, limits.watch_per_peer)
         for call in again:
             call.cancel()
-        assert outcomes == [Code.OK] * limits.open_per_peer, outcomes
+        assert outcomes == [Code.OK] * limits.watch_per_peer, outcomes
 
 
 def _wait_for_free_slots(channel: grpc.Channel, count: int) -> tuple[list, list[Code]]:
@@ -119,7 +119,7 @@ def test_a_watch_holds_no_worker_thread():
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=1),
         interceptors=[lanekv_metrics(registry).interceptor(), MalformedRequestInterceptor(),
-                      CallLimitsInterceptor(CallLimits(64, 64, WATCHES, WATCHES), OPEN_SERVICES)],
+                      CallLimitsInterceptor(CallLimits(64, 64, WATCHES, WATCHES, WATCHES, WATCHES), OPEN_SERVICES)],
     )
     servers = start_servers(1, 4)
     add_transfer_service(server, KVTransferService(servers.sources[0]))

@@ -9,6 +9,7 @@ changes, and the server still answers and stops.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent import futures
 from types import SimpleNamespace
 
@@ -117,3 +118,49 @@ def test_watches_opened_and_cancelled_in_a_loop_leave_a_server_that_answers_and_
     done = server.stop(None)
     assert done.wait(10), "the server did not stop"
     assert errors == [] and watches[0] > 0, (errors, watches)
+
+
+@pytest.mark.timeout(60)
+def test_open_watches_cannot_starve_health_checks_and_time_out():
+    """Unauthenticated Watches that fill every Watch slot (from one host and in total) leave
+    unary Checks answered, and each Watch ends after ``watch_timeout_s``, freeing its slot."""
+    from lanekv.runtime.limits import CallLimits
+    from lanekv.runtime.security import SecurityConfig, bind, make_server
+
+    limits = CallLimits(total=4, per_peer=4, open_total=2, open_per_peer=2, watch_total=3, watch_per_peer=3,
+                        watch_timeout_s=1.5)
+    security = SecurityConfig(token="health-Token_0123456789")  # health stays open without it
+    server = make_server(security, max_workers=1, limits=limits)
+    servicer = HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = bind(server, "127.0.0.1", 0, security)
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            watches = [stub.Watch(health_pb2.HealthCheckRequest(), timeout=30) for _ in range(3)]
+            assert [next(w).status for w in watches] == [SERVING] * 3
+            with pytest.raises(grpc.RpcError) as err:
+                next(stub.Watch(health_pb2.HealthCheckRequest(), timeout=30))
+            assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "Watches" in err.value.details()
+            for _ in range(10):  # every Watch slot taken; probes' Checks answered all the same
+                assert stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == SERVING
+            started = time.monotonic()
+            for watch in watches:  # each ends at its lifetime, not the client's 30 s deadline
+                with pytest.raises(grpc.RpcError) as err:
+                    next(watch)
+                assert err.value.code() == grpc.StatusCode.CANCELLED
+            assert time.monotonic() - started < 5.0
+            assert wait_until(lambda: _watch_answers(stub), 5.0)  # the slots came back
+    finally:
+        server.stop(None)
+
+
+def _watch_answers(stub) -> bool:
+    watch = stub.Watch(health_pb2.HealthCheckRequest(), timeout=5)
+    try:
+        return next(watch).status == SERVING
+    except grpc.RpcError:
+        return False
+    finally:
+        watch.cancel()

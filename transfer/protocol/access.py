@@ -7,8 +7,9 @@ daemon hands the epoch out in Prefill's and PrefillStream's metadata, and the
 capability in PrefillReply). A rank server of another start refuses, so a
 restarted daemon that reuses ports, and maybe request ids, never serves its
 pages for old ones; a request pinned with a capability is served only to a
-caller that presents it (PERMISSION_DENIED otherwise), so knowing a request
-id is not enough. Clients and the rank server both take these from here.
+caller that presents it (NOT_FOUND otherwise, as for an id never held: knowing,
+or guessing, a request id is not enough, and the answer does not tell whether
+it is live). Clients and the rank server both take these from here.
 """
 
 from __future__ import annotations

@@ -259,11 +259,9 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     f"{self._epoch!r}: the daemon restarted and the request's pages are gone",
                 )
         if request_id is not None and not self._source.admits(request_id, capability or None):
-            raise Refusal(
-                Code.PERMISSION_DENIED,
-                f"request {request_id!r:.80}: {'a wrong' if capability else 'no'} capability; present the one "
-                f"its prefill returned ('{EPOCH_METADATA_KEY}: <epoch>:<capability>' metadata)",
-            )
+            # The answer an unknown id gets, word for word: a caller without the
+            # capability cannot tell which request ids are live.
+            raise Refusal(Code.NOT_FOUND, _unknown_message(request_id))
 
     def _check_attached(self, context: grpc.ServicerContext) -> None:
         """Descriptors are for a same-host peer that attached the pool first."""
@@ -371,8 +369,16 @@ def _check_payload(payload: torch.Tensor, chunk: ChunkPlan, a: Agreement) -> Non
 
 
 def _key_message(request_id: str, err: KeyError) -> str:
-    detail = err.args[0] if err.args else "unknown request"
-    return f"request {request_id!r}: {detail}"
+    detail = err.args[0] if err.args else UNKNOWN
+    return _unknown_message(request_id) if detail == UNKNOWN else f"request {request_id!r:.80}: {detail}"
+
+
+UNKNOWN = "unknown request"  # what a source's KeyError says of an id it never held
+
+
+def _unknown_message(request_id: str) -> str:
+    return (f"request {request_id!r:.80}: {UNKNOWN} here, or not yours: present the capability its prefill "
+            f"returned ('{EPOCH_METADATA_KEY}: <epoch>:<capability>' metadata)")
 
 
 def add_transfer_service(server: grpc.Server, service: KVTransferService) -> None:
