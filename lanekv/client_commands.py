@@ -101,7 +101,8 @@ def _what_is(endpoint: str, channel: grpc.Channel, code: grpc.StatusCode) -> str
             except grpc.RpcError:
                 continue
         return "serves gRPC but no DecodeService"
-    if code == grpc.StatusCode.UNAVAILABLE and _speaks_http(endpoint):
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) \
+            and _speaks_http(endpoint):
         return "is an HTTP server (lanekv serve's OpenAI API? use curl or an OpenAI client there)"
     return None
 

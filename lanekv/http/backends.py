@@ -176,6 +176,8 @@ class Backends:
     async def _why_not_serving(self, member: Backend, status: str) -> str:
         """A daemon's health said ``status`` (not SERVING): its own account of why (the
         prefill daemons behind it), from ``DecodeService.Status`` when it answers."""
+        if member.stub is None:
+            return status
         try:
             reply = await member.stub.Status(lanekv_pb2.DecodeStatusRequest(),
                                              timeout=self.config.health_timeout_s, metadata=self.metadata)
