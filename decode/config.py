@@ -9,7 +9,7 @@ import torch
 from lanekv.decode.cuda.graphs import check_ladder
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
-from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
+from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype, check_max_model_len
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import RetryPolicy
@@ -54,6 +54,8 @@ class DecodeConfig:
     # DeepSeek-V3.2 (DSA) index-K rows, as the prefill daemon's (the contract checks it)
     index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
     advertise_host: str | None = None  # the host the ready file and banner name (runtime.advertise)
+    # Longest prompt + output a request may have; None: the model's max_position_embeddings.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         check_advertise_host(self.advertise_host)
@@ -103,7 +105,8 @@ class DecodeConfig:
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
         check_index_cache_dtype(self.index_cache_dtype)
-        ModelConfig.from_dir(self.model_path)
+        model = ModelConfig.from_dir(self.model_path)
+        check_max_model_len(self.max_model_len, model.max_position_embeddings, self.pool_pages * self.page_size)
         if not _is_endpoint(self.prefill_endpoint):
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
         if not isinstance(self.extra_prefill_endpoints, tuple):

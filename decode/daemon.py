@@ -72,6 +72,7 @@ DECODE_SERVICE = "lanekv.v1.DecodeService"
 STOP_GRACE_S = 5.0  # what a stop gives open streams by default
 WARM_UP_TIMEOUT_S = 60.0  # one warm-up request, its prefill to its last token
 WARM_UP_NEW_TOKENS = 2  # prefill's first token and one decode step
+WAIT_LOG_S = 3.0  # how often start-up says it still waits for a prefill daemon
 _IDLE_WAIT_S = 0.1  # how often an idle loop checks for shutdown
 
 
@@ -155,7 +156,7 @@ class DecodeDaemon:
         self.generate = GenerateContext(
             config, self.pool, self.engine, KVFetcher(grpc_transport, fast), self.prefills, self.budget,
             self.streams, self.agreement, self.loaded.tokenizer, model_config.vocab_size,
-            model_config.max_position_embeddings, self._stop,
+            config.max_model_len or model_config.max_position_embeddings, self._stop,
         )
         self._watch_pool()
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
@@ -236,14 +237,20 @@ class DecodeDaemon:
         the prefill daemon is unreachable, until ``connect_timeout_s``.
         """
         cfg = self.config
-        deadline = time.monotonic() + cfg.connect_timeout_s
+        start = time.monotonic()
+        deadline, said = start + cfg.connect_timeout_s, start
         while True:
             try:
                 theirs = self.kv.handshake(endpoint, self.agreement, timeout=cfg.connect_timeout_s)
                 break
             except RemoteError as err:
-                if not patient or err.code != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                now = time.monotonic()
+                if not patient or err.code != grpc.StatusCode.UNAVAILABLE or now > deadline:
                     raise
+                if now - said >= WAIT_LOG_S:  # a daemon started first says what it waits for
+                    said = now
+                    log.info("waiting for prefill daemon %s (%s): %.0f s so far, %.0f s left of "
+                             "connect_timeout_s", endpoint, err.code.name, now - start, deadline - now)
                 time.sleep(0.2)
         for rank in theirs.topology.endpoints:
             self.kv.handshake(rank, self.agreement, timeout=cfg.connect_timeout_s)

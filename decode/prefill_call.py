@@ -253,6 +253,11 @@ class PrefillPool:
             target.queued_tokens += num_tokens
             return target
 
+    def states(self) -> list[tuple[str, bool, str]]:
+        """Each daemon's ``(endpoint, in the pick, why not)``, in the configured order."""
+        with self._lock:
+            return [(t.endpoint, t.healthy, t.problem) for t in self.targets]
+
     @property
     def available(self) -> bool:
         """Whether any daemon is in the pick."""

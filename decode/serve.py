@@ -17,6 +17,9 @@ import sys
 import torch
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
+from lanekv.model.config import ModelConfig
+from lanekv.model.dtypes import DTYPES, resolve_dtype
+from lanekv.model.kv_rows import PoolSize, page_bytes, pool_line, size_pool, weight_bytes
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError
@@ -33,17 +36,19 @@ _CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_process
                  "graph_batch_sizes", "prefill_health_interval_s")
 
 
-def config_from_args(args: argparse.Namespace) -> DecodeConfig:
+def config_from_args(args: argparse.Namespace, size: PoolSize | None = None) -> DecodeConfig:
     optional = {
         name: getattr(args, name) for name in _CONFIG_FLAGS if getattr(args, name, None) is not None
     }
     if "graph_batch_sizes" in optional:
         optional["graph_batch_sizes"] = tuple(optional["graph_batch_sizes"])
     prefills = args.prefill if isinstance(args.prefill, list) else [args.prefill]
+    dtype = resolve_dtype(args.dtype, args.model)
     return DecodeConfig(
         model_path=args.model, prefill_endpoint=prefills[0], extra_prefill_endpoints=tuple(prefills[1:]),
         page_size=args.page_size,
-        dtype=args.dtype, device=args.device, pool_pages=args.pool_pages, host=args.host,
+        dtype=dtype, device=args.device, pool_pages=(size or pool_size(args, dtype)).pages, host=args.host,
+        max_model_len=getattr(args, "max_model_len", None),
         port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
         index_cache_dtype=args.index_cache_dtype,
         metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args),
@@ -51,12 +56,34 @@ def config_from_args(args: argparse.Namespace) -> DecodeConfig:
     )
 
 
+def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
+    """Pages of the decode pool (``model.kv_rows.size_pool``); the device must be there first."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no GPU is visible (torch.cuda.is_available() is False); "
+                         "give --device cpu or auto")
+    model = ModelConfig.from_dir(args.model)
+    torch_dtype = DTYPES[dtype]
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    utilization = getattr(args, "gpu_memory_utilization", None)
+    return size_pool(
+        page_bytes(model, torch_dtype, args.page_size, args.index_cache_dtype),
+        pool_pages=getattr(args, "pool_pages", None), kv_cache_memory=getattr(args, "kv_cache_memory", None),
+        gpu_memory_utilization=utilization, default_pages=DecodeConfig.__dataclass_fields__["pool_pages"].default,
+        memory=(lambda: [torch.cuda.mem_get_info()]) if cuda else None,
+        weights=weight_bytes(model, torch_dtype) if cuda and utilization is not None else 0)
+
+
 def main(args: argparse.Namespace) -> int:
     try:
-        config = config_from_args(args)
+        size = pool_size(args, resolve_dtype(args.dtype, args.model))
+        config = config_from_args(args, size)
     except (ValueError, TypeError) as err:
         print(f"lanekv decode: {err}", file=sys.stderr)
         return 2
+    model = ModelConfig.from_dir(config.model_path)
+    log.info("%s", pool_line("decode", config.pool_pages, config.page_size,
+                             page_bytes(model, config.torch_dtype, config.page_size, config.index_cache_dtype),
+                             1, size.how))
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process's own entry point: nobody else's setting
     if config.resolved_device == "cuda":
         torch.set_num_threads(1)  # the host builds small tensors only (see prefill.cp.rank_worker)

@@ -72,6 +72,19 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
             self._pipeline.close(call, *_ended_with(context, outcome))
 
 
+    def Status(self, request, context):
+        """Whether a Generate can be served now; when not, why (the prefill daemons' problems)."""
+        prefills = [lanekv_pb2.PrefillDaemonStatus(endpoint=e, healthy=h, problem="" if h else p or "out of the pick")
+                    for e, h, p in self._ctx.prefills.states()]
+        problem = ""
+        if self._ctx.stopping.is_set():
+            problem = "the decode daemon is stopping"
+        elif not any(p.healthy for p in prefills):
+            problem = "no prefill daemon can take a prompt (" + "; ".join(
+                f"prefill {p.endpoint}: {p.problem}" for p in prefills) + ")"
+        return lanekv_pb2.DecodeStatusReply(serving=not problem, problem=problem, prefills=prefills)
+
+
 def _reply(request_id: str, batch: list[TokenEvent], text: Detokenizer) -> lanekv_pb2.GenerateReply:
     ids = [event.token_id for event in batch if event.token_id is not None]
     last = batch[-1]

@@ -17,14 +17,19 @@ Exit codes: ``generate`` 0 after a finished stream, 1 when the call failed
 from __future__ import annotations
 
 import argparse
+import socket
 import sys
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.security import SecurityConfig, open_channel
-from lanekv.runtime.status import CONTRACT_METADATA_KEY
+from lanekv.runtime.status import CONTRACT_METADATA_KEY, TRANSFER_SERVICE
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, diff, format_diff
+
+PREFILL_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
+_PROBE_TIMEOUT_S = 2.0  # what generate spends finding out what a wrong --decode port is
 
 # A well-formed agreement that differs from every real one (its digests name no code or weights).
 _PROBE = Agreement(
@@ -69,6 +74,10 @@ def generate(args: argparse.Namespace) -> int:
         except grpc.RpcError as err:
             out.write("\n")
             print(f"lanekv generate: {err.code().name}: {err.details()}", file=sys.stderr)
+            what = _what_is(args.decode, channel, err.code())
+            if what:
+                print(f"lanekv generate: {args.decode} {what}; --decode takes a decode daemon's "
+                      "gRPC port (lanekv decode --port)", file=sys.stderr)
             return 1
         if not args.print_ids and not printed_text and tokens:
             out.write(" ".join(map(str, tokens)))  # the model has no tokenizer: ids are all there is
@@ -76,6 +85,37 @@ def generate(args: argparse.Namespace) -> int:
         stats = dict(call.trailing_metadata() or ())
     print(_summary(len(tokens), finish_reason, stats), file=sys.stderr)
     return 0
+
+
+def _what_is(endpoint: str, channel: grpc.Channel, code: grpc.StatusCode) -> str | None:
+    """What serves ``endpoint`` when a Generate there failed with ``code`` as no decode
+    daemon's would: a prefill daemon or rank (gRPC without DecodeService) or an HTTP
+    server (the OpenAI front); None when it cannot tell."""
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service, what in ((PREFILL_SERVICE, "is a prefill daemon (its Prefill port)"),
+                              (TRANSFER_SERVICE, "is a prefill rank's KVTransfer port")):
+            try:
+                health.Check(health_pb2.HealthCheckRequest(service=service), timeout=_PROBE_TIMEOUT_S)
+                return what
+            except grpc.RpcError:
+                continue
+        return "serves gRPC but no DecodeService"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) \
+            and _speaks_http(endpoint):
+        return "is an HTTP server (lanekv serve's OpenAI API? use curl or an OpenAI client there)"
+    return None
+
+
+def _speaks_http(endpoint: str) -> bool:
+    """Whether ``endpoint`` answers a plain HTTP/1.0 request with an HTTP status line."""
+    host, _, port = endpoint.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_PROBE_TIMEOUT_S) as sock:
+            sock.sendall(b"GET /health HTTP/1.0\r\nHost: lanekv\r\n\r\n")
+            return sock.recv(5) == b"HTTP/"
+    except (OSError, ValueError):
+        return False
 
 
 def _generate_request(args: argparse.Namespace) -> lanekv_pb2.GenerateRequest:

@@ -177,3 +177,27 @@ class GenerateReply(_message.Message):
     finished: bool
     finish_reason: str
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+
+class DecodeStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillDaemonStatus(_message.Message):
+    __slots__ = ("endpoint", "healthy", "problem")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    healthy: bool
+    problem: str
+    def __init__(self, endpoint: _Optional[str] = ..., healthy: _Optional[bool] = ..., problem: _Optional[str] = ...) -> None: ...
+
+class DecodeStatusReply(_message.Message):
+    __slots__ = ("serving", "problem", "prefills")
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    serving: bool
+    problem: str
+    prefills: _containers.RepeatedCompositeFieldContainer[PrefillDaemonStatus]
+    def __init__(self, serving: _Optional[bool] = ..., problem: _Optional[str] = ..., prefills: _Optional[_Iterable[_Union[PrefillDaemonStatus, _Mapping]]] = ...) -> None: ...

@@ -329,6 +329,10 @@ class DecodeServiceStub:
                 '/lanekv.v1.DecodeService/Generate',
                 request_serializer=proto_dot_lanekv__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=proto_dot_lanekv__pb2.GenerateReply.FromString)
+        self.Status = channel.unary_unary(
+                '/lanekv.v1.DecodeService/Status',
+                request_serializer=proto_dot_lanekv__pb2.DecodeStatusRequest.SerializeToString,
+                response_deserializer=proto_dot_lanekv__pb2.DecodeStatusReply.FromString)
 
 
 class DecodeServiceServicer:
@@ -340,6 +344,15 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Whether a Generate can be served now, and if not, why: the prefill daemons
+        behind this decode daemon and each one's problem (a front names the root
+        cause of its 503 with it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -347,6 +360,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=proto_dot_lanekv__pb2.GenerateRequest.FromString,
                     response_serializer=proto_dot_lanekv__pb2.GenerateReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=proto_dot_lanekv__pb2.DecodeStatusRequest.FromString,
+                    response_serializer=proto_dot_lanekv__pb2.DecodeStatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -377,6 +395,32 @@ class DecodeService:
             '/lanekv.v1.DecodeService/Generate',
             proto_dot_lanekv__pb2.GenerateRequest.SerializeToString,
             proto_dot_lanekv__pb2.GenerateReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lanekv.v1.DecodeService/Status',
+            proto_dot_lanekv__pb2.DecodeStatusRequest.SerializeToString,
+            proto_dot_lanekv__pb2.DecodeStatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -89,9 +89,11 @@ class SecurityConfig:
     ) -> SecurityConfig:
         """The config of ``add_security_args`` options; options a parser lacks count as absent.
 
-        The token comes from ``--auth-token-file`` (surrounding whitespace
-        stripped) or the environment variable named by ``--auth-token-env``,
-        never from the command line, where ``ps`` would show it.
+        The token comes from ``--api-key`` (as OpenAI-compatible servers take it;
+        it wins over the other two, and since ``ps`` shows a command line a
+        warning is logged), else ``--auth-token-file`` (surrounding whitespace
+        stripped) or the environment variable named by ``--auth-token-env``
+        (give one of these two).
         """
         environ = os.environ if environ is None else environ
         token_file = getattr(args, "auth_token_file", None)
@@ -113,6 +115,14 @@ class SecurityConfig:
             token = environ.get(token_env, "")
             if not token:
                 raise ValueError(f"auth_token_env={token_env!r} names an unset or empty variable")
+        api_key = getattr(args, "api_key", None)
+        if api_key is not None:
+            ignored = [name for name, value in (("--auth-token-file", token_file), ("--auth-token-env", token_env))
+                       if value is not None]
+            log.warning("--api-key: the token is visible to every user of this host in the process list (ps); "
+                        "--auth-token-file or --auth-token-env keep it out%s",
+                        f" ({' and '.join(ignored)} ignored: --api-key wins)" if ignored else "")
+            token = api_key
         return cls(
             tls_cert=getattr(args, "tls_cert", None),
             tls_key=getattr(args, "tls_key", None),
@@ -137,6 +147,9 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
                    help="file holding the shared token every call must carry")
     g.add_argument("--auth-token-env", default=None,
                    help="environment variable holding the shared token")
+    g.add_argument("--api-key", default=None,
+                   help="the shared token itself, as OpenAI-compatible servers take it (wins over "
+                        "--auth-token-file/--auth-token-env; visible in ps, so a warning is logged)")
 
 
 def _check_pem(name: str, path: str | None, marker: bytes) -> None:

@@ -47,7 +47,8 @@ class Front:
         model = ModelConfig.from_dir(config.model_path)
         self.vocab_size, self.max_positions = model.vocab_size, model.max_position_embeddings
         self.tokenizer = load_tokenizer(config.model_path, model.eos_token_ids)
-        self.template = ChatTemplate.from_dir(config.model_path)
+        self.template = (ChatTemplate.from_dir(config.model_path) if config.chat_template is None
+                         else ChatTemplate.from_flag(config.chat_template, config.model_path))
         self.backends = Backends.of(config)
         self.metrics = FrontMetrics(self.backends)
         self.created = int(time.time())
@@ -121,6 +122,9 @@ class Front:
 
     async def respond(self, request: Request, common: Common, plan: Plan, chat: bool) -> Response:
         endpoint = _endpoint(request.url.path)
+        if self.config.log_requests:
+            log.info("request %s on %s: %d prompt tokens, max_tokens %d, stream %s", plan.request_id,
+                     request.url.path, len(plan.prompt_ids), plan.max_tokens, common.stream)
         shape = ReplyShape(chat, plan.request_id, common.model, int(time.time()), common.include_usage)
         generation = Generation(self.backends, plan, self.config.request_timeout_s,
                                 None if self.tokenizer is None else self.tokenizer.decode)

@@ -10,7 +10,9 @@ row have: busy is not gone), and comes back at its next SERVING answer. A Genera
 finds a daemon UNAVAILABLE takes it out at once too.
 
 ``pick`` hands a request to the healthy daemon with the fewest running
-requests (ties in turn); ``NoBackend`` says why none can take it: none is
+requests (ties in turn); a daemon that answers NOT_SERVING is asked why
+(``DecodeService.Status``: e.g. its prefill daemons are down), and that root
+cause is its problem in ``/health`` and in a 503. ``NoBackend`` says why none can take it: none is
 healthy (503) or every healthy one is full (429). Only the event loop's
 thread touches the counts.
 """
@@ -154,6 +156,8 @@ class Backends:
                                               metadata=self.metadata)
             serving = reply.status == health_pb2.HealthCheckResponse.SERVING
             problem = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            if not serving:
+                problem = await self._why_not_serving(member, problem)
         except grpc.aio.AioRpcError as err:
             code, serving, problem = err.code(), False, f"health check {err.code().name}: {err.details()}"
         member.slow_checks = slow = slow_checks_after(code, member.slow_checks)
@@ -168,6 +172,18 @@ class Backends:
         elif not serving:
             self.lost(member, problem)
         member.healthy, member.problem = serving, problem
+
+    async def _why_not_serving(self, member: Backend, status: str) -> str:
+        """A daemon's health said ``status`` (not SERVING): its own account of why (the
+        prefill daemons behind it), from ``DecodeService.Status`` when it answers."""
+        if member.stub is None:
+            return status
+        try:
+            reply = await member.stub.Status(lanekv_pb2.DecodeStatusRequest(),
+                                             timeout=self.config.health_timeout_s, metadata=self.metadata)
+        except grpc.aio.AioRpcError:
+            return status  # an older daemon, or one going away: the health status is all there is
+        return f"{status}: {reply.problem}" if reply.problem else status
 
     async def _watch_health(self) -> None:
         while True:

@@ -79,26 +79,34 @@ class ChatTemplate:
     def from_dir(cls, path: str | Path) -> ChatTemplate | None:
         """The template of checkpoint folder ``path``; None when it has none."""
         path = Path(path)
-        config: dict[str, Any] = {}
-        if (path / CONFIG_FILE).exists():
-            try:
-                config = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
-            except (OSError, ValueError) as err:
-                raise ValueError(f"{path / CONFIG_FILE} is not readable JSON: {err}") from err
+        config = _read_config(path)
         if (path / TEMPLATE_FILE).exists():
             source = (path / TEMPLATE_FILE).read_text(encoding="utf-8")
         else:
             source = _template_of(config.get("chat_template"), path / CONFIG_FILE)
             if source is None:
                 return None
-        tokens = {}
-        for name in SPECIAL_TOKENS:
-            value = config.get(name)
-            if isinstance(value, dict):  # a serialized AddedToken
-                value = value.get("content")
-            if isinstance(value, str):
-                tokens[name] = value
-        return cls(source, tokens)
+        return cls(source, _special_tokens(config))
+
+    @classmethod
+    def from_flag(cls, value: str, path: str | Path) -> ChatTemplate:
+        """``--chat-template``: a file holding a template, or the template itself (text
+        with a Jinja ``{{`` or ``{%``); the special tokens come from checkpoint ``path``."""
+        file = Path(value)
+        try:
+            is_file = file.is_file()
+        except OSError:  # a template too long to be a path
+            is_file = False
+        if is_file:
+            try:
+                source = file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as err:
+                raise ValueError(f"chat_template={value!r} is not a readable text file: {err}") from err
+        elif "{{" in value or "{%" in value:
+            source = value
+        else:
+            raise ValueError(f"chat_template={value!r} is neither a file nor a Jinja template")
+        return cls(source, _special_tokens(_read_config(Path(path))))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                **kwargs: Any) -> str:
@@ -115,6 +123,26 @@ class ChatTemplate:
         except (TypeError, ValueError, KeyError, AttributeError) as err:
             raise bad_field("messages", f"the chat template failed on them: {type(err).__name__}: "
                             f"{err}") from err
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    if not (path / CONFIG_FILE).exists():
+        return {}
+    try:
+        return json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path / CONFIG_FILE} is not readable JSON: {err}") from err
+
+
+def _special_tokens(config: dict[str, Any]) -> dict[str, str]:
+    tokens = {}
+    for name in SPECIAL_TOKENS:
+        value = config.get(name)
+        if isinstance(value, dict):  # a serialized AddedToken
+            value = value.get("content")
+        if isinstance(value, str):
+            tokens[name] = value
+    return tokens
 
 
 def _template_of(value: Any, where: Path) -> str | None:

@@ -30,6 +30,8 @@ class FrontConfig:
     header_timeout_s: float = 10.0  # a connection's request line and headers must arrive in this
     body_timeout_s: float = 30.0  # a request body must arrive in this
     keep_alive_s: float = 5.0  # an idle kept-alive connection is closed after this
+    chat_template: str | None = None  # a template file or the template itself; None: the checkpoint's
+    log_requests: bool = True  # one INFO line per request (id, route, prompt tokens, max tokens)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not Path(self.model_path).is_dir():
@@ -58,6 +60,9 @@ class FrontConfig:
             if isinstance(value, bool) or not isinstance(value, (int, float)) \
                     or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}={value!r} must be a number > 0")
+        if self.chat_template is not None and (not isinstance(self.chat_template, str)
+                                               or not self.chat_template.strip()):
+            raise ValueError(f"chat_template={self.chat_template!r} must be a file or a template")
         if not isinstance(self.security, SecurityConfig):
             raise TypeError(f"security must be a SecurityConfig, got {type(self.security).__name__}")
 

@@ -5,17 +5,22 @@ The port is bound here before uvicorn starts (port 0 picks a free one, and
 and key; with ``--tls-require-client-cert`` clients need a certificate signed
 by ``--tls-ca``. The same config speaks to the decode daemons.
 
-Exit codes: 0 after a clean shutdown, 1 when start-up fails, 2 for bad arguments.
+SIGINT/SIGTERM drains open requests and logs the stop (``FrontServer``).
+
+Exit codes: 0 after a clean shutdown (also on SIGTERM), 1 when start-up fails, 2 for bad arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import socket
 import ssl
 import sys
+import threading
 from pathlib import Path
 
 import h11
@@ -35,7 +40,8 @@ def config_from_args(args: argparse.Namespace) -> FrontConfig:
         model_path=args.model, decode_endpoints=tuple(args.decode), served_model_name=args.served_model_name,
         host=args.host, port=args.port, security=SecurityConfig.from_args(args),
         max_running_per_decode=args.max_running_per_decode, health_interval_s=args.health_interval_s,
-        request_timeout_s=args.request_timeout_s, **_bounds_from_args(args),
+        request_timeout_s=args.request_timeout_s, chat_template=getattr(args, "chat_template", None),
+        log_requests=not getattr(args, "disable_log_requests", False), **_bounds_from_args(args),
     )
 
 
@@ -83,6 +89,34 @@ class BoundedH11Protocol(H11Protocol):
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             log.info("closing %s: no request headers within %gs", self.client, self.header_timeout_s)
             self.transport.close()
+class FrontServer(uvicorn.Server):
+    """uvicorn's server, where SIGINT/SIGTERM is a requested stop: it drains (open
+    requests get ``timeout_graceful_shutdown``) and ``serve`` returns. uvicorn's own
+    handler raises the signal again after the drain, so a clean stop exited 143."""
+
+    stop_signal: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {sig: signal.signal(sig, self._stop_requested) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def _stop_requested(self, sig: int, frame) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop without waiting
+            return
+        if self.stop_signal is None:
+            log.info("lanekv serve: %s received, draining open requests (up to %ss)",
+                     signal.Signals(sig).name, self.config.timeout_graceful_shutdown)
+        self.stop_signal = sig
+        self.should_exit = True
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -119,7 +153,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         app = build_app(config)
-        server = uvicorn.Server(uvicorn_config(app, config))
+        server = FrontServer(uvicorn_config(app, config))
     except (ValueError, TypeError) as err:
         print(f"lanekv serve: {err}", file=sys.stderr)
         return 2
@@ -148,4 +182,8 @@ def main(args: argparse.Namespace) -> int:
         asyncio.run(run())
     finally:
         sock.close()
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    how = "" if server.stop_signal is None else f" on {signal.Signals(server.stop_signal).name}"
+    log.info("lanekv serve: stopped%s after draining; exit 0", how)
+    return 0

@@ -17,6 +17,8 @@ import logging
 import math
 import os
 import queue
+import signal
+import threading
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -157,6 +159,12 @@ def rank_main(
     shared_path: Path | None = None,
 ) -> None:
     parent = os.getppid()
+    # A rank stops when its parent says Shutdown (after its drain), or once the parent is
+    # gone; a SIGINT/SIGTERM to the whole process group (Ctrl-C, an orchestrator's stop)
+    # is the parent's to handle, not a rank death to report as an ERROR.
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
     reporter = None
     try:
         runner = _start(rank, config, port, shared_path)
