@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 from lanekv.decode.cuda.graphs import check_ladder
+from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import RetryPolicy

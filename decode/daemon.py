@@ -48,8 +48,8 @@ from lanekv.decode.pool import PagePool
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, Streams
-from lanekv.model.checkpoint import load_checkpoint
 from lanekv.model.attention import pool_contract_fields
+from lanekv.model.checkpoint import load_checkpoint
 from lanekv.model.sampling import SamplingParams
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.daemon import DaemonServer

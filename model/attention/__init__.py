@@ -12,7 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from lanekv.model.attention.base import AnyCausalLM, AttentionKind, CPBatch, DecodeStep, QuerySegment
+from lanekv.model.attention.base import (
+    AnyCausalLM,
+    AttentionKind,
+    CPBatch,
+    DecodeStep,
+    QuerySegment,
+)
 from lanekv.model.attention.dsa import DSA
 from lanekv.model.attention.gqa import GQA
 from lanekv.model.attention.mla import MLA

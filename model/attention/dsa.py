@@ -30,7 +30,12 @@ from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 from lanekv.kernels.store_kv import store_kv
 from lanekv.model.attention.base import AnyCausalLM, AttentionFn, CPBatch, DecodeStep, Pool
 from lanekv.model.attention.mla import MLA
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, DSARows, RowLayout, check_index_cache_dtype
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    DSARows,
+    RowLayout,
+    check_index_cache_dtype,
+)
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek_v32 import DeepseekV32CausalLM, dsa_causal_attention
 from lanekv.model.dsa import IndexInputs

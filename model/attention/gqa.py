@@ -29,7 +29,11 @@ from lanekv.model.attention.base import (
     Pool,
     table_width,
 )
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, RowLayout, check_index_cache_dtype
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    RowLayout,
+    check_index_cache_dtype,
+)
 from lanekv.model.config import ModelConfig
 from lanekv.model.llama import CausalLM, causal_attention
 from lanekv.model.qwen3_moe import Qwen3MoeCausalLM

@@ -31,7 +31,11 @@ from lanekv.model.attention.base import (
     Pool,
     table_width,
 )
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, RowLayout, check_index_cache_dtype
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    RowLayout,
+    check_index_cache_dtype,
+)
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek import DeepseekCausalLM
 from lanekv.model.llama import causal_attention

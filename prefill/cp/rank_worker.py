@@ -26,8 +26,8 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 import torch.distributed as dist
-from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.attention import pool_contract_fields, pool_rows
+from lanekv.model.checkpoint import LoadedModel
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.graphs import capture_graphs
 from lanekv.prefill.cp.messages import (

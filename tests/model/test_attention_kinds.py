@@ -26,7 +26,14 @@ import ast
 
 import pytest
 import torch
-from lanekv.model.attention import KINDS, DSARows, RowLayout, kind_of, pool_contract_fields, pool_rows
+from lanekv.model.attention import (
+    KINDS,
+    DSARows,
+    RowLayout,
+    kind_of,
+    pool_contract_fields,
+    pool_rows,
+)
 from lanekv.model.attention.dsa import DSA
 from lanekv.model.attention.gqa import GQA
 from lanekv.model.attention.mla import MLA

@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from lanekv.kernels.prefill_attention_ref import AttnSegments
-from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.model.attention.mla import mla_prefill_attention
+from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
 from lanekv.prefill.engine_config import EngineConfig
 

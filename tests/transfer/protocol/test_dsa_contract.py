@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-from lanekv.model.config import ModelConfig
 from lanekv.model.attention import pool_contract_fields, pool_rows
+from lanekv.model.config import ModelConfig
 from lanekv.transfer.protocol.contract import DSA_INT_FIELDS, Agreement, diff, dsa_row_elements
 
 from tests.checkpoints import write_deepseek_v3, write_deepseek_v32
