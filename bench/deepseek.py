@@ -44,11 +44,11 @@ from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
 from lanekv.kernels.dsa.index_cache import store_index_k  # noqa: E402
 from lanekv.kernels.page_copy import gather_pages  # noqa: E402
 from lanekv.kernels.prefill_attention_ref import AttnSegments  # noqa: E402
+from lanekv.model.attention import DSARows, pool_rows  # noqa: E402
+from lanekv.model.attention.mla import mla_prefill_attention  # noqa: E402
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
-from lanekv.model.kv_rows import pool_head_dim  # noqa: E402
 from lanekv.model.sampling import SamplingParams  # noqa: E402
 from lanekv.prefill.cp.launcher import PrefillInput  # noqa: E402
-from lanekv.prefill.cp.runner import mla_prefill_attention  # noqa: E402
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
@@ -203,26 +203,26 @@ def step_kv_bytes(pool: PagePool, batch: int, context: int, topk: int) -> int:
     """Pool bytes one decode step reads at ``context`` tokens per request: every
     latent row (MLA), or every index-K row and the ``topk`` selected latent rows (DSA)."""
     layers, item = pool.spec.num_layers, pool.spec.dtype.itemsize
-    if pool.dsa is None:
+    if not isinstance(pool.rows, DSARows):
         return batch * layers * context * pool.spec.head_dim * item
-    latent = pool.dsa.index_offset  # the latent's bytes, to the index row's boundary
-    return batch * layers * (context * pool.dsa.index.row_bytes + min(topk, context) * latent)
+    latent = pool.rows.index_offset  # the latent's bytes, to the index row's boundary
+    return batch * layers * (context * pool.rows.index.row_bytes + min(topk, context) * latent)
 
 
 def fill_pool(pool: PagePool) -> None:
     """Random latent rows; a DSA pool's index rows hold random keys stored as the
     decode step stores them (fp8 bytes with valid scales, not random bits)."""
     pool.tensor.normal_()
-    if pool.dsa is None:
+    if not isinstance(pool.rows, DSARows):
         return
     rows = pool.tensor.shape[2]
     gen = torch.Generator(device=pool.device).manual_seed(2)
     for layer in range(pool.spec.num_layers):
         for start in range(0, rows, 1 << 20):
             locs = torch.arange(start, min(rows, start + (1 << 20)), device=pool.device)
-            keys = torch.randn(locs.shape[0], pool.dsa.index.head_dim, device=pool.device,
+            keys = torch.randn(locs.shape[0], pool.rows.index.head_dim, device=pool.device,
                                generator=gen).to(pool.spec.dtype)
-            store_index_k(keys, pool.index_cache(layer), locs, pool.dsa.index)
+            store_index_k(keys, pool.index_cache(layer), locs, pool.rows.index)
 
 
 def bench_decode(loaded, batches: list[int], args) -> list[dict]:
@@ -318,7 +318,7 @@ def main() -> None:
         (Path(model_dir) / "config.json").write_text(json.dumps(CONFIGS[name]))
         loaded = load_dummy_model(model_dir, dtype=args.torch_dtype, device=args.device)
         config = loaded.config
-        row = pool_head_dim(config, args.torch_dtype)  # a DSA row: latent, then index key
+        row = pool_rows(config, args.torch_dtype).head_dim  # a DSA row: latent, then index key
         kv_bytes = config.num_layers * row * args.torch_dtype.itemsize
         result = {
             "device": torch.cuda.get_device_name(args.device) if args.device.type == "cuda" else "cpu",

@@ -15,11 +15,7 @@ from typing import NamedTuple
 import torch
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.pool import PagePool, PageTable
-from lanekv.kernels.dsa.index_cache import read_index_k, store_index_k
-from lanekv.kernels.store_kv import store_kv
-from lanekv.model.deepseek import DeepseekCausalLM
-from lanekv.model.deepseek_v32 import dsa_causal_attention
-from lanekv.model.llama import CausalLM, causal_attention
+from lanekv.model.attention import AnyCausalLM, kind_of
 from lanekv.model.sampling import SamplingParams, sample
 
 
@@ -28,7 +24,7 @@ class PrefillResult(NamedTuple):
     first_token: int  # sampled at generation step 0
 
 
-def prefill_into_pool(model: CausalLM | DeepseekCausalLM, pool: PagePool, token_ids: Sequence[int] | torch.Tensor,
+def prefill_into_pool(model: AnyCausalLM, pool: PagePool, token_ids: Sequence[int] | torch.Tensor,
                       sampling: SamplingParams) -> PrefillResult:
     """Prefill one prompt into freshly allocated pages of ``pool``."""
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).to(pool.device)
@@ -41,36 +37,10 @@ def prefill_into_pool(model: CausalLM | DeepseekCausalLM, pool: PagePool, token_
     table = PageTable.allocate(pool, ids.numel())
     try:
         locs = table.locs_for(range(ids.numel()))
-        scale = model.config.softmax_scale
-
-        def attention(layer: int, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor) -> torch.Tensor:
-            store_kv(k, v, pool.k_cache(layer), pool.v_cache(layer), locs)
-            return causal_attention(q, k, v, scale)
-
-        def latent_attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-            plane, rows = pool.tensor[layer, 0], latent[:, None, :]
-            store_kv(rows, rows, plane, plane, locs)  # an MLA pool: one latent plane
-            return causal_attention(q, *model.mla_layer(layer).decompress(latent), scale)
-
-        def sparse_attention(layer: int, q: torch.Tensor, latent: torch.Tensor, index):
-            # The rows as the pool holds them; the indexer scores the keys read back
-            # (dequantized for an fp8 cache), as decode will.
-            lay, n = pool.dsa, latent.shape[0]
-            rows = latent.new_empty((n, lay.head_dim))
-            lay.latent(rows)[:] = latent
-            every = torch.arange(n, device=rows.device)
-            store_index_k(index.k.contiguous(), lay.index_rows(rows), every, lay.index)
-            store_kv(rows[:, None], rows[:, None], pool.tensor[layer, 0], pool.tensor[layer, 0],
-                     locs)
-            keys = read_index_k(lay.index_rows(rows), every, lay.index).to(index.k.dtype)
-            return dsa_causal_attention(model)(layer, q, latent, index._replace(k=keys))
-
+        kind = kind_of(model.config)
         positions = torch.arange(ids.numel(), device=pool.device)
         with torch.inference_mode():
-            callback = (attention if model.config.mla is None else
-                        latent_attention if pool.dsa is None else sparse_attention)
-            hidden = model(ids, positions, callback)
+            hidden = kind.forward(model, ids, positions, kind.colocated(model, pool, locs))
             logits = model.compute_logits(hidden[-1:])
         first = int(sample(logits, [sampling], 0)[0])
     except Exception:
@@ -79,7 +49,7 @@ def prefill_into_pool(model: CausalLM | DeepseekCausalLM, pool: PagePool, token_
     return PrefillResult(table, first)
 
 
-def generate_colocated(model: CausalLM | DeepseekCausalLM, pool: PagePool, prompts: Sequence[Sequence[int]],
+def generate_colocated(model: AnyCausalLM, pool: PagePool, prompts: Sequence[Sequence[int]],
                        sampling: SamplingParams | Sequence[SamplingParams],
                        max_new_tokens: int, *, stop_token_ids: Sequence[int] = (),
                        ignore_eos: bool = False, max_batch_size: int = 256) -> list[list[int]]:

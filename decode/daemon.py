@@ -48,8 +48,8 @@ from lanekv.decode.pool import PagePool
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
+from lanekv.model.attention import pool_contract_fields
 from lanekv.model.checkpoint import load_checkpoint
-from lanekv.model.kv_rows import pool_contract_fields
 from lanekv.model.sampling import SamplingParams
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.daemon import DaemonServer
@@ -148,8 +148,7 @@ class DecodeDaemon:
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                    graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
-        warm_up_kernels(self.pool, model_config.num_heads, model_config.max_position_embeddings,
-                        None if model_config.mla is None else model_config.mla.kv_lora_rank)
+        warm_up_kernels(self.pool, model_config)
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()

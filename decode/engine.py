@@ -64,8 +64,7 @@ import torch
 from lanekv.decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
-from lanekv.model.deepseek import DeepseekCausalLM
-from lanekv.model.llama import CausalLM
+from lanekv.model.attention import AnyCausalLM, kind_of
 from lanekv.model.sampling import SamplingParams, sample
 
 log = logging.getLogger("lanekv.decode")
@@ -141,20 +140,16 @@ class _Plan(NamedTuple):
 class DecodeEngine:
     """Continuous batching of decode requests over one ``PagePool``."""
 
-    def __init__(self, model: CausalLM | DeepseekCausalLM, pool: PagePool, *,
+    def __init__(self, model: AnyCausalLM, pool: PagePool, *,
                  max_batch_size: int = 256, eos_token_ids: Iterable[int] | None = None,
                  graph_sizes: Sequence[int] | None = None, overlap: bool = True) -> None:
         config = model.config
-        if (pool.dsa is None) != (config.dsa is None):
-            raise ValueError(f"a DSA model needs a DSA pool (rows with the index key) and only "
-                             f"it does: architecture={config.architecture!r}, pool dsa={pool.dsa}")
-        row_dim = config.head_dim if pool.dsa is None else pool.dsa.head_dim
-        if pool.spec.num_layers != config.num_layers or pool.spec.row_shape != (
-            config.num_kv_heads, row_dim
-        ) or pool.spec.kv != config.kv_planes:
+        kind = kind_of(config)
+        if pool.spec.num_layers != config.num_layers or not kind.fits(config, pool.rows):
+            want = kind.rows(config, model.dtype)
             raise ValueError(
-                f"pool is {pool.spec.num_layers} layers x {pool.spec.row_shape} rows but the "
-                f"model has {config.num_layers} layers x ({config.num_kv_heads}, {row_dim})"
+                f"pool is {pool.spec.num_layers} layers x {pool.rows} but the {kind.name} model "
+                f"architecture={config.architecture!r} has {config.num_layers} layers x {want}"
             )
         if pool.spec.dtype != model.dtype:
             raise ValueError(f"pool dtype {pool.spec.dtype} differs from model dtype {model.dtype}")

@@ -23,9 +23,9 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-from lanekv.kernels.dsa.pool_layout import DSARowLayout
 from lanekv.kernels.kv_layout import KVCacheSpec
-from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, dsa_layout
+from lanekv.model.attention import pool_rows
+from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, RowLayout
 
 if TYPE_CHECKING:
     from lanekv.model.config import ModelConfig
@@ -50,17 +50,19 @@ class PagePool:
     """A physical KV pool and the free list of its pages."""
 
     def __init__(self, spec: KVCacheSpec, num_pages: int,
-                 device: torch.device | str = "cpu", *, dsa: DSARowLayout | None = None) -> None:
+                 device: torch.device | str = "cpu", *, rows: RowLayout | None = None) -> None:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"spec must be a KVCacheSpec, got {type(spec).__name__}")
         _check_count("num_pages", num_pages)
-        if dsa is not None and (spec.kv, spec.kv_heads, spec.head_dim, spec.dtype) != (
-                1, 1, dsa.head_dim, dsa.dtype):
-            raise ValueError(f"a DSA pool has kv=1, kv_heads=1, head_dim={dsa.head_dim} and dtype "
-                             f"{dsa.dtype}, the spec says kv={spec.kv} kv_heads={spec.kv_heads} "
-                             f"head_dim={spec.head_dim} dtype={spec.dtype}")
+        rows = RowLayout.of_spec(spec) if rows is None else rows
+        if (spec.kv, spec.kv_heads, spec.head_dim, spec.dtype) != (
+                rows.kv, rows.kv_heads, rows.head_dim, rows.dtype):
+            raise ValueError(f"rows {rows} need kv={rows.kv} kv_heads={rows.kv_heads} "
+                             f"head_dim={rows.head_dim} dtype={rows.dtype}, the spec says "
+                             f"kv={spec.kv} kv_heads={spec.kv_heads} head_dim={spec.head_dim} "
+                             f"dtype={spec.dtype}")
         self.spec = spec
-        self.dsa = dsa  # DeepSeek-V3.2: each row is the latent, then the index-K bytes
+        self.rows = rows  # what a token's row holds (model.attention.rows; its kind's layout)
         self.tensor = spec.alloc_pool(num_pages, device)  # [L, 2, num_pages * ps, Hkv, D]
         self._num_pages = num_pages
         self._lock = threading.Lock()
@@ -72,13 +74,10 @@ class PagePool:
     def for_model(cls, config: ModelConfig, num_pages: int, page_size: int,
                   dtype: torch.dtype, device: torch.device | str = "cpu", *,
                   index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> PagePool:
-        """A pool shaped for ``config``'s layers and KV heads (``dtype`` = the model's);
+        """A pool of ``config``'s rows (its attention kind's; ``dtype`` = the model's);
         a DSA model's rows carry the index-K row of ``index_cache_dtype`` too."""
-        dsa = dsa_layout(config, dtype, index_cache_dtype)
-        spec = KVCacheSpec(num_layers=config.num_layers, kv_heads=config.num_kv_heads,
-                           head_dim=config.head_dim if dsa is None else dsa.head_dim,
-                           dtype=dtype, page_size=page_size, kv=config.kv_planes)
-        return cls(spec, num_pages, device, dsa=dsa)
+        rows = pool_rows(config, dtype, index_cache_dtype)
+        return cls(rows.spec(config.num_layers, page_size), num_pages, device, rows=rows)
 
     @property
     def num_pages(self) -> int:
@@ -111,17 +110,11 @@ class PagePool:
 
     def latent_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s MLA latent rows ``[num_pages * ps, kv_lora_rank + qk_rope]`` (a view)."""
-        if self.spec.kv != 1 or self.spec.kv_heads != 1:
-            raise ValueError(f"latent_cache needs an MLA pool (kv=1, kv_heads=1), this pool has "
-                             f"kv={self.spec.kv} kv_heads={self.spec.kv_heads}")
-        plane = self.tensor[layer, 0, :, 0]
-        return plane if self.dsa is None else self.dsa.latent(plane)
+        return self.rows.latent(self.tensor[layer, 0, :, 0])
 
     def index_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s DSA index-K rows ``[num_pages * ps, row_bytes]`` uint8 (a view)."""
-        if self.dsa is None:
-            raise ValueError("index_cache needs a DSA pool (DeepSeek-V3.2)")
-        return self.dsa.index_rows(self.tensor[layer, 0, :, 0])
+        return self.rows.index_rows(self.tensor[layer, 0, :, 0])
 
     def allocate(self, n: int) -> list[int]:
         """``n`` free physical pages, or ``PoolExhausted`` with nothing taken."""

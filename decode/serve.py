@@ -19,7 +19,7 @@ from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
-from lanekv.model.kv_rows import PoolSize, page_bytes, pool_line, size_pool, weight_bytes
+from lanekv.model.pool_sizing import PoolSize, page_bytes, pool_line, size_pool, weight_bytes
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError
@@ -57,7 +57,7 @@ def config_from_args(args: argparse.Namespace, size: PoolSize | None = None) -> 
 
 
 def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
-    """Pages of the decode pool (``model.kv_rows.size_pool``); the device must be there first."""
+    """Pages of the decode pool (``model.pool_sizing.size_pool``); the device must be there first."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no GPU is visible (torch.cuda.is_available() is False); "
                          "give --device cpu or auto")

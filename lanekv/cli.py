@@ -108,7 +108,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_sizing_args(p: argparse.ArgumentParser, default_pages: int, scope: str) -> None:
     """The pool's size: --pool-pages, else --kv-cache-memory, else --gpu-memory-utilization,
-    else ``default_pages`` (``model.kv_rows.size_pool``)."""
+    else ``default_pages`` (``model.pool_sizing.size_pool``)."""
     g = p.add_argument_group("KV pool size (precedence: --pool-pages, --kv-cache-memory, "
                              "--gpu-memory-utilization, the default page count)")
     g.add_argument("--pool-pages", type=int, default=None,

@@ -20,25 +20,17 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from lanekv.model.attention import AnyCausalLM, kind_of
 from lanekv.model.config import ModelConfig
-from lanekv.model.deepseek import DeepseekCausalLM
-from lanekv.model.deepseek_v32 import DeepseekV32CausalLM
-from lanekv.model.llama import CausalLM
-from lanekv.model.qwen3_moe import Qwen3MoeCausalLM
 from lanekv.model.tokenizer import Tokenizer, load_tokenizer
 from safetensors.torch import load as load_safetensors
 
 INDEX_FILE = "model.safetensors.index.json"
 # Buffers some exporters write that are recomputed here, never loaded.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-AnyCausalLM = CausalLM | DeepseekCausalLM
-
-
-def model_class(config: ModelConfig) -> type[CausalLM] | type[DeepseekCausalLM]:
-    """The model class that runs ``config``'s architecture."""
-    if config.mla is None:
-        return CausalLM if config.moe is None else Qwen3MoeCausalLM
-    return DeepseekCausalLM if config.dsa is None else DeepseekV32CausalLM
+def model_class(config: ModelConfig) -> type[AnyCausalLM]:
+    """The model class that runs ``config``'s architecture (its attention kind's)."""
+    return kind_of(config).model_class(config)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype = torch.float32,
@@ -112,7 +104,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     expected = model.state_dict()
     state, digest = read_state_dict(path, dtype, device,
                                     {name: t.dtype for name, t in expected.items()})
-    if config.mla is not None:
+    if model.ignores_extra_layers:
         state = {k: v for k, v in state.items() if not _is_extra_layer(k, config.num_layers)}
     if config.tie_word_embeddings:
         # Some exporters also write the tied head; like transformers, the

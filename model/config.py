@@ -131,16 +131,6 @@ class ModelConfig:
                              f"got {self.num_kv_heads} and {self.head_dim}")
 
     @property
-    def attention_kind(self) -> str:
-        """``mla`` (one latent row per token and layer) or ``gqa`` (K and V heads)."""
-        return "gqa" if self.mla is None else "mla"
-
-    @property
-    def kv_planes(self) -> int:
-        """Planes per layer of the KV pool: 2 (K, V), or 1 (the MLA latent row)."""
-        return 2 if self.mla is None else 1
-
-    @property
     def softmax_scale(self) -> float:
         return self.head_dim**-0.5 if self.mla is None else self.mla.softmax_scale
 
@@ -229,8 +219,9 @@ class ModelConfig:
         eos = tuple(dict.fromkeys(config.eos_token_ids + extra))
         return replace(config, eos_token_ids=eos)
 
-    def contract_fields(self) -> dict[str, Any]:
-        """Plain, msgpack-able fields the transfer contract is built from."""
+    def contract_fields(self, attention: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Plain, msgpack-able fields the transfer contract is built from; ``attention``:
+        the attention kind's own (``model.attention``: ``kind.contract_fields`` gives all)."""
         return {
             "architecture": self.architecture,
             "vocab_size": self.vocab_size,
@@ -249,8 +240,7 @@ class ModelConfig:
             "attention_bias": self.attention_bias,
             "tie_word_embeddings": self.tie_word_embeddings,
             **({"qk_norm": True} if self.qk_norm else {}),
-            **({} if self.mla is None else {
-                "attention": self.attention_kind, "mla": self.mla.contract_fields()}),
+            **(attention or {}),
             **({} if self.moe is None else {"moe": dict(sorted(vars(self.moe).items()))}),
         }
 

@@ -278,6 +278,10 @@ class DeepseekStack(nn.Module):
 class DeepseekCausalLM(nn.Module):
     """Decoder + LM head, the same interface as ``CausalLM`` but with an MLA callback."""
 
+    # DeepSeek-V3 checkpoints carry multi-token-prediction layers past num_layers;
+    # like transformers, the loader leaves them out.
+    ignores_extra_layers = True
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         super().__init__()

@@ -259,6 +259,8 @@ class CausalLM(nn.Module):
     """Decoder + LM head. Build it in its final dtype (``device="meta"`` builds
     the parameters without memory; the loader assigns real tensors)."""
 
+    ignores_extra_layers = False  # a checkpoint's layers past num_layers are refused
+
     def __init__(self, config: ModelConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
         super().__init__()

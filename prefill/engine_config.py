@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
-from lanekv.model.kv_rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from lanekv.prefill.cp.launcher import RankDiedError
 from lanekv.prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
-from lanekv.model.kv_rows import (
+from lanekv.model.pool_sizing import (
     PoolSize,
     check_max_model_len,
     cuda_memory,
@@ -39,7 +39,7 @@ def _unit_bytes(engine: EngineConfig) -> int:
 
 
 def _pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
-    """Pages in each rank's pool (``model.kv_rows.size_pool``), checked against --max-model-len."""
+    """Pages in each rank's pool (``model.pool_sizing.size_pool``), checked against --max-model-len."""
     model = ModelConfig.from_dir(args.model)
     torch_dtype = DTYPES[dtype]
     unit = page_bytes(model, torch_dtype, args.page_size, args.index_cache_dtype)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from lanekv.model.kv_rows import dsa_layout
+from lanekv.model.attention import pool_rows
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.transfer.grpcfetch import spans as spans_module
 from lanekv.transfer.protocol.wire import ChunkHeader
@@ -109,7 +109,7 @@ def test_daemons_over_grpc_equal_transformers_and_refetch_a_damaged_index_page(
     with running_pair(engine, pool_pages=64, transport="grpc") as (pre, dec):
         a = dec.agreement
         assert (a.attention, a.index_cache_dtype, a.index_topk) == ("mla", "model", INDEX_TOPK)
-        index_damage["offset"] = dec.pool.dsa.index_offset  # row 0's first index byte
+        index_damage["offset"] = dec.pool.rows.index_offset  # row 0's first index byte
         caplog.set_level(logging.INFO, logger="lanekv.decode")
         assert _generate_concurrently(dec.endpoint) == reference
         assert index_damage["damaged"] == 1
@@ -134,7 +134,7 @@ def test_fp8_daemons_over_the_fast_path_generate_what_rank_threads_do(checkpoint
                           start_timeout_s=120)  # the default: fp8_e4m3
     with running_pair(engine, pool_pages=128) as (pre, dec):
         a = dec.agreement
-        layout = dsa_layout(dec.loaded.config, torch.float32, "fp8_e4m3")
+        layout = pool_rows(dec.loaded.config, torch.float32, "fp8_e4m3")
         assert (a.index_cache_dtype, a.index_row_bytes, a.head_dim) == (
             "fp8_e4m3", layout.index.row_bytes, layout.head_dim)
         assert _generate_concurrently(dec.endpoint) == want

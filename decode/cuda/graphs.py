@@ -34,8 +34,7 @@ from typing import NamedTuple
 import torch
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable
-from lanekv.model.deepseek import DeepseekCausalLM
-from lanekv.model.llama import CausalLM
+from lanekv.model.attention import AnyCausalLM
 from lanekv.runtime.gcpause import paused
 
 log = logging.getLogger("lanekv.decode")
@@ -73,7 +72,7 @@ class _Captured(NamedTuple):
 class DecodeGraphs:
     """Captured decode steps over one pool; ``capture`` once, then ``replay`` per step."""
 
-    def __init__(self, model: CausalLM | DeepseekCausalLM, pool: PagePool,
+    def __init__(self, model: AnyCausalLM, pool: PagePool,
                  sizes: Sequence[int]) -> None:
         if not sizes:
             raise ValueError("graph batch sizes must name at least one size")

@@ -39,8 +39,9 @@ import time
 from typing import NamedTuple
 
 import torch
-from lanekv.model.deepseek import DeepseekCausalLM, Router
-from lanekv.model.llama import CausalLM, FusedLinear
+from lanekv.model.attention import AnyCausalLM
+from lanekv.model.deepseek import Router
+from lanekv.model.llama import FusedLinear
 from torch import nn
 
 log = logging.getLogger("lanekv.prefill")
@@ -81,7 +82,7 @@ def row_ladder(page_size: int, max_rows: int) -> list[int]:
     return sorted(set(rows))
 
 
-def model_gemms(model: CausalLM | DeepseekCausalLM) -> list[nn.Module]:
+def model_gemms(model: AnyCausalLM) -> list[nn.Module]:
     """One module of each distinct GEMM the forward runs (type, weight shape and
     dtype, bias), the vocabulary projection left out."""
     head = getattr(model, "lm_head", None)
@@ -104,7 +105,7 @@ def _is_slice(weight: torch.Tensor) -> bool:
 
 
 @torch.inference_mode()
-def warm_gemms(model: CausalLM | DeepseekCausalLM, page_size: int, max_rows: int) -> GemmWarmUp:
+def warm_gemms(model: AnyCausalLM, page_size: int, max_rows: int) -> GemmWarmUp:
     """Run every GEMM of ``model`` at every row count of ``row_ladder``, fewest rows
     first; on CUDA, waits for the device before it answers."""
     start = time.perf_counter()

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
+from lanekv.model.attention import kind_of
 from lanekv.model.llama import MLP, CausalLM, RopeAttentionFn
 from lanekv.runtime.gcpause import paused
 
@@ -79,7 +80,7 @@ def graph_sizes(page_size: int, max_rows: int) -> tuple[int, ...]:
 def takes_graphs(model: torch.nn.Module) -> bool:
     """Whether ``model`` is one ``PrefillGraphs`` can capture (see the module doc)."""
     cfg = getattr(model, "config", None)
-    return (isinstance(model, CausalLM) and cfg.mla is None and cfg.dsa is None
+    return (cfg is not None and kind_of(cfg).prefill_graphs
             and all(type(layer.mlp) is MLP for layer in model.model.layers))
 
 

@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import grpc
 import torch
 import torch.distributed as dist
+from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
-from lanekv.model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.graphs import capture_graphs
 from lanekv.prefill.cp.messages import (
@@ -240,9 +240,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     (a CPU pool in the /dev/shm file ``shared_path`` when given)."""
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
-    rows = config.pages_per_lane * config.page_size
-    head_dim = pool_head_dim(cfg, config.torch_dtype, config.index_cache_dtype)
-    shape = (cfg.num_layers, cfg.kv_planes, rows, cfg.num_kv_heads, head_dim)
+    layout = pool_rows(cfg, config.torch_dtype, config.index_cache_dtype)
+    shape = layout.pool_shape(cfg.num_layers, config.pages_per_lane * config.page_size)
     nbytes = math.prod(shape) * config.torch_dtype.itemsize
     if shared_path is not None and device.type == "cpu" and shm_room(shared_path.parent) >= nbytes:
         pool = shared_cpu_pool(shared_path, shape, config.torch_dtype, config.pool_fill)
@@ -251,7 +250,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
         pool = torch.full(shape, config.pool_fill, dtype=config.torch_dtype, device=device)
     runner = RankRunner(
         loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group,
-        dsa=dsa_layout(cfg, config.torch_dtype, config.index_cache_dtype),
+        rows=layout,
     )
     runner.weights_digest = loaded.weights_digest
     runner.tokenizer = loaded.tokenizer

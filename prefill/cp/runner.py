@@ -9,10 +9,10 @@ owns, (2) all-gathers the blocks, (3) reranges the rank-major result into
 request order and (4) runs the CP attention kernel for its query segments. The
 rank holding a request's real last token samples the first output token.
 
-An MLA model (DeepSeek) caches one latent row per token and layer: the block
-is the latent rows (``kv_lora_rank + qk_rope_head_dim`` values, not per-head
-K/V), gathered and reranged the same way; the rank stores its own latent rows
-and decompresses the request's rows into per-head K and V for its queries.
+What the callback does is the model's attention kind's (``model.attention``:
+``cp_prefill``; GQA rotates and stores in one launch, an MLA block is the
+latent rows, a DSA block the latent and index-K rows); the runner hands it the
+batch's rows, segments and the all-gather (``CPBatch``).
 """
 
 from __future__ import annotations
@@ -24,16 +24,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
-from lanekv.kernels.dsa.pool_layout import DSARowLayout
-from lanekv.kernels.prefill_attention import cp_prefill_attention
 from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.kernels.rerange import rerange
-from lanekv.kernels.rope_store import rope_store_kv
-from lanekv.kernels.store_kv import store_kv
-from lanekv.model.deepseek import DeepseekCausalLM
-from lanekv.model.llama import CausalLM
+from lanekv.model.attention import AnyCausalLM, CPBatch, QuerySegment, RowLayout, kind_of
 from lanekv.model.sampling import SamplingParams, sample
-from lanekv.prefill.cp.dsa_attention import CPSparseAttention
 from lanekv.prefill.cp.thread_group import ThreadGroup
 from lanekv.prefill.index import RankIndex, build_rank_index
 from lanekv.prefill.layout import OwnerLaneLayout
@@ -87,21 +81,25 @@ class RankRunner:
 
     def __init__(
         self,
-        model: CausalLM | DeepseekCausalLM,
+        model: AnyCausalLM,
         pool: torch.Tensor,  # [num_layers, kv (2, or 1 for MLA), pages * page_size, kv_heads, head_dim]
         *,
         cp_rank: int,
         cp_size: int,
         page_size: int,
         group: dist.ProcessGroup | ThreadGroup | None = None,
-        dsa: DSARowLayout | None = None,  # DeepSeek-V3.2: rows carry the index key too
+        rows: RowLayout | None = None,  # the pool's rows; None: the kind's in the pool's dtype
     ) -> None:
-        if (dsa is None) != (model.config.dsa is None):
-            raise ValueError(f"dsa (the pool's row layout) must be given exactly for a DSA model, "
-                             f"got dsa={dsa!r} for architecture={model.config.architecture!r}")
+        kind = kind_of(model.config)
+        rows = kind.rows(model.config, pool.dtype) if rows is None else rows
+        if not kind.fits(model.config, rows) or tuple(pool.shape[1:2] + pool.shape[3:]) != (
+                rows.kv, rows.kv_heads, rows.head_dim):
+            raise ValueError(f"pool rows {rows} (pool shape {tuple(pool.shape)}) do not fit the "
+                             f"{kind.name} model architecture={model.config.architecture!r}")
         self.model = model
+        self.kind = kind
         self.pool = pool
-        self.dsa = dsa
+        self.rows = rows
         self.layout = OwnerLaneLayout(cp_size, page_size)
         self.cp_rank = cp_rank
         self.cp_size = cp_size
@@ -135,20 +133,12 @@ class RankRunner:
         flat_ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.int64)
         flat_ids = flat_ids.to(self.device)
         input_ids = torch.where(ix.input_index >= 0, flat_ids[ix.input_index.clamp(min=0)], 0)
-        if self.dsa is not None:
-            attention = _CPDSAAttention(self, plan, ix, on_layer)
-            attention.request_lens = [p + len(t) for p, t in zip(batch.prefix_lens,
-                                                                 batch.token_ids)]
-            hidden = self.model(input_ids, ix.positions, attention)
-        elif self.model.config.mla is not None:
-            attention = _CPLatentAttention(self, plan, ix, on_layer)
-            hidden = self.model(input_ids, ix.positions, attention)
-        else:  # RoPE in the callback: fused with the K/V store (kernels/rope_store.py)
-            attention = _CPAttention(self, plan, ix, on_layer)
-            if self.graphs is not None and self.graphs.size_for(input_ids.numel()) is not None:
-                hidden = self.graphs.forward(input_ids, ix.positions, attention)
-            else:
-                hidden = self.model(input_ids, ix.positions, attention, rope_in_attention=True)
+        gather = _Gather(self, ix)
+        attention = self.kind.cp_prefill(self.model, gather.batch(batch, on_layer))
+        if self.graphs is not None and self.graphs.size_for(input_ids.numel()) is not None:
+            hidden = self.graphs.forward(input_ids, ix.positions, attention)
+        else:
+            hidden = self.kind.forward(self.model, input_ids, ix.positions, attention)
         queued = time.perf_counter() - start
 
         outputs = []
@@ -166,37 +156,46 @@ class RankRunner:
             self.cp_rank,
             outputs,
             time.perf_counter() - start,
-            gather_seconds=attention.finish(),
+            gather_seconds=gather.finish(),
             rows=int(input_ids.numel()),
             queued_seconds=queued,
             gc_seconds=0.0 if self.gc_clock is None else self.gc_clock.seconds - gc_start,
         )
 
 
-class _CPAttention:
-    """The attention callback of one batch on one rank (state built once per batch)."""
+class _Gather:
+    """The all-gather of one batch on one rank, handed to the kind's callback (state
+    built once per batch): the rank's block, with its owned prefix rows, from every
+    rank, in request order."""
 
-    def __init__(self, runner: RankRunner, plan: BatchPlan, ix: RankIndex,
-                 on_layer: Callable[[int], None] | None = None) -> None:
+    def __init__(self, runner: RankRunner, ix: RankIndex) -> None:
         self.r = runner
         self.ix = ix
-        self.on_layer = on_layer
-        dev = runner.device
+        self.gather_seconds = 0.0
+        # On CUDA the all-gather is timed with events (a host timer would sync every layer).
+        self.events: list | None = [] if runner.device.type == "cuda" else None
+
+    def batch(self, batch: PrefillBatch, on_layer: Callable[[int], None] | None) -> CPBatch:
+        """What the kind's callback needs of ``batch`` on this rank, this gather included."""
+        r, ix, dev = self.r, self.ix, self.r.device
         # Every valid loc must belong to this rank: checked once, not per layer.
-        phys = runner.layout.physical_rows(runner.cp_rank, ix.write_locs)
-        self.store_rows = torch.full((ix.input_index.numel(),), -1, dtype=torch.int64, device=dev)
-        self.store_rows[ix.valid_rows] = phys
+        phys = r.layout.physical_rows(r.cp_rank, ix.write_locs)
+        store_rows = torch.full((ix.input_index.numel(),), -1, dtype=torch.int64, device=dev)
+        store_rows[ix.valid_rows] = phys
         kv_start = [ix.kv_offsets[b] for b in ix.seg_request]
         i32 = dict(dtype=torch.int32, device=dev)
-        self.segments = AttnSegments(
+        segments = AttnSegments(
             torch.tensor(ix.seg_q_start, **i32),
             torch.tensor(ix.seg_q_len, **i32),
             torch.tensor(ix.seg_q_pos, **i32),
             torch.tensor(kv_start, **i32),
         )
-        self.gather_seconds = 0.0
-        # On CUDA the all-gather is timed with events (a host timer would sync every layer).
-        self.events: list | None = [] if dev.type == "cuda" else None
+        request_lens = [p + len(t) for p, t in zip(batch.prefix_lens, batch.token_ids)]
+        queries = tuple(QuerySegment(start, length, pos, ix.kv_offsets[b], request_lens[b])
+                        for start, length, pos, b in zip(ix.seg_q_start, ix.seg_q_len,
+                                                         ix.seg_q_pos, ix.seg_request))
+        return CPBatch(r.pool, r.rows, store_rows, ix.block_rows, segments, queries, self,
+                       on_layer)
 
     def finish(self) -> float:
         """Seconds spent in the all-gathers of this batch (call after a device sync)."""
@@ -204,24 +203,7 @@ class _CPAttention:
             self.gather_seconds = sum(s.elapsed_time(e) for s, e in self.events) / 1e3
         return self.gather_seconds
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """q and k before RoPE: one launch rotates them, stores this rank's owned rows and
-        fills the block's new rows (it replaced a dozen per layer: 1k-token prefills are
-        bound by the host's launches, BENCHMARKS.md)."""
-        r, ix = self.r, self.ix
-        n_local = k.shape[0]
-        # [block_rows, 2, kv_heads, head_dim]: new K/V rows, then owned prefix rows
-        # Padding rows stay unwritten: the rerange index never points at them.
-        block = k.new_empty((ix.block_rows, 2, *k.shape[1:]))
-        q = rope_store_kv(q, k, v, cos, sin, r.pool[layer, 0], r.pool[layer, 1], self.store_rows,
-                          kv_out=block[:n_local])
-        kv = self._gather(layer, block)  # [kv rows in request order, 2, Hkv, D]
-        if self.on_layer is not None:
-            self.on_layer(layer)
-        return cp_prefill_attention(q, kv[:, 0], kv[:, 1], self.segments, r.softmax_scale)
-
-    def _gather(self, layer: int, block: torch.Tensor) -> torch.Tensor:
+    def __call__(self, layer: int, block: torch.Tensor) -> torch.Tensor:
         """Fill ``block``'s owned prefix rows, all-gather it, rerange into request order."""
         r, ix = self.r, self.ix
         if ix.prefix_send_rows.numel():
@@ -248,36 +230,6 @@ class _CPAttention:
         if self.ix.rerange_in_order:
             return gathered[: self.ix.rerange_index.numel()]
         return rerange(gathered, self.ix.rerange_index)
-
-
-class _CPLatentAttention(_CPAttention):
-    """The MLA callback: all-gathers latent rows, decompresses them for attention."""
-
-    def __call__(self, layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-        r, ix = self.r, self.ix
-        rows = latent[:, None, :]  # [T, 1 head, R + P]
-        block = latent.new_empty((ix.block_rows, 1, *rows.shape[1:]))
-        block[: rows.shape[0], 0] = rows
-        gathered = self._gather(layer, block)[:, 0, 0]  # [rows in request order, R + P]
-        cache = r.pool[layer, 0]
-        # One plane: the row goes to the same place as "K" and "V" (the same bytes).
-        store_kv(rows, rows, cache, cache, self.store_rows)
-        if self.on_layer is not None:
-            self.on_layer(layer)
-        k, v = r.model.mla_layer(layer).decompress(gathered)
-        return mla_prefill_attention(q, k, v, self.segments, r.softmax_scale)
-
-
-class _CPDSAAttention(CPSparseAttention, _CPAttention):
-    """The DSA callback (``prefill/cp/dsa_attention.py``) on the CP gather."""
-
-
-def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          segments: AttnSegments, softmax_scale: float) -> torch.Tensor:
-    """``cp_prefill_attention`` on MLA's decompressed heads (q/k 192 and v 128 for
-    V3) as they are: the Triton kernel scores a qk dim that is no power of two as a
-    power-of-two part plus a masked tail and masks v's dim, so nothing is padded."""
-    return cp_prefill_attention(q, k, v, segments, softmax_scale)
 
 
 def _all_gather_rows(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from lanekv.kernels.moe.experts import prefill_tile_min_pairs
 from lanekv.kernels.prefill_attention import big_tile_min_rows
+from lanekv.model.attention import kind_of
 from lanekv.model.config import ModelConfig
 
 
@@ -22,7 +23,7 @@ def tile_switch_rows(config: ModelConfig, dtype: torch.dtype, device: torch.devi
     """The fewest rows of a rank's prefill batch at which a kernel's tiles change, sorted."""
     if device.type != "cuda":
         return ()
-    qk_dim = config.head_dim if config.mla is None else config.mla.qk_head_dim
+    qk_dim = kind_of(config).prefill_qk_dim(config)
     rows = {big_tile_min_rows(config.num_heads, qk_dim, dtype, device)}
     if config.moe is not None:  # every row picks top_k experts
         rows.add(-(-prefill_tile_min_pairs(config.moe.num_experts) // config.moe.top_k))

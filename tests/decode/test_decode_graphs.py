@@ -19,11 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from lanekv.decode.colocated import prefill_into_pool
-from lanekv.decode.cuda import step as step_module
 from lanekv.decode.cuda.graphs import DecodeGraphs, check_ladder, default_ladder
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.kernels.dsa.select import select_fixed_width
+from lanekv.model.attention import dsa as dsa_kind
 from lanekv.model.checkpoint import LoadedModel, load_model
 from lanekv.model.sampling import SamplingParams
 
@@ -240,7 +240,7 @@ def test_static_dsa_step_with_the_cuda_selection_equals_eager_cpu(checkpoints, m
         def fixed_width(q, weights, index_pool, page_table, *args):
             widths[run].append(page_table.shape[1])
             return select_fixed_width(q, weights, index_pool, page_table, *args)
-        monkeypatch.setattr(step_module, "decode_select", fixed_width)
+        monkeypatch.setattr(dsa_kind, "decode_select", fixed_width)
 
     patched("eager")
     eager, _ = _scenario(loaded, torch.device("cpu"), False, 11, sizes[:-1])

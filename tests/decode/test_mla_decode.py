@@ -112,5 +112,5 @@ def test_engine_refuses_a_pool_of_the_other_kind(checkpoints, tmp_path):
     gqa = load_model(write_llama(tmp_path / "llama"))
     with pytest.raises(ValueError, match="pool is"):
         DecodeEngine(mla.model, PagePool.for_model(gqa.config, 4, 4, torch.float32))
-    with pytest.raises(ValueError, match="latent_cache needs an MLA pool"):
+    with pytest.raises(ValueError, match="a latent view needs an MLA pool"):
         PagePool.for_model(gqa.config, 4, 4, torch.float32).latent_cache(0)

@@ -28,9 +28,7 @@ def test_no_kernel_compiles_after_warm_up_gpu(tmp_path, write):
     engine = DecodeEngine(loaded.model, pool, max_batch_size=24, eos_token_ids=(),
                           graph_sizes=(1, 2, 4, 8, 16))  # 17..24: eager
     engine.capture_graphs()
-    mla = loaded.config.mla
-    warm_up_kernels(pool, loaded.config.num_heads, loaded.config.max_position_embeddings,
-                    None if mla is None else mla.kv_lora_rank)
+    warm_up_kernels(pool, loaded.config)
     rng = random.Random(0)
     pending = [(f"r{i}", rng.randint(1, 700), rng.randint(1, 12),
                 SamplingParams() if i % 3 else SamplingParams(temperature=0.8, top_k=rng.randint(0, 50),

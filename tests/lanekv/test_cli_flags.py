@@ -17,7 +17,7 @@ from lanekv.cli import main as lanekv
 from lanekv.http.chat import ChatTemplate
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import resolve_dtype
-from lanekv.model.kv_rows import GIB, GPU_RESERVE_BYTES, check_max_model_len, page_bytes, size_pool
+from lanekv.model.pool_sizing import GIB, GPU_RESERVE_BYTES, check_max_model_len, page_bytes, size_pool
 from lanekv.runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
 

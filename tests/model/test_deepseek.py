@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.model.attention import KINDS, kind_of, pool_contract_fields
 from lanekv.model.checkpoint import load_model
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek import DeepseekCausalLM, mla_causal_attention
@@ -69,7 +70,7 @@ def test_configs_read_the_mla_moe_and_yarn_fields(checkpoint_dirs) -> None:
     v2 = ModelConfig.from_dir(checkpoint_dirs["deepseek_v2"])
     v2q = ModelConfig.from_dir(checkpoint_dirs["deepseek_v2_qlora"])
     v3 = ModelConfig.from_dir(checkpoint_dirs["deepseek_v3"])
-    assert v2.attention_kind == v3.attention_kind == "mla"
+    assert kind_of(v2) is kind_of(v3) is KINDS[1] and KINDS[1].name == "mla"
     assert (v3.num_kv_heads, v3.head_dim) == (1, 40)  # one latent row: 32 + 8
     assert v2.mla.q_lora_rank is None and v3.mla.q_lora_rank == 48
     assert (v2.moe.scoring, v2.moe.n_group, v2.moe.topk_group) == ("softmax", 1, 1)
@@ -86,7 +87,7 @@ def test_configs_read_the_mla_moe_and_yarn_fields(checkpoint_dirs) -> None:
         (0.1 * torch.log(torch.tensor(4.0)).item() + 1)
         / (0.1 * 0.8 * torch.log(torch.tensor(4.0)).item() + 1))
     assert v2q.mla.yarn is None and v2q.softmax_scale == pytest.approx(24**-0.5)
-    fields = v3.contract_fields()
+    fields = pool_contract_fields(v3, torch.float32)
     assert fields["attention"] == "mla" and fields["mla"]["kv_lora_rank"] == 32
 
 

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from lanekv.kernels.dsa.index_cache import quantize_index_k_ref, read_index_k_ref
-from lanekv.model.kv_rows import dsa_layout
+from lanekv.model.attention import pool_rows
 from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
 from lanekv.prefill.engine_config import EngineConfig
@@ -59,7 +59,7 @@ def single_rank_rows(checkpoint):
 def test_dsa_cp_prefill_matches_transformers_and_single_rank(
         checkpoint, hf_logits, single_rank_rows, cp_size, page_size, cache_dtype):
     eng = _engine(checkpoint, cp_size, page_size, cache_dtype)
-    lay = dsa_layout(eng.loaded.config, torch.float32, cache_dtype)
+    lay = pool_rows(eng.loaded.config, torch.float32, cache_dtype)
     results = eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)], return_logits=True)
     written = {r: set() for r in range(cp_size)}
     for res in results:

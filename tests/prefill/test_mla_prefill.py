@@ -9,8 +9,8 @@ import math
 import pytest
 import torch
 from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.model.attention.mla import mla_prefill_attention
 from lanekv.prefill.cp.launcher import PrefillInput
-from lanekv.prefill.cp.runner import mla_prefill_attention
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
 from lanekv.prefill.engine_config import EngineConfig
 
@@ -80,7 +80,7 @@ def test_mla_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
 def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
     """qk 24 / v 16 go to the Triton kernel as they are (no padding to a power of
     two) and give the reference's attention."""
-    import lanekv.prefill.cp.runner as runner
+    import lanekv.model.attention.mla as mla
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(9, 4, d, generator=gen) for d in (24, 24, 16))
@@ -89,13 +89,13 @@ def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
     assert plain.shape == (9, 4, 16)
     monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
     seen = []
-    real = runner.cp_prefill_attention
+    real = mla.cp_prefill_attention
 
     def spy(q, k, v, *args):
         seen.append((q.shape[2], k.shape[2], v.shape[2]))
         return real(q, k, v, *args)
 
-    monkeypatch.setattr(runner, "cp_prefill_attention", spy)
+    monkeypatch.setattr(mla, "cp_prefill_attention", spy)
     torch.testing.assert_close(mla_prefill_attention(q, k, v, segments, 0.3), plain,
                                rtol=1e-5, atol=1e-5)
     assert seen == [(24, 24, 16)]

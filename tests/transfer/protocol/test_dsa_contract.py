@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
+from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.config import ModelConfig
-from lanekv.model.kv_rows import dsa_layout, pool_contract_fields, pool_head_dim
 from lanekv.transfer.protocol.contract import DSA_INT_FIELDS, Agreement, diff, dsa_row_elements
 
 from tests.checkpoints import write_deepseek_v3, write_deepseek_v32
@@ -42,7 +42,7 @@ def test_dsa_agreement_names_the_index_fields_and_the_row(configs):
     assert (a.index_n_heads, a.index_head_dim, a.index_topk) == (4, 32, 5)
     # fp8: 32 e4m3 bytes + one float32 scale per block of 32 values
     assert (a.index_cache_dtype, a.index_block, a.index_row_bytes) == ("fp8_e4m3", 32, 36)
-    assert a.head_dim == pool_head_dim(configs["v32"], torch.float32, "fp8_e4m3") == 52
+    assert a.head_dim == pool_rows(configs["v32"], torch.float32, "fp8_e4m3").head_dim == 52
     assert a.head_dim == dsa_row_elements(40, 4, 36)  # 40 * 4 + 36 = 196 bytes, to 208
     model = _agreement(configs["v32"], "model")
     assert (model.index_row_bytes, model.head_dim) == (128, 72)
@@ -96,7 +96,7 @@ def test_dsa_agreement_validation_names_the_field(configs, changes, match):
 
 
 def test_bf16_rows_keep_the_latent_and_index_bytes_aligned(configs):
-    layout = dsa_layout(configs["v32"], torch.bfloat16, "fp8_e4m3")
+    layout = pool_rows(configs["v32"], torch.bfloat16, "fp8_e4m3")
     # 40 bf16 values = 80 bytes, then 36 index bytes: 116, padded to 128 (64 elements)
     assert (layout.index_offset, layout.head_dim) == (80, 64)
     assert _agreement(configs["v32"], dtype=torch.bfloat16).head_dim == 64

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 import torch
+from lanekv.model.attention import pool_contract_fields
 from lanekv.model.config import ModelConfig
 from lanekv.transfer.protocol.contract import MLA_FIELDS, Agreement, diff
 from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk, payload_to_tensor
@@ -26,7 +27,7 @@ def configs(tmp_path_factory):
 
 
 def _agreement(config: ModelConfig) -> Agreement:
-    return Agreement.from_model(config.contract_fields(), "w" * 64, "float32", 4,
+    return Agreement.from_model(pool_contract_fields(config, torch.float32), "w" * 64, "float32", 4,
                                 source_digest="s" * 64)
 
 

@@ -1,0 +1,130 @@
+"""MLA: DeepSeek-V2/V3; one latent row per token and layer.
+
+Rows are one plane of one head: the latent (``kv_lora_rank`` normed compressed
+KV, then the RoPE'd shared key, ``qk_rope_head_dim``). RoPE runs in the model.
+
+- CP prefill: the block is the latent rows, gathered like K/V rows; the rank
+  stores its own and decompresses the request's rows into per-head K and V
+  (``MLAAttention.decompress``) for ``cp_prefill_attention`` (qk 192 / v 128
+  for V3, unpadded: ``mla_prefill_attention``).
+- Paged decode: the latent row stored in the pool's one plane, q_nope absorbed
+  through kv_b_proj's K part, ``paged_mla_decode_attention`` in the latent
+  space, the output mapped back through the V part.
+- Colocated: the latent stored, then decompressed for plain causal attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.prefill_attention import cp_prefill_attention
+from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.store_kv import store_kv
+from lanekv.model.attention.base import (
+    AnyCausalLM,
+    AttentionFn,
+    AttentionKind,
+    CPBatch,
+    DecodeStep,
+    Pool,
+    table_width,
+)
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    RowLayout,
+    check_index_cache_dtype,
+)
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.llama import causal_attention
+
+
+class MLA(AttentionKind):
+    name = "mla"
+
+    def matches(self, config: ModelConfig) -> bool:
+        return config.mla is not None and config.dsa is None
+
+    def model_class(self, config: ModelConfig) -> type[DeepseekCausalLM]:
+        return DeepseekCausalLM
+
+    def rows(self, config: ModelConfig, dtype: torch.dtype, *,
+             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> RowLayout:
+        check_index_cache_dtype(index_cache_dtype)
+        return RowLayout(1, 1, config.mla.latent_dim, dtype)
+
+    def fits(self, config: ModelConfig, rows: RowLayout) -> bool:
+        return self.matches(config) and type(rows) is RowLayout and (
+            rows.kv, rows.kv_heads, rows.head_dim) == (1, 1, config.mla.latent_dim)
+
+    def contract_fields(self, config: ModelConfig, rows: RowLayout) -> dict[str, Any]:
+        return config.contract_fields({"attention": "mla", "mla": config.mla.contract_fields()})
+
+    def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
+        pool, scale = batch.pool, model.config.softmax_scale
+
+        def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+            rows = latent[:, None, :]  # [T, 1 head, R + P]
+            block = latent.new_empty((batch.block_rows, 1, *rows.shape[1:]))
+            block[: rows.shape[0], 0] = rows
+            gathered = batch.gather(layer, block)[:, 0, 0]  # [rows in request order, R + P]
+            cache = pool[layer, 0]
+            # One plane: the row goes to the same place as "K" and "V" (the same bytes).
+            store_kv(rows, rows, cache, cache, batch.store_rows)
+            if batch.on_layer is not None:
+                batch.on_layer(layer)
+            k, v = model.mla_layer(layer).decompress(gathered)
+            return mla_prefill_attention(q, k, v, batch.segments, scale)
+
+        return attention
+
+    def paged_decode(self, model: AnyCausalLM, pool: Pool, step: DecodeStep) -> AttentionFn:
+        page_size, scale, tensor = pool.page_size, model.config.softmax_scale, pool.tensor
+        rank, rows = model.config.mla.kv_lora_rank, pool.rows
+
+        def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+            mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, R + P]
+            new = latent[:, None, :]
+            store_kv(new, new, plane, plane, step.locs)  # one plane: "K" and "V" are the row
+            o_latent = paged_mla_decode_attention(
+                mla.absorb_query(q), rows.latent(plane[:, 0]), step.page_table, step.seq_lens,
+                page_size, scale, rank)
+            return mla.expand_output(o_latent)
+
+        return attention
+
+    def colocated(self, model: AnyCausalLM, pool: Pool, locs: torch.Tensor) -> AttentionFn:
+        scale, tensor = model.config.softmax_scale, pool.tensor
+
+        def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
+            plane, rows = tensor[layer, 0], latent[:, None, :]
+            store_kv(rows, rows, plane, plane, locs)  # an MLA pool: one latent plane
+            return causal_attention(q, *model.mla_layer(layer).decompress(latent), scale)
+
+        return attention
+
+    def prefill_qk_dim(self, config: ModelConfig) -> int:
+        return config.mla.qk_head_dim
+
+    def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
+        """The latent-space kernel's split count decides only whether partials are
+        written: one split and two."""
+        latent = pool.rows.latent(pool.tensor[0, 0, :, 0])  # a DSA row is wider than its latent
+        width = table_width(pool, config.max_position_embeddings)
+        like = {"device": latent.device}
+        q = torch.zeros((1, config.num_heads, latent.shape[1]), dtype=latent.dtype, **like)
+        table = torch.zeros((1, width), dtype=torch.int32, **like)
+        lens = torch.zeros(1, dtype=torch.int32, **like)
+        for splits in (1, 2):  # without and with partials and their merge
+            paged_mla_decode_attention(q, latent, table, lens, pool.page_size, 1.0,
+                                       config.mla.kv_lora_rank, num_splits=splits)
+
+
+def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          segments: AttnSegments, softmax_scale: float) -> torch.Tensor:
+    """``cp_prefill_attention`` on MLA's decompressed heads (q/k 192 and v 128 for
+    V3) as they are: the Triton kernel scores a qk dim that is no power of two as a
+    power-of-two part plus a masked tail and masks v's dim, so nothing is padded."""
+    return cp_prefill_attention(q, k, v, segments, softmax_scale)
