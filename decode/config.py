@@ -13,6 +13,7 @@ from lanekv.model.dtypes import DTYPES
 from lanekv.model.pool_sizing import check_max_model_len
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
+from lanekv.transfer.connector.registry import TRANSPORTS
 from lanekv.transfer.grpcfetch.client import RetryPolicy
 
 
@@ -133,6 +134,12 @@ class DecodeConfig:
     def fetch_retry(self) -> RetryPolicy:
         """How a KV fetch retries a rank's stream (``transfer.grpcfetch.fetch``)."""
         return RetryPolicy(attempts=self.fetch_attempts, stall_s=self.stall_timeout_s)
+
+    @property
+    def transports(self) -> tuple[str, ...]:
+        """The KV fetcher's transports, most preferred first (``transfer.connector.registry``):
+        every one registered for "auto", gRPC alone for "grpc"."""
+        return tuple(TRANSPORTS) if self.transport == "auto" else ("grpc",)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import uuid
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import grpc
 import torch
@@ -56,15 +56,16 @@ from lanekv.runtime.daemon import DaemonServer
 from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.security import open_channel
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, one_line
-from lanekv.transfer.connector.fastpath import FastPathTransport
-from lanekv.transfer.connector.fetcher import KVFetcher
-from lanekv.transfer.connector.grpc import GrpcTransport
+from lanekv.transfer.connector.base import TransportContext
+from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.errors import ContractMismatch
-from lanekv.transfer.fastpath.client import FastPath
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, format_diff
 from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
 from lanekv.transfer.rank.sources import ContractOnlySource
+
+if TYPE_CHECKING:
+    from lanekv.transfer.fastpath.client import FastPath
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode
@@ -128,7 +129,6 @@ class DecodeDaemon:
         contracts = self._handshake_all()
         # Ours, as KVTransfer.Handshake serves it, names the first accepting daemon's topology.
         self.prefill_contract = next(c for c in contracts.values() if c is not None)
-        self.fastpath = FastPath(self.kv, self.agreement) if config.transport == "auto" else None
         targets = []
         for endpoint, contract in contracts.items():
             channel = open_channel(endpoint, config.security, channel_options())
@@ -139,9 +139,8 @@ class DecodeDaemon:
         self.prefills = PrefillPool(targets, interval_s=config.prefill_health_interval_s,
                                     rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
                                     on_available=self._prefill_available)
-        grpc_transport = GrpcTransport(self.kv, max_inflight_bytes=config.max_inflight_bytes,
-                                       max_chunk_bytes=config.fetch_chunk_bytes)
-        fast = None if self.fastpath is None else FastPathTransport(self.fastpath, self.metrics.failures)
+        self.fetcher = make_fetcher(config.transports, TransportContext(
+            self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes))
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device,
                                        index_cache_dtype=config.index_cache_dtype)
@@ -153,7 +152,7 @@ class DecodeDaemon:
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
         self.generate = GenerateContext(
-            config, self.pool, self.engine, KVFetcher(grpc_transport, fast), self.prefills, self.budget,
+            config, self.pool, self.engine, self.fetcher, self.prefills, self.budget,
             self.streams, self.agreement, self.loaded.tokenizer, model_config.vocab_size,
             config.max_model_len or model_config.max_position_embeddings, self._stop,
         )
@@ -161,6 +160,12 @@ class DecodeDaemon:
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
         self._loop.start()
         self._serve()
+
+    @property
+    def fastpath(self) -> FastPath | None:
+        """The fast path's mapped pools (tests and benchmarks look at them); None without it."""
+        transport = self.fetcher.transport("fastpath")
+        return None if transport is None else transport.fastpath
 
     def _watch_pool(self) -> None:
         """Gauges read at every scrape: the pool's free and used pages, promised pages, open streams."""

@@ -3,9 +3,11 @@
 A transport (``KVTransport``) moves the pages of some owner ranks of one
 request (a ``FetchJob``) into the decode pool, verified, and marks in the
 job's ``Coverage`` each layer of each page it placed. ``KVFetcher``
-(``transfer.connector.fetcher``) is its only caller. Whatever fails inside a
-transport leaves it as a ``KVFetchError`` carrying the gRPC status the daemon
-answers with; bytes a transport could not verify are never marked placed.
+(``transfer.connector.fetcher``) is its only caller; the registry
+(``transfer.connector.registry``) builds each one from the daemon's
+``TransportContext``. Whatever fails inside a transport leaves it as a
+``KVFetchError`` carrying the gRPC status the daemon answers with; bytes a
+transport could not verify are never marked placed.
 """
 
 from __future__ import annotations
@@ -19,15 +21,23 @@ from typing import NamedTuple
 
 import grpc
 import torch
+from lanekv.runtime.metrics import Counter
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
+from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.stats import RankStats
+
+__all__ = ["RankStats"]  # each transport reports a rank it fetched as one
 
 Code = grpc.StatusCode
 # A rank's status after every try that says it (or the path to it) is down for now.
 TRANSIENT = (Code.UNAVAILABLE, Code.DEADLINE_EXCEEDED, Code.RESOURCE_EXHAUSTED, Code.CANCELLED)
 # Destination pages in the pool of a request's logical pages (the decode page table).
 PagesFor = Callable[[Sequence[int]], list[int]]
+# Frees a request's pages at the ranks of ``endpoints``: (endpoints, request_id, fingerprint,
+# timeout=, epoch=) -> pages freed; raises ``KVFetchError``.
+Release = Callable[..., int]
 
 
 class KVFetchError(TransferError, Refusal):
@@ -64,7 +74,10 @@ def time_left(deadline: float) -> float:
 
 @dataclass(frozen=True)
 class FetchJob:
-    """One request's KV to fetch: every layer of the pages each owner rank holds."""
+    """One request's KV to fetch: every layer of the pages each owner rank holds.
+
+    ``pages`` may be any subset of the request's pages (those after a prefix the
+    decode side holds already): a transport fetches and marks exactly these."""
 
     request_id: str
     fingerprint: str  # the layout contract both sides agreed on
@@ -149,8 +162,30 @@ class TransportFetch(ABC):
         after ``wait`` it does nothing."""
 
 
+@dataclass(frozen=True)
+class TransportContext:
+    """What every transport of one decode daemon is built from (``KVTransport.from_context``)."""
+
+    kv: KVClient  # the daemon's channels to the prefill ranks (its handshakes go over them too)
+    agreement: Agreement  # the layout this side holds its pool in
+    failures: Counter | None = None  # failures by cause (label ``cause``)
+    max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request (gRPC)
+    max_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default (gRPC)
+
+
 class KVTransport(ABC):
-    """A way to move ranks' pages into the decode pool (one instance serves every request)."""
+    """A way to move ranks' pages into the decode pool (one instance serves every request).
+
+    ``reaches_every_rank``: ``claim`` never leaves a rank out, so the transport can be
+    the last of a fetcher's list (which fetches what the others did not).
+    """
+
+    reaches_every_rank = False
+
+    @classmethod
+    @abstractmethod
+    def from_context(cls, ctx: TransportContext) -> KVTransport:
+        """Build it for a daemon. Raises ``ValueError`` naming a bad setting."""
 
     @abstractmethod
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
@@ -167,6 +202,8 @@ class KVTransport(ABC):
 
         It may begin in threads of its own and return at once, or leave the work
         to ``TransportFetch.wait`` in the caller's thread: the fetcher starts every
-        transport of a job before it waits for any. Raises ``KVFetchError`` only
-        for a job it cannot begin.
+        transport of a job before it waits for any, and waits for them last
+        first (the one that reaches every rank, whose work may run in ``wait``,
+        before those that run in threads of their own). Raises ``KVFetchError``
+        only for a job it cannot begin.
         """

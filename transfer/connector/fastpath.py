@@ -27,6 +27,7 @@ from lanekv.transfer.connector.base import (
     KVFetchError,
     KVTransport,
     Route,
+    TransportContext,
     TransportFetch,
     fetch_error,
     time_left,
@@ -50,9 +51,18 @@ class FastPathTransport(KVTransport):
     """Ranks whose pools ``fastpath`` maps here; ``failures`` (labelled by cause) counts the
     ranks sent back to gRPC because a digest did not match."""
 
+    @classmethod
+    def from_context(cls, ctx: TransportContext) -> FastPathTransport:
+        return cls(FastPath(ctx.kv, ctx.agreement), ctx.failures)
+
     def __init__(self, fastpath: FastPath, failures: Counter | None = None) -> None:
         self._fastpath = fastpath
         self._failures = failures
+
+    @property
+    def fastpath(self) -> FastPath:
+        """The pools it maps and how it copies (benchmarks and tests look, or tune ``copy_at_end``)."""
+        return self._fastpath
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
         routes = {}

@@ -20,6 +20,7 @@ from lanekv.transfer.connector.base import (
     KVFetchError,
     KVTransport,
     Route,
+    TransportContext,
     TransportFetch,
     fetch_error,
     time_left,
@@ -35,6 +36,12 @@ GRPC = "grpc"
 class GrpcTransport(KVTransport):
     """FetchKV over ``kv``'s channels; ``max_inflight_bytes`` received but not yet placed per
     request, chunks of up to ``max_chunk_bytes`` (0: the rank's default)."""
+
+    reaches_every_rank = True
+
+    @classmethod
+    def from_context(cls, ctx: TransportContext) -> GrpcTransport:
+        return cls(ctx.kv, max_inflight_bytes=ctx.max_inflight_bytes, max_chunk_bytes=ctx.max_chunk_bytes)
 
     def __init__(self, kv: KVClient, *, max_inflight_bytes: int = 256 << 20, max_chunk_bytes: int = 0) -> None:
         if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:

@@ -48,8 +48,9 @@ def rank():
 def _fetcher(rank, *, fast: bool = True):
     _, _, _, agreement, kv = rank
     failures = lanekv_metrics(Registry()).failures
-    transport = FastPathTransport(FastPath(kv, agreement, transports=[SHM]), failures) if fast else None
-    return KVFetcher(GrpcTransport(kv), transport), failures
+    grpc_transport = GrpcTransport(kv)
+    transports = [FastPathTransport(FastPath(kv, agreement, transports=[SHM]), failures)] if fast else []
+    return KVFetcher([*transports, grpc_transport], grpc_transport.release), failures
 
 
 def _job(rank, *, timeout: float = 30.0):
