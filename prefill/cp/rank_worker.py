@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
+from lanekv.model.config import ModelConfig
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
-from lanekv.prefill.cp.graphs import capture_graphs
 from lanekv.prefill.cp.messages import (
     Answer,
     Call,
@@ -55,7 +55,7 @@ from lanekv.prefill.cp.messages import (
     WarmGemms,
 )
 from lanekv.prefill.cp.page_source import RankPageSource
-from lanekv.prefill.cp.runner import PrefillBatch, RankRunner
+from lanekv.prefill.cp.runner import PrefillBatch, RankProcess, RankRunner
 from lanekv.prefill.cp.tile_rows import tile_switch_rows
 from lanekv.prefill.engine_config import EngineConfig, load_for
 from lanekv.prefill.layout import OwnerLaneLayout
@@ -75,7 +75,7 @@ from lanekv.transfer.protocol.descriptors import (
     shm_room,
 )
 from lanekv.transfer.rank.progress import LayerProgress
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.service import Served, serve
 
 # How often an idle rank checks that its parent is still alive (and reports its call counts).
 _POLL_S = 1.0
@@ -167,13 +167,14 @@ def rank_main(
             signal.signal(sig, signal.SIG_IGN)
     reporter = None
     try:
-        runner = _start(rank, config, port, shared_path)
-        runner.gc_clock = GcClock().install()  # this process's collections, timed per prefill
-        info = describe(runner, config)
+        serving = None
         if serve_transfer is not None:
             reporter = RpcReporter(rank, results)
-            where = TransferServing(*serve_transfer)
-            info = _serve_transfer(runner, config, rank, where, results, reporter, info)
+            serving = _TransferServer(config, rank, TransferServing(*serve_transfer), results, reporter)
+        runner = _start(rank, config, port, shared_path, serving)
+        info = describe(runner, config)
+        if serving is not None:
+            info = serving.described(runner.process, info)
         results.put(Ready(rank, info))
     except Exception as err:  # report start-up failures to the parent, then exit
         results.put(Failed(rank, None, _reported(rank, err)))
@@ -200,7 +201,7 @@ def rank_main(
             except Exception as err:
                 results.put(Failed(rank, call.seq, _reported(rank, err)))
     finally:
-        served = runner.transfer_server
+        served = runner.process.transfer_server
         if served is not None:
             served.stop(_STOP_GRACE_S)
         if dist.is_initialized():
@@ -209,7 +210,8 @@ def rank_main(
         thaw()  # the interpreter's last collections free what FreezeHeap kept
 
 
-def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None) -> RankRunner:
+def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
+           serving: _TransferServer | None) -> RankRunner:
     device = torch.device(config.resolved_device, rank) if config.resolved_device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -231,13 +233,16 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None)
         )
         group = dist.group.WORLD
     loaded = load_for(config, device)
-    return build_runner(loaded, config, rank, group, shared_path)
+    clock = GcClock().install()  # this process's collections, timed per prefill
+    return build_runner(loaded, config, rank, group, shared_path, gc_clock=clock, serving=serving)
 
 
 def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: Any,
-                 shared_path: Path | None = None) -> RankRunner:
+                 shared_path: Path | None = None, *, gc_clock: GcClock | None = None,
+                 serving: _TransferServer | None = None) -> RankRunner:
     """A rank's runner: the loaded model and a fresh owner-lane pool on its device
-    (a CPU pool in the /dev/shm file ``shared_path`` when given)."""
+    (a CPU pool in the /dev/shm file ``shared_path`` when given), with its process state
+    built once (``RankProcess``): ``serving`` starts the KVTransfer server over the pool."""
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     layout = pool_rows(cfg, config.torch_dtype, config.index_cache_dtype)
@@ -248,20 +253,20 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     else:  # a GPU pool (shared by CUDA IPC), or a /dev/shm too small: a private pool, served over gRPC only
         shared_path = None
         pool = torch.full(shape, config.pool_fill, dtype=config.torch_dtype, device=device)
-    runner = RankRunner(
+    page_source = server = None
+    if serving is not None:
+        page_source, server = serving.start(cfg, loaded.weights_digest, pool, shared_path)
+    process = RankProcess(loaded.weights_digest, loaded.tokenizer, shared_path, gc_clock, page_source, server)
+    return RankRunner(
         loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group,
-        rows=layout,
+        rows=layout, process=process,
     )
-    runner.weights_digest = loaded.weights_digest
-    runner.tokenizer = loaded.tokenizer
-    runner.shared_path = shared_path
-    return runner
 
 
 def describe(runner: RankRunner, config: EngineConfig) -> RankInfo:
     return RankInfo(
         model=pool_contract_fields(runner.model.config, config.torch_dtype, config.index_cache_dtype),
-        weights_digest=runner.weights_digest,
+        weights_digest=runner.process.weights_digest,
         pool_shape=tuple(runner.pool.shape),
         device=str(runner.device),
     )
@@ -272,10 +277,10 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
     if isinstance(command, RunPrefill):
         return _prefill(runner, command.batch, registered)
     if isinstance(command, SetTopology):
-        runner.page_source.set_topology(command.topology)
+        runner.process.page_source.set_topology(command.topology)
         return None
     if isinstance(command, Forget):
-        runner.page_source.forget(command.request_id)
+        runner.process.page_source.forget(command.request_id)
         return None
     if isinstance(command, ReadPages):
         layout: OwnerLaneLayout = runner.layout
@@ -291,8 +296,7 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
     if isinstance(command, WarmGemms):
         return warm_gemms(runner.model, runner.page_size, command.max_rows)
     if isinstance(command, CaptureGraphs):
-        runner.graphs, done = capture_graphs(runner.model, runner.page_size, command.max_rows)
-        return done
+        return runner.capture_graphs(command.max_rows)
     if isinstance(command, TileRows):
         return tile_switch_rows(runner.model.config, runner.model.dtype, runner.device)
     raise TypeError(f"command must be one of prefill.cp.messages' commands, got command={command!r}")
@@ -301,7 +305,7 @@ def handle(runner: RankRunner, command: Command, registered: Callable[[], None] 
 def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], None] | None) -> Any:
     """Pin this rank's pages of each request for FetchKV, say so (``registered``),
     then prefill: FetchKV sends each layer once it is written."""
-    source = runner.page_source
+    source = runner.process.page_source
     progress = None
     if source is not None:
         n = runner.cp_size
@@ -327,33 +331,42 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
     return result
 
 
-def _serve_transfer(runner: RankRunner, config: EngineConfig, rank: int, where: TransferServing,
-                    results: Any, reporter: RpcReporter, info: RankInfo) -> RankInfo:
-    """Start this rank's KVTransfer server over its own pool; ``info`` with its endpoint and agreement.
+class _TransferServer:
+    """Starts a rank's KVTransfer server over its own pool, once its model is loaded.
 
     Releases and finished fetches go to the parent as ``Released`` and ``Fetched`` events.
     """
-    agreement = Agreement.from_model(
-        pool_contract_fields(runner.model.config, config.torch_dtype, config.index_cache_dtype),
-        runner.weights_digest, config.torch_dtype, config.page_size
-    )
 
-    def on_release(request_id: str, pages: list[int]) -> None:
-        results.put(Released(rank, request_id, tuple(pages)))
+    def __init__(self, config: EngineConfig, rank: int, where: TransferServing, results: Any,
+                 reporter: RpcReporter) -> None:
+        self._config, self._rank, self._where, self._results, self._reporter = config, rank, where, results, reporter
+        self._agreement: Agreement | None = None
 
-    def on_fetched(request_id: str, nbytes: int, seconds: float) -> None:
-        results.put(Fetched(rank, request_id, nbytes, seconds))
+    def start(self, model_config: ModelConfig, weights_digest: str, pool: torch.Tensor,
+              shared_path: Path | None) -> tuple[RankPageSource, Served]:
+        config, rank, where, results = self._config, self._rank, self._where, self._results
+        self._agreement = agreement = Agreement.from_model(
+            pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype),
+            weights_digest, config.torch_dtype, config.page_size
+        )
 
-    keep_freed_buffers()  # this process builds a multi-MiB message per chunk it sends
-    runner.page_source = RankPageSource(agreement, rank, runner.pool, on_release, runner.shared_path)
-    port = where.port_base + rank if where.port_base else 0
-    runner.transfer_server = serve(
-        runner.page_source, where.host, port, security=where.security,
-        interceptors=[reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
-    )
-    endpoint = join_host_port(where.advertise or where.host, runner.transfer_server.port)
-    return dataclasses.replace(info, endpoint=endpoint,
-                               agreement=agreement.encode())
+        def on_release(request_id: str, pages: list[int]) -> None:
+            results.put(Released(rank, request_id, tuple(pages)))
+
+        def on_fetched(request_id: str, nbytes: int, seconds: float) -> None:
+            results.put(Fetched(rank, request_id, nbytes, seconds))
+
+        keep_freed_buffers()  # this process builds a multi-MiB message per chunk it sends
+        source = RankPageSource(agreement, rank, pool, on_release, shared_path)
+        port = where.port_base + rank if where.port_base else 0
+        server = serve(source, where.host, port, security=where.security,
+                       interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch)
+        return source, server
+
+    def described(self, process: RankProcess, info: RankInfo) -> RankInfo:
+        """``info`` with the server's endpoint and the agreement it serves."""
+        endpoint = join_host_port(self._where.advertise or self._where.host, process.transfer_server.port)
+        return dataclasses.replace(info, endpoint=endpoint, agreement=self._agreement.encode())
 
 
 def _reported(rank: int, err: Exception) -> str:

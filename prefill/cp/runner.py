@@ -20,7 +20,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, NamedTuple
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.kernels.rerange import rerange
 from lanekv.model.attention import AnyCausalLM, CPBatch, QuerySegment, RowLayout, kind_of
 from lanekv.model.sampling import SamplingParams, sample
+from lanekv.prefill.cp.graphs import GraphCapture, PrefillGraphs, capture_graphs
 from lanekv.prefill.cp.thread_group import ThreadGroup
 from lanekv.prefill.index import RankIndex, build_rank_index
 from lanekv.prefill.layout import OwnerLaneLayout
@@ -35,7 +37,8 @@ from lanekv.prefill.plan import BatchPlan, plan_batch
 from lanekv.runtime.gcpause import GcClock
 
 if TYPE_CHECKING:
-    from lanekv.prefill.cp.graphs import PrefillGraphs
+    from lanekv.prefill.cp.page_source import RankPageSource
+    from lanekv.transfer.rank.service import Served
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,19 @@ class RankResult:
     gc_seconds: float = 0.0  # this process's garbage collections during the run
 
 
+@dataclass(frozen=True)
+class RankProcess:
+    """What a rank's process holds beside its model and pool, built once before its runner
+    (``prefill.cp.rank_worker``); rank threads (``prefill.cp.threaded``) hold the first two."""
+
+    weights_digest: str = ""  # of the checkpoint (the contract names it)
+    tokenizer: Any = None
+    shared_path: Path | None = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
+    gc_clock: GcClock | None = None  # the process's garbage collections, timed per prefill
+    page_source: RankPageSource | None = None  # what KVTransfer serves from the pool, when it serves
+    transfer_server: Served | None = None  # the rank's KVTransfer server, when it serves
+
+
 class RankRunner:
     """Holds one rank's model and owner-lane pool; ``run`` prefills a batch."""
 
@@ -89,6 +105,7 @@ class RankRunner:
         page_size: int,
         group: dist.ProcessGroup | ThreadGroup | None = None,
         rows: RowLayout | None = None,  # the pool's rows; None: the kind's in the pool's dtype
+        process: RankProcess | None = None,  # what the rank's process holds beside (None: nothing)
     ) -> None:
         kind = kind_of(model.config)
         rows = kind.rows(model.config, pool.dtype) if rows is None else rows
@@ -108,20 +125,21 @@ class RankRunner:
         cfg = model.config
         self.softmax_scale = cfg.softmax_scale
         self.device = pool.device
-        # Set by the rank process: what the contract and the transfer service need.
-        self.weights_digest = ""
-        self.tokenizer = None
-        self.page_source = None  # prefill.cp.page_source.RankPageSource when serving KVTransfer
-        self.transfer_server = None  # transfer.rank.service.Served
-        self.shared_path = None  # the /dev/shm file of a CPU pool a same-host decode daemon may map
-        self.gc_clock: GcClock | None = None  # the rank process's, when it times its collections
+        self.process = RankProcess() if process is None else process
         self.graphs: PrefillGraphs | None = None  # captured at warm-up (``capture_graphs``)
+
+    def capture_graphs(self, max_rows: int) -> GraphCapture:
+        """Capture this rank's prefill graphs up to ``max_rows`` rows (``prefill.cp.graphs``);
+        ``run`` replays them from then on."""
+        self.graphs, done = capture_graphs(self.model, self.page_size, max_rows)
+        return done
 
     @torch.inference_mode()
     def run(self, batch: PrefillBatch, on_layer: Callable[[int], None] | None = None) -> RankResult:
         """Prefill ``batch``; ``on_layer(l)`` right after layer ``l``'s K/V store is queued."""
         start = time.perf_counter()
-        gc_start = 0.0 if self.gc_clock is None else self.gc_clock.seconds
+        clock = self.process.gc_clock
+        gc_start = 0.0 if clock is None else clock.seconds
         plan = batch.plan(self.cp_size, self.page_size)
         ix = build_rank_index(
             plan,
@@ -159,7 +177,7 @@ class RankRunner:
             gather_seconds=gather.finish(),
             rows=int(input_ids.numel()),
             queued_seconds=queued,
-            gc_seconds=0.0 if self.gc_clock is None else self.gc_clock.seconds - gc_start,
+            gc_seconds=0.0 if clock is None else clock.seconds - gc_start,
         )
 
 

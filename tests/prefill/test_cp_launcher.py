@@ -136,11 +136,11 @@ def test_a_cpu_pool_goes_to_shm_only_when_it_fits(checkpoint, monkeypatch, tmp_p
     path = SHM_DIR / f"lanekv-test-{os.getpid()}-fits"
     try:
         shared = rank_worker.build_runner(loaded, cfg, 0, None, path)
-        assert shared.shared_path == path and path.stat().st_size == shared.pool.numel() * shared.pool.element_size()
+        assert shared.process.shared_path == path and path.stat().st_size == shared.pool.numel() * shared.pool.element_size()
     finally:
         remove_shared_pool(path)
     # A /dev/shm with too little room (64 MiB in many containers) would fault on the first write.
     monkeypatch.setattr(rank_worker, "shm_room", lambda directory: 1024)
     private = rank_worker.build_runner(loaded, cfg, 0, None, path)
-    assert private.shared_path is None and not path.exists()
+    assert private.process.shared_path is None and not path.exists()
     assert torch.equal(private.pool, shared.pool)  # the same fill either way
