@@ -12,8 +12,9 @@ On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
 for a ladder of batch sizes (``decode.cuda.graphs``); a step then pads to the next
 captured size and replays it, and a batch above the ladder runs eager. The
 CPU path is always eager. Either way the sampled ids are the step's one read
-from the device. With graphs the loop overlaps: once step n is launched, the
-host admits, secures slots and stages step n+1 (positions, slots, page-table
+from the device. With graphs the loop overlaps (``decode.cuda.overlap``, the
+object that holds the staging sides, the staged step and the step launched
+ahead): once step n is launched, the host admits, secures slots and stages step n+1 (positions, slots, page-table
 rows into the graphs' other staging side) while the GPU runs, then waits for
 step n's ids. Step n+1 uses that plan only if nothing changed meanwhile (no
 request ended by a stop token, was cancelled or could be admitted); else it
@@ -62,6 +63,7 @@ from typing import NamedTuple
 
 import torch
 from lanekv.decode.cuda.graphs import DecodeGraphs, StepOutput, check_ladder, default_ladder
+from lanekv.decode.cuda.overlap import GraphBatch, Plan, StepOverlap
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from lanekv.model.attention import AnyCausalLM, kind_of
@@ -115,26 +117,21 @@ class DecodeBatch(NamedTuple):
     seq_lens: torch.Tensor  # [B] int32, the new token included
 
 
-class GraphBatch(NamedTuple):
-    """One decode step that replays a captured graph: everything but the input
-    ids is in the graphs' staging ``side`` already."""
+class _Step(NamedTuple):
+    """The step ``step`` runs: prepared now, or launched ahead by the call before (its
+    ``output`` then, or the error its launch raised)."""
 
-    requests: list[_Request]
-    input_ids: list[int]
-    size: int  # the captured batch size it runs at (padding rows past len(requests))
-    side: int
-    feed: torch.Tensor | None = None  # the ids on the device (the step before's greedy ids)
+    batch: DecodeBatch | GraphBatch
+    output: StepOutput | torch.Tensor | BaseException | None = None
 
 
-class _Plan(NamedTuple):
-    """The next step, staged while the GPU runs the current one: its requests,
-    each request's position (its ``seq_len`` when planned) and its slot."""
+class _Ran(NamedTuple):
+    """What running a step gave: its output; with the next step queued behind it
+    (``queued``), the call that reads its greedy ids."""
 
-    requests: list[_Request]
-    positions: list[int]
-    locs: list[int]
-    size: int
-    side: int
+    output: StepOutput | torch.Tensor
+    tokens: Callable[[], list[int]] | None = None
+    queued: GraphBatch | None = None
 
 
 class DecodeEngine:
@@ -164,8 +161,6 @@ class DecodeEngine:
         self.graph_sizes = (default_ladder(max_batch_size) if graph_sizes is None
                             else check_ladder(graph_sizes, max_batch_size))
         self._graphs: DecodeGraphs | None = None
-        self._side = 0  # the graphs' staging side of the next step
-        self._plan: _Plan | None = None  # the next step, staged ahead (graphs only)
         self.overlap = overlap
         self.eos_token_ids = frozenset(
             config.eos_token_ids if eos_token_ids is None else eos_token_ids
@@ -176,9 +171,9 @@ class DecodeEngine:
         self._running: list[_Request] = []
         self._done_at_add: list[TokenEvent] = []
         self._in_flight: list[_Request] = []  # the requests of the step whose model runs now
-        # A step launched ahead by the last ``step`` call: its batch and its output (or
-        # the error its launch raised); the next call finishes it.
-        self._launched: tuple[GraphBatch, StepOutput | BaseException] | None = None
+        # Graph steps only: the staging sides, the next step staged while one runs, and
+        # the step launched ahead by the last ``step`` call, which the next one finishes.
+        self._overlap = StepOverlap(self._lock)
 
     # ---- requests in and out (any thread) ----
 
@@ -306,60 +301,79 @@ class DecodeEngine:
         (Holding it throughout, a loop stepping back to back took it again before
         a waiting ``cancel`` woke, so a cancelled request could run to its end.)
 
-        With graphs and ``overlap``, a step whose staged successor still holds
-        launches that successor before it returns (``_run_ahead``): queued
-        before this step's ids are read when it can be (``_queue_next``), else
-        right after. The caller hands the events to their streams while the GPU
-        runs the next step, and the next call starts from it.
+        With graphs and ``overlap``, the next step is staged while this one runs
+        (``decode.cuda.overlap``) and launched before this call returns: queued
+        behind this step before its ids are read when it can be, else right
+        after. The caller hands the events to their streams while the GPU runs
+        the next step, and the next call starts from it.
         """
         with self._lock:
             events, self._done_at_add = self._done_at_add, []
-            launched, self._launched = self._launched, None
-            if launched is not None:
-                prepared, output = launched
-                batch = prepared.requests
-            else:
-                plan, self._plan = self._plan, None
-                if plan is not None and self._plan_holds(plan):
-                    batch, prepared = plan.requests, self._commit(plan)
-                else:
-                    batch = self._schedule()
-                    if not batch:
-                        return events
-                    prepared = self._prepare(batch)
-                self._in_flight = batch
-        queued = None  # the next step, queued before this one's ids are read
+            step = self._schedule_step()  # schedule and prepare
+            if step is None:
+                return events
         try:
-            if launched is None:
-                output = self._run(prepared)
-            elif isinstance(output, BaseException):  # the launch ahead failed: this step's failure
-                raise output
-            if self.overlap and isinstance(prepared, GraphBatch):
-                with self._lock:  # the GPU runs this step: stage the next meanwhile
-                    try:
-                        self._plan = self._plan_next()
-                    except Exception:  # noqa: BLE001 (the next step is then prepared as usual)
-                        log.exception("decode: staging the next step failed")
-                    queued = self._queue_next(batch, output)
-                if queued is not None:
-                    tokens = self._graphs.read_ids(output.greedy, prepared.side)
-                    self._run_ahead(queued)
+            ran = self._run_step(step)  # run (and stage the next step meanwhile)
         except BaseException:
             with self._lock:
-                self._land(batch, self._launched[0].requests if self._launched else None)
+                launched = self._overlap.launched
+                self._land(step.batch.requests, launched.batch.requests if launched else None)
             raise
         with self._lock:
-            if queued is not None:
-                events += self._postprocess(prepared, output, tokens(), ahead=queued.requests)
-                self._land(batch, queued.requests)
-                return events
-            events += self._postprocess(prepared, output)
-            self._land(batch)
-            ahead = self._plan if self.overlap else None
-            ahead_batch = self._commit(ahead) if ahead is not None and self._plan_holds(ahead) else None
-        if ahead_batch is not None:
-            self._run_ahead(ahead_batch)
+            events += self._postprocess(step.batch, ran)
+            ahead = self._ahead(step.batch.requests, ran)  # the staged next step, if it holds
+        if ahead is not None:
+            self._overlap.launch(ahead, self._run)
         return events
+
+    def _schedule_step(self) -> _Step | None:
+        """Schedule and prepare (lock held): the step launched ahead, else the staged one if it
+        still holds, else the running requests that get a slot; None when none does."""
+        launched = self._overlap.take_launched()
+        if launched is not None:
+            return _Step(launched.batch, launched.output)
+        plan = self._overlap.take_plan()
+        if plan is not None and self._plan_holds(plan):
+            prepared = self._commit(plan)
+        else:
+            batch = self._schedule()
+            if not batch:
+                return None
+            prepared = self._prepare(batch)
+        self._in_flight = prepared.requests
+        return _Step(prepared)
+
+    def _run_step(self, step: _Step) -> _Ran:
+        """Run the step (or take the output of its launch ahead). With graphs and ``overlap``,
+        stage the next step while the GPU runs this one, and queue it behind when it can be."""
+        output = step.output
+        if output is None:
+            output = self._run(step.batch)
+        elif isinstance(output, BaseException):  # the launch ahead failed: this step's failure
+            raise output
+        if not (self.overlap and isinstance(step.batch, GraphBatch)):
+            return _Ran(output)
+        with self._lock:  # the GPU runs this step: stage the next meanwhile
+            try:
+                self._plan_next()
+            except Exception:  # noqa: BLE001 (the next step is then prepared as usual)
+                log.exception("decode: staging the next step failed")
+            queued = self._queue_next(step.batch.requests, output)
+        if queued is None:
+            return _Ran(output)
+        tokens = self._graphs.read_ids(output.greedy, step.batch.side)
+        self._overlap.launch(queued, self._run)
+        return _Ran(output, tokens, queued)
+
+    def _ahead(self, batch: list[_Request], ran: _Ran) -> GraphBatch | None:
+        """The step's model run is over (lock held): land it; the staged next step, committed,
+        when it holds and was not queued behind this one already (launched by ``step``)."""
+        if ran.queued is not None:
+            self._land(batch, ran.queued.requests)
+            return None
+        self._land(batch)
+        plan = self._overlap.plan if self.overlap else None
+        return self._commit(plan) if plan is not None and self._plan_holds(plan) else None
 
     def _queue_next(self, batch: list[_Request], output: StepOutput) -> GraphBatch | None:
         """The staged next step, committed to be queued behind the one in flight before
@@ -367,25 +381,13 @@ class DecodeEngine:
         rows (nobody ends by length, none was cancelled, nobody waiting fits), so its
         input ids are this step's greedy ids on the device. A request this step ends
         by a stop token then runs once more, its row dropped as a cancelled one is.
-        None: the next step waits for the ids (``_run_ahead`` after them, or prepared)."""
-        plan = self._plan
-        if plan is None or len(plan.requests) != len(batch) or not self._plan_holds(plan) or any(
-            a is not b or not a.sampling.greedy for a, b in zip(plan.requests, batch)
-        ):
+        None: the next step waits for the ids (launched after them, or prepared)."""
+        plan = self._overlap.plan
+        if not StepOverlap.queues_behind(plan, batch) or not self._plan_holds(plan):
             return None
         return self._commit(plan)._replace(feed=output.greedy)
 
-    def _run_ahead(self, batch: GraphBatch) -> None:
-        """Launch ``batch`` now, for the next ``step`` to finish. A failure is kept
-        and raised by that call, so the events of this one are not lost."""
-        try:
-            output: StepOutput | BaseException = self._run(batch)
-        except Exception as err:  # noqa: BLE001 (raised by the next step, which lands the batch)
-            output = err
-        with self._lock:
-            self._launched = (batch, output)
-
-    def _plan_next(self) -> _Plan | None:
+    def _plan_next(self) -> None:
         """Stage the step after the one in flight (lock held): admit, secure slots
         and fill the other staging side, for the running requests that do not
         end by length in the step in flight. ``_commit`` uses it if nothing
@@ -401,20 +403,9 @@ class DecodeEngine:
             except PoolExhausted:
                 continue
             requests.append(request)
-        if not requests:
-            return None
-        size = self._graphs.size_for(len(requests), max(r.table.num_pages for r in requests))
-        if size is None:
-            return None
-        positions = [r.table.seq_len for r in requests]
-        locs = [r.table.loc(p) for r, p in zip(requests, positions)]
-        side = self._side
-        self._side ^= 1
-        self._graphs.stage(side, [r.table for r in requests], positions, locs,
-                           [p + 1 for p in positions])
-        return _Plan(requests, positions, locs, size, side)
+        self._overlap.stage(self._graphs, requests)
 
-    def _plan_holds(self, plan: _Plan) -> bool:
+    def _plan_holds(self, plan: Plan) -> bool:
         """The staged step is still what ``_schedule`` would run: the same
         running requests at the same lengths, and nobody waiting who fits."""
         if len(plan.requests) != len(self._running):
@@ -429,13 +420,10 @@ class DecodeEngine:
                 return False  # admit it now rather than a step late
         return True
 
-    def _commit(self, plan: _Plan) -> GraphBatch:
+    def _commit(self, plan: Plan) -> GraphBatch:
         """``plan`` becomes the step in flight (lock held): no longer staged, its slots taken."""
-        self._plan, self._in_flight = None, plan.requests
-        for request in plan.requests:
-            request.table.append_slot()  # the planned slot: its page was reserved
-        return GraphBatch(plan.requests, [r.last_token for r in plan.requests], plan.size,
-                          plan.side)
+        self._in_flight = plan.requests
+        return self._overlap.commit(plan)
 
     def _land(self, batch: list[_Request], ahead: list[_Request] | None = None) -> None:
         """The step's model run is over: free the pages of requests cancelled under it
@@ -479,8 +467,7 @@ class DecodeEngine:
         if self._graphs is not None:
             size = self._graphs.size_for(len(batch), max(r.table.num_pages for r in batch))
             if size is not None:
-                side = self._side
-                self._side ^= 1
+                side = self._overlap.take_side()
                 self._graphs.stage(side, [r.table for r in batch], positions, locs,
                                    [r.table.seq_len for r in batch])
                 return GraphBatch(batch, ids, size, side)
@@ -505,15 +492,15 @@ class DecodeEngine:
                                  batch.locs, batch.page_table, batch.seq_lens)  # [B, hidden]
             return self.model.compute_logits(hidden)
 
-    def _postprocess(self, batch: DecodeBatch | GraphBatch, output: StepOutput | torch.Tensor,
-                     tokens: list[int] | None = None,
-                     ahead: list[_Request] | None = None) -> list[TokenEvent]:
-        """Sample (``tokens``: the step's greedy ids, read already), emit, finish.
-        ``ahead``: the requests of the step queued behind this one: one that
-        finishes here is dropped from that step and freed when it lands."""
+    def _postprocess(self, batch: DecodeBatch | GraphBatch, ran: _Ran) -> list[TokenEvent]:
+        """Sample (with a step queued behind, its greedy ids read now), emit, finish.
+        A request that finishes here while in the step queued behind this one
+        (``ran.queued``) is dropped from that step and freed when it lands."""
         requests = batch.requests
+        ahead = None if ran.queued is None else ran.queued.requests
+        tokens = None if ran.tokens is None else ran.tokens()
         if tokens is None:
-            logits, greedy = output if isinstance(output, StepOutput) else (output, None)
+            logits, greedy = ran.output if isinstance(ran.output, StepOutput) else (ran.output, None)
             with torch.inference_mode():
                 tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests],
                                 greedy_tokens=greedy).tolist()  # the step's one device read
@@ -550,7 +537,7 @@ class DecodeEngine:
         return None
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._done_at_add or self._launched is not None)
+        return bool(self._waiting or self._running or self._done_at_add or self._overlap.launched is not None)
 
     def _find(self, request_id: str) -> _Request | None:
         for request in (*self._running, *self._waiting):

@@ -140,7 +140,7 @@ def test_a_step_launches_the_next_before_it_returns_cpu(checkpoints):
     call, which emits nothing for them and frees their pages."""
     engine, pool = _engine_with_static_steps(checkpoints)
     first = engine.step()  # runs step 1 (prepared as usual), stages step 2 and launches it
-    assert [e.request_id for e in first] == ["r0", "r1", "r2"] and engine._launched is not None
+    assert [e.request_id for e in first] == ["r0", "r1", "r2"] and engine._overlap.launched is not None
     assert [r.request_id for r in engine._in_flight] == ["r0", "r1", "r2"]
     second = engine.step()
     assert [e.step for e in second] == [2, 2, 2]  # step 2's events: finished, not run again
@@ -167,7 +167,7 @@ def test_a_failed_launch_ahead_fails_the_next_step_not_this_one_cpu(checkpoints)
     assert [e.step for e in engine.step()] == [1, 1]  # step 1's events are not lost
     with pytest.raises(RuntimeError, match="launch failed"):
         engine.step()
-    assert engine._launched is None and engine._in_flight == []
+    assert engine._overlap.launched is None and engine._in_flight == []
     engine._run = run
     assert [e.step for e in engine.step()] == [2, 2]  # the engine steps on
     for rid in ("r0", "r1"):
