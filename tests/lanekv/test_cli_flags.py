@@ -17,9 +17,17 @@ from lanekv.cli import main as lanekv
 from lanekv.http.chat import ChatTemplate
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import resolve_dtype
-from lanekv.model.pool_sizing import GIB, GPU_RESERVE_BYTES, check_max_model_len, page_bytes, size_pool
+from lanekv.model.pool_sizing import (
+    GIB,
+    GPU_RESERVE_BYTES,
+    check_max_model_len,
+    page_bytes,
+    size_pool,
+    weight_bytes,
+)
 from lanekv.runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
+from tests.markers import requires_gpu
 
 
 @pytest.fixture(scope="module")
@@ -192,3 +200,22 @@ def test_chat_template_flag_is_a_file_or_a_template(checkpoint, tmp_path):
         ChatTemplate.from_flag(str(tmp_path / "missing.jinja"), tmp_path)
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate.from_flag("{% for %}", tmp_path)
+
+
+@requires_gpu
+def test_gpu_memory_utilization_sizes_both_pools_from_free_memory(checkpoint):
+    from lanekv.decode.serve import pool_size as decode_pool_size
+    from lanekv.prefill.serve import _pool_size as prefill_pool_size
+
+    model = ModelConfig.from_dir(checkpoint)
+    unit = page_bytes(model, torch.float32, 16)
+    weights = weight_bytes(model, torch.float32)
+    for role, flags, size_of in (("decode", ["--prefill", "127.0.0.1:1"], decode_pool_size),
+                                 ("prefill", [], prefill_pool_size)):
+        args = build_parser().parse_args([role, "--model", str(checkpoint), "--device", "cuda", *flags,
+                                          "--gpu-memory-utilization", "0.5"])
+        size = size_of(args, "float32")
+        free, total = torch.cuda.mem_get_info(0)
+        want = (int(0.5 * total) - (total - free) - weights - GPU_RESERVE_BYTES) // unit
+        assert size.pages > 0 and abs(size.pages - want) <= max(16, want // 100), (role, size, want)
+        assert size.pages * unit <= 0.5 * total
