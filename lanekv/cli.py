@@ -5,11 +5,15 @@
     lanekv generate --decode HOST:PORT "prompt"
     lanekv handshake --prefill HOST:PORT --decode HOST:PORT
     lanekv serve    --decode HOST:PORT [--decode ...] --model DIR --host H --port P
+    lanekv tiny-model DIR
 
 Defaults come from the frozen config dataclasses of each role, so the CLI and
-the Python API cannot drift apart. Every subcommand takes the security options
+the Python API cannot drift apart; ``--help`` shows each one. ``--log-level``
+goes before or after the subcommand; ``--version``. The daemons size their KV
+pool with ``add_sizing_args`` (``model.kv_rows.size_pool``) and take ``--dtype
+auto``, the checkpoint's own, by default. Every subcommand takes the security options
 of ``runtime.security.add_security_args`` (TLS, mutual TLS, a shared token
-read from a file or an environment variable); the daemons take
+read from a file or an environment variable, or ``--api-key``); the daemons take
 ``--metrics-port`` for Prometheus ``/metrics``. ``serve`` is the OpenAI-compatible
 HTTP front (``lanekv.http``).
 """
