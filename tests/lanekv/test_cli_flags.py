@@ -11,10 +11,6 @@ import logging
 
 import pytest
 import torch
-
-from lanekv.cli import build_parser, parse_bytes
-from lanekv.cli import main as lanekv
-from lanekv.http.chat import ChatTemplate
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import resolve_dtype
 from lanekv.model.pool_sizing import (
@@ -26,6 +22,10 @@ from lanekv.model.pool_sizing import (
     weight_bytes,
 )
 from lanekv.runtime.security import SecurityConfig
+
+from lanekv.cli import build_parser, parse_bytes
+from lanekv.cli import main as lanekv
+from lanekv.http.chat import ChatTemplate
 from tests.checkpoints import write_llama
 from tests.markers import requires_gpu
 
