@@ -122,9 +122,9 @@ def add_sizing_args(p: argparse.ArgumentParser, default_pages: int, scope: str) 
                    help=f"bytes of KV pool {scope} (e.g. 8GiB, 500MB); on the CPU the memory budget; "
                         "overrides --gpu-memory-utilization")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
-                   help="fraction of each GPU's memory this daemon may use: the pool gets that share less "
-                        "the memory in use at start, the weights and a 2 GiB allowance for activations "
-                        "and graphs (GPU only)")
+                   help="fraction of each GPU's memory this daemon may use: the pool gets that share (at "
+                        "most the memory free at start) less the weights and a 2 GiB allowance for "
+                        "activations and graphs (GPU only)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output a request may have; checked at start against the model's "
                         "max_position_embeddings and the pool's tokens (default: the model's)")
