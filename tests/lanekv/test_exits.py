@@ -186,4 +186,7 @@ def test_cp_ranks_stopped_by_a_group_sigterm_log_no_error(checkpoint, tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
     assert code == 0, out
     assert " ERROR " not in out and "Traceback" not in out, out
+    # The ranks ended on the parent's Shutdown, not on the group's signal
+    assert "CP ranks stopped: rank 0 (lanekv-cp-rank0" in out and "rank 1 (lanekv-cp-rank1" in out, out
+    assert out.count("exited with code 0") == 2 and "SIGTERM)" not in out, out
     assert "prefill KV pool: 16 pages x 4 tokens = 64 tokens" in out, out
