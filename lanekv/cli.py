@@ -10,7 +10,7 @@
 Defaults come from the frozen config dataclasses of each role, so the CLI and
 the Python API cannot drift apart; ``--help`` shows each one. ``--log-level``
 goes before or after the subcommand; ``--version``. The daemons size their KV
-pool with ``add_sizing_args`` (``model.kv_rows.size_pool``) and take ``--dtype
+pool with ``add_sizing_args`` (``model.pool_sizing.size_pool``) and take ``--dtype
 auto``, the checkpoint's own, by default. Every subcommand takes the security options
 of ``runtime.security.add_security_args`` (TLS, mutual TLS, a shared token
 read from a file or an environment variable, or ``--api-key``); the daemons take

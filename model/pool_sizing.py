@@ -1,7 +1,7 @@
 """How many pages a daemon's KV pool gets, and the start-up line that says so.
 
 A pool is sized by an explicit page count, by bytes for the pool, or by a
-fraction of each GPU's memory after what is in use, the weights and an
+fraction of each GPU's memory (at most what is free) less the weights and an
 allowance for activations and graphs (``size_pool`` says the precedence). The
 bytes of one page come from the model's attention kind (``pool_rows``).
 """
