@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-fast lint bench proto demo clean
+.PHONY: install test test-fast lint bench proto demo tiny-model clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ bench: $(STAMP)
 # (e.g. DEMO_ARGS="--dtype bfloat16 --prompt 'Hello'"; see python -m lanekv.demo --help).
 demo: $(STAMP)
 	$(PY) -m lanekv.demo $(if $(MODEL),--model "$(MODEL)") $(DEMO_ARGS)
+
+# A random-weight Llama checkpoint with a tokenizer and a chat template (README's quick start).
+tiny-model: $(STAMP)
+	$(PY) -m lanekv.cli tiny-model $(or $(DIR),tiny-model)
 
 proto: $(STAMP)
 	$(PY) proto/generate.py

@@ -19,7 +19,7 @@ from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
-from lanekv.model.pool_sizing import PoolSize, page_bytes, pool_line, size_pool, weight_bytes
+from lanekv.model.pool_sizing import GIB, PoolSize, page_bytes, pool_line, size_pool, weight_bytes
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError
@@ -99,6 +99,9 @@ def main(args: argparse.Namespace) -> int:
     except (OSError, TransferError, ValueError) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
+    if config.resolved_device == "cuda":  # what the sizing's allowance left, after weights, pool and graphs
+        free, total = torch.cuda.mem_get_info()
+        log.info("GPU memory after start-up: %.2f GiB free of %.2f GiB", free / GIB, total / GIB)
     grace_s = getattr(args, "grace_s", None)
     warm = getattr(args, "warm_up_request", None)
     if warm is None:

@@ -5,11 +5,15 @@
     lanekv generate --decode HOST:PORT "prompt"
     lanekv handshake --prefill HOST:PORT --decode HOST:PORT
     lanekv serve    --decode HOST:PORT [--decode ...] --model DIR --host H --port P
+    lanekv tiny-model DIR
 
 Defaults come from the frozen config dataclasses of each role, so the CLI and
-the Python API cannot drift apart. Every subcommand takes the security options
+the Python API cannot drift apart; ``--help`` shows each one. ``--log-level``
+goes before or after the subcommand; ``--version``. The daemons size their KV
+pool with ``add_sizing_args`` (``model.pool_sizing.size_pool``) and take ``--dtype
+auto``, the checkpoint's own, by default. Every subcommand takes the security options
 of ``runtime.security.add_security_args`` (TLS, mutual TLS, a shared token
-read from a file or an environment variable); the daemons take
+read from a file or an environment variable, or ``--api-key``); the daemons take
 ``--metrics-port`` for Prometheus ``/metrics``. ``serve`` is the OpenAI-compatible
 HTTP front (``lanekv.http``).
 """
@@ -118,9 +122,9 @@ def add_sizing_args(p: argparse.ArgumentParser, default_pages: int, scope: str) 
                    help=f"bytes of KV pool {scope} (e.g. 8GiB, 500MB); on the CPU the memory budget; "
                         "overrides --gpu-memory-utilization")
     g.add_argument("--gpu-memory-utilization", type=_fraction, default=None,
-                   help="fraction of each GPU's memory this daemon may use: the pool gets that share less "
-                        "the memory in use at start, the weights and a 2 GiB allowance for activations "
-                        "and graphs (GPU only)")
+                   help="fraction of each GPU's memory this daemon may use: the pool gets that share (at "
+                        "most the memory free at start) less the weights and a 2 GiB allowance for "
+                        "activations and graphs (GPU only)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output a request may have; checked at start against the model's "
                         "max_position_embeddings and the pool's tokens (default: the model's)")

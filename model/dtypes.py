@@ -17,6 +17,8 @@ def resolve_dtype(name: str, model_path: str | Path) -> str:
     if name != "auto":
         return name
     file = Path(model_path) / "config.json"
+    if not file.is_file():
+        raise ValueError(f"model_path={str(model_path)!r} has no config.json")
     try:
         hf = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as err:

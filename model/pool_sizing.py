@@ -1,7 +1,7 @@
 """How many pages a daemon's KV pool gets, and the start-up line that says so.
 
 A pool is sized by an explicit page count, by bytes for the pool, or by a
-fraction of each GPU's memory after what is in use, the weights and an
+fraction of each GPU's memory (at most what is free) less the weights and an
 allowance for activations and graphs (``size_pool`` says the precedence). The
 bytes of one page come from the model's attention kind (``pool_rows``).
 """
@@ -51,9 +51,10 @@ def size_pool(unit_bytes: int, *, pool_pages: int | None, kv_cache_memory: int |
 
     Precedence: ``pool_pages`` (an explicit count), then ``kv_cache_memory``
     (bytes for the pool), then ``gpu_memory_utilization`` (the fraction of each
-    GPU this daemon may use: the pool gets that share of the total, less what is
-    in use now, ``weights`` and ``GPU_RESERVE_BYTES``; ``memory`` says each
-    GPU's ``(free, total)``, the fewest pages over the GPUs win), then
+    GPU this daemon may use, as vLLM means it, per instance: the pool gets that
+    share of the total, at most what is free now, less ``weights`` and
+    ``GPU_RESERVE_BYTES``; ``memory`` says each GPU's ``(free, total)`` before
+    the weights load, the fewest pages over the GPUs win), then
     ``default_pages``. Raises ``ValueError`` naming the flag when it leaves no page.
     """
     if pool_pages is not None:
@@ -70,12 +71,13 @@ def size_pool(unit_bytes: int, *, pool_pages: int | None, kv_cache_memory: int |
                          "give --kv-cache-memory or --pool-pages")
     room = []
     for free, total in memory():
-        room.append(int(gpu_memory_utilization * total) - (total - free) - weights - GPU_RESERVE_BYTES)
+        # This daemon's share, and no more than is free now (other processes on the GPU keep theirs).
+        room.append(min(int(gpu_memory_utilization * total), free) - weights - GPU_RESERVE_BYTES)
     pages = min(room) // unit_bytes
     if pages < 1:
         raise ValueError(
             f"gpu_memory_utilization={gpu_memory_utilization} leaves no room for the KV pool: "
-            f"{min(room) / GIB:.2f} GiB after {weights / GIB:.2f} GiB of weights, the memory in use and "
+            f"{min(room) / GIB:.2f} GiB after {weights / GIB:.2f} GiB of weights, the memory others use and "
             f"{GPU_RESERVE_BYTES / GIB:.0f} GiB kept for activations and graphs")
     return PoolSize(pages, f"--gpu-memory-utilization {gpu_memory_utilization}")
 

@@ -343,6 +343,11 @@ class CPPrefillEngine(PrefillEngine):
             if proc.is_alive():
                 proc.kill()
                 proc.join(1.0)
+        ends = [exit_reason(rank, proc) for rank, proc in enumerate(self._procs)]
+        if all(proc.exitcode == 0 for proc in self._procs):
+            log.info("CP ranks stopped: %s", "; ".join(ends))
+        else:  # told to stop, yet one did not end on its own (killed here or by a signal)
+            log.warning("CP ranks stopped: %s", "; ".join(ends))
         self._stop.set()
         with self._cond:
             self._broken = self._broken or "engine closed"

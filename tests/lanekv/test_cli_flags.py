@@ -11,15 +11,23 @@ import logging
 
 import pytest
 import torch
+from lanekv.model.config import ModelConfig
+from lanekv.model.dtypes import resolve_dtype
+from lanekv.model.pool_sizing import (
+    GIB,
+    GPU_RESERVE_BYTES,
+    check_max_model_len,
+    page_bytes,
+    size_pool,
+    weight_bytes,
+)
+from lanekv.runtime.security import SecurityConfig
 
 from lanekv.cli import build_parser, parse_bytes
 from lanekv.cli import main as lanekv
 from lanekv.http.chat import ChatTemplate
-from lanekv.model.config import ModelConfig
-from lanekv.model.dtypes import resolve_dtype
-from lanekv.model.pool_sizing import GIB, GPU_RESERVE_BYTES, check_max_model_len, page_bytes, size_pool
-from lanekv.runtime.security import SecurityConfig
 from tests.checkpoints import write_llama
+from tests.markers import requires_gpu
 
 
 @pytest.fixture(scope="module")
@@ -115,15 +123,20 @@ def test_size_pool_precedence_and_memory_arithmetic(checkpoint):
     with pytest.raises(ValueError, match="gpu_memory_utilization=0.9 needs a GPU"):
         size_pool(unit, **{**sizes, "gpu_memory_utilization": 0.9})
     total, weights = 100 * GIB, 10 * GIB
-    gpus = [(90 * GIB, total), (80 * GIB, total)]  # 10 and 20 GiB in use: the second decides
+    gpus = [(90 * GIB, total), (40 * GIB, total)]  # the second has less free than half: it decides
     got = size_pool(unit, **{**sizes, "gpu_memory_utilization": 0.5}, memory=lambda: gpus, weights=weights)
-    assert got.pages == (50 * GIB - 20 * GIB - weights - GPU_RESERVE_BYTES) // unit
+    assert got.pages == (40 * GIB - weights - GPU_RESERVE_BYTES) // unit
+    roomy = [(90 * GIB, total)]  # half the GPU, though more is free
+    assert size_pool(unit, **{**sizes, "gpu_memory_utilization": 0.5}, memory=lambda: roomy,
+                     weights=weights).pages == (50 * GIB - weights - GPU_RESERVE_BYTES) // unit
     assert "--gpu-memory-utilization 0.5" in got.how
     # --kv-cache-memory wins over the fraction
     assert size_pool(unit, **{**sizes, "gpu_memory_utilization": 0.5, "kv_cache_memory": 4 * unit},
                      memory=lambda: gpus).pages == 4
     with pytest.raises(ValueError, match="leaves no room for the KV pool"):
         size_pool(unit, **{**sizes, "gpu_memory_utilization": 0.1}, memory=lambda: gpus, weights=weights)
+    with pytest.raises(ValueError, match="leaves no room"):  # a GPU another process filled
+        size_pool(unit, **{**sizes, "gpu_memory_utilization": 0.9}, memory=lambda: [(GIB, total)])
 
 
 def test_max_model_len_is_checked_against_the_model_and_the_pool(checkpoint, capsys):
@@ -192,3 +205,22 @@ def test_chat_template_flag_is_a_file_or_a_template(checkpoint, tmp_path):
         ChatTemplate.from_flag(str(tmp_path / "missing.jinja"), tmp_path)
     with pytest.raises(ValueError, match="does not compile"):
         ChatTemplate.from_flag("{% for %}", tmp_path)
+
+
+@requires_gpu
+def test_gpu_memory_utilization_sizes_both_pools_from_free_memory(checkpoint):
+    from lanekv.decode.serve import pool_size as decode_pool_size
+    from lanekv.prefill.serve import _pool_size as prefill_pool_size
+
+    model = ModelConfig.from_dir(checkpoint)
+    unit = page_bytes(model, torch.float32, 16)
+    weights = weight_bytes(model, torch.float32)
+    for role, flags, size_of in (("decode", ["--prefill", "127.0.0.1:1"], decode_pool_size),
+                                 ("prefill", [], prefill_pool_size)):
+        args = build_parser().parse_args([role, "--model", str(checkpoint), "--device", "cuda", *flags,
+                                          "--gpu-memory-utilization", "0.5"])
+        size = size_of(args, "float32")
+        free, total = torch.cuda.mem_get_info(0)
+        want = (min(int(0.5 * total), free) - weights - GPU_RESERVE_BYTES) // unit
+        assert size.pages > 0 and abs(size.pages - want) <= max(16, want // 100), (role, size, want)
+        assert size.pages * unit <= 0.5 * total

@@ -19,16 +19,17 @@ from pathlib import Path
 
 import grpc
 import pytest
-
-from lanekv.cli import main as lanekv
 from lanekv.decode import daemon as decode_daemon_module
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import DecodeDaemon
-from lanekv.http.backends import Backends, NoBackend
-from lanekv.http.config import FrontConfig
 from lanekv.prefill.daemon import PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.transfer.errors import TransferError
+
+from lanekv.cli import main as lanekv
+from lanekv.http.backends import Backends, NoBackend
+from lanekv.http.config import FrontConfig
 from tests.checkpoints import write_llama
 from tests.daemons import LONG_LEASE, running_pair
 
@@ -111,7 +112,7 @@ def test_a_decode_daemon_waiting_for_its_prefill_daemon_says_so(checkpoint, capl
     endpoint = f"127.0.0.1:{_closed_port()}"
     config = DecodeConfig(str(checkpoint), endpoint, page_size=PAGE_SIZE, device="cpu", pool_pages=16,
                           connect_timeout_s=2.5)
-    with caplog.at_level(logging.INFO, logger="lanekv.decode"), pytest.raises(Exception):
+    with caplog.at_level(logging.INFO, logger="lanekv.decode"), pytest.raises(TransferError):
         DecodeDaemon(config)
     waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("waiting for prefill daemon")]
     assert len(waits) >= 2, caplog.text
@@ -185,4 +186,7 @@ def test_cp_ranks_stopped_by_a_group_sigterm_log_no_error(checkpoint, tmp_path):
             os.killpg(process.pid, signal.SIGKILL)
     assert code == 0, out
     assert " ERROR " not in out and "Traceback" not in out, out
+    # The ranks ended on the parent's Shutdown, not on the group's signal
+    assert "CP ranks stopped: rank 0 (lanekv-cp-rank0" in out and "rank 1 (lanekv-cp-rank1" in out, out
+    assert out.count("exited with code 0") == 2 and "SIGTERM)" not in out, out
     assert "prefill KV pool: 16 pages x 4 tokens = 64 tokens" in out, out

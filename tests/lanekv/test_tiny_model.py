@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lanekv.cli import main as lanekv
 from lanekv.decode.colocated import generate_colocated
 from lanekv.decode.pool import PagePool
-from lanekv.http.chat import ChatTemplate
 from lanekv.model.checkpoint import load_model
 from lanekv.model.dtypes import resolve_dtype
 from lanekv.model.sampling import SamplingParams
+
+from lanekv.cli import main as lanekv
+from lanekv.http.chat import ChatTemplate
 
 
 @pytest.mark.timeout(120)
