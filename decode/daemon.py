@@ -45,6 +45,7 @@ from lanekv.decode.cuda.warmup import warm_up_kernels
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
 from lanekv.decode.pool import PagePool
+from lanekv.decode.prefix_cache import DecodePrefixCache
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
@@ -54,6 +55,7 @@ from lanekv.model.sampling import SamplingParams
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.daemon import DaemonServer
 from lanekv.runtime.hostmem import keep_freed_buffers
+from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.security import open_channel
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, one_line
 from lanekv.transfer.connector.fastpath import FastPathTransport
@@ -152,15 +154,27 @@ class DecodeDaemon:
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
+        # Keyed by the agreement's fingerprint, as the prefill daemon's cache is.
+        self.prefix_cache = DecodePrefixCache(self.pool, self.agreement.fingerprint, enabled=config.prefix_cache,
+                                              max_pages=int(config.pool_pages * config.prefix_cache_share))
+        prefix_metrics = self._watch_prefix_cache()
         self.generate = GenerateContext(
             config, self.pool, self.engine, KVFetcher(grpc_transport, fast), self.prefills, self.budget,
             self.streams, self.agreement, self.loaded.tokenizer, model_config.vocab_size,
             config.max_model_len or model_config.max_position_embeddings, self._stop,
+            self.prefix_cache, prefix_metrics,
         )
         self._watch_pool()
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
         self._loop.start()
         self._serve()
+
+    def _watch_prefix_cache(self) -> PrefixMetrics:
+        """The prefix cache's metrics (``runtime.metrics.PrefixMetrics``) and its size."""
+        cache = self.prefix_cache
+        self.registry.gauge("lanekv_prefix_cache_pages", "pages the prefix cache holds (idle or in use)").set_function(
+            lambda: cache.cached_pages)
+        return PrefixMetrics.on(self.registry, "decode", lambda: cache.stats.evicted_pages)
 
     def _watch_pool(self) -> None:
         """Gauges read at every scrape: the pool's free and used pages, promised pages, open streams."""

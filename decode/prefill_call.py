@@ -48,9 +48,11 @@ class PrefillClient:
     endpoint: str
 
     def stream(self, request_id: str, token_ids: Sequence[int], sampling: lanekv_pb2.SamplingParams,
-               timeout_s: float) -> PrefillCall:
-        """Start the prefill of a prompt (``sampling`` forwarded as the client gave it)."""
-        request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id)
+               timeout_s: float, cached_pages: int = 0) -> PrefillCall:
+        """Start the prefill of a prompt (``sampling`` forwarded as the client gave it;
+        ``cached_pages``: leading whole pages we hold, which we will not fetch)."""
+        request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id,
+                                            cached_pages=cached_pages)
         request.sampling.CopyFrom(sampling)
         return PrefillCall(self, request, timeout_s)
 

@@ -16,26 +16,13 @@ allocator needs room (``reclaim``). A page someone holds is never evicted.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from lanekv.prefill.allocator import LaneAllocator
-
-
-def chain_keys(seed: str, token_ids: Sequence[int], page_size: int, num_pages: int) -> list[bytes]:
-    """The keys of the first ``num_pages`` full pages of ``token_ids``: each hashes the
-    one before it and its own page's token ids (``seed``: the agreement's fingerprint)."""
-    keys, key = [], seed.encode()
-    for k in range(num_pages):
-        page = token_ids[k * page_size : (k + 1) * page_size]
-        digest = hashlib.blake2b(key, digest_size=16)
-        digest.update(b",".join(str(int(t)).encode() for t in page))
-        key = digest.digest()
-        keys.append(key)
-    return keys
+from lanekv.transfer.protocol.prefix_keys import chain_keys
 
 
 @dataclass

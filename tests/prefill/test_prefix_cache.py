@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 from lanekv.prefill.allocator import LaneAllocator, OutOfPagesError
-from lanekv.prefill.prefix_cache import PrefillPrefixCache, chain_keys
+from lanekv.prefill.prefix_cache import PrefillPrefixCache
+from lanekv.transfer.protocol.prefix_keys import chain_keys
 
 
 def _cache(cp=2, per_lane=4, ps=4, **kw):
