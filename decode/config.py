@@ -57,7 +57,7 @@ class DecodeConfig:
     advertise_host: str | None = None  # the host the ready file and banner name (runtime.advertise)
     # Longest prompt + output a request may have; None: the model's max_position_embeddings.
     max_model_len: int | None = None
-    prefix_cache: bool = True  # keep verified prompt pages for later requests (decode.prefix_cache)
+    prefix_cache: bool = True  # keep verified prompt pages for later requests (decode.prefix.cache)
     prefix_cache_share: float = 1.0  # at most this share of the pool's pages cached
 
     def __post_init__(self) -> None:

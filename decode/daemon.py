@@ -45,7 +45,8 @@ from lanekv.decode.cuda.warmup import warm_up_kernels
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
 from lanekv.decode.pool import PagePool
-from lanekv.decode.prefix_cache import DecodePrefixCache
+from lanekv.decode.prefix.cache import DecodePrefixCache
+from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
@@ -137,7 +138,9 @@ class DecodeDaemon:
             self._prefill_channels.append(channel)
             targets.append(PrefillTarget(PrefillClient(lanekv_pb2_grpc.PrefillServiceStub(channel), endpoint),
                                          None if contract is None else contract.topology,
-                                         health_pb2_grpc.HealthStub(channel)))
+                                         health_pb2_grpc.HealthStub(channel),
+                                         memory=PrefixMemory(self.agreement.fingerprint, config.page_size)
+                                         if config.prefix_cache else None))
         self.prefills = PrefillPool(targets, interval_s=config.prefill_health_interval_s,
                                     rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
                                     on_available=self._prefill_available)
@@ -174,6 +177,10 @@ class DecodeDaemon:
         cache = self.prefix_cache
         self.registry.gauge("lanekv_prefix_cache_pages", "pages the prefix cache holds (idle or in use)").set_function(
             lambda: cache.cached_pages)
+        picks = self.registry.gauge("lanekv_prefix_routed_picks", "prefill daemon picks since start; on_hit: of "
+                                    "one remembered to hold a prefix of the prompt", ("followed",))
+        picks.labels(followed="any").set_function(lambda: self.prefills.picks)
+        picks.labels(followed="hit").set_function(lambda: self.prefills.picks_on_hit)
         return PrefixMetrics.on(self.registry, "decode", lambda: cache.stats.evicted_pages)
 
     def _watch_pool(self) -> None:

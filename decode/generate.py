@@ -50,7 +50,7 @@ from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.engine import DecodeEngine, TokenEvent
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
-from lanekv.decode.prefix_cache import DecodePrefixCache
+from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefill_call import (
     LOST_CODES,
     RETRY_CODES,
@@ -143,7 +143,7 @@ class GenerateContext:
     vocab_size: int
     max_positions: int
     stopping: threading.Event  # set when the daemon stops
-    prefix_cache: DecodePrefixCache | None = None  # verified prompt pages (decode.prefix_cache)
+    prefix_cache: DecodePrefixCache | None = None  # verified prompt pages (decode.prefix.cache)
     prefix_metrics: PrefixMetrics | None = None
 
 
@@ -226,7 +226,7 @@ class GeneratePipeline:
             return self._prepare_on(only, call, deadline)
         tried: list[PrefillTarget] = []
         while True:
-            target = ctx.prefills.pick(len(spec.token_ids), exclude=tried)
+            target = ctx.prefills.pick(len(spec.token_ids), exclude=tried, token_ids=spec.token_ids)
             try:
                 return self._prepare_on(target, call, deadline)
             except Refusal as refusal:
@@ -316,6 +316,8 @@ class GeneratePipeline:
         if reply.first_token < 0 or reply.request_id != spec.request_id:
             raise Refusal(Code.INTERNAL, f"prefill daemon answered first_token={reply.first_token} "
                           f"for {reply.request_id!r}")
+        if target.memory is not None:
+            target.memory.remember(spec.token_ids)  # its cache holds the prompt's whole pages now
         if cache is not None:
             # Every chunk verified (checksum or digest) and every layer of every page arrived:
             # only now may the prompt's whole pages serve later requests.

@@ -7,7 +7,7 @@ physical pages. A daemon serves many requests at once (transfer threads
 allocate while the decode loop frees), so every change of the free list
 happens under one lock and is all-or-nothing: a failed call changes nothing.
 Pages are reference-counted (``share`` adds a holder, ``free`` drops one): a
-prefix cache (``decode.prefix_cache``, the pool's ``keeper``) keeps a cached
+prefix cache (``decode.prefix.cache``, the pool's ``keeper``) keeps a cached
 page whose last holder left, and gives it back when an allocation is short.
 
 ``PageTable`` is one request's view of the pool: its logical pages, in
