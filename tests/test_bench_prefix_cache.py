@@ -23,7 +23,6 @@ def test_tiny_run_writes_cache_on_and_off_rows(tmp_path):
     assert [(r["prefix_cache"], r["transport"]) for r in rows] == [("on", "grpc"), ("off", "grpc")]
     on, off = rows
     assert all(FIELDS <= set(r) for r in rows)
-    assert on["prompt_tokens"] == off["prompt_tokens"] or on["output_tokens"] != off["output_tokens"]
     assert off["hit_rate"] == 0 and on["hit_rate"] > 0
     # The second turns share the system prompt and the first turn: less computed, less moved.
     assert on["prefill_tokens_computed"] < off["prefill_tokens_computed"]
