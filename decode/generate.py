@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import grpc
+import torch
 from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.engine import DecodeEngine, TokenEvent
@@ -194,7 +195,8 @@ class GeneratePipeline:
                 call.abandoned.set()  # the RPC has ended already
             prepared = self._prepare(call, caller.time_remaining(), target)
             spec = call.spec
-            self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s)
+            self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s,
+                                          prepared.first_token is not None)
             caller.set_trailing_metadata(prepared.metadata())
             if prepared.first_token is not None:
                 yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None)]
@@ -364,6 +366,8 @@ class GeneratePipeline:
             raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
         last = hit[-1]
         pool.tensor[:, :, copy * ps : (copy + 1) * ps] = pool.tensor[:, :, last * ps : (last + 1) * ps]
+        if pool.tensor.is_cuda:  # the engine's step may run on a stream of its own: the copy lands first
+            torch.cuda.current_stream(pool.device).synchronize()
         pool.free([last])
         table = PageTable.adopt(pool, hit[:-1] + [copy], len(ids) - 1)
         with call.lock:

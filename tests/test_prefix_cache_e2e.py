@@ -141,3 +141,21 @@ def test_concurrent_requests_share_a_prefix(pair, hf):
         assert tokens == _reference(hf, ids)
         assert cached == 15  # three whole pages of the system prompt
     _settled(prefill, decode)
+
+
+@pytest.mark.timeout(300)
+def test_eviction_under_a_pool_smaller_than_the_working_set(checkpoint, hf):
+    """Pools of 12 pages on each side; eight prompts of six or seven pages sharing two:
+    both caches evict what nobody holds, every request completes equal to transformers."""
+    engine = EngineConfig(str(checkpoint), cp_size=1, page_size=PS, pages_per_lane=12, start_timeout_s=120)
+    system = _ids(10, 20)
+    prompts = [system + _ids(18 + i % 3, 30 + i) for i in range(4)]
+    with running_pair(engine, pool_pages=12 + 2, transport="grpc") as (prefill, decode):
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            for ids in prompts + prompts:
+                tokens, cached, _ = _generate(stub, ids)
+                assert tokens == _reference(hf, ids), f"prompt of {len(ids)} tokens"
+                assert cached % PS == 0 and cached <= len(ids) - 1
+        assert prefill.cache.stats.evicted_pages > 0 and decode.prefix_cache.stats.evicted_pages > 0
+        _settled(prefill, decode)
