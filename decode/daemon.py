@@ -45,9 +45,9 @@ from lanekv.decode.cuda.warmup import warm_up_kernels
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
 from lanekv.decode.pool import PagePool
+from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefix.route import PrefixMemory
-from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.attention import pool_contract_fields

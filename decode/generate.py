@@ -51,7 +51,6 @@ from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.engine import DecodeEngine, TokenEvent
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
-from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefill_call import (
     LOST_CODES,
     RETRY_CODES,
@@ -59,6 +58,7 @@ from lanekv.decode.prefill_call import (
     PrefillTarget,
     check_manifest,
 )
+from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import Tokenizer

@@ -9,9 +9,9 @@ from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefix.route import PrefixMemory
-from lanekv.http.backends import ROUTE_SLACK, Backend, Backends
 from lanekv.kernels.kv_layout import KVCacheSpec
 
+from lanekv.http.backends import ROUTE_SLACK, Backend, Backends
 from tests.decode.test_prefill_pool import FakeHealth, _topology
 
 PS = 4
