@@ -12,8 +12,6 @@ import logging
 import sys
 
 import torch
-from lanekv.prefill.cp.launcher import RankDiedError
-from lanekv.prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
 from lanekv.model.pool_sizing import (
@@ -25,6 +23,8 @@ from lanekv.model.pool_sizing import (
     size_pool,
     weight_bytes,
 )
+from lanekv.prefill.cp.launcher import RankDiedError
+from lanekv.prefill.daemon import STOP_GRACE_S, DaemonConfig, PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
