@@ -58,8 +58,13 @@ class DecodeConfig:
     advertise_host: str | None = None  # the host the ready file and banner name (runtime.advertise)
     # Longest prompt + output a request may have; None: the model's max_position_embeddings.
     max_model_len: int | None = None
+    prefix_cache: bool = True  # keep verified prompt pages for later requests (decode.prefix.cache)
+    prefix_cache_share: float = 1.0  # at most this share of the pool's pages cached
 
     def __post_init__(self) -> None:
+        if isinstance(self.prefix_cache_share, bool) or not isinstance(self.prefix_cache_share, (int, float)) \
+                or not 0 <= self.prefix_cache_share <= 1:
+            raise ValueError(f"prefix_cache_share must be in [0, 1], got prefix_cache_share={self.prefix_cache_share!r}")
         check_advertise_host(self.advertise_host)
         if self.transport not in ("auto", "grpc"):
             raise ValueError(f"transport must be auto or grpc, got transport={self.transport!r}")

@@ -46,6 +46,8 @@ from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.generate import GenerateContext, GeneratePipeline, GenerateSpec, LocalCaller
 from lanekv.decode.pool import PagePool
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
+from lanekv.decode.prefix.cache import DecodePrefixCache
+from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.attention import pool_contract_fields
@@ -54,6 +56,7 @@ from lanekv.model.sampling import SamplingParams
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.daemon import DaemonServer
 from lanekv.runtime.hostmem import keep_freed_buffers
+from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.security import open_channel
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, one_line
 from lanekv.transfer.connector.base import TransportContext
@@ -135,7 +138,9 @@ class DecodeDaemon:
             self._prefill_channels.append(channel)
             targets.append(PrefillTarget(PrefillClient(lanekv_pb2_grpc.PrefillServiceStub(channel), endpoint),
                                          None if contract is None else contract.topology,
-                                         health_pb2_grpc.HealthStub(channel)))
+                                         health_pb2_grpc.HealthStub(channel),
+                                         memory=PrefixMemory(self.agreement.fingerprint, config.page_size)
+                                         if config.prefix_cache else None))
         self.prefills = PrefillPool(targets, interval_s=config.prefill_health_interval_s,
                                     rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
                                     on_available=self._prefill_available)
@@ -151,10 +156,15 @@ class DecodeDaemon:
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
+        # Keyed by the agreement's fingerprint, as the prefill daemon's cache is.
+        self.prefix_cache = DecodePrefixCache(self.pool, self.agreement.fingerprint, enabled=config.prefix_cache,
+                                              max_pages=int(config.pool_pages * config.prefix_cache_share))
+        prefix_metrics = self._watch_prefix_cache()
         self.generate = GenerateContext(
             config, self.pool, self.engine, self.fetcher, self.prefills, self.budget,
             self.streams, self.agreement, self.loaded.tokenizer, model_config.vocab_size,
             config.max_model_len or model_config.max_position_embeddings, self._stop,
+            self.prefix_cache, prefix_metrics,
         )
         self._watch_pool()
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
@@ -166,6 +176,17 @@ class DecodeDaemon:
         """The fast path's mapped pools (tests and benchmarks look at them); None without it."""
         transport = self.fetcher.transport("fastpath")
         return None if transport is None else transport.fastpath
+
+    def _watch_prefix_cache(self) -> PrefixMetrics:
+        """The prefix cache's metrics (``runtime.metrics.PrefixMetrics``) and its size."""
+        cache = self.prefix_cache
+        self.registry.gauge("lanekv_prefix_cache_pages", "pages the prefix cache holds (idle or in use)").set_function(
+            lambda: cache.cached_pages)
+        picks = self.registry.gauge("lanekv_prefix_routed_picks", "prefill daemon picks since start; on_hit: of "
+                                    "one remembered to hold a prefix of the prompt", ("followed",))
+        picks.labels(followed="any").set_function(lambda: self.prefills.picks)
+        picks.labels(followed="hit").set_function(lambda: self.prefills.picks_on_hit)
+        return PrefixMetrics.on(self.registry, "decode", lambda: cache.stats.evicted_pages)
 
     def _watch_pool(self) -> None:
         """Gauges read at every scrape: the pool's free and used pages, promised pages, open streams."""

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
 import grpc
+import torch
 from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.engine import DecodeEngine, TokenEvent
@@ -57,10 +58,12 @@ from lanekv.decode.prefill_call import (
     PrefillTarget,
     check_manifest,
 )
+from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import Tokenizer
 from lanekv.proto import lanekv_pb2
+from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.connector.base import FetchJob, KVFetchError
 from lanekv.transfer.connector.fetcher import FetchStats, KVFetcher
@@ -82,7 +85,7 @@ class GenerateSpec(NamedTuple):
 
 
 class Prepared(NamedTuple):
-    first_token: int
+    first_token: int | None  # None: the engine samples it (the prompt was all in our cache)
     prefill_s: float
     fetch: FetchStats
     paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm" or "cuda_ipc"
@@ -141,6 +144,8 @@ class GenerateContext:
     vocab_size: int
     max_positions: int
     stopping: threading.Event  # set when the daemon stops
+    prefix_cache: DecodePrefixCache | None = None  # verified prompt pages (decode.prefix.cache)
+    prefix_metrics: PrefixMetrics | None = None
 
 
 @dataclass(eq=False)
@@ -159,6 +164,7 @@ class GenerateCall:
     in_engine: bool = False
     settled: bool = False
     finished: bool = False  # its last event was sent
+    cached_tokens: int = 0  # prompt tokens whose compute a prefix cache skipped (GenerateReply.cached_tokens)
 
     @property
     def outcome(self) -> str:
@@ -189,9 +195,11 @@ class GeneratePipeline:
                 call.abandoned.set()  # the RPC has ended already
             prepared = self._prepare(call, caller.time_remaining(), target)
             spec = call.spec
-            self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s)
+            self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s,
+                                          prepared.first_token is not None)
             caller.set_trailing_metadata(prepared.metadata())
-            yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None)]
+            if prepared.first_token is not None:
+                yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None)]
             yield from self._events(call)
             call.finished = True
         finally:
@@ -213,11 +221,14 @@ class GeneratePipeline:
         budget_s = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
         deadline = time.monotonic() + budget_s
         self._admit(call, deadline)
+        from_cache = self._from_cache(call)
+        if from_cache is not None:
+            return from_cache
         if only is not None:
             return self._prepare_on(only, call, deadline)
         tried: list[PrefillTarget] = []
         while True:
-            target = ctx.prefills.pick(len(spec.token_ids), exclude=tried)
+            target = ctx.prefills.pick(len(spec.token_ids), exclude=tried, token_ids=spec.token_ids)
             try:
                 return self._prepare_on(target, call, deadline)
             except Refusal as refusal:
@@ -258,8 +269,17 @@ class GeneratePipeline:
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
-        prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
-                                       config.request_timeout_s)
+        # Our cached pages of the prompt: the prefill daemon is told how many, and only
+        # the pages after them move. The page of the last token always comes from it.
+        cache, num_tokens = ctx.prefix_cache, len(spec.token_ids)
+        hit = [] if cache is None else cache.match(spec.token_ids, (num_tokens - 1) // config.page_size,
+                                                   count=False)
+        try:
+            prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
+                                           config.request_timeout_s, cached_pages=len(hit))
+        except BaseException:
+            ctx.pool.free(hit)
+            raise
         try:
             started = prefill.started()
             # The start and the request's capability, presented to every rank.
@@ -270,13 +290,16 @@ class GeneratePipeline:
                                       config.page_size, topology)
             _check_alive(call)
             try:
-                call.table = PageTable.remap(ctx.pool, [p.page for p in manifest.pages], manifest.num_tokens)
+                call.table = PageTable.remap(ctx.pool, [p.page for p in manifest.pages], manifest.num_tokens,
+                                             cached=hit)
             except PoolExhausted as err:  # the budget should make this impossible
                 raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
+            held, hit = len(hit), []  # the table holds them now
             table = call.table
+            moving = manifest.pages[held:]
             job = FetchJob(
                 spec.request_id, call.fingerprint, call.epoch, tuple(started.endpoints),
-                {rank: manifest.pages_of_owner(rank) for rank in sorted({p.owner for p in manifest.pages})},
+                {rank: [p.page for p in moving if p.owner == rank] for rank in sorted({p.owner for p in moving})},
                 ctx.agreement.num_layers, config.page_size, ctx.pool.tensor, table.physical_pages_for, deadline,
                 physical_of=topology.physical_of, written=None if prefill.answered() else prefill.written,
             )
@@ -290,9 +313,20 @@ class GeneratePipeline:
             reply = prefill.done()
         finally:
             prefill.close()
+            if hit:  # it failed before the table took them
+                ctx.pool.free(hit)
         if reply.first_token < 0 or reply.request_id != spec.request_id:
             raise Refusal(Code.INTERNAL, f"prefill daemon answered first_token={reply.first_token} "
                           f"for {reply.request_id!r}")
+        if target.memory is not None:
+            target.memory.remember(spec.token_ids)  # its cache holds the prompt's whole pages now
+        if cache is not None:
+            # Every chunk verified (checksum or digest) and every layer of every page arrived:
+            # only now may the prompt's whole pages serve later requests.
+            cache.admit(spec.token_ids, table.pages)
+        if held and ctx.prefix_metrics is not None:
+            ctx.prefix_metrics.bytes_not_moved.inc(held * _page_bytes(ctx.pool))
+        call.cached_tokens = min(int(reply.cached_tokens), num_tokens - 1)
         self._release_prefill(call, wait=False)  # the KV is ours: the ranks free their pages meanwhile
         with call.lock:
             _check_alive(call)
@@ -304,6 +338,54 @@ class GeneratePipeline:
             call.in_engine, call.table = True, None
         return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths,
                         reply.timings.get("compute_s", 0.0))
+
+    def _from_cache(self, call: GenerateCall) -> Prepared | None:
+        """A prompt whose every page is in our cache (whole pages, so it ends on a page
+        boundary): nothing moves and no prefill daemon is asked. The engine feeds the
+        prompt's last token at its position and samples the first output token in its
+        next step: one decode step, the cheapest correct path (the cache keeps K/V, not
+        the last token's hidden state). That step rewrites the last token's row, so the
+        last page is copied first and the cached one stays as it was verified."""
+        ctx, spec = self._ctx, call.spec
+        cache, ids, ps = ctx.prefix_cache, spec.token_ids, ctx.config.page_size
+        if cache is None:
+            return None
+        hit = cache.match(ids, len(ids) // ps)
+        if ctx.prefix_metrics is not None:
+            ctx.prefix_metrics.lookup_tokens.inc(len(ids))
+            ctx.prefix_metrics.hit_tokens.inc(len(hit) * ps)
+        stops = set(spec.stop_token_ids) | ctx.engine.eos_token_ids
+        if len(hit) * ps != len(ids) or ids[-1] in stops:
+            ctx.pool.free(hit)
+            return None
+        pool = ctx.pool
+        try:
+            [copy] = pool.allocate(1)
+        except PoolExhausted as err:  # the budget should make this impossible
+            pool.free(hit)
+            raise Refusal(Code.RESOURCE_EXHAUSTED, f"decode pool: {err}") from err
+        last = hit[-1]
+        pool.tensor[:, :, copy * ps : (copy + 1) * ps] = pool.tensor[:, :, last * ps : (last + 1) * ps]
+        if pool.tensor.is_cuda:  # the engine's step may run on a stream of its own: the copy lands first
+            torch.cuda.current_stream(pool.device).synchronize()
+        pool.free([last])
+        table = PageTable.adopt(pool, hit[:-1] + [copy], len(ids) - 1)
+        with call.lock:
+            try:
+                _check_alive(call)
+                ctx.engine.add(spec.request_id, table, ids[-1], spec.sampling, spec.max_new_tokens,
+                               spec.stop_token_ids, start_step=0)
+            except ValueError as err:
+                table.release()
+                raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
+            except BaseException:
+                table.release()
+                raise
+            call.in_engine = True
+        if ctx.prefix_metrics is not None:
+            ctx.prefix_metrics.bytes_not_moved.inc(len(hit) * _page_bytes(pool))
+        call.cached_tokens = len(ids) - 1
+        return Prepared(None, 0.0, FetchStats(0, 0, 0.0, {}), {})
 
     def _admit(self, call: GenerateCall, deadline: float) -> None:
         ctx, spec = self._ctx, call.spec
@@ -416,6 +498,11 @@ class GeneratePipeline:
         self._release_prefill(call, wait=False)
         if not deferred:  # not in the engine, or it had finished: its pages are free
             give_back()
+
+
+def _page_bytes(pool: PagePool) -> int:
+    """Bytes of one page over every layer (what moving it costs)."""
+    return pool.tensor.numel() * pool.tensor.element_size() // pool.num_pages
 
 
 def time_left(deadline: float) -> float:

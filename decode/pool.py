@@ -6,6 +6,9 @@ kv_heads, head_dim]`` (kv = 2 for K/V, 1 for an MLA latent pool; see
 physical pages. A daemon serves many requests at once (transfer threads
 allocate while the decode loop frees), so every change of the free list
 happens under one lock and is all-or-nothing: a failed call changes nothing.
+Pages are reference-counted (``share`` adds a holder, ``free`` drops one): a
+prefix cache (``decode.prefix.cache``, the pool's ``keeper``) keeps a cached
+page whose last holder left, and gives it back when an allocation is short.
 
 ``PageTable`` is one request's view of the pool: its logical pages, in
 request order, each mapped to a physical page. This is the decode "remap" of
@@ -20,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from lanekv.kernels.kv_layout import KVCacheSpec
@@ -46,6 +49,22 @@ def _check_count(name: str, value: object) -> int:
     return value
 
 
+class PageKeeper(Protocol):
+    """What keeps pages nobody holds (a prefix cache); called under the pool's lock."""
+
+    def keep(self, page: int) -> bool:
+        """Whether ``page``, whose last holder just left, stays out of the free list."""
+        ...
+
+    def evict(self, n: int) -> list[int]:
+        """Up to ``n`` kept pages to free now (least recently used first)."""
+        ...
+
+    def kept(self) -> int:
+        """How many pages it keeps that nobody holds."""
+        ...
+
+
 class PagePool:
     """A physical KV pool and the free list of its pages."""
 
@@ -65,7 +84,10 @@ class PagePool:
         self.rows = rows  # what a token's row holds (model.attention.rows; its kind's layout)
         self.tensor = spec.alloc_pool(num_pages, device)  # [L, 2, num_pages * ps, Hkv, D]
         self._num_pages = num_pages
-        self._lock = threading.Lock()
+        # Reentrant: the keeper takes it for its own state too (one lock, no order to keep).
+        self._lock = threading.RLock()
+        self.keeper: PageKeeper | None = None
+        self._refs = [0] * num_pages
         # Low page ids first: a fresh pool hands out 0, 1, 2, ... (easy to read in logs).
         self._free_list: deque[int] = deque(range(num_pages))
         self._is_free = [True] * num_pages
@@ -92,14 +114,29 @@ class PagePool:
         return self.tensor.device
 
     @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    @property
     def free_count(self) -> int:
+        """Pages an allocation can take now: the free list and the pages the keeper
+        keeps for nobody (evicted when an allocation needs them)."""
         with self._lock:
-            return len(self._free_list)
+            return len(self._free_list) + (0 if self.keeper is None else self.keeper.kept())
 
     @property
     def used_count(self) -> int:
+        return self._num_pages - self.free_count
+
+    @property
+    def free_list_count(self) -> int:
+        """Pages on the free list (neither held nor kept)."""
         with self._lock:
-            return self._num_pages - len(self._free_list)
+            return len(self._free_list)
+
+    def refs(self, page: int) -> int:
+        with self._lock:
+            return self._refs[page]
 
     def k_cache(self, layer: int) -> torch.Tensor:
         """Layer ``layer``'s K rows ``[num_pages * ps, Hkv, D]`` (a view)."""
@@ -121,16 +158,36 @@ class PagePool:
         _check_count("n", n)
         with self._lock:
             free = len(self._free_list)
+            if n > free and self.keeper is not None:
+                self._to_free_list(self.keeper.evict(n - free))
+                free = len(self._free_list)
             if n > free:
                 raise PoolExhausted(needed=n, free=free)
             pages = [self._free_list.popleft() for _ in range(n)]
             for page in pages:
                 self._is_free[page] = False
+                self._refs[page] = 1
             return pages
 
+    def share(self, pages: Iterable[int]) -> None:
+        """One more holder of each page (held, or kept by the keeper)."""
+        pages = list(pages)
+        with self._lock:
+            for page in pages:
+                if self._is_free[page]:
+                    raise ValueError(f"page {page} is free: it cannot be shared")
+            for page in pages:
+                self._refs[page] += 1
+
+    def _to_free_list(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            self._is_free[page] = True
+            self._free_list.append(page)
+
     def free(self, pages: Iterable[int]) -> None:
-        """Return pages to the pool. Refuses (changing nothing) a page id out of
-        range, a page that is already free, or one listed twice."""
+        """Drop one holder of each page; a page nobody holds goes back to the free list
+        unless the keeper keeps it. Refuses (changing nothing) a page id out of range,
+        a page nobody holds, or one listed twice."""
         pages = list(pages)
         with self._lock:
             seen: set[int] = set()
@@ -140,12 +197,13 @@ class PagePool:
                 ):
                     raise ValueError(f"page {page!r} is not a page of this pool "
                                      f"(0..{self._num_pages - 1})")
-                if self._is_free[page] or page in seen:
+                if self._is_free[page] or self._refs[page] <= 0 or page in seen:
                     raise ValueError(f"double free of page {page}")
                 seen.add(page)
             for page in pages:
-                self._is_free[page] = True
-                self._free_list.append(page)
+                self._refs[page] -= 1
+                if self._refs[page] == 0 and (self.keeper is None or not self.keeper.keep(page)):
+                    self._to_free_list((page,))
 
 
 class BatchTables(NamedTuple):
@@ -180,10 +238,13 @@ class PageTable:
         return table
 
     @classmethod
-    def remap(cls, pool: PagePool, source_pages: Sequence[int], seq_len: int) -> PageTable:
+    def remap(cls, pool: PagePool, source_pages: Sequence[int], seq_len: int,
+              cached: Sequence[int] = ()) -> PageTable:
         """The decode remap: one fresh physical page per logical page of the
         prefill side (``source_pages``, the request's pages in request order,
-        numbered however that side numbers them). The last page may be partial."""
+        numbered however that side numbers them). The last page may be partial.
+        ``cached``: physical pages (held for this table already) holding the first
+        logical pages; the table owns those holds from here on."""
         _check_count("seq_len", seq_len)
         source = [_check_count("source_pages[i]", page) for page in source_pages]
         if len(set(source)) != len(source):
@@ -194,8 +255,22 @@ class PageTable:
                 f"source_pages has {len(source)} pages but seq_len={seq_len} with "
                 f"page_size={pool.page_size} needs {needed}"
             )
-        table = cls.allocate(pool, seq_len)
+        if len(cached) >= needed:
+            raise ValueError(f"cached has {len(cached)} pages, the request has {needed}: its last page comes fresh")
+        table = cls(pool)
+        table._pages = list(cached) + pool.allocate(needed - len(cached))
+        table._seq_len = seq_len
         table._source_pages = source
+        return table
+
+    @classmethod
+    def adopt(cls, pool: PagePool, pages: Sequence[int], seq_len: int) -> PageTable:
+        """A table of ``pages`` (held for it already), holding ``seq_len`` tokens."""
+        if -(-seq_len // pool.page_size) > len(pages):
+            raise ValueError(f"{len(pages)} pages cannot hold seq_len={seq_len}")
+        table = cls(pool)
+        table._pages = list(pages)
+        table._seq_len = seq_len
         return table
 
     @property

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.decode.prefix.route import PrefixMemory, pick_cost
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE, Refusal, slow_checks_after
 from lanekv.transfer.errors import TransferError
@@ -48,9 +49,11 @@ class PrefillClient:
     endpoint: str
 
     def stream(self, request_id: str, token_ids: Sequence[int], sampling: lanekv_pb2.SamplingParams,
-               timeout_s: float) -> PrefillCall:
-        """Start the prefill of a prompt (``sampling`` forwarded as the client gave it)."""
-        request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id)
+               timeout_s: float, cached_pages: int = 0) -> PrefillCall:
+        """Start the prefill of a prompt (``sampling`` forwarded as the client gave it;
+        ``cached_pages``: leading whole pages we hold, which we will not fetch)."""
+        request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id,
+                                            cached_pages=cached_pages)
         request.sampling.CopyFrom(sampling)
         return PrefillCall(self, request, timeout_s)
 
@@ -188,6 +191,7 @@ class PrefillTarget:
     retried: int = 0  # requests that failed on it before a token and went to another daemon
     problem: str = ""  # why it is out of the pick
     slow_checks: int = 0  # health checks in a row that timed out (it leaves at SLOW_CHECKS_TO_LEAVE)
+    memory: PrefixMemory | None = None  # the prompt pages sent to it (decode.prefix.route); None: no routing by prefix
 
     def __post_init__(self) -> None:
         if self.topology is None:
@@ -230,6 +234,8 @@ class PrefillPool:
         self.targets = tuple(targets)
         self._lock = threading.Lock()
         self._turn = 0
+        self.picks = 0  # picks made
+        self.picks_on_hit = 0  # picks of a daemon remembered to hold a prefix of the prompt
         self._interval_s, self._timeout_s, self._rejoin = interval_s, timeout_s, rejoin
         self._on_available = on_available
         self._available = self.available
@@ -237,20 +243,28 @@ class PrefillPool:
         self._watch = threading.Thread(target=self._watch_health, name="lanekv-prefill-health", daemon=True)
         self._watch.start()
 
-    def pick(self, num_tokens: int, exclude: Sequence[PrefillTarget] = ()) -> PrefillTarget:
+    def pick(self, num_tokens: int, exclude: Sequence[PrefillTarget] = (),
+             token_ids: Sequence[int] | None = None) -> PrefillTarget:
         """The daemon to prefill ``num_tokens`` prompt tokens, counted on it until ``done``;
         a ``Refusal`` UNAVAILABLE naming each daemon's problem when no healthy one
-        outside ``exclude`` is left."""
+        outside ``exclude`` is left. With ``token_ids``, a daemon remembered to hold a
+        prefix of the prompt counts that much less work (``decode.prefix.route.pick_cost``)."""
+        cached = {}
+        if token_ids is not None:
+            cached = {id(t): t.memory.cached_tokens(token_ids) for t in self.targets if t.memory is not None}
         with self._lock:
             healthy = [t for t in self.targets if t.healthy and t not in exclude]
             if not healthy:
                 down = "; ".join(f"{t.endpoint}: {t.problem or 'failed this request'}" for t in self.targets)
                 raise Refusal(Code.UNAVAILABLE, f"no prefill daemon can take the request ({down})")
-            least = min(t.queued_tokens for t in healthy)
-            tied = [t for t in healthy if t.queued_tokens == least]
+            costs = [pick_cost(t.queued_tokens, num_tokens, cached.get(id(t), 0)) for t in healthy]
+            least = min(costs)
+            tied = [t for t, cost in zip(healthy, costs) if cost == least]
             self._turn += 1
             target = tied[self._turn % len(tied)]
             target.queued_tokens += num_tokens
+            self.picks += 1
+            self.picks_on_hit += cached.get(id(target), 0) > 0
             return target
 
     def states(self) -> list[tuple[str, bool, str]]:

@@ -52,7 +52,9 @@ def config_from_args(args: argparse.Namespace, size: PoolSize | None = None) -> 
         port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
         index_cache_dtype=args.index_cache_dtype,
         metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args),
-        advertise_host=getattr(args, "advertise_host", None), **optional,
+        advertise_host=getattr(args, "advertise_host", None),
+        prefix_cache=getattr(args, "prefix_cache", True),
+        prefix_cache_share=getattr(args, "prefix_cache_share", 1.0), **optional,
     )
 
 

@@ -63,8 +63,12 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                 text = Detokenizer(self._ctx.tokenizer)
                 events = self._pipeline.run(call, context)
                 try:
+                    first = True
                     for batch in events:
-                        yield _reply(spec.request_id, batch, text)
+                        reply = _reply(spec.request_id, batch, text)
+                        if first:  # counted once, on the first reply
+                            reply.cached_tokens, first = call.cached_tokens, False
+                        yield reply
                 finally:
                     events.close()  # settles the call now, also when the client went away
         finally:

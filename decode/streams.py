@@ -73,15 +73,17 @@ class Streams:
                 self._uncounted.add(request_id)
             return events
 
-    def transferred(self, request_id: str, prompt_tokens: int, fetch: FetchStats, prefill_s: float) -> None:
-        """The request's KV is in our pool and the engine has it: count and log the transfer."""
+    def transferred(self, request_id: str, prompt_tokens: int, fetch: FetchStats, prefill_s: float,
+                    first_token: bool = True) -> None:
+        """The request's KV is in our pool and the engine has it: count and log the transfer.
+        ``first_token=False``: the engine samples the first token (a whole-prompt cache hit)."""
         with self._lock:
-            if request_id in self._generated:
+            if request_id in self._generated and first_token:
                 self._generated[request_id] += 1  # prefill's first token
             counted = request_id not in self._uncounted
         if counted:
             self._metrics.tokens.labels(kind="prompt").inc(prompt_tokens)
-            self._metrics.tokens.labels(kind="generated").inc(1)
+            self._metrics.tokens.labels(kind="generated").inc(int(first_token))
             self._metrics.record_transfer({rank: s.bytes for rank, s in fetch.per_rank.items()}, fetch.seconds)
         log.info("transfer done request_id=%s bytes=%d chunks=%d ranks=%d retries=%d seconds=%.4f gbps=%.3f "
                  "prefill_s=%.4f", request_id, fetch.bytes, fetch.chunks, len(fetch.per_rank), fetch.retries,

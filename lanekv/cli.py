@@ -130,6 +130,14 @@ def add_sizing_args(p: argparse.ArgumentParser, default_pages: int, scope: str) 
                         "max_position_embeddings and the pool's tokens (default: the model's)")
 
 
+def add_prefix_cache_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep whole prompt pages for later requests with the same prefix (default: on; "
+                        "--no-prefix-cache: compute and move every prompt)")
+    p.add_argument("--prefix-cache-share", type=float, default=1.0,
+                   help="the largest share of the pool's pages the prefix cache may hold, in [0, 1] (default 1)")
+
+
 def add_metrics_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus /metrics on --host at this port (0 = a free port; off when absent)")
@@ -173,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA: prefills of up to this many rows per rank replay CUDA graphs captured at "
                         "start (0 = always eager)")
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
+    add_prefix_cache_args(p)
     add_metrics_arg(p)
     add_security_args(p)
 
@@ -217,6 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="before the ready file, send one short request through each prefill daemon and "
                         "the whole pipeline, so the first client's does not pay for first use "
                         "(default: on with a GPU pool, off on the CPU)")
+    add_prefix_cache_args(p)
     add_metrics_arg(p)
     add_security_args(p)
 

@@ -3,14 +3,15 @@
 Lane r hands out the logical pages that rank r owns (``P mod N == r``), so a
 page given to the segment that rank r computes is one rank r can write into
 its own pool. Allocation is all-or-nothing: running out raises and leaves the
-free lists as they were.
+free lists as they were. ``reclaim`` (set by a prefix cache) is asked for the
+pages a lane is short of before an allocation gives up.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from lanekv.prefill.plan import BatchPlan
 
@@ -30,12 +31,23 @@ class LaneAllocator:
         self._free = [deque(range(pages_per_lane)) for _ in range(cp_size)]
         self._used: set[int] = set()
         self._lock = threading.Lock()
+        # Called (outside the lock) with the pages each lane is short of; it frees what it can.
+        self.reclaim: Callable[[list[int]], int] | None = None
+        # Pages per lane that ``reclaim`` could give back now (cached, held by nobody).
+        self.reclaimable: Callable[[], list[int]] | None = None
 
     @property
     def num_pages(self) -> int:
         return self.cp_size * self.pages_per_lane
 
     def free_counts(self) -> list[int]:
+        """Pages per lane an allocation can take now: the free list, plus cached pages
+        nobody holds (``reclaimable``), which an allocation evicts when it needs them."""
+        extra = self.reclaimable() if self.reclaimable is not None else [0] * self.cp_size
+        return [free + more for free, more in zip(self.free_list_counts(), extra)]
+
+    def free_list_counts(self) -> list[int]:
+        """Pages per lane on the free list (neither in use nor cached)."""
         with self._lock:
             return [len(lane) for lane in self._free]
 
@@ -50,17 +62,18 @@ class LaneAllocator:
             if not isinstance(lane, int) or not 0 <= lane < self.cp_size:
                 raise ValueError(f"lanes[{i}] must be in [0, {self.cp_size}), got {lane!r}")
             need[lane] += 1
-        with self._lock:
-            short = [
-                f"lane {r}: need {need[r]}, free {len(self._free[r])}"
-                for r in range(self.cp_size)
-                if need[r] > len(self._free[r])
-            ]
-            if short:
-                raise OutOfPagesError("out of KV pages (" + "; ".join(short) + ")")
-            pages = [self._free[lane].popleft() * self.cp_size + lane for lane in lanes]
-            self._used.update(pages)
-        return pages
+        for attempt in range(2):
+            with self._lock:
+                missing = [max(0, need[r] - len(self._free[r])) for r in range(self.cp_size)]
+                if not any(missing):
+                    pages = [self._free[lane].popleft() * self.cp_size + lane for lane in lanes]
+                    self._used.update(pages)
+                    return pages
+                short = [f"lane {r}: need {need[r]}, free {len(self._free[r])}"
+                         for r in range(self.cp_size) if missing[r]]
+            if attempt or self.reclaim is None or not self.reclaim(missing):
+                break
+        raise OutOfPagesError("out of KV pages (" + "; ".join(short) + ")")
 
     def free(self, pages: Iterable[int]) -> None:
         """Return pages to their lanes. Freeing a page that is not in use is a bug."""

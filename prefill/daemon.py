@@ -51,10 +51,12 @@ from lanekv.prefill.cp.messages import Event, Fetched, Released, RpcTotals
 from lanekv.prefill.cp.rank_worker import TransferServing
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.prefill.leases import LeaseTable
+from lanekv.prefill.prefix_cache import PrefillPrefixCache
 from lanekv.prefill.warmup import settle_after_freeze, warm_up
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.daemon import DaemonServer
+from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, refusals
@@ -91,6 +93,8 @@ class DaemonConfig:
     # The host peers are told (the ranks' endpoints, the ready file); None: the bind
     # host, or for a wildcard bind this host's primary address (runtime.advertise).
     advertise_host: str | None = None
+    prefix_cache: bool = True  # cache whole prompt pages (prefill.prefix_cache); False: compute every prompt
+    prefix_cache_share: float = 1.0  # at most this share of the pool's pages cached
 
     def __post_init__(self) -> None:
         for name in ("port", "transfer_port_base"):
@@ -105,6 +109,9 @@ class DaemonConfig:
         for name in ("lease_s", "request_timeout_s", "max_batch_tokens", "max_workers"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {name}={getattr(self, name)!r}")
+        if isinstance(self.prefix_cache_share, bool) or not isinstance(self.prefix_cache_share, (int, float)) \
+                or not 0 <= self.prefix_cache_share <= 1:
+            raise ValueError(f"prefix_cache_share must be in [0, 1], got prefix_cache_share={self.prefix_cache_share!r}")
         if self.batch_wait_ms < 0:
             raise ValueError(f"batch_wait_ms must be >= 0, got batch_wait_ms={self.batch_wait_ms!r}")
         if not isinstance(self.security, SecurityConfig):
@@ -157,7 +164,13 @@ class PrefillDaemon:
         # What start-up made lives as long as a rank: no collection walks it again.
         log.info("garbage collector: froze %s objects in the rank processes", self.engine.freeze_heap())
         self.settle()
-        self.leases = LeaseTable(self.engine.allocator, cfg.lease_s)
+        allocator = self.engine.allocator
+        # Keyed by the agreement's fingerprint: another model, layout or build never matches.
+        self.cache = PrefillPrefixCache(allocator, engine_config.page_size, self.agreement.fingerprint,
+                                        enabled=cfg.prefix_cache,
+                                        max_pages=int(allocator.num_pages * cfg.prefix_cache_share))
+        self.leases = LeaseTable(self.cache, cfg.lease_s)  # a lease's pages go back through their references
+        self._prefix_held: dict[str, list[int]] = {}  # request id -> matched prefix pages, until its lease holds them
         self._watch_pools()
         self._in_flight: dict[str, futures.Future] = {}  # request id -> future of its pages
         self.batcher = Batcher(self._run_batch, batch_wait_s=cfg.batch_wait_ms / 1e3,
@@ -185,6 +198,9 @@ class PrefillDaemon:
                 lambda lane=lane: allocator.pages_per_lane - allocator.free_counts()[lane])
         self.registry.gauge("lanekv_prefill_leases", "requests whose pages are pinned for a decode side").set_function(
             lambda: len(self.leases.held()))
+        self.metrics_prefix = PrefixMetrics.on(self.registry, "prefill", lambda: self.cache.stats.evicted_pages)
+        self.registry.gauge("lanekv_prefix_cache_pages", "pages the prefix cache holds (idle or in use)").set_function(
+            lambda: self.cache.cached_pages)
 
     @property
     def port(self) -> int:
@@ -213,12 +229,20 @@ class PrefillDaemon:
             if rid in self._in_flight or rid in self.leases:
                 raise Refusal(Code.ALREADY_EXISTS, f"request_id={rid!r} is already in use")
             self._in_flight[rid] = started
+        # The cached prefix: its pages are referenced for this request from here on.
+        prefix = self.cache.match(inp.token_ids)
+        self._count_lookup(len(inp.token_ids), len(prefix) * self.cache.page_size)
+        with self._lock:
+            self._prefix_held[rid] = prefix
         # Its ranks serve the pages only to a caller presenting this (PrefillReply.capability).
-        done = self.batcher.submit(inp._replace(request_id=rid, capability=new_capability()))
+        done = self.batcher.submit(inp._replace(request_id=rid, capability=new_capability(), prefix_pages=prefix))
 
         def finished(_: futures.Future) -> None:
             with self._lock:
                 self._in_flight.pop(rid, None)
+                unpinned = self._prefix_held.pop(rid, None)  # its lease never took them over
+            if unpinned:
+                self.cache.free(unpinned)
 
         done.add_done_callback(finished)
         return rid, started, done
@@ -229,8 +253,13 @@ class PrefillDaemon:
         def started(results: list[PrefillResult]) -> None:
             # Pinned before any decode side hears of the pages: a Release may come before the prefill ends.
             for res in results:
-                self.leases.pin(res.request_id, res.new_pages)
+                # The lease holds the whole request: the cached prefix (referenced at the
+                # match) and the new pages (referenced here) go back through the cache.
+                self.cache.hold(res.new_pages)
+                self.leases.pin(res.request_id, [p.page for p in res.pages])
                 pinned.append(res.request_id)
+                with self._lock:
+                    self._prefix_held.pop(res.request_id, None)
             with self._lock:
                 waiting = [(self._in_flight.get(res.request_id), res) for res in results]
             for fut, res in waiting:
@@ -243,9 +272,16 @@ class PrefillDaemon:
             for rid in pinned:  # the ranks forgot the request; free what no Release freed yet
                 self.leases.cancel(rid)
             raise
-        for res in results:
+        for inp, res in zip(inputs, results):
             self.leases.renew(res.request_id)  # the lease counts from the end of the prefill
+            # Every layer of every rank is written: the prompt's full pages may serve later hits.
+            self.leases.while_held(res.request_id, lambda held, inp=inp, res=res: self.cache.insert(
+                inp.token_ids, _leading([p.page for p in res.pages], held)))
         return results
+
+    def _count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
+        self.metrics_prefix.lookup_tokens.inc(num_tokens)
+        self.metrics_prefix.hit_tokens.inc(hit_tokens)
 
     def _on_event(self, event: Event) -> None:
         """What a rank reports (run in the engine's reader thread, one event at a time)."""
@@ -381,6 +417,7 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             endpoints=list(d.topology.endpoints),
             timings=res.timings,
             capability=res.capability or "",
+            cached_tokens=res.prefix_len,
         )
 
     def _refused(self, refusal: Refusal, request_id: str | None) -> None:
@@ -400,6 +437,12 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
     def _submit(self, request, request_id: str | None) -> tuple[str, futures.Future, futures.Future]:
         d = self.d
         ids = prompt_from_proto(request, d.tokenizer, d.vocab_size, d.max_tokens)
+        # The caller's cached pages: it fetches only the pages after them. Its last page
+        # is always prefilled here (the first token is sampled from its last token).
+        usable = d.cache.usable_pages(len(ids))
+        if request.cached_pages > usable:
+            raise Refusal(Code.INVALID_ARGUMENT, f"cached_pages={request.cached_pages} is more than the "
+                          f"{usable} whole pages before the prompt's last token ({len(ids)} tokens)")
         return d.submit(PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id))
 
     def _result(self, done: futures.Future, remaining: float | None) -> PrefillResult:
@@ -414,3 +457,10 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         except futures.TimeoutError as err:
             raise Refusal(Code.DEADLINE_EXCEEDED, "prefill did not finish within the deadline") from err
 
+
+def _leading(pages: list[int], held: set[int]) -> list[int]:
+    """The pages before the first one the request no longer holds (a rank released it)."""
+    for k, page in enumerate(pages):
+        if page not in held:
+            return pages[:k]
+    return pages

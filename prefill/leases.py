@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
-from lanekv.prefill.allocator import LaneAllocator
+
+class PageOwner(Protocol):
+    """Where a lease's pages go back: the lane allocator, or the prefix cache's references."""
+
+    cp_size: int
+
+    def free(self, pages: Iterable[int]) -> None: ...
 
 
 @dataclass
@@ -25,7 +32,7 @@ class _Lease:
 
 
 class LeaseTable:
-    def __init__(self, allocator: LaneAllocator, lease_s: float,
+    def __init__(self, allocator: PageOwner, lease_s: float,
                  clock: Callable[[], float] = time.monotonic) -> None:
         if not lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got lease_s={lease_s!r}")
@@ -83,6 +90,15 @@ class LeaseTable:
                 self.allocator.free([p for pages in lease.pages_by_rank.values() for p in pages])
                 out.append((rid, sorted(lease.pages_by_rank)))
         return out
+
+    def while_held(self, request_id: str, use: Callable[[set[int]], Any]) -> Any:
+        """``use(pages the request still holds)`` under the table's lock, so no release
+        frees them meanwhile; None (``use`` not called) once the request is gone."""
+        with self._lock:
+            lease = self._leases.get(request_id)
+            if lease is None:
+                return None
+            return use({p for pages in lease.pages_by_rank.values() for p in pages})
 
     def held(self) -> dict[str, int]:
         with self._lock:

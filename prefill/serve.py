@@ -68,6 +68,8 @@ def main(args: argparse.Namespace) -> int:
         )
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,
                               lease_s=args.lease_s, batch_wait_ms=args.batch_wait_ms,
+                              prefix_cache=getattr(args, "prefix_cache", True),
+                              prefix_cache_share=getattr(args, "prefix_cache_share", 1.0),
                               metrics_port=getattr(args, "metrics_port", None),
                               advertise_host=getattr(args, "advertise_host", None),
                               security=SecurityConfig.from_args(args))

@@ -28,19 +28,21 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id")
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "cached_pages")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    cached_pages: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability")
+    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +57,7 @@ class PrefillReply(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     contract_fingerprint: str
@@ -62,7 +65,8 @@ class PrefillReply(_message.Message):
     endpoints: _containers.RepeatedScalarFieldContainer[str]
     timings: _containers.ScalarMap[str, float]
     capability: str
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("reply", "done")
@@ -165,18 +169,20 @@ class GenerateRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "cached_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finished: bool
     finish_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeStatusRequest(_message.Message):
     __slots__ = ()

@@ -410,3 +410,27 @@ def serve_metrics(
     )
     thread.start()
     return MetricsEndpoint(server, server.server_address[1], thread)
+
+
+class PrefixMetrics(NamedTuple):
+    """A daemon's prefix-cache metrics (``side``: prefill or decode): prompt tokens looked
+    up and found, the hit rate, pages evicted, and (decode) KV bytes a hit did not move."""
+
+    lookup_tokens: Any
+    hit_tokens: Any
+    bytes_not_moved: Any
+
+    @classmethod
+    def on(cls, registry: Registry, side: str, evicted: Callable[[], float]) -> PrefixMetrics:
+        lookup = registry.counter("lanekv_prefix_cache_lookup_tokens_total",
+                                  "prompt tokens looked up in the prefix cache", ("side",)).labels(side=side)
+        hit = registry.counter("lanekv_prefix_cache_hit_tokens_total",
+                               "prompt tokens found in the prefix cache (whole pages)", ("side",)).labels(side=side)
+        registry.gauge("lanekv_prefix_cache_hit_rate", "hit tokens / looked-up tokens since start",
+                       ("side",)).labels(side=side).set_function(
+            lambda: hit.value / lookup.value if lookup.value else 0.0)
+        registry.gauge("lanekv_prefix_cache_evicted_pages", "cached pages evicted since start (LRU, idle only)",
+                       ("side",)).labels(side=side).set_function(evicted)
+        moved = registry.counter("lanekv_prefix_cache_kv_bytes_not_moved_total",
+                                 "KV bytes a decode-side hit kept from moving", ("side",)).labels(side=side)
+        return cls(lookup, hit, moved)

@@ -143,7 +143,8 @@ class Front:
             return Response(status_code=499)
         text, reason = work.result()
         self._count(endpoint, "200", plan, generation)
-        return JSONResponse(shape.whole(text, reason, len(plan.prompt_ids), generation.completion_tokens),
+        return JSONResponse(shape.whole(text, reason, len(plan.prompt_ids), generation.completion_tokens,
+                                        generation.cached_tokens),
                             headers={"X-Request-Id": plan.request_id})
 
     async def _collect(self, generation: Generation) -> tuple[str, str]:
@@ -166,7 +167,7 @@ class Front:
                 async for delta in deltas:
                     yield shape.chunk(delta)
             if shape.include_usage:
-                yield shape.usage_chunk(len(plan.prompt_ids), generation.completion_tokens)
+                yield shape.usage_chunk(len(plan.prompt_ids), generation.completion_tokens, generation.cached_tokens)
             status = "200"
             yield DONE
         except APIError as err:

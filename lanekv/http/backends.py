@@ -10,11 +10,13 @@ row have: busy is not gone), and comes back at its next SERVING answer. A Genera
 finds a daemon UNAVAILABLE takes it out at once too.
 
 ``pick`` hands a request to the healthy daemon with the fewest running
-requests (ties in turn); a daemon that answers NOT_SERVING is asked why
-(``DecodeService.Status``: e.g. its prefill daemons are down), and that root
-cause is its problem in ``/health`` and in a 503. ``NoBackend`` says why none can take it: none is
-healthy (503) or every healthy one is full (429). Only the event loop's
-thread touches the counts.
+requests (ties in turn), or, given the prompt, to the one remembered to have
+seen the longest prefix of it (its prefix cache likely holds it) among those
+within ``ROUTE_SLACK`` running requests of the least busy; a daemon that
+answers NOT_SERVING is asked why (``DecodeService.Status``: e.g. its prefill
+daemons are down), and that root cause is its problem in ``/health`` and in a
+503. ``NoBackend`` says why none can take it: none is healthy (503) or every
+healthy one is full (429). Only the event loop's thread touches the counts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.http.config import FrontConfig
 from lanekv.http.errors import APIError
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
@@ -35,6 +38,11 @@ from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE, grpc_options, slow_check
 
 log = logging.getLogger("lanekv.http")
 DECODE_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name
+# A daemon busier than the least busy by more than this many running requests is
+# not picked for its prefix: load wins past it.
+ROUTE_SLACK = 4
+# The front does not know the daemons' page size: it remembers prompts in blocks of this many tokens.
+ROUTE_BLOCK_TOKENS = 16
 
 
 def aio_channel(endpoint: str, security: SecurityConfig) -> grpc.aio.Channel:
@@ -76,6 +84,8 @@ class Backend:
     served: int = 0  # requests handed to it so far
     problem: str = "not asked yet"  # why it is out of rotation
     slow_checks: int = 0  # health checks in a row that timed out (runtime.status.SLOW_CHECKS_TO_LEAVE)
+    # Prompts handed to it (a hint of what its prefix cache holds).
+    memory: PrefixMemory = field(default_factory=lambda: PrefixMemory("lanekv-front", ROUTE_BLOCK_TOKENS))
 
 
 class NoBackend(APIError):
@@ -88,6 +98,8 @@ class Backends:
     members: list[Backend] = field(default_factory=list)
     _turn: int = 0
     _watch: asyncio.Task | None = None
+    picks: int = 0
+    picks_on_hit: int = 0  # picks of a daemon remembered to have seen a prefix of the prompt
 
     @classmethod
     def of(cls, config: FrontConfig) -> Backends:
@@ -117,8 +129,10 @@ class Backends:
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return call_metadata(self.config.security)
 
-    def pick(self, exclude: Sequence[Backend] = ()) -> Backend:
-        """The healthy daemon, not in ``exclude``, with the fewest running requests."""
+    def pick(self, exclude: Sequence[Backend] = (), prompt_ids: Sequence[int] | None = None) -> Backend:
+        """The healthy daemon, not in ``exclude``, with the fewest running requests; with
+        ``prompt_ids``, the one with the longest remembered prefix among those within
+        ``ROUTE_SLACK`` of the fewest."""
         healthy = [m for m in self.members if m.healthy and m not in exclude]
         if not healthy:
             why = "; ".join(f"{m.endpoint}: {m.problem}" for m in self.members if not m.healthy)
@@ -129,12 +143,21 @@ class Backends:
             raise NoBackend(429, f"every decode daemon is full ({self.config.max_running_per_decode} "
                             "running requests each); retry later", code="server_full")
         least = min(m.running for m in free)
-        tied = [m for m in free if m.running == least]
+        seen = {id(m): 0 if prompt_ids is None else m.memory.cached_tokens(prompt_ids) for m in free}
+        near = [m for m in free if m.running <= least + ROUTE_SLACK]
+        best = max((seen[id(m)], -m.running) for m in near)
+        tied = [m for m in near if (seen[id(m)], -m.running) == best]
         self._turn = (self._turn + 1) % len(self.members)
         chosen = tied[self._turn % len(tied)]
         chosen.running += 1
         chosen.served += 1
+        self.picks += 1
+        self.picks_on_hit += seen[id(chosen)] > 0
         return chosen
+
+    def remember(self, member: Backend, prompt_ids: Sequence[int]) -> None:
+        """``member`` took this prompt: its prefix cache likely holds its pages now."""
+        member.memory.remember(prompt_ids)
 
     def done(self, member: Backend) -> None:
         member.running -= 1

@@ -106,6 +106,7 @@ class Generation:
         self._member: Backend | None = None
         self._first: lanekv_pb2.GenerateReply | None = None
         self.completion_tokens = 0
+        self.cached_tokens = 0  # the first reply's: prompt tokens a prefix cache spared
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -114,7 +115,7 @@ class Generation:
         last: APIError | None = None
         while True:
             try:
-                member = backends.pick(exclude=tried)
+                member = backends.pick(exclude=tried, prompt_ids=self.plan.prompt_ids)
             except APIError:
                 if last is not None:
                     raise last from None
@@ -135,10 +136,12 @@ class Generation:
                 backends.done(member)
                 raise
             self._call, self._member, self.endpoint = call, member, member.endpoint
+            backends.remember(member, self.plan.prompt_ids)
             if first is grpc.aio.EOF:
                 self._end()
                 raise APIError(502, f"decode daemon {member.endpoint} ended the stream without a reply")
             self._first = first
+            self.cached_tokens = first.cached_tokens
             return
 
     def _count_to(self, stop_end: int, in_reply: int) -> None:

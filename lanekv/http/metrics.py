@@ -29,6 +29,10 @@ class FrontMetrics:
                          ("decode",))
         healthy = r.gauge("lanekv_http_decode_healthy", "1 while a decode daemon is in rotation",
                           ("decode",))
+        picks = r.gauge("lanekv_prefix_routed_picks", "decode daemon picks since start; hit: of one "
+                        "remembered to have seen a prefix of the prompt", ("followed",))
+        picks.labels(followed="any").set_function(lambda: backends.picks)
+        picks.labels(followed="hit").set_function(lambda: backends.picks_on_hit)
         for m in backends.members:
             running.labels(decode=m.endpoint).set_function(lambda m=m: m.running)
             served.labels(decode=m.endpoint).set_function(lambda m=m: m.served)

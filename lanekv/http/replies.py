@@ -22,9 +22,12 @@ def sse(data: dict[str, Any]) -> str:
     return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage; ``prompt_tokens_details.cached_tokens``: the prompt tokens whose
+    compute a prefix cache skipped (GenerateReply.cached_tokens), never more than the prompt."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": max(0, min(cached_tokens, prompt_tokens))}}
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,8 @@ class ReplyShape:
     def _head(self, obj: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": obj, "created": self.created, "model": self.model}
 
-    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int) -> dict:
+    def whole(self, text: str, finish_reason: str, prompt_tokens: int, completion_tokens: int,
+              cached_tokens: int = 0) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
                       "logprobs": None, "finish_reason": finish_reason}
@@ -48,7 +52,7 @@ class ReplyShape:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             head = self._head("text_completion")
-        return {**head, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens)}
+        return {**head, "choices": [choice], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)}
 
     def first_chunk(self) -> str | None:
         """Chat streams open with the role; completions have no such chunk."""
@@ -62,9 +66,9 @@ class ReplyShape:
             return self._chunk(body, delta.finish_reason)
         return self._chunk(delta.text, delta.finish_reason)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> str:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> str:
         head = self._head("chat.completion.chunk" if self.chat else "text_completion")
-        return sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        return sse({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
 
     def _chunk(self, content: Any, finish_reason: str | None) -> str:
         if self.chat:

@@ -311,8 +311,11 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
         n = runner.cp_size
         progress = LayerProgress(runner.model.config.num_layers, runner.device)
         capabilities = batch.capabilities or (None,) * len(batch.request_ids)
-        for rid, pages, capability in zip(batch.request_ids, batch.extend_pages, capabilities):
-            source.add(rid, [(p, p // n) for p in pages if p % n == runner.cp_rank], progress, capability)
+        # A cached prefix's pages too: a decode side that lacks them fetches them with the rest.
+        for rid, prefix, pages, capability in zip(batch.request_ids, batch.prefix_pages, batch.extend_pages,
+                                                  capabilities):
+            source.add(rid, [(p, p // n) for p in (*prefix, *pages) if p % n == runner.cp_rank], progress,
+                       capability)
     if registered is not None:
         registered()
 

@@ -166,10 +166,11 @@ def pair(tmp_path_factory):
     checkpoint = write_llama(tmp_path_factory.mktemp("corruption-llama"))
     prefill = PrefillDaemon(
         EngineConfig(str(checkpoint), cp_size=2, page_size=PAGE_SIZE, pages_per_lane=64, start_timeout_s=120),
-        DaemonConfig(lease_s=30),
+        DaemonConfig(lease_s=30, prefix_cache=False),  # every run moves every page (test_prefix_admission: cached)
     )
     decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=160, transport="grpc",
-                                       device="cpu", fetch_chunk_bytes=DAEMON_CHUNK_BYTES, fetch_attempts=4))
+                                       device="cpu", fetch_chunk_bytes=DAEMON_CHUNK_BYTES, fetch_attempts=4,
+                                       prefix_cache=False))
     channel = grpc.insecure_channel(decode.endpoint)
     yield prefill, decode, lanekv_pb2_grpc.DecodeServiceStub(channel)
     channel.close()

@@ -1,0 +1,105 @@
+"""The decode pool's holders and prefix cache, and routing by prefix (the decode
+daemon's pick among prefill daemons, the HTTP front's among decode daemons)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
+from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
+from lanekv.decode.prefix.cache import DecodePrefixCache
+from lanekv.decode.prefix.route import PrefixMemory
+from lanekv.kernels.kv_layout import KVCacheSpec
+
+from lanekv.http.backends import ROUTE_SLACK, Backend, Backends
+from tests.decode.test_prefill_pool import FakeHealth, _topology
+
+PS = 4
+
+
+def _pool(num_pages=6, **kw):
+    spec = KVCacheSpec(num_layers=1, kv_heads=1, head_dim=2, dtype=torch.float32, page_size=PS)
+    pool = PagePool(spec, num_pages)
+    return pool, DecodePrefixCache(pool, "fp", **kw)
+
+
+def test_admitted_pages_outlive_their_request_and_serve_hits():
+    pool, cache = _pool()
+    ids = list(range(10, 21))  # two whole pages and three tokens
+    table = PageTable.remap(pool, [7, 8, 9], len(ids))
+    assert cache.admit(ids, table.pages) == 2
+    table.release()
+    assert pool.free_list_count == 4 and pool.free_count == 6 and cache.kept() == 2
+    hit = cache.match(ids, (len(ids) - 1) // PS)
+    assert len(hit) == 2 and all(pool.refs(p) == 1 for p in hit)
+    again = PageTable.remap(pool, [1, 2, 3], len(ids), cached=hit)
+    assert again.pages[:2] == tuple(hit) and pool.refs(hit[0]) == 1
+    held = cache.match(ids, 2)
+    with pytest.raises(ValueError, match="last page comes fresh"):
+        PageTable.remap(pool, [1, 2], 8, cached=held)
+    pool.free(held)
+    again.release()
+    assert cache.kept() == 2 and cache.match([0] + ids[1:], 2) == []
+
+
+def test_only_pages_nobody_holds_are_evicted_lru_first():
+    pool, cache = _pool(num_pages=4)
+    a, b = list(range(8)), list(range(50, 58))
+    ta, tb = PageTable.allocate(pool, 8), PageTable.allocate(pool, 8)
+    cache.admit(a, ta.pages)
+    cache.admit(b, tb.pages)
+    with pytest.raises(PoolExhausted):  # every page is held
+        pool.allocate(1)
+    b_pages = tb.pages
+    tb.release()
+    ta.release()  # b idle first: evicted first
+    got = pool.allocate(2)
+    assert set(got) == set(b_pages) and cache.stats.evicted_pages == 2
+    assert cache.peek(a) == 2 and cache.peek(b) == 0
+    pool.free(got)
+    assert cache.clear() == 2 and pool.free_list_count == 4
+
+
+def test_disabled_and_capped():
+    pool, cache = _pool(enabled=False)
+    t = PageTable.allocate(pool, 8)
+    assert cache.admit(list(range(8)), t.pages) == 0
+    t.release()
+    assert pool.free_list_count == 6
+    pool, cache = _pool(max_pages=1)
+    t = PageTable.allocate(pool, 8)
+    assert cache.admit(list(range(8)), t.pages) == 1
+    t.release()
+    assert pool.free_list_count == 5
+
+
+def test_prefill_pick_prefers_a_remembered_prefix_unless_busier_by_more():
+    targets = [PrefillTarget(PrefillClient(None, f"127.0.0.1:{7000 + i}"), _topology(i), FakeHealth(),
+                             memory=PrefixMemory("fp", PS)) for i in range(2)]
+    pool = PrefillPool(targets, interval_s=60.0, timeout_s=0.5)
+    try:
+        a, b = targets
+        prompt = list(range(40))
+        b.memory.remember(prompt[:32])
+        assert pool.pick(40, token_ids=prompt) is b and pool.picks_on_hit == 1
+        pool.done(b, 40)
+        b.queued_tokens = 31  # busier than a by less than the 32 cached tokens: still b
+        assert pool.pick(40, token_ids=prompt) is b
+        pool.done(b, 40)
+        b.queued_tokens = 33  # busier by more: a
+        assert pool.pick(40, token_ids=prompt) is a
+        assert (pool.picks, pool.picks_on_hit) == (3, 2)
+    finally:
+        pool.close()
+
+
+def test_front_pick_prefers_a_remembered_prefix_within_the_slack():
+    backends = Backends(config=type("C", (), {"max_running_per_decode": 100})(),
+                        members=[Backend(f"127.0.0.1:{9000 + i}", healthy=True) for i in range(2)])
+    a, b = backends.members
+    prompt = list(range(64))
+    backends.remember(b, prompt)
+    assert backends.pick(prompt_ids=prompt + [1]) is b
+    b.running = ROUTE_SLACK + 1  # too busy: load wins
+    assert backends.pick(prompt_ids=prompt) is a
+    assert (backends.picks, backends.picks_on_hit) == (2, 1)
