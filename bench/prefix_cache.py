@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +42,7 @@ from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc  # noqa: E402
 from lanekv.runtime.status import grpc_options  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from bench.serving import _pct  # noqa: E402
+from bench.stats import percentiles  # noqa: E402
 
 TRANSPORTS = {"fast": "auto", "grpc": "grpc"}
 
@@ -118,8 +117,7 @@ def run_setting(workdir: str, args, vocab: int, cache: bool, transport: str) -> 
         "prefix_cache": "on" if cache else "off",
         "transport": transport,
         "requests": len(results),
-        "ttft_ms_p50": statistics.median(ttft),
-        "ttft_ms_p99": _pct(ttft, 99),
+        **percentiles("ttft_ms", ttft, (50, 99)),  # interpolated, with ttft_ms_n
         "prefill_tokens_computed": int(computed),
         "prompt_tokens": prompt,
         "kv_bytes_moved": sum(r["moved"] for r in results),
