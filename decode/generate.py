@@ -265,7 +265,7 @@ class GeneratePipeline:
     def _prepare_on(self, target: PrefillTarget, call: GenerateCall, deadline: float) -> Prepared:
         """Steps 2-5 with the prefill daemon ``target``; the KV comes from its ranks."""
         ctx, spec = self._ctx, call.spec
-        config, topology = ctx.config, target.topology
+        config = ctx.config
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
@@ -282,6 +282,8 @@ class GeneratePipeline:
             raise
         try:
             started = prefill.started()
+            # What we know of the daemon's layout must be from the start that pinned the pages.
+            topology = ctx.prefills.topology_of(target, prefill.epoch)
             # The start and the request's capability, presented to every rank.
             call.epoch = access_ticket(prefill.epoch, started.capability)
             call.fingerprint = started.contract_fingerprint

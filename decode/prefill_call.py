@@ -192,6 +192,7 @@ class PrefillTarget:
     problem: str = ""  # why it is out of the pick
     slow_checks: int = 0  # health checks in a row that timed out (it leaves at SLOW_CHECKS_TO_LEAVE)
     memory: PrefixMemory | None = None  # the prompt pages sent to it (decode.prefix.route); None: no routing by prefix
+    epoch: str | None = None  # the start the topology is from (its first Prefill after a handshake says)
 
     def __post_init__(self) -> None:
         if self.topology is None:
@@ -309,6 +310,32 @@ class PrefillPool:
             log.warning("prefill daemon %s leaves the pick: %s", target.endpoint, problem)
             self._report()
 
+    def topology_of(self, target: PrefillTarget, epoch: str | None) -> Topology:
+        """``target``'s topology for its start ``epoch`` (a Prefill's ``lanekv-epoch``).
+
+        The one held, if it came from that start (the first start seen after a
+        handshake is taken to be the handshake's); for another start (the daemon
+        restarted under the same address, perhaps laid out otherwise) a new
+        handshake's. A ``Refusal`` UNAVAILABLE when that handshake fails."""
+        with self._lock:
+            topology, known = target.topology, target.epoch
+            if epoch is None or known == epoch or self._rejoin is None or topology is None:
+                return topology
+            if known is None:
+                target.epoch = epoch
+                return topology
+        log.warning("prefill daemon %s restarted (start %s, was %s): handshaking with its new start",
+                    target.endpoint, epoch[:12], known[:12])
+        try:
+            topology = self._rejoin(target.endpoint)
+        except (TransferError, OSError) as err:
+            problem = f"restarted, and its handshake failed: {err}".splitlines()[0]
+            self.lost(target, problem)
+            raise Refusal(Code.UNAVAILABLE, f"prefill daemon {target.endpoint} {problem}") from err
+        with self._lock:
+            target.topology, target.epoch = topology, epoch
+        return topology
+
     def close(self) -> None:
         self._stop.set()
         self._watch.join(2 * self._timeout_s + 1.0)
@@ -349,6 +376,7 @@ class PrefillPool:
                 return
         with self._lock:
             target.topology, target.healthy, target.problem = topology, True, ""
+            target.epoch = None  # the next Prefill names the start this handshake reached
         log.info("prefill daemon %s is in the pick (cp %d)", target.endpoint, topology.cp_size)
         self._report()
 
