@@ -192,7 +192,7 @@ def hf_compiled_steps(cfg_json: dict, dtype: torch.dtype, device: torch.device,
             # Positions advance on the device, as our engine's do: no host sync between steps.
             pos = torch.tensor([args.context], device=device)
 
-            def step() -> None:
+            def step(compiled=compiled, tok=tok, cache=cache, pos=pos, batch=batch) -> None:
                 compiled(input_ids=tok, past_key_values=cache, use_cache=True,
                          cache_position=pos, position_ids=pos[None].expand(batch, 1))
                 pos.add_(1)
@@ -203,7 +203,7 @@ def hf_compiled_steps(cfg_json: dict, dtype: torch.dtype, device: torch.device,
                 timing = time_steps(step, args.steps, args.runs, device)
             out[batch] = timing.ms
             print(f"transformers compiled, batch {batch}: {out[batch]:.2f} ms/step")
-            del cache
+            del cache, step
         del hf
         torch.cuda.empty_cache()
         return out

@@ -86,7 +86,7 @@ def test_fetch_and_release_need_the_capability(servers):
             other = pb.ReleaseRequest(request_id="oth", fingerprint=servers.fingerprint)
             released = _status(lambda md=metadata, r=release: kv.Release(r, timeout=10, metadata=md))
             assert released == (Code.NOT_FOUND, details)
-            assert _status(lambda md=metadata: kv.Release(other, timeout=10, metadata=md)) == (
+            assert _status(lambda md=metadata, r=other: kv.Release(r, timeout=10, metadata=md)) == (
                 Code.NOT_FOUND, details.replace("'req'", "'oth'"))
         assert servers.pages_of(1)  # nothing was released
 
