@@ -8,7 +8,8 @@ per lane) and has a new pool file. Each Prefill names the start it ran on (its e
 a start other than the one the topology came from makes the decode daemon handshake
 again before it reads the pages, and the fast path attaches the new pool. Requests in
 flight when the old start goes may fail (UNAVAILABLE); every later one generates the
-tokens it generated before.
+tokens it generated before. The decode daemon's prefix cache is off: every request goes
+through the prefill daemon and its ranks' pages.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def test_a_prefill_daemon_restarted_on_the_same_ports_is_used_as_its_new_start(t
     decode = None
     try:
         decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=200,
-                                           device="cpu", prefill_health_interval_s=0.2))
+                                           device="cpu", prefill_health_interval_s=0.2, prefix_cache=False))
         assert decode.fastpath is not None  # transport "auto": the shared-memory fast path on this host
         with grpc.insecure_channel(decode.endpoint) as channel:
             stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
@@ -134,7 +135,7 @@ def test_a_restart_between_health_checks_is_told_by_the_epoch(tmp_path):
     decode = None
     try:
         decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=200,
-                                           device="cpu", prefill_health_interval_s=3600))
+                                           device="cpu", prefill_health_interval_s=3600, prefix_cache=False))
         with grpc.insecure_channel(decode.endpoint) as channel:
             stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
             expected = [_generate(stub, p) for p in PROMPTS]
