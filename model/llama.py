@@ -97,12 +97,16 @@ class FusedLinear(nn.Module):
     """Several ``nn.Linear`` of one input as one GEMM: their weights (and biases)
     concatenated along the output dim; the originals' parameters are re-pointed
     at slices of the fused tensor, so loading, ``state_dict`` and memory are as
-    before. Not a checkpoint tensor (nothing registered here)."""
+    before. Not a checkpoint tensor (nothing registered here). Block-FP8 parts
+    fuse into an e4m3 weight with its scales (``weight_scale_inv``) when every
+    part but the last spans whole blocks; otherwise they stay unfused."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.weight_scale_inv: torch.Tensor | None = None  # block-FP8 parts only
+        self.fp8: Fp8Linear | None = None  # the first part: its block and scale format
 
     @property
     def fused(self) -> bool:
