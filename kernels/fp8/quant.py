@@ -142,7 +142,10 @@ def per_token_group_quant_fp8_ref(x: torch.Tensor, group_size: int, *,
     rows, cols = x.shape
     groups = -(-cols // group_size)
     padded = F.pad(x.float(), (0, groups * group_size - cols)).view(rows, groups, group_size)
-    scale = padded.abs().amax(dim=-1).clamp(min=AMAX_FLOOR) / FP8_MAX  # [M, G]
+    amax = padded.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)  # [M, G]
+    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a scalar one,
+    # which is not the correctly rounded quotient the kernel computes
+    scale = amax / torch.full_like(amax, FP8_MAX)
     if scale_ue8m0:
         scale = _round_scale_ue8m0(scale)
     q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, groups * group_size)[:, :cols]
