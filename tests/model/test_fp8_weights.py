@@ -21,14 +21,17 @@ from safetensors.torch import load_file, save_file
 
 from tests.checkpoints import (
     VOCAB_SIZE,
+    write_deepseek_v2,
     write_deepseek_v3,
     write_deepseek_v32,
     write_llama,
+    write_qwen2,
     write_qwen3_moe,
 )
 from tests.fp8_checkpoints import dequantized_copy, quantize_checkpoint
 
-WRITERS = {"llama": write_llama, "qwen3_moe": write_qwen3_moe, "deepseek_v3": write_deepseek_v3,
+WRITERS = {"llama": write_llama, "qwen2": write_qwen2, "qwen3_moe": write_qwen3_moe,
+           "deepseek_v2": write_deepseek_v2, "deepseek_v3": write_deepseek_v3,
            "deepseek_v32": write_deepseek_v32}
 
 
@@ -65,7 +68,7 @@ def _theirs(path, ids: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("name,block,shards", [
     ("llama", (16, 16), 2), ("llama", (128, 128), 1), ("qwen3_moe", (16, 16), 1),
     ("qwen3_moe", (128, 128), 2), ("deepseek_v3", (16, 16), 2), ("deepseek_v3", (128, 128), 1),
-    ("deepseek_v32", (16, 32), 1),
+    ("deepseek_v32", (16, 32), 1), ("qwen2", (32, 16), 2), ("deepseek_v2", (16, 16), 1),
 ])
 def test_fp8_checkpoint_logits_equal_transformers_on_the_dequantized_weights(
         originals, tmp_path, name, block, shards):
