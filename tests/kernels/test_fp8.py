@@ -230,3 +230,34 @@ def test_gpu_moe_experts_fp8_equals_reference_and_captures(tokens):
     ids.copy_(ids.roll(1, 0))
     graph.replay()
     torch.testing.assert_close(captured, moe_experts_fp8_triton(*args, (128, 128)))
+
+
+@pytest.mark.parametrize("tokens,rank,rope", [(1, 512, 64), (5, 128, 16), (3, 256, 24), (0, 128, 8)])
+def test_mla_fp8_rows_pack_bit_exact_and_unpack_close(tokens, rank, rope):
+    from lanekv.kernels.fp8.kv_rows import (
+        mla_fp8_row_bytes,
+        pack_mla_fp8_rows_ref,
+        pack_mla_fp8_rows_triton,
+        unpack_mla_fp8_rows,
+    )
+
+    assert mla_fp8_row_bytes(512, 64) == 656
+    latent = _wide(tokens, rank + rope, rank, torch.float32) / 1000
+    rows = pack_mla_fp8_rows_triton(latent, rank)
+    assert rows.shape == (tokens, mla_fp8_row_bytes(rank, rope)) and rows.dtype == torch.uint8
+    assert torch.equal(rows, pack_mla_fp8_rows_ref(latent, rank))
+    back = unpack_mla_fp8_rows(rows, rank, rope, torch.float32)
+    torch.testing.assert_close(back[:, rank:], latent[:, rank:].bfloat16().float())
+    if tokens:
+        scale = rows[:, rank:rank + 4 * (rank // 128)].contiguous().view(torch.float32)
+        torch.testing.assert_close(back[:, :rank], latent[:, :rank], rtol=2 ** -3,
+                                   atol=scale.max().item() * 2 ** -9)
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens", [1, 37, 4096])
+def test_gpu_mla_fp8_rows_pack_bit_exact(tokens):
+    from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows_ref, pack_mla_fp8_rows_triton
+
+    latent = (_wide(tokens, 576, 4, torch.float32) / 1000).bfloat16().cuda()
+    assert torch.equal(pack_mla_fp8_rows_triton(latent, 512), pack_mla_fp8_rows_ref(latent, 512))
