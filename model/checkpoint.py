@@ -10,6 +10,10 @@ Each tensor file is read once; the same bytes feed both the weights digest and
 that were loaded (a second read could see a file replaced in between).
 ``transformers`` is never imported here. A loaded model has its q/k/v and
 gate/up projections fused and its MoE experts stacked (``fuse_projections``).
+A block-FP8 checkpoint (``quantization_config``) keeps its e4m3 weights and
+scales as stored, its quantized linears swapped for ``Fp8Linear``
+(``model.quant.linear``); a dummy load of one quantizes every decoder linear of
+the random model blockwise (benchmarks of FP8 shapes).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
+from lanekv.kernels.fp8.weights import FP8_DTYPE
 from lanekv.model.attention import AnyCausalLM, kind_of
 from lanekv.model.config import ModelConfig
+from lanekv.model.quant.linear import SCALE_SUFFIX, quantize_linears, use_fp8_linears
 from lanekv.model.tokenizer import Tokenizer, load_tokenizer
 from safetensors.torch import load as load_safetensors
 
@@ -74,7 +80,7 @@ def read_state_dict(path: str | Path, dtype: torch.dtype, device: torch.device |
                     dtypes: dict[str, torch.dtype] | None = None,
                     ) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors converted to ``dtype`` (or their entry of ``dtypes``) on
-    ``device``, and the weights digest:
+    ``device``, e4m3 weights and their ``weight_scale_inv`` as stored, and the weights digest:
     sha256 over the tensor files in sorted name order, each as its length
     (8 bytes, little-endian) then its bytes, so file boundaries count too."""
     digest = hashlib.sha256()
@@ -89,6 +95,8 @@ def read_state_dict(path: str | Path, dtype: torch.dtype, device: torch.device |
             if name.endswith(_IGNORED_SUFFIXES):
                 continue
             wanted = dtype if dtypes is None else dtypes.get(name, dtype)
+            if tensor.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX):
+                wanted = tensor.dtype  # block-FP8 weights and their scales stay as stored
             state[name] = tensor.to(device=device, dtype=wanted)
         del data  # one file's bytes in memory at a time
     return state, digest.hexdigest()
@@ -110,6 +118,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         # Some exporters also write the tied head; like transformers, the
         # embedding is what the head uses.
         state.pop("lm_head.weight", None)
+    use_fp8_linears(model, state, config.weight_quant, dtype)  # block-FP8 layers, checked
+    expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -145,6 +155,8 @@ def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
                 param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=gen)
+    if config.weight_quant is not None:
+        quantize_linears(model.model.layers, config.weight_quant)
     model.eval()
     model.requires_grad_(False)
     model.fuse_projections()

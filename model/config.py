@@ -7,7 +7,7 @@ MLP, carried as ``moe``); DeepSeek-V2/V3 add MLA and MoE (``model.mla_config``,
 carried here as ``mla`` and ``moe``). Every
 field that would change the math in a way the decoder does not implement (a
 sliding window that is actually in effect, another RoPE type, another
-activation, MLP biases, quantized weights) is refused with a ``ValueError``
+activation, MLP biases, a quantization other than block FP8) is refused with a ``ValueError``
 naming the field and its value, rather than served with silently wrong output.
 
 Missing optional fields take the defaults ``transformers`` gives the same
@@ -29,6 +29,7 @@ from lanekv.model.mla_config import (
     MoEConfig,
     deepseek_fields,
 )
+from lanekv.model.quant.config import WeightQuant
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MistralForCausalLM", *DEEPSEEK_ARCHITECTURES)
@@ -95,6 +96,8 @@ class ModelConfig:
     moe: MoEConfig | None = None
     # DeepSeek-V3.2: the sparse-attention indexer; None for every other architecture.
     dsa: DSAConfig | None = None
+    # Block-FP8 checkpoints (``quantization_config``); None: weights as stored, unquantized.
+    weight_quant: WeightQuant | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -187,6 +190,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             qk_norm=architecture in _QWEN3,
             moe=_qwen3_moe(hf) if architecture == "Qwen3MoeForCausalLM" else None,
+            weight_quant=_weight_quant(hf),
         )
 
     @classmethod
@@ -203,6 +207,7 @@ class ModelConfig:
             bos_token_id=hf.get("bos_token_id"),
             **deepseek_fields(hf, architecture),
             dsa=DSAConfig.from_hf(hf) if architecture == "DeepseekV32ForCausalLM" else None,
+            weight_quant=_weight_quant(hf),
         )
 
     @classmethod
@@ -242,6 +247,8 @@ class ModelConfig:
             **({"qk_norm": True} if self.qk_norm else {}),
             **(attention or {}),
             **({} if self.moe is None else {"moe": dict(sorted(vars(self.moe).items()))}),
+            **({} if self.weight_quant is None else {
+                "weight_quant": self.weight_quant.contract_fields()}),
         }
 
 
@@ -281,6 +288,11 @@ def _qwen3_moe(hf: dict[str, Any]) -> MoEConfig:
                                                                            False)))
 
 
+def _weight_quant(hf: dict[str, Any]) -> WeightQuant | None:
+    config = hf.get("quantization_config")
+    return None if config is None else WeightQuant.from_hf(config)
+
+
 def _required_int(hf: dict[str, Any], name: str) -> int:
     if name not in hf:
         raise ValueError(f"{name} is missing from config.json")
@@ -303,9 +315,6 @@ def _refuse_unsupported_math(hf: dict[str, Any], architecture: str) -> None:
         raise ValueError(f"hidden_act={hidden_act!r} is not supported (only 'silu')")
     if hf.get("mlp_bias", False):
         raise ValueError(f"mlp_bias={hf['mlp_bias']!r} is not supported (only false)")
-    if hf.get("quantization_config") is not None:
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantization_config (quant_method={method!r}) is not supported")
     partial = hf.get("partial_rotary_factor", 1.0)
     if partial != 1.0:
         raise ValueError(f"partial_rotary_factor={partial!r} is not supported (only 1.0)")

@@ -26,11 +26,13 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
-from lanekv.model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention
+from lanekv.model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention, silu_mul_down
 from lanekv.model.mla_config import MoEConfig, yarn_inv_freq
+from lanekv.model.quant.linear import Fp8Linear, StackedFp8Experts, dense_weight
 from torch import nn
 
 MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -114,8 +116,9 @@ class MLAAttention(nn.Module):
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's K part ``[H, qk_nope, R]`` and V part ``[H, v_head_dim, R]``."""
         mla = self.mla
-        w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim,
-                                       mla.kv_lora_rank)
+        # a block-FP8 kv_b_proj is dequantized once to the model dtype (dense_weight keeps it)
+        w = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype).view(
+            self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim :]
 
     def decompress(self, latent: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,10 +159,8 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up.fused:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return silu_mul_down(self.down_proj, self.gate_up(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Router(nn.Module):
@@ -219,15 +220,25 @@ class MoE(nn.Module):
         ) if moe.num_shared_experts else None
         self.w13: torch.Tensor | None = None  # not registered: not a checkpoint tensor
         self.w2: torch.Tensor | None = None
+        self.fp8: StackedFp8Experts | None = None  # block-FP8 experts, stacked with their scales
+        self.shared_dtype = dtype  # the model dtype, which dequantized experts take
 
     def _stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
-        w13 = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in self.experts])
-        return w13, torch.stack([e.down_proj.weight for e in self.experts])
+        dtype = self.shared_dtype
+        w13 = torch.stack([torch.cat((dense_weight(e.gate_proj, dtype), dense_weight(e.up_proj, dtype)))
+                           for e in self.experts])
+        return w13, torch.stack([dense_weight(e.down_proj, dtype) for e in self.experts])
 
     def fuse(self) -> None:
         if self.shared_experts is not None:
             self.shared_experts.fuse()
-        if self.w13 is not None:
+        if self.w13 is not None or self.fp8 is not None:
+            return
+        if isinstance(self.experts[0].gate_proj, Fp8Linear):
+            if StackedFp8Experts.stackable(self.experts):
+                self.fp8 = StackedFp8Experts(self.experts, fuse=True)
+            else:  # gate and up blocks would straddle: the bf16 path on dequantized weights
+                self.w13, self.w2 = self._stacked()
             return
         with torch.no_grad():
             w13, w2 = self._stacked()
@@ -240,6 +251,11 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
+            fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)
+            routed = moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
+                                     scale_ue8m0=fp8.scale_ue8m0)
+            return routed if self.shared_experts is None else routed + self.shared_experts(x)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
         routed = moe_experts(x, w13, w2, weights, ids)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
@@ -325,6 +341,7 @@ class DeepseekCausalLM(nn.Module):
         are in place."""
         for layer in self.model.layers:
             layer.mlp.fuse()
+            layer.self_attn._kv_b()  # a block-FP8 kv_b_proj dequantized now, not in a graph capture
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

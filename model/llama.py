@@ -20,9 +20,11 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.fp8.gemm import fp8_linear
 from lanekv.kernels.rmsnorm import add_rmsnorm
 from lanekv.kernels.rope_store import apply_rotary, rotate_half  # noqa: F401 (the model's RoPE ops)
 from lanekv.model.config import ModelConfig
+from lanekv.model.quant.linear import Fp8Linear, fuse_fp8_linears
 from torch import nn
 
 AttentionFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -95,12 +97,16 @@ class FusedLinear(nn.Module):
     """Several ``nn.Linear`` of one input as one GEMM: their weights (and biases)
     concatenated along the output dim; the originals' parameters are re-pointed
     at slices of the fused tensor, so loading, ``state_dict`` and memory are as
-    before. Not a checkpoint tensor (nothing registered here)."""
+    before. Not a checkpoint tensor (nothing registered here). Block-FP8 parts
+    fuse into an e4m3 weight with its scales (``weight_scale_inv``) when every
+    part but the last spans whole blocks; otherwise they stay unfused."""
 
     def __init__(self) -> None:
         super().__init__()
         self.weight: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
+        self.weight_scale_inv: torch.Tensor | None = None  # block-FP8 parts only
+        self.fp8: Fp8Linear | None = None  # the first part: its block and scale format
 
     @property
     def fused(self) -> bool:
@@ -108,6 +114,12 @@ class FusedLinear(nn.Module):
 
     def fuse(self, *parts: nn.Linear) -> None:
         if self.fused:
+            return
+        if isinstance(parts[0], Fp8Linear):
+            fused = fuse_fp8_linears(parts)
+            if fused is not None:
+                self.weight, self.weight_scale_inv, self.bias = fused
+                self.__dict__["fp8"] = parts[0]  # not registered: its tensors are views of these
             return
         with torch.no_grad():
             weight = torch.cat([p.weight for p in parts])
@@ -125,7 +137,19 @@ class FusedLinear(nn.Module):
         self.weight, self.bias = weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight_scale_inv is not None:
+            return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8.block, self.bias,
+                              scale_ue8m0=self.fp8.quant.scale_ue8m0)
         return F.linear(x, self.weight, self.bias)
+
+
+def silu_mul_down(down_proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
+    """``down_proj(silu(gate) * up)`` for ``gate_up [T, 2I]``; a block-FP8 down
+    projection quantizes the product as it computes it."""
+    if isinstance(down_proj, Fp8Linear):
+        return down_proj.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return down_proj(F.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -203,10 +227,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up.fused:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+            return silu_mul_down(self.down_proj, self.gate_up(x))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):

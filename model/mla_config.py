@@ -133,9 +133,6 @@ def deepseek_fields(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
         "q_lora_rank",)}}
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-    if hf.get("quantization_config") is not None:
-        method = hf["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantization_config (quant_method={method!r}) is not supported")
     for name, allowed in (("moe_layer_freq", 1), ("mlp_bias", False)):
         if hf.get(name, allowed) != allowed:
             raise ValueError(f"{name}={hf[name]!r} is not supported (only {allowed!r})")

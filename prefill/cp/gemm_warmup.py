@@ -28,7 +28,8 @@ The GEMMs are the modules the forward multiplies with: ``nn.Linear`` and
 ``FusedLinear`` (a linear whose weight is a slice of a larger tensor runs as
 part of that one: fused q/k/v or gate/up, stacked MoE experts) and the MoE
 routers, each with inputs in its weight's dtype. The vocabulary projection
-runs on one row per request, so it gets ``1 .. LOGIT_ROWS`` rows. On the CPU it
+runs on one row per request, so it gets ``1 .. LOGIT_ROWS`` rows. Block-FP8
+layers (``Fp8Linear``, fused e4m3 projections) take inputs in the model dtype. On the CPU it
 runs too (nothing loads lazily there; the tests check what it calls).
 """
 
@@ -42,6 +43,7 @@ import torch
 from lanekv.model.attention import AnyCausalLM
 from lanekv.model.deepseek import Router
 from lanekv.model.llama import FusedLinear
+from lanekv.model.quant.linear import Fp8Linear
 from torch import nn
 
 log = logging.getLogger("lanekv.prefill")
@@ -88,12 +90,12 @@ def model_gemms(model: AnyCausalLM) -> list[nn.Module]:
     head = getattr(model, "lm_head", None)
     seen: dict[tuple, nn.Module] = {}
     for module in model.modules():
-        if module is head or not isinstance(module, (nn.Linear, FusedLinear, Router)):
+        if module is head or not isinstance(module, (nn.Linear, FusedLinear, Router, Fp8Linear)):
             continue
         weight = module.weight
         if weight is None or weight.dim() != 2:
             continue  # an unfused FusedLinear: its parts run instead
-        if isinstance(module, nn.Linear) and _is_slice(weight):
+        if isinstance(module, nn.Linear | Fp8Linear) and _is_slice(weight):
             continue  # runs as part of the fused or stacked tensor it is a view of
         bias = getattr(module, "bias", None) is not None
         seen.setdefault((type(module), tuple(weight.shape), weight.dtype, bias), module)
@@ -121,10 +123,11 @@ def warm_gemms(model: AnyCausalLM, page_size: int, max_rows: int) -> GemmWarmUp:
         try:
             for module in gemms:
                 weight = module.weight
-                key = (weight.shape[1], weight.dtype)
+                dtype = model.dtype if weight.dtype == torch.float8_e4m3fn else weight.dtype
+                key = (weight.shape[1], dtype)
                 if key not in inputs or inputs[key].shape[0] < rows:
                     inputs.pop(key, None)
-                    inputs[key] = torch.zeros((rows, weight.shape[1]), dtype=weight.dtype, device=device)
+                    inputs[key] = torch.zeros((rows, weight.shape[1]), dtype=dtype, device=device)
                 module(inputs[key][:rows])
                 calls += 1
         except torch.OutOfMemoryError:

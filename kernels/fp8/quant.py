@@ -1,0 +1,190 @@
+"""Per-token-group FP8 quantization of activations, alone or fused with SiLU-and-multiply.
+
+``per_token_group_quant_fp8(x [M, K], group_size)`` -> ``(q [M, K] e4m3,
+scale [M, cdiv(K, group_size)] float32)``: each row's consecutive groups of
+``group_size`` values (the last may be partial) are divided by
+``max(amax, 1e-10) / 448`` and rounded to e4m3, so ``q * scale`` restores the
+row. With ``scale_ue8m0`` the scale is rounded up to a power of two (DeepSeek's
+``scale_fmt: ue8m0`` checkpoints). Both divisions round to nearest (``div_rn``
+in the kernel) and the e4m3 rounding is done in float32 bits before the cast,
+so the kernel equals the torch reference bit for bit, interpreted or compiled.
+
+``silu_mul_quant_fp8(gate_up [M, 2I], group_size)`` quantizes
+``silu(gate) * up`` (each rounded to the input dtype, as the unfused torch ops
+round them) without writing the product: the input of a quantized down
+projection, one read of the gate/up GEMM's output instead of three passes.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from lanekv.kernels.backend import use_triton
+from lanekv.kernels.fp8.weights import FP8_DTYPE, FP8_MAX
+
+AMAX_FLOOR = 1e-10  # an all-zero group still gets a finite, positive scale
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _quantize_tile(x, k_ok, UE8M0: tl.constexpr):
+    """float32 ``x [R, G]`` -> (e4m3 values, float32 scale ``[R]``)."""
+    amax = tl.max(tl.where(k_ok, tl.abs(x), 0.0), axis=1)
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
+    if UE8M0:  # round the scale's exponent up unless it is a power of two already
+        bits = scale.to(tl.int32, bitcast=True)
+        scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
+    q = tl.math.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    return _round_e4m3(q).to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _round_e4m3(x):
+    """float32 ``x`` (|x| <= 448) rounded to nearest-even e4m3 value, still in float32,
+    so the cast to e4m3 below is exact: Triton's interpreter carries no mantissa
+    overflow into the exponent (1.94 became 1.0), the hardware cast rounds the same."""
+    bits = x.to(tl.int32, bitcast=True)
+    lsb = (bits >> 20) & 1
+    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
+    magnitude = (tl.abs(x) + 24576.0) - 24576.0  # multiples of 2^-9, rounded to nearest even
+    subnormal = tl.where(bits < 0, -magnitude, magnitude)  # the sign kept, -0.0 included
+    return tl.where(tl.abs(x) < 0.015625, subnormal, normal)
+
+
+@triton.jit(do_not_specialize=["rows", "cols"])
+def _per_token_group_quant_kernel(
+    x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    r_ok = r < rows
+    k_ok = (k < cols)[None, :]
+    mask = r_ok[:, None] & k_ok
+    r64 = r.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = _quantize_tile(x, k_ok, UE8M0)
+    tl.store(q_ptr + r64[:, None] * stride_q + k[None, :], q, mask=mask)
+    tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=r_ok)
+
+
+@triton.jit(do_not_specialize=["rows", "cols"])
+def _silu_mul_quant_kernel(
+    x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr,
+):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
+    r_ok = r < rows
+    k_ok = (k < cols)[None, :]
+    mask = r_ok[:, None] & k_ok
+    r64 = r.to(tl.int64)
+    dtype = x_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + r64[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
+    up = tl.load(x_ptr + r64[:, None] * stride_x + cols + k[None, :], mask=mask, other=0.0)
+    g32 = gate.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(dtype)  # F.silu rounds to the input dtype
+    h = (act.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    q, scale = _quantize_tile(h, k_ok, UE8M0)
+    tl.store(q_ptr + r64[:, None] * stride_q + k[None, :], q, mask=mask)
+    tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=r_ok)
+
+
+def _check(x: torch.Tensor, group_size: int, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x))}")
+    if x.dtype not in _DTYPES:
+        raise ValueError(f"{name}.dtype must be one of {_DTYPES}, got {x.dtype}")
+    if x.shape[1] > 1 and x.stride(1) != 1:
+        raise ValueError(f"{name} must be dense along its last dim, got strides {x.stride()}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 16 or (
+            group_size & (group_size - 1)):
+        raise ValueError(f"group_size must be a power of two >= 16, got group_size={group_size!r}")
+
+
+def _outputs(x: torch.Tensor, cols: int, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    q = torch.empty((x.shape[0], cols), dtype=FP8_DTYPE, device=x.device)
+    s = torch.empty((x.shape[0], triton.cdiv(cols, group_size)), dtype=torch.float32,
+                    device=x.device)
+    return q, s
+
+
+def _block_rows(rows: int) -> int:
+    return 1 if rows <= 1 else min(16, triton.next_power_of_2(rows))
+
+
+def per_token_group_quant_fp8_triton(x: torch.Tensor, group_size: int, *,
+                                     scale_ue8m0: bool = False,
+                                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, group_size)
+    rows, cols = x.shape
+    q, s = _outputs(x, cols, group_size)
+    if rows and cols:
+        block_r = _block_rows(rows)
+        _per_token_group_quant_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
+            x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
+            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, num_warps=4)
+    return q, s
+
+
+def _round_scale_ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    bits = scale.view(torch.int32)
+    return ((bits + 0x7FFFFF) & 0x7F800000).view(torch.float32)
+
+
+def per_token_group_quant_fp8_ref(x: torch.Tensor, group_size: int, *,
+                                  scale_ue8m0: bool = False,
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, group_size)
+    rows, cols = x.shape
+    groups = -(-cols // group_size)
+    padded = F.pad(x.float(), (0, groups * group_size - cols)).view(rows, groups, group_size)
+    amax = padded.abs().amax(dim=-1).clamp(min=AMAX_FLOOR)  # [M, G]
+    # a tensor divisor: torch on CUDA multiplies by the reciprocal of a scalar one,
+    # which is not the correctly rounded quotient the kernel computes
+    scale = amax / torch.full_like(amax, FP8_MAX)
+    if scale_ue8m0:
+        scale = _round_scale_ue8m0(scale)
+    q = (padded / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).view(rows, groups * group_size)[:, :cols]
+    return q.to(FP8_DTYPE), scale.contiguous()
+
+
+def per_token_group_quant_fp8(x: torch.Tensor, group_size: int, *, scale_ue8m0: bool = False,
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    run = per_token_group_quant_fp8_triton if use_triton(x) else per_token_group_quant_fp8_ref
+    return run(x, group_size, scale_ue8m0=scale_ue8m0)
+
+
+def _check_gate_up(gate_up: torch.Tensor, group_size: int) -> None:
+    _check(gate_up, group_size, "gate_up")
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(gate_up.shape)}")
+
+
+def silu_mul_quant_fp8_triton(gate_up: torch.Tensor, group_size: int, *,
+                              scale_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_gate_up(gate_up, group_size)
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    q, s = _outputs(gate_up, inter, group_size)
+    if rows and inter:
+        block_r = _block_rows(rows)
+        _silu_mul_quant_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
+            gate_up, q, s, rows, inter, gate_up.stride(0), q.stride(0), s.stride(0),
+            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, num_warps=4)
+    return q, s
+
+
+def silu_mul_quant_fp8_ref(gate_up: torch.Tensor, group_size: int, *,
+                           scale_ue8m0: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_gate_up(gate_up, group_size)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return per_token_group_quant_fp8_ref(F.silu(gate) * up, group_size, scale_ue8m0=scale_ue8m0)
+
+
+def silu_mul_quant_fp8(gate_up: torch.Tensor, group_size: int, *, scale_ue8m0: bool = False,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    run = silu_mul_quant_fp8_triton if use_triton(gate_up) else silu_mul_quant_fp8_ref
+    return run(gate_up, group_size, scale_ue8m0=scale_ue8m0)

@@ -1,0 +1,263 @@
+"""Block-FP8 kernels against their torch references over odd sizes: the quantization
+bit for bit (interpreted here, compiled in the gpu tests), the GEMMs within float32
+summation-order tolerance, the grouped expert GEMMs captured in a CUDA graph on the GPU."""
+
+import pytest
+import torch
+from lanekv.kernels.fp8.experts import moe_experts_fp8_ref, moe_experts_fp8_triton
+from lanekv.kernels.fp8.gemm import (
+    GemmTiles,
+    block_fp8_matmul_ref,
+    block_fp8_matmul_triton,
+    fp8_linear_ref,
+    fp8_linear_triton,
+    silu_mul_fp8_linear_ref,
+    silu_mul_fp8_linear_triton,
+)
+from lanekv.kernels.fp8.quant import (
+    per_token_group_quant_fp8_ref,
+    per_token_group_quant_fp8_triton,
+    silu_mul_quant_fp8_ref,
+    silu_mul_quant_fp8_triton,
+)
+from lanekv.kernels.fp8.weights import (
+    FP8_DTYPE,
+    dequantize_weight_blocks,
+    quantize_weight_blocks,
+)
+
+from tests.markers import GPU_CASE, requires_gpu
+
+
+def _wide(rows, cols, seed, dtype=torch.float32, device="cpu"):
+    """Values over six decades, so groups' scales differ and subnormal e4m3 values occur."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen) * torch.logspace(-3, 3, cols)[torch.randperm(
+        cols, generator=gen)]
+    if rows:
+        x[0, : min(cols, 40)] = 0.0  # an all-zero group
+    return x.to(dtype).to(device)
+
+
+def _bits(q):
+    return q.view(torch.uint8)
+
+
+QUANT_CASES = [(1, 16, 16, torch.float32), (5, 100, 32, torch.float32), (7, 300, 128, torch.float16),
+               (3, 129, 64, torch.float32), (0, 64, 32, torch.float32), (17, 1000, 128, torch.float16)]
+
+
+@pytest.mark.parametrize("rows,cols,group,dtype", QUANT_CASES)
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_per_token_group_quant_is_bit_exact(rows, cols, group, dtype, ue8m0):
+    x = _wide(rows, cols, rows + cols, dtype)
+    q, s = per_token_group_quant_fp8_triton(x, group, scale_ue8m0=ue8m0)
+    q_ref, s_ref = per_token_group_quant_fp8_ref(x, group, scale_ue8m0=ue8m0)
+    assert q.dtype == FP8_DTYPE and s.shape == (rows, -(-cols // group))
+    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s, s_ref)
+    if ue8m0 and rows:
+        assert torch.equal(s, torch.exp2(torch.log2(s).round()))  # powers of two
+    if rows:  # the quantized row restores the input to e4m3 precision
+        back = q.float() * s.repeat_interleave(group, 1)[:, :cols]
+        torch.testing.assert_close(back, x.float(), rtol=2 ** -3, atol=s.max().item() * 2 ** -9)
+
+
+@pytest.mark.parametrize("rows,inter,group,dtype", [(1, 16, 16, torch.float32),
+                                                    (6, 100, 32, torch.float16),
+                                                    (9, 130, 128, torch.float32)])
+def test_silu_mul_quant_equals_quantizing_the_product(rows, inter, group, dtype):
+    gate_up = (_wide(rows, 2 * inter, inter, torch.float32) / 100).to(dtype)
+    q, s = silu_mul_quant_fp8_triton(gate_up, group)
+    q_ref, s_ref = silu_mul_quant_fp8_ref(gate_up, group)
+    # the kernel's exp may differ from torch's by an ulp before the rounding to e4m3
+    torch.testing.assert_close(s, s_ref, rtol=1e-6, atol=0)
+    differ = _bits(q) != _bits(q_ref)
+    assert differ.float().mean() < 0.01
+    torch.testing.assert_close(q.float()[differ], q_ref.float()[differ], rtol=2 ** -2, atol=2 ** -9)
+
+
+def test_weight_blocks_round_trip_with_partial_blocks():
+    w = torch.randn(3, 70, 45) * torch.logspace(-2, 2, 45)
+    q, s = quantize_weight_blocks(w, (32, 16))
+    assert q.dtype == FP8_DTYPE and s.shape == (3, 3, 3)
+    back = dequantize_weight_blocks(q, s, (32, 16))
+    torch.testing.assert_close(back, w, rtol=2 ** -3, atol=1e-6 * w.abs().max().item())
+    zero_q, zero_s = quantize_weight_blocks(torch.zeros(16, 16), (16, 16))
+    assert torch.equal(zero_s, torch.ones(1, 1)) and not zero_q.float().any()
+
+
+GEMM_CASES = [(1, 40, 100, (32, 32)), (19, 130, 257, (128, 128)), (5, 64, 64, (16, 64)),
+              (33, 48, 96, (16, 32)), (0, 32, 32, (16, 16))]
+
+
+def _gemm_inputs(rows, cols, depth, block, seed=0, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    w, w_scale = quantize_weight_blocks(torch.randn(cols, depth, generator=gen) * depth ** -0.5,
+                                        block)
+    x = torch.randn(rows, depth, generator=gen)
+    bias = torch.randn(cols, generator=gen)
+    return [t.to(device) for t in (x, w, w_scale, bias)]
+
+
+@pytest.mark.parametrize("rows,cols,depth,block", GEMM_CASES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_block_fp8_matmul_equals_reference(rows, cols, depth, block, out_dtype, with_bias):
+    x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=rows + cols)
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+    bias = bias.to(out_dtype) if with_bias else None
+    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, out_dtype, bias)
+    ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, block, out_dtype, bias)
+    tol = 1e-5 if out_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
+def test_tiles_with_a_k_step_inside_the_scale_group_agree():
+    x, w, w_scale, _ = _gemm_inputs(9, 70, 200, (64, 64), seed=3)
+    a, a_scale = per_token_group_quant_fp8_ref(x, 64)
+    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (64, 64), torch.float32,
+                                  tiles=GemmTiles(16, 16, 16, 4, 1))
+    torch.testing.assert_close(out, block_fp8_matmul_ref(a, a_scale, w, w_scale, (64, 64),
+                                                         torch.float32), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,cols,depth,block", GEMM_CASES[:3])
+def test_fp8_linear_is_the_gemm_of_the_quantized_activations(rows, cols, depth, block):
+    x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=7)
+    out = fp8_linear_triton(x[None], w, w_scale, block, bias)[0]  # leading dims kept
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+    torch.testing.assert_close(out, block_fp8_matmul_ref(a, a_scale, w, w_scale, block,
+                                                         torch.float32, bias),
+                               rtol=1e-5, atol=1e-5)
+    # and within the activations' e4m3 rounding of the dequantized-weight reference
+    dense = fp8_linear_ref(x, w, w_scale, block, bias)
+    if rows:
+        assert (out - dense).norm() <= 0.05 * dense.norm()
+
+
+def test_silu_mul_fp8_linear_equals_reference():
+    gen = torch.Generator().manual_seed(1)
+    gate_up = torch.randn(7, 2 * 96, generator=gen)
+    w, w_scale = quantize_weight_blocks(torch.randn(50, 96, generator=gen) * 0.1, (32, 32))
+    out = silu_mul_fp8_linear_triton(gate_up, w, w_scale, (32, 32))
+    a, a_scale = silu_mul_quant_fp8_ref(gate_up, 32)
+    torch.testing.assert_close(out, block_fp8_matmul_ref(a, a_scale, w, w_scale, (32, 32),
+                                                         torch.float32), rtol=1e-3, atol=1e-3)
+    dense = silu_mul_fp8_linear_ref(gate_up, w, w_scale, (32, 32))
+    assert (out - dense).norm() <= 0.05 * dense.norm()
+
+
+def _moe_inputs(tokens, top_k, experts, hidden, inter, block, seed=0, device="cpu",
+                dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13, s13 = quantize_weight_blocks(torch.randn(experts, 2 * inter, hidden, generator=gen)
+                                      * hidden ** -0.5, block)
+    w2, s2 = quantize_weight_blocks(torch.randn(experts, hidden, inter, generator=gen)
+                                    * inter ** -0.5, block)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)]) if (
+        tokens) else torch.zeros(0, top_k, dtype=torch.int64)
+    weights = torch.rand(tokens, top_k, generator=gen)
+    return [t.to(device) for t in (x, w13, s13, w2, s2, weights, ids)]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,inter,block", [
+    (1, 2, 8, 64, 32, (16, 32)), (7, 3, 5, 100, 48, (16, 16)), (40, 2, 4, 48, 32, (32, 16)),
+    (0, 2, 4, 32, 16, (16, 16))])
+def test_moe_experts_fp8_equals_reference(tokens, top_k, experts, hidden, inter, block):
+    args = _moe_inputs(tokens, top_k, experts, hidden, inter, block, seed=tokens)
+    out = moe_experts_fp8_triton(*args, block)
+    ref = moe_experts_fp8_ref(*args, block)
+    if tokens:
+        assert (out - ref).norm() <= 0.06 * ref.norm()  # e4m3 activations against unquantized
+    else:
+        assert out.shape == ref.shape == (0, hidden)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: per_token_group_quant_fp8_ref(torch.zeros(2, 8), 24), "group_size must be a power"),
+    (lambda: per_token_group_quant_fp8_ref(torch.zeros(8), 16), "x must be a 2-D tensor"),
+    (lambda: block_fp8_matmul_ref(torch.zeros(2, 32, dtype=FP8_DTYPE), torch.ones(2, 1),
+                                  torch.zeros(16, 32, dtype=FP8_DTYPE), torch.ones(2, 1),
+                                  (16, 32), torch.float32), "w_scale must be float32 (1, 1)"),
+    (lambda: block_fp8_matmul_ref(torch.zeros(2, 32), torch.ones(2, 1),
+                                  torch.zeros(16, 32, dtype=FP8_DTYPE), torch.ones(1, 1),
+                                  (16, 32), torch.float32), "a must be a 2-D torch.float8_e4m3fn"),
+    (lambda: fp8_linear_ref(torch.zeros(2, 32), torch.zeros(16, 32, dtype=FP8_DTYPE),
+                            torch.ones(1, 1), (16, 48)), "block must be two powers of two"),
+])
+def test_launchers_refuse_bad_layouts_naming_the_argument(call, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call()
+
+
+# ---- the compiled kernels (GPU) ----
+
+@pytest.mark.parametrize("rows,cols,group,dtype", [
+    pytest.param(*case, marks=GPU_CASE) for case in
+    [*QUANT_CASES, (64, 4096, 128, torch.bfloat16), (3000, 7168, 128, torch.bfloat16)]])
+def test_gpu_quant_is_bit_exact(rows, cols, group, dtype):
+    x = _wide(rows, cols, 2, dtype, "cuda")
+    for ue8m0 in (False, True):
+        q, s = per_token_group_quant_fp8_triton(x, group, scale_ue8m0=ue8m0)
+        q_ref, s_ref = per_token_group_quant_fp8_ref(x, group, scale_ue8m0=ue8m0)
+        assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s, s_ref)
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [1, 7, 16, 40, 200, 1000])
+@pytest.mark.parametrize("cols,depth", [(4096, 4096), (6144, 4096), (4096, 14336), (3072, 2048)])
+def test_gpu_block_fp8_matmul_equals_reference(rows, cols, depth):
+    x, w, w_scale, _ = _gemm_inputs(rows, cols, depth, (128, 128), device="cuda")
+    a, a_scale = per_token_group_quant_fp8_ref(x.bfloat16(), 128)
+    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.bfloat16)
+    ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens", [1, 5, 64, 700])
+def test_gpu_moe_experts_fp8_equals_reference_and_captures(tokens):
+    # DeepSeek-V2-Lite's experts: 64, top 6, hidden 2048, intermediate 1408 (11 blocks)
+    args = _moe_inputs(tokens, 6, 64, 2048, 1408, (128, 128), device="cuda", dtype=torch.bfloat16)
+    x, w13, s13, w2, s2, weights, ids = args
+    out = moe_experts_fp8_triton(*args, (128, 128))
+    ref = moe_experts_fp8_ref(x.float(), w13, s13, w2, s2, weights, ids, (128, 128))
+    assert (out.float() - ref).norm() <= 0.06 * ref.norm()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_experts_fp8_triton(*args, (128, 128))
+    ids.copy_(ids.roll(1, 0))
+    graph.replay()
+    torch.testing.assert_close(captured, moe_experts_fp8_triton(*args, (128, 128)))
+
+
+@pytest.mark.parametrize("tokens,rank,rope", [(1, 512, 64), (5, 128, 16), (3, 256, 24), (0, 128, 8)])
+def test_mla_fp8_rows_pack_bit_exact_and_unpack_close(tokens, rank, rope):
+    from lanekv.kernels.fp8.kv_rows import (
+        mla_fp8_row_bytes,
+        pack_mla_fp8_rows_ref,
+        pack_mla_fp8_rows_triton,
+        unpack_mla_fp8_rows,
+    )
+
+    assert mla_fp8_row_bytes(512, 64) == 656
+    latent = _wide(tokens, rank + rope, rank, torch.float32) / 1000
+    rows = pack_mla_fp8_rows_triton(latent, rank)
+    assert rows.shape == (tokens, mla_fp8_row_bytes(rank, rope)) and rows.dtype == torch.uint8
+    assert torch.equal(rows, pack_mla_fp8_rows_ref(latent, rank))
+    back = unpack_mla_fp8_rows(rows, rank, rope, torch.float32)
+    torch.testing.assert_close(back[:, rank:], latent[:, rank:].bfloat16().float())
+    if tokens:
+        scale = rows[:, rank:rank + 4 * (rank // 128)].contiguous().view(torch.float32)
+        torch.testing.assert_close(back[:, :rank], latent[:, :rank], rtol=2 ** -3,
+                                   atol=scale.max().item() * 2 ** -9)
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens", [1, 37, 4096])
+def test_gpu_mla_fp8_rows_pack_bit_exact(tokens):
+    from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows_ref, pack_mla_fp8_rows_triton
+
+    latent = (_wide(tokens, 576, 4, torch.float32) / 1000).bfloat16().cuda()
+    assert torch.equal(pack_mla_fp8_rows_triton(latent, 512), pack_mla_fp8_rows_ref(latent, 512))
