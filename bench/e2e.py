@@ -111,11 +111,11 @@ def main() -> None:
         prefill = PrefillDaemon(
             EngineConfig(d, cp_size=args.cp, page_size=args.page_size, dtype=dtype, load_format="dummy",
                          pages_per_lane=pool_pages // args.cp + 64, start_timeout_s=900),
-            DaemonConfig(lease_s=600),
+            DaemonConfig(lease_s=600, prefix_cache=False),
         )
         try:
             decode = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size, dtype=dtype,
-                                               load_format="dummy", pool_pages=pool_pages))
+                                               load_format="dummy", pool_pages=pool_pages, prefix_cache=False))
             try:
                 channel = grpc.insecure_channel(decode.endpoint, options=grpc_options())
                 stub = lanekv_pb2_grpc.DecodeServiceStub(channel)

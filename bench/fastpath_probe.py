@@ -128,14 +128,15 @@ def main() -> None:
         prefill = PrefillDaemon(
             EngineConfig(d, cp_size=args.cp, page_size=args.page_size, dtype=dtype, load_format="dummy",
                          pages_per_lane=2 * pages // args.cp + 16, start_timeout_s=900),
-            DaemonConfig(lease_s=600, max_batch_tokens=args.tokens),
+            DaemonConfig(lease_s=600, max_batch_tokens=args.tokens, prefix_cache=False),
         )
         decoders = {}
         try:
             for name, transport in (("fast", "auto"), ("grpc", "grpc")):
                 decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
                                                            dtype=dtype, load_format="dummy", pool_pages=pages,
-                                                           transport=transport, request_timeout_s=900))
+                                                           transport=transport, request_timeout_s=900,
+                                                           prefix_cache=False))
             out = probe(prefill, decoders, model_cfg["vocab_size"], args)
         finally:
             for dec in decoders.values():

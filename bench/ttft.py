@@ -5,6 +5,10 @@ GPU (prefill cp=2 on GPUs 0 and 1, both decode daemons on GPU 0; Llama-3-8B shap
 CPU (the tiny model):
     python bench/ttft.py --tiny --cp 2 --tokens 256 1024
 
+Every path computes the whole prompt: the prefix caches are off on every
+daemon here (the same prompt goes to each path in turn, and a cache would
+turn all but the first into a hit; bench/prefix_cache.py measures those).
+
 One prefill daemon and four decode daemons against it, one reading every rank
 over gRPC (``transport="grpc"``), three taking the fast path (``"auto"``: CUDA
 IPC between processes of one host, /dev/shm pools on the CPU). Per prompt
@@ -304,14 +308,15 @@ def main() -> None:
         prefill = PrefillDaemon(
             EngineConfig(d, cp_size=args.cp, page_size=args.page_size, dtype=dtype, load_format="dummy",
                          pages_per_lane=2 * pages // args.cp + 16, start_timeout_s=900),
-            DaemonConfig(lease_s=600, max_batch_tokens=max(args.tokens)),
+            DaemonConfig(lease_s=600, max_batch_tokens=max(args.tokens), prefix_cache=False),
         )
         decoders = {}
         try:
             for name, transport in PATHS:
                 decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
                                                            dtype=dtype, load_format="dummy", pool_pages=pages,
-                                                           transport=transport, request_timeout_s=900))
+                                                           transport=transport, request_timeout_s=900,
+                                                           prefix_cache=False))
             # Calls the ranks at once, copies at the end (the ranks send a descriptor pair per layer).
             streamed = decoders["fast_streamed"].fastpath
             streamed.tuning = dataclasses.replace(streamed.tuning, wait_for_answer=False)
