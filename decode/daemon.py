@@ -346,7 +346,8 @@ class DecodeDaemon:
         """
         ctx = self.generate
         config = dataclasses.replace(self.config, request_timeout_s=WARM_UP_TIMEOUT_S)
-        pipeline = GeneratePipeline(dataclasses.replace(ctx, config=config))
+        # Its made-up prompt stays out of the prefix cache: a warm-up leaves the pool as it found it.
+        pipeline = GeneratePipeline(dataclasses.replace(ctx, config=config, prefix_cache=None, prefix_metrics=None))
         # Two pages when the model and the pool allow (a remap across pages), and one decode step.
         tokens = max(1, min(2 * config.page_size, ctx.max_positions - WARM_UP_NEW_TOKENS,
                             config.pool_pages * config.page_size - WARM_UP_NEW_TOKENS))
