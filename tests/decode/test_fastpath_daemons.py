@@ -208,7 +208,8 @@ def test_the_fast_path_calls_the_ranks_once_the_prefill_has_answered(checkpoint,
 def test_a_digest_that_never_matches_falls_back_to_grpc(checkpoint, monkeypatch):
     with running_pair(_engine(checkpoint), pool_pages=64, transport="grpc") as (_, decode):
         expected = _tokens(decode.endpoint)
-    with running_pair(_engine(checkpoint), pool_pages=64) as (prefill, decode):
+    # The same prompt twice: without the decode side's prefix cache every page moves again.
+    with running_pair(_engine(checkpoint), pool_pages=64, prefix_cache=False) as (prefill, decode):
         assert _tokens(decode.endpoint) == expected  # the fast path, digests matching
         assert {decode.fastpath.transport(e) for e in prefill.topology.endpoints} == {"shm"}
         monkeypatch.setattr("lanekv.transfer.fastpath.rangecopy.PageDigest.total", lambda self, first=None, last=None: torch.tensor(0))
