@@ -15,6 +15,7 @@ from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.connector.registry import TRANSPORTS
 from lanekv.transfer.grpcfetch.client import RetryPolicy
+from lanekv.transfer.grpcfetch.layerwise import MAX_STREAMS_PER_RANK
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,9 @@ class DecodeConfig:
     # Processes that receive ranks' gRPC streams outside this process's GIL
     # (transfer.grpcfetch.receivers); None: 4 when the pool is on a GPU, else 0 (threads here).
     fetch_processes: int | None = None
+    # gRPC streams from each owner rank, each a run of its pages, every layer as it is
+    # written (transfer.grpcfetch.layerwise); None: 2 when the pool is on a GPU, else 1.
+    fetch_streams: int | None = None
     fetch_attempts: int = 4  # tries of a rank's stream in a row that bring nothing new
     stall_timeout_s: float = 10.0  # a rank's stream silent this long is cut and retried
     release_timeout_s: float = 10.0  # deadline of each Release at a prefill rank
@@ -101,6 +105,12 @@ class DecodeConfig:
         ):
             raise ValueError(f"fetch_processes must be None or an integer in [0, 64], "
                              f"got fetch_processes={self.fetch_processes!r}")
+        if self.fetch_streams is not None and (
+            isinstance(self.fetch_streams, bool) or not isinstance(self.fetch_streams, int)
+            or not 1 <= self.fetch_streams <= MAX_STREAMS_PER_RANK
+        ):
+            raise ValueError(f"fetch_streams must be None or an integer in [1, {MAX_STREAMS_PER_RANK}], "
+                             f"got fetch_streams={self.fetch_streams!r}")
         if isinstance(self.fetch_attempts, bool) or not isinstance(self.fetch_attempts, int) or self.fetch_attempts < 1:
             raise ValueError(f"fetch_attempts must be an integer >= 1, got fetch_attempts={self.fetch_attempts!r}")
         for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s",
@@ -134,6 +144,12 @@ class DecodeConfig:
         if self.fetch_processes is not None:
             return self.fetch_processes
         return 4 if self.resolved_device == "cuda" else 0
+
+    @property
+    def resolved_fetch_streams(self) -> int:
+        if self.fetch_streams is not None:
+            return self.fetch_streams
+        return 2 if self.resolved_device == "cuda" else 1
 
     @property
     def fetch_retry(self) -> RetryPolicy:

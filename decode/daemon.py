@@ -145,7 +145,8 @@ class DecodeDaemon:
                                     rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
                                     on_available=self._prefill_available)
         self.fetcher = make_fetcher(config.transports, TransportContext(
-            self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes))
+            self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes,
+            config.resolved_fetch_streams))
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device,
                                        index_cache_dtype=config.index_cache_dtype)

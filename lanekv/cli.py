@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fetch-processes", type=int, default=None,
                    help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
                         "(default: 4 with a GPU pool, else 0: threads of the daemon)")
+    p.add_argument("--fetch-streams", type=int, default=None,
+                   help="gRPC streams from each prefill rank, each a run of its pages sent layer by layer as "
+                        "the prefill writes them (default: 2 with a GPU pool, else 1)")
     p.add_argument("--grace-s", type=float, default=None,
                    help=f"on SIGINT/SIGTERM, seconds open streams get to finish (default: {STOP_GRACE_S})")
     p.add_argument("--warm-up-request", action=argparse.BooleanOptionalAction, default=None,

@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -77,6 +78,8 @@ from lanekv.transfer.protocol.descriptors import (
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.service import Served, serve
 
+# A test hook: ``<layer>:<seconds>`` makes every prefill sleep once that layer is written.
+SLOW_LAYER_ENV = "LANEKV_SLOW_LAYER"
 # How often an idle rank checks that its parent is still alive (and reports its call counts).
 _POLL_S = 1.0
 # A stopping rank lets open FetchKV streams finish this long.
@@ -319,9 +322,13 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
     if registered is not None:
         registered()
 
+    slow_layer, slow_s = _slowed_layer()
+
     def written(layer: int) -> None:
         source.digest_written(batch.request_ids, layer)  # queued before the layer's event
         progress.layer_written(layer)
+        if layer == slow_layer:
+            time.sleep(slow_s)
 
     try:
         result = runner.run(batch, None if progress is None else written)
@@ -332,6 +339,23 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
                 source.forget(rid)
         raise
     return result
+
+
+def _slowed_layer() -> tuple[int, float]:
+    """The test hook ``LANEKV_SLOW_LAYER=<layer>:<seconds>``: the prefill sleeps that long
+    once the layer is written, so a test sees what the transfer does meanwhile; (-1, 0)
+    when unset. A malformed value is a ValueError naming it."""
+    value = os.environ.get(SLOW_LAYER_ENV, "")
+    if not value:
+        return -1, 0.0
+    layer, _, seconds = value.partition(":")
+    try:
+        parsed = int(layer), float(seconds)
+    except ValueError as err:
+        raise ValueError(f"{SLOW_LAYER_ENV} must be '<layer>:<seconds>', got {value!r}") from err
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 60:
+        raise ValueError(f"{SLOW_LAYER_ENV} must name a layer >= 0 and 0-60 seconds, got {value!r}")
+    return parsed
 
 
 class _TransferServer:

@@ -132,12 +132,12 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             def alive() -> bool:
                 return context.is_active() and self._holds(rid)
 
-            def ready(layer_end: int) -> tuple[int, Any]:
+            def ready(layer_end: int, exact: bool = False) -> tuple[int, Any]:
                 """Wait until layers < layer_end are written (the prefill may still run)."""
                 left = context.time_remaining()
                 wait_s = self._layer_wait_s if left is None else min(left, self._layer_wait_s)
                 try:
-                    return self._source.ready(rid, layer_end, wait_s, alive)
+                    return self._source.ready(rid, layer_end, wait_s, alive, exact=exact)
                 except KeyError as err:
                     raise Refusal(Code.NOT_FOUND, _key_message(rid, err)) from err
                 except PrefillFailed as err:
@@ -151,7 +151,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             else:
                 def message(seq: int) -> tuple[bytes, int]:
                     chunk, physical = chunks[seq]
-                    _, after = ready(chunk.layer_end)
+                    # The event of the chunk's own last layer: a read waits for no later layer.
+                    _, after = ready(chunk.layer_end, exact=True)
                     payload = self._source.read(physical, chunk.layer_start, chunk.layer_end, after)
                     # A release racing this fetch may have recycled the pages under
                     # the read; checking after it proves they were held throughout.
