@@ -51,7 +51,8 @@ class DecodeConfig:
     metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
     security: SecurityConfig = SecurityConfig()  # our port, and our channels to prefill and its ranks
     # "auto": ranks on this host that share their pool are read in place
-    # (transfer.protocol.descriptors), the others over gRPC; "grpc": every rank over gRPC.
+    # (transfer.protocol.descriptors), the others over gRPC; "grpc": every rank over gRPC;
+    # "nixl": every rank NIXL reaches read through NIXL (transfer/connector/nixl.py), the rest over gRPC.
     transport: str = "auto"
     # xPyD: more prefill daemons beside prefill_endpoint; each request goes to one of them.
     extra_prefill_endpoints: tuple[str, ...] = ()
@@ -70,8 +71,8 @@ class DecodeConfig:
                 or not 0 <= self.prefix_cache_share <= 1:
             raise ValueError(f"prefix_cache_share must be in [0, 1], got prefix_cache_share={self.prefix_cache_share!r}")
         check_advertise_host(self.advertise_host)
-        if self.transport not in ("auto", "grpc"):
-            raise ValueError(f"transport must be auto or grpc, got transport={self.transport!r}")
+        if self.transport not in ("auto", "grpc", "nixl"):
+            raise ValueError(f"transport must be auto, grpc or nixl, got transport={self.transport!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -159,8 +160,11 @@ class DecodeConfig:
     @property
     def transports(self) -> tuple[str, ...]:
         """The KV fetcher's transports, most preferred first (``transfer.connector.registry``):
-        every one registered for "auto", gRPC alone for "grpc"."""
-        return tuple(TRANSPORTS) if self.transport == "auto" else ("grpc",)
+        every one registered but NIXL for "auto" (NIXL is chosen, never assumed), NIXL then
+        gRPC for "nixl", gRPC alone for "grpc"."""
+        if self.transport == "auto":
+            return tuple(name for name in TRANSPORTS if name != "nixl")
+        return ("nixl", "grpc") if self.transport == "nixl" else ("grpc",)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -59,7 +59,7 @@ from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.security import open_channel
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, one_line
-from lanekv.transfer.connector.base import TransportContext
+from lanekv.transfer.connector.base import KVTransport, TransportContext
 from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.errors import ContractMismatch
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
@@ -456,9 +456,18 @@ class DecodeDaemon:
         self._close_clients()
         self.rpc.close()
 
+    @property
+    def nixl(self) -> KVTransport | None:
+        """The NIXL transport (``--transport nixl``), or None."""
+        fetcher = getattr(self, "fetcher", None)
+        return None if fetcher is None else fetcher.transport("nixl")
+
     def _close_clients(self) -> None:
         if self.prefills is not None:
             self.prefills.close()
+        nixl = self.nixl
+        if nixl is not None:
+            nixl.close()  # the pool's registration and every peer agent
         self.kv.close()
         for channel in self._prefill_channels:
             channel.close()

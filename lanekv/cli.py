@@ -214,9 +214,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health checks of each prefill daemon (one out of the pick "
                         f"rejoins once SERVING and its handshake passes; default: "
                         f"{dc('prefill_health_interval_s')})")
-    p.add_argument("--transport", choices=("auto", "grpc"), default=None,
+    p.add_argument("--transport", choices=("auto", "grpc", "nixl"), default=None,
                    help="auto (default): read prefill ranks on this host in place (CUDA IPC or /dev/shm), "
-                        "the others over gRPC; grpc: every rank over gRPC")
+                        "the others over gRPC; grpc: every rank over gRPC; nixl: read every rank through "
+                        "NIXL (UCX: RDMA, TCP or shared memory; pip install 'lanekv[nixl]'), over gRPC where "
+                        "a rank offers no NIXL or a page does not verify")
     p.add_argument("--fetch-processes", type=int, default=None,
                    help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
                         "(default: 4 with a GPU pool, else 0: threads of the daemon)")

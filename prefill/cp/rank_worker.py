@@ -68,6 +68,7 @@ from lanekv.runtime.rpc_metrics import lanekv_metrics
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.shmfiles import pool_file_name
 from lanekv.runtime.status import TRANSFER_SERVICE, bounded, one_line
+from lanekv.transfer.nixl.export import NixlExport
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.descriptors import (
     SHM_DIR,
@@ -207,6 +208,8 @@ def rank_main(
         served = runner.process.transfer_server
         if served is not None:
             served.stop(_STOP_GRACE_S)
+        if serving is not None and serving.nixl is not None:
+            serving.nixl.close()  # the pool's registration, after the last FetchKV ended
         if dist.is_initialized():
             dist.destroy_process_group()
         remove_shared_pool(shared_path)  # mappings a decode daemon holds stay valid
@@ -368,6 +371,7 @@ class _TransferServer:
                  reporter: RpcReporter) -> None:
         self._config, self._rank, self._where, self._results, self._reporter = config, rank, where, results, reporter
         self._agreement: Agreement | None = None
+        self.nixl: NixlExport | None = None  # the pool offered over NIXL, once started
 
     def start(self, model_config: ModelConfig, weights_digest: str, pool: torch.Tensor,
               shared_path: Path | None) -> tuple[RankPageSource, Served]:
@@ -386,8 +390,10 @@ class _TransferServer:
         keep_freed_buffers()  # this process builds a multi-MiB message per chunk it sends
         source = RankPageSource(agreement, rank, pool, on_release, shared_path)
         port = where.port_base + rank if where.port_base else 0
+        self.nixl = NixlExport(pool, rank, where.epoch)  # NIXL is loaded at the first NixlAttach
         server = serve(source, where.host, port, security=where.security,
-                       interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch)
+                       interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
+                       nixl=self.nixl)
         return source, server
 
     def described(self, process: RankProcess, info: RankInfo) -> RankInfo:

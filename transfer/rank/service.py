@@ -34,6 +34,8 @@ from lanekv.runtime.status import (
     Refusal,
     refusals,
 )
+from lanekv.transfer.nixl.agent import NixlUnavailable
+from lanekv.transfer.nixl.export import NixlExport
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
 from lanekv.transfer.protocol.contract import (
     Agreement,
@@ -85,6 +87,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         on_fetched: OnFetched | None = None,
         epoch: str | None = None,
         layer_wait_s: float = LAYER_WAIT_S,
+        nixl: NixlExport | None = None,
     ) -> None:
         # The contract is read from the source at every call: the topology may
         # be completed after the server starts (endpoints are known only once
@@ -95,6 +98,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._on_fetched = on_fetched
         self._epoch = epoch
         self._layer_wait_s = layer_wait_s
+        self._nixl = nixl  # the pool offered over NIXL (NixlAttach), or None
         self._attached: OrderedDict[str, None] = OrderedDict()  # peer hosts that called AttachPool
         self._attached_lock = threading.Lock()
 
@@ -123,7 +127,9 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
             self._same_start(context, request.request_id)
-            if request.descriptors:
+            if request.nixl:
+                self._check_nixl(request)
+            elif request.descriptors:
                 self._check_attached(context)
             span = self._span(request, agreement)
             chunks = [] if request.descriptors else self._plan(request, agreement, span)
@@ -209,6 +215,24 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 while len(self._attached) > MAX_ATTACHED_PEERS:
                     self._attached.popitem(last=False)
         return lanekv_pb2.AttachReply(handle=handle.encode())
+
+    def NixlAttach(self, request, context):
+        with refusals(context):
+            self._agreed("attach", request.fingerprint)
+            self._same_start(context)
+            if self._nixl is None:
+                raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank} offers no NIXL")
+            try:
+                return self._nixl.attach()
+            except (NixlUnavailable, RuntimeError, ValueError) as err:
+                raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank}: {err}") from err
+
+    def _check_nixl(self, request: lanekv_pb2.FetchRequest) -> None:
+        if not request.descriptors:
+            raise Refusal(Code.INVALID_ARGUMENT, "nixl=true needs descriptors=true: NIXL moves the bytes")
+        if self._nixl is None or not self._nixl.attached:
+            raise Refusal(Code.FAILED_PRECONDITION,
+                          f"nixl=true needs a NixlAttach on rank {self._source.rank} first")
 
     def Release(self, request, context):
         with refusals(context):
@@ -407,6 +431,11 @@ def add_transfer_service(server: grpc.Server, service: KVTransferService) -> Non
             request_deserializer=lanekv_pb2.AttachRequest.FromString,
             response_serializer=lanekv_pb2.AttachReply.SerializeToString,
         ),
+        "NixlAttach": grpc.unary_unary_rpc_method_handler(
+            service.NixlAttach,
+            request_deserializer=lanekv_pb2.NixlAttachRequest.FromString,
+            response_serializer=lanekv_pb2.NixlAttachReply.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(TRANSFER_SERVICE, handlers),)
@@ -434,6 +463,7 @@ def serve(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     on_fetched: OnFetched | None = None,
     epoch: str | None = None,
+    nixl: NixlExport | None = None,
 ) -> Served:
     """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
 
@@ -445,7 +475,7 @@ def serve(
     """
     security = SecurityConfig() if security is None else security
     server = make_server(security, max_workers, interceptors=interceptors)
-    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch))
+    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch, nixl=nixl))
     checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     bound = bind(server, host, port, security)
