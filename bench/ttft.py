@@ -69,15 +69,14 @@ from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from lanekv.transfer.fastpath.rankfetch import FastRequest, RankPages  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.nixl.agent import available as nixl_available  # noqa: E402
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
 
+from bench.nixl_transfer import nixl_alone, raw_nixl_gbps, ucx_tls  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
-from lanekv.transfer.nixl.agent import available as nixl_available  # noqa: E402
-
-from bench.nixl_transfer import nixl_alone, raw_nixl_gbps, ucx_tls  # noqa: E402
 
 
 def prompt(vocab: int, tokens: int, seed: int) -> list[int]:
@@ -119,7 +118,7 @@ PATHS = (("grpc", "grpc"), ("fast", "auto"), ("fast_streamed", "auto"), ("fast_l
 # (GPU memory on a GPU; UCX picks its transports), and NIXL over UCX TCP only.
 NIXL_PATHS = (("nixl", "nixl"), ("nixl_tcp", "nixl"))
 # UCX transports of each NIXL path's agents (None: UCX's own choice).
-NIXL_TLS = {"nixl": None, "nixl_tcp": "tcp,cuda_copy,self"}
+NIXL_TLS = {"nixl": None, "nixl_tcp": "tcp,cuda_copy,self" if torch.cuda.is_available() else "tcp,self"}
 
 
 def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS) -> dict:

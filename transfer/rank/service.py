@@ -152,7 +152,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
             if request.descriptors:
-                yield from self._descriptors(rid, span, ready)
+                yield from self._descriptors(rid, span, ready, exact=request.nixl)
                 sent_bytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement)
             else:
                 def message(seq: int) -> tuple[bytes, int]:
@@ -173,18 +173,30 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             if self._on_fetched is not None:
                 self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
 
-    def _descriptors(self, rid: str, span: _Span, ready: Callable[[int], tuple[int, Any]]) -> Iterator[bytes]:
+    def _descriptors(self, rid: str, span: _Span, ready: Callable[..., tuple[int, Any]],
+                     exact: bool = False) -> Iterator[bytes]:
         """Descriptor chunks (the fast path): each covers every layer written since the
         one before, so a finished prefill goes in one and a running one layer by layer.
 
         Each range goes twice: announced (no digest) once its layers are written
         on the device, so the caller may start copying them, then sealed with
         the digest the rank took meanwhile (while it held the pages).
+
+        ``exact`` (NIXL, read from another host): a range ends at the last layer whose
+        event has completed, not at the last one queued, so the first range goes
+        out as soon as its first layer is on the device (layer-wise streaming).
         """
         seq, layer = 0, span.layer_start
         while layer < span.layer_end:
-            written, after = ready(layer + 1)
+            written, after = ready(layer + 1, exact)
             upto = min(span.layer_end, written)
+            if exact:
+                upto = layer + 1
+                while upto < min(span.layer_end, written):
+                    _, later = ready(upto + 1, True)
+                    if later is not None and not later.query():
+                        break  # queued, not yet written on the device
+                    upto, after = upto + 1, later
             if after is not None:
                 after.synchronize()  # written on the device, not only queued
             announced = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, None)

@@ -14,8 +14,8 @@ from lanekv.transfer.rank import progress as progress_module
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.service import KVTransferService
 
-from tests.reliability.kv_cluster import LAYERS, PAGE_LAYER_BYTES, placer, same_bits, start_servers
 from tests.markers import requires_gpu
+from tests.reliability.kv_cluster import LAYERS, PAGE_LAYER_BYTES, placer, same_bits, start_servers
 from tests.reliability.proxy import FaultProxy
 
 NUM_PAGES = 14  # rank 0 holds 7 pages, rank 1 holds 7
