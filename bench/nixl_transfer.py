@@ -25,7 +25,7 @@ from lanekv.runtime.status import grpc_options
 from lanekv.transfer.connector.base import Coverage, FetchJob
 from lanekv.transfer.nixl.agent import Agent, memory_kind
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import EPOCH_METADATA_KEY, access_ticket
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
 
 RAW_CHUNK = 64 << 20
 
