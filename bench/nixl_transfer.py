@@ -24,8 +24,8 @@ from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.status import grpc_options
 from lanekv.transfer.connector.base import Coverage, FetchJob
 from lanekv.transfer.nixl.agent import Agent, memory_kind
-from lanekv.transfer.protocol.manifest import Manifest
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
+from lanekv.transfer.protocol.manifest import Manifest
 
 RAW_CHUNK = 64 << 20
 

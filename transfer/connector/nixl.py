@@ -55,10 +55,10 @@ from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient, RankStats
 from lanekv.transfer.nixl.agent import Agent, NixlTransferError, NixlUnavailable, memory_kind
 from lanekv.transfer.nixl.runs import PoolRegion, read_pairs
+from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, start_of
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.descriptors import Descriptor, as_u64
 from lanekv.transfer.protocol.wire import kv_dtype
-from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, start_of
 
 NIXL = "nixl"
 log = logging.getLogger("lanekv.transfer")
