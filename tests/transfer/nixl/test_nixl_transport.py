@@ -65,7 +65,8 @@ def test_nixl_over_ucx_tcp_gives_transformers_tokens_and_a_flipped_byte_is_fetch
     monkeypatch.setattr(KVFetcher, "fetch", recorded)
     monkeypatch.setattr(agent_module.Agent, "read", flipping_read)
     engine = EngineConfig(str(checkpoint), cp_size=cp, page_size=4, pages_per_lane=32, start_timeout_s=120)
-    with running_pair(engine, transport="nixl") as (_, decode), grpc.insecure_channel(decode.endpoint) as channel:
+    # No decode-side prefix cache: every request moves all its pages.
+    with running_pair(engine, transport="nixl", prefix_cache=False) as (_, decode), grpc.insecure_channel(decode.endpoint) as channel:
         stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
 
         def generate(ids):
@@ -91,7 +92,8 @@ def _daemons(checkpoint, **prefill_config):
                                          start_timeout_s=120), DaemonConfig(lease_s=60.0, **prefill_config))
     try:
         decode = DecodeDaemon(DecodeConfig(str(checkpoint), prefill.endpoint, page_size=4, pool_pages=96,
-                                           device="cpu", transport="nixl", release_timeout_s=1.0))
+                                           device="cpu", transport="nixl", release_timeout_s=1.0,
+                                           prefix_cache=False))  # every request moves all its pages
     except BaseException:
         prefill.stop()
         raise
