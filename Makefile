@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	# lanekv[nixl] without its dependencies: its unpinned torch must not replace ours
+	$(PY) -m pip install -q --no-deps "nixl-cu13>=1.5,<1.6"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -69,10 +69,12 @@ from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from lanekv.transfer.fastpath.rankfetch import FastRequest, RankPages  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.nixl.agent import available as nixl_available  # noqa: E402
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
 
+from bench.nixl_transfer import nixl_alone, raw_nixl_gbps, ucx_tls  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
 from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
 
@@ -112,9 +114,14 @@ def generate(stub, ids: list[int]) -> tuple[float, dict]:
 
 # The decode daemons of the TTFT table: (name, transport), and what each does differently.
 PATHS = (("grpc", "grpc"), ("fast", "auto"), ("fast_streamed", "auto"), ("fast_layer", "auto"))
+# With lanekv[nixl] installed (``--nixl``): NIXL with the decode pool registered where it is
+# (GPU memory on a GPU; UCX picks its transports), and NIXL over UCX TCP only.
+NIXL_PATHS = (("nixl", "nixl"), ("nixl_tcp", "nixl"))
+# UCX transports of each NIXL path's agents (None: UCX's own choice).
+NIXL_TLS = {"nixl": None, "nixl_tcp": "tcp,cuda_copy,self" if torch.cuda.is_available() else "tcp,self"}
 
 
-def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
+def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS) -> dict:
     """Medians over ``repeat`` prompts of ``tokens`` (after one warm-up) of each path's TTFT,
     prefill call, transfer and ranks' own compute seconds, with each TTFT's min and max."""
     rows = []
@@ -122,7 +129,7 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
         ids = prompt(vocab, tokens, tokens * 100 + i)
         seconds, timings = colocated(prefill, stubs["prefill"], ids)
         row = dict(colocated_s=seconds, **{f"colocated_{k}": timings[k] for k in ("compute_s", "queued_s", "gc_s")})
-        for name, _ in PATHS:
+        for name, _ in paths:
             seconds, meta = generate(stubs[name], ids)
             row[f"{name}_s"] = seconds
             for key, field in (("transfer", "transfer_s"), ("prefill", "prefill_s"), ("prefill-compute", "compute_s")):
@@ -136,7 +143,7 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int) -> dict:
         {part: r[key] * 1e3 for part, key in (("call", "colocated_s"), ("compute", "colocated_compute_s"),
                                               ("queued", "colocated_queued_s"), ("gc", "colocated_gc_s"))}
         for r in rows[1:]]
-    for name in ("colocated", *(n for n, _ in PATHS)):
+    for name in ("colocated", *(n for n, _ in paths)):
         out[f"{name}_min_s"] = min(r[f"{name}_s"] for r in rows[1:])
         out[f"{name}_max_s"] = max(r[f"{name}_s"] for r in rows[1:])
         if name != "colocated":
@@ -297,7 +304,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--skip-ttft", action="store_true", help="measure the transfer alone")
+    ap.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=None,
+                    help="also the NIXL paths (default: when lanekv[nixl] is installed)")
     args = ap.parse_args()
+    use_nixl = nixl_available() if args.nixl is None else args.nixl
+    paths = PATHS + (NIXL_PATHS if use_nixl else ())
     model_cfg = LLAMA3_8B if args.llama3_8b else TINY
     dtype = "bfloat16" if args.llama3_8b else "float32"
     transfer_tokens = args.transfer_tokens or args.tokens
@@ -312,11 +323,14 @@ def main() -> None:
         )
         decoders = {}
         try:
-            for name, transport in PATHS:
+            for name, transport in paths:
                 decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
                                                            dtype=dtype, load_format="dummy", pool_pages=pages,
                                                            transport=transport, request_timeout_s=900,
                                                            prefix_cache=False))
+                if transport == "nixl":
+                    with ucx_tls(NIXL_TLS[name]):  # its agent starts now, with these transports
+                        decoders[name].nixl._agent_here()
             # Calls the ranks at once, copies at the end (the ranks send a descriptor pair per layer).
             streamed = decoders["fast_streamed"].fastpath
             streamed.tuning = dataclasses.replace(streamed.tuning, wait_for_answer=False)
@@ -326,9 +340,19 @@ def main() -> None:
             channels["prefill"] = grpc.insecure_channel(prefill.endpoint, options=grpc_options())
             stubs = {name: lanekv_pb2_grpc.DecodeServiceStub(ch) for name, ch in channels.items()}
             stubs["prefill"] = lanekv_pb2_grpc.PrefillServiceStub(channels["prefill"])
-            rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat) for n in args.tokens]
+            rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat, paths)
+                                              for n in args.tokens]
             alone = [transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, n, args.repeat)
                      for n in transfer_tokens]
+            if use_nixl:  # each NIXL path alone, beside a raw NIXL read of the same bytes, same transports
+                device = decoders["grpc"].pool.tensor.device
+                for a, n in zip(alone, transfer_tokens):
+                    for name, _ in NIXL_PATHS:
+                        got = nixl_alone(prefill, decoders[name], prompt(vocab, n, 11), args.repeat)
+                        raw = raw_nixl_gbps(got["nixl_bytes"], device, args.repeat, NIXL_TLS[name])
+                        a.update({f"{name}_{k[5:]}": v for k, v in got.items()})
+                        a[f"{name}_raw_gbps"] = raw
+                        a[f"{name}_over_raw"] = got["nixl_gbps"] / raw if raw else 0.0
             transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
             for ch in channels.values():
                 ch.close()
@@ -345,7 +369,7 @@ def main() -> None:
     print(f"{'tokens':>7} {'path':>14} {'TTFT ms':>9} {'min':>7} {'max':>7} {'/a':>6} {'prefill call':>13} "
           f"{'rank compute':>13} {'transfer':>9}")
     for r in rows:
-        for name in ("colocated", *(n for n, _ in PATHS)):
+        for name in ("colocated", *(n for n, _ in paths)):
             over = "" if name == "colocated" else f"{r[f'{name}_over_colocated']:.3f}"
             call = "" if name == "colocated" else f"{r[f'{name}_prefill_s'] * 1e3:.1f}"
             compute = r[f"{name}_compute_s"] * 1e3
@@ -373,6 +397,14 @@ def main() -> None:
         print(f"{a['tokens']:>7} {a['grpc_gbps']:>10.2f} {a['grpc_dropped_gbps']:>13.2f} "
               f"{a['grpc_threads_gbps']:>8.2f} {a['raw_grpc_gbps']:>12.2f} {a['raw_grpc_processes_gbps']:>17.2f} "
               f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f}")
+    if use_nixl:
+        print("\nNIXL (the transport alone: descriptor streams, NIXL reads into the pool, digest checks) "
+              "against a raw NIXL read of the same bytes, same UCX transports, GB/s:")
+        print(f"{'tokens':>7} {'path':>9} {'transport':>10} {'raw':>8} {'/raw':>6}")
+        for a in alone:
+            for name, _ in NIXL_PATHS:
+                print(f"{a['tokens']:>7} {name:>9} {a[f'{name}_gbps']:>10.2f} {a[f'{name}_raw_gbps']:>8.2f} "
+                      f"{a[f'{name}_over_raw']:>6.2f}")
     for a in alone:
         for rank, ph in sorted(a["fast_phases_last"].items()):
             print(f"{a['tokens']} tokens, fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = "

@@ -15,6 +15,7 @@ from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.connector.registry import TRANSPORTS
 from lanekv.transfer.grpcfetch.client import RetryPolicy
+from lanekv.transfer.grpcfetch.layerwise import MAX_STREAMS_PER_RANK
 
 
 @dataclass(frozen=True)
@@ -41,13 +42,17 @@ class DecodeConfig:
     # Processes that receive ranks' gRPC streams outside this process's GIL
     # (transfer.grpcfetch.receivers); None: 4 when the pool is on a GPU, else 0 (threads here).
     fetch_processes: int | None = None
+    # gRPC streams from each owner rank, each a run of its pages, every layer as it is
+    # written (transfer.grpcfetch.layerwise); None: 2 when the pool is on a GPU, else 1.
+    fetch_streams: int | None = None
     fetch_attempts: int = 4  # tries of a rank's stream in a row that bring nothing new
     stall_timeout_s: float = 10.0  # a rank's stream silent this long is cut and retried
     release_timeout_s: float = 10.0  # deadline of each Release at a prefill rank
     metrics_port: int | None = None  # GET /metrics on host; None: off, 0: a free port
     security: SecurityConfig = SecurityConfig()  # our port, and our channels to prefill and its ranks
     # "auto": ranks on this host that share their pool are read in place
-    # (transfer.protocol.descriptors), the others over gRPC; "grpc": every rank over gRPC.
+    # (transfer.protocol.descriptors), the others over gRPC; "grpc": every rank over gRPC;
+    # "nixl": every rank NIXL reaches read through NIXL (transfer/connector/nixl.py), the rest over gRPC.
     transport: str = "auto"
     # xPyD: more prefill daemons beside prefill_endpoint; each request goes to one of them.
     extra_prefill_endpoints: tuple[str, ...] = ()
@@ -66,8 +71,8 @@ class DecodeConfig:
                 or not 0 <= self.prefix_cache_share <= 1:
             raise ValueError(f"prefix_cache_share must be in [0, 1], got prefix_cache_share={self.prefix_cache_share!r}")
         check_advertise_host(self.advertise_host)
-        if self.transport not in ("auto", "grpc"):
-            raise ValueError(f"transport must be auto or grpc, got transport={self.transport!r}")
+        if self.transport not in ("auto", "grpc", "nixl"):
+            raise ValueError(f"transport must be auto, grpc or nixl, got transport={self.transport!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got dtype={self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -101,6 +106,12 @@ class DecodeConfig:
         ):
             raise ValueError(f"fetch_processes must be None or an integer in [0, 64], "
                              f"got fetch_processes={self.fetch_processes!r}")
+        if self.fetch_streams is not None and (
+            isinstance(self.fetch_streams, bool) or not isinstance(self.fetch_streams, int)
+            or not 1 <= self.fetch_streams <= MAX_STREAMS_PER_RANK
+        ):
+            raise ValueError(f"fetch_streams must be None or an integer in [1, {MAX_STREAMS_PER_RANK}], "
+                             f"got fetch_streams={self.fetch_streams!r}")
         if isinstance(self.fetch_attempts, bool) or not isinstance(self.fetch_attempts, int) or self.fetch_attempts < 1:
             raise ValueError(f"fetch_attempts must be an integer >= 1, got fetch_attempts={self.fetch_attempts!r}")
         for name in ("page_wait_s", "connect_timeout_s", "request_timeout_s", "release_timeout_s", "stall_timeout_s",
@@ -136,6 +147,12 @@ class DecodeConfig:
         return 4 if self.resolved_device == "cuda" else 0
 
     @property
+    def resolved_fetch_streams(self) -> int:
+        if self.fetch_streams is not None:
+            return self.fetch_streams
+        return 2 if self.resolved_device == "cuda" else 1
+
+    @property
     def fetch_retry(self) -> RetryPolicy:
         """How a KV fetch retries a rank's stream (``transfer.grpcfetch.fetch``)."""
         return RetryPolicy(attempts=self.fetch_attempts, stall_s=self.stall_timeout_s)
@@ -143,8 +160,11 @@ class DecodeConfig:
     @property
     def transports(self) -> tuple[str, ...]:
         """The KV fetcher's transports, most preferred first (``transfer.connector.registry``):
-        every one registered for "auto", gRPC alone for "grpc"."""
-        return tuple(TRANSPORTS) if self.transport == "auto" else ("grpc",)
+        every one registered but NIXL for "auto" (NIXL is chosen, never assumed), NIXL then
+        gRPC for "nixl", gRPC alone for "grpc"."""
+        if self.transport == "auto":
+            return tuple(name for name in TRANSPORTS if name != "nixl")
+        return ("nixl", "grpc") if self.transport == "nixl" else ("grpc",)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -59,7 +59,7 @@ from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.security import open_channel
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, one_line
-from lanekv.transfer.connector.base import TransportContext
+from lanekv.transfer.connector.base import KVTransport, TransportContext
 from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.errors import ContractMismatch
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
@@ -145,7 +145,8 @@ class DecodeDaemon:
                                     rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
                                     on_available=self._prefill_available)
         self.fetcher = make_fetcher(config.transports, TransportContext(
-            self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes))
+            self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes,
+            config.resolved_fetch_streams))
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device,
                                        index_cache_dtype=config.index_cache_dtype)
@@ -456,9 +457,18 @@ class DecodeDaemon:
         self._close_clients()
         self.rpc.close()
 
+    @property
+    def nixl(self) -> KVTransport | None:
+        """The NIXL transport (``--transport nixl``), or None."""
+        fetcher = getattr(self, "fetcher", None)
+        return None if fetcher is None else fetcher.transport("nixl")
+
     def _close_clients(self) -> None:
         if self.prefills is not None:
             self.prefills.close()
+        nixl = self.nixl
+        if nixl is not None:
+            nixl.close()  # the pool's registration and every peer agent
         self.kv.close()
         for channel in self._prefill_channels:
             channel.close()

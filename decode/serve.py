@@ -32,7 +32,7 @@ log = logging.getLogger("lanekv.decode")
 # over sooner (BENCHMARKS.md, issue 18: ITL through the daemons at 64 streams).
 GIL_SWITCH_INTERVAL_S = 0.0005
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
-_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes",
+_CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes", "fetch_streams",
                  "graph_batch_sizes", "prefill_health_interval_s")
 
 

@@ -214,12 +214,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds between health checks of each prefill daemon (one out of the pick "
                         f"rejoins once SERVING and its handshake passes; default: "
                         f"{dc('prefill_health_interval_s')})")
-    p.add_argument("--transport", choices=("auto", "grpc"), default=None,
+    p.add_argument("--transport", choices=("auto", "grpc", "nixl"), default=None,
                    help="auto (default): read prefill ranks on this host in place (CUDA IPC or /dev/shm), "
-                        "the others over gRPC; grpc: every rank over gRPC")
+                        "the others over gRPC; grpc: every rank over gRPC; nixl: read every rank through "
+                        "NIXL (UCX: RDMA, TCP or shared memory; pip install 'lanekv[nixl]'), over gRPC where "
+                        "a rank offers no NIXL or a page does not verify")
     p.add_argument("--fetch-processes", type=int, default=None,
                    help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
                         "(default: 4 with a GPU pool, else 0: threads of the daemon)")
+    p.add_argument("--fetch-streams", type=int, default=None,
+                   help="gRPC streams from each prefill rank, each a run of its pages sent layer by layer as "
+                        "the prefill writes them (default: 2 with a GPU pool, else 1)")
     p.add_argument("--grace-s", type=float, default=None,
                    help=f"on SIGINT/SIGTERM, seconds open streams get to finish (default: {STOP_GRACE_S})")
     p.add_argument("--warm-up-request", action=argparse.BooleanOptionalAction, default=None,

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/lanekv.proto\x12\tlanekv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"c\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\"\xc0\x01\n\x0ePrefillRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x15\n\x0c\x63\x61\x63hed_pages\x18\xb4\x01 \x01(\rB\x08\n\x06promptB\r\n\x0b_request_id\"\x8d\x02\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x1c\n\x14\x63ontract_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08manifest\x18\x04 \x01(\x0c\x12\x11\n\tendpoints\x18\x05 \x03(\t\x12\x35\n\x07timings\x18\x06 \x03(\x0b\x32$.lanekv.v1.PrefillReply.TimingsEntry\x12\x12\n\ncapability\x18\x07 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x0fPrefillProgress\x12&\n\x05reply\x18\x01 \x01(\x0b\x32\x17.lanekv.v1.PrefillReply\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"$\n\x10HandshakeRequest\x12\x10\n\x08\x63ontract\x18\x01 \x01(\x0c\"Q\n\x0eHandshakeReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08\x63ontract\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04\x64iff\x18\x04 \x03(\t\"\xaf\x01\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x16\n\tlayer_end\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05pages\x18\x05 \x03(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x07 \x01(\x08\x42\x0c\n\n_layer_end\"4\n\x07KVChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03pad\x18\x03 \x01(\x0c\"I\n\rAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\"\x1d\n\x0b\x41ttachReply\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"#\n\x0cReleaseReply\x12\x13\n\x0bpages_freed\x18\x01 \x01(\r\"\xda\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x17\n\nrequest_id\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_id\"\x85\x01\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\"\x15\n\x13\x44\x65\x63odeStatusRequest\"I\n\x13PrefillDaemonStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\"g\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\x30\n\x08prefills\x18\x03 \x03(\x0b\x32\x1e.lanekv.v1.PrefillDaemonStatus2\x99\x01\n\x0ePrefillService\x12=\n\x07Prefill\x12\x19.lanekv.v1.PrefillRequest\x1a\x17.lanekv.v1.PrefillReply\x12H\n\rPrefillStream\x12\x19.lanekv.v1.PrefillRequest\x1a\x1a.lanekv.v1.PrefillProgress0\x01\x32\x8a\x02\n\nKVTransfer\x12\x43\n\tHandshake\x12\x1b.lanekv.v1.HandshakeRequest\x1a\x19.lanekv.v1.HandshakeReply\x12\x38\n\x07\x46\x65tchKV\x12\x17.lanekv.v1.FetchRequest\x1a\x12.lanekv.v1.KVChunk0\x01\x12=\n\x07Release\x12\x19.lanekv.v1.ReleaseRequest\x1a\x17.lanekv.v1.ReleaseReply\x12>\n\nAttachPool\x12\x18.lanekv.v1.AttachRequest\x1a\x16.lanekv.v1.AttachReply2\x9b\x01\n\rDecodeService\x12\x42\n\x08Generate\x12\x1a.lanekv.v1.GenerateRequest\x1a\x18.lanekv.v1.GenerateReply0\x01\x12\x46\n\x06Status\x12\x1e.lanekv.v1.DecodeStatusRequest\x1a\x1c.lanekv.v1.DecodeStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/lanekv.proto\x12\tlanekv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"c\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\"\xc0\x01\n\x0ePrefillRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x15\n\x0c\x63\x61\x63hed_pages\x18\xb4\x01 \x01(\rB\x08\n\x06promptB\r\n\x0b_request_id\"\x8d\x02\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x1c\n\x14\x63ontract_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08manifest\x18\x04 \x01(\x0c\x12\x11\n\tendpoints\x18\x05 \x03(\t\x12\x35\n\x07timings\x18\x06 \x03(\x0b\x32$.lanekv.v1.PrefillReply.TimingsEntry\x12\x12\n\ncapability\x18\x07 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x0fPrefillProgress\x12&\n\x05reply\x18\x01 \x01(\x0b\x32\x17.lanekv.v1.PrefillReply\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"$\n\x10HandshakeRequest\x12\x10\n\x08\x63ontract\x18\x01 \x01(\x0c\"Q\n\x0eHandshakeReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08\x63ontract\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04\x64iff\x18\x04 \x03(\t\"\xbe\x01\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x16\n\tlayer_end\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05pages\x18\x05 \x03(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x07 \x01(\x08\x12\r\n\x04nixl\x18\xdc\x01 \x01(\x08\x42\x0c\n\n_layer_end\"4\n\x07KVChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03pad\x18\x03 \x01(\x0c\"I\n\rAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\"\x1d\n\x0b\x41ttachReply\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"#\n\x0cReleaseReply\x12\x13\n\x0bpages_freed\x18\x01 \x01(\r\"(\n\x11NixlAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x96\x01\n\x0fNixlAttachReply\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x11\n\tpool_addr\x18\x04 \x01(\x04\x12\x12\n\npool_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x0e\n\x06memory\x18\x07 \x01(\t\"\xda\x01\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x17\n\nrequest_id\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_id\"\x85\x01\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\"\x15\n\x13\x44\x65\x63odeStatusRequest\"I\n\x13PrefillDaemonStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\"g\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\x30\n\x08prefills\x18\x03 \x03(\x0b\x32\x1e.lanekv.v1.PrefillDaemonStatus2\x99\x01\n\x0ePrefillService\x12=\n\x07Prefill\x12\x19.lanekv.v1.PrefillRequest\x1a\x17.lanekv.v1.PrefillReply\x12H\n\rPrefillStream\x12\x19.lanekv.v1.PrefillRequest\x1a\x1a.lanekv.v1.PrefillProgress0\x01\x32\xd2\x02\n\nKVTransfer\x12\x43\n\tHandshake\x12\x1b.lanekv.v1.HandshakeRequest\x1a\x19.lanekv.v1.HandshakeReply\x12\x38\n\x07\x46\x65tchKV\x12\x17.lanekv.v1.FetchRequest\x1a\x12.lanekv.v1.KVChunk0\x01\x12=\n\x07Release\x12\x19.lanekv.v1.ReleaseRequest\x1a\x17.lanekv.v1.ReleaseReply\x12>\n\nAttachPool\x12\x18.lanekv.v1.AttachRequest\x1a\x16.lanekv.v1.AttachReply\x12\x46\n\nNixlAttach\x12\x1c.lanekv.v1.NixlAttachRequest\x1a\x1a.lanekv.v1.NixlAttachReply2\x9b\x01\n\rDecodeService\x12\x42\n\x08Generate\x12\x1a.lanekv.v1.GenerateRequest\x1a\x18.lanekv.v1.GenerateReply0\x01\x12\x46\n\x06Status\x12\x1e.lanekv.v1.DecodeStatusRequest\x1a\x1c.lanekv.v1.DecodeStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,31 +41,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HANDSHAKEREPLY']._serialized_start=737
   _globals['_HANDSHAKEREPLY']._serialized_end=818
   _globals['_FETCHREQUEST']._serialized_start=821
-  _globals['_FETCHREQUEST']._serialized_end=996
-  _globals['_KVCHUNK']._serialized_start=998
-  _globals['_KVCHUNK']._serialized_end=1050
-  _globals['_ATTACHREQUEST']._serialized_start=1052
-  _globals['_ATTACHREQUEST']._serialized_end=1125
-  _globals['_ATTACHREPLY']._serialized_start=1127
-  _globals['_ATTACHREPLY']._serialized_end=1156
-  _globals['_RELEASEREQUEST']._serialized_start=1158
-  _globals['_RELEASEREQUEST']._serialized_end=1215
-  _globals['_RELEASEREPLY']._serialized_start=1217
-  _globals['_RELEASEREPLY']._serialized_end=1252
-  _globals['_GENERATEREQUEST']._serialized_start=1255
-  _globals['_GENERATEREQUEST']._serialized_end=1473
-  _globals['_GENERATEREPLY']._serialized_start=1476
-  _globals['_GENERATEREPLY']._serialized_end=1609
-  _globals['_DECODESTATUSREQUEST']._serialized_start=1611
-  _globals['_DECODESTATUSREQUEST']._serialized_end=1632
-  _globals['_PREFILLDAEMONSTATUS']._serialized_start=1634
-  _globals['_PREFILLDAEMONSTATUS']._serialized_end=1707
-  _globals['_DECODESTATUSREPLY']._serialized_start=1709
-  _globals['_DECODESTATUSREPLY']._serialized_end=1812
-  _globals['_PREFILLSERVICE']._serialized_start=1815
-  _globals['_PREFILLSERVICE']._serialized_end=1968
-  _globals['_KVTRANSFER']._serialized_start=1971
-  _globals['_KVTRANSFER']._serialized_end=2237
-  _globals['_DECODESERVICE']._serialized_start=2240
-  _globals['_DECODESERVICE']._serialized_end=2395
+  _globals['_FETCHREQUEST']._serialized_end=1011
+  _globals['_KVCHUNK']._serialized_start=1013
+  _globals['_KVCHUNK']._serialized_end=1065
+  _globals['_ATTACHREQUEST']._serialized_start=1067
+  _globals['_ATTACHREQUEST']._serialized_end=1140
+  _globals['_ATTACHREPLY']._serialized_start=1142
+  _globals['_ATTACHREPLY']._serialized_end=1171
+  _globals['_RELEASEREQUEST']._serialized_start=1173
+  _globals['_RELEASEREQUEST']._serialized_end=1230
+  _globals['_RELEASEREPLY']._serialized_start=1232
+  _globals['_RELEASEREPLY']._serialized_end=1267
+  _globals['_NIXLATTACHREQUEST']._serialized_start=1269
+  _globals['_NIXLATTACHREQUEST']._serialized_end=1309
+  _globals['_NIXLATTACHREPLY']._serialized_start=1312
+  _globals['_NIXLATTACHREPLY']._serialized_end=1462
+  _globals['_GENERATEREQUEST']._serialized_start=1465
+  _globals['_GENERATEREQUEST']._serialized_end=1683
+  _globals['_GENERATEREPLY']._serialized_start=1686
+  _globals['_GENERATEREPLY']._serialized_end=1819
+  _globals['_DECODESTATUSREQUEST']._serialized_start=1821
+  _globals['_DECODESTATUSREQUEST']._serialized_end=1842
+  _globals['_PREFILLDAEMONSTATUS']._serialized_start=1844
+  _globals['_PREFILLDAEMONSTATUS']._serialized_end=1917
+  _globals['_DECODESTATUSREPLY']._serialized_start=1919
+  _globals['_DECODESTATUSREPLY']._serialized_end=2022
+  _globals['_PREFILLSERVICE']._serialized_start=2025
+  _globals['_PREFILLSERVICE']._serialized_end=2178
+  _globals['_KVTRANSFER']._serialized_start=2181
+  _globals['_KVTRANSFER']._serialized_end=2519
+  _globals['_DECODESERVICE']._serialized_start=2522
+  _globals['_DECODESERVICE']._serialized_end=2677
 # @@protoc_insertion_point(module_scope)

@@ -95,7 +95,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., contract: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., diff: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "layer_start", "layer_end", "pages", "max_chunk_bytes", "descriptors")
+    __slots__ = ("request_id", "fingerprint", "layer_start", "layer_end", "pages", "max_chunk_bytes", "descriptors", "nixl")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class FetchRequest(_message.Message):
     PAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: str
     layer_start: int
@@ -110,7 +111,8 @@ class FetchRequest(_message.Message):
     pages: _containers.RepeatedScalarFieldContainer[int]
     max_chunk_bytes: int
     descriptors: bool
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., descriptors: _Optional[bool] = ...) -> None: ...
+    nixl: bool
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., descriptors: _Optional[bool] = ..., nixl: _Optional[bool] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "pad")
@@ -151,6 +153,30 @@ class ReleaseReply(_message.Message):
     PAGES_FREED_FIELD_NUMBER: _ClassVar[int]
     pages_freed: int
     def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
+
+class NixlAttachRequest(_message.Message):
+    __slots__ = ("fingerprint",)
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    fingerprint: str
+    def __init__(self, fingerprint: _Optional[str] = ...) -> None: ...
+
+class NixlAttachReply(_message.Message):
+    __slots__ = ("agent_metadata", "agent_name", "epoch", "pool_addr", "pool_bytes", "device_id", "memory")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    POOL_ADDR_FIELD_NUMBER: _ClassVar[int]
+    POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    agent_name: str
+    epoch: str
+    pool_addr: int
+    pool_bytes: int
+    device_id: int
+    memory: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., epoch: _Optional[str] = ..., pool_addr: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "request_id")

@@ -145,6 +145,10 @@ class KVTransferStub:
                 '/lanekv.v1.KVTransfer/AttachPool',
                 request_serializer=proto_dot_lanekv__pb2.AttachRequest.SerializeToString,
                 response_deserializer=proto_dot_lanekv__pb2.AttachReply.FromString)
+        self.NixlAttach = channel.unary_unary(
+                '/lanekv.v1.KVTransfer/NixlAttach',
+                request_serializer=proto_dot_lanekv__pb2.NixlAttachRequest.SerializeToString,
+                response_deserializer=proto_dot_lanekv__pb2.NixlAttachReply.FromString)
 
 
 class KVTransferServicer:
@@ -176,6 +180,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def NixlAttach(self, request, context):
+        """NIXL (transfer/nixl/): this rank's pool registered with a NIXL agent bound to
+        this start of the prefill daemon; FAILED_PRECONDITION where NIXL is not installed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -198,6 +210,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.AttachPool,
                     request_deserializer=proto_dot_lanekv__pb2.AttachRequest.FromString,
                     response_serializer=proto_dot_lanekv__pb2.AttachReply.SerializeToString,
+            ),
+            'NixlAttach': grpc.unary_unary_rpc_method_handler(
+                    servicer.NixlAttach,
+                    request_deserializer=proto_dot_lanekv__pb2.NixlAttachRequest.FromString,
+                    response_serializer=proto_dot_lanekv__pb2.NixlAttachReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,32 @@ class KVTransfer:
             '/lanekv.v1.KVTransfer/AttachPool',
             proto_dot_lanekv__pb2.AttachRequest.SerializeToString,
             proto_dot_lanekv__pb2.AttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata)
+
+    @staticmethod
+    def NixlAttach(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lanekv.v1.KVTransfer/NixlAttach',
+            proto_dot_lanekv__pb2.NixlAttachRequest.SerializeToString,
+            proto_dot_lanekv__pb2.NixlAttachReply.FromString,
             options,
             channel_credentials,
             insecure,

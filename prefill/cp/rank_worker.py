@@ -19,6 +19,7 @@ import os
 import queue
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
@@ -67,6 +68,7 @@ from lanekv.runtime.rpc_metrics import lanekv_metrics
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.shmfiles import pool_file_name
 from lanekv.runtime.status import TRANSFER_SERVICE, bounded, one_line
+from lanekv.transfer.nixl.export import NixlExport
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.descriptors import (
     SHM_DIR,
@@ -77,6 +79,8 @@ from lanekv.transfer.protocol.descriptors import (
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.service import Served, serve
 
+# A test hook: ``<layer>:<seconds>`` makes every prefill sleep once that layer is written.
+SLOW_LAYER_ENV = "LANEKV_SLOW_LAYER"
 # How often an idle rank checks that its parent is still alive (and reports its call counts).
 _POLL_S = 1.0
 # A stopping rank lets open FetchKV streams finish this long.
@@ -204,6 +208,8 @@ def rank_main(
         served = runner.process.transfer_server
         if served is not None:
             served.stop(_STOP_GRACE_S)
+        if serving is not None and serving.nixl is not None:
+            serving.nixl.close()  # the pool's registration, after the last FetchKV ended
         if dist.is_initialized():
             dist.destroy_process_group()
         remove_shared_pool(shared_path)  # mappings a decode daemon holds stay valid
@@ -319,9 +325,13 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
     if registered is not None:
         registered()
 
+    slow_layer, slow_s = _slowed_layer()
+
     def written(layer: int) -> None:
         source.digest_written(batch.request_ids, layer)  # queued before the layer's event
         progress.layer_written(layer)
+        if layer == slow_layer:
+            time.sleep(slow_s)
 
     try:
         result = runner.run(batch, None if progress is None else written)
@@ -334,6 +344,23 @@ def _prefill(runner: RankRunner, batch: PrefillBatch, registered: Callable[[], N
     return result
 
 
+def _slowed_layer() -> tuple[int, float]:
+    """The test hook ``LANEKV_SLOW_LAYER=<layer>:<seconds>``: the prefill sleeps that long
+    once the layer is written, so a test sees what the transfer does meanwhile; (-1, 0)
+    when unset. A malformed value is a ValueError naming it."""
+    value = os.environ.get(SLOW_LAYER_ENV, "")
+    if not value:
+        return -1, 0.0
+    layer, _, seconds = value.partition(":")
+    try:
+        parsed = int(layer), float(seconds)
+    except ValueError as err:
+        raise ValueError(f"{SLOW_LAYER_ENV} must be '<layer>:<seconds>', got {value!r}") from err
+    if parsed[0] < 0 or not 0 <= parsed[1] <= 60:
+        raise ValueError(f"{SLOW_LAYER_ENV} must name a layer >= 0 and 0-60 seconds, got {value!r}")
+    return parsed
+
+
 class _TransferServer:
     """Starts a rank's KVTransfer server over its own pool, once its model is loaded.
 
@@ -344,6 +371,7 @@ class _TransferServer:
                  reporter: RpcReporter) -> None:
         self._config, self._rank, self._where, self._results, self._reporter = config, rank, where, results, reporter
         self._agreement: Agreement | None = None
+        self.nixl: NixlExport | None = None  # the pool offered over NIXL, once started
 
     def start(self, model_config: ModelConfig, weights_digest: str, pool: torch.Tensor,
               shared_path: Path | None) -> tuple[RankPageSource, Served]:
@@ -362,8 +390,10 @@ class _TransferServer:
         keep_freed_buffers()  # this process builds a multi-MiB message per chunk it sends
         source = RankPageSource(agreement, rank, pool, on_release, shared_path)
         port = where.port_base + rank if where.port_base else 0
+        self.nixl = NixlExport(pool, rank, where.epoch)  # NIXL is loaded at the first NixlAttach
         server = serve(source, where.host, port, security=where.security,
-                       interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch)
+                       interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
+                       nixl=self.nixl)
         return source, server
 
     def described(self, process: RankProcess, info: RankInfo) -> RankInfo:

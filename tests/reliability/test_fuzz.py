@@ -500,7 +500,7 @@ class _ContractOnly:
     def pages_of(self, request_id: str):
         raise KeyError("no pages here")
 
-    def ready(self, request_id, layer_end, timeout_s, alive):
+    def ready(self, request_id, layer_end, timeout_s, alive, *, exact=False):
         raise KeyError("no pages here")
 
     def read(self, physical_pages, layer_start: int, layer_end: int, after=None):

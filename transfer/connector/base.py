@@ -171,6 +171,7 @@ class TransportContext:
     failures: Counter | None = None  # failures by cause (label ``cause``)
     max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request (gRPC)
     max_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default (gRPC)
+    streams_per_rank: int = 1  # gRPC streams from each owner rank (transfer.grpcfetch.layerwise)
 
 
 class KVTransport(ABC):

@@ -28,6 +28,7 @@ from lanekv.transfer.connector.base import (
 from lanekv.transfer.connector.placement import place_chunk
 from lanekv.transfer.errors import TransferError
 from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.grpcfetch.layerwise import check_streams
 from lanekv.transfer.protocol.wire import ChunkHeader
 
 GRPC = "grpc"
@@ -35,21 +36,25 @@ GRPC = "grpc"
 
 class GrpcTransport(KVTransport):
     """FetchKV over ``kv``'s channels; ``max_inflight_bytes`` received but not yet placed per
-    request, chunks of up to ``max_chunk_bytes`` (0: the rank's default)."""
+    request, chunks of up to ``max_chunk_bytes`` (0: the rank's default), ``streams_per_rank``
+    streams from each owner rank (``transfer.grpcfetch.layerwise``)."""
 
     reaches_every_rank = True
 
     @classmethod
     def from_context(cls, ctx: TransportContext) -> GrpcTransport:
-        return cls(ctx.kv, max_inflight_bytes=ctx.max_inflight_bytes, max_chunk_bytes=ctx.max_chunk_bytes)
+        return cls(ctx.kv, max_inflight_bytes=ctx.max_inflight_bytes, max_chunk_bytes=ctx.max_chunk_bytes,
+                   streams_per_rank=ctx.streams_per_rank)
 
-    def __init__(self, kv: KVClient, *, max_inflight_bytes: int = 256 << 20, max_chunk_bytes: int = 0) -> None:
+    def __init__(self, kv: KVClient, *, max_inflight_bytes: int = 256 << 20, max_chunk_bytes: int = 0,
+                 streams_per_rank: int = 1) -> None:
         if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes <= 0:
             raise ValueError(f"max_inflight_bytes must be a positive integer, got {max_inflight_bytes!r}")
         if isinstance(max_chunk_bytes, bool) or not isinstance(max_chunk_bytes, int) or max_chunk_bytes < 0:
             raise ValueError(f"max_chunk_bytes must be an integer >= 0, got {max_chunk_bytes!r}")
         self._kv = kv
-        self._limits = {"max_inflight_bytes": max_inflight_bytes, "max_chunk_bytes": max_chunk_bytes}
+        self._limits = {"max_inflight_bytes": max_inflight_bytes, "max_chunk_bytes": max_chunk_bytes,
+                        "streams_per_rank": check_streams(streams_per_rank)}
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
         return {rank: Route(GRPC) for rank in ranks}

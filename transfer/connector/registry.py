@@ -14,9 +14,11 @@ from lanekv.transfer.connector.base import KVTransport, TransportContext
 from lanekv.transfer.connector.fastpath import FastPathTransport
 from lanekv.transfer.connector.fetcher import KVFetcher
 from lanekv.transfer.connector.grpc import GrpcTransport
+from lanekv.transfer.connector.nixl import NixlTransport
 
 TRANSPORTS: MappingProxyType[str, type[KVTransport]] = MappingProxyType({
     "fastpath": FastPathTransport,  # same-host ranks: their shared pools, copied in place
+    "nixl": NixlTransport,  # ranks that offer NIXL (lanekv[nixl]): read over UCX (RDMA, TCP, shared memory)
     "grpc": GrpcTransport,  # every rank: FetchKV streams (also Release, whatever the path)
 })
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +41,7 @@ from lanekv.transfer.errors import (
     TransferError,
 )
 from lanekv.transfer.grpcfetch.fetch import NO_RETRY, ByteBudget, Item, Job, RankFetch, RetryPolicy
+from lanekv.transfer.grpcfetch.layerwise import check_streams, split_span
 from lanekv.transfer.grpcfetch.placers import MAX_PLACERS, Placers
 from lanekv.transfer.grpcfetch.receivers import ReceiverPool
 from lanekv.transfer.grpcfetch.remotefetch import RemoteRankFetch
@@ -223,13 +224,16 @@ class KVClient:
         pages: Mapping[int, Sequence[int]] | None = None,
         epoch: str | None = None,
         retry: RetryPolicy | None = None,
+        streams_per_rank: int = 1,
     ) -> FetchStats:
         """Fetch a request's KV from every owner rank at once; ``place`` each verified chunk.
 
         ``pages`` optionally names the logical pages to fetch per rank (all
         the rank holds by default); ``max_chunk_bytes`` 0 lets servers choose;
         ``epoch`` is the prefill daemon start that pinned the pages (servers of
-        another start refuse); ``retry`` overrides the client's policy.
+        another start refuse); ``retry`` overrides the client's policy;
+        ``streams_per_rank`` cuts each rank's named pages into that many streams
+        (``transfer.grpcfetch.layerwise``; each with its own retries).
         ``place`` runs in one thread per owner rank (up to ``MAX_PLACERS``) and
         must be safe to call concurrently (``transfer.grpcfetch.placers``).
         Raises ``CorruptChunk`` (``ChecksumError``), ``RemoteError`` or
@@ -237,23 +241,24 @@ class KVClient:
         chunk is placed.
         """
         start = time.perf_counter()
+        check_streams(streams_per_rank)
         policy = self.retry if retry is None else retry
         budget = ByteBudget(max_inflight_bytes)
         job = Job(request_id, fingerprint, max_chunk_bytes, policy, timeout,
                   self.stream_opener(epoch), budget)
-        ranks: dict[int, RankFetch | RemoteRankFetch] = {}
+        parts: list[RankFetch | RemoteRankFetch] = []  # a rank's streams, one part each
         threads: list[threading.Thread] = []
         try:
             for rank, endpoint in endpoints.items():
-                span = Span(layer_start, layer_end, _pages_of(pages, rank))
-                ranks[rank] = self._rank_fetch(job, rank, endpoint, span, epoch)
-            for rank, part in ranks.items():
-                threads.append(threading.Thread(target=part.run, name=f"fetch-rank{rank}", daemon=True))
+                for span in split_span(Span(layer_start, layer_end, _pages_of(pages, rank)), streams_per_rank):
+                    parts.append(self._rank_fetch(job, rank, endpoint, span, epoch))
+            for i, part in enumerate(parts):
+                threads.append(threading.Thread(target=part.run, name=f"fetch-rank{part.rank}-{i}", daemon=True))
                 threads[-1].start()
         except BaseException:
-            _end(job, budget, None, ranks, threads)
+            _end(job, budget, None, parts, threads)
             raise
-        per_rank = {rank: RankStats(0, 0, 0.0) for rank in ranks}
+        per_rank = {rank: RankStats(0, 0, 0.0) for rank in endpoints}
         lock = threading.Lock()
 
         def placed(item: Item) -> None:
@@ -263,24 +268,27 @@ class KVClient:
                     stats.bytes + item.header.nbytes, stats.chunks + 1, time.perf_counter() - start
                 )
 
-        placers = Placers(job, place, budget.release, placed, min(len(ranks), MAX_PLACERS))
-        pending = set(ranks)
+        placers = Placers(job, place, budget.release, placed, min(len(parts), MAX_PLACERS))
+        pending = Counter(part.rank for part in parts)  # each rank's streams not ended yet
         try:
             while pending:
-                item = _next_item(job, ranks, pending, timeout)
+                item = _next_item(job, parts, pending, endpoints, timeout)
                 placers.check()
                 if item.error is not None:
                     raise item.error
                 if item.rank < 0:  # WAKE: a placement failed (check raised) or ended
                     continue
                 if item.header is None:
-                    pending.discard(item.rank)
+                    pending[item.rank] -= 1
+                    if not pending[item.rank]:
+                        del pending[item.rank]
                     continue
                 placers.submit(item)
             placers.drain()
         finally:
-            _end(job, budget, placers, ranks, threads)
-        per_rank = {rank: s._replace(retries=ranks[rank].retries) for rank, s in per_rank.items()}
+            _end(job, budget, placers, parts, threads)
+        per_rank = {rank: s._replace(retries=sum(p.retries for p in parts if p.rank == rank))
+                    for rank, s in per_rank.items()}
         return FetchStats(
             sum(s.bytes for s in per_rank.values()),
             sum(s.chunks for s in per_rank.values()),
@@ -341,7 +349,7 @@ def _pages_of(pages: Mapping[int, Sequence[int]] | None, rank: int) -> tuple[int
     return named or None
 
 
-def _end(job: Job, budget: ByteBudget, placers: Placers | None, ranks: Mapping[int, RankFetch | RemoteRankFetch],
+def _end(job: Job, budget: ByteBudget, placers: Placers | None, parts: Sequence[RankFetch | RemoteRankFetch],
          threads: Sequence[threading.Thread]) -> None:
     """End a fetch: no more placing (the placements under way finish), every rank's part
     stopped and its thread joined, then its receiver handed back (its slots unread now)."""
@@ -349,25 +357,26 @@ def _end(job: Job, budget: ByteBudget, placers: Placers | None, ranks: Mapping[i
     budget.close()
     if placers is not None:
         placers.close()
-    for part in ranks.values():
+    for part in parts:
         part.cancel()
     for thread in threads:
         thread.join(timeout=10.0)
-    for part in ranks.values():
+    for part in parts:
         part.close()
 
 
-def _next_item(job: Job, ranks: Mapping[int, RankFetch], pending: set[int], timeout: float) -> Item:
+def _next_item(job: Job, parts: Sequence[RankFetch | RemoteRankFetch], pending: Mapping[int, int],
+               endpoints: Mapping[int, str], timeout: float) -> Item:
     """The next item from the ranks' threads; meanwhile cut streams that stalled."""
     tick = min(0.25, job.policy.stall_s / 4)
     while True:
         now = time.monotonic()
-        for part in ranks.values():
+        for part in parts:
             part.cut_if_stalled(now)
         # Streams carry the fetch's deadline, so their threads report soon after it.
         if now > job.deadline + 5.0:
             rank = min(pending)
-            raise RemoteError(rank, ranks[rank].endpoint, grpc.StatusCode.DEADLINE_EXCEEDED,
+            raise RemoteError(rank, endpoints[rank], grpc.StatusCode.DEADLINE_EXCEEDED,
                               f"ranks {sorted(pending)} did not finish within {timeout:.1f}s")
         try:
             return job.ready.get(timeout=tick)

@@ -70,10 +70,13 @@ class LayerProgress:
             self._cond.notify_all()
 
     def wait(self, layer_end: int, timeout_s: float,
-             alive: Callable[[], bool] = lambda: True) -> tuple[int, Any]:
+             alive: Callable[[], bool] = lambda: True, *, exact: bool = False) -> tuple[int, Any]:
         """Block until layers ``< layer_end`` are queued; how many layers are queued by
         then (``>= layer_end``) and the device event that marks all of those written
-        (None on CPU).
+        (None on CPU). ``exact``: the event of layer ``layer_end - 1`` instead, which
+        marks only the layers asked for: the host queues a prefill's layers well
+        ahead of the device, and a read of an early layer must not wait for the
+        event of the last one queued (layer-wise streaming).
 
         ``alive`` is polled while waiting: once it says False the wait raises
         ``PrefillFailed`` (the caller went away, or the request was released).
@@ -94,4 +97,4 @@ class LayerProgress:
                         f"({self._written} of {self.num_layers} layers written)"
                     )
                 self._cond.wait(min(left, 0.5))
-            return self._written, self._events[self._written - 1]
+            return self._written, self._events[(layer_end if exact else self._written) - 1]

@@ -34,6 +34,8 @@ from lanekv.runtime.status import (
     Refusal,
     refusals,
 )
+from lanekv.transfer.nixl.agent import NixlUnavailable
+from lanekv.transfer.nixl.export import NixlExport
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
 from lanekv.transfer.protocol.contract import (
     Agreement,
@@ -85,6 +87,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         on_fetched: OnFetched | None = None,
         epoch: str | None = None,
         layer_wait_s: float = LAYER_WAIT_S,
+        nixl: NixlExport | None = None,
     ) -> None:
         # The contract is read from the source at every call: the topology may
         # be completed after the server starts (endpoints are known only once
@@ -95,6 +98,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._on_fetched = on_fetched
         self._epoch = epoch
         self._layer_wait_s = layer_wait_s
+        self._nixl = nixl  # the pool offered over NIXL (NixlAttach), or None
         self._attached: OrderedDict[str, None] = OrderedDict()  # peer hosts that called AttachPool
         self._attached_lock = threading.Lock()
 
@@ -123,7 +127,9 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
             self._same_start(context, request.request_id)
-            if request.descriptors:
+            if request.nixl:
+                self._check_nixl(request)
+            elif request.descriptors:
                 self._check_attached(context)
             span = self._span(request, agreement)
             chunks = [] if request.descriptors else self._plan(request, agreement, span)
@@ -132,12 +138,12 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             def alive() -> bool:
                 return context.is_active() and self._holds(rid)
 
-            def ready(layer_end: int) -> tuple[int, Any]:
+            def ready(layer_end: int, exact: bool = False) -> tuple[int, Any]:
                 """Wait until layers < layer_end are written (the prefill may still run)."""
                 left = context.time_remaining()
                 wait_s = self._layer_wait_s if left is None else min(left, self._layer_wait_s)
                 try:
-                    return self._source.ready(rid, layer_end, wait_s, alive)
+                    return self._source.ready(rid, layer_end, wait_s, alive, exact=exact)
                 except KeyError as err:
                     raise Refusal(Code.NOT_FOUND, _key_message(rid, err)) from err
                 except PrefillFailed as err:
@@ -146,12 +152,13 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
             if request.descriptors:
-                yield from self._descriptors(rid, span, ready)
+                yield from self._descriptors(rid, span, ready, exact=request.nixl)
                 sent_bytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement)
             else:
                 def message(seq: int) -> tuple[bytes, int]:
                     chunk, physical = chunks[seq]
-                    _, after = ready(chunk.layer_end)
+                    # The event of the chunk's own last layer: a read waits for no later layer.
+                    _, after = ready(chunk.layer_end, exact=True)
                     payload = self._source.read(physical, chunk.layer_start, chunk.layer_end, after)
                     # A release racing this fetch may have recycled the pages under
                     # the read; checking after it proves they were held throughout.
@@ -166,18 +173,30 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             if self._on_fetched is not None:
                 self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
 
-    def _descriptors(self, rid: str, span: _Span, ready: Callable[[int], tuple[int, Any]]) -> Iterator[bytes]:
+    def _descriptors(self, rid: str, span: _Span, ready: Callable[..., tuple[int, Any]],
+                     exact: bool = False) -> Iterator[bytes]:
         """Descriptor chunks (the fast path): each covers every layer written since the
         one before, so a finished prefill goes in one and a running one layer by layer.
 
         Each range goes twice: announced (no digest) once its layers are written
         on the device, so the caller may start copying them, then sealed with
         the digest the rank took meanwhile (while it held the pages).
+
+        ``exact`` (NIXL, read from another host): a range ends at the last layer whose
+        event has completed, not at the last one queued, so the first range goes
+        out as soon as its first layer is on the device (layer-wise streaming).
         """
         seq, layer = 0, span.layer_start
         while layer < span.layer_end:
-            written, after = ready(layer + 1)
+            written, after = ready(layer + 1, exact)
             upto = min(span.layer_end, written)
+            if exact:
+                upto = layer + 1
+                while upto < min(span.layer_end, written):
+                    _, later = ready(upto + 1, True)
+                    if later is not None and not later.query():
+                        break  # queued, not yet written on the device
+                    upto, after = upto + 1, later
             if after is not None:
                 after.synchronize()  # written on the device, not only queued
             announced = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, None)
@@ -208,6 +227,24 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 while len(self._attached) > MAX_ATTACHED_PEERS:
                     self._attached.popitem(last=False)
         return lanekv_pb2.AttachReply(handle=handle.encode())
+
+    def NixlAttach(self, request, context):
+        with refusals(context):
+            self._agreed("attach", request.fingerprint)
+            self._same_start(context)
+            if self._nixl is None:
+                raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank} offers no NIXL")
+            try:
+                return self._nixl.attach()
+            except (NixlUnavailable, RuntimeError, ValueError) as err:
+                raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank}: {err}") from err
+
+    def _check_nixl(self, request: lanekv_pb2.FetchRequest) -> None:
+        if not request.descriptors:
+            raise Refusal(Code.INVALID_ARGUMENT, "nixl=true needs descriptors=true: NIXL moves the bytes")
+        if self._nixl is None or not self._nixl.attached:
+            raise Refusal(Code.FAILED_PRECONDITION,
+                          f"nixl=true needs a NixlAttach on rank {self._source.rank} first")
 
     def Release(self, request, context):
         with refusals(context):
@@ -406,6 +443,11 @@ def add_transfer_service(server: grpc.Server, service: KVTransferService) -> Non
             request_deserializer=lanekv_pb2.AttachRequest.FromString,
             response_serializer=lanekv_pb2.AttachReply.SerializeToString,
         ),
+        "NixlAttach": grpc.unary_unary_rpc_method_handler(
+            service.NixlAttach,
+            request_deserializer=lanekv_pb2.NixlAttachRequest.FromString,
+            response_serializer=lanekv_pb2.NixlAttachReply.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(TRANSFER_SERVICE, handlers),)
@@ -433,6 +475,7 @@ def serve(
     interceptors: Sequence[grpc.ServerInterceptor] = (),
     on_fetched: OnFetched | None = None,
     epoch: str | None = None,
+    nixl: NixlExport | None = None,
 ) -> Served:
     """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
 
@@ -444,7 +487,7 @@ def serve(
     """
     security = SecurityConfig() if security is None else security
     server = make_server(security, max_workers, interceptors=interceptors)
-    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch))
+    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch, nixl=nixl))
     checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     bound = bind(server, host, port, security)

@@ -47,10 +47,11 @@ class PageSource(Protocol):
         ...
 
     def ready(self, request_id: str, layer_end: int, timeout_s: float,
-              alive: Callable[[], bool]) -> tuple[int, Any]:
+              alive: Callable[[], bool], *, exact: bool = False) -> tuple[int, Any]:
         """Block until the request's layers ``< layer_end`` are written (layer-wise
         streaming); how many are written by then, and a token for ``read``'s
-        ``after`` that covers them all. KeyError as for ``pages_of``,
+        ``after`` that covers them all (``exact``: only the layers ``< layer_end``,
+        ``LayerProgress.wait``). KeyError as for ``pages_of``,
         ``PrefillFailed`` or ``TimeoutError`` when they will not be."""
         ...
 
@@ -96,7 +97,7 @@ class ContractOnlySource:
         raise KeyError(self._why)
 
     def ready(self, request_id: str, layer_end: int, timeout_s: float,
-              alive: Callable[[], bool]) -> tuple[int, Any]:
+              alive: Callable[[], bool], *, exact: bool = False) -> tuple[int, Any]:
         raise KeyError(self._why)
 
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
@@ -209,11 +210,11 @@ class TensorPageSource:
         return hmac.compare_digest(_digest(capability or ""), expected)
 
     def ready(self, request_id: str, layer_end: int, timeout_s: float,
-              alive: Callable[[], bool]) -> tuple[int, Any]:
+              alive: Callable[[], bool], *, exact: bool = False) -> tuple[int, Any]:
         with self._lock:
             self._lookup(request_id)
             progress = self._progress[request_id]
-        return progress.wait(layer_end, timeout_s, alive)
+        return progress.wait(layer_end, timeout_s, alive, exact=exact)
 
     def digest_written(self, request_ids: Sequence[str], layer: int) -> None:
         """Queue the digest of ``layer`` of each request's pages here, and its copy to

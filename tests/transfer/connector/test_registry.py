@@ -73,10 +73,11 @@ def _context(kv: KVClient, agreement=None) -> TransportContext:
 
 
 def test_the_registry_names_the_transports_in_order_of_preference_grpc_last():
-    assert list(TRANSPORTS) == ["fastpath", "grpc"]
-    assert TRANSPORTS["grpc"].reaches_every_rank and not TRANSPORTS["fastpath"].reaches_every_rank
+    assert list(TRANSPORTS) == ["fastpath", "nixl", "grpc"]
+    assert TRANSPORTS["grpc"].reaches_every_rank
+    assert not TRANSPORTS["fastpath"].reaches_every_rank and not TRANSPORTS["nixl"].reaches_every_rank
     with pytest.raises(TypeError):
-        TRANSPORTS["nixl"] = GrpcTransport  # the registry is read-only: one line in the module adds one
+        TRANSPORTS["mooncake"] = GrpcTransport  # the registry is read-only: one line in the module adds one
 
 
 def test_make_fetcher_builds_each_named_transport_from_one_context():
@@ -92,7 +93,7 @@ def test_make_fetcher_builds_each_named_transport_from_one_context():
 
 
 @pytest.mark.parametrize("names, words", [
-    (["nixl", "grpc"], "unknown \\['nixl'\\]"),
+    (["mooncake", "grpc"], "unknown \\['mooncake'\\]"),
     (["grpc", "grpc"], "repeats"),
     (["grpc", "fastpath"], "must end with 'grpc'"),
     ([], "must end with 'grpc'"),

@@ -1,0 +1,54 @@
+"""The byte ranges one NIXL read moves: whole runs of pages per layer and plane.
+
+Both pools are ``[num_layers, planes, rows, kv_heads, head_dim]`` and contiguous,
+so a page's rows of one layer and plane are one block of ``page_size * row_bytes``
+bytes, and consecutive pages that land on consecutive pages are one block too: a
+read of a range takes ``layers * planes * runs`` descriptors, where ``runs`` is
+the number of runs of pages consecutive on both sides (one for a fresh pool).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class PoolRegion(NamedTuple):
+    """A registered pool: where it starts, and its shape in rows."""
+
+    addr: int
+    planes: int
+    rows: int  # num_pages * page_size
+    row_bytes: int  # kv_heads * head_dim * itemsize
+
+
+def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first source page, first destination page, count) of runs consecutive on both sides."""
+    if len(src) != len(dst):
+        raise ValueError(f"src and dst name {len(src)} and {len(dst)} pages")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def read_pairs(remote: PoolRegion, local: PoolRegion, src: Sequence[int], dst: Sequence[int], page_size: int,
+               layer_start: int, layer_end: int) -> list[tuple[int, int, int]]:
+    """(remote address, local address, bytes) of every block of layers ``[layer_start,
+    layer_end)`` of pages ``src`` (remote) going to pages ``dst`` (local)."""
+    if (remote.planes, remote.row_bytes) != (local.planes, local.row_bytes):
+        raise ValueError(f"pools differ in planes or row bytes: {remote} and {local}")
+    block = page_size * remote.row_bytes
+    pairs = []
+    for s, d, count in page_runs(src, dst):
+        if (s + count) * page_size > remote.rows or (d + count) * page_size > local.rows:
+            raise ValueError(f"pages [{s}, {s + count}) or [{d}, {d + count}) lie outside their pool")
+        for layer in range(layer_start, layer_end):
+            for plane in range(remote.planes):
+                r = remote.addr + ((layer * remote.planes + plane) * remote.rows + s * page_size) * remote.row_bytes
+                lo = local.addr + ((layer * local.planes + plane) * local.rows + d * page_size) * local.row_bytes
+                pairs.append((r, lo, count * block))
+    return pairs
