@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from lanekv.decode.prefix.route import PrefixMemory, pick_cost
+from lanekv.decode.prefix.route import PrefixMemory, pick_cost, routed_hit
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.status import SLOW_CHECKS_TO_LEAVE, Refusal, slow_checks_after
 from lanekv.transfer.errors import TransferError
@@ -252,7 +252,8 @@ class PrefillPool:
         prefix of the prompt counts that much less work (``decode.prefix.route.pick_cost``)."""
         cached = {}
         if token_ids is not None:
-            cached = {id(t): t.memory.cached_tokens(token_ids) for t in self.targets if t.memory is not None}
+            cached = {id(t): routed_hit(t.memory.cached_tokens(token_ids), len(token_ids))
+                      for t in self.targets if t.memory is not None}
         with self._lock:
             healthy = [t for t in self.targets if t.healthy and t not in exclude]
             if not healthy:

@@ -44,6 +44,17 @@ class PrefixMemory:
         return count * self.page_size
 
 
+# A remembered prefix steers a pick only when it covers at least this share of the
+# prompt (as SGLang's cache-aware router's threshold): a short shared head (a BOS
+# page, a brief system prompt) would otherwise send all sequential traffic to one daemon.
+ROUTE_MIN_SHARE = 0.5
+
+
+def routed_hit(cached_tokens: int, prompt_tokens: int) -> int:
+    """The cached tokens a pick counts: all of them past ``ROUTE_MIN_SHARE`` of the prompt, else none."""
+    return cached_tokens if cached_tokens >= ROUTE_MIN_SHARE * prompt_tokens else 0
+
+
 def pick_cost(queued_tokens: int, prompt_tokens: int, cached_tokens: int) -> int:
     """What a daemon has to compute before a prompt's prefill is done: what is queued
     on it, plus the prompt less its cached prefix. The least wins, so a daemon holding

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from lanekv.decode.prefix.route import PrefixMemory
+from lanekv.decode.prefix.route import PrefixMemory, routed_hit
 from lanekv.http.config import FrontConfig
 from lanekv.http.errors import APIError
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
@@ -143,7 +143,8 @@ class Backends:
             raise NoBackend(429, f"every decode daemon is full ({self.config.max_running_per_decode} "
                             "running requests each); retry later", code="server_full")
         least = min(m.running for m in free)
-        seen = {id(m): 0 if prompt_ids is None else m.memory.cached_tokens(prompt_ids) for m in free}
+        seen = {id(m): 0 if prompt_ids is None else routed_hit(m.memory.cached_tokens(prompt_ids), len(prompt_ids))
+                for m in free}
         near = [m for m in free if m.running <= least + ROUTE_SLACK]
         best = max((seen[id(m)], -m.running) for m in near)
         tied = [m for m in near if (seen[id(m)], -m.running) == best]

@@ -103,3 +103,16 @@ def test_front_pick_prefers_a_remembered_prefix_within_the_slack():
     b.running = ROUTE_SLACK + 1  # too busy: load wins
     assert backends.pick(prompt_ids=prompt) is a
     assert (backends.picks, backends.picks_on_hit) == (2, 1)
+
+
+def test_a_short_remembered_head_does_not_steer_the_pick():
+    targets = [PrefillTarget(PrefillClient(None, f"127.0.0.1:{7000 + i}"), _topology(i), FakeHealth(),
+                             memory=PrefixMemory("fp", PS)) for i in range(2)]
+    pool = PrefillPool(targets, interval_s=60.0, timeout_s=0.5)
+    try:
+        prompt = list(range(40))
+        targets[1].memory.remember(prompt[:16])  # 16 of 40 tokens: under half, load decides (turns)
+        got = {pool.pick(40, token_ids=prompt) for _ in range(2)}
+        assert got == set(targets) and pool.picks_on_hit == 0
+    finally:
+        pool.close()

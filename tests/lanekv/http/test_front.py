@@ -122,8 +122,10 @@ def test_completions_equal_transformers(front, hf, checkpoint, cluster):
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(out)
     assert len({c.id for c in chunks}) == 1
-    # Idle prefill daemons take turns: both prefilled one of these, and the text was the same.
-    assert all(prefills_done(p) > b for p, b in zip(cluster[0], prefilled))
+    # The same prompt three times: prefix routing may send the repeats where the first went
+    # (its pages are cached there), so at least one prefill ran, and the text was the same.
+    assert sum(prefills_done(p) - b for p, b in zip(cluster[0], prefilled)) >= 1
+    assert 0 <= by_ids.usage.prompt_tokens_details.cached_tokens < len(ids)
 
 
 def test_chat_completions_equal_transformers(front, hf):

@@ -145,8 +145,10 @@ def test_one_decode_over_two_prefills_kill_one_under_load(checkpoint, references
         steady_free = steady.free_pages()
         # Health is asked only when the test says so (``check``): the killed daemon is
         # found out by the calls sent to it, each of which must then go to the other one.
+        # Prefix cache off: the prompts repeat, and a cached prompt would need no prefill
+        # daemon at all (routing by prefix is tested in tests/decode/test_prefix_cache.py).
         decode = decode_daemon(checkpoint, [steady.endpoint, doomed.endpoint], pool_pages=600,
-                               prefill_health_interval_s=600.0)
+                               prefill_health_interval_s=600.0, prefix_cache=False)
         stack.callback(decode.stop, grace_s=1.0)
         lost = decode.prefills.targets[1]
         url = stack.enter_context(running_front(checkpoint, [decode.endpoint], tmp_path, *AUTH, env=ENV))
