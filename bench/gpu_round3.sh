@@ -15,12 +15,12 @@ tests)
     grep -E "^ +(8192|32768) +(colocated|grpc|fast)" "$OUT/ttft_after.log" ;;
 rest)
     timeout 100 python3 bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 --runs 5 \
-        --hf-batches 1 16 --json "$OUT/decode_step_after.json" > "$OUT/decode_step.log" 2>&1
+        --hf-batches 1 --json "$OUT/decode_step_after.json" > "$OUT/decode_step.log" 2>&1
     echo "decode_step rc=$?"; tail -7 "$OUT/decode_step.log"
-    timeout 120 python3 bench/fp8.py --json "$OUT/fp8_h200.json" > "$OUT/fp8.log" 2>&1
-    echo "fp8 rc=$?"; tail -16 "$OUT/fp8.log"
-    timeout 200 python3 bench/prefix_cache.py --llama3-8b --conversations 8 --turns 4 --system-tokens 2048 \
-        --user-tokens 256 --reply-tokens 32 --concurrency 4 --page-size 64 \
-        --json "$OUT/prefix_cache_h200.json" > "$OUT/prefix_cache.log" 2>&1
-    echo "prefix rc=$?"; tail -8 "$OUT/prefix_cache.log" ;;
+    timeout 230 python3 bench/prefix_cache.py --llama3-8b --conversations 16 --turns 8 --concurrency 8 \
+        --page-size 64 --json "$OUT/prefix_cache_h200.json" > "$OUT/prefix_cache.log" 2>&1
+    echo "prefix rc=$?"; tail -8 "$OUT/prefix_cache.log"
+    timeout 70 python3 bench/fp8.py --only gemm --json "$OUT/fp8_gemm_h200.json" > "$OUT/fp8.log" 2>&1
+    echo "fp8 rc=$?"; tail -14 "$OUT/fp8.log"
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/transfer/grpcfetch/test_layerwise.py 2>&1 | tail -2 ;;
 esac
