@@ -231,6 +231,7 @@ def _decode_daemon(checkpoint, prefill: PrefillDaemon) -> DecodeDaemon:
         str(checkpoint), prefill.endpoint, page_size=PAGE_SIZE, pool_pages=160, device="cpu", page_wait_s=1.0,
         transport="grpc",  # the faults are injected into the gRPC streams
         fetch_chunk_bytes=DAEMON_CHUNK_BYTES, fetch_attempts=3, stall_timeout_s=0.5, release_timeout_s=1.0,
+        prefix_cache=False,  # the prompts repeat, and every run must move every page through the faults
     ))
 
 

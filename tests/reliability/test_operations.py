@@ -198,7 +198,8 @@ def test_log_lines_of_a_request_carry_its_id(daemons, caplog):
     prefill, decode = daemons
     caplog.set_level(logging.INFO, logger="lanekv")
     rid = "ops-log-1"
-    assert _generate(decode.endpoint, _request(PROMPT, 3, request_id=rid))
+    # A prompt no other test sent: nothing of it is cached, so both ranks' pages move.
+    assert _generate(decode.endpoint, _request(list(reversed(PROMPT)), 3, request_id=rid))
     released = f"released request_id={rid} (every rank)"
     assert _wait_for(lambda: any(r.getMessage() == released for r in caplog.records))
     assert _wait_for(lambda: sum(r.getMessage().startswith(f"transfer done request_id={rid} rank=")
