@@ -18,6 +18,10 @@ ITL (gaps between tokens; a reply carrying k tokens after a gap g counts k gaps
 of g / k), end-to-end latency. Reported at p50/p90/p99 (interpolated, each with
 its sample count: ``bench.stats.percentiles``), with output tokens/s
 (every output token over the run's wall time). One warm-up request first.
+Output lengths are fixed: every request sends ``ignore_eos`` (gRPC
+``SamplingParams.ignore_eos``, HTTP ``"ignore_eos": true``), so each decodes
+exactly its output length; a row counts the requests that came back shorter
+(``outputs_short``, expected 0) and the table says so.
 
     python bench/serving.py --llama3-8b --concurrency 1 16 64 --prompt-len 1024 --output-len 128 \\
         --json bench/results/serving_h200.json
@@ -72,8 +76,10 @@ def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
     stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
 
     def send(req: Request) -> Outcome:
+        # ignore_eos: every request decodes exactly output_len tokens (counted as outputs_short).
         msg = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=req.prompt),
-                                         max_new_tokens=req.output_len)
+                                         max_new_tokens=req.output_len,
+                                         sampling=lanekv_pb2.SamplingParams(ignore_eos=True))
         sent, arrivals = time.perf_counter(), []
         call = stub.Generate(msg, timeout=600)
         try:
@@ -182,11 +188,13 @@ def run_level(send: Callable[[Request], Outcome], requests: list[Request], concu
         for (t0, _), (t1, k) in zip(o.arrivals, o.arrivals[1:]):
             itl.extend([(t1 - t0) * 1e3 / k] * k)
     out_tokens = sum(k for o in ok for _, k in o.arrivals)
+    short = sum(1 for o, r in zip(outcomes, requests)
+                if o.error is None and sum(k for _, k in o.arrivals) < r.output_len)
     row = dict(concurrency=concurrency, request_rate=None if rate == float("inf") else rate,
                num_requests=len(requests), completed=len(ok),
                errors=sorted({o.error for o in outcomes if o.error})[:3],
                duration_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall,
-               requests_per_s=len(ok) / wall,
+               requests_per_s=len(ok) / wall, outputs_short=short, output_length_fixed=True,
                mean_prompt_tokens=statistics.mean(len(r.prompt) for r in requests))
     for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
         row.update(percentiles(name, values))  # interpolated, with the sample count (name_n)
@@ -446,8 +454,8 @@ def main() -> None:
     if started.get("new_shape_ratio_p50") is not None:
         print(f"first of a new length over later ones: p50 {started['new_shape_ratio_p50']:.2f}x, "
               f"max {started['new_shape_ratio_max']:.2f}x over {len(started['new_shapes'])} lengths")
-    print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len}, "
-          f"rate {args.request_rate}")
+    print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len} "
+          f"(fixed: ignore_eos on both APIs), rate {args.request_rate}")
     print(f"{'api':>6} {'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'n':>5} {'ITL p50':>8} "
           f"{'p90':>7} {'p99':>7} {'n':>7} {'E2E p50':>9} {'n':>5}")
     for r in rows:
@@ -459,6 +467,8 @@ def main() -> None:
               f"{r['e2e_ms_n']:>5}")
         if r["errors"]:
             print(f"      errors: {r['errors']}")
+        if r["outputs_short"]:
+            print(f"      {r['outputs_short']} outputs shorter than asked (counted per reply chunk)")
     print("percentiles interpolate between ranks; n: the samples each is over")
     if args.json:
         import torch

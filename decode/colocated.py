@@ -16,7 +16,7 @@ import torch
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.model.attention import AnyCausalLM, kind_of
-from lanekv.model.sampling import SamplingParams, sample
+from lanekv.model.sampling import SamplingParams, sample_full
 
 
 class PrefillResult(NamedTuple):
@@ -25,8 +25,9 @@ class PrefillResult(NamedTuple):
 
 
 def prefill_into_pool(model: AnyCausalLM, pool: PagePool, token_ids: Sequence[int] | torch.Tensor,
-                      sampling: SamplingParams) -> PrefillResult:
-    """Prefill one prompt into freshly allocated pages of ``pool``."""
+                      sampling: SamplingParams, logprob: list[float] | None = None) -> PrefillResult:
+    """Prefill one prompt into freshly allocated pages of ``pool``; ``logprob``: a
+    list the first token's raw logprob is appended to."""
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).to(pool.device)
     if ids.numel() == 0:
         raise ValueError("token_ids must hold at least one token")
@@ -42,7 +43,11 @@ def prefill_into_pool(model: AnyCausalLM, pool: PagePool, token_ids: Sequence[in
         with torch.inference_mode():
             hidden = kind.forward(model, ids, positions, kind.colocated(model, pool, locs))
             logits = model.compute_logits(hidden[-1:])
-        first = int(sample(logits, [sampling], 0)[0])
+            out = sample_full(logits, [sampling], 0, prompts=[ids.tolist()],
+                              eos_token_ids=model.config.eos_token_ids)
+        first = int(out.tokens[0])
+        if logprob is not None:
+            logprob.append(float(out.logprob[0]))
     except Exception:
         table.release()
         raise

@@ -8,6 +8,14 @@ with an attention callback that stores the new K/V, or MLA latent row, and
 calls paged decode attention)
 and **postprocess** (sample, emit, finish, free).
 
+Sampling: a request that is plain greedy (no logits processor, no logprobs)
+takes the step's argmax. Any other holds a slot of the engine's
+``SamplerState`` from its admission to its end (its parameters, prompt and
+output token counts on the device); a step with such a request runs the full
+step (``model.sampling.sample_step``: processors, the draw from a uniform
+number the host stages per row, the raw logprobs, the counts updated on the
+device), captured like the rest on CUDA.
+
 On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
 for a ladder of batch sizes (``decode.cuda.graphs``); a step then pads to the next
 captured size and replays it, and a batch above the ladder runs eager. The
@@ -58,7 +66,7 @@ import logging
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import torch
@@ -67,11 +75,19 @@ from lanekv.decode.cuda.overlap import GraphBatch, Plan, StepOverlap
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from lanekv.model.attention import AnyCausalLM, kind_of
-from lanekv.model.sampling import SamplingParams, sample
+from lanekv.model.sampling import SamplerState, SamplingParams, StepResult, sample_step, uniforms
 
 log = logging.getLogger("lanekv.decode")
 FINISH_STOP = "stop"  # a stop token or an end-of-sequence token was sampled
 FINISH_LENGTH = "length"  # max_new_tokens reached, or the model's max positions
+SLOT_MARGIN = 8  # sampler slots past max_batch_size: requests ended but still in a step in flight
+
+
+class TokenLogprobs(NamedTuple):
+    """The raw logprobs of one sampled token."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # the request's ``logprobs`` most likely tokens
 
 
 class TokenEvent(NamedTuple):
@@ -84,6 +100,7 @@ class TokenEvent(NamedTuple):
     step: int  # generation step of this token; prefill's first token was step 0
     finished: bool
     finish_reason: str | None  # FINISH_STOP / FINISH_LENGTH once finished
+    logprobs: TokenLogprobs | None = None  # when the request asked for them
 
 
 @dataclass(eq=False)
@@ -98,6 +115,8 @@ class _Request:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     final_len: int  # tokens in cache when the request ends at the latest
+    prompt_ids: tuple[int, ...] = ()  # read by a repetition penalty
+    slot: int | None = None  # its SamplerState slot while running, unless plain
     cancelled: bool = False  # cancelled while its step ran: dropped, pages freed, after the step
     on_freed: Callable[[], None] | None = None  # the canceller's, once its pages are back
 
@@ -115,6 +134,8 @@ class DecodeBatch(NamedTuple):
     locs: torch.Tensor  # [B] int64 physical rows of the new tokens' K/V
     page_table: torch.Tensor  # [B, max_pages] int32
     seq_lens: torch.Tensor  # [B] int32, the new token included
+    slots: torch.Tensor | None = None  # [B] int64 sampler slots, for a full step
+    uniform: torch.Tensor | None = None  # [B] float32
 
 
 class _Step(NamedTuple):
@@ -165,6 +186,8 @@ class DecodeEngine:
         self.eos_token_ids = frozenset(
             config.eos_token_ids if eos_token_ids is None else eos_token_ids
         )
+        self.sampler = SamplerState(max_batch_size + SLOT_MARGIN, config.vocab_size, pool.device,
+                                    self.eos_token_ids)
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)
         self._waiting: deque[_Request] = deque()
@@ -180,13 +203,15 @@ class DecodeEngine:
     def add(self, request_id: str, page_table: PageTable, last_token: int,
             sampling: SamplingParams, max_new_tokens: int,
             stop_token_ids: Iterable[int] = (), start_step: int = 1,
-            ignore_eos: bool = False) -> None:
+            ignore_eos: bool = False, prompt_ids: Iterable[int] = ()) -> None:
         """Queue a request whose first ``page_table.seq_len`` tokens are in the pool.
 
         ``max_new_tokens`` counts every output token, prefill's included, and
         ``start_step`` how many there are already (1: prefill's ``last_token``).
         The engine owns ``page_table`` from here on and releases it when the
         request finishes or is cancelled; if ``add`` raises, the caller still owns it.
+        ``ignore_eos`` (or ``sampling.ignore_eos``): end-of-sequence tokens do not
+        stop it; ``prompt_ids``: the prompt, for a repetition penalty.
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -207,13 +232,21 @@ class DecodeEngine:
                                  ("start_step", start_step, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-        stops = frozenset(int(t) for t in stop_token_ids)
+        stops = frozenset(int(t) for t in stop_token_ids) | frozenset(sampling.stop_token_ids)
+        ignore_eos = ignore_eos or sampling.ignore_eos
         if not ignore_eos:
             stops |= self.eos_token_ids
+        if sampling.min_tokens:  # banned until min_tokens: every token that stops it
+            sampling = replace(sampling, stop_token_ids=tuple(sorted(stops)), ignore_eos=ignore_eos)
+        try:
+            sampling.check_vocab(vocab)
+        except ValueError as err:
+            raise ValueError(f"request {request_id!r}: {err}") from None
         max_positions = self.model.config.max_position_embeddings
         final_len = min(page_table.seq_len + max_new_tokens - start_step, max_positions)
         request = _Request(request_id, page_table, last_token, sampling, start_step,
-                           max_new_tokens, stops, final_len)
+                           max_new_tokens, stops, final_len,
+                           prompt_ids=tuple(prompt_ids) if sampling.repetition_penalty != 1 else ())
         with self._lock:
             if self._find(request_id) is not None:
                 raise ValueError(f"request_id {request_id!r} is already in the engine")
@@ -253,11 +286,17 @@ class DecodeEngine:
                 self._free(request)
             return True
 
-    @staticmethod
-    def _free(request: _Request) -> None:
-        request.table.release()
+    def _free(self, request: _Request) -> None:
+        self._release(request)
         if request.on_freed is not None:
             request.on_freed()
+
+    def _release(self, request: _Request) -> None:
+        """Its pages and its sampler slot go back (lock held)."""
+        request.table.release()
+        if request.slot is not None:
+            self.sampler.release(request.slot)
+            request.slot = None
 
     def wait_for_work(self, timeout: float) -> bool:
         """Block until a request is queued or ``timeout`` seconds pass; returns has_work."""
@@ -286,7 +325,7 @@ class DecodeEngine:
         if self.pool.device.type != "cuda" or not self.graph_sizes:
             return None
         with self._lock:
-            graphs = DecodeGraphs(self.model, self.pool, self.graph_sizes)
+            graphs = DecodeGraphs(self.model, self.pool, self.graph_sizes, self.sampler)
             graphs.capture()
             self._graphs = graphs
         return graphs
@@ -403,7 +442,10 @@ class DecodeEngine:
             except PoolExhausted:
                 continue
             requests.append(request)
-        self._overlap.stage(self._graphs, requests)
+        full = self._full(requests)
+        flying = {id(r) for r in self._in_flight}  # the others were admitted just now
+        ahead = [int(id(r) in flying) for r in requests]
+        self._overlap.stage(self._graphs, requests, full, *self._sampler_rows(requests, ahead, full))
 
     def _plan_holds(self, plan: Plan) -> bool:
         """The staged step is still what ``_schedule`` would run: the same
@@ -445,9 +487,30 @@ class DecodeEngine:
             head = self._waiting[0]
             if head.pages_to_come > free:
                 break  # FIFO: later requests do not overtake a large one
+            if not head.sampling.plain:
+                head.slot = self.sampler.acquire()
+                if head.slot is None:
+                    break  # every slot is held by a step in flight: the next step admits it
+                self.sampler.load(head.slot, head.sampling, head.prompt_ids,
+                                  [head.last_token] if head.step >= 1 else [])
             free -= head.pages_to_come
             self._running.append(self._waiting.popleft())
         return self._running
+
+    @staticmethod
+    def _full(batch: Sequence[_Request]) -> bool:
+        """Whether a step of ``batch`` needs the sampler."""
+        return any(not r.sampling.plain for r in batch)
+
+    def _sampler_rows(self, batch: Sequence[_Request], ahead: Sequence[int] | None,
+                      full: bool) -> tuple[list[int] | None, list[float] | None]:
+        """Each request's slot and uniform number for a step ``ahead`` steps from
+        now, per request (0 or None: its next; 1: the one after the step in flight)."""
+        if not full:
+            return None, None
+        slots = [self.sampler.scratch if r.slot is None else r.slot for r in batch]
+        ahead = ahead or [0] * len(batch)
+        return slots, uniforms([r.sampling for r in batch], [r.step + a for r, a in zip(batch, ahead)])
 
     def _schedule(self) -> list[_Request]:
         """Admit waiting requests that fit to the end; secure one slot per running request."""
@@ -464,13 +527,15 @@ class DecodeEngine:
         positions = [r.table.seq_len for r in batch]
         locs = [r.table.append_slot() for r in batch]  # slots were secured by _schedule
         ids = [r.last_token for r in batch]
+        full = self._full(batch)
+        slots, uniform = self._sampler_rows(batch, None, full)
         if self._graphs is not None:
             size = self._graphs.size_for(len(batch), max(r.table.num_pages for r in batch))
             if size is not None:
                 side = self._overlap.take_side()
                 self._graphs.stage(side, [r.table for r in batch], positions, locs,
-                                   [r.table.seq_len for r in batch])
-                return GraphBatch(batch, ids, size, side)
+                                   [r.table.seq_len for r in batch], slots, uniform)
+                return GraphBatch(batch, ids, size, side, full=full)
         device = self.pool.device
         tables = batch_tables([r.table for r in batch], device)
         return DecodeBatch(
@@ -480,17 +545,24 @@ class DecodeEngine:
             locs=torch.tensor(locs, dtype=torch.int64, device=device),
             page_table=tables.page_table,
             seq_lens=tables.seq_lens,
+            slots=None if slots is None else torch.tensor(slots, dtype=torch.int64, device=device),
+            uniform=None if uniform is None else torch.tensor(uniform, dtype=torch.float32, device=device),
         )
 
-    def _run(self, batch: DecodeBatch | GraphBatch) -> StepOutput | torch.Tensor:
-        """The model over the batch: float32 logits ``[B, vocab]`` (eager), or a
-        captured step's logits and argmax."""
+    def _run(self, batch: DecodeBatch | GraphBatch) -> StepOutput:
+        """The model over the batch and its tokens: a captured step's, or the same
+        computed eagerly (the argmax, or the full step with the sampler)."""
         if isinstance(batch, GraphBatch):
-            return self._graphs.replay(batch.side, batch.input_ids, batch.size, batch.feed)
+            return self._graphs.replay(batch.side, batch.input_ids, batch.size, batch.feed,
+                                       full=batch.full)
         with torch.inference_mode():
             hidden = step_hidden(self.model, self.pool, batch.input_ids, batch.positions,
                                  batch.locs, batch.page_table, batch.seq_lens)  # [B, hidden]
-            return self.model.compute_logits(hidden)
+            logits = self.model.compute_logits(hidden)
+            if batch.slots is None:
+                return StepOutput(logits, logits.argmax(dim=-1))
+            sampled = sample_step(logits, self.sampler, batch.slots, batch.uniform)
+            return StepOutput(logits, sampled.tokens, sampled)
 
     def _postprocess(self, batch: DecodeBatch | GraphBatch, ran: _Ran) -> list[TokenEvent]:
         """Sample (with a step queued behind, its greedy ids read now), emit, finish.
@@ -500,26 +572,24 @@ class DecodeEngine:
         ahead = None if ran.queued is None else ran.queued.requests
         tokens = None if ran.tokens is None else ran.tokens()
         if tokens is None:
-            logits, greedy = ran.output if isinstance(ran.output, StepOutput) else (ran.output, None)
-            with torch.inference_mode():
-                tokens = sample(logits, [r.sampling for r in requests], [r.step for r in requests],
-                                greedy_tokens=greedy).tolist()  # the step's one device read
+            tokens = ran.output.greedy.tolist()  # the step's one device read
+        logprobs = _read_logprobs(ran.output.sampled, requests)
         queued = {id(r) for r in ahead or ()}
         events = []
-        for request, token in zip(requests, tokens):
+        for request, token, lp in zip(requests, tokens, logprobs):
             if request.cancelled:
                 continue  # no event; its pages are freed when the step lands
             request.last_token = token
             request.step += 1
             reason = self._finish_reason(request, id(request) in queued)
             events.append(TokenEvent(request.request_id, token, request.step - 1,
-                                     reason is not None, reason))
+                                     reason is not None, reason, lp))
             if reason is not None:
                 self._running.remove(request)
                 if id(request) in queued:
                     request.cancelled = True  # the queued step writes its slot: freed after it
                 else:
-                    request.table.release()
+                    self._release(request)
         return events
 
     # ---- helpers (lock held) ----
@@ -544,3 +614,15 @@ class DecodeEngine:
             if request.request_id == request_id:
                 return request
         return None
+
+
+def _read_logprobs(sampled: StepResult | None,
+                   requests: Sequence[_Request]) -> list[TokenLogprobs | None]:
+    """Each request's logprobs of the step, read from the device when any asked."""
+    wanted = [r.sampling.logprobs for r in requests]
+    if sampled is None or all(k is None for k in wanted):
+        return [None] * len(requests)
+    chosen = sampled.logprob.tolist()
+    values, ids = sampled.top_logprobs.tolist(), sampled.top_ids.tolist()
+    return [None if k is None else TokenLogprobs(chosen[i], tuple(zip(ids[i][:k], values[i][:k])))
+            for i, k in enumerate(wanted)]

@@ -49,7 +49,7 @@ import grpc
 import torch
 from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
-from lanekv.decode.engine import DecodeEngine, TokenEvent
+from lanekv.decode.engine import DecodeEngine, TokenEvent, TokenLogprobs
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
 from lanekv.decode.prefill_call import (
     LOST_CODES,
@@ -90,6 +90,7 @@ class Prepared(NamedTuple):
     fetch: FetchStats
     paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm" or "cuda_ipc"
     compute_s: float = 0.0  # the slowest prefill rank's own time (its reply's timings)
+    first_logprobs: TokenLogprobs | None = None  # computed by prefill, when asked
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """Trailing metadata of the stream: what the transfer cost."""
@@ -199,7 +200,8 @@ class GeneratePipeline:
                                           prepared.first_token is not None)
             caller.set_trailing_metadata(prepared.metadata())
             if prepared.first_token is not None:
-                yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None)]
+                yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None,
+                                  prepared.first_logprobs)]
             yield from self._events(call)
             call.finished = True
         finally:
@@ -329,17 +331,24 @@ class GeneratePipeline:
         if held and ctx.prefix_metrics is not None:
             ctx.prefix_metrics.bytes_not_moved.inc(held * _page_bytes(ctx.pool))
         call.cached_tokens = min(int(reply.cached_tokens), num_tokens - 1)
+        first_logprobs = None
+        if spec.sampling.logprobs is not None:
+            if not reply.HasField("first_logprob"):
+                raise Refusal(Code.INTERNAL, "the prefill daemon sent no logprobs for the first token")
+            lp = reply.first_logprob
+            first_logprobs = TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
         self._release_prefill(call, wait=False)  # the KV is ours: the ranks free their pages meanwhile
         with call.lock:
             _check_alive(call)
             try:
                 ctx.engine.add(spec.request_id, call.table, reply.first_token, spec.sampling,
-                               spec.max_new_tokens, spec.stop_token_ids, start_step=1)
+                               spec.max_new_tokens, spec.stop_token_ids, start_step=1,
+                               prompt_ids=spec.token_ids)
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
         return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths,
-                        reply.timings.get("compute_s", 0.0))
+                        reply.timings.get("compute_s", 0.0), first_logprobs)
 
     def _from_cache(self, call: GenerateCall) -> Prepared | None:
         """A prompt whose every page is in our cache (whole pages, so it ends on a page
@@ -376,7 +385,7 @@ class GeneratePipeline:
             try:
                 _check_alive(call)
                 ctx.engine.add(spec.request_id, table, ids[-1], spec.sampling, spec.max_new_tokens,
-                               spec.stop_token_ids, start_step=0)
+                               spec.stop_token_ids, start_step=0, prompt_ids=spec.token_ids)
             except ValueError as err:
                 table.release()
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err

@@ -16,7 +16,12 @@ from lanekv.decode.detokenize import Detokenizer
 from lanekv.decode.engine import TokenEvent
 from lanekv.decode.generate import GenerateCall, GenerateContext, GeneratePipeline, GenerateSpec
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
-from lanekv.runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from lanekv.runtime.requests import (
+    logprob_to_proto,
+    prompt_from_proto,
+    request_id_from_proto,
+    sampling_from_proto,
+)
 from lanekv.runtime.status import Refusal, refusals
 
 Code = grpc.StatusCode
@@ -44,7 +49,15 @@ def parse_request(request: lanekv_pb2.GenerateRequest, ctx: GenerateContext) -> 
         raise Refusal(
             Code.INVALID_ARGUMENT, f"stop_token_ids: {bad[0]} is outside the vocabulary [0, {ctx.vocab_size})"
         )
-    return GenerateSpec(request_id, ids, sampling, request.sampling, max_new, stops)
+    try:
+        sampling.check_vocab(ctx.vocab_size)
+    except ValueError as err:
+        raise Refusal(Code.INVALID_ARGUMENT, f"sampling: {err}") from None
+    # Prefill's first token honours min_tokens: it needs the stop ids too.
+    forwarded = lanekv_pb2.SamplingParams()
+    forwarded.CopyFrom(request.sampling)
+    forwarded.stop_token_ids.extend(t for t in stops if t not in set(forwarded.stop_token_ids))
+    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops)
 
 
 class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
@@ -92,12 +105,15 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
 def _reply(request_id: str, batch: list[TokenEvent], text: Detokenizer) -> lanekv_pb2.GenerateReply:
     ids = [event.token_id for event in batch if event.token_id is not None]
     last = batch[-1]
+    logprobs = [logprob_to_proto(e.token_id, e.logprobs.logprob, e.logprobs.top, lanekv_pb2.TokenLogprob)
+                for e in batch if e.token_id is not None and e.logprobs is not None]
     return lanekv_pb2.GenerateReply(
         request_id=request_id,
         token_ids=ids,
         text=text.pieces(ids),
         finished=last.finished,
         finish_reason=last.finish_reason or "",
+        logprobs=logprobs,
     )
 
 

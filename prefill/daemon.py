@@ -57,7 +57,12 @@ from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.daemon import DaemonServer
 from lanekv.runtime.metrics import PrefixMetrics
-from lanekv.runtime.requests import prompt_from_proto, request_id_from_proto, sampling_from_proto
+from lanekv.runtime.requests import (
+    logprob_to_proto,
+    prompt_from_proto,
+    request_id_from_proto,
+    sampling_from_proto,
+)
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, refusals
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, new_capability
@@ -418,6 +423,8 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             timings=res.timings,
             capability=res.capability or "",
             cached_tokens=res.prefix_len,
+            first_logprob=None if res.first_logprobs is None else logprob_to_proto(
+                res.first_token, *res.first_logprobs, lanekv_pb2.TokenLogprob),
         )
 
     def _refused(self, refusal: Refusal, request_id: str | None) -> None:

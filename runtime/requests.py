@@ -28,6 +28,15 @@ def sampling_from_proto(msg) -> SamplingParams:
             top_k=int(msg.top_k),
             top_p=float(msg.top_p) if msg.top_p else 1.0,
             seed=int(msg.seed) if msg.has_seed else None,
+            min_p=float(msg.min_p),
+            repetition_penalty=float(msg.repetition_penalty) if msg.repetition_penalty else 1.0,
+            presence_penalty=float(msg.presence_penalty),
+            frequency_penalty=float(msg.frequency_penalty),
+            logit_bias=tuple(sorted((int(k), float(v)) for k, v in msg.logit_bias.items())),
+            min_tokens=int(msg.min_tokens),
+            ignore_eos=bool(msg.ignore_eos),
+            stop_token_ids=tuple(sorted({int(t) for t in msg.stop_token_ids})),
+            logprobs=int(msg.logprobs) if msg.has_logprobs else None,
         )
     except (TypeError, ValueError) as err:
         raise Refusal(Code.INVALID_ARGUMENT, f"sampling: {err}") from err
@@ -40,7 +49,23 @@ def sampling_to_proto(params: SamplingParams, message_class):
         top_p=params.top_p,
         seed=params.seed or 0,
         has_seed=params.seed is not None,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
+        ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids,
+        logprobs=params.logprobs or 0,
+        has_logprobs=params.logprobs is not None,
     )
+
+
+def logprob_to_proto(token_id: int, logprob: float, top, message_class):
+    """One token's logprobs (``top``: (id, logprob) pairs) as ``lanekv.v1.TokenLogprob``."""
+    return message_class(token_id=token_id, logprob=logprob, top_ids=[t for t, _ in top],
+                         top_logprobs=[v for _, v in top])
 
 
 def prompt_from_proto(request, tokenizer: Tokenizer | None, vocab_size: int, max_tokens: int) -> list[int]:

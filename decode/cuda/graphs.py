@@ -21,7 +21,15 @@ The host fills pinned staging buffers (two sides, so the next step can be
 staged while the copy from the other side may still wait behind the step in
 flight) and sends each dtype with one copy: a replay costs two copies and one
 launch; the caller reads back the sampled ids, the step's only sync. Batches above the ladder (or wider page
-tables) run eager. The engine builds these on CUDA only; on a CPU pool (tests)
+tables) run eager.
+
+Each size is captured twice: the greedy step (argmax only), replayed when
+every request is plain greedy, and the full step, which also runs
+``model.sampling.sample_step`` over the sampler's per-slot device state: the
+logits processors, the draw from a staged uniform number per row, the raw
+logprobs and the update of the output token counts, all on the device. Its
+per-row inputs (each row's slot, padding rows the scratch slot, and uniform
+number) are staged with the rest. The engine builds these on CUDA only; on a CPU pool (tests)
 ``replay`` runs the same static-buffer step eagerly instead of a graph.
 """
 
@@ -35,6 +43,7 @@ import torch
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.model.attention import AnyCausalLM
+from lanekv.model.sampling import SamplerState, StepResult, sample_step
 from lanekv.runtime.gcpause import paused
 
 log = logging.getLogger("lanekv.decode")
@@ -60,23 +69,25 @@ def check_ladder(sizes: Sequence[int], max_batch_size: int) -> tuple[int, ...]:
 
 class StepOutput(NamedTuple):
     logits: torch.Tensor  # [n, vocab] float32, valid until the next replay
-    greedy: torch.Tensor  # [n] int64 argmax of the logits
+    greedy: torch.Tensor  # [n] int64: the argmax of the logits, or the full step's tokens
+    sampled: StepResult | None = None  # the full step's tokens and logprobs
 
 
 class _Captured(NamedTuple):
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor
     greedy: torch.Tensor
+    sampled: StepResult | None = None
 
 
 class DecodeGraphs:
     """Captured decode steps over one pool; ``capture`` once, then ``replay`` per step."""
 
     def __init__(self, model: AnyCausalLM, pool: PagePool,
-                 sizes: Sequence[int]) -> None:
+                 sizes: Sequence[int], sampler: SamplerState | None = None) -> None:
         if not sizes:
             raise ValueError("graph batch sizes must name at least one size")
-        self.model, self.pool = model, pool
+        self.model, self.pool, self.sampler = model, pool, sampler
         self.sizes = tuple(sorted(sizes))
         self.cuda = pool.device.type == "cuda"
         self.max_size = self.sizes[-1]
@@ -85,26 +96,33 @@ class DecodeGraphs:
         device, n = pool.device, self.max_size
         # Two staging sides: the host fills one for the next step while the copy
         # from the other may still be queued behind the step in flight.
-        self._host64 = [torch.empty((3, n), dtype=torch.int64) for _ in range(2)]
+        # int64 rows: ids, positions, locs, sampler slots; float32: uniform numbers
+        self._host64 = [torch.empty((4, n), dtype=torch.int64) for _ in range(2)]
         self._host32 = [torch.empty(n * (1 + self.max_pages), dtype=torch.int32) for _ in range(2)]
+        self._hostf = [torch.zeros(n, dtype=torch.float32) for _ in range(2)]
         if self.cuda:
             self._host64 = [t.pin_memory() for t in self._host64]
             self._host32 = [t.pin_memory() for t in self._host32]
+            self._hostf = [t.pin_memory() for t in self._hostf]
         # numpy views of the pinned buffers: filling them from lists costs no torch op
         self._host64_np = [t.numpy() for t in self._host64]
         self._host32_np = [t.numpy() for t in self._host32]
+        self._hostf_np = [t.numpy() for t in self._hostf]
         # Where a step's greedy ids come back to the host (one per step in flight).
         self._host_ids = [torch.empty(n, dtype=torch.int64) for _ in range(2)]
         self._ids_read = [None, None]  # per side: the event after the copy to the host
         if self.cuda:
             self._host_ids = [t.pin_memory() for t in self._host_ids]
             self._ids_read = [torch.cuda.Event() for _ in range(2)]
-        self._dev64 = torch.zeros((3, n), dtype=torch.int64, device=device)
+        self._dev64 = torch.zeros((4, n), dtype=torch.int64, device=device)
         self._dev32 = torch.zeros(n * (1 + self.max_pages), dtype=torch.int32, device=device)
-        self.ids, self.positions, self.locs = self._dev64
+        self._devf = torch.zeros(n, dtype=torch.float32, device=device)
+        self.ids, self.positions, self.locs, self.slots = self._dev64
+        self.uniform = self._devf
         self.seq_lens = self._dev32[:n]
         self.page_table = self._dev32[n:].view(n, self.max_pages)
         self._graphs: dict[int, _Captured | None] = {}
+        self._full: dict[int, _Captured | None] = {}  # the full steps (with a sampler)
         self.memory_bytes = 0
 
     def size_for(self, batch: int, width: int) -> int | None:
@@ -116,23 +134,32 @@ class DecodeGraphs:
                 return size
         return None
 
-    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, n: int, full: bool = False) -> _Captured:
         hidden = step_hidden(self.model, self.pool, self.ids[:n], self.positions[:n],
                              self.locs[:n], self.page_table[:n], self.seq_lens[:n])
         logits = self.model.compute_logits(hidden)
-        return logits, logits.argmax(dim=-1)
+        if not full:
+            return _Captured(None, logits, logits.argmax(dim=-1))
+        sampled = sample_step(logits, self.sampler, self.slots[:n], self.uniform[:n])
+        return _Captured(None, logits, sampled.tokens, sampled)
 
     def _pad_all(self) -> None:
-        """Every row padding: ids/positions 0, loc -1, seq_len 0 (writes and reads nothing)."""
+        """Every row padding: ids/positions 0, loc -1, seq_len 0 (writes and reads
+        nothing), the sampler's scratch slot."""
         self._dev64.zero_()
         self.locs.fill_(-1)
+        if self.sampler is not None:
+            self.slots.fill_(self.sampler.scratch)
         self._dev32.zero_()
+        self._devf.zero_()
 
     def capture(self) -> None:
         """Capture every size, largest first (smaller ones reuse its memory pool).
         Each size runs once eagerly first (kernel compilation, lazy init)."""
         if not self.cuda:
             self._graphs = dict.fromkeys(self.sizes)
+            if self.sampler is not None:
+                self._full = dict.fromkeys(self.sizes)
             return
         device = self.pool.device
         with paused():  # no garbage collection while capturing
@@ -150,26 +177,36 @@ class DecodeGraphs:
     def _capture_all(self, device: torch.device, mempool, stream: torch.cuda.Stream) -> None:
         with torch.inference_mode(), torch.cuda.device(device):
             self._pad_all()
-            for n in reversed(self.sizes):
-                stream.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(stream):
-                    self._forward(n)
-                torch.cuda.current_stream(device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                    logits, greedy = self._forward(n)
-                self._graphs[n] = _Captured(graph, logits, greedy)
+            for full in (False, True) if self.sampler is not None else (False,):
+                for n in reversed(self.sizes):
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        self._forward(n, full)
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                        out = self._forward(n, full)
+                    (self._full if full else self._graphs)[n] = out._replace(graph=graph)
+            if self.sampler is not None:
+                # The eager runs and the captures counted tokens in the scratch slot only.
+                self._pad_all()
 
     def stage(self, side: int, tables: Sequence[PageTable], positions: Sequence[int],
-              locs: Sequence[int], seq_lens: Sequence[int]) -> None:
+              locs: Sequence[int], seq_lens: Sequence[int], slots: Sequence[int] | None = None,
+              uniform: Sequence[float] | None = None) -> None:
         """Fill staging ``side`` (0 or 1) for a step of ``len(tables)`` requests:
-        everything but the input ids, which ``replay`` writes last."""
+        everything but the input ids, which ``replay`` writes last. ``slots`` and
+        ``uniform``: each request's sampler slot and uniform number (a full step)."""
         n = len(tables)
-        h64, h32 = self._host64_np[side], self._host32_np[side]
+        h64, h32, hf = self._host64_np[side], self._host32_np[side], self._hostf_np[side]
         h64[1, :n] = positions
         h64[2, :n] = locs
         h64[:2, n:] = 0
         h64[2, n:] = -1  # padding rows: stored nowhere
+        scratch = 0 if self.sampler is None else self.sampler.scratch
+        h64[3, :n] = scratch if slots is None else slots
+        h64[3, n:] = scratch  # padding rows: counted in the scratch slot
+        hf[:n] = 0.0 if uniform is None else uniform
         lens, table = h32[:self.max_size], h32[self.max_size:].reshape(self.max_size, -1)
         lens[:n] = seq_lens
         lens[n:] = 0  # padding rows: attention reads nothing
@@ -178,24 +215,32 @@ class DecodeGraphs:
             table[row, :len(pages)] = pages  # past a request's pages: never read
 
     def replay(self, side: int, ids: Sequence[int], size: int,
-               feed: torch.Tensor | None = None) -> StepOutput:
+               feed: torch.Tensor | None = None, full: bool = False) -> StepOutput:
         """Replay captured ``size`` (from ``size_for``) over staging ``side`` with
         these input ids, one per request of the staged step; ``feed``: the ids
-        on the device instead (the greedy ids of the step queued before, row for
-        row), so the step can be queued before those are read."""
+        on the device instead (the tokens of the step queued before, row for
+        row), so the step can be queued before those are read. ``full``: the
+        step with the sampler (needs one)."""
+        if full and self.sampler is None:
+            raise ValueError("a full step needs DecodeGraphs built with a sampler")
         n = len(ids)
-        captured = self._graphs[size]
+        captured = (self._full if full else self._graphs)[size]
         self._host64_np[side][0, :n] = ids
         self._dev64.copy_(self._host64[side], non_blocking=True)
         self._dev32.copy_(self._host32[side], non_blocking=True)
+        if full:
+            self._devf.copy_(self._hostf[side], non_blocking=True)
         if feed is not None:
             self.ids[:n].copy_(feed)
         if captured is None:  # CPU: the same step, eager
             with torch.inference_mode():
-                logits, greedy = self._forward(size)
-            return StepOutput(logits[:n], greedy[:n])
-        captured.graph.replay()
-        return StepOutput(captured.logits[:n], captured.greedy[:n])
+                captured = self._forward(size, full)
+        else:
+            captured.graph.replay()
+        sampled = captured.sampled
+        if sampled is not None:
+            sampled = StepResult(*(t[:n] for t in sampled))
+        return StepOutput(captured.logits[:n], captured.greedy[:n], sampled)
 
     def read_ids(self, greedy: torch.Tensor, side: int) -> Callable[[], list[int]]:
         """Queue the copy of a step's ``greedy`` ids to the host now, before a step

@@ -33,7 +33,8 @@ class GraphBatch(NamedTuple):
     input_ids: list[int]
     size: int  # the captured batch size it runs at (padding rows past len(requests))
     side: int
-    feed: torch.Tensor | None = None  # the ids on the device (the step before's greedy ids)
+    feed: torch.Tensor | None = None  # the ids on the device (the step before's tokens)
+    full: bool = False  # the step with the sampler
 
 
 class Plan(NamedTuple):
@@ -45,6 +46,7 @@ class Plan(NamedTuple):
     locs: list[int]
     size: int
     side: int
+    full: bool = False  # the step with the sampler
 
 
 class Launched(NamedTuple):
@@ -72,9 +74,11 @@ class StepOverlap:
         self._side ^= 1
         return side
 
-    def stage(self, graphs: DecodeGraphs, requests: Sequence[Any]) -> Plan | None:
+    def stage(self, graphs: DecodeGraphs, requests: Sequence[Any], full: bool = False,
+              slots: Sequence[int] | None = None, uniform: Sequence[float] | None = None) -> Plan | None:
         """Fill the next staging side for ``requests`` (each with a page reserved for its
-        next slot) and keep it as ``plan``; None (and no plan) when the graphs do not fit it."""
+        next slot) and keep it as ``plan``; None (and no plan) when the graphs do not fit it.
+        ``full``: the step with the sampler, its rows' ``slots`` and ``uniform`` numbers."""
         self.plan = None
         if not requests:
             return None
@@ -84,8 +88,9 @@ class StepOverlap:
         positions = [r.table.seq_len for r in requests]
         locs = [r.table.loc(p) for r, p in zip(requests, positions)]
         side = self.take_side()
-        graphs.stage(side, [r.table for r in requests], positions, locs, [p + 1 for p in positions])
-        self.plan = Plan(list(requests), positions, locs, size, side)
+        graphs.stage(side, [r.table for r in requests], positions, locs, [p + 1 for p in positions],
+                     slots, uniform)
+        self.plan = Plan(list(requests), positions, locs, size, side, full)
         return self.plan
 
     def take_plan(self) -> Plan | None:
@@ -98,14 +103,16 @@ class StepOverlap:
         self.plan = None
         for request in plan.requests:
             request.table.append_slot()
-        return GraphBatch(plan.requests, [r.last_token for r in plan.requests], plan.size, plan.side)
+        return GraphBatch(plan.requests, [r.last_token for r in plan.requests], plan.size, plan.side,
+                          full=plan.full)
 
     @staticmethod
     def queues_behind(plan: Plan | None, batch: Sequence[Any]) -> bool:
-        """Whether ``plan`` runs the same greedy requests in the same rows as ``batch``,
-        so its input ids can be ``batch``'s greedy ids, fed on the device."""
+        """Whether ``plan`` runs the same requests in the same rows as ``batch`` and none
+        reads logprobs back, so its input ids can be ``batch``'s tokens (the argmax, or
+        the full step's draw), fed on the device."""
         return plan is not None and len(plan.requests) == len(batch) and all(
-            a is b and a.sampling.greedy for a, b in zip(plan.requests, batch))
+            a is b and a.sampling.logprobs is None for a, b in zip(plan.requests, batch))
 
     def launch(self, batch: GraphBatch, run: Callable[[GraphBatch], StepOutput]) -> None:
         """Run ``batch`` now, for the next step to finish. A failure is kept and raised

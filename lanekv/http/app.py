@@ -103,6 +103,9 @@ class Front:
         bad = [t for t in common.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise bad_field("stop_token_ids", f"{bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        bad = [t for t, _ in common.sampling.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise bad_field("logit_bias", f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         max_tokens = common.max_tokens
         if max_tokens is None:
             max_tokens = min(self.config.default_max_tokens, room) if kind == "cmpl" else room
@@ -125,7 +128,8 @@ class Front:
         if self.config.log_requests:
             log.info("request %s on %s: %d prompt tokens, max_tokens %d, stream %s", plan.request_id,
                      request.url.path, len(plan.prompt_ids), plan.max_tokens, common.stream)
-        shape = ReplyShape(chat, plan.request_id, common.model, int(time.time()), common.include_usage)
+        shape = ReplyShape(chat, plan.request_id, common.model, int(time.time()), common.include_usage,
+                           common.sampling.logprobs is not None, self.token_text)
         generation = Generation(self.backends, plan, self.config.request_timeout_s,
                                 None if self.tokenizer is None else self.tokenizer.decode)
         started = time.monotonic()
@@ -141,19 +145,26 @@ class Front:
         if await run_until_disconnect(work, request.receive):
             self.metrics.request(endpoint, "client_gone")
             return Response(status_code=499)
-        text, reason = work.result()
+        text, reason, logprobs = work.result()
         self._count(endpoint, "200", plan, generation)
         return JSONResponse(shape.whole(text, reason, len(plan.prompt_ids), generation.completion_tokens,
-                                        generation.cached_tokens),
+                                        generation.cached_tokens, logprobs),
                             headers={"X-Request-Id": plan.request_id})
 
-    async def _collect(self, generation: Generation) -> tuple[str, str]:
-        parts, reason = [], "length"
+    def token_text(self, token: int) -> str:
+        """One token's text (its id as vLLM writes it, without a tokenizer)."""
+        if self.tokenizer is None:
+            return f"token_id:{token}"
+        return self.tokenizer.decode([token], skip_special_tokens=False)
+
+    async def _collect(self, generation: Generation) -> tuple[str, str, list]:
+        parts, reason, logprobs = [], "length", []
         async with aclosing(generation.deltas()) as deltas:
             async for delta in deltas:
                 parts.append(delta.text)
+                logprobs += delta.logprobs
                 reason = delta.finish_reason or reason
-        return "".join(parts), reason
+        return "".join(parts), reason, logprobs
 
     async def _stream(self, request: Request, generation: Generation, shape: ReplyShape, endpoint: str):
         plan, status = generation.plan, "client_gone"

@@ -43,16 +43,27 @@ class Plan:
 
     def proto(self) -> lanekv_pb2.GenerateRequest:
         s = self.sampling
-        sampling = lanekv_pb2.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
-                                             seed=s.seed or 0, has_seed=s.seed is not None)
+        sampling = lanekv_pb2.SamplingParams(
+            temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed or 0,
+            has_seed=s.seed is not None, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
+            presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+            logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
+            logprobs=s.logprobs or 0, has_logprobs=s.logprobs is not None)
         return lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=self.prompt_ids),
                                           sampling=sampling, max_new_tokens=self.max_tokens,
                                           stop_token_ids=self.stop_token_ids, request_id=self.request_id)
 
 
+class TokenLogprob(NamedTuple):
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+
+
 class Delta(NamedTuple):
     text: str
     finish_reason: str | None  # set on the last delta only
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens whose text this delta carries
 
 
 class StopMatcher:
@@ -159,26 +170,32 @@ class Generation:
         if self._first is None:
             raise RuntimeError("Generation.deltas before start")
         stops, reply, ended = StopMatcher(self.plan.stop), self._first, False
+        pending: list[TokenLogprob] = []  # logprobs of tokens whose text is held back
         try:
             while True:
                 if reply is grpc.aio.EOF:
                     raise APIError(502, f"decode daemon {self.endpoint} ended the stream unfinished")
+                before = self.completion_tokens
                 self.completion_tokens += len(reply.token_ids)
                 self._token_ids.extend(reply.token_ids)
+                pending += [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+                            for lp in reply.logprobs]
                 text = stops.feed(reply.text)
                 if stops.hit:
                     self._count_to(stops.stop_end, len(reply.token_ids))
-                    yield Delta(text, "stop")
+                    kept = len(pending) - (before + len(reply.token_ids) - self.completion_tokens)
+                    yield Delta(text, "stop", tuple(pending[:max(kept, 0)]))
                     return
                 if reply.finished:
                     if reply.finish_reason not in FINISH_REASONS:
                         raise APIError(500, f"decode daemon {self.endpoint} ended the request: "
                                        f"{reply.finish_reason or 'no reason given'}")
                     ended = True  # the daemon has let the request go
-                    yield Delta(text + stops.flush(), reply.finish_reason)
+                    yield Delta(text + stops.flush(), reply.finish_reason, tuple(pending))
                     return
-                if text:
-                    yield Delta(text, None)
+                if text or pending:
+                    yield Delta(text, None, tuple(pending))
+                    pending = []
                 try:
                     reply = await self._call.read()
                 except grpc.aio.AioRpcError as err:

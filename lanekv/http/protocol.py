@@ -1,9 +1,12 @@
 """OpenAI request bodies -> the front's own values, every field checked.
 
 A bad field is an ``APIError`` 400 whose ``param`` names it (the OpenAI
-shape); fields this front does not implement are refused when they ask for
-something other than their default, never silently ignored. Unknown fields
-are ignored, as other OpenAI-compatible servers do.
+shape). Every field is either implemented (``HONOURED``: OpenAI's and the
+vLLM extras lanekv runs: ``top_k``, ``min_p``, ``repetition_penalty``,
+``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...), accepted only at its
+default (``DEFAULTS_ONLY``: asking for nothing this front does not do), or
+refused: a field this front does not know is a 400 naming it, never silently
+ignored (vLLM's and SGLang's other extras included).
 """
 
 from __future__ import annotations
@@ -18,19 +21,36 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_SEED = 2**64 - 1
+MAX_LOGIT_BIAS = 300
 ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields refused unless they hold their default (the default is what the front does).
-UNSUPPORTED = {
-    "completion": {"echo": False, "best_of": 1, "suffix": None, "logprobs": None, "logit_bias": None,
-                   "presence_penalty": 0, "frequency_penalty": 0},
-    "chat": {"logprobs": False, "top_logprobs": None, "logit_bias": None, "presence_penalty": 0,
-             "frequency_penalty": 0, "tools": None, "tool_choice": None, "functions": None,
-             "response_format": None, "audio": None, "modalities": None, "prediction": None},
+MAX_COMPLETION_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit is 5)
+# Fields both endpoints run (user and safety_identifier only identify the caller).
+_COMMON = ("model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
+           "stop_token_ids", "stream", "stream_options", "presence_penalty", "frequency_penalty",
+           "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "user", "safety_identifier")
+HONOURED = {
+    "completion": frozenset((*_COMMON, "prompt", "logprobs", "best_of")),
+    "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
+                       "add_generation_prompt", "chat_template_kwargs")),
+}
+# Fields accepted only while they hold their default (what the front does), or None.
+DEFAULTS_ONLY = {
+    "completion": {"echo": False, "suffix": None},
+    "chat": {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
+             "response_format": None, "audio": None, "modalities": None, "prediction": None,
+             "parallel_tool_calls": None, "metadata": None, "store": False, "service_tier": None,
+             "reasoning_effort": None, "verbosity": None, "web_search_options": None,
+             "prompt_cache_key": None, "prompt_cache_retention": None, "prompt_cache_options": None,
+             "moderation": None},
+    "both": {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+             "include_stop_str_in_output": False, "use_beam_search": False, "best_of": 1,
+             "echo": False},
 }
 # Template variables the request itself sets: chat_template_kwargs may not name them.
 TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents")
 # Values of those fields that ask for nothing this front does not do.
-HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},)}
+HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
+            "modalities": (["text"],)}
 
 
 @dataclass(frozen=True)
@@ -39,6 +59,14 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0  # 0: no cut
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
 
 
 @dataclass(frozen=True)
@@ -111,13 +139,18 @@ def _object(body: Any) -> dict[str, Any]:
 
 
 def _common(body: dict[str, Any], kind: str) -> Common:
+    defaults = {**DEFAULTS_ONLY["both"], **DEFAULTS_ONLY[kind]}
+    for name in body:
+        if name not in HONOURED[kind] and name not in defaults:
+            raise bad_field(name, "is not supported by this server")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise bad_field("model", f"must be a non-empty string, got {_show(model)}")
-    n = body.get("n", 1)
-    if n is not None and (not _is_int(n) or n != 1):
-        raise bad_field("n", f"only n=1 is supported (one choice per request), got {_show(n)}")
-    for name, default in UNSUPPORTED[kind].items():
+    for name in ("n", "best_of"):
+        value = body.get(name, 1)
+        if value is not None and (not _is_int(value) or value != 1):
+            raise bad_field(name, f"only {name}=1 is supported (one choice per request), got {_show(value)}")
+    for name, default in defaults.items():
         value = body.get(name)
         if value is None or value == default or value in ({}, []) or value in HARMLESS.get(name, ()):
             continue
@@ -128,6 +161,15 @@ def _common(body: dict[str, Any], kind: str) -> Common:
         raise bad_field("top_p", "must be in (0, 1], got 0")
     top_k = _int(body, "top_k", 0, -1, 2**31 - 1)
     seed = _int(body, "seed", None, 0, MAX_SEED)
+    min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
+    repetition = _number(body, "repetition_penalty", 1.0, 0.0, 1e6)
+    if repetition == 0:
+        raise bad_field("repetition_penalty", "must be > 0, got 0")
+    presence = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
+    min_tokens = _int(body, "min_tokens", 0, 0, 2**31 - 1)
+    ignore_eos = _bool(body, "ignore_eos", False)
+    logprobs = _logprobs(body, kind)
     max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
     max_completion = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -146,12 +188,47 @@ def _common(body: dict[str, Any], kind: str) -> Common:
         model=model,
         max_tokens=max_completion if max_completion is not None else max_tokens,
         max_tokens_field="max_completion_tokens" if max_completion is not None else "max_tokens",
-        sampling=Sampling(temperature, top_p, max(top_k, 0), seed),
+        sampling=Sampling(temperature, top_p, max(top_k, 0), seed, min_p, repetition, presence, frequency,
+                          _logit_bias(body.get("logit_bias")), min_tokens, ignore_eos, logprobs),
         stop=_stop(body.get("stop")),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         stream=stream,
         include_usage=include_usage,
     )
+
+
+def _logprobs(body: dict[str, Any], kind: str) -> int | None:
+    """Chat: ``logprobs`` true/false and ``top_logprobs`` 0..20; completions: ``logprobs`` 0..20."""
+    if kind == "completion":
+        return _int(body, "logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    top = _int(body, "top_logprobs", None, 0, MAX_COMPLETION_LOGPROBS)
+    if not _bool(body, "logprobs", False):
+        if top is not None:
+            raise bad_field("top_logprobs", "needs logprobs=true")
+        return None
+    return top or 0
+
+
+def _logit_bias(bias: Any) -> tuple[tuple[int, float], ...]:
+    if bias is None:
+        return ()
+    if not isinstance(bias, dict):
+        raise bad_field("logit_bias", f"must be an object of token id -> bias, got {_show(bias)}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_field("logit_bias", f"{len(bias)} entries, at most {MAX_LOGIT_BIAS}")
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if token < 0 or str(token) != str(key).strip():
+            raise bad_field("logit_bias", f"keys must be token ids, got {_show(key)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_field("logit_bias", f"bias of token {token} must be a number in [-100, 100], "
+                            f"got {_show(value)}")
+        out[token] = float(value)
+    return tuple(sorted(out.items()))
 
 
 def _prompt(prompt: Any) -> str | tuple[int, ...]:

@@ -96,6 +96,8 @@ class PrefillResult:
     logits: torch.Tensor | None = None
     timings: dict[str, float] = field(default_factory=dict)
     capability: str | None = None  # the input's, handed back with the manifest
+    # The first token's raw logprob and most likely tokens, when the sampling asks.
+    first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
     @property
     def new_pages(self) -> list[int]:
@@ -169,6 +171,8 @@ class PrefillEngine(ABC):
             sampling=tuple(inp.sampling for inp in inputs),
             return_logits=return_logits,
             capabilities=tuple(inp.capability for inp in inputs),
+            prompts=tuple(tuple(inp.token_ids) if inp.sampling.repetition_penalty != 1 else ()
+                          for inp in inputs),
         )
         results = []
         for b, rid in enumerate(rids):
@@ -194,6 +198,7 @@ class PrefillEngine(ABC):
             for out in rr.outputs:
                 results[out.index].first_token = out.first_token
                 results[out.index].logits = out.logits
+                results[out.index].first_logprobs = out.logprobs
         timings = {}
         for rr in rank_results:
             timings.update({f"rank{rr.rank}_s": rr.seconds, f"rank{rr.rank}_queued_s": rr.queued_seconds,

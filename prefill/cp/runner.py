@@ -28,7 +28,7 @@ import torch.distributed as dist
 from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.kernels.rerange import rerange
 from lanekv.model.attention import AnyCausalLM, CPBatch, QuerySegment, RowLayout, kind_of
-from lanekv.model.sampling import SamplingParams, sample
+from lanekv.model.sampling import SamplingParams, sample, sample_full
 from lanekv.prefill.cp.graphs import GraphCapture, PrefillGraphs, capture_graphs
 from lanekv.prefill.cp.thread_group import ThreadGroup
 from lanekv.prefill.index import RankIndex, build_rank_index
@@ -54,6 +54,8 @@ class PrefillBatch:
     return_logits: bool = False
     # Each request's KV capability (FetchKV and Release must present it); None: none.
     capabilities: tuple[str | None, ...] | None = None
+    # Each request's whole prompt where its repetition penalty reads it (else empty); None: none.
+    prompts: tuple[tuple[int, ...], ...] | None = None
 
     def plan(self, cp_size: int, page_size: int) -> BatchPlan:
         return plan_batch(
@@ -65,6 +67,8 @@ class RequestOutput(NamedTuple):
     index: int  # request index in the batch
     first_token: int
     logits: torch.Tensor | None  # [vocab] float32 of the last token, when asked
+    # The first token's raw logprob and its most likely tokens, when the request asks.
+    logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
 
 
 @dataclass
@@ -164,10 +168,23 @@ class RankRunner:
         if mine:
             rows = torch.tensor([ix.last_rows[b] for b in mine], device=self.device)
             logits = self.model.compute_logits(hidden[rows])
-            tokens = sample(logits, [batch.sampling[b] for b in mine], 0).tolist()
+            params = [batch.sampling[b] for b in mine]
+            logprobs = [None] * len(mine)
+            if all(p.plain for p in params):
+                tokens = sample(logits, params, 0).tolist()
+            else:  # the logits processors, with the prompts and EOS, and the logprobs
+                prompts = [batch.prompts[b] if batch.prompts else () for b in mine]
+                out = sample_full(logits, params, 0, prompts=prompts,
+                                  eos_token_ids=self.model.config.eos_token_ids)
+                tokens = out.tokens.tolist()
+                chosen, values, ids = (out.logprob.tolist(), out.top_logprobs.tolist(),
+                                       out.top_ids.tolist())
+                logprobs = [None if p.logprobs is None else
+                            (chosen[i], tuple(zip(ids[i][:p.logprobs], values[i][:p.logprobs])))
+                            for i, p in enumerate(params)]
             for i, b in enumerate(mine):
                 keep = logits[i].cpu() if batch.return_logits else None
-                outputs.append(RequestOutput(b, int(tokens[i]), keep))
+                outputs.append(RequestOutput(b, int(tokens[i]), keep, logprobs[i]))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return RankResult(
