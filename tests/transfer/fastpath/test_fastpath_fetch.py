@@ -138,7 +138,7 @@ def test_an_early_copy_of_pages_not_yet_written_fails_the_digest(rank, monkeypat
     written, reading = threading.Event(), threading.Event()
     ready, receive = source.ready, RankFetch.receive
     # The rank announces once the test has written the pages; the fetch copied them before.
-    monkeypatch.setattr(source, "ready", lambda *args: (written.wait(10), ready(*args))[1])
+    monkeypatch.setattr(source, "ready", lambda *args, **kw: (written.wait(10), ready(*args, **kw))[1])
     monkeypatch.setattr(RankFetch, "receive", lambda *args: (reading.set(), receive(*args))[1])
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
@@ -167,7 +167,7 @@ def test_an_early_copy_then_a_prefill_announced_layer_by_layer_is_copied_again(r
     progress = LayerProgress(LAYERS)
     source.add("req", [(p, p) for p in range(3)], progress)
     asked, ready = threading.Event(), source.ready
-    monkeypatch.setattr(source, "ready", lambda *args: (asked.set(), ready(*args))[1])
+    monkeypatch.setattr(source, "ready", lambda *args, **kw: (asked.set(), ready(*args, **kw))[1])
     fast = FastPath(kv, agreement, transports=[SHM])
     shared = fast.pool(endpoint, None, 10)
     dst = torch.zeros(LAYERS, 2, 3 * PAGE, 2, 8, dtype=torch.float16)
@@ -221,7 +221,7 @@ def test_a_range_must_be_announced_then_sealed_as_announced(rank, monkeypatch, s
         "no_digest": [announced, announced],
     }[sequence]
 
-    def descriptors(self, rid, span, ready):
+    def descriptors(self, rid, span, ready, exact=False):
         for d in messages:
             yield frame_chunk(d.encode(), memoryview(b""))
 
@@ -244,7 +244,7 @@ def test_a_range_of_the_asked_pages_in_another_order_is_copied_and_checked(rank,
     announced = Descriptor("req", 0, 0, 0, LAYERS, (1, 0), (4, 1), None)
     sealed = dataclasses.replace(announced, digest=source.digest([4, 1], 0, LAYERS))
 
-    def descriptors(self, rid, span, ready):
+    def descriptors(self, rid, span, ready, exact=False):
         for d in (announced, sealed):
             yield frame_chunk(d.encode(), memoryview(b""))
 
