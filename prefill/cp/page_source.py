@@ -5,7 +5,13 @@ KVTransfer server reads. Reads copy pages in wire order with the
 ``gather_pages`` kernel, then to the host. On a GPU they run on a stream of
 their own, after the event of the last layer they read: the prefill that
 writes later layers keeps the default stream, and a read never waits for it
-(layer-wise streaming, ``transfer.rank.progress``). A release by the decode side is
+(layer-wise streaming, ``transfer.rank.progress``). Nor may it allocate: a new
+pinned host block or device segment is an implicit synchronization of the whole
+device, so a read that allocates waits for every layer the prefill has queued
+(measured on an H200: a first read of layer 0 returned only after 2 s of work
+queued behind it), and so is the first launch of a kernel (its module loads). The
+source therefore fills torch's host and device caches with the blocks reads take,
+and runs its reads once, before it serves any (``_warm_caches``). A release by the decode side is
 reported to the parent process (``on_release``), which owns the allocator and
 the leases; an expired lease makes the rank ``forget`` the request.
 """
@@ -19,6 +25,7 @@ from typing import Any
 
 import torch
 from lanekv.kernels.page_copy import gather_pages
+from lanekv.runtime.status import DEFAULT_CHUNK_BYTES
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.rank.sources import TensorPageSource
 
@@ -36,6 +43,36 @@ class RankPageSource(TensorPageSource):
         self._page_size = agreement.page_size
         self._on_release = on_release
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        if self._stream is not None:
+            self._warm_caches()
+
+    # Reads in flight at once on one rank (several fetch streams, several decode daemons).
+    WARM_READS = 4
+    # The smallest host block warmed: torch's host cache rounds each request up to a power of two.
+    WARM_MIN_BYTES = 512
+
+    def _warm_caches(self, largest: int = 2 * DEFAULT_CHUNK_BYTES) -> None:
+        """Leave in torch's caches the pinned host blocks (every power of two from
+        ``WARM_MIN_BYTES`` to ``largest``, ``WARM_READS`` of each) and the device memory
+        on the read stream that reads take, so that no read allocates while a prefill runs."""
+        with torch.cuda.stream(self._stream):
+            device = [torch.empty(largest, dtype=torch.uint8, device=self.pool.device)
+                      for _ in range(self.WARM_READS)]
+            small = torch.empty(1024, dtype=torch.int64, device=self.pool.device)
+        size, host = self.WARM_MIN_BYTES, []
+        while size <= largest:
+            host.extend(torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(self.WARM_READS))
+            size *= 2
+        self._stream.synchronize()
+        del device, small, host  # back to the caches, for this stream and the host
+        # Each kernel's variants (Triton specializes on sizes divisible by 16): one page and
+        # sixteen, one layer and all of them.
+        layers = self.pool.shape[0]
+        for pages in ([0], list(range(min(16, self.pool.shape[2] // self._page_size)))):
+            for end in sorted({1, layers}):
+                self.read(pages, 0, end)
+                self.fresh_digest(pages, 0, end)
+        self._stream.synchronize()
 
     @contextlib.contextmanager
     def _on_stream(self, after: Any) -> Iterator[None]:

@@ -114,6 +114,7 @@ def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     source = RankPageSource(agreement, 0, pool, lambda rid, pages: None)
     progress = LayerProgress(2, "cuda")
     source.add("req", [(0, 1), (1, 3)], progress)
+    torch.cuda.synchronize()  # the pool and the source are ready: nothing before this counts
     progress.layer_written(0)
     torch.cuda._sleep(4_000_000_000)  # seconds of work on the prefill's stream, queued after layer 0
     progress.layer_written(1)
