@@ -185,11 +185,11 @@ class DecodeDaemon:
         cache = self.prefix_cache
         self.registry.gauge("lanekv_prefix_cache_pages", "pages the prefix cache holds (idle or in use)").set_function(
             lambda: cache.cached_pages)
-        picks = self.registry.gauge("lanekv_prefix_routed_picks", "prefill daemon picks since start; on_hit: of "
-                                    "one remembered to hold a prefix of the prompt", ("followed",))
+        picks = self.registry.gauge("lanekv_prefix_routed_picks", "prefill daemon picks since start; hit: of "
+                                    "one remembered to hold a prefix of the prompt; evicted: replies showing a "
+                                    "remembered prefix was gone there (forgotten since)", ("followed",))
         picks.labels(followed="any").set_function(lambda: self.prefills.picks)
         picks.labels(followed="hit").set_function(lambda: self.prefills.picks_on_hit)
-        # Replies showing a remembered prefix was evicted there since (forgotten from then on).
         picks.labels(followed="evicted").set_function(lambda: self.prefills.picks_on_stale)
         return PrefixMetrics.on(self.registry, "decode", lambda: cache.stats.evicted_pages)
 
