@@ -20,6 +20,7 @@ from lanekv.proto import lanekv_pb2_grpc
 
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
+from tests.markers import GPU_CASE
 from tests.prefix_checks import generate, load_hf, page_bytes, random_ids, reference, settled
 
 MAX_NEW = 6
@@ -35,14 +36,20 @@ def hf(checkpoint):
     return load_hf(checkpoint)
 
 
-@pytest.fixture(scope="module", params=[(1, 1, "grpc"), (2, 16, "auto"), (3, 5, "auto")],
-                ids=["cp1-ps1-grpc", "cp2-ps16-fastpath", "cp3-ps5-fastpath"])
+@pytest.fixture(scope="module", params=[
+    pytest.param((1, 1, "grpc", "cpu"), id="cp1-ps1-grpc"),
+    pytest.param((2, 16, "auto", "cpu"), id="cp2-ps16-fastpath"),
+    pytest.param((3, 5, "auto", "cpu"), id="cp3-ps5-fastpath"),
+    # CUDA: the fast path is CUDA IPC, the decode step runs captured graphs with the overlap.
+    pytest.param((1, 16, "auto", "cuda"), id="cuda-cp1-ps16-fastpath", marks=GPU_CASE),
+    pytest.param((1, 5, "grpc", "cuda"), id="cuda-cp1-ps5-grpc", marks=GPU_CASE),
+])
 def pair(request, checkpoint):
-    cp, ps, transport = request.param
+    cp, ps, transport, device = request.param
     engine = EngineConfig(str(checkpoint), cp_size=cp, page_size=ps, pages_per_lane=max(40, 400 // (cp * ps)),
-                          start_timeout_s=120)
-    with running_pair(engine, pool_pages=max(60, 600 // ps), transport=transport) as daemons:
-        yield daemons, transport
+                          device=device, start_timeout_s=300)
+    with running_pair(engine, pool_pages=max(60, 600 // ps), transport=transport, device=device) as daemons:
+        yield daemons, "grpc" if transport == "grpc" else "shm" if device == "cpu" else "cuda_ipc"
 
 
 def _whole(n: int, ps: int) -> int:
@@ -97,8 +104,8 @@ def test_a_conversation_hits_the_reply_pages_and_matches_transformers(pair, hf):
             if turn == 1:
                 assert held * ps > len(last_prompt), "the hit reaches into the last reply"
                 assert held * ps > cached  # more than the prefill side holds: fewer pages move
-            if got.moved_bytes and transport == "auto":
-                assert set(p.split(":")[1] for p in got.paths.split(",")) == {"shm"}, got.paths
+            if got.moved_bytes:
+                assert {p.split(":")[1] for p in got.paths.split(",")} == {transport}, got.paths
             known = len(prompt) + len(want) - 1
             last_prompt, reply = prompt, want
             prompt = prompt + reply + random_ids(3, 200 + turn)
