@@ -1,6 +1,7 @@
 """The decode daemon's warm-up request (``DecodeDaemon.warm_up``): one short request
 through each prefill daemon and the whole pipeline. It leaves no trace in the decode
-daemon's metrics or counts and holds nothing on either side afterwards. Against a
+daemon's metrics or counts, in either side's prefix cache or in the routing memory,
+and holds nothing on either side afterwards. Against a
 prefill daemon that is down it logs, returns 0 and the daemon serves on.
 ``lanekv decode --warm-up-request`` runs it before its ready file; the tokens of the
 first request after it equal a colocated run's. ``--no-warm-up-request`` skips it.
