@@ -160,6 +160,8 @@ class DecodeDaemon:
         # Keyed by the agreement's fingerprint, as the prefill daemon's cache is.
         self.prefix_cache = DecodePrefixCache(self.pool, self.agreement.fingerprint, enabled=config.prefix_cache,
                                               max_pages=int(config.pool_pages * config.prefix_cache_share))
+        # A finished request's whole pages, its reply's included (decode.prefix.cache: generated pages).
+        self.engine.on_finish = self.prefix_cache.admit
         prefix_metrics = self._watch_prefix_cache()
         self.generate = GenerateContext(
             config, self.pool, self.engine, self.fetcher, self.prefills, self.budget,
@@ -183,10 +185,12 @@ class DecodeDaemon:
         cache = self.prefix_cache
         self.registry.gauge("lanekv_prefix_cache_pages", "pages the prefix cache holds (idle or in use)").set_function(
             lambda: cache.cached_pages)
-        picks = self.registry.gauge("lanekv_prefix_routed_picks", "prefill daemon picks since start; on_hit: of "
-                                    "one remembered to hold a prefix of the prompt", ("followed",))
+        picks = self.registry.gauge("lanekv_prefix_routed_picks", "prefill daemon picks since start; hit: of "
+                                    "one remembered to hold a prefix of the prompt; evicted: replies showing a "
+                                    "remembered prefix was gone there (forgotten since)", ("followed",))
         picks.labels(followed="any").set_function(lambda: self.prefills.picks)
         picks.labels(followed="hit").set_function(lambda: self.prefills.picks_on_hit)
+        picks.labels(followed="evicted").set_function(lambda: self.prefills.picks_on_stale)
         return PrefixMetrics.on(self.registry, "decode", lambda: cache.stats.evicted_pages)
 
     def _watch_pool(self) -> None:
@@ -347,8 +351,10 @@ class DecodeDaemon:
         """
         ctx = self.generate
         config = dataclasses.replace(self.config, request_timeout_s=WARM_UP_TIMEOUT_S)
-        # Its made-up prompt stays out of the prefix cache: a warm-up leaves the pool as it found it.
-        pipeline = GeneratePipeline(dataclasses.replace(ctx, config=config, prefix_cache=None, prefix_metrics=None))
+        # Its made-up prompt stays out of both sides' prefix caches and our routing memory: a warm-up
+        # leaves the pools, the caches and the picks as it found them.
+        pipeline = GeneratePipeline(dataclasses.replace(ctx, config=config, prefix_cache=None, prefix_metrics=None,
+                                                        uncached=True))
         # Two pages when the model and the pool allow (a remap across pages), and one decode step.
         tokens = max(1, min(2 * config.page_size, ctx.max_positions - WARM_UP_NEW_TOKENS,
                             config.pool_pages * config.page_size - WARM_UP_NEW_TOKENS))

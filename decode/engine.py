@@ -118,6 +118,9 @@ class _Request:
     prompt_ids: tuple[int, ...] = ()  # read by a repetition penalty
     slot: int | None = None  # its SamplerState slot while running, unless plain
     cancelled: bool = False  # cancelled while its step ran: dropped, pages freed, after the step
+    # The token ids of the rows its steps have written (the prompt, then each token fed),
+    # for ``on_finish``; None: its pages are not offered to a prefix cache.
+    kv_ids: list[int] | None = None
     on_freed: Callable[[], None] | None = None  # the canceller's, once its pages are back
 
     @property
@@ -197,13 +200,17 @@ class DecodeEngine:
         # Graph steps only: the staging sides, the next step staged while one runs, and
         # the step launched ahead by the last ``step`` call, which the next one finishes.
         self._overlap = StepOverlap(self._lock)
+        # Called (lock held) with a request's ``kv_ids`` and pages when it ends by stop or
+        # length, before its pages are freed: a prefix cache keeps the whole ones (its reply's too).
+        self.on_finish: Callable[[Sequence[int], Sequence[int]], object] | None = None
 
     # ---- requests in and out (any thread) ----
 
     def add(self, request_id: str, page_table: PageTable, last_token: int,
             sampling: SamplingParams, max_new_tokens: int,
             stop_token_ids: Iterable[int] = (), start_step: int = 1,
-            ignore_eos: bool = False, prompt_ids: Iterable[int] = ()) -> None:
+            ignore_eos: bool = False, prompt_ids: Iterable[int] = (),
+            cache_ids: Sequence[int] | None = None) -> None:
         """Queue a request whose first ``page_table.seq_len`` tokens are in the pool.
 
         ``max_new_tokens`` counts every output token, prefill's included, and
@@ -211,7 +218,9 @@ class DecodeEngine:
         The engine owns ``page_table`` from here on and releases it when the
         request finishes or is cancelled; if ``add`` raises, the caller still owns it.
         ``ignore_eos`` (or ``sampling.ignore_eos``): end-of-sequence tokens do not
-        stop it; ``prompt_ids``: the prompt, for a repetition penalty.
+        stop it; ``prompt_ids``: the prompt, for a repetition penalty. ``cache_ids``: the
+        token ids of the table's first ``seq_len`` rows; given, ``on_finish`` is offered the
+        request's rows when it ends by stop or length (not when cancelled).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -247,6 +256,11 @@ class DecodeEngine:
         request = _Request(request_id, page_table, last_token, sampling, start_step,
                            max_new_tokens, stops, final_len,
                            prompt_ids=tuple(prompt_ids) if sampling.repetition_penalty != 1 else ())
+        if cache_ids is not None:
+            if len(cache_ids) < page_table.seq_len:
+                raise ValueError(f"request {request_id!r}: cache_ids has {len(cache_ids)} ids for "
+                                 f"seq_len={page_table.seq_len}")
+            request.kv_ids = [int(t) for t in cache_ids[:page_table.seq_len]]
         with self._lock:
             if self._find(request_id) is not None:
                 raise ValueError(f"request_id {request_id!r} is already in the engine")
@@ -579,6 +593,8 @@ class DecodeEngine:
         for request, token, lp in zip(requests, tokens, logprobs):
             if request.cancelled:
                 continue  # no event; its pages are freed when the step lands
+            if request.kv_ids is not None:
+                request.kv_ids.append(request.last_token)  # this step wrote its row
             request.last_token = token
             request.step += 1
             reason = self._finish_reason(request, id(request) in queued)
@@ -586,6 +602,7 @@ class DecodeEngine:
                                      reason is not None, reason, lp))
             if reason is not None:
                 self._running.remove(request)
+                self._offer(request)
                 if id(request) in queued:
                     request.cancelled = True  # the queued step writes its slot: freed after it
                 else:
@@ -593,6 +610,17 @@ class DecodeEngine:
         return events
 
     # ---- helpers (lock held) ----
+
+    def _offer(self, request: _Request) -> None:
+        """Hand a finished request's written rows to ``on_finish``. Rows a step still
+        queued writes lie past ``kv_ids`` (its slot is the next position), so every whole
+        page of ``kv_ids`` is final."""
+        if self.on_finish is None or request.kv_ids is None:
+            return
+        try:
+            self.on_finish(request.kv_ids, request.table.pages)
+        except Exception:  # noqa: BLE001 - a cache that fails must not stop the decode loop
+            log.warning("prefix cache refused request_id=%s's pages", request.request_id, exc_info=True)
 
     def _finish_reason(self, request: _Request, queued: bool = False) -> str | None:
         """Why ``request`` ends after sampling ``last_token``, or None. ``queued``: the

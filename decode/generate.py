@@ -147,6 +147,7 @@ class GenerateContext:
     stopping: threading.Event  # set when the daemon stops
     prefix_cache: DecodePrefixCache | None = None  # verified prompt pages (decode.prefix.cache)
     prefix_metrics: PrefixMetrics | None = None
+    uncached: bool = False  # no prefix cache on either side matches, keeps or remembers its prompts (the warm-up)
 
 
 @dataclass(eq=False)
@@ -166,6 +167,7 @@ class GenerateCall:
     settled: bool = False
     finished: bool = False  # its last event was sent
     cached_tokens: int = 0  # prompt tokens whose compute a prefix cache skipped (GenerateReply.cached_tokens)
+    prefix_cache_tokens: int = 0  # leading prompt tokens our cache holds once the KV is in (a router's hint)
 
     @property
     def outcome(self) -> str:
@@ -278,7 +280,8 @@ class GeneratePipeline:
                                                    count=False)
         try:
             prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
-                                           config.request_timeout_s, cached_pages=len(hit))
+                                           config.request_timeout_s, cached_pages=len(hit),
+                                           skip_prefix_cache=ctx.uncached)
         except BaseException:
             ctx.pool.free(hit)
             raise
@@ -322,12 +325,17 @@ class GeneratePipeline:
         if reply.first_token < 0 or reply.request_id != spec.request_id:
             raise Refusal(Code.INTERNAL, f"prefill daemon answered first_token={reply.first_token} "
                           f"for {reply.request_id!r}")
-        if target.memory is not None:
-            target.memory.remember(spec.token_ids)  # its cache holds the prompt's whole pages now
+        if target.memory is not None and not ctx.uncached:
+            # What its cache holds of the prompt now: remembered, and anything remembered
+            # past it forgotten (evicted there since), so later picks do not follow it.
+            stale = target.memory.observe(spec.token_ids, int(reply.prefix_cache_pages) * config.page_size,
+                                          int(reply.cached_tokens))
+            ctx.prefills.observed(target, stale)
         if cache is not None:
             # Every chunk verified (checksum or digest) and every layer of every page arrived:
             # only now may the prompt's whole pages serve later requests.
             cache.admit(spec.token_ids, table.pages)
+            call.prefix_cache_tokens = cache.peek(spec.token_ids) * config.page_size
         if held and ctx.prefix_metrics is not None:
             ctx.prefix_metrics.bytes_not_moved.inc(held * _page_bytes(ctx.pool))
         call.cached_tokens = min(int(reply.cached_tokens), num_tokens - 1)
@@ -343,7 +351,7 @@ class GeneratePipeline:
             try:
                 ctx.engine.add(spec.request_id, call.table, reply.first_token, spec.sampling,
                                spec.max_new_tokens, spec.stop_token_ids, start_step=1,
-                               prompt_ids=spec.token_ids)
+                               prompt_ids=spec.token_ids, cache_ids=_cache_ids(cache, spec))
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
@@ -385,7 +393,8 @@ class GeneratePipeline:
             try:
                 _check_alive(call)
                 ctx.engine.add(spec.request_id, table, ids[-1], spec.sampling, spec.max_new_tokens,
-                               spec.stop_token_ids, start_step=0, prompt_ids=spec.token_ids)
+                               spec.stop_token_ids, start_step=0, prompt_ids=spec.token_ids,
+                               cache_ids=_cache_ids(cache, spec))
             except ValueError as err:
                 table.release()
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
@@ -396,6 +405,7 @@ class GeneratePipeline:
         if ctx.prefix_metrics is not None:
             ctx.prefix_metrics.bytes_not_moved.inc(len(hit) * _page_bytes(pool))
         call.cached_tokens = len(ids) - 1
+        call.prefix_cache_tokens = len(ids)
         return Prepared(None, 0.0, FetchStats(0, 0, 0.0, {}), {})
 
     def _admit(self, call: GenerateCall, deadline: float) -> None:
@@ -509,6 +519,12 @@ class GeneratePipeline:
         self._release_prefill(call, wait=False)
         if not deferred:  # not in the engine, or it had finished: its pages are free
             give_back()
+
+
+def _cache_ids(cache: DecodePrefixCache | None, spec: GenerateSpec) -> list[int] | None:
+    """The prompt ids the engine keys the request's pages by when it finishes (its reply's
+    whole pages join the cache: a conversation that goes on hits them); None: no cache."""
+    return spec.token_ids if cache is not None and cache.enabled else None
 
 
 def _page_bytes(pool: PagePool) -> int:

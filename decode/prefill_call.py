@@ -49,11 +49,12 @@ class PrefillClient:
     endpoint: str
 
     def stream(self, request_id: str, token_ids: Sequence[int], sampling: lanekv_pb2.SamplingParams,
-               timeout_s: float, cached_pages: int = 0) -> PrefillCall:
+               timeout_s: float, cached_pages: int = 0, skip_prefix_cache: bool = False) -> PrefillCall:
         """Start the prefill of a prompt (``sampling`` forwarded as the client gave it;
-        ``cached_pages``: leading whole pages we hold, which we will not fetch)."""
+        ``cached_pages``: leading whole pages we hold, which we will not fetch;
+        ``skip_prefix_cache``: its prefix cache neither serves nor keeps the prompt)."""
         request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id,
-                                            cached_pages=cached_pages)
+                                            cached_pages=cached_pages, skip_prefix_cache=skip_prefix_cache)
         request.sampling.CopyFrom(sampling)
         return PrefillCall(self, request, timeout_s)
 
@@ -237,6 +238,7 @@ class PrefillPool:
         self._turn = 0
         self.picks = 0  # picks made
         self.picks_on_hit = 0  # picks of a daemon remembered to hold a prefix of the prompt
+        self.picks_on_stale = 0  # replies showing a remembered prefix was evicted there (then forgotten)
         self._interval_s, self._timeout_s, self._rejoin = interval_s, timeout_s, rejoin
         self._on_available = on_available
         self._available = self.available
@@ -287,6 +289,12 @@ class PrefillPool:
             changed, self._available = now != self._available, now
         if changed and self._on_available is not None:
             self._on_available(now)
+
+    def observed(self, target: PrefillTarget, stale: bool) -> None:
+        """A reply of ``target`` said what its cache holds of a prompt; ``stale``: less
+        than we remembered (``PrefixMemory.observe`` forgot the rest)."""
+        with self._lock:
+            self.picks_on_stale += stale
 
     def done(self, target: PrefillTarget, num_tokens: int) -> None:
         """The prefill of ``num_tokens`` sent to ``target`` ended (answered or failed)."""

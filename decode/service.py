@@ -81,6 +81,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                         reply = _reply(spec.request_id, batch, text)
                         if first:  # counted once, on the first reply
                             reply.cached_tokens, first = call.cached_tokens, False
+                            reply.prefix_cache_tokens = call.prefix_cache_tokens
                         yield reply
                 finally:
                     events.close()  # settles the call now, also when the client went away

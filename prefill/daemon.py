@@ -235,8 +235,10 @@ class PrefillDaemon:
                 raise Refusal(Code.ALREADY_EXISTS, f"request_id={rid!r} is already in use")
             self._in_flight[rid] = started
         # The cached prefix: its pages are referenced for this request from here on.
-        prefix = self.cache.match(inp.token_ids)
-        self._count_lookup(len(inp.token_ids), len(prefix) * self.cache.page_size)
+        prefix = []
+        if inp.prefix_cache:
+            prefix = self.cache.match(inp.token_ids)
+            self._count_lookup(len(inp.token_ids), len(prefix) * self.cache.page_size)
         with self._lock:
             self._prefix_held[rid] = prefix
         # Its ranks serve the pages only to a caller presenting this (PrefillReply.capability).
@@ -279,9 +281,12 @@ class PrefillDaemon:
             raise
         for inp, res in zip(inputs, results):
             self.leases.renew(res.request_id)  # the lease counts from the end of the prefill
+            if not inp.prefix_cache:
+                continue
             # Every layer of every rank is written: the prompt's full pages may serve later hits.
             self.leases.while_held(res.request_id, lambda held, inp=inp, res=res: self.cache.insert(
                 inp.token_ids, _leading([p.page for p in res.pages], held)))
+            res.prefix_cache_pages = self.cache.peek(inp.token_ids)  # what a router may remember
         return results
 
     def _count_lookup(self, num_tokens: int, hit_tokens: int) -> None:
@@ -423,6 +428,7 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             timings=res.timings,
             capability=res.capability or "",
             cached_tokens=res.prefix_len,
+            prefix_cache_pages=res.prefix_cache_pages,
             first_logprob=None if res.first_logprobs is None else logprob_to_proto(
                 res.first_token, *res.first_logprobs, lanekv_pb2.TokenLogprob),
         )
@@ -450,7 +456,8 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         if request.cached_pages > usable:
             raise Refusal(Code.INVALID_ARGUMENT, f"cached_pages={request.cached_pages} is more than the "
                           f"{usable} whole pages before the prompt's last token ({len(ids)} tokens)")
-        return d.submit(PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id))
+        return d.submit(PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id,
+                                     prefix_cache=not request.skip_prefix_cache))
 
     def _result(self, done: futures.Future, remaining: float | None) -> PrefillResult:
         d = self.d

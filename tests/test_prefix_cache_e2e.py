@@ -7,16 +7,15 @@ the caches keep, and emptying the caches gives the whole pool back)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 import pytest
-import torch
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
-from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
+from tests.checkpoints import write_llama
 from tests.daemons import running_pair
+from tests.prefix_checks import load_hf, page_bytes, random_ids, reference, settled
 
 MAX_NEW = 6
 PS = 5
@@ -29,23 +28,15 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf(checkpoint):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager",
-                                                dtype=torch.float32).eval()
+    return load_hf(checkpoint)
 
 
 def _reference(hf, ids: list[int]) -> list[int]:
-    with torch.inference_mode():
-        x = torch.tensor([ids])
-        out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=MAX_NEW,
-                          pad_token_id=EOS_TOKEN_ID)
-    return out[0, len(ids):].tolist()
+    return reference(hf, ids, MAX_NEW)
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist()
+    return random_ids(n, seed)
 
 
 def _generate(stub, ids: list[int]) -> tuple[list[int], int, dict]:
@@ -67,24 +58,7 @@ def pair(request, checkpoint):
         yield daemons
 
 
-def _page_bytes(decode) -> int:
-    a = decode.agreement
-    return 2 * a.num_layers * a.page_size * a.num_kv_heads * a.head_dim * 4
-
-
-def _settled(prefill, decode) -> None:
-    """Nothing leaks: free = capacity - kept, on both sides, and emptying the caches gives it all back."""
-    alloc, cache = prefill.engine.allocator, prefill.cache
-    deadline = time.monotonic() + 10
-    while cache.held_pages and time.monotonic() < deadline:  # the ranks' releases come in the background
-        time.sleep(0.05)
-    assert cache.held_pages == 0
-    assert sum(alloc.free_list_counts()) == alloc.num_pages - cache.idle_pages
-    assert cache.clear() >= 0 and alloc.free_list_counts() == [alloc.pages_per_lane] * alloc.cp_size
-    pool = decode.pool
-    assert pool.free_list_count == pool.num_pages - decode.prefix_cache.kept()
-    decode.prefix_cache.clear()
-    assert pool.free_list_count == pool.num_pages and decode.budget.used == 0
+_page_bytes, _settled = page_bytes, settled
 
 
 @pytest.mark.timeout(300)
@@ -144,18 +118,51 @@ def test_concurrent_requests_share_a_prefix(pair, hf):
 
 
 @pytest.mark.timeout(300)
-def test_eviction_under_a_pool_smaller_than_the_working_set(checkpoint, hf):
-    """Pools of 12 pages on each side; eight prompts of six or seven pages sharing two:
-    both caches evict what nobody holds, every request completes equal to transformers."""
+def test_eviction_under_a_pool_smaller_than_the_working_set(checkpoint, hf, monkeypatch):
+    """Pools of 12 pages on each side; conversations of six or seven pages sharing two,
+    two at a time, each followed by its next turn (prompt + reply + a new turn): both
+    caches evict what nobody holds, never a page in use, and every request completes
+    equal to transformers."""
     engine = EngineConfig(str(checkpoint), cp_size=1, page_size=PS, pages_per_lane=12, start_timeout_s=120)
     system = _ids(10, 20)
     prompts = [system + _ids(18 + i % 3, 30 + i) for i in range(4)]
-    with running_pair(engine, pool_pages=12 + 2, transport="grpc") as (prefill, decode):
+    with running_pair(engine, pool_pages=2 * (12 + 2), transport="grpc") as (prefill, decode):
+        in_use: list[int] = []
+        evict, drop = decode.prefix_cache.evict, prefill.cache._drop
+
+        def checked_evict(n: int) -> list[int]:  # under the pool's lock
+            pages = evict(n)
+            in_use.extend(p for p in pages if decode.pool.refs(p) != 0)
+            return pages
+
+        def checked_drop(page: int) -> None:  # under the prefill cache's lock
+            if prefill.cache._refs.get(page, 0):
+                in_use.append(page)
+            drop(page)
+
+        monkeypatch.setattr(decode.prefix_cache, "evict", checked_evict)
+        monkeypatch.setattr(prefill.cache, "_drop", checked_drop)
         with grpc.insecure_channel(decode.endpoint) as channel:
             stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
-            for ids in prompts + prompts:
-                tokens, cached, _ = _generate(stub, ids)
-                assert tokens == _reference(hf, ids), f"prompt of {len(ids)} tokens"
-                assert cached % PS == 0 and cached <= len(ids) - 1
+            out: dict = {}
+
+            def run(i: int) -> None:
+                out[i] = _generate(stub, prompts[i])
+
+            for first, second in ((0, 1), (2, 3), (0, 2), (1, 3)):
+                out.clear()
+                threads = [threading.Thread(target=run, args=(i,)) for i in (first, second)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join(120)
+                for i in (first, second):
+                    tokens, cached, _ = out[i]
+                    assert tokens == _reference(hf, prompts[i]), f"prompt {i}"
+                    # Whole pages skipped, or every token but the last (a whole prompt in the decode cache).
+                    assert (cached % PS == 0 and cached < len(prompts[i])) or cached == len(prompts[i]) - 1
+                    follow = prompts[i] + tokens + _ids(2, 50 + i)  # the next turn, alone
+                    assert _generate(stub, follow)[0] == _reference(hf, follow), f"prompt {i}, next turn"
         assert prefill.cache.stats.evicted_pages > 0 and decode.prefix_cache.stats.evicted_pages > 0
+        assert in_use == []  # no page anyone held was evicted
         _settled(prefill, decode)

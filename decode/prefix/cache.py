@@ -1,11 +1,26 @@
-"""The decode daemon's prefix cache: whole prompt pages it received and verified.
+"""The decode daemon's prefix cache: whole prompt pages it received and verified,
+and whole pages of the replies it generated.
 
 Keys are the prefill side's (``transfer.protocol.prefix_keys.chain_keys``: the agreement's
-fingerprint, then every page's token ids up to and including it). A page
-enters only after the fetch that brought it verified every chunk's checksum or
-digest and checked that every layer of every page arrived (``KVFetcher.fetch``
-returned): a failed, cancelled or partial fetch admits nothing. A cached page
-is never written again (decode appends after the prompt's last full page).
+fingerprint, then every page's token ids up to and including it). A received
+page enters only after the fetch that brought it verified every chunk's
+checksum or digest and checked that every layer of every page arrived
+(``KVFetcher.fetch`` returned): a failed, cancelled or partial fetch admits
+nothing. A cached page is never written again (decode appends after the
+prompt's last full page, and a whole-prompt hit copies its last page first).
+
+Generated pages: when a request ends by a stop token or its length (not when
+cancelled or failed), the engine offers the rows its steps wrote, keyed by the
+token ids it fed (``DecodeEngine.on_finish``): the prompt, then every output
+token but the last (whose row no step wrote). Only whole pages enter. So a
+conversation's next turn, whose prompt is this prompt + the reply + a new
+turn, hits past the prompt into the reply's pages -- when its token ids are
+the ones generated. A client that detokenizes the reply and tokenizes it
+again may get other ids (BPE merges across the seam); the chain keys then
+differ from that page on and the prompt just misses there: a key is token ids,
+never text, so a hit is never a near match. These rows were computed here, by
+the decode step, so there is nothing to verify: they are what every later
+step of the request read.
 
 It is the pool's ``keeper`` and shares the pool's lock: the pool counts who
 holds a page (requests' page tables, a match in progress); a cached page

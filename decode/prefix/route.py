@@ -1,8 +1,14 @@
-"""What a decode daemon remembers of the prompts it sent to each prefill daemon,
-to send a prompt where its prefix is likely cached (xPyD).
+"""What a router remembers of the prompts it sent to each daemon, to send a prompt
+where its prefix is likely cached: the decode daemon of its prefill daemons
+(xPyD), ``lanekv serve`` of its decode daemons.
 
-The memory is a hint: a prefill daemon may have evicted a page since, and
-then computes it again. Correctness never depends on it, only the pick does.
+The memory is a hint: a daemon may have evicted a page since, and then
+computes or moves it again. Correctness never depends on it, only the pick
+does. Each reply says how much of the prompt the daemon's cache holds once it
+is done (``PrefillReply.prefix_cache_pages``, ``GenerateReply.prefix_cache_tokens``):
+``observe`` remembers that much and forgets what it remembered of the prompt
+past it, so an evicted prefix stops steering picks after the first reply that
+shows it gone.
 """
 
 from __future__ import annotations
@@ -31,6 +37,32 @@ class PrefixMemory:
                 self._keys.move_to_end(key)
             while len(self._keys) > self.capacity:
                 self._keys.popitem(last=False)
+
+    def observe(self, token_ids: Sequence[int], held_tokens: int, hit_tokens: int | None = None) -> bool:
+        """The daemon's reply: its cache holds the first ``held_tokens`` of ``token_ids``
+        now (its hit at the start was ``hit_tokens``). Remember those whole pages, forget
+        the prompt's pages past them; whether we had remembered more than the daemon
+        held at the start (``hit_tokens``; without it: holds now), a prefix evicted there since."""
+        if isinstance(held_tokens, bool) or not isinstance(held_tokens, int) or held_tokens < 0:
+            raise ValueError(f"held_tokens must be an int >= 0, got held_tokens={held_tokens!r}")
+        keys = chain_keys(self.seed, token_ids, self.page_size, len(token_ids) // self.page_size)
+        held = min(held_tokens // self.page_size, len(keys))
+        with self._lock:
+            known = 0
+            while known < len(keys) and keys[known] in self._keys:
+                known += 1
+            for key in keys[:held]:
+                self._keys[key] = None
+                self._keys.move_to_end(key)
+            for key in keys[held:]:
+                self._keys.pop(key, None)
+            while len(self._keys) > self.capacity:
+                self._keys.popitem(last=False)
+        if hit_tokens is None:  # the daemon's reply says what it holds now only
+            return known > held
+        # A prefill hit never covers the prompt's last token (computed to sample the first output).
+        usable = (len(token_ids) - 1) // self.page_size
+        return min(known, usable) * self.page_size > hit_tokens
 
     def cached_tokens(self, token_ids: Sequence[int]) -> int:
         """Tokens of the longest run of ``token_ids``' leading whole pages remembered here."""

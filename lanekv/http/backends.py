@@ -100,6 +100,7 @@ class Backends:
     _watch: asyncio.Task | None = None
     picks: int = 0
     picks_on_hit: int = 0  # picks of a daemon remembered to have seen a prefix of the prompt
+    picks_on_stale: int = 0  # replies showing a remembered prefix was evicted there (then forgotten)
 
     @classmethod
     def of(cls, config: FrontConfig) -> Backends:
@@ -159,6 +160,12 @@ class Backends:
     def remember(self, member: Backend, prompt_ids: Sequence[int]) -> None:
         """``member`` took this prompt: its prefix cache likely holds its pages now."""
         member.memory.remember(prompt_ids)
+
+    def observe(self, member: Backend, prompt_ids: Sequence[int], held_tokens: int) -> None:
+        """``member``'s first reply: its prefix cache holds the first ``held_tokens`` of the
+        prompt (``GenerateReply.prefix_cache_tokens``). Those are remembered and the rest of
+        the prompt forgotten, so a prefix it evicted stops steering picks to it."""
+        self.picks_on_stale += member.memory.observe(prompt_ids, held_tokens)
 
     def done(self, member: Backend) -> None:
         member.running -= 1

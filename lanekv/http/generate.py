@@ -147,10 +147,11 @@ class Generation:
                 backends.done(member)
                 raise
             self._call, self._member, self.endpoint = call, member, member.endpoint
-            backends.remember(member, self.plan.prompt_ids)
             if first is grpc.aio.EOF:
                 self._end()
                 raise APIError(502, f"decode daemon {member.endpoint} ended the stream without a reply")
+            # What its prefix cache holds of the prompt now: remembered, the rest forgotten.
+            backends.observe(member, self.plan.prompt_ids, first.prefix_cache_tokens)
             self._first = first
             self.cached_tokens = first.cached_tokens
             return

@@ -30,9 +30,11 @@ class FrontMetrics:
         healthy = r.gauge("lanekv_http_decode_healthy", "1 while a decode daemon is in rotation",
                           ("decode",))
         picks = r.gauge("lanekv_prefix_routed_picks", "decode daemon picks since start; hit: of one "
-                        "remembered to have seen a prefix of the prompt", ("followed",))
+                        "remembered to have seen a prefix of the prompt; evicted: replies showing a "
+                        "remembered prefix was gone there (forgotten since)", ("followed",))
         picks.labels(followed="any").set_function(lambda: backends.picks)
         picks.labels(followed="hit").set_function(lambda: backends.picks_on_hit)
+        picks.labels(followed="evicted").set_function(lambda: backends.picks_on_stale)
         for m in backends.members:
             running.labels(decode=m.endpoint).set_function(lambda m=m: m.running)
             served.labels(decode=m.endpoint).set_function(lambda m=m: m.served)

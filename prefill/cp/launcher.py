@@ -83,6 +83,7 @@ class PrefillInput(NamedTuple):
     # The secret the ranks hold the request's pages to (FetchKV and Release must
     # present it: ``transfer.protocol.access.new_capability``); None: anyone with the id.
     capability: str | None = None
+    prefix_cache: bool = True  # False: the daemon's prefix cache neither serves nor keeps it (a warm-up)
 
 
 @dataclass
@@ -98,6 +99,7 @@ class PrefillResult:
     capability: str | None = None  # the input's, handed back with the manifest
     # The first token's raw logprob and most likely tokens, when the sampling asks.
     first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
+    prefix_cache_pages: int = 0  # leading whole prompt pages the daemon's prefix cache holds after it
 
     @property
     def new_pages(self) -> list[int]:

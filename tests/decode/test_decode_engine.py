@@ -341,3 +341,38 @@ def test_cancel_during_a_step_returns_at_once_and_frees_pages_after_it(models) -
     while engine.has_work:
         engine.step()
     assert pool.free_count == 24
+
+
+def test_a_finished_request_offers_the_rows_its_steps_wrote_and_a_cancelled_one_none(models) -> None:
+    """``on_finish`` (the prefix cache's admission of reply pages) gets the prompt and every
+    output token but the last, whose row no step wrote, with the request's pages, only when
+    it ends by stop or length; pages still held then."""
+    loaded = models["llama"]
+    pool = make_pool(loaded, 32, 4)
+    engine = DecodeEngine(loaded.model, pool, max_batch_size=4)
+    offered: list = []
+    engine.on_finish = lambda ids, pages: offered.append((list(ids), list(pages), [pool.refs(p) for p in pages]))
+    ids = prompt(9, 7)
+    res = prefill_into_pool(loaded.model, pool, ids, SamplingParams())
+    engine.add("kept", res.page_table, res.first_token, SamplingParams(), 6, cache_ids=ids)
+    untracked = prefill_into_pool(loaded.model, pool, ids, SamplingParams())
+    engine.add("untracked", untracked.page_table, untracked.first_token, SamplingParams(), 6)
+    cancelled = prefill_into_pool(loaded.model, pool, ids, SamplingParams())
+    engine.add("cancelled", cancelled.page_table, cancelled.first_token, SamplingParams(), 6, cache_ids=ids)
+    out: dict[str, list[int]] = {"kept": [res.first_token]}
+    for _ in range(2):
+        for event in engine.step():
+            out.setdefault(event.request_id, []).append(event.token_id)
+    assert engine.cancel("cancelled")
+    while engine.has_work:
+        for event in engine.step():
+            out.setdefault(event.request_id, []).append(event.token_id)
+    assert len(out["kept"]) == 6 and len(offered) == 1
+    got_ids, pages, refs = offered[0]
+    assert got_ids == ids + out["kept"][:-1]  # 14 rows: 9 prompt + 5 fed
+    assert len(pages) == 4 and all(r >= 1 for r in refs)  # held while offered
+    short = PageTable.allocate(pool, 5)
+    with pytest.raises(ValueError, match="cache_ids has 2 ids for seq_len=5"):
+        engine.add("short", short, 3, SamplingParams(), 2, cache_ids=[1, 2])
+    short.release()  # refused: still the caller's
+    assert pool.free_count == pool.num_pages  # every request's pages back

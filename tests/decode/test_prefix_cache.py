@@ -116,3 +116,59 @@ def test_a_short_remembered_head_does_not_steer_the_pick():
         assert got == set(targets) and pool.picks_on_hit == 0
     finally:
         pool.close()
+
+
+def test_a_reply_showing_an_evicted_prefix_makes_the_memory_forget_it():
+    memory = PrefixMemory("fp", PS)
+    prompt = list(range(40))  # ten whole pages
+    memory.remember(prompt)
+    # The daemon matched only two pages (the rest evicted there) and, its cache full, kept
+    # only those: we forget the rest, and say the pick had followed a stale prefix.
+    assert memory.observe(prompt, 8, hit_tokens=8) is True
+    assert memory.cached_tokens(prompt) == 8
+    # A reply matching all we remembered is not stale; what it holds now is remembered.
+    assert memory.observe(prompt, 40, hit_tokens=8) is False
+    assert memory.cached_tokens(prompt) == 40
+    # The last token's page is never a prefill hit: a full memory against a hit of nine pages is fine.
+    assert memory.observe(prompt, 40, hit_tokens=36) is False
+    # Held-only form (the front's): stale when it holds less than remembered.
+    assert memory.observe(prompt, 12) is True and memory.cached_tokens(prompt) == 12
+    assert memory.observe(prompt, 12) is False
+    with pytest.raises(ValueError, match="held_tokens"):
+        memory.observe(prompt, -1)
+
+
+def test_the_prefill_pick_stops_following_a_prefix_the_daemon_evicted():
+    targets = [PrefillTarget(PrefillClient(None, f"127.0.0.1:{7000 + i}"), _topology(i), FakeHealth(),
+                             memory=PrefixMemory("fp", PS)) for i in range(2)]
+    pool = PrefillPool(targets, interval_s=60.0, timeout_s=0.5)
+    try:
+        a, b = targets
+        prompt = list(range(40))
+        b.memory.remember(prompt[:32])
+        a.queued_tokens, b.queued_tokens = 1, 5  # b is busier, by less than its remembered prefix
+        assert pool.pick(40, token_ids=prompt) is b and pool.picks_on_hit == 1
+        pool.done(b, 40)
+        # b's reply: none of the prompt was cached there any more, and it keeps none (cache off).
+        pool.observed(b, b.memory.observe(prompt, 0, hit_tokens=0))
+        assert pool.picks_on_stale == 1 and b.memory.cached_tokens(prompt) == 0
+        assert pool.pick(40, token_ids=prompt) is a and pool.picks_on_hit == 1  # the same loads: a now
+    finally:
+        pool.close()
+
+
+def test_the_front_forgets_what_a_decode_daemon_no_longer_holds():
+    backends = Backends(config=type("C", (), {"max_running_per_decode": 100})(),
+                        members=[Backend(f"127.0.0.1:{9000 + i}", healthy=True) for i in range(2)])
+    a, b = backends.members
+    prompt = list(range(64))
+    backends.remember(b, prompt)
+    assert backends.pick(prompt_ids=prompt) is b
+    backends.done(b)
+    backends.observe(b, prompt, 0)  # its first reply: its cache holds none of the prompt
+    assert backends.picks_on_stale == 1 and b.memory.cached_tokens(prompt) == 0
+    a.running = 1  # b is less busy: picked by load now, not by a prefix
+    assert backends.pick(prompt_ids=prompt) is b and backends.picks_on_hit == 1
+    backends.done(b)
+    backends.observe(b, prompt, 64)  # it holds the whole prompt again
+    assert backends.picks_on_stale == 1 and b.memory.cached_tokens(prompt) == 64

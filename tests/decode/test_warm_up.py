@@ -1,6 +1,7 @@
 """The decode daemon's warm-up request (``DecodeDaemon.warm_up``): one short request
 through each prefill daemon and the whole pipeline. It leaves no trace in the decode
-daemon's metrics or counts and holds nothing on either side afterwards. Against a
+daemon's metrics or counts, in either side's prefix cache or in the routing memory,
+and holds nothing on either side afterwards. Against a
 prefill daemon that is down it logs, returns 0 and the daemon serves on.
 ``lanekv decode --warm-up-request`` runs it before its ready file; the tokens of the
 first request after it equal a colocated run's. ``--no-warm-up-request`` skips it.
@@ -8,6 +9,7 @@ first request after it equal a colocated run's. ``--no-warm-up-request`` skips i
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import subprocess
@@ -32,7 +34,7 @@ from lanekv.runtime.metrics import Registry
 from lanekv.runtime.rpc_metrics import lanekv_metrics
 from lanekv.transfer.protocol.stats import FetchStats, RankStats
 
-from tests.checkpoints import write_llama
+from tests.checkpoints import VOCAB_SIZE, write_llama
 from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import wait_until
 
@@ -71,6 +73,17 @@ def _generate(endpoint: str, ids: list[int], max_new_tokens: int) -> list[int]:
         return [t for reply in stub.Generate(request, timeout=60) for t in reply.token_ids]
 
 
+# The warm-up's prompt (DecodeDaemon.warm_up: two pages here).
+_WARM_UP_IDS = [(7 * i + 1) % VOCAB_SIZE for i in range(2 * PAGE_SIZE)]
+
+
+def _prefix_state(prefill: PrefillDaemon) -> tuple:
+    """What the prefill daemon's prefix cache holds and counted, and its prefix metrics."""
+    cache = prefill.cache
+    lines = [line for line in prefill.registry.render().splitlines() if "prefix_cache" in line]
+    return cache.cached_pages, cache.peek(_WARM_UP_IDS), dataclasses.replace(cache.stats), lines
+
+
 def _prefill_idle(prefill: PrefillDaemon, free: object) -> bool:
     return prefill.engine.allocator.free_counts() == free and prefill.leases.held() == {}
 
@@ -102,6 +115,9 @@ def test_the_warm_up_goes_through_every_step_and_leaves_no_trace(checkpoint, pre
     try:
         assert not decode.warms_up_by_default  # a CPU pool: only when asked
         before, metrics = decode.stats(), decode.registry.render()
+        theirs = _prefix_state(prefill)
+        ours = (decode.prefix_cache.cached_pages, dataclasses.replace(decode.prefix_cache.stats), decode.prefills.picks,
+                [t.memory.cached_tokens(_WARM_UP_IDS) for t in decode.prefills.targets])
         with caplog.at_level(logging.INFO, logger="lanekv.decode"):
             assert decode.warm_up() == 1
         lines = [r.getMessage() for r in caplog.records if "warm-up request" in r.getMessage()]
@@ -111,6 +127,11 @@ def test_the_warm_up_goes_through_every_step_and_leaves_no_trace(checkpoint, pre
         assert decode.stats() == before  # no request counted, every page and promise back
         assert decode.registry.render() == metrics
         assert wait_until(lambda: _prefill_idle(prefill, free))
+        # Neither prefix cache matched or kept its made-up prompt, nor did our routing memory.
+        assert _prefix_state(prefill) == theirs
+        assert (decode.prefix_cache.cached_pages, decode.prefix_cache.stats, decode.prefills.picks,
+                [t.memory.cached_tokens(_WARM_UP_IDS) for t in decode.prefills.targets]) == ours
+        assert ours[0] == 0 and ours[3] == [0]
         # The first client request after it decodes as a colocated run does.
         assert _generate(decode.endpoint, PROMPT, 6) == _colocated(checkpoint, PROMPT, 6)
         assert decode.stats().finished == before.finished + 1

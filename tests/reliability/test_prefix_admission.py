@@ -21,6 +21,7 @@ from lanekv.transfer.grpcfetch import spans as spans_module
 from lanekv.transfer.protocol.wire import frame_chunk, split_chunk
 
 from tests.checkpoints import write_llama
+from tests.prefix_checks import generate, page_bytes, settled
 from tests.reliability.kv_cluster import generate_request, tokens, wait_until
 
 Code = grpc.StatusCode
@@ -121,10 +122,15 @@ def test_a_failed_fetch_admits_nothing(pair, damage):
     assert decode.prefix_cache.peek(prompt) == 0
     assert wait_until(lambda: _settled(prefill, decode))
     damage["every"] = 0
-    # The prefill side cached its pages (its prefill succeeded): the retry computes only the last page.
-    got = tokens(stub, generate_request(prompt, NEW_TOKENS))
+    # The prefill side cached its pages (its prefill succeeded): the retry computes only the
+    # last page (cached_tokens: the seven skipped) and, the decode cache holding none, moves all.
+    retried = generate(stub, prompt, NEW_TOKENS)
+    got = retried.tokens
+    assert retried.cached_tokens == 7 * PAGE_SIZE and retried.moved_bytes == 8 * page_bytes(decode)
     assert got and _cached_bytes_agree(prefill, decode, prompt) == 7
     decode.prefix_cache.clear()
     prefill.cache.clear()
-    assert tokens(stub, generate_request(prompt, NEW_TOKENS)) == got  # all computed and moved: the same
+    again = generate(stub, prompt, NEW_TOKENS)
+    assert again.tokens == got and again.cached_tokens == 0  # all computed and moved: the same
     assert wait_until(lambda: _settled(prefill, decode))
+    settled(prefill, decode)  # and the caches empty to the whole pools
