@@ -82,6 +82,7 @@ class GenerateSpec(NamedTuple):
     sampling_proto: lanekv_pb2.SamplingParams  # forwarded to prefill as given
     max_new_tokens: int  # output tokens, prefill's first one included
     stop_token_ids: tuple[int, ...]
+    prompt_logprobs: int | None = None  # top tokens per prompt token's logprob; None: none
 
 
 class Prepared(NamedTuple):
@@ -166,6 +167,7 @@ class GenerateCall:
     settled: bool = False
     finished: bool = False  # its last event was sent
     cached_tokens: int = 0  # prompt tokens whose compute a prefix cache skipped (GenerateReply.cached_tokens)
+    prompt_logprobs: list[lanekv_pb2.TokenLogprob] | None = None  # the prefill's, when asked
 
     @property
     def outcome(self) -> str:
@@ -223,7 +225,8 @@ class GeneratePipeline:
         budget_s = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
         deadline = time.monotonic() + budget_s
         self._admit(call, deadline)
-        from_cache = self._from_cache(call)
+        # Prompt logprobs need the logits of every prompt row: the prefill daemon computes them.
+        from_cache = None if spec.prompt_logprobs is not None else self._from_cache(call)
         if from_cache is not None:
             return from_cache
         if only is not None:
@@ -278,7 +281,8 @@ class GeneratePipeline:
                                                    count=False)
         try:
             prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
-                                           config.request_timeout_s, cached_pages=len(hit))
+                                           config.request_timeout_s, cached_pages=len(hit),
+                                           prompt_logprobs=spec.prompt_logprobs)
         except BaseException:
             ctx.pool.free(hit)
             raise
@@ -337,6 +341,11 @@ class GeneratePipeline:
                 raise Refusal(Code.INTERNAL, "the prefill daemon sent no logprobs for the first token")
             lp = reply.first_logprob
             first_logprobs = TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+        if spec.prompt_logprobs is not None:
+            if len(reply.prompt_logprobs) != num_tokens - 1:
+                raise Refusal(Code.INTERNAL, f"the prefill daemon sent {len(reply.prompt_logprobs)} prompt "
+                              f"logprobs for a prompt of {num_tokens} tokens")
+            call.prompt_logprobs = list(reply.prompt_logprobs)
         self._release_prefill(call, wait=False)  # the KV is ours: the ranks free their pages meanwhile
         with call.lock:
             _check_alive(call)

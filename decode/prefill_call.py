@@ -49,11 +49,13 @@ class PrefillClient:
     endpoint: str
 
     def stream(self, request_id: str, token_ids: Sequence[int], sampling: lanekv_pb2.SamplingParams,
-               timeout_s: float, cached_pages: int = 0) -> PrefillCall:
+               timeout_s: float, cached_pages: int = 0, prompt_logprobs: int | None = None) -> PrefillCall:
         """Start the prefill of a prompt (``sampling`` forwarded as the client gave it;
-        ``cached_pages``: leading whole pages we hold, which we will not fetch)."""
+        ``cached_pages``: leading whole pages we hold, which we will not fetch;
+        ``prompt_logprobs``: top tokens of each prompt token's logprob, None: none)."""
         request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id,
-                                            cached_pages=cached_pages)
+                                            cached_pages=cached_pages, prompt_logprobs=prompt_logprobs or 0,
+                                            has_prompt_logprobs=prompt_logprobs is not None)
         request.sampling.CopyFrom(sampling)
         return PrefillCall(self, request, timeout_s)
 

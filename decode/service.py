@@ -19,6 +19,7 @@ from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.requests import (
     logprob_to_proto,
     prompt_from_proto,
+    prompt_logprobs_from_proto,
     request_id_from_proto,
     sampling_from_proto,
 )
@@ -57,7 +58,8 @@ def parse_request(request: lanekv_pb2.GenerateRequest, ctx: GenerateContext) -> 
     forwarded = lanekv_pb2.SamplingParams()
     forwarded.CopyFrom(request.sampling)
     forwarded.stop_token_ids.extend(t for t in stops if t not in set(forwarded.stop_token_ids))
-    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops)
+    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops,
+                        prompt_logprobs_from_proto(request))
 
 
 class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
@@ -81,6 +83,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                         reply = _reply(spec.request_id, batch, text)
                         if first:  # counted once, on the first reply
                             reply.cached_tokens, first = call.cached_tokens, False
+                            reply.prompt_logprobs.extend(call.prompt_logprobs or ())
                         yield reply
                 finally:
                     events.close()  # settles the call now, also when the client went away

@@ -67,21 +67,25 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id", "cached_pages")
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "cached_pages", "prompt_logprobs", "has_prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     request_id: str
     cached_pages: int
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: int
+    has_prompt_logprobs: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens", "first_logprob")
+    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens", "first_logprob", "prompt_logprobs")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -98,6 +102,7 @@ class PrefillReply(_message.Message):
     CAPABILITY_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     contract_fingerprint: str
@@ -107,7 +112,8 @@ class PrefillReply(_message.Message):
     capability: str
     cached_tokens: int
     first_logprob: TokenLogprob
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("reply", "done")
@@ -220,23 +226,27 @@ class NixlAttachReply(_message.Message):
     def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., epoch: _Optional[str] = ..., pool_addr: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "request_id")
+    __slots__ = ("text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "request_id", "prompt_logprobs", "has_prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: int
+    has_prompt_logprobs: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "cached_tokens", "logprobs")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "cached_tokens", "logprobs", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +254,7 @@ class GenerateReply(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -251,7 +262,8 @@ class GenerateReply(_message.Message):
     finish_reason: str
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeStatusRequest(_message.Message):
     __slots__ = ()

@@ -40,6 +40,7 @@ class Plan:
     sampling: Sampling
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None  # top tokens of each prompt token's logprob (echo); None: none
 
     def proto(self) -> lanekv_pb2.GenerateRequest:
         s = self.sampling
@@ -51,13 +52,15 @@ class Plan:
             logprobs=s.logprobs or 0, has_logprobs=s.logprobs is not None)
         return lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=self.prompt_ids),
                                           sampling=sampling, max_new_tokens=self.max_tokens,
-                                          stop_token_ids=self.stop_token_ids, request_id=self.request_id)
+                                          stop_token_ids=self.stop_token_ids, request_id=self.request_id,
+                                          prompt_logprobs=self.prompt_logprobs or 0,
+                                          has_prompt_logprobs=self.prompt_logprobs is not None)
 
 
 class TokenLogprob(NamedTuple):
     token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    logprob: float | None  # None: the first prompt token's (echo), which nothing precedes
+    top: tuple[tuple[int, float], ...] | None  # (token id, logprob), most likely first
 
 
 class Delta(NamedTuple):
@@ -118,6 +121,7 @@ class Generation:
         self._first: lanekv_pb2.GenerateReply | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0  # the first reply's: prompt tokens a prefix cache spared
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first reply's, when the plan asks
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -153,6 +157,7 @@ class Generation:
                 raise APIError(502, f"decode daemon {member.endpoint} ended the stream without a reply")
             self._first = first
             self.cached_tokens = first.cached_tokens
+            self.prompt_logprobs = _logprobs(first.prompt_logprobs)
             return
 
     def _count_to(self, stop_end: int, in_reply: int) -> None:
@@ -178,8 +183,7 @@ class Generation:
                 before = self.completion_tokens
                 self.completion_tokens += len(reply.token_ids)
                 self._token_ids.extend(reply.token_ids)
-                pending += [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
-                            for lp in reply.logprobs]
+                pending += _logprobs(reply.logprobs)
                 text = stops.feed(reply.text)
                 if stops.hit:
                     self._count_to(stops.stop_end, len(reply.token_ids))
@@ -217,6 +221,12 @@ class Generation:
             self._call.cancel()  # after the finish a no-op; before it, the daemon stops the request
         self._call = None
         self._backends.done(self._member)
+
+
+def _logprobs(entries) -> tuple[TokenLogprob, ...]:
+    """``lanekv.v1.TokenLogprob`` messages -> ``TokenLogprob``s."""
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+                 for lp in entries)
 
 
 async def wait_disconnect(receive) -> None:
