@@ -11,6 +11,7 @@ from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
 from lanekv.prefill.engine_config import EngineConfig
 
 from tests.checkpoints import write_llama
+from tests.markers import requires_gpu
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -33,9 +34,13 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, 290, (n,), generator=g).tolist() for n in (2, 13, 37)]
 
 
-def _check(hf, prompt: list[int], got, k: int) -> None:
+def _prompt_logprobs(hf, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)  # [len, vocab]
+        return torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)  # [len, vocab]
+
+
+def _check(hf, prompt: list[int], got, k: int) -> None:
+    ref = _prompt_logprobs(hf, prompt)
     assert [e.token_id for e in got] == prompt[1:]
     for p, entry in enumerate(got, start=1):
         assert abs(entry.logprob - ref[p - 1, prompt[p]].item()) < 1e-4, p
@@ -82,3 +87,20 @@ def test_a_cached_prefix_is_refused_and_gaps_are_errors(checkpoint):
         merge_prompt_logprobs([5, 6, 7, 8], [part])
     with pytest.raises(RuntimeError, match="scored twice"):
         merge_prompt_logprobs([5, 6, 7, 8], [part, part])
+
+
+@requires_gpu
+def test_prompt_logprobs_on_gpu_with_captured_graphs(checkpoint, hf):
+    """On a GPU (fp32), the rows come from the captured prefill graphs; the scores still
+    equal transformers' (CPU, fp32) within 1e-3."""
+    cfg = EngineConfig(str(checkpoint), cp_size=1, page_size=16, pages_per_lane=64, device="cuda")
+    engine = ThreadedPrefillEngine(cfg)
+    engine.capture_graphs(128)
+    prompts = _prompts()
+    results = engine.prefill([PrefillInput(p, prompt_logprobs=4) for p in prompts])
+    for prompt, res in zip(prompts, results):
+        ref = _prompt_logprobs(hf, prompt)
+        assert [e.token_id for e in res.prompt_logprobs] == prompt[1:]
+        for p, entry in enumerate(res.prompt_logprobs, start=1):
+            assert abs(entry.logprob - ref[p - 1, prompt[p]].item()) < 1e-3, p
+            assert abs(entry.top[0][1] - ref[p - 1].max().item()) < 1e-3, p
