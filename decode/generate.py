@@ -49,7 +49,7 @@ import grpc
 import torch
 from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
-from lanekv.decode.engine import DecodeEngine, TokenEvent, TokenLogprobs
+from lanekv.decode.engine import FINISH_LENGTH, DecodeEngine, TokenEvent, TokenLogprobs
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
 from lanekv.decode.prefill_call import (
     LOST_CODES,
@@ -80,7 +80,7 @@ class GenerateSpec(NamedTuple):
     token_ids: list[int]
     sampling: SamplingParams
     sampling_proto: lanekv_pb2.SamplingParams  # forwarded to prefill as given
-    max_new_tokens: int  # output tokens, prefill's first one included
+    max_new_tokens: int  # output tokens, prefill's first one included; 0: prompt logprobs alone
     stop_token_ids: tuple[int, ...]
     prompt_logprobs: int | None = None  # top tokens per prompt token's logprob; None: none
 
@@ -201,10 +201,13 @@ class GeneratePipeline:
             self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s,
                                           prepared.first_token is not None)
             caller.set_trailing_metadata(prepared.metadata())
-            if prepared.first_token is not None:
-                yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None,
-                                  prepared.first_logprobs)]
-            yield from self._events(call)
+            if spec.max_new_tokens == 0:  # the prompt's logprobs alone: nothing is decoded
+                yield [TokenEvent(spec.request_id, None, 0, True, FINISH_LENGTH)]
+            else:
+                if prepared.first_token is not None:
+                    yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None,
+                                      prepared.first_logprobs)]
+                yield from self._events(call)
             call.finished = True
         finally:
             self._settle(call)
@@ -271,6 +274,8 @@ class GeneratePipeline:
         """Steps 2-5 with the prefill daemon ``target``; the KV comes from its ranks."""
         ctx, spec = self._ctx, call.spec
         config = ctx.config
+        if spec.max_new_tokens == 0:
+            return self._score_on(target, call)
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
@@ -358,6 +363,28 @@ class GeneratePipeline:
             call.in_engine, call.table = True, None
         return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths,
                         reply.timings.get("compute_s", 0.0), first_logprobs)
+
+    def _score_on(self, target: PrefillTarget, call: GenerateCall) -> Prepared:
+        """``max_new_tokens`` 0 (prompt logprobs alone): the prefill daemon prefills the
+        prompt and scores it; no KV moves and nothing is decoded (its first token is
+        dropped), and its pages are released at once."""
+        ctx, spec = self._ctx, call.spec
+        prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
+                                       ctx.config.request_timeout_s, prompt_logprobs=spec.prompt_logprobs)
+        try:
+            started = prefill.started()
+            call.epoch = access_ticket(prefill.epoch, started.capability)
+            call.fingerprint = started.contract_fingerprint
+            call.pinned_at = dict(enumerate(started.endpoints))
+            reply = prefill.done()
+        finally:
+            prefill.close()
+        if reply.request_id != spec.request_id or len(reply.prompt_logprobs) != len(spec.token_ids) - 1:
+            raise Refusal(Code.INTERNAL, f"prefill daemon answered {len(reply.prompt_logprobs)} prompt logprobs "
+                          f"for {reply.request_id!r} ({len(spec.token_ids)} prompt tokens)")
+        call.prompt_logprobs = list(reply.prompt_logprobs)
+        self._release_prefill(call, wait=False)
+        return Prepared(None, prefill.seconds, FetchStats(0, 0, 0.0, {}), {}, reply.timings.get("compute_s", 0.0))
 
     def _from_cache(self, call: GenerateCall) -> Prepared | None:
         """A prompt whose every page is in our cache (whole pages, so it ends on a page

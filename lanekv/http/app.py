@@ -114,8 +114,9 @@ class Front:
         elif max_tokens > room:
             raise bad_field(common.max_tokens_field, f"{len(ids)} prompt tokens + {max_tokens} is more than the model's "
                             f"{self.max_positions} positions")
-        # max_tokens 0 (echo): one token is made, the reply drops it (lanekv.http.echo).
-        return Plan(f"{kind}-{uuid.uuid4().hex}", ids, max(max_tokens, 1), common.sampling, common.stop,
+        if max_tokens == 0 and prompt_logprobs is None:
+            max_tokens = 1  # echo of the text alone: one token is made and dropped (lanekv.http.echo)
+        return Plan(f"{kind}-{uuid.uuid4().hex}", ids, max_tokens, common.sampling, common.stop,
                     common.stop_token_ids, prompt_logprobs)
 
     def chat_ids(self, chat: ChatRequest) -> tuple[int, ...]:

@@ -5,9 +5,11 @@ prompt's text followed by the generated text, and with ``logprobs: k`` the
 ``logprobs`` lists hold one entry per prompt token first (the first prompt
 token's logprob and top tokens are ``null``: nothing precedes it), then the
 generated tokens'. ``max_tokens: 0`` returns the prompt alone: what
-lm-evaluation-harness's loglikelihood requests read. The daemon is asked for
-one token there (a Generate makes at least one) and the front drops it, so
-usage counts no completion token.
+lm-evaluation-harness's loglikelihood requests read. With ``logprobs`` the
+decode daemon is asked for ``max_new_tokens`` 0: the prompt is prefilled and
+scored, no KV moves and nothing is decoded. Without ``logprobs`` (the text
+alone) one token is made and dropped. Either way usage counts no completion
+token.
 
 The prompt's logprobs come from the prefill daemon, each CP rank scoring the
 prompt tokens after the rows it owns (``PrefillRequest.prompt_logprobs``);

@@ -55,7 +55,8 @@ def hf(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def front(checkpoint, tmp_path_factory):
+def cluster(checkpoint, tmp_path_factory):
+    """(the front's URL, the decode daemon's endpoint)."""
     engine = EngineConfig(str(checkpoint), cp_size=2, page_size=PAGE_SIZE, pages_per_lane=200,
                           start_timeout_s=120)
     prefill = PrefillDaemon(engine, DaemonConfig(lease_s=600, security=SECURITY))
@@ -64,11 +65,16 @@ def front(checkpoint, tmp_path_factory):
         decode = decode_daemon(checkpoint, [prefill.endpoint])
         with running_front(checkpoint, [decode.endpoint], tmp_path_factory.mktemp("f"),
                            *AUTH, env=ENV) as url:
-            yield url
+            yield url, decode.endpoint
     finally:
         if decode is not None:
             decode.stop(grace_s=1.0)
         prefill.stop()
+
+
+@pytest.fixture(scope="module")
+def front(cluster):
+    return cluster[0]
 
 
 def _open(url: str, path: str, body: dict):
@@ -292,3 +298,31 @@ def test_openai_client_surface(front):
     assert "".join(c.choices[0].text for c in streamed) == base.choices[0].text
     with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
         client.completions.create(model="tiny", prompt="w40", extra_body={"prompt_logprobs": 1})
+
+
+def test_grpc_prompt_logprobs_alone_move_no_kv(cluster, hf):
+    """Generate with max_new_tokens 0 and prompt logprobs: one reply with the prompt's
+    logprobs, no token, finished by length, and no KV byte moved; 0 without them is refused."""
+    import grpc
+    from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+
+    ids = [1, 40, 41, 42, 43, 44, 45, 46, 47]
+    auth = (("authorization", f"Bearer {TOKEN}"),)
+    with grpc.insecure_channel(cluster[1]) as channel:
+        stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+        request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids), max_new_tokens=0,
+                                             prompt_logprobs=2, has_prompt_logprobs=True)
+        call = stub.Generate(request, timeout=60, metadata=auth)
+        replies = list(call)
+        meta = dict(call.trailing_metadata() or ())
+        assert len(replies) == 1 and replies[0].finished and replies[0].finish_reason == "length"
+        assert list(replies[0].token_ids) == [] and meta["lanekv-transfer-bytes"] == "0"
+        got = replies[0].prompt_logprobs
+        ref = _prompt_logprobs(hf, ids)
+        assert [e.token_id for e in got] == ids[1:]
+        assert max(abs(e.logprob - ref[p, ids[p + 1]].item()) for p, e in enumerate(got)) < 1e-4
+        assert all(list(e.top_ids) == ref[p].topk(2).indices.tolist() for p, e in enumerate(got))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids)),
+                               timeout=60, metadata=auth))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in err.value.details()
