@@ -9,7 +9,7 @@ CPU smoke test (the tiny model):
 at once, each as a user's client sends them: turn 1 is a shared
 ``--system-tokens`` system prompt plus a ``--user-tokens`` user turn; each
 later turn's prompt is the previous prompt, plus the reply the daemons
-generated (``--reply-tokens`` at most), plus a new user turn. Each setting
+generated (exactly ``--reply-tokens``: ``ignore_eos``), plus a new user turn. Each setting
 (``prefix_cache`` on/off x ``--transports``) starts its own pair of daemons
 in this process (``bench/serving.py``'s way), so no cache carries over.
 
@@ -72,7 +72,10 @@ def _start(workdir: str, args, cache: bool, transport: str) -> tuple[PrefillDaem
 
 
 def _turn(stub, ids: list[int], reply_tokens: int) -> dict:
-    request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids), max_new_tokens=reply_tokens)
+    # ignore_eos: every reply has exactly reply_tokens tokens (checked below), so the
+    # prompts and output tok/s of the settings compared are of the same lengths.
+    request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids), max_new_tokens=reply_tokens,
+                                         sampling=lanekv_pb2.SamplingParams(ignore_eos=True))
     sent, first, out, cached = time.perf_counter(), None, [], 0
     call = stub.Generate(request, timeout=600)
     for reply in call:
@@ -80,6 +83,9 @@ def _turn(stub, ids: list[int], reply_tokens: int) -> dict:
             first = time.perf_counter()
             cached = reply.cached_tokens
         out += reply.token_ids
+    if len(out) != reply_tokens:
+        raise RuntimeError(f"a reply had {len(out)} tokens, not the {reply_tokens} asked with ignore_eos: "
+                           "the output length is not fixed, so no figure is reported")
     meta = dict(call.trailing_metadata() or ())
     return {"ttft_s": first - sent, "out": out, "cached": cached, "prompt": len(ids),
             "moved": int(meta.get("lanekv-transfer-bytes", 0))}

@@ -20,8 +20,12 @@ its sample count: ``bench.stats.percentiles``), with output tokens/s
 (every output token over the run's wall time). One warm-up request first.
 Output lengths are fixed: every request sends ``ignore_eos`` (gRPC
 ``SamplingParams.ignore_eos``, HTTP ``"ignore_eos": true``), so each decodes
-exactly its output length; a row counts the requests that came back shorter
-(``outputs_short``, expected 0) and the table says so.
+exactly its output length. Each completed request's output is counted as the
+server counts it (gRPC: the token ids of its replies; HTTP: ``usage.completion_tokens``
+of the stream, asked with ``stream_options.include_usage``) and must equal its
+output length: a level where one does not (``outputs_wrong_length``), or an HTTP
+stream without usage, ends the benchmark with an error before any figure is
+written, since its tokens/s would not be of the stated lengths.
 
     python bench/serving.py --llama3-8b --concurrency 1 16 64 --prompt-len 1024 --output-len 128 \\
         --json bench/results/serving_h200.json
@@ -57,6 +61,7 @@ class Outcome(NamedTuple):
     arrivals: list[tuple[float, int]]  # (time, tokens in that reply), in order
     error: str | None
     stages: dict[str, float] | None = None  # gRPC: the decode daemon's prefill / rank compute / transfer ms
+    completion_tokens: int | None = None  # output tokens as the server counts them; None: the replies'
 
 
 class Request(NamedTuple):
@@ -76,7 +81,7 @@ def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
     stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
 
     def send(req: Request) -> Outcome:
-        # ignore_eos: every request decodes exactly output_len tokens (counted as outputs_short).
+        # ignore_eos: every request decodes exactly output_len tokens (checked by run_level).
         msg = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=req.prompt),
                                          max_new_tokens=req.output_len,
                                          sampling=lanekv_pb2.SamplingParams(ignore_eos=True))
@@ -93,7 +98,7 @@ def _grpc_sender(endpoint: str) -> Callable[[Request], Outcome]:
             ("prefill_ms", "lanekv-prefill-seconds"), ("compute_ms", "lanekv-prefill-compute-seconds"),
             ("transfer_ms", "lanekv-transfer-seconds"))
             if key in meta}
-        return Outcome(sent, arrivals, None, stages)
+        return Outcome(sent, arrivals, None, stages, sum(k for _, k in arrivals))
 
     return send
 
@@ -108,9 +113,10 @@ def _openai_sender(url: str, model: str, words_are_tokens: bool = False) -> Call
 
     def send(req: Request) -> Outcome:
         body = json.dumps(dict(model=model, prompt=req.prompt, max_tokens=req.output_len,
-                               stream=True, temperature=0.0, ignore_eos=True))
+                               stream=True, temperature=0.0, ignore_eos=True,
+                               stream_options={"include_usage": True}))
         conn = conn_cls(parts.hostname, parts.port, timeout=600)
-        sent, arrivals = time.perf_counter(), []
+        sent, arrivals, usage = time.perf_counter(), [], None
         try:
             conn.request("POST", path, body, {"Content-Type": "application/json"})
             resp = conn.getresponse()
@@ -124,6 +130,7 @@ def _openai_sender(url: str, model: str, words_are_tokens: bool = False) -> Call
                 if data == b"[DONE]":
                     break
                 chunk = json.loads(data)
+                usage = chunk.get("usage") or usage
                 choices = chunk.get("choices") or []
                 if choices and (choices[0].get("text") or choices[0].get("token_ids")):
                     ids = choices[0].get("token_ids")
@@ -134,7 +141,10 @@ def _openai_sender(url: str, model: str, words_are_tokens: bool = False) -> Call
             return Outcome(sent, arrivals, f"{type(err).__name__}: {err}")
         finally:
             conn.close()
-        return Outcome(sent, arrivals, None)
+        if not isinstance(usage, dict) or not isinstance(usage.get("completion_tokens"), int):
+            return Outcome(sent, arrivals, "the stream carried no usage.completion_tokens "
+                           "(stream_options.include_usage): its output length cannot be checked")
+        return Outcome(sent, arrivals, None, None, usage["completion_tokens"])
 
     return send
 
@@ -188,13 +198,15 @@ def run_level(send: Callable[[Request], Outcome], requests: list[Request], concu
         for (t0, _), (t1, k) in zip(o.arrivals, o.arrivals[1:]):
             itl.extend([(t1 - t0) * 1e3 / k] * k)
     out_tokens = sum(k for o in ok for _, k in o.arrivals)
-    short = sum(1 for o, r in zip(outcomes, requests)
-                if o.error is None and sum(k for _, k in o.arrivals) < r.output_len)
+    wrong = [(made, r.output_len) for o, r in zip(outcomes, requests) if o.error is None
+             and (made := sum(k for _, k in o.arrivals) if o.completion_tokens is None
+                  else o.completion_tokens) != r.output_len]
     row = dict(concurrency=concurrency, request_rate=None if rate == float("inf") else rate,
                num_requests=len(requests), completed=len(ok),
                errors=sorted({o.error for o in outcomes if o.error})[:3],
                duration_s=wall, output_tokens=out_tokens, output_tokens_per_s=out_tokens / wall,
-               requests_per_s=len(ok) / wall, outputs_short=short, output_length_fixed=True,
+               requests_per_s=len(ok) / wall, outputs_wrong_length=len(wrong),
+               wrong_lengths=wrong[:5], output_length_fixed=True,
                mean_prompt_tokens=statistics.mean(len(r.prompt) for r in requests))
     for name, values in (("ttft_ms", ttft), ("itl_ms", itl), ("e2e_ms", e2e)):
         row.update(percentiles(name, values))  # interpolated, with the sample count (name_n)
@@ -421,6 +433,11 @@ def main() -> None:
                     rows.append(dict(api=api, **run_level(sender, reqs, conc, args.request_rate,
                                                           args.seed + i)))
                     r = rows[-1]
+                    if r["outputs_wrong_length"]:
+                        raise SystemExit(
+                            f"concurrency {conc} ({api}): {r['outputs_wrong_length']} of {r['completed']} "
+                            f"outputs did not have the asked length (made, asked: {r['wrong_lengths']}); "
+                            "the server does not honour ignore_eos, so no figure is reported")
                     print(f"concurrency {conc} ({api}): {r['output_tokens_per_s']:,.0f} tok/s, "
                           f"TTFT p50 {r['ttft_ms_p50'] or float('nan'):.1f} ms, "
                           f"ITL p50 {r['itl_ms_p50'] or float('nan'):.2f} ms", flush=True)
@@ -455,7 +472,7 @@ def main() -> None:
         print(f"first of a new length over later ones: p50 {started['new_shape_ratio_p50']:.2f}x, "
               f"max {started['new_shape_ratio_max']:.2f}x over {len(started['new_shapes'])} lengths")
     print(f"\nserving, {target}, prompt {args.prompt_len}, output {args.output_len} "
-          f"(fixed: ignore_eos on both APIs), rate {args.request_rate}")
+          f"(fixed: ignore_eos on both APIs, every output's length checked), rate {args.request_rate}")
     print(f"{'api':>6} {'conc':>5} {'done':>5} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'n':>5} {'ITL p50':>8} "
           f"{'p90':>7} {'p99':>7} {'n':>7} {'E2E p50':>9} {'n':>5}")
     for r in rows:
@@ -467,8 +484,6 @@ def main() -> None:
               f"{r['e2e_ms_n']:>5}")
         if r["errors"]:
             print(f"      errors: {r['errors']}")
-        if r["outputs_short"]:
-            print(f"      {r['outputs_short']} outputs shorter than asked (counted per reply chunk)")
     print("percentiles interpolate between ranks; n: the samples each is over")
     if args.json:
         import torch

@@ -49,7 +49,7 @@ import grpc
 import torch
 from lanekv.decode.budget import PageBudget
 from lanekv.decode.config import DecodeConfig
-from lanekv.decode.engine import DecodeEngine, TokenEvent, TokenLogprobs
+from lanekv.decode.engine import FINISH_LENGTH, DecodeEngine, TokenEvent, TokenLogprobs
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted
 from lanekv.decode.prefill_call import (
     LOST_CODES,
@@ -80,8 +80,9 @@ class GenerateSpec(NamedTuple):
     token_ids: list[int]
     sampling: SamplingParams
     sampling_proto: lanekv_pb2.SamplingParams  # forwarded to prefill as given
-    max_new_tokens: int  # output tokens, prefill's first one included
+    max_new_tokens: int  # output tokens, prefill's first one included; 0: prompt logprobs alone
     stop_token_ids: tuple[int, ...]
+    prompt_logprobs: int | None = None  # top tokens per prompt token's logprob; None: none
 
 
 class Prepared(NamedTuple):
@@ -168,6 +169,7 @@ class GenerateCall:
     finished: bool = False  # its last event was sent
     cached_tokens: int = 0  # prompt tokens whose compute a prefix cache skipped (GenerateReply.cached_tokens)
     prefix_cache_tokens: int = 0  # leading prompt tokens our cache holds once the KV is in (a router's hint)
+    prompt_logprobs: list[lanekv_pb2.TokenLogprob] | None = None  # the prefill's, when asked
 
     @property
     def outcome(self) -> str:
@@ -201,10 +203,13 @@ class GeneratePipeline:
             self._ctx.streams.transferred(spec.request_id, len(spec.token_ids), prepared.fetch, prepared.prefill_s,
                                           prepared.first_token is not None)
             caller.set_trailing_metadata(prepared.metadata())
-            if prepared.first_token is not None:
-                yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None,
-                                  prepared.first_logprobs)]
-            yield from self._events(call)
+            if spec.max_new_tokens == 0:  # the prompt's logprobs alone: nothing is decoded
+                yield [TokenEvent(spec.request_id, None, 0, True, FINISH_LENGTH)]
+            else:
+                if prepared.first_token is not None:
+                    yield [TokenEvent(spec.request_id, prepared.first_token, 0, False, None,
+                                      prepared.first_logprobs)]
+                yield from self._events(call)
             call.finished = True
         finally:
             self._settle(call)
@@ -225,7 +230,8 @@ class GeneratePipeline:
         budget_s = config.request_timeout_s if remaining is None else min(remaining, config.request_timeout_s)
         deadline = time.monotonic() + budget_s
         self._admit(call, deadline)
-        from_cache = self._from_cache(call)
+        # Prompt logprobs need the logits of every prompt row: the prefill daemon computes them.
+        from_cache = None if spec.prompt_logprobs is not None else self._from_cache(call)
         if from_cache is not None:
             return from_cache
         if only is not None:
@@ -270,6 +276,8 @@ class GeneratePipeline:
         """Steps 2-5 with the prefill daemon ``target``; the KV comes from its ranks."""
         ctx, spec = self._ctx, call.spec
         config = ctx.config
+        if spec.max_new_tokens == 0:
+            return self._score_on(target, call)
         # Not cut short by the client's deadline: a prefill that ends after we
         # stopped waiting would pin its pages until their lease expires; once it
         # has answered, a client that went away is noticed and the pages released.
@@ -281,7 +289,8 @@ class GeneratePipeline:
         try:
             prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
                                            config.request_timeout_s, cached_pages=len(hit),
-                                           skip_prefix_cache=ctx.uncached)
+                                           skip_prefix_cache=ctx.uncached,
+                                           prompt_logprobs=spec.prompt_logprobs)
         except BaseException:
             ctx.pool.free(hit)
             raise
@@ -345,6 +354,11 @@ class GeneratePipeline:
                 raise Refusal(Code.INTERNAL, "the prefill daemon sent no logprobs for the first token")
             lp = reply.first_logprob
             first_logprobs = TokenLogprobs(lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+        if spec.prompt_logprobs is not None:
+            if len(reply.prompt_logprobs) != num_tokens - 1:
+                raise Refusal(Code.INTERNAL, f"the prefill daemon sent {len(reply.prompt_logprobs)} prompt "
+                              f"logprobs for a prompt of {num_tokens} tokens")
+            call.prompt_logprobs = list(reply.prompt_logprobs)
         self._release_prefill(call, wait=False)  # the KV is ours: the ranks free their pages meanwhile
         with call.lock:
             _check_alive(call)
@@ -357,6 +371,28 @@ class GeneratePipeline:
             call.in_engine, call.table = True, None
         return Prepared(reply.first_token, prefill.seconds, fetched.stats, fetched.paths,
                         reply.timings.get("compute_s", 0.0), first_logprobs)
+
+    def _score_on(self, target: PrefillTarget, call: GenerateCall) -> Prepared:
+        """``max_new_tokens`` 0 (prompt logprobs alone): the prefill daemon prefills the
+        prompt and scores it; no KV moves and nothing is decoded (its first token is
+        dropped), and its pages are released at once."""
+        ctx, spec = self._ctx, call.spec
+        prefill = target.client.stream(spec.request_id, spec.token_ids, spec.sampling_proto,
+                                       ctx.config.request_timeout_s, prompt_logprobs=spec.prompt_logprobs)
+        try:
+            started = prefill.started()
+            call.epoch = access_ticket(prefill.epoch, started.capability)
+            call.fingerprint = started.contract_fingerprint
+            call.pinned_at = dict(enumerate(started.endpoints))
+            reply = prefill.done()
+        finally:
+            prefill.close()
+        if reply.request_id != spec.request_id or len(reply.prompt_logprobs) != len(spec.token_ids) - 1:
+            raise Refusal(Code.INTERNAL, f"prefill daemon answered {len(reply.prompt_logprobs)} prompt logprobs "
+                          f"for {reply.request_id!r} ({len(spec.token_ids)} prompt tokens)")
+        call.prompt_logprobs = list(reply.prompt_logprobs)
+        self._release_prefill(call, wait=False)
+        return Prepared(None, prefill.seconds, FetchStats(0, 0, 0.0, {}), {}, reply.timings.get("compute_s", 0.0))
 
     def _from_cache(self, call: GenerateCall) -> Prepared | None:
         """A prompt whose every page is in our cache (whole pages, so it ends on a page

@@ -49,12 +49,16 @@ class PrefillClient:
     endpoint: str
 
     def stream(self, request_id: str, token_ids: Sequence[int], sampling: lanekv_pb2.SamplingParams,
-               timeout_s: float, cached_pages: int = 0, skip_prefix_cache: bool = False) -> PrefillCall:
+               timeout_s: float, cached_pages: int = 0, skip_prefix_cache: bool = False,
+               prompt_logprobs: int | None = None) -> PrefillCall:
         """Start the prefill of a prompt (``sampling`` forwarded as the client gave it;
         ``cached_pages``: leading whole pages we hold, which we will not fetch;
-        ``skip_prefix_cache``: its prefix cache neither serves nor keeps the prompt)."""
+        ``skip_prefix_cache``: its prefix cache neither serves nor keeps the prompt;
+        ``prompt_logprobs``: top tokens of each prompt token's logprob, None: none)."""
         request = lanekv_pb2.PrefillRequest(token_ids=lanekv_pb2.TokenIds(ids=token_ids), request_id=request_id,
-                                            cached_pages=cached_pages, skip_prefix_cache=skip_prefix_cache)
+                                            cached_pages=cached_pages, skip_prefix_cache=skip_prefix_cache,
+                                            prompt_logprobs=prompt_logprobs or 0,
+                                            has_prompt_logprobs=prompt_logprobs is not None)
         request.sampling.CopyFrom(sampling)
         return PrefillCall(self, request, timeout_s)
 

@@ -19,6 +19,7 @@ from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.requests import (
     logprob_to_proto,
     prompt_from_proto,
+    prompt_logprobs_from_proto,
     request_id_from_proto,
     sampling_from_proto,
 )
@@ -33,8 +34,10 @@ def parse_request(request: lanekv_pb2.GenerateRequest, ctx: GenerateContext) -> 
     sampling = sampling_from_proto(request.sampling)
     request_id = request_id_from_proto(request) or uuid.uuid4().hex
     max_new = request.max_new_tokens
-    if max_new < 1:
-        raise Refusal(Code.INVALID_ARGUMENT, f"max_new_tokens must be >= 1, got {max_new}")
+    prompt_logprobs = prompt_logprobs_from_proto(request)
+    if max_new < 1 and prompt_logprobs is None:  # 0: the prompt's logprobs alone
+        raise Refusal(Code.INVALID_ARGUMENT, f"max_new_tokens must be >= 1 (0 only with has_prompt_logprobs), "
+                      f"got {max_new}")
     if len(ids) + max_new > ctx.max_positions:
         raise Refusal(
             Code.OUT_OF_RANGE,
@@ -57,7 +60,7 @@ def parse_request(request: lanekv_pb2.GenerateRequest, ctx: GenerateContext) -> 
     forwarded = lanekv_pb2.SamplingParams()
     forwarded.CopyFrom(request.sampling)
     forwarded.stop_token_ids.extend(t for t in stops if t not in set(forwarded.stop_token_ids))
-    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops)
+    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops, prompt_logprobs)
 
 
 class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
@@ -82,6 +85,7 @@ class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):
                         if first:  # counted once, on the first reply
                             reply.cached_tokens, first = call.cached_tokens, False
                             reply.prefix_cache_tokens = call.prefix_cache_tokens
+                            reply.prompt_logprobs.extend(call.prompt_logprobs or ())
                         yield reply
                 finally:
                     events.close()  # settles the call now, also when the client went away

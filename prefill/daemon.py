@@ -60,6 +60,7 @@ from lanekv.runtime.metrics import PrefixMetrics
 from lanekv.runtime.requests import (
     logprob_to_proto,
     prompt_from_proto,
+    prompt_logprobs_from_proto,
     request_id_from_proto,
     sampling_from_proto,
 )
@@ -235,8 +236,9 @@ class PrefillDaemon:
                 raise Refusal(Code.ALREADY_EXISTS, f"request_id={rid!r} is already in use")
             self._in_flight[rid] = started
         # The cached prefix: its pages are referenced for this request from here on.
+        # Prompt logprobs need every prompt row's logits: such a prompt is prefilled whole.
         prefix = []
-        if inp.prefix_cache:
+        if inp.prefix_cache and inp.prompt_logprobs is None:
             prefix = self.cache.match(inp.token_ids)
             self._count_lookup(len(inp.token_ids), len(prefix) * self.cache.page_size)
         with self._lock:
@@ -431,6 +433,7 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             prefix_cache_pages=res.prefix_cache_pages,
             first_logprob=None if res.first_logprobs is None else logprob_to_proto(
                 res.first_token, *res.first_logprobs, lanekv_pb2.TokenLogprob),
+            prompt_logprobs=[logprob_to_proto(*lp, lanekv_pb2.TokenLogprob) for lp in res.prompt_logprobs or ()],
         )
 
     def _refused(self, refusal: Refusal, request_id: str | None) -> None:
@@ -457,7 +460,8 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             raise Refusal(Code.INVALID_ARGUMENT, f"cached_pages={request.cached_pages} is more than the "
                           f"{usable} whole pages before the prompt's last token ({len(ids)} tokens)")
         return d.submit(PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id,
-                                     prefix_cache=not request.skip_prefix_cache))
+                                     prefix_cache=not request.skip_prefix_cache,
+                                     prompt_logprobs=prompt_logprobs_from_proto(request)))
 
     def _result(self, done: futures.Future, remaining: float | None) -> PrefillResult:
         d = self.d

@@ -67,23 +67,27 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "request_id", "cached_pages", "skip_prefix_cache")
+    __slots__ = ("text", "token_ids", "sampling", "request_id", "cached_pages", "skip_prefix_cache", "prompt_logprobs", "has_prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     CACHED_PAGES_FIELD_NUMBER: _ClassVar[int]
     SKIP_PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     request_id: str
     cached_pages: int
     skip_prefix_cache: bool
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ..., skip_prefix_cache: _Optional[bool] = ...) -> None: ...
+    prompt_logprobs: int
+    has_prompt_logprobs: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ..., skip_prefix_cache: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens", "first_logprob", "prefix_cache_pages")
+    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens", "first_logprob", "prefix_cache_pages", "prompt_logprobs")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +105,7 @@ class PrefillReply(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     contract_fingerprint: str
@@ -111,7 +116,8 @@ class PrefillReply(_message.Message):
     cached_tokens: int
     first_logprob: TokenLogprob
     prefix_cache_pages: int
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prefix_cache_pages: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prefix_cache_pages: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("reply", "done")
@@ -224,23 +230,27 @@ class NixlAttachReply(_message.Message):
     def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., epoch: _Optional[str] = ..., pool_addr: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "request_id")
+    __slots__ = ("text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "request_id", "prompt_logprobs", "has_prompt_logprobs")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    HAS_PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: TokenIds
     sampling: SamplingParams
     max_new_tokens: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     request_id: str
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ...) -> None: ...
+    prompt_logprobs: int
+    has_prompt_logprobs: bool
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., request_id: _Optional[str] = ..., prompt_logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "cached_tokens", "logprobs", "prefix_cache_tokens")
+    __slots__ = ("request_id", "token_ids", "text", "finished", "finish_reason", "cached_tokens", "logprobs", "prefix_cache_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
@@ -249,6 +259,7 @@ class GenerateReply(_message.Message):
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
@@ -257,7 +268,8 @@ class GenerateReply(_message.Message):
     cached_tokens: int
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
     prefix_cache_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prefix_cache_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prefix_cache_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeStatusRequest(_message.Message):
     __slots__ = ()

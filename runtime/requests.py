@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
-from lanekv.model.sampling import SamplingParams
+from lanekv.model.sampling import MAX_LOGPROBS, SamplingParams
 from lanekv.model.tokenizer import Tokenizer
 from lanekv.runtime.limits import same_kind
 from lanekv.runtime.status import Refusal
@@ -66,6 +66,17 @@ def logprob_to_proto(token_id: int, logprob: float, top, message_class):
     """One token's logprobs (``top``: (id, logprob) pairs) as ``lanekv.v1.TokenLogprob``."""
     return message_class(token_id=token_id, logprob=logprob, top_ids=[t for t, _ in top],
                          top_logprobs=[v for _, v in top])
+
+
+def prompt_logprobs_from_proto(request) -> int | None:
+    """``prompt_logprobs`` of a Prefill or Generate request: None unless
+    ``has_prompt_logprobs``; else the top tokens per prompt token, 0..MAX_LOGPROBS."""
+    if not request.has_prompt_logprobs:
+        return None
+    if request.prompt_logprobs > MAX_LOGPROBS:
+        raise Refusal(Code.INVALID_ARGUMENT,
+                      f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {request.prompt_logprobs}")
+    return int(request.prompt_logprobs)
 
 
 def prompt_from_proto(request, tokenizer: Tokenizer | None, vocab_size: int, max_tokens: int) -> list[int]:

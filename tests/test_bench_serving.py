@@ -49,3 +49,61 @@ def test_new_shapes_ratio_of_the_first_request_per_length():
     assert all(abs(s["ratio"] - 1.5) < 1e-9 and abs(s["later_max_ratio"] - 1) < 1e-9
                for s in got["new_shapes"])
     assert abs(got["new_shape_ratio_p50"] - 1.5) < 1e-9 and len(got["new_shapes"][0]["ttft_ms"]) == 6
+
+
+def test_a_wrong_output_length_is_counted_and_the_server_count_wins():
+    """The server's count (gRPC: the replies' ids; HTTP: usage.completion_tokens) must
+    equal the asked length: main() ends the run when a level has one that does not."""
+    def send(req: Request) -> Outcome:
+        sent = time.perf_counter() - 1.0
+        arrivals = [(sent + 0.1, 1), (sent + 0.2, 1)]  # two chunks ...
+        made = 3 if req.prompt == [7] else 4  # ... of 4 tokens as the server counts them
+        return Outcome(sent, arrivals, None, None, made)
+
+    row = run_level(send, [Request([1], 4), Request([7], 4), Request([2], 4)], concurrency=1,
+                    rate=float("inf"), seed=0)
+    assert row["outputs_wrong_length"] == 1 and row["wrong_lengths"] == [(3, 4)]
+    # Without a server count, the replies' tokens are the count.
+    row = run_level(lambda req: Outcome(time.perf_counter(), [(time.perf_counter(), 4)], None),
+                    [Request([1], 4)], concurrency=1, rate=float("inf"), seed=0)
+    assert row["outputs_wrong_length"] == 0
+
+
+def test_the_http_sender_reads_usage_and_asks_for_it():
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.serving import _openai_sender
+
+    bodies = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - the http.server name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            bodies.append(body)
+            chunks = [{"choices": [{"text": "a", "finish_reason": None}]},
+                      {"choices": [{"text": "b", "finish_reason": "length"}]}]
+            if body["prompt"] != [9]:  # prompt [9]: a server that sends no usage
+                chunks.append({"choices": [], "usage": {"completion_tokens": body["max_tokens"]}})
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for chunk in chunks:
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        send = _openai_sender(f"http://127.0.0.1:{server.server_address[1]}", "m")
+        got = send(Request([1, 2], 5))
+        assert got.error is None and got.completion_tokens == 5 and len(got.arrivals) == 2
+        assert bodies[0]["ignore_eos"] is True and bodies[0]["stream_options"] == {"include_usage": True}
+        assert "no usage" in send(Request([9], 5)).error
+    finally:
+        server.shutdown()
+        server.server_close()

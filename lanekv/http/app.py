@@ -27,8 +27,9 @@ from starlette.exceptions import HTTPException
 from lanekv.http.backends import Backends
 from lanekv.http.chat import ChatTemplate
 from lanekv.http.config import FrontConfig
+from lanekv.http.echo import Echo
 from lanekv.http.errors import APIError, bad_field
-from lanekv.http.generate import Generation, Plan, run_until_disconnect, wait_disconnect
+from lanekv.http.generate import Delta, Generation, Plan, run_until_disconnect, wait_disconnect
 from lanekv.http.metrics import FrontMetrics
 from lanekv.http.protocol import ChatRequest, Common, parse_chat, parse_completion
 from lanekv.http.replies import DONE, ReplyShape, sse
@@ -90,7 +91,8 @@ class Front:
         except (TypeError, UnicodeError) as err:  # lone surrogates from a template's variables
             raise bad_field(field, f"is not valid Unicode text: {err}") from None
 
-    def plan(self, common: Common, ids: tuple[int, ...], field: str, kind: str) -> Plan:
+    def plan(self, common: Common, ids: tuple[int, ...], field: str, kind: str,
+             prompt_logprobs: int | None = None) -> Plan:
         if not ids:
             raise bad_field(field, "the prompt has no tokens")
         bad = [t for t in ids if t >= self.vocab_size]
@@ -112,8 +114,10 @@ class Front:
         elif max_tokens > room:
             raise bad_field(common.max_tokens_field, f"{len(ids)} prompt tokens + {max_tokens} is more than the model's "
                             f"{self.max_positions} positions")
+        if max_tokens == 0 and prompt_logprobs is None:
+            max_tokens = 1  # echo of the text alone: one token is made and dropped (lanekv.http.echo)
         return Plan(f"{kind}-{uuid.uuid4().hex}", ids, max_tokens, common.sampling, common.stop,
-                    common.stop_token_ids)
+                    common.stop_token_ids, prompt_logprobs)
 
     def chat_ids(self, chat: ChatRequest) -> tuple[int, ...]:
         """Token ids of the rendered conversation; blocking (called off the event loop)."""
@@ -123,7 +127,8 @@ class Front:
         text = self.template.render(list(chat.messages), chat.add_generation_prompt, **chat.template_kwargs)
         return self.text_ids(text, "messages", add_special_tokens=False)
 
-    async def respond(self, request: Request, common: Common, plan: Plan, chat: bool) -> Response:
+    async def respond(self, request: Request, common: Common, plan: Plan, chat: bool,
+                      echo: Echo | None = None) -> Response:
         endpoint = _endpoint(request.url.path)
         if self.config.log_requests:
             log.info("request %s on %s: %d prompt tokens, max_tokens %d, stream %s", plan.request_id,
@@ -138,7 +143,7 @@ class Front:
             return Response(status_code=499)
         self.metrics.first_token(time.monotonic() - started)
         if common.stream:
-            return StreamingResponse(self._stream(request, generation, shape, endpoint),
+            return StreamingResponse(self._stream(request, generation, shape, endpoint, echo),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Request-Id": plan.request_id})
         work = asyncio.ensure_future(self._collect(generation))
@@ -146,6 +151,11 @@ class Front:
             self.metrics.request(endpoint, "client_gone")
             return Response(status_code=499)
         text, reason, logprobs = work.result()
+        if echo is not None:
+            if echo.only:
+                text, logprobs, reason, generation.completion_tokens = "", [], "length", 0
+            text = echo.text + text
+            logprobs = [*(echo.entries(generation.prompt_logprobs) if shape.logprobs else ()), *logprobs]
         self._count(endpoint, "200", plan, generation)
         return JSONResponse(shape.whole(text, reason, len(plan.prompt_ids), generation.completion_tokens,
                                         generation.cached_tokens, logprobs),
@@ -166,7 +176,8 @@ class Front:
                 reason = delta.finish_reason or reason
         return "".join(parts), reason, logprobs
 
-    async def _stream(self, request: Request, generation: Generation, shape: ReplyShape, endpoint: str):
+    async def _stream(self, request: Request, generation: Generation, shape: ReplyShape, endpoint: str,
+                      echo: Echo | None = None):
         plan, status = generation.plan, "client_gone"
         watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         watcher.add_done_callback(lambda _: generation.cancel())
@@ -174,8 +185,16 @@ class Front:
             first = shape.first_chunk()
             if first:
                 yield first
+            if echo is not None:  # the prompt first, with its logprobs when asked
+                yield shape.chunk(Delta(echo.text, None, echo.entries(generation.prompt_logprobs)
+                                        if shape.logprobs else ()))
             async with aclosing(generation.deltas()) as deltas:
                 async for delta in deltas:
+                    if echo is not None and echo.only:  # max_tokens 0: the made token is dropped
+                        if delta.finish_reason:  # "length": nothing was asked for
+                            generation.completion_tokens = 0
+                            yield shape.chunk(Delta("", "length"))
+                        continue
                     yield shape.chunk(delta)
             if shape.include_usage:
                 yield shape.usage_chunk(len(plan.prompt_ids), generation.completion_tokens, generation.cached_tokens)
@@ -262,8 +281,11 @@ def build_app(config: FrontConfig) -> FastAPI:
             ids = await asyncio.to_thread(front.text_ids, prompt, "prompt", True)
         else:
             ids = prompt
-        plan = front.plan(parsed.common, ids, "prompt", "cmpl")
-        return await front.respond(request, parsed.common, plan, chat=False)
+        plan = front.plan(parsed.common, ids, "prompt", "cmpl", parsed.prompt_logprobs)
+        echo = None if not parsed.echo else Echo.of(
+            prompt, ids, parsed.common.max_tokens, None if front.tokenizer is None else front.tokenizer.decode,
+            front.token_text)
+        return await front.respond(request, parsed.common, plan, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request):

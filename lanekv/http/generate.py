@@ -40,6 +40,7 @@ class Plan:
     sampling: Sampling
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None  # top tokens of each prompt token's logprob (echo); None: none
 
     def proto(self) -> lanekv_pb2.GenerateRequest:
         s = self.sampling
@@ -51,13 +52,15 @@ class Plan:
             logprobs=s.logprobs or 0, has_logprobs=s.logprobs is not None)
         return lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=self.prompt_ids),
                                           sampling=sampling, max_new_tokens=self.max_tokens,
-                                          stop_token_ids=self.stop_token_ids, request_id=self.request_id)
+                                          stop_token_ids=self.stop_token_ids, request_id=self.request_id,
+                                          prompt_logprobs=self.prompt_logprobs or 0,
+                                          has_prompt_logprobs=self.prompt_logprobs is not None)
 
 
 class TokenLogprob(NamedTuple):
     token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]  # (token id, logprob), most likely first
+    logprob: float | None  # None: the first prompt token's (echo), which nothing precedes
+    top: tuple[tuple[int, float], ...] | None  # (token id, logprob), most likely first
 
 
 class Delta(NamedTuple):
@@ -67,20 +70,42 @@ class Delta(NamedTuple):
 
 
 class StopMatcher:
-    """Text in, text safe to send out; ``hit`` once a stop string appeared."""
+    """Text in, text safe to send out; ``hit`` once a stop string appeared.
 
-    def __init__(self, stops: tuple[str, ...]) -> None:
+    ``armed_at``: a stop string counts only if it ends past this character (None: none
+    counts yet; ``arm`` sets it). With ``min_tokens``, vLLM's semantics: the text of the
+    first ``min_tokens - 1`` tokens cannot complete a stop string, and text that could
+    begin one is held back all the same, so none is returned before it is known.
+    """
+
+    def __init__(self, stops: tuple[str, ...], armed_at: int | None = 0) -> None:
         self._stops = stops
         self._text = ""
         self._sent = 0
+        self.armed_at = armed_at
         self.hit = False
         self.stop_end = 0  # once hit: the character just past the stop string that was found
+
+    @property
+    def length(self) -> int:
+        """Characters fed so far."""
+        return len(self._text)
+
+    def arm(self, at: int) -> None:
+        """Stop strings ending past character ``at`` count from now on."""
+        self.armed_at = at
+
+    def _find(self, stop: str) -> int:
+        """Where the first occurrence of ``stop`` that counts begins, or -1."""
+        if self.armed_at is None:
+            return -1
+        return self._text.find(stop, max(self._sent, self.armed_at - len(stop) + 1))
 
     def feed(self, piece: str) -> str:
         self._text += piece
         if not self._stops:
             return self._take(len(self._text))
-        found = [(i, i + len(s)) for s in self._stops if (i := self._text.find(s, self._sent)) >= 0]
+        found = [(i, i + len(s)) for s in self._stops if (i := self._find(s)) >= 0]
         if found:
             self.hit = True
             at, self.stop_end = min(found)
@@ -118,6 +143,7 @@ class Generation:
         self._first: lanekv_pb2.GenerateReply | None = None
         self.completion_tokens = 0
         self.cached_tokens = 0  # the first reply's: prompt tokens a prefix cache spared
+        self.prompt_logprobs: tuple[TokenLogprob, ...] = ()  # the first reply's, when the plan asks
         self.endpoint = ""
 
     async def start(self) -> None:
@@ -154,6 +180,7 @@ class Generation:
             backends.observe(member, self.plan.prompt_ids, first.prefix_cache_tokens)
             self._first = first
             self.cached_tokens = first.cached_tokens
+            self.prompt_logprobs = _logprobs(first.prompt_logprobs)
             return
 
     def _count_to(self, stop_end: int, in_reply: int) -> None:
@@ -166,11 +193,24 @@ class Generation:
                 self.completion_tokens = before + k
                 return
 
+    def _armed_at(self, before: int, chars_before: int, piece: str) -> int:
+        """Characters of the text of the first ``min_tokens - 1`` tokens, known once a reply
+        (``piece``, after ``before`` tokens and ``chars_before`` characters) reached
+        ``min_tokens``: a stop string ending past them may stop the request (vLLM checks
+        stop strings once min_tokens tokens were made)."""
+        upto = self.plan.sampling.min_tokens - 1
+        if upto <= before:
+            return chars_before
+        if self._decode is not None:
+            return len(self._decode(self._token_ids[:upto]))
+        return chars_before + len(piece)  # no tokenizer: the whole reply counts as before the bound
+
     async def deltas(self) -> AsyncIterator[Delta]:
         """The text as it comes; the last delta carries the finish reason. Raises ``APIError``."""
         if self._first is None:
             raise RuntimeError("Generation.deltas before start")
-        stops, reply, ended = StopMatcher(self.plan.stop), self._first, False
+        min_tokens = self.plan.sampling.min_tokens
+        stops, reply, ended = StopMatcher(self.plan.stop, 0 if min_tokens <= 1 else None), self._first, False
         pending: list[TokenLogprob] = []  # logprobs of tokens whose text is held back
         try:
             while True:
@@ -179,8 +219,9 @@ class Generation:
                 before = self.completion_tokens
                 self.completion_tokens += len(reply.token_ids)
                 self._token_ids.extend(reply.token_ids)
-                pending += [TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
-                            for lp in reply.logprobs]
+                pending += _logprobs(reply.logprobs)
+                if stops.armed_at is None and self.completion_tokens >= min_tokens:
+                    stops.arm(self._armed_at(before, stops.length, reply.text))
                 text = stops.feed(reply.text)
                 if stops.hit:
                     self._count_to(stops.stop_end, len(reply.token_ids))
@@ -218,6 +259,12 @@ class Generation:
             self._call.cancel()  # after the finish a no-op; before it, the daemon stops the request
         self._call = None
         self._backends.done(self._member)
+
+
+def _logprobs(entries) -> tuple[TokenLogprob, ...]:
+    """``lanekv.v1.TokenLogprob`` messages -> ``TokenLogprob``s."""
+    return tuple(TokenLogprob(lp.token_id, lp.logprob, tuple(zip(lp.top_ids, lp.top_logprobs)))
+                 for lp in entries)
 
 
 async def wait_disconnect(receive) -> None:

@@ -12,7 +12,7 @@ ignored (vLLM's and SGLang's other extras included).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lanekv.http.errors import bad_field
@@ -29,22 +29,21 @@ _COMMON = ("model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_
            "stop_token_ids", "stream", "stream_options", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "user", "safety_identifier")
 HONOURED = {
-    "completion": frozenset((*_COMMON, "prompt", "logprobs", "best_of")),
+    "completion": frozenset((*_COMMON, "prompt", "logprobs", "best_of", "echo")),
     "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
                        "add_generation_prompt", "chat_template_kwargs")),
 }
 # Fields accepted only while they hold their default (what the front does), or None.
 DEFAULTS_ONLY = {
-    "completion": {"echo": False, "suffix": None},
-    "chat": {"tools": None, "tool_choice": None, "functions": None, "function_call": None,
+    "completion": {"suffix": None},
+    "chat": {"echo": False, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
              "response_format": None, "audio": None, "modalities": None, "prediction": None,
              "parallel_tool_calls": None, "metadata": None, "store": False, "service_tier": None,
              "reasoning_effort": None, "verbosity": None, "web_search_options": None,
              "prompt_cache_key": None, "prompt_cache_retention": None, "prompt_cache_options": None,
              "moderation": None},
     "both": {"skip_special_tokens": True, "spaces_between_special_tokens": True,
-             "include_stop_str_in_output": False, "use_beam_search": False, "best_of": 1,
-             "echo": False},
+             "include_stop_str_in_output": False, "use_beam_search": False, "best_of": 1},
 }
 # Template variables the request itself sets: chat_template_kwargs may not name them.
 TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents")
@@ -87,6 +86,14 @@ class Common:
 class CompletionRequest:
     common: Common
     prompt: str | tuple[int, ...]
+    # The prompt comes back before the output (with its logprobs when ``logprobs`` is set);
+    # ``max_tokens: 0`` is allowed with it: the prompt alone (``lanekv.http.echo``).
+    echo: bool = False
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """Top tokens of each prompt token's logprob the reply needs (echo + logprobs), or None."""
+        return self.common.sampling.logprobs if self.echo else None
 
 
 @dataclass(frozen=True)
@@ -104,8 +111,14 @@ class ChatRequest:
 
 def parse_completion(body: Any) -> CompletionRequest:
     body = _object(body)
+    echo = _bool(body, "echo", False)
+    zero = body.get("max_tokens")
+    if echo and not isinstance(zero, bool) and zero in (0, 0.0):
+        # echo with max_tokens 0 (lm-eval's loglikelihood): the prompt and its logprobs only.
+        return CompletionRequest(replace(_common({**body, "max_tokens": 1}, "completion"), max_tokens=0),
+                                 _prompt(body.get("prompt")), echo)
     common = _common(body, "completion")
-    return CompletionRequest(common, _prompt(body.get("prompt")))
+    return CompletionRequest(common, _prompt(body.get("prompt")), echo)
 
 
 def parse_chat(body: Any) -> ChatRequest:

@@ -62,7 +62,8 @@ class ReplyShape:
             offsets.append(self._offset[0])
             self._offset[0] += len(text)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{**{self.token_text(t): v for t, v in e.top},
+                "top_logprobs": [None if e.logprob is None else  # the first prompt token's (echo)
+                                 {**{self.token_text(t): v for t, v in e.top},
                                   self.token_text(e.token_id): e.logprob} for e in entries],
                 "text_offset": offsets}
 

@@ -54,6 +54,7 @@ from lanekv.prefill.cp.messages import (
     WarmGemms,
     for_each_rank,
 )
+from lanekv.prefill.cp.prompt_logprobs import PromptLogprob, merge_prompt_logprobs
 from lanekv.prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
 from lanekv.prefill.cp.runner import PrefillBatch, RankResult
 from lanekv.prefill.cp.watch import RankWatcher, exit_reason
@@ -84,6 +85,9 @@ class PrefillInput(NamedTuple):
     # present it: ``transfer.protocol.access.new_capability``); None: anyone with the id.
     capability: str | None = None
     prefix_cache: bool = True  # False: the daemon's prefix cache neither serves nor keeps it (a warm-up)
+    # The logprobs of the prompt's tokens after the first, with this many top tokens
+    # (``prefill.cp.prompt_logprobs``); None: none. Needs the whole prompt prefilled.
+    prompt_logprobs: int | None = None
 
 
 @dataclass
@@ -100,6 +104,8 @@ class PrefillResult:
     # The first token's raw logprob and most likely tokens, when the sampling asks.
     first_logprobs: tuple[float, tuple[tuple[int, float], ...]] | None = None
     prefix_cache_pages: int = 0  # leading whole prompt pages the daemon's prefix cache holds after it
+    # Prompt tokens 1..num_tokens-1, when the input asked (``PrefillInput.prompt_logprobs``).
+    prompt_logprobs: list[PromptLogprob] | None = None
 
     @property
     def new_pages(self) -> list[int]:
@@ -153,6 +159,9 @@ class PrefillEngine(ABC):
             if not tokens:
                 raise ValueError(f"inputs[{i}].token_ids is empty: a prompt needs at least one token")
             prefix_len = len(inp.prefix_pages) * ps
+            if prefix_len and inp.prompt_logprobs is not None:
+                raise ValueError(f"inputs[{i}]: prompt_logprobs needs the whole prompt prefilled, "
+                                 f"got {len(inp.prefix_pages)} prefix pages")
             if prefix_len >= len(tokens):
                 raise ValueError(
                     f"inputs[{i}]: prefix_pages cover {prefix_len} tokens but the prompt has "
@@ -175,6 +184,8 @@ class PrefillEngine(ABC):
             capabilities=tuple(inp.capability for inp in inputs),
             prompts=tuple(tuple(inp.token_ids) if inp.sampling.repetition_penalty != 1 else ()
                           for inp in inputs),
+            prompt_logprobs=(tuple(inp.prompt_logprobs for inp in inputs)
+                             if any(inp.prompt_logprobs is not None for inp in inputs) else None),
         )
         results = []
         for b, rid in enumerate(rids):
@@ -201,6 +212,10 @@ class PrefillEngine(ABC):
                 results[out.index].first_token = out.first_token
                 results[out.index].logits = out.logits
                 results[out.index].first_logprobs = out.logprobs
+        for b, inp in enumerate(inputs):
+            if inp.prompt_logprobs is not None:
+                results[b].prompt_logprobs = merge_prompt_logprobs(
+                    inp.token_ids, [part for rr in rank_results for part in rr.prompt_logprobs if part.index == b])
         timings = {}
         for rr in rank_results:
             timings.update({f"rank{rr.rank}_s": rr.seconds, f"rank{rr.rank}_queued_s": rr.queued_seconds,

@@ -30,6 +30,7 @@ from lanekv.kernels.rerange import rerange
 from lanekv.model.attention import AnyCausalLM, CPBatch, QuerySegment, RowLayout, kind_of
 from lanekv.model.sampling import SamplingParams, sample, sample_full
 from lanekv.prefill.cp.graphs import GraphCapture, PrefillGraphs, capture_graphs
+from lanekv.prefill.cp.prompt_logprobs import PromptRows, rank_prompt_logprobs
 from lanekv.prefill.cp.thread_group import ThreadGroup
 from lanekv.prefill.index import RankIndex, build_rank_index
 from lanekv.prefill.layout import OwnerLaneLayout
@@ -56,6 +57,8 @@ class PrefillBatch:
     capabilities: tuple[str | None, ...] | None = None
     # Each request's whole prompt where its repetition penalty reads it (else empty); None: none.
     prompts: tuple[tuple[int, ...], ...] | None = None
+    # Each request's prompt logprobs (k top tokens, or None: none); None: no request asks.
+    prompt_logprobs: tuple[int | None, ...] | None = None
 
     def plan(self, cp_size: int, page_size: int) -> BatchPlan:
         return plan_batch(
@@ -81,6 +84,8 @@ class RankResult:
     timings: dict[str, float] = field(default_factory=dict)
     queued_seconds: float = 0.0  # until the host had queued the whole forward (its launches)
     gc_seconds: float = 0.0  # this process's garbage collections during the run
+    # The prompt tokens after this rank's rows, scored for the requests asking (``prompt_logprobs``).
+    prompt_logprobs: list[PromptRows] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -185,6 +190,9 @@ class RankRunner:
             for i, b in enumerate(mine):
                 keep = logits[i].cpu() if batch.return_logits else None
                 outputs.append(RequestOutput(b, int(tokens[i]), keep, logprobs[i]))
+        scored = [] if batch.prompt_logprobs is None else rank_prompt_logprobs(
+            self.model.compute_logits, hidden, ix.input_index, batch.token_ids, batch.prefix_lens,
+            batch.prompt_logprobs)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return RankResult(
@@ -195,6 +203,7 @@ class RankRunner:
             rows=int(input_ids.numel()),
             queued_seconds=queued,
             gc_seconds=0.0 if clock is None else clock.seconds - gc_start,
+            prompt_logprobs=scored,
         )
 
 

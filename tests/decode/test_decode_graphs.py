@@ -69,9 +69,11 @@ def _poisoned_pool(loaded: LoadedModel, num_pages: int, page_size: int, device) 
 
 def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, sizes,
               page_size: int = 4, overlap: bool = True, stops: dict[str, int] | None = None,
-              queued: list | None = None, sampling=None) -> tuple[dict[str, list[int]], int]:
+              queued: list | None = None, sampling=None,
+              logprobs: dict[str, list] | None = None) -> tuple[dict[str, list[int]], int]:
     """Requests of mixed lengths, a third added mid-run, some cancelled mid-run;
-    returns each request's tokens. Page 0 is free throughout (padding rows'
+    returns each request's tokens (``logprobs``: filled with each request's token
+    logprobs, for those that ask). Page 0 is free throughout (padding rows'
     page-table entries point at it), and checked poisoned at the end."""
     model = loaded.model
     pool = _poisoned_pool(loaded, num_pages=num_requests * 14 + 8, page_size=page_size,
@@ -110,6 +112,8 @@ def _scenario(loaded: LoadedModel, device, graphs: bool, num_requests: int, size
             engine.cancel(rid)
         for event in engine.step():
             tokens.setdefault(event.request_id, []).append(event.token_id)
+            if logprobs is not None and event.logprobs is not None:
+                logprobs.setdefault(event.request_id, []).append(event.logprobs)
         if step > max(adds) and not engine.has_work:
             break
     assert not engine.has_work
@@ -315,9 +319,24 @@ def test_full_step_static_buffers_equal_eager_with_processors(checkpoints):
     """The full step (processors, draw, counts on the device) over the static buffers
     equals the eager engine's, requests coming, going and cancelled mid-run."""
     loaded = load_model(checkpoints["llama"])
-    eager, _ = _scenario(loaded, torch.device("cpu"), False, 10, (4, 8), sampling=_mixed_sampling)
-    static, _ = _scenario(loaded, torch.device("cpu"), True, 10, (4, 8), sampling=_mixed_sampling)
+    eager_lp, static_lp = {}, {}
+    eager, _ = _scenario(loaded, torch.device("cpu"), False, 10, (4, 8), sampling=_mixed_sampling,
+                         logprobs=eager_lp)
+    static, _ = _scenario(loaded, torch.device("cpu"), True, 10, (4, 8), sampling=_mixed_sampling,
+                          logprobs=static_lp)
     assert static == eager and len(eager) >= 8  # one is cancelled before its first step
+    _same_logprobs(static_lp, eager_lp)
+
+
+def _same_logprobs(got: dict[str, list], want: dict[str, list], tol: float = 1e-5) -> None:
+    """Each request's token logprobs and top tokens, equal within ``tol``."""
+    assert got.keys() == want.keys() and got, "no request reported logprobs"
+    for rid, entries in want.items():
+        assert len(got[rid]) == len(entries), rid
+        for g, w in zip(got[rid], entries):
+            assert abs(g.logprob - w.logprob) <= tol, rid
+            assert [t for t, _ in g.top] == [t for t, _ in w.top], rid
+            assert all(abs(a - b) <= tol for (_, a), (_, b) in zip(g.top, w.top)), rid
 
 
 @requires_gpu
@@ -325,8 +344,12 @@ def test_graph_replay_equals_eager_with_penalties_bias_min_p_gpu(checkpoint):
     """Captured full steps (processors, the draw from staged uniforms, logprobs and the
     device-side counts) equal the eager engine token for token, overlapped or not."""
     loaded = load_model(checkpoint, dtype=torch.float32, device="cuda")
-    eager, _ = _scenario(loaded, torch.device("cuda"), False, 24, (1, 2, 4, 8, 16, 32), sampling=_mixed_sampling)
+    eager_lp = {}
+    eager, _ = _scenario(loaded, torch.device("cuda"), False, 24, (1, 2, 4, 8, 16, 32), sampling=_mixed_sampling,
+                         logprobs=eager_lp)
     for overlap in (True, False):
+        graphs_lp = {}
         graphs, _ = _scenario(loaded, torch.device("cuda"), True, 24, (1, 2, 4, 8, 16, 32), overlap=overlap,
-                              sampling=_mixed_sampling)
+                              sampling=_mixed_sampling, logprobs=graphs_lp)
         assert graphs == eager
+        _same_logprobs(graphs_lp, eager_lp, tol=1e-4)

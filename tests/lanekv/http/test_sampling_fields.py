@@ -25,7 +25,7 @@ VALUES = {
     "stream_options": {"include_usage": True}, "presence_penalty": 0.5, "frequency_penalty": 0.5,
     "repetition_penalty": 1.3, "logit_bias": {"5": 2.0}, "min_tokens": 2, "ignore_eos": True,
     "logprobs": 3, "top_logprobs": 3, "add_generation_prompt": False,
-    "chat_template_kwargs": {"x": 1}, "n": 1, "best_of": 1, "user": "u", "safety_identifier": "s",
+    "chat_template_kwargs": {"x": 1}, "echo": True, "n": 1, "best_of": 1, "user": "u", "safety_identifier": "s",
 }
 # Fields that name the caller and change nothing (accepted, with no effect to check).
 IDENTIFIERS = {"user", "safety_identifier", "n", "best_of"}
@@ -81,6 +81,8 @@ def test_every_field_is_honoured_or_refused(kind: str) -> None:
     assert {"logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "min_p",
             "repetition_penalty", "min_tokens", "ignore_eos", "seed"} <= set(honoured)
     assert {"guided_json", "prompt_logprobs", "response_format"} <= set(refused)
+    # echo (with prompt logprobs) runs on completions; chat has no such field in OpenAI's schema.
+    assert ("echo" in honoured) == (kind == "completion") and ("echo" in refused) == (kind == "chat")
 
 
 @pytest.mark.parametrize("kind", ["completion", "chat"])
@@ -101,3 +103,17 @@ def test_sampling_values_reach_the_request() -> None:
     assert chat.common.sampling.logprobs == 0
     assert parse_chat({**BASE["chat"], "logprobs": True, "top_logprobs": 4}).common.sampling.logprobs == 4
     assert parse_chat({**BASE["chat"], "logprobs": False}).common.sampling.logprobs is None
+
+
+def test_echo_asks_for_prompt_logprobs_and_allows_max_tokens_0() -> None:
+    """lm-eval's loglikelihood shape: echo, logprobs, max_tokens 0 (or 1), temperature 0, seed."""
+    shape = {**BASE["completion"], "prompt": [[5, 6, 7]], "echo": True, "logprobs": 1, "temperature": 0,
+             "seed": 1234}
+    req = parse_completion({**shape, "max_tokens": 0})
+    assert (req.echo, req.common.max_tokens, req.prompt_logprobs, req.prompt) == (True, 0, 1, (5, 6, 7))
+    assert parse_completion({**shape, "max_tokens": 1}).common.max_tokens == 1
+    assert parse_completion({**shape, "logprobs": None}).prompt_logprobs is None  # the text alone
+    assert parse_completion({**shape, "echo": False}).prompt_logprobs is None
+    with pytest.raises(APIError) as err:
+        parse_completion({**shape, "echo": False, "max_tokens": 0})
+    assert err.value.param == "max_tokens"
