@@ -60,6 +60,7 @@ from lanekv.decode.prefill_call import (
 )
 from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
+from lanekv.model.grammar import Grammars, RequestGrammar
 from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import Tokenizer
 from lanekv.proto import lanekv_pb2
@@ -82,6 +83,7 @@ class GenerateSpec(NamedTuple):
     sampling_proto: lanekv_pb2.SamplingParams  # forwarded to prefill as given
     max_new_tokens: int  # output tokens, prefill's first one included
     stop_token_ids: tuple[int, ...]
+    grammar: RequestGrammar | None = None  # the matcher of sampling.grammar, at its start
 
 
 class Prepared(NamedTuple):
@@ -147,6 +149,7 @@ class GenerateContext:
     stopping: threading.Event  # set when the daemon stops
     prefix_cache: DecodePrefixCache | None = None  # verified prompt pages (decode.prefix.cache)
     prefix_metrics: PrefixMetrics | None = None
+    grammars: Grammars | None = None  # structured output's compiler; None: no tokenizer
 
 
 @dataclass(eq=False)
@@ -343,7 +346,7 @@ class GeneratePipeline:
             try:
                 ctx.engine.add(spec.request_id, call.table, reply.first_token, spec.sampling,
                                spec.max_new_tokens, spec.stop_token_ids, start_step=1,
-                               prompt_ids=spec.token_ids)
+                               prompt_ids=spec.token_ids, grammar=spec.grammar)
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
@@ -385,7 +388,8 @@ class GeneratePipeline:
             try:
                 _check_alive(call)
                 ctx.engine.add(spec.request_id, table, ids[-1], spec.sampling, spec.max_new_tokens,
-                               spec.stop_token_ids, start_step=0, prompt_ids=spec.token_ids)
+                               spec.stop_token_ids, start_step=0, prompt_ids=spec.token_ids,
+                               grammar=spec.grammar)
             except ValueError as err:
                 table.release()
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err

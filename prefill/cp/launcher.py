@@ -83,6 +83,8 @@ class PrefillInput(NamedTuple):
     # The secret the ranks hold the request's pages to (FetchKV and Release must
     # present it: ``transfer.protocol.access.new_capability``); None: anyone with the id.
     capability: str | None = None
+    # The first token's grammar bitmask (``model.grammar``), when the sampling has a grammar.
+    first_mask: bytes | None = None
 
 
 @dataclass
@@ -173,6 +175,8 @@ class PrefillEngine(ABC):
             capabilities=tuple(inp.capability for inp in inputs),
             prompts=tuple(tuple(inp.token_ids) if inp.sampling.repetition_penalty != 1 else ()
                           for inp in inputs),
+            first_masks=tuple(inp.first_mask for inp in inputs)
+            if any(inp.first_mask is not None for inp in inputs) else None,
         )
         results = []
         for b, rid in enumerate(rids):
