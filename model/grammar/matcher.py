@@ -1,7 +1,7 @@
 """xgrammar over one tokenizer: compiled grammars and each request's matcher.
 
 ``Grammars`` compiles a ``GrammarSpec`` against the tokenizer a daemon loaded
-(xgrammar's compiler keeps compiled grammars by spec, bounded in bytes), and
+(kept by spec, the most recently used), and
 makes a ``RequestGrammar`` per request: its matcher, which fills the next
 token's bitmask (``[ceil(vocab / 32)]`` int32, bit ``t % 32`` of word ``t // 32``
 set: token ``t`` allowed, what ``model.sampling.process_logits`` applies) and
@@ -20,9 +20,10 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from lanekv.model.grammar.spec import JSON_FORMAT, GrammarSpec, error_text, grammar_of
+from lanekv.model.grammar.spec import GrammarSpec, error_text, grammar_of
 
-CACHE_BYTES = 256 * 2**20  # compiled grammars kept by the compiler
+CACHE_BYTES = 256 * 2**20  # what xgrammar's compiler keeps (its rules' token masks)
+CACHE_SPECS = 256  # compiled grammars kept by spec
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -73,6 +74,7 @@ class Grammars:
         self.eos_token_ids = sorted({int(t) for t in eos_token_ids})
         self._lock = threading.Lock()
         self._compiler = None
+        self._compiled: dict[GrammarSpec, object] = {}  # spec -> compiled grammar, least recent first
 
     @property
     def words(self) -> int:
@@ -91,21 +93,23 @@ class Grammars:
             return self._compiler
 
     def compile(self, spec: GrammarSpec):
-        """The compiled grammar (from the compiler's cache when it compiled the spec
-        before); ValueError naming the kind and xgrammar's reason when it fails."""
-        compiler = self._get_compiler()
+        """The compiled grammar (kept by spec, the last ``CACHE_SPECS`` used); ValueError
+        naming the kind and xgrammar's reason when it does not compile."""
+        with self._lock:
+            compiled = self._compiled.pop(spec, None)
+            if compiled is not None:
+                self._compiled[spec] = compiled  # the most recently used last
+                return compiled
+        grammar = grammar_of(spec)  # ValueError naming the kind and the reason
         try:
-            if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.text, **JSON_FORMAT)
-            if spec.kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', **JSON_FORMAT, strict_mode=False)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.text)
-            return compiler.compile_grammar(grammar_of(spec))
-        except (RuntimeError, ValueError) as err:
-            if isinstance(err, ValueError) and str(err).startswith("grammar ("):
-                raise
+            compiled = self._get_compiler().compile_grammar(grammar)
+        except RuntimeError as err:
             raise ValueError(f"grammar ({spec.kind}) does not compile: {error_text(err)}") from None
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > CACHE_SPECS:
+                self._compiled.pop(next(iter(self._compiled)))
+        return compiled
 
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:
         """A fresh matcher of ``spec`` at its start."""

@@ -25,6 +25,9 @@ KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
 MAX_GRAMMAR_CHARS = 256 * 1024  # a schema or grammar longer than this is refused
 MAX_CHOICES = 1024
 # xgrammar prefixes its errors with "[hh:mm:ss] /path/file.cc:123: "; clients get the rest.
+# A string character in xgrammar's printed EBNF: its bounded strings' class, and JSON's.
+_LAX_CHAR = '[^\\"\\\\\\r\\n]'
+_JSON_CHAR = '[^\\0-\\x1f\\"\\\\]'
 _LOCATION = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
 
@@ -79,9 +82,10 @@ def grammar_of(spec: GrammarSpec):
     try:
         if spec.kind == "json_schema":
             json.loads(spec.text)  # xgrammar's message on bad JSON quotes the whole text
-            return xgr.Grammar.from_json_schema(spec.text, **JSON_FORMAT)
+            return _strict_strings(xgr.Grammar.from_json_schema(spec.text, **JSON_FORMAT))
         if spec.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', **JSON_FORMAT, strict_mode=False)
+            return _strict_strings(xgr.Grammar.from_json_schema('{"type": "object"}', **JSON_FORMAT,
+                                                                 strict_mode=False))
         if spec.kind == "regex":
             return xgr.Grammar.from_regex(spec.text)
         return xgr.Grammar.from_ebnf(ebnf)
@@ -89,6 +93,16 @@ def grammar_of(spec: GrammarSpec):
         raise ValueError(f"grammar ({spec.kind}) does not compile: {error_text(err)}") from None
     except RuntimeError as err:
         raise ValueError(f"grammar ({spec.kind}) does not compile: {error_text(err)}") from None
+
+
+def _strict_strings(grammar):
+    """``grammar`` with JSON's rule for string characters everywhere: xgrammar's strings of
+    bounded length admit raw control characters other than CR and LF, which JSON (and
+    every strict parser) refuses; its unbounded strings exclude U+0000-U+001F already."""
+    import xgrammar as xgr
+
+    text = str(grammar)
+    return xgr.Grammar.from_ebnf(text.replace(_LAX_CHAR, _JSON_CHAR)) if _LAX_CHAR in text else grammar
 
 
 def check_syntax(spec: GrammarSpec) -> None:
