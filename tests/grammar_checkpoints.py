@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 from lanekv.tiny_model import CHAT_TEMPLATE, _tokenizer
-
 from tests.checkpoints import VOCAB_SIZE, write_llama
 
 

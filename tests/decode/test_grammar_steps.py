@@ -22,7 +22,7 @@ from lanekv.decode.cuda.graphs import DecodeGraphs
 from lanekv.decode.engine import FINISH_LENGTH, FINISH_STOP, DecodeEngine
 from lanekv.decode.pool import PagePool
 from lanekv.model.checkpoint import load_model
-from lanekv.model.grammar import GrammarSpec, Grammars, masks_from_bytes
+from lanekv.model.grammar import Grammars, GrammarSpec, masks_from_bytes
 from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import load_tokenizer
 

@@ -13,11 +13,17 @@ import re
 
 import pytest
 import torch
-from lanekv.model.grammar import GrammarSpec, Grammars, check_syntax, fill_bitmasks, masks_from_bytes
+from lanekv.model.grammar import (
+    Grammars,
+    GrammarSpec,
+    check_syntax,
+    fill_bitmasks,
+    masks_from_bytes,
+)
 from lanekv.model.grammar.spec import MAX_GRAMMAR_CHARS
 from lanekv.model.sampling import SamplingParams, sample_full, unpack_bitmask
-from lanekv.tiny_model import _tokenizer
 
+from lanekv.tiny_model import _tokenizer
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE
 
 SCHEMA = {"type": "object", "properties": {
