@@ -184,6 +184,28 @@ def test_a_cut_output_ends_by_length(ckpt):
     assert '{"name": "'.startswith(text) and len(events) == 4
 
 
+def test_the_engine_samples_the_first_token_under_the_grammar(ckpt):
+    """A prompt the decode side holds whole (its prefix cache): the engine samples the
+    first token itself, from the matcher's start (``start_step=0``)."""
+    loaded = load_model(ckpt)
+    tok = load_tokenizer(ckpt)
+    grammars = Grammars(tok.backend, loaded.config.vocab_size, loaded.config.eos_token_ids)
+    pool = PagePool.for_model(loaded.config, 32, 4, loaded.model.dtype, "cpu")
+    engine = DecodeEngine(loaded.model, pool, max_batch_size=2)
+    spec = GrammarSpec("json_schema", json.dumps(PERSON))
+    prompt = tok.encode("Who is it?")
+    table, _ = prefill_into_pool(loaded.model, pool, prompt[:-1], SamplingParams())
+    engine.add("cached", table, prompt[-1], SamplingParams(grammar=spec), 60, start_step=0,
+               grammar=grammars.matcher(spec))
+    events = []
+    while engine.has_work:
+        events += engine.step()
+    assert events[0].step == 0 and events[-1].finish_reason == FINISH_STOP
+    tokens = [e.token_id for e in events]
+    assert tokens[-1] == EOS_TOKEN_ID
+    _check(spec, tok.decode(tokens[:-1]))
+
+
 def test_a_first_token_outside_the_grammar_is_refused(ckpt):
     loaded = load_model(ckpt)
     tok = load_tokenizer(ckpt)
