@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 from lanekv.model.grammar.spec import GrammarSpec, error_text, grammar_of
 
-CACHE_BYTES = 256 * 2**20  # what xgrammar's compiler keeps (its rules' token masks)
-CACHE_SPECS = 256  # compiled grammars kept by spec
+CACHE_BYTES = 256 * 2**20  # compiled grammars kept by spec, the least recently used dropped first
+COMPILER_CACHE_BYTES = 64 * 2**20  # what xgrammar's compiler keeps besides
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -75,6 +75,7 @@ class Grammars:
         self._lock = threading.Lock()
         self._compiler = None
         self._compiled: dict[GrammarSpec, object] = {}  # spec -> compiled grammar, least recent first
+        self._bytes = 0  # their memory_size_bytes
 
     @property
     def words(self) -> int:
@@ -89,11 +90,12 @@ class Grammars:
                 hf = PreTrainedTokenizerFast(tokenizer_object=self._tokenizer)
                 info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1,
+                                                  cache_limit_bytes=COMPILER_CACHE_BYTES)
             return self._compiler
 
     def compile(self, spec: GrammarSpec):
-        """The compiled grammar (kept by spec, the last ``CACHE_SPECS`` used); ValueError
+        """The compiled grammar (kept by spec, up to ``CACHE_BYTES`` of them); ValueError
         naming the kind and xgrammar's reason when it does not compile."""
         with self._lock:
             compiled = self._compiled.pop(spec, None)
@@ -107,8 +109,9 @@ class Grammars:
             raise ValueError(f"grammar ({spec.kind}) does not compile: {error_text(err)}") from None
         with self._lock:
             self._compiled[spec] = compiled
-            while len(self._compiled) > CACHE_SPECS:
-                self._compiled.pop(next(iter(self._compiled)))
+            self._bytes = sum(c.memory_size_bytes for c in self._compiled.values())
+            while self._bytes > CACHE_BYTES and len(self._compiled) > 1:
+                self._bytes -= self._compiled.pop(next(iter(self._compiled))).memory_size_bytes
         return compiled
 
     def matcher(self, spec: GrammarSpec) -> RequestGrammar:

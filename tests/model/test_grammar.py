@@ -145,3 +145,15 @@ def test_grammars_need_a_tokenizer_and_eos():
         Grammars(None, VOCAB_SIZE, (2,))
     with pytest.raises(ValueError, match="eos_token_id"):
         Grammars(_tokenizer(VOCAB_SIZE), VOCAB_SIZE, ())
+
+
+def test_compiled_grammars_are_kept_by_spec_within_a_byte_bound(monkeypatch):
+    import lanekv.model.grammar.matcher as matcher_module
+
+    grammars = Grammars(_tokenizer(VOCAB_SIZE), VOCAB_SIZE, (EOS_TOKEN_ID,))
+    a, b = GrammarSpec("regex", "a+"), GrammarSpec("regex", "b+")
+    first = grammars.compile(a)
+    assert grammars.compile(GrammarSpec("regex", "a+")) is first  # the same spec: compiled once
+    monkeypatch.setattr(matcher_module, "CACHE_BYTES", first.memory_size_bytes)
+    grammars.compile(b)  # over the bound: the least recently used goes
+    assert grammars.compile(b) is grammars.compile(b) and grammars.compile(a) is not first
