@@ -25,9 +25,11 @@ class PrefillResult(NamedTuple):
 
 
 def prefill_into_pool(model: AnyCausalLM, pool: PagePool, token_ids: Sequence[int] | torch.Tensor,
-                      sampling: SamplingParams, logprob: list[float] | None = None) -> PrefillResult:
+                      sampling: SamplingParams, logprob: list[float] | None = None,
+                      bitmask: torch.Tensor | None = None) -> PrefillResult:
     """Prefill one prompt into freshly allocated pages of ``pool``; ``logprob``: a
-    list the first token's raw logprob is appended to."""
+    list the first token's raw logprob is appended to; ``bitmask``: the first
+    token's grammar mask ``[1, ceil(vocab / 32)]`` int32 (``model.grammar``)."""
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1).to(pool.device)
     if ids.numel() == 0:
         raise ValueError("token_ids must hold at least one token")
@@ -44,7 +46,8 @@ def prefill_into_pool(model: AnyCausalLM, pool: PagePool, token_ids: Sequence[in
             hidden = kind.forward(model, ids, positions, kind.colocated(model, pool, locs))
             logits = model.compute_logits(hidden[-1:])
             out = sample_full(logits, [sampling], 0, prompts=[ids.tolist()],
-                              eos_token_ids=model.config.eos_token_ids)
+                              eos_token_ids=model.config.eos_token_ids,
+                              bitmask=None if bitmask is None else bitmask.to(pool.device))
         first = int(out.tokens[0])
         if logprob is not None:
             logprob.append(float(out.logprob[0]))

@@ -52,6 +52,7 @@ from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.model.attention import pool_contract_fields
 from lanekv.model.checkpoint import load_checkpoint
+from lanekv.model.grammar import Grammars
 from lanekv.model.sampling import SamplingParams
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.daemon import DaemonServer
@@ -168,6 +169,8 @@ class DecodeDaemon:
             self.streams, self.agreement, self.loaded.tokenizer, model_config.vocab_size,
             config.max_model_len or model_config.max_position_embeddings, self._stop,
             self.prefix_cache, prefix_metrics,
+            grammars=None if self.loaded.tokenizer is None else Grammars(
+                self.loaded.tokenizer.backend, model_config.vocab_size, self.engine.eos_token_ids),
         )
         self._watch_pool()
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)

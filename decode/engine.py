@@ -39,6 +39,19 @@ events to their streams while the GPU runs step n+1 (64 stream threads woken
 before the launch had held the loop up); a request that arrives meanwhile is
 admitted a step later.
 
+Structured output: a request with a grammar (``model.grammar``) holds its matcher.
+Each step's mask rows are filled by the matchers on the host when the step is
+launched (``_run``), after the previous step's tokens were read and accepted,
+and applied on the device inside the (captured) full step; rows without a
+grammar allow every token. So a step of such a request is never queued
+behind the one before it (that would need its mask before the token it
+follows is known): with a grammar in the batch, the overlap still stages the
+next step's positions and pages while the GPU runs, but launches it only
+once the ids are read and accepted. A request ends with ``stop`` when its
+matcher terminates (its end-of-sequence token accepted after a complete
+output); one cut by ``max_new_tokens`` ends with ``length`` and its output may
+be incomplete, as vLLM's is.
+
 A request enters with its prompt's KV already in the pool through its
 ``PageTable`` (placed by the transfer client, or by ``prefill_into_pool``) and
 with ``last_token``, the first output token sampled by prefill, whose KV is
@@ -75,6 +88,7 @@ from lanekv.decode.cuda.overlap import GraphBatch, Plan, StepOverlap
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable, PoolExhausted, batch_tables
 from lanekv.model.attention import AnyCausalLM, kind_of
+from lanekv.model.grammar import RequestGrammar, bitmask_words, fill_bitmasks
 from lanekv.model.sampling import SamplerState, SamplingParams, StepResult, sample_step, uniforms
 
 log = logging.getLogger("lanekv.decode")
@@ -117,6 +131,7 @@ class _Request:
     final_len: int  # tokens in cache when the request ends at the latest
     prompt_ids: tuple[int, ...] = ()  # read by a repetition penalty
     slot: int | None = None  # its SamplerState slot while running, unless plain
+    grammar: RequestGrammar | None = None  # structured output's matcher, at the next token
     cancelled: bool = False  # cancelled while its step ran: dropped, pages freed, after the step
     # The token ids of the rows its steps have written (the prompt, then each token fed),
     # for ``on_finish``; None: its pages are not offered to a prefix cache.
@@ -210,7 +225,8 @@ class DecodeEngine:
             sampling: SamplingParams, max_new_tokens: int,
             stop_token_ids: Iterable[int] = (), start_step: int = 1,
             ignore_eos: bool = False, prompt_ids: Iterable[int] = (),
-            cache_ids: Sequence[int] | None = None) -> None:
+            cache_ids: Sequence[int] | None = None,
+            grammar: RequestGrammar | None = None) -> None:
         """Queue a request whose first ``page_table.seq_len`` tokens are in the pool.
 
         ``max_new_tokens`` counts every output token, prefill's included, and
@@ -221,6 +237,8 @@ class DecodeEngine:
         stop it; ``prompt_ids``: the prompt, for a repetition penalty. ``cache_ids``: the
         token ids of the table's first ``seq_len`` rows; given, ``on_finish`` is offered the
         request's rows when it ends by stop or length (not when cancelled).
+        ``grammar``: the matcher of ``sampling.grammar`` at its start; with
+        ``start_step >= 1`` it accepts ``last_token`` here (prefill sampled it under the same grammar).
         """
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty str, got {request_id!r}")
@@ -251,11 +269,17 @@ class DecodeEngine:
             sampling.check_vocab(vocab)
         except ValueError as err:
             raise ValueError(f"request {request_id!r}: {err}") from None
+        if (grammar is None) != (sampling.grammar is None):
+            raise ValueError(f"request {request_id!r}: grammar and sampling.grammar must come together")
+        if grammar is not None and start_step >= 1 and not grammar.accept(last_token):
+            raise ValueError(f"request {request_id!r}: its first token {last_token} is not allowed "
+                             f"by its grammar ({grammar.spec.kind})")
         max_positions = self.model.config.max_position_embeddings
         final_len = min(page_table.seq_len + max_new_tokens - start_step, max_positions)
         request = _Request(request_id, page_table, last_token, sampling, start_step,
                            max_new_tokens, stops, final_len,
-                           prompt_ids=tuple(prompt_ids) if sampling.repetition_penalty != 1 else ())
+                           prompt_ids=tuple(prompt_ids) if sampling.repetition_penalty != 1 else (),
+                           grammar=grammar)
         if cache_ids is not None:
             if len(cache_ids) < page_table.seq_len:
                 raise ValueError(f"request {request_id!r}: cache_ids has {len(cache_ids)} ids for "
@@ -566,16 +590,22 @@ class DecodeEngine:
     def _run(self, batch: DecodeBatch | GraphBatch) -> StepOutput:
         """The model over the batch and its tokens: a captured step's, or the same
         computed eagerly (the argmax, or the full step with the sampler)."""
+        grammars = _grammars(batch.requests)  # each row's next-token mask: step n's token is known
         if isinstance(batch, GraphBatch):
             return self._graphs.replay(batch.side, batch.input_ids, batch.size, batch.feed,
-                                       full=batch.full)
+                                       full=batch.full, grammars=grammars)
         with torch.inference_mode():
             hidden = step_hidden(self.model, self.pool, batch.input_ids, batch.positions,
                                  batch.locs, batch.page_table, batch.seq_lens)  # [B, hidden]
             logits = self.model.compute_logits(hidden)
             if batch.slots is None:
                 return StepOutput(logits, logits.argmax(dim=-1))
-            sampled = sample_step(logits, self.sampler, batch.slots, batch.uniform)
+            bitmask = None
+            if grammars is not None:
+                bitmask = torch.empty((len(grammars), bitmask_words(logits.shape[1])), dtype=torch.int32)
+                fill_bitmasks(grammars, bitmask)
+                bitmask = bitmask.to(logits.device)
+            sampled = sample_step(logits, self.sampler, batch.slots, batch.uniform, bitmask)
             return StepOutput(logits, sampled.tokens, sampled)
 
     def _postprocess(self, batch: DecodeBatch | GraphBatch, ran: _Ran) -> list[TokenEvent]:
@@ -595,6 +625,17 @@ class DecodeEngine:
                 continue  # no event; its pages are freed when the step lands
             if request.kv_ids is not None:
                 request.kv_ids.append(request.last_token)  # this step wrote its row
+            if request.grammar is not None and not request.grammar.accept(token):
+                # The step's mask allows only what the grammar takes: a bug, not the client's.
+                log.error("decode: request %s sampled token %d outside its grammar (%s); ended",
+                          request.request_id, token, request.grammar.spec.kind)
+                events.append(TokenEvent(request.request_id, None, request.step, True, FINISH_STOP))
+                self._running.remove(request)
+                if id(request) in queued:
+                    request.cancelled = True
+                else:
+                    self._release(request)
+                continue
             request.last_token = token
             request.step += 1
             reason = self._finish_reason(request, id(request) in queued)
@@ -625,7 +666,8 @@ class DecodeEngine:
     def _finish_reason(self, request: _Request, queued: bool = False) -> str | None:
         """Why ``request`` ends after sampling ``last_token``, or None. ``queued``: the
         next step is queued already (its slot is counted in ``seq_len``)."""
-        if request.last_token in request.stop_token_ids:
+        if request.last_token in request.stop_token_ids or (
+                request.grammar is not None and request.grammar.terminated):
             return FINISH_STOP
         # The next step feeds last_token at position seq_len (seq_len - 1 if it is
         # queued): room for it?
@@ -642,6 +684,12 @@ class DecodeEngine:
             if request.request_id == request_id:
                 return request
         return None
+
+
+def _grammars(requests: Sequence[_Request]) -> list[RequestGrammar | None] | None:
+    """Each row's matcher when any row has one, else None (the step applies no mask)."""
+    grammars = [r.grammar for r in requests]
+    return grammars if any(g is not None for g in grammars) else None
 
 
 def _read_logprobs(sampled: StepResult | None,

@@ -60,6 +60,7 @@ from lanekv.decode.prefill_call import (
 )
 from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
+from lanekv.model.grammar import Grammars, RequestGrammar
 from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import Tokenizer
 from lanekv.proto import lanekv_pb2
@@ -83,6 +84,7 @@ class GenerateSpec(NamedTuple):
     max_new_tokens: int  # output tokens, prefill's first one included; 0: prompt logprobs alone
     stop_token_ids: tuple[int, ...]
     prompt_logprobs: int | None = None  # top tokens per prompt token's logprob; None: none
+    grammar: RequestGrammar | None = None  # the matcher of sampling.grammar, at its start
 
 
 class Prepared(NamedTuple):
@@ -149,6 +151,7 @@ class GenerateContext:
     prefix_cache: DecodePrefixCache | None = None  # verified prompt pages (decode.prefix.cache)
     prefix_metrics: PrefixMetrics | None = None
     uncached: bool = False  # no prefix cache on either side matches, keeps or remembers its prompts (the warm-up)
+    grammars: Grammars | None = None  # structured output's compiler; None: no tokenizer
 
 
 @dataclass(eq=False)
@@ -365,7 +368,8 @@ class GeneratePipeline:
             try:
                 ctx.engine.add(spec.request_id, call.table, reply.first_token, spec.sampling,
                                spec.max_new_tokens, spec.stop_token_ids, start_step=1,
-                               prompt_ids=spec.token_ids, cache_ids=_cache_ids(cache, spec))
+                               prompt_ids=spec.token_ids, cache_ids=_cache_ids(cache, spec),
+                               grammar=spec.grammar)
             except ValueError as err:
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err
             call.in_engine, call.table = True, None
@@ -430,7 +434,7 @@ class GeneratePipeline:
                 _check_alive(call)
                 ctx.engine.add(spec.request_id, table, ids[-1], spec.sampling, spec.max_new_tokens,
                                spec.stop_token_ids, start_step=0, prompt_ids=spec.token_ids,
-                               cache_ids=_cache_ids(cache, spec))
+                               cache_ids=_cache_ids(cache, spec), grammar=spec.grammar)
             except ValueError as err:
                 table.release()
                 raise Refusal(Code.INTERNAL, f"decode engine refused the request: {err}") from err

@@ -15,6 +15,7 @@ import grpc
 from lanekv.decode.detokenize import Detokenizer
 from lanekv.decode.engine import TokenEvent
 from lanekv.decode.generate import GenerateCall, GenerateContext, GeneratePipeline, GenerateSpec
+from lanekv.model.grammar import RequestGrammar
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.requests import (
     logprob_to_proto,
@@ -60,7 +61,22 @@ def parse_request(request: lanekv_pb2.GenerateRequest, ctx: GenerateContext) -> 
     forwarded = lanekv_pb2.SamplingParams()
     forwarded.CopyFrom(request.sampling)
     forwarded.stop_token_ids.extend(t for t in stops if t not in set(forwarded.stop_token_ids))
-    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops, prompt_logprobs)
+    return GenerateSpec(request_id, ids, sampling, forwarded, max_new, stops, prompt_logprobs,
+                        _grammar(sampling, ctx))
+
+
+def _grammar(sampling, ctx: GenerateContext) -> RequestGrammar | None:
+    """The request's matcher (compiled against our tokenizer before the prefill is asked),
+    or None without a grammar; INVALID_ARGUMENT naming the field when it does not compile."""
+    if sampling.grammar is None:
+        return None
+    if ctx.grammars is None:
+        raise Refusal(Code.INVALID_ARGUMENT, "sampling.grammar: structured output needs the model's "
+                      "tokenizer.json, which this decode daemon has not")
+    try:
+        return ctx.grammars.matcher(sampling.grammar)
+    except ValueError as err:
+        raise Refusal(Code.INVALID_ARGUMENT, f"sampling.{err}") from None
 
 
 class DecodeServicer(lanekv_pb2_grpc.DecodeServiceServicer):

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from lanekv.model.grammar.spec import GrammarSpec
 
 _MAX_SEED = 2**64
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
@@ -67,9 +68,16 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()  # banned under min_tokens, with EOS unless ignore_eos
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the token's logprob and the k most likely
+    grammar: GrammarSpec | None = None  # structured output: the tokens its bitmask allows
 
     def __post_init__(self) -> None:
         self._check_processors()
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise TypeError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
+        if self.grammar is not None and self.min_tokens:
+            # min_tokens bans the end-of-sequence token a finished grammar allows alone.
+            raise ValueError(f"min_tokens={self.min_tokens} cannot be combined with structured output "
+                             f"({self.grammar.kind}): the grammar decides where the output ends")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, int | float):
             raise TypeError(f"temperature={self.temperature!r} must be a number")
         if not math.isfinite(self.temperature) or self.temperature < 0:
@@ -131,7 +139,7 @@ class SamplingParams:
     def penalised(self) -> bool:
         """Whether any logits processor changes this request's logits."""
         return bool(self.repetition_penalty != 1 or self.presence_penalty or self.frequency_penalty
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.grammar is not None)
 
     @property
     def plain(self) -> bool:

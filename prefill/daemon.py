@@ -43,6 +43,9 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from lanekv.model.config import ModelConfig
+from lanekv.model.grammar import Grammars
+from lanekv.model.sampling import SamplingParams
 from lanekv.model.tokenizer import load_tokenizer
 from lanekv.prefill.allocator import OutOfPagesError
 from lanekv.prefill.batcher import Batcher
@@ -164,6 +167,9 @@ class PrefillDaemon:
         self.vocab_size = model["vocab_size"]
         self.max_tokens = model["rope"]["max_position_embeddings"]
         self.tokenizer = load_tokenizer(engine_config.model_path)
+        # Structured output: the first token's mask of each request with a grammar.
+        self.grammars = None if self.tokenizer is None else Grammars(
+            self.tokenizer.backend, self.vocab_size, ModelConfig.from_dir(engine_config.model_path).eos_token_ids)
         if engine_config.resolved_device == "cuda":  # compile before serving, not on a request
             warm_up(self.engine, self.vocab_size, self.max_tokens, cfg.max_batch_tokens,
                     forget=self.engine.forget)
@@ -459,9 +465,11 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
         if request.cached_pages > usable:
             raise Refusal(Code.INVALID_ARGUMENT, f"cached_pages={request.cached_pages} is more than the "
                           f"{usable} whole pages before the prompt's last token ({len(ids)} tokens)")
-        return d.submit(PrefillInput(ids, sampling_from_proto(request.sampling), (), request_id,
+        sampling = sampling_from_proto(request.sampling)
+        return d.submit(PrefillInput(ids, sampling, (), request_id,
                                      prefix_cache=not request.skip_prefix_cache,
-                                     prompt_logprobs=prompt_logprobs_from_proto(request)))
+                                     prompt_logprobs=prompt_logprobs_from_proto(request),
+                                     first_mask=first_mask(d.grammars, sampling)))
 
     def _result(self, done: futures.Future, remaining: float | None) -> PrefillResult:
         d = self.d
@@ -482,3 +490,17 @@ def _leading(pages: list[int], held: set[int]) -> list[int]:
         if page not in held:
             return pages[:k]
     return pages
+
+
+def first_mask(grammars: Grammars | None, sampling: SamplingParams) -> bytes | None:
+    """The first token's bitmask of a request with a grammar (compiled here: a spec that
+    does not compile is INVALID_ARGUMENT before any page is taken); None without one."""
+    if sampling.grammar is None:
+        return None
+    if grammars is None:
+        raise Refusal(Code.INVALID_ARGUMENT, "sampling.grammar: structured output needs the model's "
+                      "tokenizer.json, which this prefill daemon has not")
+    try:
+        return grammars.first_mask(sampling.grammar)
+    except ValueError as err:
+        raise Refusal(Code.INVALID_ARGUMENT, f"sampling.{err}") from None

@@ -11,6 +11,7 @@ from typing import Any, NamedTuple
 
 import grpc
 from google.protobuf.message import DecodeError
+from lanekv.model.grammar.spec import GrammarSpec
 from lanekv.model.sampling import MAX_LOGPROBS, SamplingParams
 from lanekv.model.tokenizer import Tokenizer
 from lanekv.runtime.limits import same_kind
@@ -37,6 +38,7 @@ def sampling_from_proto(msg) -> SamplingParams:
             ignore_eos=bool(msg.ignore_eos),
             stop_token_ids=tuple(sorted({int(t) for t in msg.stop_token_ids})),
             logprobs=int(msg.logprobs) if msg.has_logprobs else None,
+            grammar=GrammarSpec(msg.grammar_kind, msg.grammar) if msg.grammar_kind else None,
         )
     except (TypeError, ValueError) as err:
         raise Refusal(Code.INVALID_ARGUMENT, f"sampling: {err}") from err
@@ -59,6 +61,8 @@ def sampling_to_proto(params: SamplingParams, message_class):
         stop_token_ids=params.stop_token_ids,
         logprobs=params.logprobs or 0,
         has_logprobs=params.logprobs is not None,
+        grammar_kind=params.grammar.kind if params.grammar else "",
+        grammar=params.grammar.text if params.grammar else "",
     )
 
 

@@ -29,7 +29,11 @@ every request is plain greedy, and the full step, which also runs
 logits processors, the draw from a staged uniform number per row, the raw
 logprobs and the update of the output token counts, all on the device. Its
 per-row inputs (each row's slot, padding rows the scratch slot, and uniform
-number) are staged with the rest. The engine builds these on CUDA only; on a CPU pool (tests)
+number) are staged with the rest. The full step also applies a token bitmask
+(structured output) from a static ``[max_size, ceil(vocab / 32)]`` int32 buffer:
+when a step has rows with a grammar, ``replay`` has their matchers fill a
+pinned host copy (every other row all ones) and copies it in before the
+replay; otherwise the buffer holds all ones (set once after a masked step). The engine builds these on CUDA only; on a CPU pool (tests)
 ``replay`` runs the same static-buffer step eagerly instead of a graph.
 """
 
@@ -43,6 +47,7 @@ import torch
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.model.attention import AnyCausalLM
+from lanekv.model.grammar import RequestGrammar, bitmask_words, fill_bitmasks
 from lanekv.model.sampling import SamplerState, StepResult, sample_step
 from lanekv.runtime.gcpause import paused
 
@@ -120,6 +125,13 @@ class DecodeGraphs:
         self.ids, self.positions, self.locs, self.slots = self._dev64
         self.uniform = self._devf
         self.seq_lens = self._dev32[:n]
+        # The full step's token bitmask (all ones: every token allowed), and its host side.
+        words = bitmask_words(model.config.vocab_size)
+        self.bitmask = torch.full((n, words), -1, dtype=torch.int32, device=device)
+        self._hostmask = [torch.full((n, words), -1, dtype=torch.int32) for _ in range(2)]
+        if self.cuda:
+            self._hostmask = [t.pin_memory() for t in self._hostmask]
+        self._masked = False  # the device bitmask holds a step's masks (not all ones)
         self.page_table = self._dev32[n:].view(n, self.max_pages)
         self._graphs: dict[int, _Captured | None] = {}
         self._full: dict[int, _Captured | None] = {}  # the full steps (with a sampler)
@@ -140,7 +152,7 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden)
         if not full:
             return _Captured(None, logits, logits.argmax(dim=-1))
-        sampled = sample_step(logits, self.sampler, self.slots[:n], self.uniform[:n])
+        sampled = sample_step(logits, self.sampler, self.slots[:n], self.uniform[:n], self.bitmask[:n])
         return _Captured(None, logits, sampled.tokens, sampled)
 
     def _pad_all(self) -> None:
@@ -215,14 +227,18 @@ class DecodeGraphs:
             table[row, :len(pages)] = pages  # past a request's pages: never read
 
     def replay(self, side: int, ids: Sequence[int], size: int,
-               feed: torch.Tensor | None = None, full: bool = False) -> StepOutput:
+               feed: torch.Tensor | None = None, full: bool = False,
+               grammars: Sequence[RequestGrammar | None] | None = None) -> StepOutput:
         """Replay captured ``size`` (from ``size_for``) over staging ``side`` with
         these input ids, one per request of the staged step; ``feed``: the ids
         on the device instead (the tokens of the step queued before, row for
         row), so the step can be queued before those are read. ``full``: the
-        step with the sampler (needs one)."""
+        step with the sampler (needs one). ``grammars``: each row's matcher (None: no
+        grammar), which fill the rows' token bitmasks now (a full step)."""
         if full and self.sampler is None:
             raise ValueError("a full step needs DecodeGraphs built with a sampler")
+        if grammars is not None and not full:
+            raise ValueError("a step with a grammar must be a full step")
         n = len(ids)
         captured = (self._full if full else self._graphs)[size]
         self._host64_np[side][0, :n] = ids
@@ -230,6 +246,7 @@ class DecodeGraphs:
         self._dev32.copy_(self._host32[side], non_blocking=True)
         if full:
             self._devf.copy_(self._hostf[side], non_blocking=True)
+            self._stage_masks(side, size, grammars)
         if feed is not None:
             self.ids[:n].copy_(feed)
         if captured is None:  # CPU: the same step, eager
@@ -241,6 +258,19 @@ class DecodeGraphs:
         if sampled is not None:
             sampled = StepResult(*(t[:n] for t in sampled))
         return StepOutput(captured.logits[:n], captured.greedy[:n], sampled)
+
+    def _stage_masks(self, side: int, size: int, grammars: Sequence[RequestGrammar | None] | None) -> None:
+        """The rows' bitmasks into the device buffer: filled by the matchers on the host
+        (rows without one, and padding rows, all ones) and copied; all ones without any."""
+        if grammars is None:
+            if self._masked:
+                self.bitmask.fill_(-1)
+                self._masked = False
+            return
+        host = self._hostmask[side][:size]
+        fill_bitmasks(grammars, host)  # every row of ``host``: the padding rows too
+        self.bitmask[:size].copy_(host, non_blocking=True)
+        self._masked = True
 
     def read_ids(self, greedy: torch.Tensor, side: int) -> Callable[[], list[int]]:
         """Queue the copy of a step's ``greedy`` ids to the host now, before a step

@@ -108,11 +108,13 @@ class StepOverlap:
 
     @staticmethod
     def queues_behind(plan: Plan | None, batch: Sequence[Any]) -> bool:
-        """Whether ``plan`` runs the same requests in the same rows as ``batch`` and none
-        reads logprobs back, so its input ids can be ``batch``'s tokens (the argmax, or
-        the full step's draw), fed on the device."""
+        """Whether ``plan`` runs the same requests in the same rows as ``batch``, none
+        reads logprobs back and none has a grammar (its next mask needs ``batch``'s token
+        on the host), so its input ids can be ``batch``'s tokens (the argmax, or the full
+        step's draw), fed on the device."""
         return plan is not None and len(plan.requests) == len(batch) and all(
-            a is b and a.sampling.logprobs is None for a, b in zip(plan.requests, batch))
+            a is b and a.sampling.logprobs is None and a.sampling.grammar is None
+            for a, b in zip(plan.requests, batch))
 
     def launch(self, batch: GraphBatch, run: Callable[[GraphBatch], StepOutput]) -> None:
         """Run ``batch`` now, for the next step to finish. A failure is kept and raised

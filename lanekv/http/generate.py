@@ -49,7 +49,8 @@ class Plan:
             has_seed=s.seed is not None, min_p=s.min_p, repetition_penalty=s.repetition_penalty,
             presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
             logit_bias=dict(s.logit_bias), min_tokens=s.min_tokens, ignore_eos=s.ignore_eos,
-            logprobs=s.logprobs or 0, has_logprobs=s.logprobs is not None)
+            logprobs=s.logprobs or 0, has_logprobs=s.logprobs is not None,
+            grammar_kind=s.grammar.kind if s.grammar else "", grammar=s.grammar.text if s.grammar else "")
         return lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=self.prompt_ids),
                                           sampling=sampling, max_new_tokens=self.max_tokens,
                                           stop_token_ids=self.stop_token_ids, request_id=self.request_id,

@@ -16,6 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lanekv.http.errors import bad_field
+from lanekv.http.grammar import FIELDS as GRAMMAR_FIELDS
+from lanekv.http.grammar import grammar_from_body
+from lanekv.model.grammar import GrammarSpec
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -28,6 +31,7 @@ MAX_COMPLETION_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's own limit 
 _COMMON = ("model", "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "stop",
            "stop_token_ids", "stream", "stream_options", "presence_penalty", "frequency_penalty",
            "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos", "user", "safety_identifier")
+_COMMON += GRAMMAR_FIELDS  # structured output (lanekv/http/grammar.py)
 HONOURED = {
     "completion": frozenset((*_COMMON, "prompt", "logprobs", "best_of", "echo")),
     "chat": frozenset((*_COMMON, "messages", "max_completion_tokens", "logprobs", "top_logprobs",
@@ -37,7 +41,7 @@ HONOURED = {
 DEFAULTS_ONLY = {
     "completion": {"suffix": None},
     "chat": {"echo": False, "tools": None, "tool_choice": None, "functions": None, "function_call": None,
-             "response_format": None, "audio": None, "modalities": None, "prediction": None,
+             "audio": None, "modalities": None, "prediction": None,
              "parallel_tool_calls": None, "metadata": None, "store": False, "service_tier": None,
              "reasoning_effort": None, "verbosity": None, "web_search_options": None,
              "prompt_cache_key": None, "prompt_cache_retention": None, "prompt_cache_options": None,
@@ -48,8 +52,7 @@ DEFAULTS_ONLY = {
 # Template variables the request itself sets: chat_template_kwargs may not name them.
 TEMPLATE_ARGUMENTS = ("messages", "add_generation_prompt", "tools", "documents")
 # Values of those fields that ask for nothing this front does not do.
-HARMLESS = {"tool_choice": ("none", "auto"), "response_format": ({"type": "text"},),
-            "modalities": (["text"],)}
+HARMLESS = {"tool_choice": ("none", "auto"), "modalities": (["text"],)}
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,7 @@ class Sampling:
     min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: each token's logprob and the k most likely
+    grammar: GrammarSpec | None = None  # structured output
 
 
 @dataclass(frozen=True)
@@ -183,6 +187,10 @@ def _common(body: dict[str, Any], kind: str) -> Common:
     min_tokens = _int(body, "min_tokens", 0, 0, 2**31 - 1)
     ignore_eos = _bool(body, "ignore_eos", False)
     logprobs = _logprobs(body, kind)
+    grammar, grammar_field = grammar_from_body(body)
+    if grammar is not None and min_tokens:
+        raise bad_field("min_tokens", f"cannot be combined with {grammar_field}: the grammar decides "
+                        "where the output ends")
     max_tokens = _int(body, "max_tokens", None, 1, 2**31 - 1)
     max_completion = _int(body, "max_completion_tokens", None, 1, 2**31 - 1)
     if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
@@ -202,7 +210,7 @@ def _common(body: dict[str, Any], kind: str) -> Common:
         max_tokens=max_completion if max_completion is not None else max_tokens,
         max_tokens_field="max_completion_tokens" if max_completion is not None else "max_tokens",
         sampling=Sampling(temperature, top_p, max(top_k, 0), seed, min_p, repetition, presence, frequency,
-                          _logit_bias(body.get("logit_bias")), min_tokens, ignore_eos, logprobs),
+                          _logit_bias(body.get("logit_bias")), min_tokens, ignore_eos, logprobs, grammar),
         stop=_stop(body.get("stop")),
         stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         stream=stream,

@@ -88,6 +88,8 @@ class PrefillInput(NamedTuple):
     # The logprobs of the prompt's tokens after the first, with this many top tokens
     # (``prefill.cp.prompt_logprobs``); None: none. Needs the whole prompt prefilled.
     prompt_logprobs: int | None = None
+    # The first token's grammar bitmask (``model.grammar``), when the sampling has a grammar.
+    first_mask: bytes | None = None
 
 
 @dataclass
@@ -186,6 +188,8 @@ class PrefillEngine(ABC):
                           for inp in inputs),
             prompt_logprobs=(tuple(inp.prompt_logprobs for inp in inputs)
                              if any(inp.prompt_logprobs is not None for inp in inputs) else None),
+            first_masks=tuple(inp.first_mask for inp in inputs)
+            if any(inp.first_mask is not None for inp in inputs) else None,
         )
         results = []
         for b, rid in enumerate(rids):

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.kernels.rerange import rerange
 from lanekv.model.attention import AnyCausalLM, CPBatch, QuerySegment, RowLayout, kind_of
+from lanekv.model.grammar import bitmask_words, masks_from_bytes
 from lanekv.model.sampling import SamplingParams, sample, sample_full
 from lanekv.prefill.cp.graphs import GraphCapture, PrefillGraphs, capture_graphs
 from lanekv.prefill.cp.prompt_logprobs import PromptRows, rank_prompt_logprobs
@@ -59,6 +60,8 @@ class PrefillBatch:
     prompts: tuple[tuple[int, ...], ...] | None = None
     # Each request's prompt logprobs (k top tokens, or None: none); None: no request asks.
     prompt_logprobs: tuple[int | None, ...] | None = None
+    # Each request's first-token grammar bitmask (``model.grammar``; None: no grammar); None: none.
+    first_masks: tuple[bytes | None, ...] | None = None
 
     def plan(self, cp_size: int, page_size: int) -> BatchPlan:
         return plan_batch(
@@ -179,8 +182,11 @@ class RankRunner:
                 tokens = sample(logits, params, 0).tolist()
             else:  # the logits processors, with the prompts and EOS, and the logprobs
                 prompts = [batch.prompts[b] if batch.prompts else () for b in mine]
+                masks = None if batch.first_masks is None else masks_from_bytes(
+                    [batch.first_masks[b] for b in mine], bitmask_words(logits.shape[1]))
                 out = sample_full(logits, params, 0, prompts=prompts,
-                                  eos_token_ids=self.model.config.eos_token_ids)
+                                  eos_token_ids=self.model.config.eos_token_ids,
+                                  bitmask=None if masks is None else masks.to(self.device))
                 tokens = out.tokens.tolist()
                 chosen, values, ids = (out.logprob.tolist(), out.top_logprobs.tolist(),
                                        out.top_ids.tolist())

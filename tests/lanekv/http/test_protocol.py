@@ -58,7 +58,12 @@ def _refused(parse, body) -> APIError:
     ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"ignore_eos": 1}, "ignore_eos"),
-    ({"guided_json": {"type": "object"}}, "guided_json"),
+    ({"guided_json": {"type": "nope"}}, "guided_json"),  # a schema xgrammar cannot compile
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"guided_decoding_backend": "xgrammar"}, "guided_decoding_backend"),
+    ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " "}}, "structured_outputs.whitespace_pattern"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "guided_choice"),
+    ({"guided_regex": "a+", "min_tokens": 2}, "min_tokens"),
     ({"no_such_field": 1}, "no_such_field"),
 ])
 def test_completion_field_refused(change, param):
@@ -82,7 +87,9 @@ def test_completion_field_refused(change, param):
     ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "grammar"}}, "response_format.type"),
     ({"chat_template_kwargs": [1]}, "chat_template_kwargs"),
     ({"add_generation_prompt": "no"}, "add_generation_prompt"),
 ])

@@ -26,6 +26,9 @@ VALUES = {
     "repetition_penalty": 1.3, "logit_bias": {"5": 2.0}, "min_tokens": 2, "ignore_eos": True,
     "logprobs": 3, "top_logprobs": 3, "add_generation_prompt": False,
     "chat_template_kwargs": {"x": 1}, "echo": True, "n": 1, "best_of": 1, "user": "u", "safety_identifier": "s",
+    # structured output (lanekv/http/grammar.py)
+    "response_format": {"type": "json_object"}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+    "guided_choice": ["a", "b"], "guided_grammar": 'root ::= "a"', "structured_outputs": {"regex": "a+"},
 }
 # Fields that name the caller and change nothing (accepted, with no effect to check).
 IDENTIFIERS = {"user", "safety_identifier", "n", "best_of"}
@@ -80,7 +83,10 @@ def test_every_field_is_honoured_or_refused(kind: str) -> None:
         honoured.append(name)
     assert {"logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "min_p",
             "repetition_penalty", "min_tokens", "ignore_eos", "seed"} <= set(honoured)
-    assert {"guided_json", "prompt_logprobs", "response_format"} <= set(refused)
+    assert {"prompt_logprobs"} <= set(refused)
+    assert {"response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+            "structured_outputs"} <= set(honoured)
+    assert {"guided_decoding_backend", "guided_whitespace_pattern", "regex", "ebnf"} <= set(refused)
     # echo (with prompt logprobs) runs on completions; chat has no such field in OpenAI's schema.
     assert ("echo" in honoured) == (kind == "completion") and ("echo" in refused) == (kind == "chat")
 
