@@ -34,9 +34,9 @@ from lanekv.model.attention.base import (
     CPBatch,
     DecodeStep,
     Pool,
+    kv_fields,
     table_width,
 )
-from lanekv.model.attention.base import kv_fields
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
     DEFAULT_KV_CACHE_DTYPE,
