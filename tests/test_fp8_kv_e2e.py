@@ -186,3 +186,31 @@ def test_a_model_dtype_decode_refuses_an_fp8_prefill_by_field(checkpoints):
         start_pair(engine, pool_pages=16, kv_cache_dtype="auto")
     assert format_diff(refused.value.diffs, ours="decode", theirs="prefill") == (
         "kv_cache_dtype: decode='auto' prefill='fp8_e4m3'")
+
+
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoints, single, name,
+                                                                        monkeypatch):
+    """The same run with the FP8 kernels interpreted (the rest on the references): the
+    packing in the store and the gather, and the decode kernels dequantizing the rows as
+    they load them."""
+    from lanekv.kernels import decode_attention, mla_decode
+    from lanekv.kernels.backend import interpreter_enabled
+    from lanekv.kernels.dsa import sparse_mla
+    from lanekv.kernels.fp8 import kv_rows
+    from lanekv.model.attention import dsa, gqa, mla, rows
+
+    if not interpreter_enabled():
+        pytest.skip("runs Triton on CPU tensors, which needs TRITON_INTERPRET=1 (set by "
+                    "tests/conftest.py without a GPU); the gpu-marked kernel tests cover CUDA")
+    for module, name_, kernel in (
+            (rows, "pack_kv_fp8_rows", kv_rows.pack_kv_fp8_rows_triton),
+            (rows, "pack_mla_fp8_rows", kv_rows.pack_mla_fp8_rows_triton),
+            (gqa, "paged_decode_attention", decode_attention.paged_decode_attention_triton),
+            (mla, "paged_mla_decode_attention", mla_decode.paged_mla_decode_attention_triton),
+            (dsa, "sparse_mla_decode", sparse_mla.sparse_mla_decode_triton)):
+        monkeypatch.setattr(module, name_, kernel)
+    # one rank: the interpreter is not thread-safe (rank threads would interpret at once)
+    got = threaded_generate(checkpoints[name], 1, 4, _prompts()[:2], NEW_TOKENS,
+                            kv_cache_dtype=FP8)
+    assert got == [want[: len(g)] for g, want in zip(got, single[name][:2])]
