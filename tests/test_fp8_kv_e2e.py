@@ -37,6 +37,7 @@ from lanekv.transfer.protocol.contract import format_diff
 
 from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_deepseek_v32, write_llama
 from tests.daemons import generate_concurrently, running_pair, start_pair
+from tests.markers import requires_gpu
 from tests.threaded_e2e import threaded_generate
 
 FP8 = "fp8_e4m3"
@@ -214,3 +215,17 @@ def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoi
     got = threaded_generate(checkpoints[name], 1, 4, _prompts()[:2], NEW_TOKENS,
                             kv_cache_dtype=FP8)
     assert got == [want[: len(g)] for g, want in zip(got, single[name][:2])]
+
+
+@requires_gpu
+@pytest.mark.parametrize("name", list(WRITERS))
+def test_gpu_cp_prefill_transfer_decode_equals_a_single_process_run(checkpoints, name):
+    """On the GPU (compiled kernels, float32 models, CUDA graphs in the decode engine's
+    default batch ladder): the same equality as on the CPU, cp 1."""
+    loaded = load_model(checkpoints[name], device="cuda")
+    pool = PagePool.for_model(loaded.config, 64, 16, torch.float32, "cuda", kv_cache_dtype=FP8)
+    want = generate_colocated(loaded.model, pool, _prompts(), SamplingParams(), NEW_TOKENS,
+                              ignore_eos=True)
+    got = threaded_generate(checkpoints[name], 1, 16, _prompts(), NEW_TOKENS, device="cuda",
+                            kv_cache_dtype=FP8)
+    assert got == [w[: len(g)] for g, w in zip(got, want)]
