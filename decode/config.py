@@ -7,7 +7,12 @@ from pathlib import Path
 
 import torch
 from lanekv.decode.cuda.graphs import check_ladder
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
+    check_index_cache_dtype,
+    check_kv_cache_dtype,
+)
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
 from lanekv.model.pool_sizing import check_max_model_len
@@ -60,6 +65,7 @@ class DecodeConfig:
     prefill_health_interval_s: float = 1.0
     # DeepSeek-V3.2 (DSA) index-K rows, as the prefill daemon's (the contract checks it)
     index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE  # "auto" or "fp8_e4m3": the prefill's must match
     advertise_host: str | None = None  # the host the ready file and banner name (runtime.advertise)
     # Longest prompt + output a request may have; None: the model's max_position_embeddings.
     max_model_len: int | None = None
@@ -123,6 +129,7 @@ class DecodeConfig:
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
         check_index_cache_dtype(self.index_cache_dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         model = ModelConfig.from_dir(self.model_path)
         check_max_model_len(self.max_model_len, model.max_position_embeddings, self.pool_pages * self.page_size)
         if not _is_endpoint(self.prefill_endpoint):

@@ -50,7 +50,7 @@ from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
-from lanekv.model.attention import pool_contract_fields
+from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import load_checkpoint
 from lanekv.model.grammar import Grammars
 from lanekv.model.sampling import SamplingParams
@@ -127,8 +127,11 @@ class DecodeDaemon:
         self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
         model_config = self.loaded.config
         self.agreement = Agreement.from_model(
-            pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype),
-            self.loaded.weights_digest, config.torch_dtype, config.page_size
+            pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype,
+                                 config.kv_cache_dtype),
+            self.loaded.weights_digest,
+            pool_rows(model_config, config.torch_dtype, config.index_cache_dtype,
+                      config.kv_cache_dtype).dtype, config.page_size
         )
         contracts = self._handshake_all()
         # Ours, as KVTransfer.Handshake serves it, names the first accepting daemon's topology.
@@ -150,7 +153,8 @@ class DecodeDaemon:
             config.resolved_fetch_streams))
         self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
                                        config.torch_dtype, device,
-                                       index_cache_dtype=config.index_cache_dtype)
+                                       index_cache_dtype=config.index_cache_dtype,
+                                       kv_cache_dtype=config.kv_cache_dtype)
         self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                    graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve

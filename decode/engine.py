@@ -187,8 +187,8 @@ class DecodeEngine:
                 f"pool is {pool.spec.num_layers} layers x {pool.rows} but the {kind.name} model "
                 f"architecture={config.architecture!r} has {config.num_layers} layers x {want}"
             )
-        if pool.spec.dtype != model.dtype:
-            raise ValueError(f"pool dtype {pool.spec.dtype} differs from model dtype {model.dtype}")
+        if pool.rows.value_dtype != model.dtype:  # FP8 rows: a uint8 pool read in the model dtype
+            raise ValueError(f"pool dtype {pool.rows.value_dtype} differs from model dtype {model.dtype}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or (
             max_batch_size <= 0
         ):

@@ -95,10 +95,12 @@ class PagePool:
     @classmethod
     def for_model(cls, config: ModelConfig, num_pages: int, page_size: int,
                   dtype: torch.dtype, device: torch.device | str = "cpu", *,
-                  index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> PagePool:
+                  index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+                  kv_cache_dtype: str = "auto") -> PagePool:
         """A pool of ``config``'s rows (its attention kind's; ``dtype`` = the model's);
-        a DSA model's rows carry the index-K row of ``index_cache_dtype`` too."""
-        rows = pool_rows(config, dtype, index_cache_dtype)
+        a DSA model's rows carry the index-K row of ``index_cache_dtype`` too; with
+        ``kv_cache_dtype="fp8_e4m3"`` the rows are FP8 (a uint8 pool)."""
+        rows = pool_rows(config, dtype, index_cache_dtype, kv_cache_dtype)
         return cls(rows.spec(config.num_layers, page_size), num_pages, device, rows=rows)
 
     @property

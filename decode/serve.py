@@ -51,6 +51,7 @@ def config_from_args(args: argparse.Namespace, size: PoolSize | None = None) -> 
         max_model_len=getattr(args, "max_model_len", None),
         port=args.port, load_format=args.load_format, max_batch_size=args.max_batch_size,
         index_cache_dtype=args.index_cache_dtype,
+        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
         metrics_port=getattr(args, "metrics_port", None), security=SecurityConfig.from_args(args),
         advertise_host=getattr(args, "advertise_host", None),
         prefix_cache=getattr(args, "prefix_cache", True),
@@ -68,7 +69,8 @@ def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     utilization = getattr(args, "gpu_memory_utilization", None)
     return size_pool(
-        page_bytes(model, torch_dtype, args.page_size, args.index_cache_dtype),
+        page_bytes(model, torch_dtype, args.page_size, args.index_cache_dtype,
+                   getattr(args, "kv_cache_dtype", "auto")),
         pool_pages=getattr(args, "pool_pages", None), kv_cache_memory=getattr(args, "kv_cache_memory", None),
         gpu_memory_utilization=utilization, default_pages=DecodeConfig.__dataclass_fields__["pool_pages"].default,
         memory=(lambda: [torch.cuda.mem_get_info()]) if cuda else None,
@@ -84,7 +86,8 @@ def main(args: argparse.Namespace) -> int:
         return 2
     model = ModelConfig.from_dir(config.model_path)
     log.info("%s", pool_line("decode", config.pool_pages, config.page_size,
-                             page_bytes(model, config.torch_dtype, config.page_size, config.index_cache_dtype),
+                             page_bytes(model, config.torch_dtype, config.page_size, config.index_cache_dtype,
+                                        config.kv_cache_dtype),
                              1, size.how))
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)  # the process's own entry point: nobody else's setting
     if config.resolved_device == "cuda":

@@ -17,6 +17,12 @@ GPU; each request's own ``seq_lens[b]`` keys are cut into that many splits in
 the kernel, so a fixed grid (a captured step) serves any lengths. With one
 split stage 1 writes the output directly.
 
+FP8 rows (``kv_cache_dtype=fp8_e4m3``): uint8 caches ``[R, Hkv, D + 4]``, each
+head's D e4m3 values then its float32 scale (``kernels/fp8/kv_rows.py``); the
+kernel dequantizes K and V as it loads them, ``(e4m3 -> float32) * scale``
+rounded once to q's dtype, and the reference dequantizes the rows it reads the
+same way (``dequantize_kv_fp8_rows``).
+
 On CPU the seq_lens and the page ids they reach are range-checked. On CUDA
 those checks would cost a sync: the kernel clamps seq_lens to the page table's
 width, and page ids are trusted.
@@ -31,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.fp8.kv_rows import dequantize_kv_fp8_rows, kv_fp8_head_bytes, kv_fp8_views
 from lanekv.kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -64,13 +71,14 @@ def choose_num_splits(
 # Values that vary per step are never specialised on (no compile per batch shape).
 @triton.jit(do_not_specialize=["max_kv_len", "num_splits", "stride_tb"])
 def _paged_decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
     scale_log2, max_kv_len, num_q_heads, num_splits,
-    stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh, stride_tb,
+    stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
+    stride_ksr, stride_ksh, stride_vsr, stride_vsh, stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -103,6 +111,10 @@ def _paged_decode_attention_kernel(
         row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
         kv_mask = t_ok[:, None] & d_ok[None, :]
         k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # one float32 scale per row and head; one rounding to q's dtype
+            k_scale = tl.load(ks_ptr + kv_head * stride_ksh + row * stride_ksr, mask=t_ok,
+                              other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
         if IEEE_DOT:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -113,6 +125,10 @@ def _paged_decode_attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_base + row[:, None] * stride_vr + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v_scale = tl.load(vs_ptr + kv_head * stride_vsh + row * stride_vsr, mask=t_ok,
+                              other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
         if IEEE_DOT:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -164,7 +180,7 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_sc
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a 3-D tensor, got {shape}")
-        if t.dtype not in _DTYPES:
+        if t.dtype not in _DTYPES and not (name != "q" and t.dtype == torch.uint8):
             raise ValueError(f"{name}.dtype must be one of {_DTYPES}, got {t.dtype}")
         if t.shape[2] > 1 and t.stride(2) != 1:
             raise ValueError(f"{name} must have a dense head_dim, got strides {t.stride()}")
@@ -189,12 +205,18 @@ def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_sc
     if v_cache.shape != k_cache.shape:
         raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has "
                          f"{tuple(k_cache.shape)}")
-    if k_cache.shape[2] != head_dim:
-        raise ValueError(f"k_cache head_dim is {k_cache.shape[2]} but q's is {head_dim}")
+    fp8 = k_cache.dtype == torch.uint8  # FP8 rows: D e4m3 bytes then a float32 scale per head
+    row_dim = kv_fp8_head_bytes(head_dim) if fp8 else head_dim
+    if k_cache.shape[2] != row_dim:
+        raise ValueError(f"k_cache rows are {k_cache.shape[2]} wide but q's head_dim {head_dim} "
+                         f"needs {row_dim}{' (FP8 rows: D + 4 bytes)' if fp8 else ''}")
+    if fp8 and (head_dim % 4 or k_cache.stride(1) % 4 or v_cache.stride(1) % 4):
+        raise ValueError(f"FP8 caches need head_dim and row strides of a multiple of 4 bytes, got "
+                         f"head_dim={head_dim} strides {k_cache.stride()} {v_cache.stride()}")
     if kv_heads == 0 or q_heads % kv_heads != 0:
         raise ValueError(f"q has {q_heads} heads, not a multiple of k_cache's {kv_heads}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
+        if t.dtype != (torch.uint8 if fp8 else q.dtype):
             raise ValueError(f"{name}.dtype is {t.dtype} but q.dtype is {q.dtype}")
     if rows % page_size != 0:
         raise ValueError(f"k_cache has {rows} rows, not a multiple of page_size {page_size}")
@@ -252,15 +274,22 @@ def paged_decode_attention_triton(
                                device=q.device)
     else:
         part_o = part_lse = out  # unused
+    fp8 = k_cache.dtype == torch.uint8
+    if fp8:  # e4m3 values [R, Hkv, D] and float32 scales [R, Hkv, 1], views of the rows
+        k_vals, k_scales = kv_fp8_views(k_cache, head_dim)
+        v_vals, v_scales = kv_fp8_views(v_cache, head_dim)
+    else:
+        k_vals, v_vals, k_scales, v_scales = k_cache, v_cache, k_cache, v_cache
     _paged_decode_attention_kernel[(batch, kv_heads, num_splits)](
-        q, k_cache, v_cache, page_table, seq_lens, part_o, part_lse, out,
+        q, k_vals, v_vals, k_scales, v_scales, page_table, seq_lens, part_o, part_lse, out,
         softmax_scale * _LOG2E, max_kv_len, q_heads, num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-        v_cache.stride(0), v_cache.stride(1), page_table.stride(0),
+        q.stride(0), q.stride(1), k_vals.stride(0), k_vals.stride(1),
+        v_vals.stride(0), v_vals.stride(1), k_scales.stride(0), k_scales.stride(1),
+        v_scales.stride(0), v_scales.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        WRITE_PARTIAL=write_partial, IEEE_DOT=q.dtype == torch.float32,
+        WRITE_PARTIAL=write_partial, IEEE_DOT=q.dtype == torch.float32, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if write_partial:
@@ -294,8 +323,12 @@ def paged_decode_attention_ref(
             continue
         t = torch.arange(seq_len, device=q.device)
         rows = page_table[b, t // page_size].to(torch.int64) * page_size + t % page_size
-        k = k_cache[rows].float().repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
-        v = v_cache[rows].float().repeat_interleave(group, dim=1)
+        k, v = k_cache[rows], v_cache[rows]
+        if k_cache.dtype == torch.uint8:  # FP8 rows, dequantized as the kernel does
+            k = dequantize_kv_fp8_rows(k, q.shape[2], q.dtype)
+            v = dequantize_kv_fp8_rows(v, q.shape[2], q.dtype)
+        k = k.float().repeat_interleave(group, dim=1)  # [seq_len, Hq, D]
+        v = v.float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", q[b].float(), k) * softmax_scale
         out[b] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v).to(out.dtype)
     return out

@@ -29,6 +29,12 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.fp8.kv_rows import (
+    _views,
+    mla_fp8_group,
+    mla_fp8_row_bytes,
+    unpack_mla_fp8_rows,
+)
 from lanekv.kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -67,14 +73,60 @@ def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLAD
     return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
 
 
+@triton.jit
+def load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, ok, r, p, stride_lr, stride_sr,
+                     stride_pr, RANK: tl.constexpr, ROPE: tl.constexpr, GROUP: tl.constexpr,
+                     KV_FP8: tl.constexpr, dtype: tl.constexpr):
+    """Latent rows ``rows [N]`` (int64) -> (``[N, BLOCK_R]`` values, ``[N, BLOCK_P]`` RoPE
+    part) in ``dtype``; masked rows read 0. FP8 rows are dequantized as they load:
+    ``(e4m3 -> float32) * scale``, rounded once to ``dtype`` (``unpack_mla_fp8_rows``)."""
+    r_ok = r < RANK
+    p_ok = p < RANK + ROPE
+    if KV_FP8:
+        q8 = tl.load(latent_ptr + rows[:, None] * stride_lr + r[None, :],
+                     mask=ok[:, None] & r_ok[None, :], other=0.0)
+        sc = tl.load(scale_ptr + rows[:, None] * stride_sr + r[None, :] // GROUP,
+                     mask=ok[:, None] & r_ok[None, :], other=0.0)
+        kv = (q8.to(tl.float32) * sc).to(dtype)
+        k_pe = tl.load(rope_ptr + rows[:, None] * stride_pr + (p - RANK)[None, :],
+                       mask=ok[:, None] & p_ok[None, :], other=0.0).to(dtype)
+    else:
+        row = latent_ptr + rows[:, None] * stride_lr
+        kv = tl.load(row + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
+        k_pe = tl.load(row + p[None, :], mask=ok[:, None] & p_ok[None, :], other=0.0)
+    return kv, k_pe
+
+
+def latent_views(latent_cache: torch.Tensor, kv_lora_rank: int, rope_dim: int):
+    """What the kernels read of a latent cache: (values, scales, RoPE part) and their row
+    strides, and the group size; plain rows are the one tensor thrice (group 1)."""
+    if latent_cache.dtype != torch.uint8:
+        s = latent_cache.stride(0)
+        return latent_cache, latent_cache, latent_cache, (s, s, s), 1
+    values, scales, rope = _views(latent_cache[:, : mla_fp8_row_bytes(kv_lora_rank, rope_dim)],
+                                  kv_lora_rank, rope_dim)
+    return (values, scales, rope, (values.stride(0), scales.stride(0), rope.stride(0)),
+            mla_fp8_group(kv_lora_rank))
+
+
+def dequantized_latent(latent_cache: torch.Tensor, rows: torch.Tensor, kv_lora_rank: int,
+                       rope_dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """The references' read of ``rows`` of a latent cache, FP8 rows dequantized."""
+    if latent_cache.dtype != torch.uint8:
+        return latent_cache[rows]
+    width = mla_fp8_row_bytes(kv_lora_rank, rope_dim)
+    return unpack_mla_fp8_rows(latent_cache[rows][:, :width], kv_lora_rank, rope_dim, dtype)
+
+
 @triton.jit(do_not_specialize=["max_kv_len", "stride_tb"])
 def _paged_mla_decode_kernel(
-    q_ptr, latent_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    scale_log2, max_kv_len, num_heads,
-    stride_qb, stride_qh, stride_lr, stride_tb, stride_ob, stride_oh,
+    q_ptr, latent_ptr, scale_ptr, rope_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr,
+    out_ptr, scale_log2, max_kv_len, num_heads,
+    stride_qb, stride_qh, stride_lr, stride_sr, stride_pr, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     # Head blocks vary fastest, so the programs sharing a request's latent tiles run together.
     head_block = tl.program_id(0)
@@ -105,11 +157,12 @@ def _paged_mla_decode_kernel(
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
-        row = latent_ptr + (page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE)[:, None] * stride_lr
+        rows = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
         # Masked rows read 0, never a neighbour's (or a poisoned unused) row.
-        kv = tl.load(row + r[None, :], mask=t_ok[:, None] & r_ok[None, :], other=0.0)
+        kv, k_pe = load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, t_ok, r, p, stride_lr,
+                                    stride_sr, stride_pr, RANK, ROPE, GROUP, KV_FP8,
+                                    q_ptr.dtype.element_ty)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        k_pe = tl.load(row + p[None, :], mask=t_ok[:, None] & p_ok[None, :], other=0.0)
         s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
         s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))
         # The loop runs only over blocks with a key, so m_new is finite.
@@ -175,16 +228,14 @@ def _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
         if not isinstance(t, torch.Tensor) or t.dim() != want_dim:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a {want_dim}-D tensor {dims}, got {shape}")
-        if t.dtype not in _DTYPES:
-            raise ValueError(f"{name}.dtype must be one of {_DTYPES}, got {t.dtype}")
+        fp8_rows = name == "latent_cache" and t.dtype == torch.uint8  # FP8 latent rows
+        if t.dtype not in _DTYPES and not fp8_rows:
+            raise ValueError(f"{name}.dtype must be one of {_DTYPES} (or uint8 FP8 rows for "
+                             f"latent_cache), got {t.dtype}")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a dense last dim, got strides {t.stride()}")
-    if latent_cache.dtype != q.dtype:
-        raise ValueError(f"latent_cache.dtype is {latent_cache.dtype} but q.dtype is {q.dtype}")
     batch, heads, width = q.shape
-    if latent_cache.shape[1] != width:
-        raise ValueError(f"latent_cache must be [rows, {width}] (q.shape[2]), got "
-                         f"{tuple(latent_cache.shape)}")
+    check_latent_cache(latent_cache, q, kv_lora_rank)
     # A latent row is R values and then P >= 1 RoPE values (DESIGN.md, MLA pages).
     if not _is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= min(width - 1, MAX_KV_LORA_RANK):
         raise ValueError(f"kv_lora_rank must be an int in [1, {min(width - 1, MAX_KV_LORA_RANK)}] "
@@ -230,6 +281,27 @@ def _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
     return out
 
 
+def check_latent_cache(latent_cache: torch.Tensor, q: torch.Tensor, kv_lora_rank: int) -> None:
+    """``latent_cache`` is ``[rows, R + P]`` of q's dtype, or FP8 rows (uint8, at least
+    ``mla_fp8_row_bytes`` wide: a DSA row's latent part is its first bytes)."""
+    width = q.shape[-1]
+    if latent_cache.dtype == torch.uint8:
+        if not _is_int(kv_lora_rank) or not 16 <= kv_lora_rank < width or kv_lora_rank % 16:
+            raise ValueError(f"FP8 latent rows need kv_lora_rank a multiple of 16 below "
+                             f"q.shape[2] = {width}, got {kv_lora_rank!r}")
+        need = mla_fp8_row_bytes(kv_lora_rank, width - kv_lora_rank)
+        if latent_cache.shape[1] < need or latent_cache.stride(0) % 4:
+            raise ValueError(f"FP8 latent_cache must be uint8 [rows, >= {need}] with rows of a "
+                             f"multiple of 4 bytes, got {tuple(latent_cache.shape)} strides "
+                             f"{latent_cache.stride()}")
+        return
+    if latent_cache.dtype != q.dtype:
+        raise ValueError(f"latent_cache.dtype is {latent_cache.dtype} but q.dtype is {q.dtype}")
+    if latent_cache.shape[1] != width:
+        raise ValueError(f"latent_cache must be [rows, {width}] (q.shape[2]), got "
+                         f"{tuple(latent_cache.shape)}")
+
+
 def paged_mla_decode_attention_triton(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -267,15 +339,17 @@ def paged_mla_decode_attention_triton(
     else:
         part_o = part_lse = out  # unused
     block_r = max(16, triton.next_power_of_2(kv_lora_rank))
+    values, scales, rope_part, strides, group = latent_views(latent_cache, kv_lora_rank, rope)
     _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
-        q, latent_cache, page_table, seq_lens, part_o, part_lse, out,
+        q, values, scales, rope_part, page_table, seq_lens, part_o, part_lse, out,
         softmax_scale * _LOG2E, max_kv_len, heads,
-        q.stride(0), q.stride(1), latent_cache.stride(0), page_table.stride(0),
+        q.stride(0), q.stride(1), *strides, page_table.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
+        KV_FP8=latent_cache.dtype == torch.uint8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if write_partial:
@@ -307,7 +381,8 @@ def paged_mla_decode_attention_ref(
             continue
         t = torch.arange(seq_len, device=q.device)
         rows = page_table[b, t // page_size].to(torch.int64) * page_size + t % page_size
-        latent = latent_cache[rows].float()  # [seq_len, R+P]
+        latent = dequantized_latent(latent_cache, rows, kv_lora_rank, q.shape[2] - kv_lora_rank,
+                                    q.dtype).float()  # [seq_len, R+P]
         probs = (q[b].float() @ latent.T * softmax_scale).softmax(dim=-1)  # [H, seq_len]
         out[b] = (probs @ latent[:, :kv_lora_rank]).to(out.dtype)
     return out

@@ -108,6 +108,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-cache-dtype", choices=["fp8_e4m3", "model"], default=d("index_cache_dtype"),
                    help="DeepSeek-V3.2 index-K rows: fp8 e4m3 with a float32 scale per 128 values, "
                         "or the model dtype (both daemons must agree)")
+    p.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default=d("kv_cache_dtype"),
+                   help="KV rows: auto (the model dtype) or fp8_e4m3 (e4m3 values with float32 "
+                        "scales: per token and head for GQA, FlashMLA's 656-byte row for MLA; "
+                        "both daemons must agree)")
 
 
 def add_sizing_args(p: argparse.ArgumentParser, default_pages: int, scope: str) -> None:

@@ -26,9 +26,11 @@ GPU_RESERVE_BYTES = 2 * GIB
 
 
 def page_bytes(config: ModelConfig, dtype: torch.dtype, page_size: int,
-               index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> int:
+               index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+               kv_cache_dtype: str = "auto") -> int:
     """Bytes of one pool page (every layer, K and V or the latent) for ``config``."""
-    return config.num_layers * page_size * pool_rows(config, dtype, index_cache_dtype).row_bytes
+    rows = pool_rows(config, dtype, index_cache_dtype, kv_cache_dtype)
+    return config.num_layers * page_size * rows.row_bytes
 
 
 def weight_bytes(config: ModelConfig, dtype: torch.dtype) -> int:

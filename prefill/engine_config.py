@@ -6,7 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
+    check_index_cache_dtype,
+    check_kv_cache_dtype,
+)
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
 
@@ -28,6 +33,9 @@ class EngineConfig:
     # DeepSeek-V3.2 (DSA) index-K rows: "fp8_e4m3" (e4m3 + a float32 scale per 128
     # values) or "model" (the model dtype, bit-comparable with transformers)
     index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE
+    # KV rows: "auto" (the model dtype) or "fp8_e4m3" (model/attention/rows.py: e4m3 values
+    # with float32 scales, the pool in bytes); the decode daemon must hold the same
+    kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE
     # CUDA: prefills of up to this many rows per rank replay piecewise CUDA graphs
     # (``prefill.cp.graphs``, captured at warm-up); 0 = always eager. Past it the GPU's
     # work outweighs the host's launches (8B shapes).
@@ -51,6 +59,7 @@ class EngineConfig:
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
         check_index_cache_dtype(self.index_cache_dtype)
+        check_kv_cache_dtype(self.kv_cache_dtype)
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
         ModelConfig.from_dir(self.model_path)

@@ -35,14 +35,16 @@ _DEFAULT_PAGES = EngineConfig.__dataclass_fields__["pages_per_lane"].default
 
 def _unit_bytes(engine: EngineConfig) -> int:
     model = ModelConfig.from_dir(engine.model_path)
-    return page_bytes(model, engine.torch_dtype, engine.page_size, engine.index_cache_dtype)
+    return page_bytes(model, engine.torch_dtype, engine.page_size, engine.index_cache_dtype,
+                      engine.kv_cache_dtype)
 
 
 def _pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
     """Pages in each rank's pool (``model.pool_sizing.size_pool``), checked against --max-model-len."""
     model = ModelConfig.from_dir(args.model)
     torch_dtype = DTYPES[dtype]
-    unit = page_bytes(model, torch_dtype, args.page_size, args.index_cache_dtype)
+    unit = page_bytes(model, torch_dtype, args.page_size, args.index_cache_dtype,
+                      getattr(args, "kv_cache_dtype", "auto"))
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     utilization = getattr(args, "gpu_memory_utilization", None)
     size = size_pool(
@@ -64,6 +66,7 @@ def main(args: argparse.Namespace) -> int:
             model_path=args.model, cp_size=args.cp_size, page_size=args.page_size,
             pages_per_lane=size.pages, dtype=dtype, device=args.device,
             load_format=args.load_format, index_cache_dtype=args.index_cache_dtype,
+            kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             graph_max_rows=args.graph_max_rows,
         )
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,

@@ -26,7 +26,8 @@ def start_pair(engine: EngineConfig, daemon: DaemonConfig = LONG_LEASE,
     try:
         decode_daemon = DecodeDaemon(DecodeConfig(
             engine.model_path, prefill.endpoint, page_size=engine.page_size,
-            **{"device": "cpu", "index_cache_dtype": engine.index_cache_dtype, **decode}))
+            **{"device": "cpu", "index_cache_dtype": engine.index_cache_dtype,
+               "kv_cache_dtype": engine.kv_cache_dtype, **decode}))
     except BaseException:
         prefill.stop()
         raise

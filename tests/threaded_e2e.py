@@ -20,17 +20,19 @@ PROMPT_TOKENS_BOUND = 200  # the prompts' and outputs' tokens, together, stay be
 
 
 def threaded_generate(checkpoint: Path, cp_size: int, page_size: int, prompts: Sequence[Sequence[int]],
-                      max_new_tokens: int, **cache: str) -> list[list[int]]:
+                      max_new_tokens: int, device: str = "auto", **cache: str) -> list[list[int]]:
     """Every prompt prefilled in one batch (concurrent prompts) on ``cp_size`` rank threads,
     its pages read in the wire's order and scattered into a decode pool, then decoded
     greedily together; both sides' pages are checked back at the end. ``cache``:
-    ``index_cache_dtype`` for DSA models."""
+    ``index_cache_dtype`` for DSA models, ``kv_cache_dtype``. The decode pool is on the
+    model's device (``device``: the engine's)."""
     engine = ThreadedPrefillEngine(EngineConfig(
         str(checkpoint), cp_size=cp_size, page_size=page_size,
-        pages_per_lane=-(-PROMPT_TOKENS_BOUND // page_size), pool_fill=math.nan, **cache))
+        pages_per_lane=-(-PROMPT_TOKENS_BOUND // page_size), pool_fill=math.nan, device=device,
+        **cache))
     loaded = engine.loaded
     pool = PagePool.for_model(loaded.config, -(-2 * PROMPT_TOKENS_BOUND // page_size), page_size,
-                              torch.float32, **cache)
+                              torch.float32, next(loaded.model.parameters()).device, **cache)
     decode = DecodeEngine(loaded.model, pool)
     outputs: dict[str, list[int]] = {}
     for i, res in enumerate(engine.prefill([PrefillInput(p) for p in prompts])):
@@ -38,7 +40,8 @@ def threaded_generate(checkpoint: Path, cp_size: int, page_size: int, prompts: S
         table = PageTable.remap(pool, pages, res.num_tokens)
         payload = engine.read_pages(pages)  # the wire order: [layers, planes, rows, heads, row]
         assert payload.shape[1] == pool.tensor.shape[1] and payload.shape[-1] == pool.tensor.shape[-1]
-        scatter_pages(payload, pool.tensor, torch.tensor(table.physical_pages_for(pages)),
+        scatter_pages(payload.to(pool.device), pool.tensor,
+                      torch.tensor(table.physical_pages_for(pages), device=pool.device),
                       page_size, 0, loaded.config.num_layers)
         engine.free(res.new_pages)
         decode.add(f"r{i}", table, res.first_token, SamplingParams(), max_new_tokens)

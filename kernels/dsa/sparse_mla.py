@@ -18,6 +18,11 @@ A query without any selected row gets zeros. Order and repeats inside a row of
 ``indices`` do not matter beyond rounding (a repeated row counts twice). On CPU
 the indices and the page ids they reach are range-checked; on CUDA they are
 trusted (checking would cost a sync per layer).
+
+``sparse_mla_decode`` also reads FP8 latent rows (a uint8 ``latent_cache``, the
+latent part of each row the FP8 MLA row of ``kernels/fp8/kv_rows.py``): the
+kernel dequantizes the rows it loads as ``paged_mla_decode_attention`` does, and
+the reference dequantizes the selected rows (``dequantized_latent``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,12 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.mla_decode import (
+    check_latent_cache,
+    dequantized_latent,
+    latent_views,
+    load_latent_rows,
+)
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -37,12 +48,13 @@ MAX_ROPE_DIM = 256
 
 @triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_mla_kernel(
-    q_ptr, latent_ptr, idx_ptr, table_ptr, out_ptr,
+    q_ptr, latent_ptr, scale_ptr, rope_ptr, idx_ptr, table_ptr, out_ptr,
     scale_log2, num_heads, topk,
-    stride_qb, stride_qh, stride_lr, stride_ib, stride_tb, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_lr, stride_sr, stride_pr, stride_ib, stride_tb, stride_ob,
+    stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -68,13 +80,20 @@ def _sparse_mla_kernel(
             row = page.to(tl.int64) * PAGE_SIZE + idx % PAGE_SIZE
         else:
             row = idx.to(tl.int64)
-        base = latent_ptr + row[:, None] * stride_lr
         # Unselected slots read 0, never a row they do not name.
-        kv = tl.load(base + r[None, :], mask=sel[:, None] & r_ok[None, :], other=0.0)
-        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        if ROPE > 0:
-            k_pe = tl.load(base + p[None, :], mask=sel[:, None] & p_ok[None, :], other=0.0)
+        if KV_FP8:  # dequantized as they load (ROPE > 0: the launcher checks)
+            kv, k_pe = load_latent_rows(latent_ptr, scale_ptr, rope_ptr, row, sel, r, p,
+                                        stride_lr, stride_sr, stride_pr, RANK, ROPE, GROUP,
+                                        KV_FP8, q_ptr.dtype.element_ty)
+            s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
             s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
+        else:
+            base = latent_ptr + row[:, None] * stride_lr
+            kv = tl.load(base + r[None, :], mask=sel[:, None] & r_ok[None, :], other=0.0)
+            s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+            if ROPE > 0:
+                k_pe = tl.load(base + p[None, :], mask=sel[:, None] & p_ok[None, :], other=0.0)
+                s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
         s = tl.where(sel[None, :], s * scale_log2, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A block with no selected slot leaves m at -inf: shift by 0 there, not by -inf.
@@ -94,19 +113,23 @@ def _is_int(x: object) -> bool:
 
 
 def _check_common(q, latent, indices, softmax_scale, kv_lora_rank, out, latent_name):
+    fp8_ok = latent_name == "latent_cache"  # the decode reads FP8 rows; the prefill does not
     for name, t, want, dims in (("q", q, 3, "[rows, H, R+P]"), (latent_name, latent, 2,
                                                                 "[rows, R+P]")):
         if not isinstance(t, torch.Tensor) or t.dim() != want:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name} must be a {want}-D tensor {dims}, got {shape}")
-        if t.dtype not in _DTYPES:
+        fp8_rows = fp8_ok and name == latent_name and t.dtype == torch.uint8
+        if t.dtype not in _DTYPES and not fp8_rows:
             raise ValueError(f"{name}.dtype must be one of {_DTYPES}, got {t.dtype}")
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must have a dense last dim, got strides {t.stride()}")
-    if latent.dtype != q.dtype:
-        raise ValueError(f"{latent_name}.dtype is {latent.dtype} but q.dtype is {q.dtype}")
     rows, heads, width = q.shape
-    if latent.shape[1] != width:
+    if latent.dtype == torch.uint8:
+        check_latent_cache(latent, q, kv_lora_rank)
+    elif latent.dtype != q.dtype:
+        raise ValueError(f"{latent_name}.dtype is {latent.dtype} but q.dtype is {q.dtype}")
+    elif latent.shape[1] != width:
         raise ValueError(f"{latent_name} rows have {latent.shape[1]} values but q has {width}")
     if not _is_int(kv_lora_rank) or not 1 <= kv_lora_rank <= min(width, MAX_KV_LORA_RANK):
         raise ValueError(f"kv_lora_rank must be an int in [1, min(q.shape[2] = {width}, "
@@ -182,11 +205,12 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
     rope = width - kv_lora_rank
     block_h = max(16, min(64, triton.next_power_of_2(heads)))
     table = page_table if paged else indices  # unused when not paged
+    values, scales, rope_part, strides, group = latent_views(latent, kv_lora_rank, rope)
     _sparse_mla_kernel[(triton.cdiv(heads, block_h), rows)](
-        q, latent, indices, table, out,
+        q, values, scales, rope_part, indices, table, out,
         softmax_scale * _LOG2E, heads, indices.shape[1],
-        q.stride(0), q.stride(1), latent.stride(0), indices.stride(0), table.stride(0),
-        out.stride(0), out.stride(1),
+        q.stride(0), q.stride(1), *strides, indices.stride(0), table.stride(0),
+        out.stride(0), out.stride(1), GROUP=group, KV_FP8=latent.dtype == torch.uint8,
         RANK=kv_lora_rank, ROPE=rope, PAGED=paged, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=32,
@@ -244,7 +268,9 @@ def sparse_mla_decode_ref(q, latent_cache, page_table, indices, page_size: int,
     for b in range(q.shape[0]):
         t = indices[b][indices[b] >= 0].long()
         rows = page_table[b, t // page_size].long() * page_size + t % page_size
-        out[b] = _attend_ref(q[b], latent_cache[rows], kv_lora_rank, softmax_scale).to(out.dtype)
+        latent = dequantized_latent(latent_cache, rows, kv_lora_rank, q.shape[2] - kv_lora_rank,
+                                    q.dtype)
+        out[b] = _attend_ref(q[b], latent, kv_lora_rank, softmax_scale).to(out.dtype)
     return out
 
 

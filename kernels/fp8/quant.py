@@ -6,8 +6,14 @@ scale [M, cdiv(K, group_size)] float32)``: each row's consecutive groups of
 ``max(amax, 1e-10) / 448`` and rounded to e4m3, so ``q * scale`` restores the
 row. With ``scale_ue8m0`` the scale is rounded up to a power of two (DeepSeek's
 ``scale_fmt: ue8m0`` checkpoints). Both divisions round to nearest (``div_rn``
-in the kernel) and the e4m3 rounding is done in float32 bits before the cast,
-so the kernel equals the torch reference bit for bit, interpreted or compiled.
+in the kernel, a tensor divisor in the reference) and the quotient is clamped
+to +-448 before the cast in both, so the cast is the same operation on both
+sides: compiled, the hardware's round-to-nearest-even conversion
+(``cvt.rn.satfinite``, as torch's ``.to(float8_e4m3fn)`` rounds); under the
+interpreter, whose cast carries no mantissa overflow into the exponent, the
+value is rounded to e4m3 in float32 bits first (``HW_CAST=False``). No
+hand-rolled rounding runs on the GPU: an add-and-subtract rounding of e4m3
+subnormals is exactly the kind of trick a compiler may contract or reorder.
 
 ``silu_mul_quant_fp8(gate_up [M, 2I], group_size)`` quantizes
 ``silu(gate) * up`` (each rounded to the input dtype, as the unfused torch ops
@@ -21,15 +27,21 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from lanekv.kernels.backend import use_triton
+from lanekv.kernels.backend import interpreter_enabled, use_triton
 from lanekv.kernels.fp8.weights import FP8_DTYPE, FP8_MAX
 
 AMAX_FLOOR = 1e-10  # an all-zero group still gets a finite, positive scale
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def hw_cast() -> bool:
+    """Whether kernels cast to e4m3/bf16 with the hardware conversion (compiled) or
+    round in float32 bits first (the interpreter, whose casts do not round right)."""
+    return not interpreter_enabled()
+
+
 @triton.jit
-def _quantize_tile(x, k_ok, UE8M0: tl.constexpr):
+def _quantize_tile(x, k_ok, UE8M0: tl.constexpr, HW_CAST: tl.constexpr):
     """float32 ``x [R, G]`` -> (e4m3 values, float32 scale ``[R]``)."""
     amax = tl.max(tl.where(k_ok, tl.abs(x), 0.0), axis=1)
     scale = tl.math.div_rn(tl.maximum(amax, 1e-10), 448.0)
@@ -38,14 +50,16 @@ def _quantize_tile(x, k_ok, UE8M0: tl.constexpr):
         scale = ((bits + 0x7FFFFF) & 0x7F800000).to(tl.float32, bitcast=True)
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+    if HW_CAST:  # round to nearest even, as torch's cast (the value is in range)
+        return q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), scale
     return _round_e4m3(q).to(tl.float8e4nv), scale
 
 
 @triton.jit
 def _round_e4m3(x):
     """float32 ``x`` (|x| <= 448) rounded to nearest-even e4m3 value, still in float32,
-    so the cast to e4m3 below is exact: Triton's interpreter carries no mantissa
-    overflow into the exponent (1.94 became 1.0), the hardware cast rounds the same."""
+    so the interpreter's cast to e4m3 below is exact: it carries no mantissa
+    overflow into the exponent (1.94 became 1.0). Interpreter only (``HW_CAST``)."""
     bits = x.to(tl.int32, bitcast=True)
     lsb = (bits >> 20) & 1
     normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # 3 mantissa bits
@@ -57,7 +71,7 @@ def _round_e4m3(x):
 @triton.jit(do_not_specialize=["rows", "cols"])
 def _per_token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
@@ -66,7 +80,7 @@ def _per_token_group_quant_kernel(
     mask = r_ok[:, None] & k_ok
     r64 = r.to(tl.int64)
     x = tl.load(x_ptr + r64[:, None] * stride_x + k[None, :], mask=mask, other=0.0).to(tl.float32)
-    q, scale = _quantize_tile(x, k_ok, UE8M0)
+    q, scale = _quantize_tile(x, k_ok, UE8M0, HW_CAST)
     tl.store(q_ptr + r64[:, None] * stride_q + k[None, :], q, mask=mask)
     tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=r_ok)
 
@@ -74,7 +88,7 @@ def _per_token_group_quant_kernel(
 @triton.jit(do_not_specialize=["rows", "cols"])
 def _silu_mul_quant_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
-    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
@@ -88,7 +102,7 @@ def _silu_mul_quant_kernel(
     g32 = gate.to(tl.float32)
     act = (g32 / (1.0 + tl.exp(-g32))).to(dtype)  # F.silu rounds to the input dtype
     h = (act.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
-    q, scale = _quantize_tile(h, k_ok, UE8M0)
+    q, scale = _quantize_tile(h, k_ok, UE8M0, HW_CAST)
     tl.store(q_ptr + r64[:, None] * stride_q + k[None, :], q, mask=mask)
     tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=r_ok)
 
@@ -126,7 +140,7 @@ def per_token_group_quant_fp8_triton(x: torch.Tensor, group_size: int, *,
         block_r = _block_rows(rows)
         _per_token_group_quant_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
             x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
-            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, num_warps=4)
+            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, HW_CAST=hw_cast(), num_warps=4)
     return q, s
 
 
@@ -173,7 +187,7 @@ def silu_mul_quant_fp8_triton(gate_up: torch.Tensor, group_size: int, *,
         block_r = _block_rows(rows)
         _silu_mul_quant_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
             gate_up, q, s, rows, inter, gate_up.stride(0), q.stride(0), s.stride(0),
-            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, num_warps=4)
+            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, HW_CAST=hw_cast(), num_warps=4)
     return q, s
 
 

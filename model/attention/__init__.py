@@ -22,7 +22,12 @@ from lanekv.model.attention.base import (
 from lanekv.model.attention.dsa import DSA
 from lanekv.model.attention.gqa import GQA
 from lanekv.model.attention.mla import MLA
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, DSARows, RowLayout
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
+    DSARows,
+    RowLayout,
+)
 from lanekv.model.config import ModelConfig
 
 KINDS: tuple[AttentionKind, ...] = (
@@ -44,13 +49,17 @@ def kind_of(config: ModelConfig) -> AttentionKind:
 
 
 def pool_rows(config: ModelConfig, dtype: torch.dtype,
-              index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> RowLayout:
-    """The row layout of ``config``'s pool in ``dtype`` (both daemons build theirs here)."""
-    return kind_of(config).rows(config, dtype, index_cache_dtype=index_cache_dtype)
+              index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+              kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> RowLayout:
+    """The row layout of ``config``'s pool in ``dtype`` (both daemons build theirs here);
+    its ``dtype`` is the pool tensor's (uint8 for FP8 rows)."""
+    return kind_of(config).rows(config, dtype, index_cache_dtype=index_cache_dtype,
+                                kv_cache_dtype=kv_cache_dtype)
 
 
 def pool_contract_fields(config: ModelConfig, dtype: torch.dtype,
-                         index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> dict[str, Any]:
+                         index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+                         kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> dict[str, Any]:
     """The contract fields of ``config`` served from a pool of ``pool_rows``."""
     kind = kind_of(config)
-    return kind.contract_fields(config, kind.rows(config, dtype, index_cache_dtype=index_cache_dtype))
+    return kind.contract_fields(config, pool_rows(config, dtype, index_cache_dtype, kv_cache_dtype))

@@ -31,7 +31,11 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from lanekv.kernels.prefill_attention_ref import AttnSegments
-from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, RowLayout
+from lanekv.model.attention.rows import (
+    DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
+    RowLayout,
+)
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek import DeepseekCausalLM
 from lanekv.model.llama import CausalLM
@@ -107,8 +111,10 @@ class AttentionKind(ABC):
 
     @abstractmethod
     def rows(self, config: ModelConfig, dtype: torch.dtype, *,
-             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> RowLayout:
-        """The pool's row layout for ``config`` in ``dtype``."""
+             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+             kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> RowLayout:
+        """The pool's row layout for ``config`` in ``dtype`` (``kv_cache_dtype``: ``auto``,
+        the rows in ``dtype``, or ``fp8_e4m3``)."""
 
     @abstractmethod
     def fits(self, config: ModelConfig, rows: RowLayout) -> bool:
@@ -116,7 +122,7 @@ class AttentionKind(ABC):
 
     def contract_fields(self, config: ModelConfig, rows: RowLayout) -> dict[str, Any]:
         """``config.contract_fields()`` with the kind's own fields (``Agreement.from_model``)."""
-        return config.contract_fields()
+        return config.contract_fields(kv_fields(rows))
 
     # ---- running the model with a callback of this kind ----
 
@@ -153,6 +159,13 @@ class AttentionKind(ABC):
 
     def __repr__(self) -> str:
         return f"<attention kind {self.name}>"
+
+
+def kv_fields(rows: RowLayout) -> dict[str, Any]:
+    """The contract fields of the rows' KV dtype and format (``Agreement.kv_cache_dtype``
+    and ``kv_row_format``)."""
+    return {"kv_cache_dtype": rows.kv_cache_dtype, "kv_row_format": rows.row_format,
+            "head_dim": rows.head_dim}  # pool elements per head: bytes for FP8 rows
 
 
 def table_width(pool: Pool, max_positions: int) -> int:

@@ -16,6 +16,10 @@ selects what decode will read:
   (on CUDA the page table's whole width, so a captured step selects what an
   eager one does), ``sparse_mla_decode`` over the selected latent rows.
 - Colocated: the rows stored, the keys read back, ``dsa_causal_attention``.
+
+FP8 KV: the latent part of each row is the FP8 MLA row (``DSARows.encode_latent``);
+the CP prefill and the colocated run attend on it dequantized
+(``decode_latent``), the decode kernel dequantizes the rows it selects.
 """
 
 from __future__ import annotations
@@ -32,9 +36,11 @@ from lanekv.model.attention.base import AnyCausalLM, AttentionFn, CPBatch, Decod
 from lanekv.model.attention.mla import MLA
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
     DSARows,
     RowLayout,
     check_index_cache_dtype,
+    check_kv_cache_dtype,
 )
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek_v32 import DeepseekV32CausalLM, dsa_causal_attention
@@ -54,10 +60,12 @@ class DSA(MLA):
         return DeepseekV32CausalLM
 
     def rows(self, config: ModelConfig, dtype: torch.dtype, *,
-             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> DSARows:
+             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+             kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> DSARows:
         check_index_cache_dtype(index_cache_dtype)
+        fp8 = check_kv_cache_dtype(kv_cache_dtype) == "fp8_e4m3"
         return DSARows.build(config.mla.latent_dim, config.dsa.index_head_dim, dtype,
-                             index_cache_dtype)
+                             index_cache_dtype, fp8_rank=config.mla.kv_lora_rank if fp8 else 0)
 
     def fits(self, config: ModelConfig, rows: RowLayout) -> bool:
         return self.matches(config) and isinstance(rows, DSARows) and (
@@ -86,9 +94,10 @@ class DSA(MLA):
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor,
                       index: IndexInputs) -> torch.Tensor:
             n = latent.shape[0]
-            block = latent.new_empty((batch.block_rows, 1, 1, lay.head_dim))
+            block = torch.empty((batch.block_rows, 1, 1, lay.head_dim), dtype=lay.dtype,
+                                device=latent.device)
             plane = block[:, 0, 0]
-            lay.latent(plane)[:n] = latent
+            lay.latent(plane)[:n] = lay.encode_latent(latent)
             local = torch.arange(n, device=latent.device)
             store_index_k(index.k.contiguous(), lay.index_rows(plane), local, lay.index)
             gathered = batch.gather(layer, block)[:, 0, 0]  # [rows in request order, head_dim]
@@ -101,7 +110,9 @@ class DSA(MLA):
                                 torch.arange(gathered.shape[0], device=gathered.device), lay.index)
             selected = _select(batch, attn.indexer.config.softmax_scale,
                                attn.indexer.config.index_topk, index, keys)
-            o_latent = sparse_mla_prefill(attn.absorb_query(q), lay.latent(gathered), selected,
+            # the latents every decode step will read (FP8 rows dequantized)
+            values = lay.decode_latent(lay.latent(gathered))
+            o_latent = sparse_mla_prefill(attn.absorb_query(q), values, selected,
                                           cfg.softmax_scale, cfg.mla.kv_lora_rank)
             return attn.expand_output(o_latent)
 
@@ -115,8 +126,8 @@ class DSA(MLA):
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor,
                       index: IndexInputs) -> torch.Tensor:
             mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, row]
-            rows = latent.new_empty((latent.shape[0], lay.head_dim))
-            lay.latent(rows)[:] = latent
+            rows = torch.empty((latent.shape[0], lay.head_dim), dtype=lay.dtype, device=latent.device)
+            lay.latent(rows)[:] = lay.encode_latent(latent)
             store_index_k(index.k.contiguous(), lay.index_rows(rows), local, lay.index)
             store_kv(rows[:, None], rows[:, None], plane, plane, step.locs)
             selected = decode_select(index.q, index.weights, lay.index_rows(plane[:, 0]),
@@ -136,13 +147,14 @@ class DSA(MLA):
             # The rows as the pool holds them; the indexer scores the keys read back
             # (dequantized for an fp8 cache), as decode will.
             n = latent.shape[0]
-            rows = latent.new_empty((n, lay.head_dim))
-            lay.latent(rows)[:] = latent
+            rows = torch.empty((n, lay.head_dim), dtype=lay.dtype, device=latent.device)
+            lay.latent(rows)[:] = lay.encode_latent(latent)
             every = torch.arange(n, device=rows.device)
             store_index_k(index.k.contiguous(), lay.index_rows(rows), every, lay.index)
             store_kv(rows[:, None], rows[:, None], tensor[layer, 0], tensor[layer, 0], locs)
             keys = read_index_k(lay.index_rows(rows), every, lay.index).to(index.k.dtype)
-            return reference(layer, q, latent, index._replace(k=keys))
+            stored = lay.decode_latent(lay.latent(rows))  # FP8 rows: dequantized
+            return reference(layer, q, stored, index._replace(k=keys))
 
         return attention
 

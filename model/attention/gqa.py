@@ -10,6 +10,11 @@ callbacks: the CP prefill and decode callbacks fuse it with the K/V store
 - Paged decode: RoPE fused with the store of the new token's K/V, then
   ``paged_decode_attention`` through the page table.
 - Colocated: RoPE, the K/V stored at the prompt's rows, plain causal attention.
+
+FP8 KV (``FP8Rows``): RoPE runs apart (``apply_rotary``), the rotated K and V are
+quantized (``rows.encode``) and those bytes stored, gathered and read; the CP
+prefill and the colocated run attend on the dequantized rows (``rows.decode``),
+and the decode kernel dequantizes the same way as it loads them.
 """
 
 from __future__ import annotations
@@ -31,8 +36,11 @@ from lanekv.model.attention.base import (
 )
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
+    FP8Rows,
     RowLayout,
     check_index_cache_dtype,
+    check_kv_cache_dtype,
 )
 from lanekv.model.config import ModelConfig
 from lanekv.model.llama import CausalLM, causal_attention
@@ -51,16 +59,24 @@ class GQA(AttentionKind):
         return CausalLM if config.moe is None else Qwen3MoeCausalLM
 
     def rows(self, config: ModelConfig, dtype: torch.dtype, *,
-             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> RowLayout:
+             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+             kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> RowLayout:
         check_index_cache_dtype(index_cache_dtype)  # a daemon option, checked for every model
+        if check_kv_cache_dtype(kv_cache_dtype) == "fp8_e4m3":
+            return FP8Rows.build(config.num_kv_heads, config.head_dim, dtype)
         return RowLayout(2, config.num_kv_heads, config.head_dim, dtype)
 
     def fits(self, config: ModelConfig, rows: RowLayout) -> bool:
+        if isinstance(rows, FP8Rows):
+            return self.matches(config) and (rows.kv_heads, rows.value_dim) == (
+                config.num_kv_heads, config.head_dim)
         return self.matches(config) and type(rows) is RowLayout and (
             rows.kv, rows.kv_heads, rows.head_dim) == (2, config.num_kv_heads, config.head_dim)
 
     def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
         pool, scale = batch.pool, model.config.softmax_scale
+        if isinstance(batch.rows, FP8Rows):
+            return _fp8_cp_prefill(batch, scale)
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -80,25 +96,32 @@ class GQA(AttentionKind):
 
     def paged_decode(self, model: AnyCausalLM, pool: Pool, step: DecodeStep) -> AttentionFn:
         page_size, scale, tensor = pool.page_size, model.config.softmax_scale, pool.tensor
+        rows = pool.rows
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = tensor[layer, 0], tensor[layer, 1]
             # RoPE, then the new token's K/V first: it attends itself
-            q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, step.locs)
+            if isinstance(rows, FP8Rows):  # quantized on write; the kernel dequantizes on load
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+                store_kv(rows.encode(k), rows.encode(v), k_cache, v_cache, step.locs)
+            else:
+                q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, step.locs)
             return paged_decode_attention(q, k_cache, v_cache, step.page_table, step.seq_lens,
                                           page_size, scale)
 
         return attention
 
     def colocated(self, model: AnyCausalLM, pool: Pool, locs: torch.Tensor) -> AttentionFn:
-        scale, tensor = model.config.softmax_scale, pool.tensor
+        scale, tensor, rows = model.config.softmax_scale, pool.tensor, pool.rows
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            store_kv(k, v, tensor[layer, 0], tensor[layer, 1], locs)
-            return causal_attention(q, k, v, scale)
+            k_rows, v_rows = rows.encode(k), rows.encode(v)
+            store_kv(k_rows, v_rows, tensor[layer, 0], tensor[layer, 1], locs)
+            # what the pool holds, read back (the values themselves for plain rows)
+            return causal_attention(q, rows.decode(k_rows), rows.decode(v_rows), scale)
 
         return attention
 
@@ -114,7 +137,8 @@ class GQA(AttentionKind):
         sms = torch.cuda.get_device_properties(tensor.device).multi_processor_count
         most = max(1, min(triton.cdiv(width * page_size, cfg.block_n),
                           triton.cdiv(sms * cfg.programs_per_sm, rows.kv_heads)))
-        q = torch.zeros((1, config.num_heads, rows.head_dim), dtype=rows.dtype, device=tensor.device)
+        q = torch.zeros((1, config.num_heads, config.head_dim), dtype=rows.value_dtype,
+                        device=tensor.device)
         table = torch.zeros((1, width), dtype=torch.int32, device=tensor.device)
         lens = torch.zeros(1, dtype=torch.int32, device=tensor.device)
         splits = 1
@@ -124,3 +148,23 @@ class GQA(AttentionKind):
             if splits >= most:
                 break
             splits = min(most, 2 * splits - 1 if splits > 1 else 2)
+
+
+def _fp8_cp_prefill(batch: CPBatch, scale: float) -> AttentionFn:
+    """The CP prefill callback over FP8 rows: quantize, store and gather the bytes, attend on
+    the gathered rows dequantized (the values every later decode step reads)."""
+    pool, rows = batch.pool, batch.rows
+
+    def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_rows, v_rows = rows.encode(k), rows.encode(v)  # [T, Hkv, D + 4] uint8
+        store_kv(k_rows, v_rows, pool[layer, 0], pool[layer, 1], batch.store_rows)
+        block = k_rows.new_empty((batch.block_rows, 2, *k_rows.shape[1:]))
+        block[: k.shape[0], 0], block[: k.shape[0], 1] = k_rows, v_rows
+        kv = rows.decode(batch.gather(layer, block))  # [kv rows in request order, 2, Hkv, D]
+        if batch.on_layer is not None:
+            batch.on_layer(layer)
+        return cp_prefill_attention(q, kv[:, 0], kv[:, 1], batch.segments, scale)
+
+    return attention

@@ -11,6 +11,11 @@ KV, then the RoPE'd shared key, ``qk_rope_head_dim``). RoPE runs in the model.
   through kv_b_proj's K part, ``paged_mla_decode_attention`` in the latent
   space, the output mapped back through the V part.
 - Colocated: the latent stored, then decompressed for plain causal attention.
+
+FP8 KV (``FP8MLARows``, FlashMLA's 656-byte row): the latent is quantized
+(``rows.encode``) before the gather and the store, the CP prefill and the
+colocated run decompress the rows dequantized (``rows.decode``), and the decode
+kernel dequantizes the rows it loads the same way.
 """
 
 from __future__ import annotations
@@ -29,12 +34,16 @@ from lanekv.model.attention.base import (
     CPBatch,
     DecodeStep,
     Pool,
+    kv_fields,
     table_width,
 )
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
+    DEFAULT_KV_CACHE_DTYPE,
+    FP8MLARows,
     RowLayout,
     check_index_cache_dtype,
+    check_kv_cache_dtype,
 )
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek import DeepseekCausalLM
@@ -51,25 +60,33 @@ class MLA(AttentionKind):
         return DeepseekCausalLM
 
     def rows(self, config: ModelConfig, dtype: torch.dtype, *,
-             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE) -> RowLayout:
+             index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE,
+             kv_cache_dtype: str = DEFAULT_KV_CACHE_DTYPE) -> RowLayout:
         check_index_cache_dtype(index_cache_dtype)
+        if check_kv_cache_dtype(kv_cache_dtype) == "fp8_e4m3":
+            return FP8MLARows.build(config.mla.kv_lora_rank, config.mla.qk_rope_head_dim, dtype)
         return RowLayout(1, 1, config.mla.latent_dim, dtype)
 
     def fits(self, config: ModelConfig, rows: RowLayout) -> bool:
+        if isinstance(rows, FP8MLARows):
+            return self.matches(config) and (rows.kv_lora_rank, rows.rope_dim) == (
+                config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
         return self.matches(config) and type(rows) is RowLayout and (
             rows.kv, rows.kv_heads, rows.head_dim) == (1, 1, config.mla.latent_dim)
 
     def contract_fields(self, config: ModelConfig, rows: RowLayout) -> dict[str, Any]:
-        return config.contract_fields({"attention": "mla", "mla": config.mla.contract_fields()})
+        return config.contract_fields({"attention": "mla", "mla": config.mla.contract_fields(),
+                                       **kv_fields(rows)})
 
     def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
-        pool, scale = batch.pool, model.config.softmax_scale
+        pool, scale, layout = batch.pool, model.config.softmax_scale, batch.rows
 
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-            rows = latent[:, None, :]  # [T, 1 head, R + P]
-            block = latent.new_empty((batch.block_rows, 1, *rows.shape[1:]))
+            rows = layout.encode(latent[:, None, :])  # [T, 1 head, R + P] (FP8: row bytes)
+            block = rows.new_empty((batch.block_rows, 1, *rows.shape[1:]))
             block[: rows.shape[0], 0] = rows
-            gathered = batch.gather(layer, block)[:, 0, 0]  # [rows in request order, R + P]
+            # [rows in request order, R + P]: the values every decode step will read
+            gathered = layout.decode(batch.gather(layer, block)[:, 0])[:, 0]
             cache = pool[layer, 0]
             # One plane: the row goes to the same place as "K" and "V" (the same bytes).
             store_kv(rows, rows, cache, cache, batch.store_rows)
@@ -86,7 +103,7 @@ class MLA(AttentionKind):
 
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
             mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, R + P]
-            new = latent[:, None, :]
+            new = rows.encode(latent[:, None, :])  # FP8 rows: the kernel dequantizes on load
             store_kv(new, new, plane, plane, step.locs)  # one plane: "K" and "V" are the row
             o_latent = paged_mla_decode_attention(
                 mla.absorb_query(q), rows.latent(plane[:, 0]), step.page_table, step.seq_lens,
@@ -96,12 +113,13 @@ class MLA(AttentionKind):
         return attention
 
     def colocated(self, model: AnyCausalLM, pool: Pool, locs: torch.Tensor) -> AttentionFn:
-        scale, tensor = model.config.softmax_scale, pool.tensor
+        scale, tensor, layout = model.config.softmax_scale, pool.tensor, pool.rows
 
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-            plane, rows = tensor[layer, 0], latent[:, None, :]
+            plane, rows = tensor[layer, 0], layout.encode(latent[:, None, :])
             store_kv(rows, rows, plane, plane, locs)  # an MLA pool: one latent plane
-            return causal_attention(q, *model.mla_layer(layer).decompress(latent), scale)
+            stored = layout.decode(rows)[:, 0]  # what the pool holds, read back
+            return causal_attention(q, *model.mla_layer(layer).decompress(stored), scale)
 
         return attention
 
@@ -114,7 +132,8 @@ class MLA(AttentionKind):
         latent = pool.rows.latent(pool.tensor[0, 0, :, 0])  # a DSA row is wider than its latent
         width = table_width(pool, config.max_position_embeddings)
         like = {"device": latent.device}
-        q = torch.zeros((1, config.num_heads, latent.shape[1]), dtype=latent.dtype, **like)
+        q = torch.zeros((1, config.num_heads, config.mla.latent_dim), dtype=pool.rows.value_dtype,
+                        **like)
         table = torch.zeros((1, width), dtype=torch.int32, **like)
         lens = torch.zeros(1, dtype=torch.int32, **like)
         for splits in (1, 2):  # without and with partials and their merge

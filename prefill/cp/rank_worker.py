@@ -251,14 +251,16 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     built once (``RankProcess``): ``serving`` starts the KVTransfer server over the pool."""
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
-    layout = pool_rows(cfg, config.torch_dtype, config.index_cache_dtype)
+    layout = pool_rows(cfg, config.torch_dtype, config.index_cache_dtype, config.kv_cache_dtype)
     shape = layout.pool_shape(cfg.num_layers, config.pages_per_lane * config.page_size)
-    nbytes = math.prod(shape) * config.torch_dtype.itemsize
+    nbytes = math.prod(shape) * layout.dtype.itemsize
+    # a byte pool (FP8 rows) poisoned with NaN holds 0xFF bytes: e4m3 NaN, a NaN scale
+    fill = 255 if layout.dtype == torch.uint8 and math.isnan(config.pool_fill) else config.pool_fill
     if shared_path is not None and device.type == "cpu" and shm_room(shared_path.parent) >= nbytes:
-        pool = shared_cpu_pool(shared_path, shape, config.torch_dtype, config.pool_fill)
+        pool = shared_cpu_pool(shared_path, shape, layout.dtype, fill)
     else:  # a GPU pool (shared by CUDA IPC), or a /dev/shm too small: a private pool, served over gRPC only
         shared_path = None
-        pool = torch.full(shape, config.pool_fill, dtype=config.torch_dtype, device=device)
+        pool = torch.full(shape, fill, dtype=layout.dtype, device=device)
     page_source = server = None
     if serving is not None:
         page_source, server = serving.start(cfg, loaded.weights_digest, pool, shared_path)
@@ -271,7 +273,8 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
 
 def describe(runner: RankRunner, config: EngineConfig) -> RankInfo:
     return RankInfo(
-        model=pool_contract_fields(runner.model.config, config.torch_dtype, config.index_cache_dtype),
+        model=pool_contract_fields(runner.model.config, config.torch_dtype, config.index_cache_dtype,
+                                   config.kv_cache_dtype),
         weights_digest=runner.process.weights_digest,
         pool_shape=tuple(runner.pool.shape),
         device=str(runner.device),
@@ -377,8 +380,9 @@ class _TransferServer:
               shared_path: Path | None) -> tuple[RankPageSource, Served]:
         config, rank, where, results = self._config, self._rank, self._where, self._results
         self._agreement = agreement = Agreement.from_model(
-            pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype),
-            weights_digest, config.torch_dtype, config.page_size
+            pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype,
+                                 config.kv_cache_dtype),
+            weights_digest, pool.dtype, config.page_size
         )
 
         def on_release(request_id: str, pages: list[int]) -> None:

@@ -207,10 +207,17 @@ def test_rows_say_layout_and_bytes(configs):
 
 def test_contract_fields_are_the_kinds(configs):
     llama, v3, v32 = configs["llama"], configs["v3"], configs["v32"]
-    assert pool_contract_fields(llama, torch.float32) == llama.contract_fields()
+    plain = {"kv_cache_dtype": "auto", "kv_row_format": ""}
+    assert pool_contract_fields(llama, torch.float32) == {**llama.contract_fields(), **plain}
     mla = pool_contract_fields(v3, torch.float32)
     assert mla["attention"] == "mla" and mla["mla"] == v3.mla.contract_fields()
-    assert list(mla) == list(v3.contract_fields({"attention": "mla", "mla": {}}))  # key order
+    assert list(mla) == list(v3.contract_fields({"attention": "mla", "mla": {}, **plain}))  # key order
+    # FP8 rows: the row's bytes are the contract's head_dim, its format named
+    fp8 = pool_contract_fields(llama, torch.float32, kv_cache_dtype="fp8_e4m3")
+    assert (fp8["kv_cache_dtype"], fp8["head_dim"]) == ("fp8_e4m3", llama.head_dim + 4)
+    assert fp8["kv_row_format"].startswith("gqa_fp8_e4m3:")
+    fp8 = pool_contract_fields(v3, torch.float32, kv_cache_dtype="fp8_e4m3")
+    assert fp8["head_dim"] == pool_rows(v3, torch.float32, kv_cache_dtype="fp8_e4m3").row_bytes
     dsa = pool_contract_fields(v32, torch.float32, "model")
     rows = pool_rows(v32, torch.float32, "model")
     assert dsa["head_dim"] == rows.head_dim and dsa["dsa"]["index_row_bytes"] == rows.index.row_bytes

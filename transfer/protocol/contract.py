@@ -62,6 +62,14 @@ MLA_FIELDS = ("kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_di
 DSA_INT_FIELDS = ("index_n_heads", "index_head_dim", "index_topk", "index_block",
                   "index_row_bytes")
 INDEX_CACHE_DTYPES = ("fp8_e4m3", "model")
+# The KV rows' dtype (model/attention/rows.py): "auto", values of kv_dtype, or
+# "fp8_e4m3", a uint8 pool whose rows are named by kv_row_format (head_dim counts bytes).
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+
+
+def mla_fp8_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes of an FP8 MLA latent row (``kernels/fp8/kv_rows.py``): 656 for 512 + 64."""
+    return kv_lora_rank + 4 * (kv_lora_rank // math.gcd(kv_lora_rank, 128)) + 2 * rope_dim
 
 
 def dsa_row_elements(latent_dim: int, itemsize: int, index_row_bytes: int) -> int:
@@ -183,6 +191,8 @@ class Agreement:
     index_cache_dtype: str = ""  # one of INDEX_CACHE_DTYPES for DSA
     index_block: int = 0  # values per float32 scale of an fp8 index key
     index_row_bytes: int = 0
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    kv_row_format: str = ""  # the FP8 row layout's name; "" for rows of plain kv_dtype values
 
     @property
     def kv_planes(self) -> int:
@@ -204,6 +214,19 @@ class Agreement:
         check_int("wire_version", self.wire_version, 1, 1 << 31)
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype must be one of {sorted(KV_DTYPES)}, got {self.kv_dtype!r}")
+        check_str("kv_cache_dtype", self.kv_cache_dtype, _MAX_TEXT)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got "
+                             f"{self.kv_cache_dtype!r}")
+        check_str("kv_row_format", self.kv_row_format, _MAX_TEXT, allow_empty=True)
+        fp8 = self.kv_cache_dtype == "fp8_e4m3"
+        if fp8 and (self.kv_dtype != "uint8" or not self.kv_row_format):
+            raise ValueError(f"kv_cache_dtype='fp8_e4m3' needs kv_dtype='uint8' and a "
+                             f"kv_row_format, got kv_dtype={self.kv_dtype!r} "
+                             f"kv_row_format={self.kv_row_format!r}")
+        if not fp8 and self.kv_row_format:
+            raise ValueError(f"kv_row_format must be empty with kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r}, got {self.kv_row_format!r}")
         if self.attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}")
         mla = self.attention == "mla"
@@ -218,6 +241,8 @@ class Agreement:
                              f"agreement, got {self.index_cache_dtype!r} with attention="
                              f"{self.attention!r}")
         latent = self.kv_lora_rank + self.qk_rope_head_dim
+        if fp8 and mla:
+            latent = mla_fp8_row_bytes(self.kv_lora_rank, self.qk_rope_head_dim)
         row = latent if not dsa else dsa_row_elements(
             latent, kv_dtype(self.kv_dtype).itemsize, self.index_row_bytes)
         if mla and (self.num_kv_heads, self.head_dim) != (1, row):
@@ -245,7 +270,7 @@ class Agreement:
         if mla.get("q_lora_rank") is None and mla:
             mla["q_lora_rank"] = 0
         dsa = dict(model_fields.get("dsa") or {})
-        own = (*_OWN_MODEL_FIELDS, "attention", "mla", "dsa")
+        own = (*_OWN_MODEL_FIELDS, "attention", "mla", "dsa", "kv_cache_dtype", "kv_row_format")
         return cls(
             architecture=model_fields["architecture"],
             model_config={k: v for k, v in model_fields.items() if k not in own},
@@ -262,6 +287,8 @@ class Agreement:
             attention=model_fields.get("attention", "gqa"),
             **{name: mla[name] for name in MLA_FIELDS if name in mla},
             **{name: dsa[name] for name in (*DSA_INT_FIELDS, "index_cache_dtype") if name in dsa},
+            **{name: model_fields[name] for name in ("kv_cache_dtype", "kv_row_format")
+               if name in model_fields},
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -471,8 +498,12 @@ def _diff_values(name: str, ours: Any, theirs: Any) -> list[FieldDiff]:
 
 
 def diff(ours: Agreement, theirs: Agreement) -> list[FieldDiff]:
-    """Every differing agreement field with both values, by field name (nested keys as ``a.b``)."""
+    """Every differing agreement field with both values, by field name (nested keys as ``a.b``).
+    Sides whose ``kv_cache_dtype`` differs get that one field: the row fields that follow
+    from it (``kv_dtype``, ``head_dim``, ``kv_row_format``) would only repeat it."""
     mine, other = ours.to_dict(), theirs.to_dict()
+    if mine["kv_cache_dtype"] != other["kv_cache_dtype"]:
+        return [FieldDiff("kv_cache_dtype", mine["kv_cache_dtype"], other["kv_cache_dtype"])]
     out = []
     for name in mine:
         out += _diff_values(name, mine[name], other[name])
