@@ -215,9 +215,13 @@ def load_table(path: str) -> dict[tuple[int, int, int, int], tuple[tuple[int, Ge
 
 
 def table_path(device: torch.device) -> str | None:
+    """The table ``LANEKV_FP8_GEMM_CONFIGS`` names (any device), else the
+    committed one of this CUDA device, if there is one."""
     env = os.environ.get(TABLE_ENV)
     if env:
         return env
+    if device.type != "cuda":
+        return None
     path = TABLE_DIR / f"{device_slug(torch.cuda.get_device_name(device))}.json"
     return str(path) if path.is_file() else None
 
@@ -233,12 +237,12 @@ def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConf
 
 def select_config(rows: int, n: int, k: int, block: tuple[int, int],
                   device: torch.device) -> GemmConfig:
-    if device.type != "cuda":
-        return interpreter_config(block)
     path = table_path(device)
     if path is not None:
         cfg = lookup(load_table(path), rows, n, k, block)
         if cfg is not None:
             return cfg
+    if device.type != "cuda":
+        return interpreter_config(block)
     return default_config(rows, n, k, block,
                           torch.cuda.get_device_properties(device).multi_processor_count)
