@@ -36,7 +36,11 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, on_device, use_triton
 from lanekv.kernels.fp8.gemm_configs import GemmConfig, check_config, select_config
-from lanekv.kernels.fp8.quant import per_token_group_quant_fp8, silu_mul_quant_fp8
+from lanekv.kernels.fp8.quant import (
+    _quantize_tile,
+    per_token_group_quant_fp8,
+    silu_mul_quant_fp8,
+)
 from lanekv.kernels.fp8.weights import FP8_DTYPE, dequantize_weight_blocks, scale_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -50,7 +54,7 @@ def _gemm_tile(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    LAG: tl.constexpr,
+    LAG: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
 ):
     """One output tile (or one k slice of it): grouped tile order, one scale per
     row and per column block for every k step, float32 accumulation."""
@@ -81,8 +85,9 @@ def _gemm_tile(
         ws_tile = ws_ptr + ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * stride_ws
     else:
         ws_cols = ws_ptr + (n_safe // GROUP_N) * stride_ws
-    if not TMA:
+    if QUANT_A or not TMA:
         a_ptrs = a_ptr + m_safe[:, None] * stride_a + (k_lo * BLOCK_K + kk)[None, :]
+    if not TMA:
         w_ptrs = w_ptr + n_safe[None, :] * stride_w + (k_lo * BLOCK_K + kk)[:, None]
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -91,18 +96,28 @@ def _gemm_tile(
         prev_s = tl.zeros([BLOCK_M], tl.float32)
     for ks in range(k_lo, k_hi):
         k0 = ks * BLOCK_K
-        if TMA:
+        if QUANT_A:  # a is the unquantized activation: one scale group per k step
+            k_ok = k0 + kk < depth
+            if EVEN_K:
+                x = tl.load(a_ptrs).to(tl.float32)
+            else:
+                x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0)
+        elif TMA:
             a = a_ptr.load([pid_m * BLOCK_M, k0])
-            w = w_ptr.load([pid_n * BLOCK_N, k0]).T
         elif EVEN_K:
             a = tl.load(a_ptrs)
+        else:
+            a = tl.load(a_ptrs, mask=(k0 + kk < depth)[None, :], other=0.0)
+        if TMA:
+            w = w_ptr.load([pid_n * BLOCK_N, k0]).T
+        elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
-            k_ok = k0 + kk < depth
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=(k0 + kk < depth)[:, None], other=0.0)
         group = k0 // GROUP_K
-        a_s = tl.load(as_rows + group)
+        if not QUANT_A:
+            a_s = tl.load(as_rows + group)
         if LAG:  # issue this step's dot, then scale the previous one's
             d = tl.dot(a, w, out_dtype=tl.float32)
             acc += prev * prev_s[:, None]
@@ -114,8 +129,9 @@ def _gemm_tile(
             w_s = tl.load(ws_cols + group)
             acc += tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
         if not TMA:
-            a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if QUANT_A or not TMA:
+            a_ptrs += BLOCK_K
     if LAG:
         acc += prev * prev_s[:, None]
 
@@ -137,7 +153,7 @@ def _block_fp8_matmul_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    LAG: tl.constexpr, PERSISTENT: tl.constexpr,
+    LAG: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PERSISTENT:  # one program per SM walks the tiles
@@ -145,11 +161,13 @@ def _block_fp8_matmul_kernel(
         for tile in range(pid, tiles, tl.num_programs(0)):
             _gemm_tile(tile, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                        depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
-                       HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG)
+                       HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
+                       QUANT_A, UE8M0)
     else:
         _gemm_tile(pid, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                    depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
-                   HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG)
+                   HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
+                   QUANT_A, UE8M0)
 
 
 @triton.jit
@@ -217,13 +235,12 @@ def _tma_ok(t: torch.Tensor) -> bool:
     return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
 
 
-def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
-                            w_scale: torch.Tensor, block: tuple[int, int],
-                            out_dtype: torch.dtype, bias: torch.Tensor | None = None, *,
-                            config: GemmConfig | None = None) -> torch.Tensor:
-    """Triton launcher; ``config`` overrides the table's or the heuristic's choice
-    (the benchmark sweeps them, the tests run each family)."""
-    _check_matmul(a, a_scale, w, w_scale, block, out_dtype, bias)
+def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+            w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
+            bias: torch.Tensor | None, config: GemmConfig | None,
+            ue8m0: bool = False) -> torch.Tensor:
+    """``a_scale is None``: ``a`` is unquantized and each tile quantizes its rows'
+    groups on the fly (``_quantize_tile``, the quantization kernel's own code)."""
     (rows, depth), cols = a.shape, w.shape[0]
     out = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
     if rows == 0 or cols == 0:
@@ -238,12 +255,17 @@ def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Ten
     if cfg.lag and block[0] % cfg.block_n:
         raise ValueError(f"config.lag needs config.block_n={cfg.block_n} to divide "
                          f"block_n={block[0]}")
+    quant_a = a_scale is None
+    if quant_a and cfg.block_k != block[1]:
+        raise ValueError(f"quantizing in the GEMM needs config.block_k={cfg.block_k} to equal "
+                         f"block_k={block[1]}")
     split = min(cfg.split_k, triton.cdiv(depth, cfg.block_k))
     tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(cols, cfg.block_n) * split
-    use_tma = cfg.tma and _tma_ok(a) and _tma_ok(w)
+    use_tma = cfg.tma and _tma_ok(w) and (quant_a or _tma_ok(a))
     a_arg, w_arg = a, w
     if use_tma:
-        a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        if not quant_a:
+            a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
         w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
     programs = tiles
     if cfg.persistent:
@@ -255,12 +277,14 @@ def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Ten
     bias_arg = bias if bias is not None else w_scale
     with on_device(a.device):
         _block_fp8_matmul_kernel[(programs,)](
-            a_arg, a_scale, w_arg, w_scale, bias_arg, out, part, rows, cols, depth,
-            a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+            a_arg, w_scale if quant_a else a_scale, w_arg, w_scale, bias_arg, out, part, rows,
+            cols, depth, a.stride(0), 0 if quant_a else a_scale.stride(0), w.stride(0),
+            w_scale.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma, LAG=cfg.lag,
-            PERSISTENT=cfg.persistent, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split > 1:
             numel = rows * cols
@@ -269,6 +293,16 @@ def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Ten
                 part, bias_arg, out, numel, cols, SPLIT_K=split, HAS_BIAS=bias is not None,
                 BLOCK=reduce_block, num_warps=4)
     return out
+
+
+def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
+                            w_scale: torch.Tensor, block: tuple[int, int],
+                            out_dtype: torch.dtype, bias: torch.Tensor | None = None, *,
+                            config: GemmConfig | None = None) -> torch.Tensor:
+    """Triton launcher; ``config`` overrides the table's or the heuristic's choice
+    (the benchmark sweeps them, the tests run each family)."""
+    _check_matmul(a, a_scale, w, w_scale, block, out_dtype, bias)
+    return _launch(a, a_scale, w, w_scale, tuple(block), out_dtype, bias, config)
 
 
 def block_fp8_matmul_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
@@ -300,23 +334,44 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     check_fp8_weight(weight, scale, block)
 
 
+FUSED_QUANT_MAX_ROWS = 64  # decode: quantize inside the GEMM (one launch, no round trip)
+
+
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                       block: tuple[int, int], bias: torch.Tensor | None = None, *,
-                      scale_ue8m0: bool = False) -> torch.Tensor:
-    """``x [..., K]``: per-token-group quantization then the w8a8 GEMM."""
+                      scale_ue8m0: bool = False, fuse_quant: bool | None = None,
+                      config: GemmConfig | None = None) -> torch.Tensor:
+    """``x [..., K]``: per-token-group quantization then the w8a8 GEMM. With
+    ``fuse_quant`` (default: at most ``FUSED_QUANT_MAX_ROWS`` rows) the GEMM reads
+    ``x`` itself and quantizes each tile's groups with the quantization kernel's
+    own code, so the result is the same as quantizing first, one launch fewer."""
     _check_linear(x, weight, weight_scale_inv, block)
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[1] > 1 and flat.stride(1) != 1:
         flat = flat.contiguous()
-    a, a_scale = per_token_group_quant_fp8(flat, block[1], scale_ue8m0=scale_ue8m0)
-    out = block_fp8_matmul_triton(a, a_scale, weight, weight_scale_inv, block, x.dtype, bias)
+    cfg = config if config is not None else select_config(
+        flat.shape[0], weight.shape[0], weight.shape[1], tuple(block), x.device)
+    if fuse_quant is None:
+        fuse_quant = flat.shape[0] <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
+    check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
+    if fuse_quant:
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+            raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        out = _launch(flat, None, weight, weight_scale_inv, tuple(block), x.dtype, bias, cfg,
+                      ue8m0=scale_ue8m0)
+    else:
+        a, a_scale = per_token_group_quant_fp8(flat, block[1], scale_ue8m0=scale_ue8m0)
+        out = block_fp8_matmul_triton(a, a_scale, weight, weight_scale_inv, block, x.dtype,
+                                      bias, config=cfg)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                    block: tuple[int, int], bias: torch.Tensor | None = None, *,
-                   scale_ue8m0: bool = False) -> torch.Tensor:
-    """``F.linear`` with the dequantized weight (activations stay as they are)."""
+                   scale_ue8m0: bool = False, fuse_quant: bool | None = None,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """``F.linear`` with the dequantized weight (activations stay as they are;
+    ``fuse_quant`` and ``config`` choose how the kernel runs, not what it computes)."""
     _check_linear(x, weight, weight_scale_inv, block)
     return F.linear(x, dequantize_weight_blocks(weight, weight_scale_inv, tuple(block), x.dtype),
                     bias)
@@ -324,9 +379,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                block: tuple[int, int], bias: torch.Tensor | None = None, *,
-               scale_ue8m0: bool = False) -> torch.Tensor:
+               scale_ue8m0: bool = False, fuse_quant: bool | None = None,
+               config: GemmConfig | None = None) -> torch.Tensor:
     run = fp8_linear_triton if use_triton(x) else fp8_linear_ref
-    return run(x, weight, weight_scale_inv, block, bias, scale_ue8m0=scale_ue8m0)
+    return run(x, weight, weight_scale_inv, block, bias, scale_ue8m0=scale_ue8m0,
+               fuse_quant=fuse_quant, config=config)
 
 
 def silu_mul_fp8_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,

@@ -252,6 +252,36 @@ def test_config_switches_a_shape_cannot_take_are_refused():
                                 config=GemmConfig(16, 32, 64))
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rows,cols,depth,block,ue8m0", [
+    (1, 128, 256, (128, 128), False), (5, 384, 384, (128, 128), True),
+    (33, 96, 200, (32, 32), False), (3, 70, 100, (32, 32), True)])
+def test_quantizing_inside_the_gemm_equals_quantizing_first(family, rows, cols, depth, block,
+                                                            ue8m0):
+    """The fused path of a decode linear: bit for bit the quantize-then-GEMM result."""
+    x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=rows + depth)
+    x = _wide(rows, depth, rows, torch.float32) / 100  # groups with different scales
+    cfg = FAMILY_CONFIGS[family]._replace(block_k=block[1])
+    if cfg.lag and block[0] % cfg.block_n:
+        cfg = cfg._replace(block_n=block[0])
+    fused = fp8_linear_triton(x, w, w_scale, block, bias, scale_ue8m0=ue8m0, fuse_quant=True,
+                              config=cfg)
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1], scale_ue8m0=ue8m0)
+    first = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias,
+                                    config=cfg)
+    assert torch.equal(fused, first)
+    unfused = fp8_linear_triton(x, w, w_scale, block, bias, scale_ue8m0=ue8m0, fuse_quant=False,
+                                config=cfg)
+    assert torch.equal(unfused, first)
+
+
+def test_fused_quantization_needs_the_k_step_to_be_the_group():
+    x, w, w_scale, _ = _gemm_inputs(2, 64, 64, (32, 32))
+    with pytest.raises(ValueError, match="config.block_k=16 to equal block_k=32"):
+        fp8_linear_triton(x, w, w_scale, (32, 32), fuse_quant=True,
+                          config=GemmConfig(16, 32, 16))
+
+
 @pytest.mark.parametrize("rows,cols,depth,block", GEMM_CASES[:3])
 def test_fp8_linear_is_the_gemm_of_the_quantized_activations(rows, cols, depth, block):
     x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=7)
@@ -361,6 +391,17 @@ def test_gpu_each_config_family_equals_reference(family, rows):
     out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32, bias,
                                   config=cands[0])
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("cols,depth", [(4096, 4096), (576, 2048), (2048, 10944)])
+def test_gpu_fused_quant_linear_equals_quantize_then_gemm(rows, cols, depth):
+    x, w, w_scale, _ = _gemm_inputs(rows, cols, depth, (128, 128), device="cuda")
+    x = x.bfloat16()
+    fused = fp8_linear_triton(x, w, w_scale, (128, 128), fuse_quant=True)
+    unfused = fp8_linear_triton(x, w, w_scale, (128, 128), fuse_quant=False)
+    torch.testing.assert_close(fused.float(), unfused.float(), rtol=1e-2, atol=1e-2)
 
 
 @requires_gpu
