@@ -54,7 +54,7 @@ def _gemm_tile(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    LAG: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
+    LAG: tl.constexpr, FOLD: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
 ):
     """One output tile (or one k slice of it): grouped tile order, one scale per
     row and per column block for every k step, float32 accumulation."""
@@ -94,6 +94,9 @@ def _gemm_tile(
     if LAG:
         prev = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         prev_s = tl.zeros([BLOCK_M], tl.float32)
+    if FOLD:  # acc holds the sum in units of the last step's scales
+        prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # with a scalar weight scale: both
+        prev_w = tl.full([BLOCK_N], 1.0, tl.float32)
     for ks in range(k_lo, k_hi):
         k0 = ks * BLOCK_K
         if QUANT_A:  # a is the unquantized activation: one scale group per k step
@@ -118,7 +121,18 @@ def _gemm_tile(
         group = k0 // GROUP_K
         if not QUANT_A:
             a_s = tl.load(as_rows + group)
-        if LAG:  # issue this step's dot, then scale the previous one's
+        if FOLD:  # rescale the sum to this step's units, then the dot adds in place
+            if SCALAR_WS:
+                s_k = a_s * tl.load(ws_tile + group)
+                acc = tl.dot(a, w, acc * (prev_a / s_k)[:, None], out_dtype=tl.float32)
+                prev_a = s_k
+            else:
+                w_s = tl.load(ws_cols + group)
+                acc = tl.dot(a, w, acc * (prev_a / a_s)[:, None] * (prev_w / w_s)[None, :],
+                             out_dtype=tl.float32)
+                prev_a = a_s
+                prev_w = w_s
+        elif LAG:  # issue this step's dot, then scale the previous one's
             d = tl.dot(a, w, out_dtype=tl.float32)
             acc += prev * prev_s[:, None]
             prev = d
@@ -134,6 +148,11 @@ def _gemm_tile(
             a_ptrs += BLOCK_K
     if LAG:
         acc += prev * prev_s[:, None]
+    if FOLD:
+        if SCALAR_WS:
+            acc = acc * prev_a[:, None]
+        else:
+            acc = acc * prev_a[:, None] * prev_w[None, :]
 
     mask = m_ok[:, None] & n_ok[None, :]
     if SPLIT_K > 1:  # float32 partials; the reduction adds the bias and casts
@@ -153,7 +172,8 @@ def _block_fp8_matmul_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    LAG: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
+    LAG: tl.constexpr, FOLD: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr,
+    UE8M0: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PERSISTENT:  # one program per SM walks the tiles
@@ -162,12 +182,12 @@ def _block_fp8_matmul_kernel(
             _gemm_tile(tile, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                        depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
                        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
-                       QUANT_A, UE8M0)
+                       FOLD, QUANT_A, UE8M0)
     else:
         _gemm_tile(pid, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                    depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
                    HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
-                   QUANT_A, UE8M0)
+                   FOLD, QUANT_A, UE8M0)
 
 
 @triton.jit
@@ -282,7 +302,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             w_scale.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma, LAG=cfg.lag,
+            SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma, LAG=cfg.lag, FOLD=cfg.fold,
             PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )

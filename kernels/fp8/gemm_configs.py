@@ -17,10 +17,16 @@ the warps and pipeline stages, and three switches:
 - ``lag``: the float32 scaling of one k step's product is applied in the next
   step, after that step's ``tl.dot`` is issued, so the tensor cores are not idle
   while the CUDA cores scale (it needs the whole tile inside one weight scale
-  block: ``block_n`` of the scales divisible by ``block_n`` of the tile).
+  block: ``block_n`` of the scales divisible by ``block_n`` of the tile);
+- ``fold``: the accumulator holds the sum in units of the current step's
+  scales: each step multiplies it by ``previous scale / this scale`` and the
+  ``tl.dot`` adds into it in place, so no second float32 tile of the dot's
+  result is live beside the accumulator (half the registers: 128x256 tiles on
+  8 warps); the sum is scaled back once at the end (a few float32 roundings
+  more; weight scales must be positive, as every quantizer writes them).
 
 The family of a config (``config_family``) is what the tests run each of under
-the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``.
+the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``fold``.
 
 Tuned tables come from ``bench/fp8.py --sweep``: a JSON file of entries
 ``{"rows", "n", "k", "block", "config"}``. ``select_config`` looks one up for a
@@ -44,7 +50,7 @@ import torch
 
 TABLE_ENV = "LANEKV_FP8_GEMM_CONFIGS"
 TABLE_DIR = Path(__file__).resolve().parent / "gemm_tables"
-FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag")
+FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "fold")
 
 
 class GemmConfig(NamedTuple):
@@ -58,10 +64,11 @@ class GemmConfig(NamedTuple):
     tma: bool = False
     persistent: bool = False
     lag: bool = False
+    fold: bool = False
 
     def name(self) -> str:
-        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag))
-                        if on)
+        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag),
+                                         ("F", self.fold)) if on)
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
 
@@ -94,9 +101,11 @@ def check_config(cfg: GemmConfig) -> GemmConfig:
         value = getattr(cfg, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
             raise ValueError(f"{field} must be an int in [1, 64], got {value!r}")
-    for field in ("tma", "persistent", "lag"):
+    for field in ("tma", "persistent", "lag", "fold"):
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{field} must be a bool, got {getattr(cfg, field)!r}")
+    if cfg.lag and cfg.fold:
+        raise ValueError("lag and fold are two ways to scale the products; a config takes one")
     return cfg
 
 
@@ -104,6 +113,8 @@ def config_family(cfg: GemmConfig) -> str:
     """The one feature a config exercises beyond plain tiles (tests cover each)."""
     if cfg.lag:
         return "lag"
+    if cfg.fold:
+        return "fold"
     if cfg.split_k > 1:
         return "splitk"
     if cfg.persistent:
@@ -161,6 +172,7 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
                 out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 3))
                 out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 5))
                 out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 4, lag=True))
+                out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 4, tma=True, fold=True))
     else:
         tiles = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
                  (128, 256, 8, 4), (64, 256, 4, 4), (64, 128, 4, 5), (256, 128, 8, 3)]
@@ -176,6 +188,12 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
             out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True, lag=True))
         out.append(GemmConfig(128, 128, bk, 16, 1, 8, 4, tma=True))
         out.append(GemmConfig(128, 128, bk, 4, 1, 8, 4, tma=True))
+        # fold: one float32 tile live, so 128x256 fits 8 warps and 128x128 one warpgroup
+        for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
+                                      (128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 4, 4)):
+            out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True, fold=True))
+        out.append(GemmConfig(128, 256, bk, 8, 1, 8, 3, tma=True, persistent=True, fold=True))
+        out.append(GemmConfig(128, 256, bk, 8, 1, 8, 3, fold=True))
     return [c for c in out if not c.lag or block[0] % c.block_n == 0]
 
 

@@ -141,6 +141,7 @@ FAMILY_CONFIGS = {
     "persistent": GemmConfig(16, 32, 128, 2, 1, 4, 1, tma=True, persistent=True),
     "splitk": GemmConfig(16, 64, 128, 2, 3, 4, 1),
     "lag": GemmConfig(16, 64, 128, 2, 1, 4, 1, lag=True),
+    "fold": GemmConfig(16, 256, 128, 2, 1, 4, 1, tma=True, fold=True),  # two weight scale blocks
 }
 ODD_SHAPES = [(1, 128, 256), (5, 384, 384), (33, 128, 384), (33, 384, 256)]
 
@@ -178,7 +179,7 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
     cands = candidate_configs(rows, (128, 128))
     assert len(set(cands)) == len(cands)
     families = {config_family(c) for c in cands}
-    assert {"tiles", "tma", "lag"} <= families
+    assert {"tiles", "tma", "lag"} <= families and ("fold" in families or rows <= 16)
     assert ("splitk" if rows <= 64 else "persistent") in families
     for cfg in cands:
         assert GemmConfig.from_dict(cfg.to_dict()) == cfg
@@ -186,7 +187,7 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
         assert smem <= 200 * 1024, cfg.name()
 
 
-@pytest.mark.parametrize("family", ["tiles", "tma", "persistent", "splitk", "lag"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_a_sweep_candidate_of_each_family_runs_interpreted(family):
     """The first candidate of the family, at the row count it is tuned for, on a tiny shape."""
     rows = {"splitk": 1, "persistent": 2048}.get(family, 64)
