@@ -192,6 +192,63 @@ def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block) -> tuple[list[dict
     return tried, best
 
 
+def _spec_shapes(models: list[str]) -> list[tuple[int, int]]:
+    """One (N, K) of each class the kernels specialize on (16-divisible ints, a
+    K that is or is not a multiple of 128, a scale row stride divisible by 16 or not)."""
+    seen, out = set(), []
+    for model in models:
+        for _, n, k in SHAPES[model]:
+            groups = -(-k // 128)
+            key = (n % 16 == 0, k % 16 == 0, k % 128 == 0, groups % 16 == 0)
+            if key not in seen:
+                seen.add(key)
+                out.append((n, k))
+    return out
+
+
+def _warm_worker(configs: list[dict], shapes: list[tuple[int, int]], rows: int) -> int:
+    """Compile ``configs`` on ``shapes`` (a spawned process: several compile at once and
+    fill Triton's disk cache, which the timing process then reads)."""
+    device = torch.device("cuda")
+    done = 0
+    for n, k in shapes:
+        w, s = quantize_weight_blocks(torch.randn(n, k, device=device) * k ** -0.5, (128, 128))
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        a, a_scale = per_token_group_quant_fp8_triton(x, 128)
+        for raw in configs:
+            cfg = GemmConfig(**raw)
+            try:
+                block_fp8_matmul_triton(a, a_scale, w, s, (128, 128), torch.bfloat16, config=cfg)
+                if rows <= 64 and cfg.block_k == 128:  # the linear's fused quantization
+                    fp8_linear_triton(x, w, s, (128, 128), fuse_quant=True, config=cfg)
+                done += 1
+            except Exception:  # noqa: BLE001,S112  (the timing process records the error)
+                continue
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(rows_list: list[int], models: list[str], jobs: int) -> None:
+    """Compile every candidate config of the swept row counts in ``jobs`` processes."""
+    import concurrent.futures
+    import multiprocessing
+
+    if jobs <= 1:
+        return
+    t0 = time.perf_counter()
+    shapes = _spec_shapes(models)
+    work = []
+    for rows in sorted(set(rows_list)):
+        cands = [c.to_dict() for c in candidate_configs(rows, (128, 128))]
+        work += [(cands[i::jobs], rows) for i in range(jobs) if cands[i::jobs]]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        done = sum(pool.map(_warm_worker, [w[0] for w in work], [shapes] * len(work),
+                            [w[1] for w in work]))
+    print(f"precompiled {done} config x shape pairs in {jobs} processes in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+
 def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                sweep: bool, timer: str) -> list[dict]:
     block = (128, 128)
@@ -401,6 +458,8 @@ def main() -> None:
                     metavar="PATH",
                     help="merge the configs used into a tuned table (default path: "
                          "kernels/fp8/gemm_tables/<device>.json, which select_config reads)")
+    ap.add_argument("--jobs", type=int, default=12,
+                    help="with --sweep: processes compiling the candidate configs first")
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
                     help="GEMM timing: CUDA-graph replay (GPU time) or plain launches")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048, 8192])
@@ -422,6 +481,8 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
                   triton=triton.__version__, timer=args.timer, sweep=args.sweep)
+    if args.sweep:
+        precompile(args.rows, args.models, args.jobs)
     if args.only in (None, "gemm"):
         result["gemm"] = bench_gemm(args.rows, args.models, device, sweep=args.sweep,
                                     timer=args.timer)

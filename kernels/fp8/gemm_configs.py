@@ -188,9 +188,13 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
             out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True, lag=True))
         out.append(GemmConfig(128, 128, bk, 16, 1, 8, 4, tma=True))
         out.append(GemmConfig(128, 128, bk, 4, 1, 8, 4, tma=True))
-        # fold: one float32 tile live, so 128x256 fits 8 warps and 128x128 one warpgroup
+        # fold: one float32 tile live, so 128x256 fits 8 warps, 128x128 one warpgroup, and
+        # 128x128 on 8 warps with 3 stages leaves room for two programs per SM (one scales
+        # while the other's tensor-core work runs)
         for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
-                                      (128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 4, 4)):
+                                      (128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 4, 4),
+                                      (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 4, 3),
+                                      (128, 128, 8, 2)):
             out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True, fold=True))
         out.append(GemmConfig(128, 256, bk, 8, 1, 8, 3, tma=True, persistent=True, fold=True))
         out.append(GemmConfig(128, 256, bk, 8, 1, 8, 3, fold=True))
