@@ -244,7 +244,13 @@ def table_path(device: torch.device) -> str | None:
         return env
     if device.type != "cuda":
         return None
-    path = TABLE_DIR / f"{device_slug(torch.cuda.get_device_name(device))}.json"
+    return _committed_table(torch.cuda.get_device_name(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _committed_table(device_name: str) -> str | None:
+    """The committed table of a device, if any (looked up once per device name)."""
+    path = TABLE_DIR / f"{device_slug(device_name)}.json"
     return str(path) if path.is_file() else None
 
 
