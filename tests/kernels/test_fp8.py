@@ -394,7 +394,9 @@ def test_gpu_each_config_family_equals_reference(family):
             ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32, bias)
             out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32,
                                           bias, config=cands[0])
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+            # Hopper's fp8 dot sums each 128-deep step at reduced precision (promoted to
+            # float32 between steps): a wrong scale or tile would be off by O(1)
+            torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
             ran += 1
     assert ran >= 2
 
