@@ -4,7 +4,8 @@
   prefill row counts, in one run: our block-FP8 GEMM (``gemm_ms``: the w8a8
   kernel alone with the config ``select_config`` picks, or with ``--sweep`` the
   fastest correct one of ``candidate_configs``; ``linear_ms``: with the
-  activations' per-token-group quantization, not in a sweep), against
+  activations' per-token-group quantization, inside the GEMM at <= 64 rows,
+  ``linear_unfused_ms`` the same as two kernels; not in a sweep), against
   ``torch._scaled_mm`` with row-wise scales (``scaled_mm_row_ms``) and with our
   own block scales (1x128 activations, 128x128 weights: ``scaled_mm_block_ms``,
   through ``torch._scaled_mm`` or ``F.scaled_mm`` with ``ScalingType``, whichever
@@ -55,7 +56,11 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from lanekv.decode.engine import DecodeEngine  # noqa: E402
 from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
-from lanekv.kernels.fp8.gemm import block_fp8_matmul_triton, fp8_linear_triton  # noqa: E402
+from lanekv.kernels.fp8.gemm import (  # noqa: E402
+    FUSED_QUANT_MAX_ROWS,
+    block_fp8_matmul_triton,
+    fp8_linear_triton,
+)
 from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     TABLE_DIR,
     GemmConfig,
@@ -284,6 +289,9 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 if not sweep:  # the linear takes the table's config, not the sweep's
                     row["linear_ms"] = time_fn(_rotating([partial(
                         fp8_linear_triton, x, w, s, block) for w, s in ws]))
+                    if rows <= FUSED_QUANT_MAX_ROWS:  # what quantizing inside the GEMM saves
+                        row["linear_unfused_ms"] = time_fn(_rotating([partial(
+                            fp8_linear_triton, x, w, s, block, fuse_quant=False) for w, s in ws]))
                 row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x, w.t())
                                                     for w in bf16s]))
                 a_row = (x.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)

@@ -22,8 +22,11 @@ the warps and pipeline stages, and three switches:
   scales: each step multiplies it by ``previous scale / this scale`` and the
   ``tl.dot`` adds into it in place, so no second float32 tile of the dot's
   result is live beside the accumulator (half the registers: 128x256 tiles on
-  8 warps); the sum is scaled back once at the end (a few float32 roundings
-  more; weight scales must be positive, as every quantizer writes them).
+  8 warps); the sum is scaled back once at the end. Costs: the running sum
+  goes through the fp8 tensor core's accumulator, whose additions on Hopper
+  keep fewer bits than float32 (the other families promote each 128-deep step
+  into float32), and weight scales must be positive, as quantizers write them.
+  The sweep checks every config's error against the float32 reference.
 
 The family of a config (``config_family``) is what the tests run each of under
 the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``fold``.
