@@ -90,6 +90,17 @@ def _gemm_tile(
     if not TMA:
         w_ptrs = w_ptr + n_safe[None, :] * stride_w + (k_lo * BLOCK_K + kk)[:, None]
 
+    # the scales of a step are loaded one step ahead: their latency hides behind a dot
+    # (the pipeliner only prefetches the tiles that feed the dot)
+    last_group = tl.cdiv(depth, GROUP_K) - 1
+    g_first = tl.minimum((k_lo * BLOCK_K) // GROUP_K, last_group)
+    if not QUANT_A:
+        a_s_next = tl.load(as_rows + g_first)
+    if SCALAR_WS:
+        w_s_next = tl.load(ws_tile + g_first)
+    else:
+        w_s_next = tl.load(ws_cols + g_first)
+
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if LAG:
         prev = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -99,6 +110,12 @@ def _gemm_tile(
         prev_w = tl.full([BLOCK_N], 1.0, tl.float32)
     for ks in range(k_lo, k_hi):
         k0 = ks * BLOCK_K
+        g_next = tl.minimum((k0 + BLOCK_K) // GROUP_K, last_group)
+        w_s = w_s_next
+        if SCALAR_WS:
+            w_s_next = tl.load(ws_tile + g_next)
+        else:
+            w_s_next = tl.load(ws_cols + g_next)
         if QUANT_A:  # a is the unquantized activation: one scale group per k step
             k_ok = k0 + kk < depth
             if EVEN_K:
@@ -106,28 +123,27 @@ def _gemm_tile(
             else:
                 x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
             a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0)
-        elif TMA:
-            a = a_ptr.load([pid_m * BLOCK_M, k0])
-        elif EVEN_K:
-            a = tl.load(a_ptrs)
         else:
-            a = tl.load(a_ptrs, mask=(k0 + kk < depth)[None, :], other=0.0)
+            a_s = a_s_next
+            a_s_next = tl.load(as_rows + g_next)
+            if TMA:
+                a = a_ptr.load([pid_m * BLOCK_M, k0])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(k0 + kk < depth)[None, :], other=0.0)
         if TMA:
             w = w_ptr.load([pid_n * BLOCK_N, k0]).T
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
             w = tl.load(w_ptrs, mask=(k0 + kk < depth)[:, None], other=0.0)
-        group = k0 // GROUP_K
-        if not QUANT_A:
-            a_s = tl.load(as_rows + group)
         if FOLD:  # rescale the sum to this step's units, then the dot adds in place
             if SCALAR_WS:
-                s_k = a_s * tl.load(ws_tile + group)
+                s_k = a_s * w_s
                 acc = tl.dot(a, w, acc * (prev_a / s_k)[:, None], out_dtype=tl.float32)
                 prev_a = s_k
             else:
-                w_s = tl.load(ws_cols + group)
                 acc = tl.dot(a, w, acc * (prev_a / a_s)[:, None] * (prev_w / w_s)[None, :],
                              out_dtype=tl.float32)
                 prev_a = a_s
@@ -136,11 +152,10 @@ def _gemm_tile(
             d = tl.dot(a, w, out_dtype=tl.float32)
             acc += prev * prev_s[:, None]
             prev = d
-            prev_s = a_s * tl.load(ws_tile + group)
+            prev_s = a_s * w_s
         elif SCALAR_WS:
-            acc += tl.dot(a, w, out_dtype=tl.float32) * (a_s * tl.load(ws_tile + group))[:, None]
+            acc += tl.dot(a, w, out_dtype=tl.float32) * (a_s * w_s)[:, None]
         else:
-            w_s = tl.load(ws_cols + group)
             acc += tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
         if not TMA:
             w_ptrs += BLOCK_K
