@@ -94,12 +94,12 @@ def _gemm_tile(
     # (the pipeliner only prefetches the tiles that feed the dot)
     last_group = tl.cdiv(depth, GROUP_K) - 1
     g_first = tl.minimum((k_lo * BLOCK_K) // GROUP_K, last_group)
-    if not QUANT_A:
+    # (fold with per-column weight scales compiles unpipelined with them carried over)
+    PREFETCH_A: tl.constexpr = not QUANT_A and (SCALAR_WS or not FOLD)
+    if PREFETCH_A:
         a_s_next = tl.load(as_rows + g_first)
-    if SCALAR_WS:
+    if SCALAR_WS:  # (a vector of weight scales carried over the loop stops the pipelining)
         w_s_next = tl.load(ws_tile + g_first)
-    else:
-        w_s_next = tl.load(ws_cols + g_first)
 
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     if LAG:
@@ -111,11 +111,11 @@ def _gemm_tile(
     for ks in range(k_lo, k_hi):
         k0 = ks * BLOCK_K
         g_next = tl.minimum((k0 + BLOCK_K) // GROUP_K, last_group)
-        w_s = w_s_next
         if SCALAR_WS:
+            w_s = w_s_next
             w_s_next = tl.load(ws_tile + g_next)
         else:
-            w_s_next = tl.load(ws_cols + g_next)
+            w_s = tl.load(ws_cols + k0 // GROUP_K)
         if QUANT_A:  # a is the unquantized activation: one scale group per k step
             k_ok = k0 + kk < depth
             if EVEN_K:
@@ -124,8 +124,11 @@ def _gemm_tile(
                 x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
             a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0)
         else:
-            a_s = a_s_next
-            a_s_next = tl.load(as_rows + g_next)
+            if PREFETCH_A:
+                a_s = a_s_next
+                a_s_next = tl.load(as_rows + g_next)
+            else:
+                a_s = tl.load(as_rows + k0 // GROUP_K)
             if TMA:
                 a = a_ptr.load([pid_m * BLOCK_M, k0])
             elif EVEN_K:
