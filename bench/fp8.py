@@ -1,11 +1,23 @@
 """Block-FP8 weights on one GPU: the GEMMs and the decode step against their peers and floors.
 
 - ``gemm``: on Llama-3-8B's and DeepSeek-V2-Lite's linear shapes, at decode and
-  prefill row counts: our block-FP8 GEMM (``gemm_ms``: the w8a8 kernel alone;
-  ``linear_ms``: with the activations' per-token-group quantization), against
-  ``torch._scaled_mm`` with row-wise scales (the best torch FP8 GEMM on this
-  device's torch; ``scaled_mm_ms``, ``None`` with the reason when it cannot run)
-  and the bf16 GEMM (``bf16_ms``).
+  prefill row counts, in one run: our block-FP8 GEMM (``gemm_ms``: the w8a8
+  kernel alone with the config ``select_config`` picks, or with ``--sweep`` the
+  fastest correct one of ``candidate_configs``; ``linear_ms``: with the
+  activations' per-token-group quantization, inside the GEMM at <= 64 rows,
+  ``linear_unfused_ms`` the same as two kernels; not in a sweep), against
+  ``torch._scaled_mm`` with row-wise scales (``scaled_mm_row_ms``) and with our
+  own block scales (1x128 activations, 128x128 weights: ``scaled_mm_block_ms``,
+  through ``torch._scaled_mm`` or ``F.scaled_mm`` with ``ScalingType``, whichever
+  this torch runs; ``None`` with the reason otherwise, or when its result
+  differs from the reference) and the bf16 GEMM (``bf16_ms``).
+  ``vs_best_torch_fp8`` is the faster torch FP8 time over ours (the target is
+  >= 0.85). Every GEMM cycles through copies of its weight totalling over
+  twice the L2 cache, so a small weight is read from memory as in a model's
+  step; ``--timer graph`` (default) replays the calls in a CUDA graph (the GPU's
+  time, as the captured decode step sees it), ``--timer events`` times plain
+  launches. Each config's output is checked against the float32 reference
+  (``rel_err``).
 - ``decode``: the decode engine's captured step at batch 1/16/64 with a
   ``--context`` token context, the model's dummy weights bf16 and then quantized
   blockwise (``quantization_config``), against the FP8 weight-read floor: the
@@ -14,14 +26,22 @@
   lm_head; the embedding rows of the batch, not the table) at the device's
   copy rate.
 
-    python bench/fp8.py --json bench/results/fp8/h200_run1.json
-    python bench/fp8.py --only gemm --rows 1 16 --json /tmp/gemm.json
+Each run writes a new JSON file (``--json PATH``, refused if it exists, or a
+timestamped one in bench/results/fp8/). ``--write-table`` merges the configs a
+run used into ``kernels/fp8/gemm_tables/<device>.json``, the table the kernel
+reads (or PATH; ``LANEKV_FP8_GEMM_CONFIGS`` points the kernel at another).
+
+    python bench/fp8.py --sweep --rows 1 16 64 --write-table      # tune decode rows
+    python bench/fp8.py --sweep --rows 2048 8192 --write-table    # tune prefill rows
+    python bench/fp8.py --only gemm                               # the tuned GEMM vs torch
+    python bench/fp8.py --only decode
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 import time
@@ -33,11 +53,27 @@ import lanekv  # noqa: E402,F401  (the package first: the repository's lanekv/ f
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 from lanekv.decode.engine import DecodeEngine  # noqa: E402
 from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
-from lanekv.kernels.fp8.gemm import block_fp8_matmul_triton, fp8_linear_triton  # noqa: E402
+from lanekv.kernels.fp8.gemm import (  # noqa: E402
+    FUSED_QUANT_MAX_ROWS,
+    block_fp8_matmul_triton,
+    fp8_linear_triton,
+)
+from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
+    TABLE_DIR,
+    GemmConfig,
+    candidate_configs,
+    device_slug,
+    select_config,
+    table_entry,
+)
 from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_triton  # noqa: E402
-from lanekv.kernels.fp8.weights import quantize_weight_blocks  # noqa: E402
+from lanekv.kernels.fp8.weights import (  # noqa: E402
+    dequantize_weight_blocks,
+    quantize_weight_blocks,
+)
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
 from lanekv.model.sampling import SamplingParams  # noqa: E402
 
@@ -55,6 +91,7 @@ SHAPES = {
                 ("shared_gate_up", 5632, 2048), ("shared_down", 2048, 2816)],
 }
 MODELS = {"llama3_8b": LLAMA3_8B, "v2_lite": V2_LITE}
+RESULTS_DIR = Path(__file__).resolve().parent / "results" / "fp8"
 
 
 def _ms(fn) -> float:
@@ -63,38 +100,274 @@ def _ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=40)
 
 
-def bench_gemm(rows_list: list[int], device: torch.device) -> list[dict]:
+def _timer(kind: str, rep: int):
+    """``graph``: the calls captured in a CUDA graph and replayed (the GPU's time,
+    as a captured decode step runs them; no launch overhead); ``events``: plain
+    launches timed by CUDA events (the host's launch cost shows at few rows)."""
+    import triton.testing
+
+    if kind == "graph":
+        return lambda fn: triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+    return lambda fn: triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
+
+
+def _rotating(calls: list):
+    """One callable that runs ``calls`` in turn: a copy of the weight per call, so a
+    weight that fits the L2 cache is still read from memory as in a model's step."""
+    state = {"i": 0}
+
+    def run():
+        fn = calls[state["i"] % len(calls)]
+        state["i"] += 1
+        return fn()
+
+    return run
+
+
+L2_FLUSH_BYTES = 128 << 20  # over twice an H200's 50 MB L2
+
+
+def _copies(nbytes: int) -> int:
+    return max(1, min(64, -(-L2_FLUSH_BYTES // max(nbytes, 1))))
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def _scaled_mm_block_calls(a, a_scale, ws, ref) -> tuple[list, str, float | None]:
+    """``torch._scaled_mm`` / ``F.scaled_mm`` with our own scales (1x128 for the
+    activations, 128x128 for the weight), in the layouts torch may ask for: the
+    calls (one per weight copy) of the first variant that runs and matches the
+    reference, its name (or why none did) and its relative error."""
+    import torch.nn.functional as F
+
+    rows, groups = a_scale.shape
+    l4 = -(-groups // 4) * 4
+    sa = a_scale.t().contiguous().t()  # [M, K/128], M-major
+    sa_pad = torch.zeros(groups, -(-rows // 4) * 4, dtype=torch.float32, device=a.device)
+    sa_pad[:, :rows] = a_scale.t()
+    sa_pad = sa_pad.t()[:rows]  # M-major, column stride padded to 16 bytes
+
+    def padded(s):
+        pad = torch.zeros(s.shape[0], l4, dtype=torch.float32, device=s.device)
+        pad[:, :groups] = s
+        return pad.t()  # [L4, N/128], stride [1, L4]
+
+    variants = [(f"_scaled_mm{tag}", lambda w, s, sa_=sa_: partial(
+        torch._scaled_mm, a, w.t(), scale_a=sa_, scale_b=s.t(), out_dtype=torch.bfloat16))
+        for tag, sa_ in (("", sa), ("_pad_m", sa_pad))]
+    if hasattr(F, "scaled_mm") and hasattr(F, "ScalingType"):
+        st = F.ScalingType
+        for name, scale_b in (("F.scaled_mm", lambda s: s.t()), ("F.scaled_mm_l4", padded)):
+            variants.append((name, lambda w, s, scale_b=scale_b: partial(
+                F.scaled_mm, a, w.t(), sa, st.BlockWise1x128, scale_b(s), st.BlockWise128x128,
+                output_dtype=torch.bfloat16)))
+    errors = []
+    limit = 4 * _rel_err(ref.to(torch.bfloat16), ref) + 1e-4
+    for name, make in variants:
+        try:
+            calls = [make(w, s) for w, s in ws]
+            err = _rel_err(calls[0](), ref)
+            torch.cuda.synchronize()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            errors.append(f"{name}: {str(exc).splitlines()[0][:200] if str(exc) else exc!r}")
+            continue
+        if err < limit:
+            return calls, name, err
+        errors.append(f"{name}: relative error {err:.2e} over {limit:.2e}")
+    return [], " | ".join(errors), None
+
+
+def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block) -> tuple[list[dict], dict | None]:
+    """Every candidate config: compiled, checked against the reference, timed."""
+    tried, best = [], None
+    limit = 4 * _rel_err(ref.to(torch.bfloat16), ref) + 1e-4  # 4x the output's own rounding
+    for cfg in candidate_configs(rows, block):
+        rec = dict(config=cfg.name())
+        try:
+            out = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block, torch.bfloat16,
+                                          config=cfg)
+            torch.cuda.synchronize()
+            rec["rel_err"] = _rel_err(out, ref)
+            if not rec["rel_err"] < limit:
+                rec["error"] = f"relative error {rec['rel_err']:.2e} over {limit:.2e}"
+            else:
+                rec["ms"] = time_fn(_rotating([partial(
+                    block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16, config=cfg)
+                    for w, s in ws]))
+        except Exception as err:  # noqa: BLE001  (a config that fails to compile is recorded)
+            rec["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(
+                err) else type(err).__name__
+        tried.append(rec)
+        if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
+            best = dict(rec, cfg=cfg)
+    return tried, best
+
+
+def _spec_shapes(models: list[str]) -> list[tuple[int, int]]:
+    """One (N, K) of each class the kernels specialize on (16-divisible ints, a
+    K that is or is not a multiple of 128, a scale row stride divisible by 16 or not)."""
+    seen, out = set(), []
+    for model in models:
+        for _, n, k in SHAPES[model]:
+            groups = -(-k // 128)
+            key = (n % 16 == 0, k % 16 == 0, k % 128 == 0, groups % 16 == 0)
+            if key not in seen:
+                seen.add(key)
+                out.append((n, k))
+    return out
+
+
+def _warm_worker(configs: list[dict], shapes: list[tuple[int, int]], rows: int) -> int:
+    """Compile ``configs`` on ``shapes`` (a spawned process: several compile at once and
+    fill Triton's disk cache, which the timing process then reads)."""
+    device = torch.device("cuda")
+    done = 0
+    for n, k in shapes:
+        w, s = quantize_weight_blocks(torch.randn(n, k, device=device) * k ** -0.5, (128, 128))
+        x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+        a, a_scale = per_token_group_quant_fp8_triton(x, 128)
+        for raw in configs:
+            cfg = GemmConfig(**raw)
+            try:
+                block_fp8_matmul_triton(a, a_scale, w, s, (128, 128), torch.bfloat16, config=cfg)
+                if rows <= 64 and cfg.block_k == 128:  # the linear's fused quantization
+                    fp8_linear_triton(x, w, s, (128, 128), fuse_quant=True, config=cfg)
+                done += 1
+            except Exception:  # noqa: BLE001,S112  (the timing process records the error)
+                continue
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(rows_list: list[int], models: list[str], jobs: int) -> None:
+    """Compile every candidate config of the swept row counts in ``jobs`` processes."""
+    import concurrent.futures
+    import multiprocessing
+
+    if jobs <= 1:
+        return
+    t0 = time.perf_counter()
+    shapes = _spec_shapes(models)
+    work = []
+    for rows in sorted(set(rows_list)):
+        cands = [c.to_dict() for c in candidate_configs(rows, (128, 128))]
+        work += [(cands[i::jobs], rows) for i in range(jobs) if cands[i::jobs]]
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        done = sum(pool.map(_warm_worker, [w[0] for w in work], [shapes] * len(work),
+                            [w[1] for w in work]))
+    print(f"precompiled {done} config x shape pairs in {jobs} processes in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+
+
+def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
+               sweep: bool, timer: str) -> list[dict]:
+    block = (128, 128)
+    time_fn = _timer(timer, 20 if sweep else 40)
     out = []
-    for model, shapes in SHAPES.items():
-        for name, n, k in shapes:
+    for model in models:
+        for name, n, k in SHAPES[model]:
             w_bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
-            w, w_scale = quantize_weight_blocks(w_bf16, (128, 128))
-            w_t = w.t()  # column-major, as _scaled_mm takes its second operand
+            copies = _copies(n * k)
+            bf16s = [w_bf16] + [w_bf16.clone() for _ in range(copies - 1)]
+            ws = [quantize_weight_blocks(w, block) for w in bf16s]
             w_row_scale = w_bf16.float().abs().amax(1, keepdim=True).t().clamp(min=1e-10) / 448
+            w_rows = [((w.float() / w_row_scale.t()).to(torch.float8_e4m3fn)) for w in bf16s]
+            w_deq = dequantize_weight_blocks(ws[0][0], ws[0][1], block)
             for rows in rows_list:
                 x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
                 a, a_scale = per_token_group_quant_fp8_triton(x, 128)
-                row = dict(model=model, linear=name, n=n, k=k, rows=rows)
-                row["gemm_ms"] = _ms(partial(block_fp8_matmul_triton, a, a_scale, w, w_scale,
-                                             (128, 128), torch.bfloat16))
-                row["linear_ms"] = _ms(partial(fp8_linear_triton, x, w, w_scale, (128, 128)))
-                row["bf16_ms"] = _ms(partial(torch.matmul, x, w_bf16.t()))
+                ref = (a.float() * a_scale.repeat_interleave(128, 1)[:, :k]) @ w_deq.t()
+                row = dict(model=model, linear=name, n=n, k=k, rows=rows, weight_copies=copies)
+                cfg = select_config(rows, n, k, block, device)
+                if sweep:
+                    row["tried"], best = _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block)
+                    if best is not None:
+                        cfg = best["cfg"]
+                row["config"] = cfg.to_dict()
+                row["config_name"] = cfg.name()
+                got = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block,
+                                              torch.bfloat16, config=cfg)
+                row["rel_err"] = _rel_err(got, ref)
+                row["gemm_ms"] = time_fn(_rotating([partial(
+                    block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16, config=cfg)
+                    for w, s in ws]))
+                if not sweep:  # the linear takes the table's config, not the sweep's
+                    row["linear_ms"] = time_fn(_rotating([partial(
+                        fp8_linear_triton, x, w, s, block) for w, s in ws]))
+                    if rows <= FUSED_QUANT_MAX_ROWS:  # what quantizing inside the GEMM saves
+                        row["linear_unfused_ms"] = time_fn(_rotating([partial(
+                            fp8_linear_triton, x, w, s, block, fuse_quant=False) for w, s in ws]))
+                row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x, w.t())
+                                                    for w in bf16s]))
                 a_row = (x.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)
                 a8 = (x.float() / a_row).to(torch.float8_e4m3fn)
                 try:
-                    row["scaled_mm_ms"] = _ms(partial(
-                        torch._scaled_mm, a8, w_t, scale_a=a_row, scale_b=w_row_scale,
-                        out_dtype=torch.bfloat16))
+                    row["scaled_mm_row_ms"] = time_fn(_rotating([partial(
+                        torch._scaled_mm, a8, w.t(), scale_a=a_row, scale_b=w_row_scale,
+                        out_dtype=torch.bfloat16) for w in w_rows]))
                 except (RuntimeError, TypeError) as err:
-                    row["scaled_mm_ms"], row["scaled_mm_skipped"] = None, str(err)[:160]
+                    row["scaled_mm_row_ms"] = None
+                    row["scaled_mm_row_skipped"] = str(err).splitlines()[0][:200]
+                calls, how, err = _scaled_mm_block_calls(a, a_scale, ws, ref)
+                row["scaled_mm_block_ms"] = None
+                if calls:
+                    row["scaled_mm_block_api"], row["scaled_mm_block_rel_err"] = how, err
+                    row["scaled_mm_block_ms"] = time_fn(_rotating(calls))
+                else:
+                    row["scaled_mm_block_skipped"] = how
+                peers = [v for v in (row["scaled_mm_row_ms"], row["scaled_mm_block_ms"]) if v]
+                row["best_torch_fp8_ms"] = min(peers) if peers else None
+                row["vs_best_torch_fp8"] = (row["best_torch_fp8_ms"] / row["gemm_ms"]
+                                            if peers else None)
+                row["vs_bf16"] = row["bf16_ms"] / row["gemm_ms"]
                 row["tflops"] = 2 * rows * n * k / row["gemm_ms"] / 1e9
-                row["vs_scaled_mm"] = (row["scaled_mm_ms"] / row["gemm_ms"]
-                                       if row["scaled_mm_ms"] else None)
                 out.append(row)
-                print(f"{model:>9} {name:>14} {rows:>6} gemm {row['gemm_ms']:.4f} linear "
-                      f"{row['linear_ms']:.4f} scaled_mm {row['scaled_mm_ms'] or float('nan'):.4f} "
-                      f"bf16 {row['bf16_ms']:.4f} ms  {row['tflops']:.0f} TFLOP/s", flush=True)
+                print(f"{model:>9} {name:>14} {rows:>5} {cfg.name():>26} gemm {row['gemm_ms']*1e3:8.1f}"
+                      f" lin {_us(row.get('linear_ms'))} row {_us(row['scaled_mm_row_ms'])} "
+                      f"blk {_us(row['scaled_mm_block_ms'])} bf16 {row['bf16_ms']*1e3:8.1f} us "
+                      f"{row['tflops']:5.0f} TF/s  x{row['vs_best_torch_fp8'] or float('nan'):.2f}"
+                      f" of torch fp8", flush=True)
+            del ws, bf16s, w_rows, w_deq
+            torch.cuda.empty_cache()
+    _summary(out)
     return out
+
+
+def _us(ms: float | None) -> str:
+    return f"{ms * 1e3:8.1f}" if ms else "     n/a"
+
+
+def _summary(rows: list[dict]) -> None:
+    for label, pick in (("decode rows <= 64", lambda r: r["rows"] <= 64),
+                        ("prefill rows >= 2048", lambda r: r["rows"] >= 2048)):
+        ratios = [r["vs_best_torch_fp8"] for r in rows if pick(r) and r["vs_best_torch_fp8"]]
+        if ratios:
+            geo = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
+            below = sum(v < 0.85 for v in ratios)
+            print(f"{label}: vs best torch FP8 min {min(ratios):.2f} geomean {geo:.2f}, "
+                  f"{below}/{len(ratios)} shapes below 0.85", flush=True)
+
+
+def write_table(path: Path, rows: list[dict], device: torch.device) -> None:
+    """The best config of each swept (rows, N, K): merged into the table at ``path``
+    (entries of other shapes or row counts kept)."""
+    entries = {}
+    if path.is_file():
+        for e in json.loads(path.read_text()).get("entries", []):
+            entries[(e["rows"], e["n"], e["k"], tuple(e["block"]))] = e
+    for r in rows:
+        entries[(r["rows"], r["n"], r["k"], (128, 128))] = table_entry(
+            r["rows"], r["n"], r["k"], (128, 128), GemmConfig(**r["config"]),
+            ms=r["gemm_ms"], vs_best_torch_fp8=r["vs_best_torch_fp8"])
+    table = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
+                 triton=triton.__version__,
+                 entries=sorted(entries.values(), key=lambda e: (e["n"], e["k"], e["rows"])))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    print(f"wrote {len(table['entries'])} table entries to {path}", flush=True)
 
 
 def _copy_rate(device: torch.device) -> float:
@@ -175,30 +448,66 @@ def bench_decode(models: list[str], batches: list[int], context: int, steps: int
     return out
 
 
+def _result_path(args, device: torch.device) -> Path:
+    """A new file per run: the given path, refused if it exists, or a timestamped one."""
+    if args.json is not None:
+        if args.json.exists():
+            sys.exit(f"--json {args.json} exists; results are never overwritten")
+        return args.json
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    kind = "gemm_sweep" if args.sweep else ("gemm" if args.only == "gemm" else "fp8")
+    return RESULTS_DIR / f"{kind}_{device_slug(torch.cuda.get_device_name(device))}_{stamp}.json"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", choices=("gemm", "decode"), default=None)
+    ap.add_argument("--sweep", action="store_true",
+                    help="GEMM only: try every candidate config per shape and row count, "
+                         "report and use the fastest correct one")
+    ap.add_argument("--write-table", nargs="?", type=Path, const=Path("-"), default=None,
+                    metavar="PATH",
+                    help="merge the configs used into a tuned table (default path: "
+                         "kernels/fp8/gemm_tables/<device>.json, which select_config reads)")
+    ap.add_argument("--jobs", type=int, default=12,
+                    help="with --sweep: processes compiling the candidate configs first")
+    ap.add_argument("--timer", choices=("graph", "events"), default="graph",
+                    help="GEMM timing: CUDA-graph replay (GPU time) or plain launches")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048, 8192])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None,
+                    help="result file (default: a new timestamped file in bench/results/fp8/)")
     args = ap.parse_args()
+    if args.sweep and args.only == "decode":
+        ap.error("--sweep tunes the GEMM; it cannot go with --only decode")
+    if args.sweep:
+        args.only = "gemm"
     if not torch.cuda.is_available():
         sys.exit("bench/fp8.py needs a CUDA GPU (the FP8 kernels and _scaled_mm)")
     device = torch.device("cuda")
-    result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__)
+    out_path = _result_path(args, device)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
+                  triton=triton.__version__, timer=args.timer, sweep=args.sweep)
+    if args.sweep:
+        precompile(args.rows, args.models, args.jobs)
     if args.only in (None, "gemm"):
-        result["gemm"] = bench_gemm(args.rows, device)
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2))
+        result["gemm"] = bench_gemm(args.rows, args.models, device, sweep=args.sweep,
+                                    timer=args.timer)
+        out_path.write_text(json.dumps(result, indent=2))
+        if args.write_table is not None:
+            table = args.write_table if args.write_table != Path("-") else (
+                TABLE_DIR / f"{device_slug(torch.cuda.get_device_name(device))}.json")
+            write_table(table, result["gemm"], device)
     if args.only in (None, "decode"):
         result["decode"] = bench_decode(args.models, args.batches, args.context, args.steps,
                                         device)
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
+    out_path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out_path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,75 +13,213 @@ float32 (so the two agree to float32 summation order).
 quantized linear calls: on CUDA, ``x`` quantized per token group then the GEMM;
 the reference (CPU) runs ``F.linear`` on the dequantized weight in ``x``'s dtype,
 unquantized activations, so a CPU run equals the same model with the weights
-dequantized. Tiles: decode's few rows take thin row blocks and narrow column
-blocks (more programs streaming the weight), prefill's many take square ones.
+dequantized.
+
+The kernel: each k step is one scale group (``BLOCK_K`` divides ``block_k``;
+128 on real checkpoints), so a step loads one activation scale per row and one
+weight scale per column block (a scalar when the tile lies inside one weight
+scale block), and its fp8 ``tl.dot`` is scaled and added to a float32
+accumulator. The weight stays ``[N, K]`` as stored (K contiguous, which is the
+K-major operand Hopper's fp8 tensor cores take): tiles are loaded along K,
+coalesced. Tiles are handed out grouped by rows (``group_m``) for L2 reuse of
+the weight; decode's few rows can split K over more programs (float32 partials
+and one deterministic reduction); TMA descriptors, persistent programs and a
+lagged scaling of the products are switches of the config. The config comes
+from a tuned table or a heuristic: ``gemm_configs.py``.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from lanekv.kernels.backend import check_same_device, use_triton
-from lanekv.kernels.fp8.quant import per_token_group_quant_fp8, silu_mul_quant_fp8
+from lanekv.kernels.backend import check_same_device, on_device, use_triton
+from lanekv.kernels.fp8.gemm_configs import GemmConfig, check_config, select_config
+from lanekv.kernels.fp8.quant import (
+    _quantize_tile,
+    per_token_group_quant_fp8,
+    silu_mul_quant_fp8,
+)
 from lanekv.kernels.fp8.weights import FP8_DTYPE, dequantize_weight_blocks, scale_shape
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class GemmTiles(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+@triton.jit
+def _gemm_tile(
+    tile, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols, depth,
+    stride_a, stride_as, stride_w, stride_ws, stride_out,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    LAG: tl.constexpr, FOLD: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
+):
+    """One output tile (or one k slice of it): grouped tile order, one scale per
+    row and per column block for every k step, float32 accumulation."""
+    m_tiles = tl.cdiv(rows, BLOCK_M)
+    n_tiles = tl.cdiv(cols, BLOCK_N)
+    split = tile % SPLIT_K
+    mn = tile // SPLIT_K
+    width = GROUP_M * n_tiles
+    first_m = (mn // width) * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    pid_m = first_m + (mn % width) % group_rows
+    pid_n = (mn % width) // group_rows
+    k_steps = tl.cdiv(depth, BLOCK_K)
+    per_split = tl.cdiv(k_steps, SPLIT_K)
+    k_lo = split * per_split
+    k_hi = tl.minimum(k_lo + per_split, k_steps)
 
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < rows, n < cols
+    m_safe = tl.where(m_ok, m, 0).to(tl.int64)  # out-of-range rows/columns reread row 0
+    n_safe = tl.where(n_ok, n, 0).to(tl.int64)
+    kk = tl.arange(0, BLOCK_K)
+    as_rows = as_ptr + m_safe * stride_as
+    # the tile inside one weight scale block: one scalar scale per k step
+    SCALAR_WS: tl.constexpr = GROUP_N % BLOCK_N == 0
+    if SCALAR_WS:
+        ws_tile = ws_ptr + ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * stride_ws
+    else:
+        ws_cols = ws_ptr + (n_safe // GROUP_N) * stride_ws
+    if QUANT_A or not TMA:
+        a_ptrs = a_ptr + m_safe[:, None] * stride_a + (k_lo * BLOCK_K + kk)[None, :]
+    if not TMA:
+        w_ptrs = w_ptr + n_safe[None, :] * stride_w + (k_lo * BLOCK_K + kk)[:, None]
 
-def default_gemm_tiles(rows: int, block: tuple[int, int], device: torch.device) -> GemmTiles:
-    """Tiles by row count: decode (<= 16 rows), mid-size batches, prefill."""
-    block_k = min(block[1], 128)
-    if device.type != "cuda":  # the interpreter: small tiles, several blocks per test
-        return GemmTiles(16, 32, min(block_k, 32), 4, 1)
-    if rows <= 16:
-        return GemmTiles(16, 32, block_k, 4, 4)
-    if rows <= 64:
-        return GemmTiles(32, 64, block_k, 4, 4)
-    if rows <= 256:
-        return GemmTiles(64, 128, block_k, 4, 3)
-    return GemmTiles(128, 128, block_k, 8, 3)
+    # the scales of a step are loaded one step ahead: their latency hides behind a dot
+    # (the pipeliner only prefetches the tiles that feed the dot)
+    last_group = tl.cdiv(depth, GROUP_K) - 1
+    g_first = tl.minimum((k_lo * BLOCK_K) // GROUP_K, last_group)
+    # (fold with per-column weight scales compiles unpipelined with them carried over)
+    PREFETCH_A: tl.constexpr = not QUANT_A and (SCALAR_WS or not FOLD)
+    if PREFETCH_A:
+        a_s_next = tl.load(as_rows + g_first)
+    if SCALAR_WS:  # (a vector of weight scales carried over the loop stops the pipelining)
+        w_s_next = tl.load(ws_tile + g_first)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if LAG:
+        prev = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        prev_s = tl.zeros([BLOCK_M], tl.float32)
+    if FOLD:  # acc holds the sum in units of the last step's scales
+        prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # with a scalar weight scale: both
+        prev_w = tl.full([BLOCK_N], 1.0, tl.float32)
+    for ks in range(k_lo, k_hi):
+        k0 = ks * BLOCK_K
+        g_next = tl.minimum((k0 + BLOCK_K) // GROUP_K, last_group)
+        if SCALAR_WS:
+            w_s = w_s_next
+            w_s_next = tl.load(ws_tile + g_next)
+        else:
+            w_s = tl.load(ws_cols + k0 // GROUP_K)
+        if QUANT_A:  # a is the unquantized activation: one scale group per k step
+            k_ok = k0 + kk < depth
+            if EVEN_K:
+                x = tl.load(a_ptrs).to(tl.float32)
+            else:
+                x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
+            a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0)
+        else:
+            if PREFETCH_A:
+                a_s = a_s_next
+                a_s_next = tl.load(as_rows + g_next)
+            else:
+                a_s = tl.load(as_rows + k0 // GROUP_K)
+            if TMA:
+                a = a_ptr.load([pid_m * BLOCK_M, k0])
+            elif EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(k0 + kk < depth)[None, :], other=0.0)
+        if TMA:
+            w = w_ptr.load([pid_n * BLOCK_N, k0]).T
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
+            w = tl.load(w_ptrs, mask=(k0 + kk < depth)[:, None], other=0.0)
+        if FOLD:  # rescale the sum to this step's units, then the dot adds in place
+            if SCALAR_WS:
+                s_k = a_s * w_s
+                acc = tl.dot(a, w, acc * (prev_a / s_k)[:, None], out_dtype=tl.float32)
+                prev_a = s_k
+            else:
+                acc = tl.dot(a, w, acc * (prev_a / a_s)[:, None] * (prev_w / w_s)[None, :],
+                             out_dtype=tl.float32)
+                prev_a = a_s
+                prev_w = w_s
+        elif LAG:  # issue this step's dot, then scale the previous one's
+            d = tl.dot(a, w, out_dtype=tl.float32)
+            acc += prev * prev_s[:, None]
+            prev = d
+            prev_s = a_s * w_s
+        elif SCALAR_WS:
+            acc += tl.dot(a, w, out_dtype=tl.float32) * (a_s * w_s)[:, None]
+        else:
+            acc += tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
+        if not TMA:
+            w_ptrs += BLOCK_K
+        if QUANT_A or not TMA:
+            a_ptrs += BLOCK_K
+    if LAG:
+        acc += prev * prev_s[:, None]
+    if FOLD:
+        if SCALAR_WS:
+            acc = acc * prev_a[:, None]
+        else:
+            acc = acc * prev_a[:, None] * prev_w[None, :]
+
+    mask = m_ok[:, None] & n_ok[None, :]
+    if SPLIT_K > 1:  # float32 partials; the reduction adds the bias and casts
+        part = part_ptr + split.to(tl.int64) * rows * cols
+        tl.store(part + m_safe[:, None] * cols + n_safe[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_safe[:, None] * stride_out + n_safe[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _block_fp8_matmul_kernel(
-    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, rows, cols, depth,
+    a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols, depth,
     stride_a, stride_as, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+    LAG: tl.constexpr, FOLD: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr,
+    UE8M0: tl.constexpr,
 ):
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < rows, n < cols
-    m64, n64 = m.to(tl.int64), n.to(tl.int64)
-    a_rows = a_ptr + m64[:, None] * stride_a
-    w_cols = w_ptr + n64[None, :] * stride_w
-    ws_cols = ws_ptr + (n // GROUP_N).to(tl.int64) * stride_ws
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, depth, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < depth
-        a = tl.load(a_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        group = k0 // GROUP_K
-        a_s = tl.load(as_ptr + m64 * stride_as + group, mask=m_ok, other=0.0)
-        w_s = tl.load(ws_cols + group, mask=n_ok, other=0.0)
-        acc += tl.dot(a, w, out_dtype=tl.float32) * a_s[:, None] * w_s[None, :]
+    pid = tl.program_id(0)
+    if PERSISTENT:  # one program per SM walks the tiles
+        tiles = tl.cdiv(rows, BLOCK_M) * tl.cdiv(cols, BLOCK_N) * SPLIT_K
+        for tile in range(pid, tiles, tl.num_programs(0)):
+            _gemm_tile(tile, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
+                       depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
+                       HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
+                       FOLD, QUANT_A, UE8M0)
+    else:
+        _gemm_tile(pid, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
+                   depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
+                   HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
+                   FOLD, QUANT_A, UE8M0)
+
+
+@triton.jit
+def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, numel, cols,
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+    """``out = sum(partials) + bias`` in float32, then cast (split order fixed: deterministic)."""
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < numel
+    acc = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(part_ptr + s * numel + i, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + m64[:, None] * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        acc += tl.load(bias_ptr + i % cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def check_block(block: tuple[int, int]) -> tuple[int, int]:
@@ -130,28 +268,79 @@ def _check_matmul(a, a_scale, w, w_scale, block, out_dtype, bias) -> None:
     check_same_device(a=a, a_scale=a_scale, w=w, w_scale=w_scale, bias=bias)
 
 
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA's rules for a 2-D fp8 tensor: 16-byte aligned base and row stride, dense rows."""
+    return t.stride(1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) % 16 == 0
+
+
+def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
+            w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
+            bias: torch.Tensor | None, config: GemmConfig | None,
+            ue8m0: bool = False) -> torch.Tensor:
+    """``a_scale is None``: ``a`` is unquantized and each tile quantizes its rows'
+    groups on the fly (``_quantize_tile``, the quantization kernel's own code)."""
+    (rows, depth), cols = a.shape, w.shape[0]
+    out = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
+    if rows == 0 or cols == 0:
+        return out
+    if depth == 0:
+        out.zero_()
+        return out if bias is None else out.add_(bias)
+    cfg = check_config(config) if config is not None else select_config(
+        rows, cols, depth, tuple(block), a.device)
+    if block[1] % cfg.block_k:
+        raise ValueError(f"config.block_k={cfg.block_k} must divide block_k={block[1]}")
+    if cfg.lag and block[0] % cfg.block_n:
+        raise ValueError(f"config.lag needs config.block_n={cfg.block_n} to divide "
+                         f"block_n={block[0]}")
+    quant_a = a_scale is None
+    if quant_a and cfg.block_k != block[1]:
+        raise ValueError(f"quantizing in the GEMM needs config.block_k={cfg.block_k} to equal "
+                         f"block_k={block[1]}")
+    split = min(cfg.split_k, triton.cdiv(depth, cfg.block_k))
+    tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(cols, cfg.block_n) * split
+    use_tma = cfg.tma and _tma_ok(w) and (quant_a or _tma_ok(a))
+    a_arg, w_arg = a, w
+    if use_tma:
+        if not quant_a:
+            a_arg = TensorDescriptor.from_tensor(a, [cfg.block_m, cfg.block_k])
+        w_arg = TensorDescriptor.from_tensor(w, [cfg.block_n, cfg.block_k])
+    programs = tiles
+    if cfg.persistent:
+        sms = (torch.cuda.get_device_properties(a.device).multi_processor_count
+               if a.is_cuda else 4)
+        programs = min(tiles, sms)
+    part = (torch.empty((split, rows, cols), dtype=torch.float32, device=a.device)
+            if split > 1 else out)
+    bias_arg = bias if bias is not None else w_scale
+    with on_device(a.device):
+        _block_fp8_matmul_kernel[(programs,)](
+            a_arg, w_scale if quant_a else a_scale, w_arg, w_scale, bias_arg, out, part, rows,
+            cols, depth, a.stride(0), 0 if quant_a else a_scale.stride(0), w.stride(0),
+            w_scale.stride(0), out.stride(0),
+            GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+            SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma, LAG=cfg.lag, FOLD=cfg.fold,
+            PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if split > 1:
+            numel = rows * cols
+            reduce_block = 1024
+            _split_k_reduce_kernel[(triton.cdiv(numel, reduce_block),)](
+                part, bias_arg, out, numel, cols, SPLIT_K=split, HAS_BIAS=bias is not None,
+                BLOCK=reduce_block, num_warps=4)
+    return out
+
+
 def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
                             w_scale: torch.Tensor, block: tuple[int, int],
                             out_dtype: torch.dtype, bias: torch.Tensor | None = None, *,
-                            tiles: GemmTiles | None = None) -> torch.Tensor:
-    """Triton launcher; ``tiles`` overrides the row-count choice (benchmarks sweep them)."""
+                            config: GemmConfig | None = None) -> torch.Tensor:
+    """Triton launcher; ``config`` overrides the table's or the heuristic's choice
+    (the benchmark sweeps them, the tests run each family)."""
     _check_matmul(a, a_scale, w, w_scale, block, out_dtype, bias)
-    (rows, depth), cols = a.shape, w.shape[0]
-    out = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
-    if rows == 0:
-        return out
-    cfg = tiles or default_gemm_tiles(rows, tuple(block), a.device)
-    if block[1] % cfg.block_k:
-        raise ValueError(f"tiles.block_k={cfg.block_k} must divide block_k={block[1]}")
-    grid = (triton.cdiv(cols, cfg.block_n), triton.cdiv(rows, cfg.block_m))
-    _block_fp8_matmul_kernel[grid](
-        a, a_scale, w, w_scale, bias if bias is not None else w_scale, out, rows, cols, depth,
-        a.stride(0), a_scale.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
-        GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return out
+    return _launch(a, a_scale, w, w_scale, tuple(block), out_dtype, bias, config)
 
 
 def block_fp8_matmul_ref(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
@@ -183,23 +372,44 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     check_fp8_weight(weight, scale, block)
 
 
+FUSED_QUANT_MAX_ROWS = 64  # decode: quantize inside the GEMM (one launch, no round trip)
+
+
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                       block: tuple[int, int], bias: torch.Tensor | None = None, *,
-                      scale_ue8m0: bool = False) -> torch.Tensor:
-    """``x [..., K]``: per-token-group quantization then the w8a8 GEMM."""
+                      scale_ue8m0: bool = False, fuse_quant: bool | None = None,
+                      config: GemmConfig | None = None) -> torch.Tensor:
+    """``x [..., K]``: per-token-group quantization then the w8a8 GEMM. With
+    ``fuse_quant`` (default: at most ``FUSED_QUANT_MAX_ROWS`` rows) the GEMM reads
+    ``x`` itself and quantizes each tile's groups with the quantization kernel's
+    own code, so the result is the same as quantizing first, one launch fewer."""
     _check_linear(x, weight, weight_scale_inv, block)
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[1] > 1 and flat.stride(1) != 1:
         flat = flat.contiguous()
-    a, a_scale = per_token_group_quant_fp8(flat, block[1], scale_ue8m0=scale_ue8m0)
-    out = block_fp8_matmul_triton(a, a_scale, weight, weight_scale_inv, block, x.dtype, bias)
+    cfg = config if config is not None else select_config(
+        flat.shape[0], weight.shape[0], weight.shape[1], tuple(block), x.device)
+    if fuse_quant is None:
+        fuse_quant = flat.shape[0] <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
+    check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
+    if fuse_quant:
+        if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+            raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+        out = _launch(flat, None, weight, weight_scale_inv, tuple(block), x.dtype, bias, cfg,
+                      ue8m0=scale_ue8m0)
+    else:
+        a, a_scale = per_token_group_quant_fp8(flat, block[1], scale_ue8m0=scale_ue8m0)
+        out = block_fp8_matmul_triton(a, a_scale, weight, weight_scale_inv, block, x.dtype,
+                                      bias, config=cfg)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                    block: tuple[int, int], bias: torch.Tensor | None = None, *,
-                   scale_ue8m0: bool = False) -> torch.Tensor:
-    """``F.linear`` with the dequantized weight (activations stay as they are)."""
+                   scale_ue8m0: bool = False, fuse_quant: bool | None = None,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """``F.linear`` with the dequantized weight (activations stay as they are;
+    ``fuse_quant`` and ``config`` choose how the kernel runs, not what it computes)."""
     _check_linear(x, weight, weight_scale_inv, block)
     return F.linear(x, dequantize_weight_blocks(weight, weight_scale_inv, tuple(block), x.dtype),
                     bias)
@@ -207,9 +417,11 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torc
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                block: tuple[int, int], bias: torch.Tensor | None = None, *,
-               scale_ue8m0: bool = False) -> torch.Tensor:
+               scale_ue8m0: bool = False, fuse_quant: bool | None = None,
+               config: GemmConfig | None = None) -> torch.Tensor:
     run = fp8_linear_triton if use_triton(x) else fp8_linear_ref
-    return run(x, weight, weight_scale_inv, block, bias, scale_ue8m0=scale_ue8m0)
+    return run(x, weight, weight_scale_inv, block, bias, scale_ue8m0=scale_ue8m0,
+               fuse_quant=fuse_quant, config=config)
 
 
 def silu_mul_fp8_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,

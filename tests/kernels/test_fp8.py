@@ -2,17 +2,30 @@
 bit for bit (interpreted here, compiled in the gpu tests), the GEMMs within float32
 summation-order tolerance, the grouped expert GEMMs captured in a CUDA graph on the GPU."""
 
+import json
+
 import pytest
 import torch
 from lanekv.kernels.fp8.experts import moe_experts_fp8_ref, moe_experts_fp8_triton
 from lanekv.kernels.fp8.gemm import (
-    GemmTiles,
     block_fp8_matmul_ref,
     block_fp8_matmul_triton,
     fp8_linear_ref,
     fp8_linear_triton,
     silu_mul_fp8_linear_ref,
     silu_mul_fp8_linear_triton,
+)
+from lanekv.kernels.fp8.gemm_configs import (
+    FAMILIES,
+    TABLE_ENV,
+    GemmConfig,
+    candidate_configs,
+    config_family,
+    default_config,
+    load_table,
+    lookup,
+    select_config,
+    table_entry,
 )
 from lanekv.kernels.fp8.quant import (
     per_token_group_quant_fp8_ref,
@@ -112,13 +125,162 @@ def test_block_fp8_matmul_equals_reference(rows, cols, depth, block, out_dtype, 
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
-def test_tiles_with_a_k_step_inside_the_scale_group_agree():
+def test_configs_with_a_k_step_inside_the_scale_group_agree():
     x, w, w_scale, _ = _gemm_inputs(9, 70, 200, (64, 64), seed=3)
     a, a_scale = per_token_group_quant_fp8_ref(x, 64)
     out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (64, 64), torch.float32,
-                                  tiles=GemmTiles(16, 16, 16, 4, 1))
+                                  config=GemmConfig(16, 16, 16, 4, 1, 4, 1))
     torch.testing.assert_close(out, block_fp8_matmul_ref(a, a_scale, w, w_scale, (64, 64),
                                                          torch.float32), rtol=1e-5, atol=1e-5)
+
+
+# one small config of each family (tiles, TMA, persistent, split-K, lagged scaling)
+FAMILY_CONFIGS = {
+    "tiles": GemmConfig(16, 64, 128, 2, 1, 4, 1),
+    "tma": GemmConfig(16, 64, 128, 2, 1, 4, 1, tma=True),
+    "persistent": GemmConfig(16, 32, 128, 2, 1, 4, 1, tma=True, persistent=True),
+    "splitk": GemmConfig(16, 64, 128, 2, 3, 4, 1),
+    "lag": GemmConfig(16, 64, 128, 2, 1, 4, 1, lag=True),
+    "fold": GemmConfig(16, 256, 128, 2, 1, 4, 1, tma=True, fold=True),  # two weight scale blocks
+}
+ODD_SHAPES = [(1, 128, 256), (5, 384, 384), (33, 128, 384), (33, 384, 256)]
+
+
+def test_every_family_has_a_test_config():
+    assert set(FAMILY_CONFIGS) == set(FAMILIES)
+    assert all(config_family(cfg) == fam for fam, cfg in FAMILY_CONFIGS.items())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rows,cols,depth", ODD_SHAPES)
+def test_each_config_family_equals_reference_on_odd_sizes(family, rows, cols, depth):
+    """Float32 inputs quantized (activations per token group, weights per 128x128 block)."""
+    x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, (128, 128), seed=rows * cols + depth)
+    a, a_scale = per_token_group_quant_fp8_ref(x, 128)
+    bias = bias if rows % 2 else None
+    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32, bias,
+                                  config=FAMILY_CONFIGS[family])
+    ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_split_k_over_more_splits_than_k_steps_and_a_ragged_k():
+    x, w, w_scale, bias = _gemm_inputs(3, 96, 200, (32, 32), seed=11)
+    a, a_scale = per_token_group_quant_fp8_ref(x, 32)
+    ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (32, 32), torch.float16, bias.half())
+    for split in (2, 5, 16):  # 7 k steps: 16 is clamped, the last splits of 5 may be empty
+        out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (32, 32), torch.float16, bias.half(),
+                                      config=GemmConfig(16, 32, 32, 8, split, 4, 1))
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("rows", [1, 64, 2048])
+def test_sweep_candidates_are_valid_and_cover_the_families(rows):
+    cands = candidate_configs(rows, (128, 128))
+    assert len(set(cands)) == len(cands)
+    families = {config_family(c) for c in cands}
+    assert {"tiles", "tma", "lag"} <= families and ("fold" in families or rows <= 16)
+    assert ("splitk" if rows <= 64 else "persistent") in families
+    for cfg in cands:
+        assert GemmConfig.from_dict(cfg.to_dict()) == cfg
+        smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k
+        assert smem <= 200 * 1024, cfg.name()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_sweep_candidate_of_each_family_runs_interpreted(family):
+    """The first candidate of the family, at the row count it is tuned for, on a tiny shape."""
+    rows = {"splitk": 1, "persistent": 2048}.get(family, 64)
+    cfg = next(c for c in candidate_configs(rows, (128, 128)) if config_family(c) == family)
+    x, w, w_scale, _ = _gemm_inputs(5, 384, 384, (128, 128), seed=5)
+    a, a_scale = per_token_group_quant_fp8_ref(x, 128)
+    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32, config=cfg)
+    torch.testing.assert_close(out, block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128),
+                                                         torch.float32), rtol=1e-5, atol=1e-5)
+
+
+def test_default_config_splits_k_only_for_few_row_tiles():
+    assert default_config(1, 4096, 4096, (128, 128)).split_k == 2  # 64 tiles on 132 SMs
+    assert default_config(1, 576, 2048, (128, 128)).split_k == 4  # 9 tiles, 16 k steps
+    assert default_config(1, 28672, 4096, (128, 128)).split_k == 1  # 448 tiles
+    assert default_config(8192, 4096, 4096, (128, 128)).split_k == 1
+    assert default_config(8192, 4096, 4096, (64, 64)).block_k == 64
+
+
+def test_config_table_round_trip_and_nearest_rows(tmp_path, monkeypatch):
+    small, big = GemmConfig(16, 64, 128, 8, 4, 4, 5), GemmConfig(128, 256, 128, 8, 1, 8, 3,
+                                                                   tma=True)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"entries": [
+        table_entry(1, 4096, 4096, (128, 128), small, ms=0.01),
+        table_entry(8192, 4096, 4096, (128, 128), big)]}))
+    table = load_table(str(path))
+    assert lookup(table, 1, 4096, 4096, (128, 128)) == small
+    assert lookup(table, 50, 4096, 4096, (128, 128)) == small
+    assert lookup(table, 200, 4096, 4096, (128, 128)) == big  # log2 200 nearer 13 than 0
+    assert lookup(table, 1, 4096, 2048, (128, 128)) is None  # shape not tuned
+    monkeypatch.setenv(TABLE_ENV, str(path))
+    assert select_config(1, 4096, 4096, (128, 128), torch.device("cpu")) == small
+    assert select_config(1, 64, 64, (32, 32), torch.device("cpu")).block_k == 32  # not tuned
+
+
+@pytest.mark.parametrize("entry,message", [
+    ({"rows": 1, "n": 8, "k": 8, "block": [128, 128], "config": {"block_m": 24, "block_n": 64}},
+     "block_m must be a power of two"),
+    ({"rows": 1, "n": 8, "k": 8, "block": [128, 128], "config": {"block_m": 16, "block_n": 64,
+                                                                 "warps": 4}},
+     "unknown GEMM config field"),
+    ({"rows": 1, "n": 8, "block": [128, 128], "config": {"block_m": 16, "block_n": 64}},
+     "entry 0 is malformed"),
+    ({"rows": 1, "n": 8, "k": 8, "block": [64, 64], "config": {"block_m": 16, "block_n": 64}},
+     "does not divide the scale block 64"),
+])
+def test_malformed_config_tables_are_refused_naming_the_field(tmp_path, entry, message):
+    path = tmp_path / f"t{abs(hash(message))}.json"
+    path.write_text(json.dumps({"entries": [entry]}))
+    with pytest.raises(ValueError, match=message):
+        load_table(str(path))
+
+
+def test_config_switches_a_shape_cannot_take_are_refused():
+    x, w, w_scale, _ = _gemm_inputs(2, 64, 64, (32, 32))
+    a, a_scale = per_token_group_quant_fp8_ref(x, 32)
+    with pytest.raises(ValueError, match="config.lag needs config.block_n=64 to divide"):
+        block_fp8_matmul_triton(a, a_scale, w, w_scale, (32, 32), torch.float32,
+                                config=GemmConfig(16, 64, 32, lag=True))
+    with pytest.raises(ValueError, match="config.block_k=64 must divide block_k=32"):
+        block_fp8_matmul_triton(a, a_scale, w, w_scale, (32, 32), torch.float32,
+                                config=GemmConfig(16, 32, 64))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rows,cols,depth,block,ue8m0", [
+    (1, 128, 256, (128, 128), False), (5, 384, 384, (128, 128), True),
+    (33, 96, 200, (32, 32), False), (3, 70, 100, (32, 32), True)])
+def test_quantizing_inside_the_gemm_equals_quantizing_first(family, rows, cols, depth, block,
+                                                            ue8m0):
+    """The fused path of a decode linear: bit for bit the quantize-then-GEMM result."""
+    x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=rows + depth)
+    x = _wide(rows, depth, rows, torch.float32) / 100  # groups with different scales
+    cfg = FAMILY_CONFIGS[family]._replace(block_k=block[1])
+    if cfg.lag and block[0] % cfg.block_n:
+        cfg = cfg._replace(block_n=block[0])
+    fused = fp8_linear_triton(x, w, w_scale, block, bias, scale_ue8m0=ue8m0, fuse_quant=True,
+                              config=cfg)
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1], scale_ue8m0=ue8m0)
+    first = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias,
+                                    config=cfg)
+    assert torch.equal(fused, first)
+    unfused = fp8_linear_triton(x, w, w_scale, block, bias, scale_ue8m0=ue8m0, fuse_quant=False,
+                                config=cfg)
+    assert torch.equal(unfused, first)
+
+
+def test_fused_quantization_needs_the_k_step_to_be_the_group():
+    x, w, w_scale, _ = _gemm_inputs(2, 64, 64, (32, 32))
+    with pytest.raises(ValueError, match="config.block_k=16 to equal block_k=32"):
+        fp8_linear_triton(x, w, w_scale, (32, 32), fuse_quant=True,
+                          config=GemmConfig(16, 32, 16))
 
 
 @pytest.mark.parametrize("rows,cols,depth,block", GEMM_CASES[:3])
@@ -213,6 +375,41 @@ def test_gpu_block_fp8_matmul_equals_reference(rows, cols, depth):
     out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.bfloat16)
     ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+@requires_gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gpu_each_config_family_equals_reference(family):
+    """Compiled: the first sweep candidate of the family at each of decode, mid and
+    prefill row counts that sweeps it, on a shape with a ragged row and column tile
+    (DeepSeek-V2-Lite's kv_a: N 576) and with a K that is not a multiple of 128."""
+    ran = 0
+    for rows in (1, 40, 1000):
+        cands = [c for c in candidate_configs(rows, (128, 128)) if config_family(c) == family]
+        for cols, depth in ((576, 2048), (384, 1344)):
+            if not cands:
+                continue
+            x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, (128, 128), device="cuda")
+            a, a_scale = per_token_group_quant_fp8_ref(x.bfloat16(), 128)
+            ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32, bias)
+            out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32,
+                                          bias, config=cands[0])
+            # Hopper's fp8 dot sums each 128-deep step at reduced precision (promoted to
+            # float32 between steps): a wrong scale or tile would be off by O(1)
+            torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+            ran += 1
+    assert ran >= 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+@pytest.mark.parametrize("cols,depth", [(4096, 4096), (576, 2048), (2048, 10944)])
+def test_gpu_fused_quant_linear_equals_quantize_then_gemm(rows, cols, depth):
+    x, w, w_scale, _ = _gemm_inputs(rows, cols, depth, (128, 128), device="cuda")
+    x = x.bfloat16()
+    fused = fp8_linear_triton(x, w, w_scale, (128, 128), fuse_quant=True)
+    unfused = fp8_linear_triton(x, w, w_scale, (128, 128), fuse_quant=False)
+    torch.testing.assert_close(fused.float(), unfused.float(), rtol=1e-2, atol=1e-2)
 
 
 @requires_gpu

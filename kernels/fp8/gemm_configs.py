@@ -1,0 +1,279 @@
+"""Launch configurations of the block-FP8 GEMM: the families, a default
+heuristic, the sweep's candidate lists and the tuned tables.
+
+A ``GemmConfig`` names a tile (``block_m x block_n``, k step ``block_k``), the
+order tiles are handed out in (``group_m`` row tiles share each column sweep, so
+a wave of programs reuses the same weight columns from L2), how many programs
+split the k range (``split_k``: partial sums in float32, then one reduction),
+the warps and pipeline stages, and three switches:
+
+- ``tma``: the fp8 tiles of ``a`` and ``w`` come through TMA tensor descriptors
+  (Hopper's bulk copies; no masks, out-of-range rows read as zero) instead of
+  pointer loads; the launcher falls back to pointer loads when a tensor breaks
+  TMA's 16-byte alignment rules;
+- ``persistent``: one program per SM walks the tiles (``tile += programs``), so
+  one tile's epilogue overlaps the next one's first loads and the last wave is
+  not a partial one;
+- ``lag``: the float32 scaling of one k step's product is applied in the next
+  step, after that step's ``tl.dot`` is issued, so the tensor cores are not idle
+  while the CUDA cores scale (it needs the whole tile inside one weight scale
+  block: ``block_n`` of the scales divisible by ``block_n`` of the tile; Triton
+  3.9, compiling offline for sm_90, still places the wait right after the dot,
+  so the sweep is what shows whether it gains anything);
+- ``fold``: the accumulator holds the sum in units of the current step's
+  scales: each step multiplies it by ``previous scale / this scale`` and the
+  ``tl.dot`` adds into it in place, so no second float32 tile of the dot's
+  result is live beside the accumulator (half the registers: 128x256 tiles on
+  8 warps); the sum is scaled back once at the end. Costs: the running sum
+  goes through the fp8 tensor core's accumulator, whose additions on Hopper
+  keep fewer bits than float32 (the other families promote each 128-deep step
+  into float32), and weight scales must be positive, as quantizers write them.
+  The sweep checks every config's error against the float32 reference.
+
+The family of a config (``config_family``) is what the tests run each of under
+the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``fold``.
+
+Tuned tables come from ``bench/fp8.py --sweep``: a JSON file of entries
+``{"rows", "n", "k", "block", "config"}``. ``select_config`` looks one up for a
+``(rows, N, K, block)``: the file named by ``LANEKV_FP8_GEMM_CONFIGS`` if set,
+else ``gemm_tables/<device name>.json`` beside this module if present; among the
+entries of that ``(N, K, block)`` the one whose row count is nearest in log
+scale wins. Shapes no table covers take ``default_config``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+TABLE_ENV = "LANEKV_FP8_GEMM_CONFIGS"
+TABLE_DIR = Path(__file__).resolve().parent / "gemm_tables"
+FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "fold")
+
+
+class GemmConfig(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int = 128
+    group_m: int = 8
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    tma: bool = False
+    persistent: bool = False
+    lag: bool = False
+    fold: bool = False
+
+    def name(self) -> str:
+        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag),
+                                         ("F", self.fold)) if on)
+        return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}s{self.split_k}"
+                f"w{self.num_warps}st{self.num_stages}{flags}")
+
+    def to_dict(self) -> dict:
+        return self._asdict()
+
+    @classmethod
+    def from_dict(cls, data: dict) -> GemmConfig:
+        if not isinstance(data, dict):
+            raise ValueError(f"a GEMM config must be an object, got {data!r}")
+        unknown = set(data) - set(cls._fields)
+        if unknown:
+            raise ValueError(f"unknown GEMM config field(s) {sorted(unknown)} in {data!r}")
+        return check_config(cls(**data))
+
+
+def _pow2(value, name: str, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or value > high or (
+            value & (value - 1)):
+        raise ValueError(f"{name} must be a power of two in [{low}, {high}], got {value!r}")
+
+
+def check_config(cfg: GemmConfig) -> GemmConfig:
+    """Raise ValueError naming the field of a config Triton cannot run."""
+    _pow2(cfg.block_m, "block_m", 16, 256)
+    _pow2(cfg.block_n, "block_n", 16, 256)
+    _pow2(cfg.block_k, "block_k", 16, 256)
+    _pow2(cfg.num_warps, "num_warps", 1, 16)
+    for field in ("group_m", "split_k", "num_stages"):
+        value = getattr(cfg, field)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
+            raise ValueError(f"{field} must be an int in [1, 64], got {value!r}")
+    for field in ("tma", "persistent", "lag", "fold"):
+        if not isinstance(getattr(cfg, field), bool):
+            raise ValueError(f"{field} must be a bool, got {getattr(cfg, field)!r}")
+    if cfg.lag and cfg.fold:
+        raise ValueError("lag and fold are two ways to scale the products; a config takes one")
+    return cfg
+
+
+def config_family(cfg: GemmConfig) -> str:
+    """The one feature a config exercises beyond plain tiles (tests cover each)."""
+    if cfg.lag:
+        return "lag"
+    if cfg.fold:
+        return "fold"
+    if cfg.split_k > 1:
+        return "splitk"
+    if cfg.persistent:
+        return "persistent"
+    return "tma" if cfg.tma else "tiles"
+
+
+def _split_for(tiles: int, k_steps: int, sms: int) -> int:
+    """Split the k range until the programs about fill the SMs, keeping >= 4 steps each."""
+    split = 1
+    while tiles * split * 2 <= sms and k_steps // (split * 2) >= 4 and split < 16:
+        split *= 2
+    return split
+
+
+def default_config(rows: int, n: int, k: int, block: tuple[int, int], sms: int = 132,
+                   ) -> GemmConfig:
+    """The heuristic for shapes no tuned table covers (Hopper-sized defaults)."""
+    block_k = min(block[1], 128)
+    k_steps = -(-k // block_k)
+    if rows <= 64:  # decode: stream the weight through thin row tiles
+        block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+        block_n = 64
+        tiles = -(-n // block_n) * -(-rows // block_m)
+        return GemmConfig(block_m, block_n, block_k, 8, _split_for(tiles, k_steps, sms), 4, 4)
+    if rows <= 256:
+        return GemmConfig(64, 128, block_k, 8, 1, 4, 4)
+    return GemmConfig(128, 128, block_k, 8, 1, 8, 4)
+
+
+def interpreter_config(block: tuple[int, int]) -> GemmConfig:
+    """Small tiles for the Triton interpreter (several blocks on a test's shapes)."""
+    return GemmConfig(16, 32, min(block[1], 32), 4, 1, 4, 1)
+
+
+def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
+    """What ``bench/fp8.py --sweep`` tries for a row count (each family included)."""
+    bk = min(block[1], 128)
+    out: list[GemmConfig] = []
+    if rows <= 16:
+        for bn in (32, 64, 128):
+            for split in (1, 2, 4, 8):
+                for stages in (4, 5):
+                    out.append(GemmConfig(16, bn, bk, 8, split, 4, stages))
+                out.append(GemmConfig(16, bn, bk, 8, split, 4, 4, tma=True))
+        out += [GemmConfig(16, 64, bk, 8, 1, 4, 4, lag=True),
+                GemmConfig(16, 128, bk, 8, 1, 4, 4, lag=True)]
+    elif rows <= 256:
+        bms = (32, 64) if rows <= 64 else (64, 128)
+        for bm in bms:
+            for bn in (64, 128):
+                for split in (1, 2, 4):
+                    out.append(GemmConfig(bm, bn, bk, 8, split, 4, 4))
+                    out.append(GemmConfig(bm, bn, bk, 8, split, 4, 4, tma=True))
+                out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 3))
+                out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 5))
+                out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 4, lag=True))
+                out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 4, tma=True, fold=True))
+    else:
+        tiles = [(128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 4, 4), (128, 256, 8, 3),
+                 (128, 256, 8, 4), (64, 256, 4, 4), (64, 128, 4, 5), (256, 128, 8, 3)]
+        for bm, bn, warps, stages in tiles:
+            out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages))
+            out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True))
+        for bm, bn, warps, stages in ((128, 128, 8, 4), (128, 256, 8, 3), (128, 256, 8, 4),
+                                      (128, 128, 4, 4)):
+            out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True, persistent=True))
+        for stages in (3, 4):
+            out.append(GemmConfig(128, 128, bk, 8, 1, 8, stages, tma=True, lag=True))
+        out.append(GemmConfig(128, 128, bk, 16, 1, 8, 4, tma=True))
+        out.append(GemmConfig(128, 128, bk, 4, 1, 8, 4, tma=True))
+        # fold: one float32 tile live, so 128x256 fits 8 warps, 128x128 one warpgroup, and
+        # 128x128 on 8 warps with 3 stages leaves room for two programs per SM (one scales
+        # while the other's tensor-core work runs)
+        for bm, bn, warps, stages in ((128, 256, 8, 3), (128, 256, 8, 4), (256, 128, 8, 3),
+                                      (128, 128, 4, 4), (128, 128, 8, 4), (64, 256, 4, 4),
+                                      (128, 128, 8, 3), (128, 128, 4, 3), (64, 256, 4, 3),
+                                      (128, 128, 8, 2)):
+            out.append(GemmConfig(bm, bn, bk, 8, 1, warps, stages, tma=True, fold=True))
+        out.append(GemmConfig(128, 256, bk, 8, 1, 8, 3, tma=True, persistent=True, fold=True))
+        out.append(GemmConfig(128, 256, bk, 8, 1, 8, 3, fold=True))
+    return [c for c in out if not c.lag or block[0] % c.block_n == 0]
+
+
+def device_slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def table_entry(rows: int, n: int, k: int, block: tuple[int, int], cfg: GemmConfig,
+                **extra) -> dict:
+    return dict(rows=rows, n=n, k=k, block=list(block), config=cfg.to_dict(), **extra)
+
+
+@functools.lru_cache(maxsize=8)
+def load_table(path: str) -> dict[tuple[int, int, int, int], tuple[tuple[int, GemmConfig], ...]]:
+    """``{(n, k, block_n, block_k): ((rows, config), ...)}`` from a sweep's JSON
+    (read once per path: a memo of the file, never written to)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"GEMM config table {path!r} cannot be read: {err}") from None
+    entries = data.get("entries") if isinstance(data, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"GEMM config table {path!r} has no 'entries' list")
+    table: dict[tuple[int, int, int, int], list[tuple[int, GemmConfig]]] = {}
+    for i, entry in enumerate(entries):
+        try:
+            key = (int(entry["n"]), int(entry["k"]), int(entry["block"][0]), int(entry["block"][1]))
+            rows = int(entry["rows"])
+            cfg = GemmConfig.from_dict(entry["config"])
+        except (KeyError, TypeError, IndexError, ValueError) as err:
+            raise ValueError(f"GEMM config table {path!r} entry {i} is malformed: {err}") from None
+        if key[3] % cfg.block_k:
+            raise ValueError(f"GEMM config table {path!r} entry {i}: block_k={cfg.block_k} "
+                             f"does not divide the scale block {key[3]}")
+        table.setdefault(key, []).append((rows, cfg))
+    return {key: tuple(sorted(rows)) for key, rows in table.items()}
+
+
+def table_path(device: torch.device) -> str | None:
+    """The table ``LANEKV_FP8_GEMM_CONFIGS`` names (any device), else the
+    committed one of this CUDA device, if there is one."""
+    env = os.environ.get(TABLE_ENV)
+    if env:
+        return env
+    if device.type != "cuda":
+        return None
+    return _committed_table(torch.cuda.get_device_name(device))
+
+
+@functools.lru_cache(maxsize=8)
+def _committed_table(device_name: str) -> str | None:
+    """The committed table of a device, if any (looked up once per device name)."""
+    path = TABLE_DIR / f"{device_slug(device_name)}.json"
+    return str(path) if path.is_file() else None
+
+
+def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConfig | None:
+    tuned = table.get((n, k, block[0], block[1]))
+    if not tuned:
+        return None
+    target = math.log2(max(rows, 1))
+    # nearest row count in log scale; on a tie the larger (its tiles cover these rows)
+    return min(tuned, key=lambda rc: (abs(math.log2(max(rc[0], 1)) - target), -rc[0]))[1]
+
+
+def select_config(rows: int, n: int, k: int, block: tuple[int, int],
+                  device: torch.device) -> GemmConfig:
+    path = table_path(device)
+    if path is not None:
+        cfg = lookup(load_table(path), rows, n, k, block)
+        if cfg is not None:
+            return cfg
+    if device.type != "cuda":
+        return interpreter_config(block)
+    return default_config(rows, n, k, block,
+                          torch.cuda.get_device_properties(device).multi_processor_count)
