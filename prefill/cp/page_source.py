@@ -8,6 +8,12 @@ writes later layers keeps the default stream, and a read never waits for it
 (layer-wise streaming, ``transfer.rank.progress``). A release by the decode side is
 reported to the parent process (``on_release``), which owns the allocator and
 the leases; an expired lease makes the rank ``forget`` the request.
+
+On a GPU the read path's kernels are compiled and loaded when the source is
+made, before any prefill runs: loading a CUDA module (Triton's first launch of
+a kernel, or of a new specialization of it) may wait for the whole context,
+so a first read during a prefill would wait for all the prefill's queued
+layers, not only its own (and Triton's compile takes seconds).
 """
 
 from __future__ import annotations
@@ -36,6 +42,17 @@ class RankPageSource(TensorPageSource):
         self._page_size = agreement.page_size
         self._on_release = on_release
         self._stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        if self._stream is not None:
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Every specialization a read can launch: ``gather_pages``' buffer strides are
+        specialized on divisibility by 16, which depends on the page count mod 16 only."""
+        num_pages = self.pool.shape[2] // self._page_size
+        for count in range(1, min(16, num_pages) + 1):
+            self.read(range(count), 0, 1)
+        self.fresh_digest(range(min(16, num_pages)), 0, 1)
+        self._stream.synchronize()
 
     @contextlib.contextmanager
     def _on_stream(self, after: Any) -> Iterator[None]:

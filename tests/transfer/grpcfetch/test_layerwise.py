@@ -104,7 +104,11 @@ def test_several_streams_per_rank_place_every_cell_once_and_resume_a_broken_one(
 @requires_gpu
 def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     """Layer 0 written, then seconds of GPU work before layer 1: a FetchKV read of layer 0
-    (the exact event, on the page source's own stream) is back long before that work ends."""
+    (the exact event, on the page source's own stream) is back long before that work ends.
+
+    The source compiles and loads its read kernels when it is made: a kernel loaded
+    during the prefill (Triton's first launch) may wait for the whole context, the
+    prefill's later layers included."""
     from lanekv.prefill.cp.page_source import RankPageSource
 
     from tests.reliability.kv_cluster import make_agreement
@@ -114,8 +118,10 @@ def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     source = RankPageSource(agreement, 0, pool, lambda rid, pages: None)
     progress = LayerProgress(2, "cuda")
     source.add("req", [(0, 1), (1, 3)], progress)
+    torch.cuda.synchronize()
     progress.layer_written(0)
-    torch.cuda._sleep(4_000_000_000)  # seconds of work on the prefill's stream, queued after layer 0
+    # About 5 s of work on the prefill's stream (an H200 runs near 2 GHz), queued after layer 0.
+    torch.cuda._sleep(10_000_000_000)
     progress.layer_written(1)
     start = time.perf_counter()
     written, after = source.ready("req", 1, 10.0, lambda: True, exact=True)
@@ -123,7 +129,7 @@ def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     read_s = time.perf_counter() - start
     still_running = not progress._events[1].query()
     torch.cuda.synchronize()
-    assert written == 2 and still_running, "the sleep ended before the read: lengthen it"
+    assert written == 2 and still_running, f"the sleep ended before the read ({read_s:.2f} s): lengthen it"
     assert read_s < 0.5
     rows = torch.cat([torch.arange(4) + 4, torch.arange(4) + 12])
     assert torch.equal(payload, pool[0:1, :, rows].cpu())
