@@ -156,10 +156,9 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS
         seconds, timings = colocated(prefill, stubs["prefill"], ids)
         row = dict(colocated_s=seconds, **{f"colocated_{k}": timings[k] for k in ("compute_s", "queued_s", "gc_s")})
         for name in names:
-            stub = stubs[name]
+            stub = stubs["grpc" if name.startswith("grpc_s") else name]
             if name.startswith("grpc_s"):
                 grpc_transport.streams_per_rank = int(name[len("grpc_s"):])
-                stub = stubs["grpc"]
             seconds, meta = generate(stub, ids)
             row[f"{name}_s"] = seconds
             for key, field in (("transfer", "transfer_s"), ("prefill", "prefill_s"), ("prefill-compute", "compute_s")):
