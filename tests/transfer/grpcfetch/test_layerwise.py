@@ -67,7 +67,7 @@ def asked(monkeypatch):
     fetch = KVTransferService.FetchKV
 
     def logged(self, request, context):
-        log.append((self._source.rank, request.layer_start, tuple(request.pages)))
+        log.append((self._source.rank, request.layer_start, tuple(request.pages), context.peer()))
         yield from fetch(self, request, context)
 
     monkeypatch.setattr(KVTransferService, "FetchKV", logged)
@@ -90,11 +90,14 @@ def test_several_streams_per_rank_place_every_cell_once_and_resume_a_broken_one(
         assert len(log) == len(set(log)) == LAYERS * NUM_PAGES  # every cell placed exactly once
         assert proxy.faulted.is_set() and stats.per_rank[1].retries >= 1 and stats.per_rank[0].retries == 0
         for rank in (0, 1):
-            first_two = [(start, p) for r, start, p in asked if r == rank][:2]
+            first_two = [(start, p) for r, start, p, _ in asked if r == rank][:2]
             # Two streams of consecutive runs of the rank's pages, each from layer 0 (in either order).
             assert sorted(first_two) == sorted([(0, tuple(pages[rank][:4])), (0, tuple(pages[rank][4:]))])
+        # Each stream of rank 0 on a connection of its own (the peer's port differs).
+        first_peers = [peer for r, _, _, peer in asked if r == 0][:2]
+        assert len(set(first_peers)) == 2, first_peers
         # The broken stream was asked again, for pages of its own rank only.
-        resumed = [(start, p) for r, start, p in asked if r == 1][2:]
+        resumed = [(start, p) for r, start, p, _ in asked if r == 1][2:]
         assert resumed and all(set(p) <= set(pages[1]) for _, p in resumed)
         assert stats.bytes == LAYERS * NUM_PAGES * PAGE_LAYER_BYTES
     finally:
