@@ -274,6 +274,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     return dict(tokens=tokens, bytes=nbytes, fast_gbps=gb / fast_s, grpc_gbps=gb / grpc_s,
                 fast_announced_gbps=gb / announced_s, fast_announced_over_ceiling=ceiling_s / announced_s,
                 grpc_dropped_gbps=gb / dropped_s, fast_phases_last=phases,
+                grpc_placed_over_not_placed=dropped_s / grpc_s,
                 raw_grpc_gbps=gb / raw["seconds"], copy_ceiling_gbps=gb / ceiling_s,
                 fast_over_ceiling=ceiling_s / fast_s, grpc_over_raw=raw["seconds"] / grpc_s,
                 receiver_parts=0 if receivers is None else receivers.taken,
@@ -447,11 +448,12 @@ def main() -> None:
               f"{a['fast_announced_over_ceiling']:>10.2f} {shm:>9}")
     print("\nFetchKV (receivers: processes receiving the ranks' streams; threads: all in the daemon), GB/s:")
     print(f"{'tokens':>7} {'receivers':>10} {'(not placed)':>13} {'threads':>8} {'raw, 1 proc':>12} "
-          f"{'raw, proc/stream':>17} {'recv/raw1':>10} {'recv/rawN':>10} {'threads/raw1':>13}")
+          f"{'raw, proc/stream':>17} {'recv/raw1':>10} {'recv/rawN':>10} {'threads/raw1':>13} {'placed/not':>11}")
     for a in alone:
         print(f"{a['tokens']:>7} {a['grpc_gbps']:>10.2f} {a['grpc_dropped_gbps']:>13.2f} "
               f"{a['grpc_threads_gbps']:>8.2f} {a['raw_grpc_gbps']:>12.2f} {a['raw_grpc_processes_gbps']:>17.2f} "
-              f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f}")
+              f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f} "
+              f"{a['grpc_placed_over_not_placed']:>11.2f}")
     print("\nFetchKV with n streams per rank (threads of this process) against n raw gRPC streams per server, GB/s:")
     print(f"{'tokens':>7} {'streams':>7} {'FetchKV':>8} {'raw':>8} {'/raw':>6}")
     for a in alone:

@@ -36,6 +36,7 @@ def test_the_tiny_run_has_every_cross_host_path_beside_its_raw_rate(monkeypatch,
     assert "fast_layer_s" not in row  # not asked for: no daemon started
     (alone,) = got["transfer_alone"]
     assert alone["raw_grpc_gbps"] > 0 and alone["grpc_gbps"] > 0
+    assert alone["grpc_placed_over_not_placed"] == pytest.approx(alone["grpc_gbps"] / alone["grpc_dropped_gbps"])
     assert set(alone["grpc_streams"]) == {"1", "2"}
     for figures in alone["grpc_streams"].values():
         assert figures["gbps"] > 0 and figures["raw_gbps"] > 0
