@@ -222,6 +222,8 @@ def test_ucx_error_handling_is_never_none_and_registrations_are_released(monkeyp
     """UCX's error handling mode as NIXL runs it is ``peer`` (``none`` would hang reads from
     a dead peer); a rank's export and the decode side's transport release their
     registrations when the rank stops and when a pool is freed."""
+    import time
+
     import torch
     from lanekv.transfer.connector.nixl import NixlTransport
     from lanekv.transfer.nixl.export import NixlExport
@@ -232,6 +234,13 @@ def test_ucx_error_handling_is_never_none_and_registrations_are_released(monkeyp
     agent = agent_module.Agent("lanekv-test-errmode")
     try:
         assert agent.backend_params()["ucx_error_handling_mode"] == agent_module.ERROR_HANDLING_MODE == "peer"
+        # A read NIXL refuses (here: a peer it does not know) has nothing in flight: NixlReadFailed,
+        # which the transport may send to gRPC.
+        local = torch.zeros(64, dtype=torch.uint8)
+        agent.register(local)
+        with pytest.raises(agent_module.NixlReadFailed, match="lanekv-nobody"):
+            agent.read("lanekv-nobody", "DRAM", [(4096, local.data_ptr(), 64)], 0, "DRAM", 0,
+                       time.monotonic() + 5)
     finally:
         agent.close()
 
