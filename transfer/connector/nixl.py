@@ -258,8 +258,11 @@ class _NixlFetch(TransportFetch):
         except KVFetchError as err:
             self._fail(err)
         except NixlTransferError as err:
+            self._t.forget_peer(endpoint, self._peers[rank])  # a dead peer's agent is not kept
             self._fail(KVFetchError(Code.UNAVAILABLE, f"KV transfer: rank {rank} at {endpoint}: {err}"))
         except TransferError as err:
+            if isinstance(err, RemoteError) and err.code == grpc.StatusCode.UNAVAILABLE:
+                self._t.forget_peer(endpoint, self._peers[rank])  # down: attached again if it comes back
             self._fail(fetch_error(err, job.deadline))
         except Exception as err:  # a fault of ours ends the fetch now, with its cause
             log.exception("NIXL fetch of rank %d failed", rank)
