@@ -167,11 +167,8 @@ def test_a_killed_prefill_daemon_ends_a_nixl_fetch_unavailable_naming_it_and_not
             time.sleep(0.1)
             stats = decode.stats()
         assert stats.free_pages == stats.total_pages and stats.active_requests == 0
-        # The agent of a rank the fetch's error names is not kept: a later fetch attaches again (or
-        # goes over gRPC). The error may name the prefill call instead, which ended first.
-        named = {e for e in prefill.topology.endpoints if e in details}
-        assert not named & set(decode.nixl._peers), (named, details)
-        assert len(decode.nixl._agent._remotes) == len(decode.nixl._peers)
+        # Every agent loaded here is one a peer is kept for (none half dropped).
+        assert decode.nixl._agent._remotes == {peer.agent for peer in decode.nixl._peers.values()}
     finally:
         decode.stop(grace_s=1.0)
         prefill.stop()
