@@ -408,6 +408,9 @@ def main() -> None:
                         a.update({f"{name}_{k[5:]}": v for k, v in got.items()})
                         a[f"{name}_raw_gbps"] = raw
                         a[f"{name}_over_raw"] = got["nixl_gbps"] / raw if raw else 0.0
+                    # UCX TCP between host-memory buffers: the TCP transport's own rate, no GPU staging.
+                    a["nixl_tcp_raw_host_gbps"] = raw_nixl_gbps(a.get("nixl_tcp_bytes") or a["bytes"],
+                                                                torch.device("cpu"), args.repeat, "tcp,self")
             transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
             for ch in channels.values():
                 ch.close()
@@ -467,6 +470,7 @@ def main() -> None:
             for name, _ in nixl_paths:
                 print(f"{a['tokens']:>7} {name:>9} {a[f'{name}_gbps']:>10.2f} {a[f'{name}_raw_gbps']:>8.2f} "
                       f"{a[f'{name}_over_raw']:>6.2f}")
+            print(f"{a['tokens']:>7} {'(raw NIXL, UCX TCP, host memory)':>36} {a['nixl_tcp_raw_host_gbps']:>8.2f}")
     for a in alone:
         for rank, ph in sorted(a["fast_phases_last"].items()):
             print(f"{a['tokens']} tokens, fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = "

@@ -44,6 +44,7 @@ def test_the_tiny_run_has_every_cross_host_path_beside_its_raw_rate(monkeypatch,
     if nixl:
         assert alone["nixl_tcp_gbps"] > 0 and alone["nixl_tcp_raw_gbps"] > 0
         assert alone["nixl_tcp_over_raw"] == pytest.approx(alone["nixl_tcp_gbps"] / alone["nixl_tcp_raw_gbps"])
+        assert alone["nixl_tcp_raw_host_gbps"] > 0
 
 
 @pytest.mark.parametrize("streams", ["0", "9"])
