@@ -1,6 +1,6 @@
 """FetchKV throughput (GB/s) on loopback, against a raw gRPC stream of the same bytes.
 
-    python bench/transfer.py [--tokens 32768] [--servers 1,2] [--chunk-mib 8] [--json out.json]
+    python bench/transfer.py [--tokens 32768] [--servers 1,2] [--streams 1,2,4] [--chunk-mib 8] [--json out.json]
 
 One request of an 8B-shaped KV layout (32 layers, 8 kv heads, head_dim 128,
 bf16, page 64: 128 KiB per token, 4 GiB at 32k tokens) is held by 1 or N
@@ -13,6 +13,12 @@ bf16, page 64: 128 KiB per token, 4 GiB at 32k tokens) is held by 1 or N
 - ``fetch``: ``fetch_kv`` with a ``place`` that drops each verified chunk;
 - ``fetch+place``: ``fetch_kv`` placing every chunk by logical page into a
   destination tensor, as a decode pool would (then every page is checked).
+
+Each mode runs with every count of ``--streams`` per server: raw streams each
+on a channel (a connection) of its own, each carrying a share of the bytes;
+FetchKV with ``streams_per_rank`` (``transfer.grpcfetch.layerwise``: each
+stream a run of the rank's pages, every layer), received in threads of this
+process. On loopback the streams share the cores with the servers.
 
 GB/s is payload bytes over wall time; per rank it is that rank's bytes over the
 time to its last chunk. Best of ``--repeats``. The processes share the
@@ -97,7 +103,7 @@ def _raw_server(conn) -> None:
         for _ in range(count):
             yield block
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=grpc_options())
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=grpc_options())
     handler = grpc.method_handlers_generic_handler(
         "lanekv.bench.Raw", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
     )
@@ -137,21 +143,27 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-def run_raw(ports: list[int], total_bytes: int, chunk_bytes: int) -> dict:
-    share = total_bytes // len(ports)
+def run_raw(ports: list[int], total_bytes: int, chunk_bytes: int, streams_per_server: int = 1) -> dict:
+    """Raw streams of ``total_bytes`` from every server at once, ``streams_per_server`` each
+    (each on a connection of its own), received in threads of this process."""
+    share = total_bytes // len(ports) // streams_per_server
     count = -(-share // chunk_bytes)
     per_rank: dict[int, tuple[int, float]] = {}
-    channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=grpc_options()) for p in ports]
+    lock = threading.Lock()
+    # A channel per stream, each with its own connection (gRPC shares one among channels otherwise).
+    channels = [grpc.insecure_channel(f"127.0.0.1:{p}", options=[*grpc_options(), ("grpc.use_local_subchannel_pool", 1)])
+                for p in ports for _ in range(streams_per_server)]
     streams = [ch.unary_stream(RAW_METHOD) for ch in channels]
     t0 = time.perf_counter()
 
-    def drain(rank: int) -> None:
-        got = sum(
-            len(m) for m in streams[rank](struct.pack("<QQ", count, chunk_bytes), timeout=600)
-        )
-        per_rank[rank] = (got, time.perf_counter() - t0)
+    def drain(i: int) -> None:
+        got = sum(len(m) for m in streams[i](struct.pack("<QQ", count, chunk_bytes), timeout=600))
+        rank = i // streams_per_server
+        with lock:
+            before = per_rank.get(rank, (0, 0.0))[0]
+            per_rank[rank] = (before + got, time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=drain, args=(r,)) for r in range(len(ports))]
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(len(streams))]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -197,7 +209,9 @@ def run_raw_processes(ports: list[int], total_bytes: int, chunk_bytes: int, trie
         stop(procs, conns)
 
 
-def run_fetch(endpoints: dict[int, str], dest: torch.Tensor | None, chunk_bytes: int) -> dict:
+def run_fetch(endpoints: dict[int, str], dest: torch.Tensor | None, chunk_bytes: int, num_pages: int,
+              streams: int = 1) -> dict:
+    """FetchKV of the request from every server, ``streams`` per server (each a run of its pages)."""
     def place(header, tensor) -> None:
         if dest is not None:
             # Whole pages as blocks of page_size * kv_heads * head_dim, as scatter_pages does.
@@ -208,9 +222,10 @@ def run_fetch(endpoints: dict[int, str], dest: torch.Tensor | None, chunk_bytes:
 
     with KVClient() as client:
         fingerprint = client.handshake(endpoints[0], agreement(), timeout=30).fingerprint
+        pages = {r: [p for p in range(num_pages) if p % len(endpoints) == r] for r in endpoints}
         stats = client.fetch(
-            endpoints, REQUEST, fingerprint, place,
-            max_chunk_bytes=chunk_bytes, max_inflight_bytes=4 * chunk_bytes, timeout=600,
+            endpoints, REQUEST, fingerprint, place, max_chunk_bytes=chunk_bytes,
+            max_inflight_bytes=4 * chunk_bytes * streams, timeout=600, pages=pages, streams_per_rank=streams,
         )  # fmt: skip
     return dict(
         bytes=stats.bytes, seconds=stats.seconds,
@@ -240,6 +255,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--servers", default="1,2", help="comma-separated owner-rank counts")
+    parser.add_argument("--streams", default="1", help="comma-separated stream counts per server")
     parser.add_argument("--chunk-mib", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
@@ -250,12 +266,14 @@ def main() -> None:
     print(
         f"{args.tokens} tokens, {num_pages} pages, {total / 2**30:.2f} GiB, chunks of {chunk_bytes / 2**20:g} MiB"
     )
+    stream_counts = [int(s) for s in args.streams.split(",")]
     results = []
     for cp_size in (int(s) for s in args.servers.split(",")):
         procs, conns, ports = start(_raw_server, [() for _ in range(cp_size)])
-        runs = [run_raw(ports, total, chunk_bytes) for _ in range(args.repeats)]
+        for streams in stream_counts:
+            runs = [run_raw(ports, total, chunk_bytes, streams) for _ in range(args.repeats)]
+            results.append(dict(mode="raw", servers=cp_size, streams=streams, **best(runs)))
         stop(procs, conns)
-        results.append(dict(mode="raw", servers=cp_size, **best(runs)))
         procs, conns, ports = start(_kv_server, [(r, cp_size, num_pages) for r in range(cp_size)])
         endpoints = {r: f"127.0.0.1:{p}" for r, p in enumerate(ports)}
         topology = Topology(cp_size, "in_seq", "page_mod_cp", tuple(endpoints.values()))
@@ -263,25 +281,30 @@ def main() -> None:
             conn.send(topology)
         for conn in conns:
             conn.recv()
-        runs = [run_fetch(endpoints, None, chunk_bytes) for _ in range(args.repeats)]
-        results.append(dict(mode="fetch", servers=cp_size, **best(runs)))
+        for streams in stream_counts:
+            runs = [run_fetch(endpoints, None, chunk_bytes, num_pages, streams) for _ in range(args.repeats)]
+            results.append(dict(mode="fetch", servers=cp_size, streams=streams, **best(runs)))
         dest = torch.zeros(
             (LAYERS, 2, num_pages * PAGE_SIZE, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16
         )
-        runs = [run_fetch(endpoints, dest, chunk_bytes) for _ in range(args.repeats)]
-        check_placed(dest, num_pages)
+        for streams in stream_counts:
+            dest.zero_()
+            runs = [run_fetch(endpoints, dest, chunk_bytes, num_pages, streams) for _ in range(args.repeats)]
+            check_placed(dest, num_pages)
+            results.append(dict(mode="fetch+place", servers=cp_size, streams=streams, **best(runs)))
         del dest
-        results.append(dict(mode="fetch+place", servers=cp_size, **best(runs)))
         stop(procs, conns)
-    print(f"{'mode':<12} {'servers':>7} {'GiB':>6} {'seconds':>8} {'GB/s':>6}  per rank GB/s")
+    print(f"{'mode':<12} {'servers':>7} {'streams':>7} {'GiB':>6} {'seconds':>8} {'GB/s':>6}  per rank GB/s")
     for r in results:
         ranks = " ".join(f"{k}:{v['gbps']:.2f}" for k, v in r["per_rank"].items())
         print(
-            f"{r['mode']:<12} {r['servers']:>7} {r['bytes'] / 2**30:>6.2f} {r['seconds']:>8.2f} {r['gbps']:>6.2f}  {ranks}"
+            f"{r['mode']:<12} {r['servers']:>7} {r['streams']:>7} {r['bytes'] / 2**30:>6.2f} {r['seconds']:>8.2f} "
+            f"{r['gbps']:>6.2f}  {ranks}"
         )
     if args.json:
         config = dict(tokens=args.tokens, layers=LAYERS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                      page_size=PAGE_SIZE, dtype="bfloat16", chunk_bytes=chunk_bytes, repeats=args.repeats)  # fmt: skip
+                      page_size=PAGE_SIZE, dtype="bfloat16", chunk_bytes=chunk_bytes, repeats=args.repeats,
+                      streams=stream_counts)  # fmt: skip
         machine = dict(
             machine=platform.machine(),
             cpus=os.cpu_count(),

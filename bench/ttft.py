@@ -1,8 +1,12 @@
-"""Time to first token: colocated prefill vs disaggregated over gRPC vs the same-host fast path.
+"""Time to first token: colocated prefill vs disaggregated over gRPC, NIXL and the same-host fast path.
 
 GPU (prefill cp=2 on GPUs 0 and 1, both decode daemons on GPU 0; Llama-3-8B shapes, dummy bf16):
     python bench/ttft.py --llama3-8b --cp 2 --tokens 8192 32768 65536 --json out.json
-CPU (the tiny model):
+One H200, cp=1, the cross-host paths beside colocated and the fast path (fewer decode
+daemons: each holds the model's 16 GB):
+    python bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --paths grpc fast nixl nixl_tcp \
+        --fetch-streams 1 2 4 --json out.json
+CPU (the tiny model; also the smoke test, tests/test_bench_ttft.py):
     python bench/ttft.py --tiny --cp 2 --tokens 256 1024
 
 Every path computes the whole prompt: the prefix caches are off on every
@@ -16,7 +20,9 @@ length, median of ``--repeat`` after one warm-up, with the min and max:
 
 - (a) colocated: the prefill daemon's own Prefill call, first token out (the
   KV stays where it was written: what a colocated server pays);
-- (b) grpc, (c) fast (the daemons' default: the decode daemon calls the ranks
+- (b) grpc_s<n>: layer-wise FetchKV under the prefill with ``n`` streams per
+  owner rank (``--fetch-streams``; one decode daemon, its streams set per row),
+  (c) fast (the daemons' default: the decode daemon calls the ranks
   once the prefill has answered and copies every layer at once), (d) "fast,
   streamed" (it calls the ranks at once, each sends a descriptor pair per layer
   during the prefill, and copies at the end), (e) "fast, per layer" (it copies
@@ -33,13 +39,19 @@ each rank's copies start from where the owner-lane rule puts its pages,
 before its announcement; and, "announced", waiting for it) and FetchKV
 (placing into a pool on GPU 0), each beside its
 ceiling measured in the same run: raw gRPC streams of the same bytes from
-as many server processes as owner ranks (``bench/transfer.py``'s), received
+as many server processes as owner ranks (``bench/transfer.py``'s; and with
+each ``--fetch-streams`` count of streams per server beside FetchKV with as
+many streams per rank), received
 in threads of one process ("raw, 1 proc") and each in a process of its own
 ("raw, proc/stream": the layout of the decode daemon's receiver processes),
 and the copies the fast path makes with nothing else in the way (rank 0's
 share GPU 0 -> GPU 0 and rank 1's GPU 1 -> GPU 0 at once; on the CPU a copy
 out of a /dev/shm file). FetchKV is measured through the decode daemon's
 receiver processes and again with every stream in a thread of this process.
+With lanekv[nixl] installed, the NIXL paths too: ``nixl`` (the decode pool
+registered where it is: GPU memory on a GPU, UCX's own transports) and
+``nixl_tcp`` (UCX over TCP only), in the TTFT table and alone, each beside a
+raw NIXL read of the same bytes with the same UCX transports.
 """
 
 from __future__ import annotations
@@ -69,6 +81,7 @@ from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.fastpath.copyorder import CopyOrder  # noqa: E402
 from lanekv.transfer.fastpath.rankfetch import FastRequest, RankPages  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
+from lanekv.transfer.grpcfetch.layerwise import check_streams  # noqa: E402
 from lanekv.transfer.nixl.agent import available as nixl_available  # noqa: E402
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
@@ -114,6 +127,8 @@ def generate(stub, ids: list[int]) -> tuple[float, dict]:
 
 # The decode daemons of the TTFT table: (name, transport), and what each does differently.
 PATHS = (("grpc", "grpc"), ("fast", "auto"), ("fast_streamed", "auto"), ("fast_layer", "auto"))
+# The decode daemons every run needs (the transfer alone measures both).
+REQUIRED_PATHS = ("grpc", "fast")
 # With lanekv[nixl] installed (``--nixl``): NIXL with the decode pool registered where it is
 # (GPU memory on a GPU; UCX picks its transports), and NIXL over UCX TCP only.
 NIXL_PATHS = (("nixl", "nixl"), ("nixl_tcp", "nixl"))
@@ -121,16 +136,30 @@ NIXL_PATHS = (("nixl", "nixl"), ("nixl_tcp", "nixl"))
 NIXL_TLS = {"nixl": None, "nixl_tcp": "tcp,cuda_copy,self" if torch.cuda.is_available() else "tcp,self"}
 
 
-def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS) -> dict:
+def row_names(paths, fetch_streams) -> list[str]:
+    """The TTFT table's rows after colocated: the gRPC daemon once per stream count."""
+    names = []
+    for name, _ in paths:
+        names += [f"grpc_s{n}" for n in fetch_streams] if name == "grpc" else [name]
+    return names
+
+
+def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS, grpc_transport=None,
+         fetch_streams=(1,)) -> dict:
     """Medians over ``repeat`` prompts of ``tokens`` (after one warm-up) of each path's TTFT,
-    prefill call, transfer and ranks' own compute seconds, with each TTFT's min and max."""
+    prefill call, transfer and ranks' own compute seconds, with each TTFT's min and max.
+    ``grpc_transport``: the gRPC daemon's transport, set to each of ``fetch_streams`` in turn."""
     rows = []
+    names = row_names(paths, fetch_streams)
     for i in range(repeat + 1):  # the first is a warm-up
         ids = prompt(vocab, tokens, tokens * 100 + i)
         seconds, timings = colocated(prefill, stubs["prefill"], ids)
         row = dict(colocated_s=seconds, **{f"colocated_{k}": timings[k] for k in ("compute_s", "queued_s", "gc_s")})
-        for name, _ in paths:
-            seconds, meta = generate(stubs[name], ids)
+        for name in names:
+            stub = stubs["grpc" if name.startswith("grpc_s") else name]
+            if name.startswith("grpc_s"):
+                grpc_transport.streams_per_rank = int(name[len("grpc_s"):])
+            seconds, meta = generate(stub, ids)
             row[f"{name}_s"] = seconds
             for key, field in (("transfer", "transfer_s"), ("prefill", "prefill_s"), ("prefill-compute", "compute_s")):
                 row[f"{name}_{field}"] = float(meta.get(f"lanekv-{key}-seconds", "nan"))
@@ -143,7 +172,7 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS
         {part: r[key] * 1e3 for part, key in (("call", "colocated_s"), ("compute", "colocated_compute_s"),
                                               ("queued", "colocated_queued_s"), ("gc", "colocated_gc_s"))}
         for r in rows[1:]]
-    for name in ("colocated", *(n for n, _ in paths)):
+    for name in ("colocated", *names):
         out[f"{name}_min_s"] = min(r[f"{name}_s"] for r in rows[1:])
         out[f"{name}_max_s"] = max(r[f"{name}_s"] for r in rows[1:])
         if name != "colocated":
@@ -152,8 +181,9 @@ def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS
 
 
 def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: DecodeDaemon, vocab: int,
-                   tokens: int, repeat: int) -> dict:
-    """The fast path and FetchKV of one prefilled request, nothing overlapping them."""
+                   tokens: int, repeat: int, fetch_streams=(1,)) -> dict:
+    """The fast path and FetchKV of one prefilled request, nothing overlapping them; FetchKV
+    and raw gRPC also with each of ``fetch_streams`` streams per rank (threads of this process)."""
     stub = lanekv_pb2_grpc.PrefillServiceStub(grpc.insecure_channel(prefill.endpoint, options=grpc_options()))
     reply, call = stub.Prefill.with_call(lanekv_pb2.PrefillRequest(
         token_ids=lanekv_pb2.TokenIds(ids=prompt(vocab, tokens, 7)), request_id=f"alone-{uuid.uuid4().hex[:8]}"),
@@ -199,7 +229,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
             raise errors[0]
         return time.perf_counter() - t0
 
-    def grpc_once(drop: bool = False, kv: KVClient = grpc_decode.kv) -> float:
+    def grpc_once(drop: bool = False, kv: KVClient = grpc_decode.kv, streams: int = 1) -> float:
         def place(header, payload):
             if drop:  # receive and verify only
                 return
@@ -209,7 +239,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         sync()
         t0 = time.perf_counter()
         kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
-                 place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages)
+                 place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages, streams_per_rank=streams)
         sync()
         return time.perf_counter() - t0
 
@@ -227,12 +257,16 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     dropped_s = min(grpc_once(drop=True) for _ in range(repeat + 1))
     with KVClient() as threads_only:  # every rank's stream received in a thread of this process
         threads_s = min(grpc_once(kv=threads_only) for _ in range(repeat + 1))
+        streams_s = {n: min(grpc_once(kv=threads_only, streams=n) for _ in range(repeat + 1))
+                     for n in fetch_streams}
     release(prefill, reply, call)
     procs, conns, ports = start(_raw_server, [() for _ in owners])
     try:
         raw = min((run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES) for _ in range(repeat + 1)),
                   key=lambda r: r["seconds"])
         raw_procs = run_raw_processes(ports, nbytes, DEFAULT_CHUNK_BYTES, repeat + 1)
+        raw_streams_s = {n: min(run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES, n)["seconds"] for _ in range(repeat + 1))
+                         for n in fetch_streams}
     finally:
         stop(procs, conns)
     ceiling_s = copy_ceiling(dst, len(owners), repeat)
@@ -240,11 +274,14 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
     return dict(tokens=tokens, bytes=nbytes, fast_gbps=gb / fast_s, grpc_gbps=gb / grpc_s,
                 fast_announced_gbps=gb / announced_s, fast_announced_over_ceiling=ceiling_s / announced_s,
                 grpc_dropped_gbps=gb / dropped_s, fast_phases_last=phases,
+                grpc_placed_over_not_placed=dropped_s / grpc_s,
                 raw_grpc_gbps=gb / raw["seconds"], copy_ceiling_gbps=gb / ceiling_s,
                 fast_over_ceiling=ceiling_s / fast_s, grpc_over_raw=raw["seconds"] / grpc_s,
                 receiver_parts=0 if receivers is None else receivers.taken,
                 grpc_threads_gbps=gb / threads_s, grpc_threads_over_raw=raw["seconds"] / threads_s,
                 raw_grpc_processes_gbps=gb / raw_procs["seconds"],
+                grpc_streams={n: dict(gbps=gb / streams_s[n], raw_gbps=gb / raw_streams_s[n],
+                                      over_raw=raw_streams_s[n] / streams_s[n]) for n in fetch_streams},
                 grpc_over_raw_processes=raw_procs["seconds"] / grpc_s,
                 shm_copy_gbps=shm_copy_gbps(nbytes // len(owners)))
 
@@ -306,9 +343,24 @@ def main() -> None:
     ap.add_argument("--skip-ttft", action="store_true", help="measure the transfer alone")
     ap.add_argument("--nixl", action=argparse.BooleanOptionalAction, default=None,
                     help="also the NIXL paths (default: when lanekv[nixl] is installed)")
+    every = [name for name, _ in PATHS + NIXL_PATHS]
+    ap.add_argument("--paths", nargs="+", choices=every, default=None,
+                    help="the decode daemons to start (each holds the model; default: all; grpc and fast always)")
+    ap.add_argument("--fetch-streams", type=int, nargs="+", default=[1, 2, 4],
+                    help="gRPC streams per owner rank: a TTFT row and a transfer-alone figure each")
     args = ap.parse_args()
+    for n in args.fetch_streams:
+        try:
+            check_streams(n)
+        except ValueError as err:
+            ap.error(f"--fetch-streams: {err}")
     use_nixl = nixl_available() if args.nixl is None else args.nixl
-    paths = PATHS + (NIXL_PATHS if use_nixl else ())
+    wanted = set(every if args.paths is None else args.paths) | set(REQUIRED_PATHS)
+    if not use_nixl:
+        wanted -= {name for name, _ in NIXL_PATHS}
+    paths = tuple(p for p in PATHS + NIXL_PATHS if p[0] in wanted)
+    nixl_paths = tuple(p for p in NIXL_PATHS if p[0] in wanted)
+    use_nixl = bool(nixl_paths)
     model_cfg = LLAMA3_8B if args.llama3_8b else TINY
     dtype = "bfloat16" if args.llama3_8b else "float32"
     transfer_tokens = args.transfer_tokens or args.tokens
@@ -331,28 +383,34 @@ def main() -> None:
                 if transport == "nixl":
                     with ucx_tls(NIXL_TLS[name]):  # its agent starts now, with these transports
                         decoders[name].nixl._agent_here()
-            # Calls the ranks at once, copies at the end (the ranks send a descriptor pair per layer).
-            streamed = decoders["fast_streamed"].fastpath
-            streamed.tuning = dataclasses.replace(streamed.tuning, wait_for_answer=False)
-            decoders["fast_layer"].fastpath.copy_at_end = False  # copies each layer as it comes
+            if "fast_streamed" in decoders:
+                # Calls the ranks at once, copies at the end (the ranks send a descriptor pair per layer).
+                streamed = decoders["fast_streamed"].fastpath
+                streamed.tuning = dataclasses.replace(streamed.tuning, wait_for_answer=False)
+            if "fast_layer" in decoders:
+                decoders["fast_layer"].fastpath.copy_at_end = False  # copies each layer as it comes
+            grpc_transport = decoders["grpc"].fetcher.transport("grpc")
             channels = {name: grpc.insecure_channel(dec.endpoint, options=grpc_options())
                         for name, dec in decoders.items()}
             channels["prefill"] = grpc.insecure_channel(prefill.endpoint, options=grpc_options())
             stubs = {name: lanekv_pb2_grpc.DecodeServiceStub(ch) for name, ch in channels.items()}
             stubs["prefill"] = lanekv_pb2_grpc.PrefillServiceStub(channels["prefill"])
-            rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat, paths)
-                                              for n in args.tokens]
-            alone = [transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, n, args.repeat)
-                     for n in transfer_tokens]
+            rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat, paths, grpc_transport,
+                                                   args.fetch_streams) for n in args.tokens]
+            alone = [transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, n, args.repeat,
+                                    args.fetch_streams) for n in transfer_tokens]
             if use_nixl:  # each NIXL path alone, beside a raw NIXL read of the same bytes, same transports
                 device = decoders["grpc"].pool.tensor.device
                 for a, n in zip(alone, transfer_tokens):
-                    for name, _ in NIXL_PATHS:
+                    for name, _ in nixl_paths:
                         got = nixl_alone(prefill, decoders[name], prompt(vocab, n, 11), args.repeat)
                         raw = raw_nixl_gbps(got["nixl_bytes"], device, args.repeat, NIXL_TLS[name])
                         a.update({f"{name}_{k[5:]}": v for k, v in got.items()})
                         a[f"{name}_raw_gbps"] = raw
                         a[f"{name}_over_raw"] = got["nixl_gbps"] / raw if raw else 0.0
+                    # UCX TCP between host-memory buffers: the TCP transport's own rate, no GPU staging.
+                    a["nixl_tcp_raw_host_gbps"] = raw_nixl_gbps(a.get("nixl_tcp_bytes") or a["bytes"],
+                                                                torch.device("cpu"), args.repeat, "tcp,self")
             transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
             for ch in channels.values():
                 ch.close()
@@ -363,13 +421,14 @@ def main() -> None:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     print(f"\nTTFT, prefill cp={args.cp}, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, {dtype}, "
           f"page {args.page_size}, {device}; fast path: {transports}")
-    print("(a) colocated: the prefill daemon's own Prefill call; (b) grpc; (c) fast: called once the prefill "
+    print("(a) colocated: the prefill daemon's own Prefill call; (b) grpc_s<n>: layer-wise FetchKV, n streams "
+          "per rank; nixl: NIXL, pool registered where it is; nixl_tcp: NIXL over UCX TCP; (c) fast: called once the prefill "
           "answered; (d) fast, streamed: called at once, copied at the end; (e) fast, per layer: copied as "
           "each layer comes. Median ms [min-max], and over (a)")
     print(f"{'tokens':>7} {'path':>14} {'TTFT ms':>9} {'min':>7} {'max':>7} {'/a':>6} {'prefill call':>13} "
           f"{'rank compute':>13} {'transfer':>9}")
     for r in rows:
-        for name in ("colocated", *(n for n, _ in paths)):
+        for name in ("colocated", *row_names(paths, args.fetch_streams)):
             over = "" if name == "colocated" else f"{r[f'{name}_over_colocated']:.3f}"
             call = "" if name == "colocated" else f"{r[f'{name}_prefill_s'] * 1e3:.1f}"
             compute = r[f"{name}_compute_s"] * 1e3
@@ -392,19 +451,26 @@ def main() -> None:
               f"{a['fast_announced_over_ceiling']:>10.2f} {shm:>9}")
     print("\nFetchKV (receivers: processes receiving the ranks' streams; threads: all in the daemon), GB/s:")
     print(f"{'tokens':>7} {'receivers':>10} {'(not placed)':>13} {'threads':>8} {'raw, 1 proc':>12} "
-          f"{'raw, proc/stream':>17} {'recv/raw1':>10} {'recv/rawN':>10} {'threads/raw1':>13}")
+          f"{'raw, proc/stream':>17} {'recv/raw1':>10} {'recv/rawN':>10} {'threads/raw1':>13} {'placed/not':>11}")
     for a in alone:
         print(f"{a['tokens']:>7} {a['grpc_gbps']:>10.2f} {a['grpc_dropped_gbps']:>13.2f} "
               f"{a['grpc_threads_gbps']:>8.2f} {a['raw_grpc_gbps']:>12.2f} {a['raw_grpc_processes_gbps']:>17.2f} "
-              f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f}")
+              f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f} "
+              f"{a['grpc_placed_over_not_placed']:>11.2f}")
+    print("\nFetchKV with n streams per rank (threads of this process) against n raw gRPC streams per server, GB/s:")
+    print(f"{'tokens':>7} {'streams':>7} {'FetchKV':>8} {'raw':>8} {'/raw':>6}")
+    for a in alone:
+        for n, g in a["grpc_streams"].items():
+            print(f"{a['tokens']:>7} {n:>7} {g['gbps']:>8.2f} {g['raw_gbps']:>8.2f} {g['over_raw']:>6.2f}")
     if use_nixl:
         print("\nNIXL (the transport alone: descriptor streams, NIXL reads into the pool, digest checks) "
               "against a raw NIXL read of the same bytes, same UCX transports, GB/s:")
         print(f"{'tokens':>7} {'path':>9} {'transport':>10} {'raw':>8} {'/raw':>6}")
         for a in alone:
-            for name, _ in NIXL_PATHS:
+            for name, _ in nixl_paths:
                 print(f"{a['tokens']:>7} {name:>9} {a[f'{name}_gbps']:>10.2f} {a[f'{name}_raw_gbps']:>8.2f} "
                       f"{a[f'{name}_over_raw']:>6.2f}")
+            print(f"{a['tokens']:>7} {'(raw NIXL, UCX TCP, host memory)':>36} {a['nixl_tcp_raw_host_gbps']:>8.2f}")
     for a in alone:
         for rank, ph in sorted(a["fast_phases_last"].items()):
             print(f"{a['tokens']} tokens, fast path, rank {rank} (last try): {ph['seconds'] * 1e3:.1f} ms = "
@@ -415,6 +481,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), cp_size=args.cp,
                                              page_size=args.page_size, dtype=dtype, transports=transports,
+                                             paths=[name for name, _ in paths], fetch_streams=args.fetch_streams,
                                              ttft=rows, transfer_alone=alone), indent=2))
 
 

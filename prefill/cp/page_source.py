@@ -14,6 +14,12 @@ source therefore fills torch's host and device caches with the blocks reads take
 and runs its reads once, before it serves any (``_warm_caches``). A release by the decode side is
 reported to the parent process (``on_release``), which owns the allocator and
 the leases; an expired lease makes the rank ``forget`` the request.
+
+On a GPU the read path's kernels are compiled and loaded when the source is
+made, before any prefill runs: loading a CUDA module (Triton's first launch of
+a kernel, or of a new specialization of it) may wait for the whole context,
+so a first read during a prefill would wait for all the prefill's queued
+layers, not only its own (and Triton's compile takes seconds).
 """
 
 from __future__ import annotations
@@ -65,13 +71,14 @@ class RankPageSource(TensorPageSource):
             size *= 2
         self._stream.synchronize()
         del device, small, host  # back to the caches, for this stream and the host
-        # Each kernel's variants (Triton specializes on sizes divisible by 16): one page and
-        # sixteen, one layer and all of them.
-        layers = self.pool.shape[0]
-        for pages in ([0], list(range(min(16, self.pool.shape[2] // self._page_size)))):
-            for end in sorted({1, layers}):
-                self.read(pages, 0, end)
-                self.fresh_digest(pages, 0, end)
+        # Every specialization a read can launch: gather_pages' buffer strides are specialized
+        # on divisibility by 16, which depends on the page count mod 16 only; one layer and all.
+        layers, num_pages = self.pool.shape[0], self.pool.shape[2] // self._page_size
+        for end in sorted({1, layers}):
+            for count in range(1, min(16, num_pages) + 1):
+                self.read(range(count), 0, end)
+            for count in sorted({1, min(16, num_pages)}):
+                self.fresh_digest(range(count), 0, end)
         self._stream.synchronize()
 
     @contextlib.contextmanager

@@ -56,6 +56,15 @@ class GrpcTransport(KVTransport):
         self._limits = {"max_inflight_bytes": max_inflight_bytes, "max_chunk_bytes": max_chunk_bytes,
                         "streams_per_rank": check_streams(streams_per_rank)}
 
+    @property
+    def streams_per_rank(self) -> int:
+        return self._limits["streams_per_rank"]
+
+    @streams_per_rank.setter
+    def streams_per_rank(self, streams: int) -> None:
+        """Streams per owner rank of the fetches started from now on (benchmarks sweep it)."""
+        self._limits = {**self._limits, "streams_per_rank": check_streams(streams)}
+
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
         return {rank: Route(GRPC) for rank in ranks}
 

@@ -10,7 +10,11 @@ side reads the range's pages, whole runs per layer and plane
 (``transfer.nixl.runs``), straight into the decode pool, then checks the
 bytes against the digest exactly as the fast path does (``page_digest`` of
 the destination pages, each layer at its place). A rank whose bytes do not
-verify is in ``FetchOutcome.again``, and the fetcher fetches it over gRPC.
+verify (counted as ``failures{cause="nixl_digest"}``), or whose read NIXL
+itself ended in failure with nothing left in flight (``nixl_read``; the peer
+agent is dropped, attached again at the next claim), is in
+``FetchOutcome.again``, and the fetcher fetches it over gRPC. A read that does
+not end in time is not retried there: UCX may still be writing into the pages.
 
 The decode side reads (NIXL READ) rather than the prefill side writing: the
 decode side owns its pool and its page table, knows when a page is free to
@@ -22,8 +26,9 @@ it was attached under, and a ticket naming another start drops it and attaches
 again, so a prefill daemon restarted under the same address is never read
 through the old agent. A dead peer fails its reads (UCX error handling
 ``peer``) or its descriptor stream, within ``read_timeout_s`` at most: the fetch
-ends UNAVAILABLE naming the rank's endpoint. ``close`` releases the pool's
-registration and every peer (the daemon drains).
+ends UNAVAILABLE naming the rank's endpoint (a failed read goes to gRPC first,
+which then finds the rank down). ``release_pool`` releases a freed pool's
+registration; ``close`` every registration and every peer (the daemon drains).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import grpc
 import torch
 from lanekv.kernels.page_digest import page_digest
 from lanekv.proto import lanekv_pb2
+from lanekv.runtime.metrics import Counter
 from lanekv.transfer.connector.base import (
     Code,
     Coverage,
@@ -53,7 +59,13 @@ from lanekv.transfer.connector.base import (
 )
 from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient, RankStats
-from lanekv.transfer.nixl.agent import Agent, NixlTransferError, NixlUnavailable, memory_kind
+from lanekv.transfer.nixl.agent import (
+    Agent,
+    NixlReadFailed,
+    NixlTransferError,
+    NixlUnavailable,
+    memory_kind,
+)
 from lanekv.transfer.nixl.runs import PoolRegion, read_pairs
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, start_of
 from lanekv.transfer.protocol.contract import Agreement
@@ -73,14 +85,17 @@ class _Peer(NamedTuple):
 
 
 class NixlTransport(KVTransport):
-    """Reads ranks' pages over NIXL into the decode pool; ``devices`` pins UCX to some devices."""
+    """Reads ranks' pages over NIXL into the decode pool; ``devices`` pins UCX to some devices;
+    ``failures`` (labelled by cause) counts the ranks sent back to gRPC."""
 
     def __init__(self, kv: KVClient, agreement: Agreement, *, devices: Sequence[str] = (),
-                 attach_timeout_s: float = 10.0, read_timeout_s: float = 30.0) -> None:
+                 attach_timeout_s: float = 10.0, read_timeout_s: float = 30.0,
+                 failures: Counter | None = None) -> None:
         if not attach_timeout_s > 0 or not read_timeout_s > 0:
             raise ValueError(f"attach_timeout_s and read_timeout_s must be > 0, got {attach_timeout_s!r} "
                              f"and {read_timeout_s!r}")
         self._kv, self._agreement, self._devices = kv, agreement, tuple(devices)
+        self.failures = failures
         self._attach_timeout_s, self.read_timeout_s = attach_timeout_s, read_timeout_s
         self._agent: Agent | None = None
         self._local: dict[int, PoolRegion] = {}  # data_ptr of a registered decode pool -> its region
@@ -90,7 +105,7 @@ class NixlTransport(KVTransport):
 
     @classmethod
     def from_context(cls, ctx: TransportContext) -> NixlTransport:
-        return cls(ctx.kv, ctx.agreement)
+        return cls(ctx.kv, ctx.agreement, failures=ctx.failures)
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
         start = start_of(job.epoch) or ""
@@ -116,6 +131,27 @@ class NixlTransport(KVTransport):
                                    f"for start {start!r}")
             peers[rank] = peer
         return _NixlFetch(self, job, peers, local, coverage)
+
+    def release_pool(self, pool: torch.Tensor) -> bool:
+        """Release the registration of ``pool`` (freed: no fetch into it may run); whether
+        it was registered."""
+        with self._lock:
+            region, agent = self._local.pop(pool.data_ptr(), None), self._agent
+        return region is not None and agent is not None and agent.deregister(pool)
+
+    def count(self, cause: str) -> None:
+        if self.failures is not None:
+            self.failures.labels(cause=cause).inc()
+
+    def forget_peer(self, endpoint: str, peer: _Peer) -> None:
+        """Drop ``peer`` of ``endpoint`` (a read through it failed): the next claim attaches again."""
+        with self._lock:
+            if self._peers.get(endpoint) != peer:
+                return
+            del self._peers[endpoint]
+            agent = self._agent
+        if agent is not None:
+            agent.remove_remote(peer.agent)
 
     def close(self) -> None:
         """Release the pool's registration and forget every peer (the daemon drains)."""
@@ -222,8 +258,11 @@ class _NixlFetch(TransportFetch):
         except KVFetchError as err:
             self._fail(err)
         except NixlTransferError as err:
+            self._t.forget_peer(endpoint, self._peers[rank])  # a dead peer's agent is not kept
             self._fail(KVFetchError(Code.UNAVAILABLE, f"KV transfer: rank {rank} at {endpoint}: {err}"))
         except TransferError as err:
+            if isinstance(err, RemoteError) and err.code == grpc.StatusCode.UNAVAILABLE:
+                self._t.forget_peer(endpoint, self._peers[rank])  # down: attached again if it comes back
             self._fail(fetch_error(err, job.deadline))
         except Exception as err:  # a fault of ours ends the fetch now, with its cause
             log.exception("NIXL fetch of rank %d failed", rank)
@@ -281,14 +320,21 @@ class _NixlFetch(TransportFetch):
                 pairs = read_pairs(peer.region, self._local, d.physical, dst, job.page_size, d.layer_start,
                                    d.layer_end)
                 deadline = min(job.deadline, time.monotonic() + t.read_timeout_s)
-                t._agent_here().read(peer.agent, peer.memory, pairs, peer.device, memory_kind(job.pool),
-                                     job.pool.device.index or 0, deadline)
+                try:
+                    t._agent_here().read(peer.agent, peer.memory, pairs, peer.device, memory_kind(job.pool),
+                                         job.pool.device.index or 0, deadline)
+                except NixlReadFailed as err:  # nothing in flight: gRPC may write these pages
+                    if self._stop.is_set():
+                        return
+                    log.warning("NIXL: rank %d at %s: %s; over gRPC again", rank, endpoint, err)
+                    t.forget_peer(endpoint, peer)
+                    self._send_back(rank, "nixl_read")
+                    return
                 got = self._digest(dst, d.layer_start, d.layer_end)
                 if got != d.digest:
                     log.warning("NIXL: rank %d's layers [%d, %d) do not match its digest; over gRPC again",
                                 rank, d.layer_start, d.layer_end)
-                    with self._lock:
-                        self._again.add(rank)
+                    self._send_back(rank, "nixl_digest")
                     return
                 placed.append(d)
                 nbytes += sum(n for _, _, n in pairs)
@@ -309,6 +355,12 @@ class _NixlFetch(TransportFetch):
             self._coverage.placed(d.pages, d.layer_start, d.layer_end)
         with self._lock:
             self._stats[rank] = RankStats(nbytes, len(placed), time.perf_counter() - begin)
+
+    def _send_back(self, rank: int, cause: str) -> None:
+        """``rank`` goes to gRPC again (none of its pages is marked placed)."""
+        self._t.count(cause)
+        with self._lock:
+            self._again.add(rank)
 
     def _digest(self, dst: list[int], layer_start: int, layer_end: int) -> int:
         pool = self._job.pool

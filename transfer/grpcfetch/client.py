@@ -116,8 +116,8 @@ class KVClient:
             raise ValueError(f"receivers must be an integer >= 0 or a ReceiverPool, got receivers={receivers!r}")
         else:
             self.receivers = ReceiverPool(receivers, self.security) if receivers else None
-        self._channels: dict[str, grpc.Channel] = {}
-        self._direct: dict[str, grpc.Channel] = {}  # see channel(direct=True)
+        self._channels: dict[tuple[str, int], grpc.Channel] = {}  # (endpoint, lane)
+        self._direct: dict[tuple[str, int], grpc.Channel] = {}  # see channel(direct=True)
         self._retired: deque[grpc.Channel] = deque()
         self._closed = False
         self._lock = threading.Lock()
@@ -139,33 +139,37 @@ class KVClient:
         if self.receivers is not None and self._own_receivers:
             self.receivers.close()
 
-    def channel(self, endpoint: str, *, direct: bool = False) -> grpc.Channel:
+    def channel(self, endpoint: str, *, direct: bool = False, lane: int = 0) -> grpc.Channel:
         """The channel to ``endpoint``; ``direct``: a second one, on a connection of its own,
         whose server-streaming calls are read by the calling thread itself (gRPC's
         single-threaded unary-stream mode: no hand-over through the channel's polling
         thread, and no Python work for a message nobody reads yet). For short streams
         whose latency counts, the fast path's descriptors: they never queue behind
-        chunks of the bulk connection."""
+        chunks of the bulk connection. ``lane``: the i-th stream of a rank's fetch
+        (``transfer.grpcfetch.layerwise``) gets a connection of its own, so several
+        streams of one rank are not one TCP connection's flow-control window and
+        polling thread."""
         with self._lock:
             self._check_open()
             channels = self._direct if direct else self._channels
-            if endpoint not in channels:
-                channels[endpoint] = self._open(endpoint, direct)
-            return channels[endpoint]
+            if (endpoint, lane) not in channels:
+                channels[endpoint, lane] = self._open(endpoint, direct)
+            return channels[endpoint, lane]
 
-    def reconnect(self, endpoint: str, stale: grpc.Channel | None, *, direct: bool = False) -> grpc.Channel:
+    def reconnect(self, endpoint: str, stale: grpc.Channel | None, *, direct: bool = False,
+                  lane: int = 0) -> grpc.Channel:
         """A channel on a new connection in place of ``stale`` (unless another call replaced it already)."""
         closing = []
         with self._lock:
             self._check_open()
             channels = self._direct if direct else self._channels
-            current = channels.get(endpoint)
+            current = channels.get((endpoint, lane))
             if current is None or current is stale:
                 if current is not None:
                     self._retired.append(current)
                     while len(self._retired) > MAX_RETIRED_CHANNELS:
                         closing.append(self._retired.popleft())
-                current = channels[endpoint] = self._open(endpoint, direct)
+                current = channels[endpoint, lane] = self._open(endpoint, direct)
         for channel in closing:
             channel.close()
         return current
@@ -250,8 +254,9 @@ class KVClient:
         threads: list[threading.Thread] = []
         try:
             for rank, endpoint in endpoints.items():
-                for span in split_span(Span(layer_start, layer_end, _pages_of(pages, rank)), streams_per_rank):
-                    parts.append(self._rank_fetch(job, rank, endpoint, span, epoch))
+                spans = split_span(Span(layer_start, layer_end, _pages_of(pages, rank)), streams_per_rank)
+                for lane, span in enumerate(spans):
+                    parts.append(self._rank_fetch(job, rank, endpoint, span, epoch, lane))
             for i, part in enumerate(parts):
                 threads.append(threading.Thread(target=part.run, name=f"fetch-rank{part.rank}-{i}", daemon=True))
                 threads[-1].start()
@@ -297,22 +302,25 @@ class KVClient:
             sum(s.retries for s in per_rank.values()),
         )
 
-    def _rank_fetch(self, job: Job, rank: int, endpoint: str, span: Span,
-                    epoch: str | None) -> RankFetch | RemoteRankFetch:
-        """A rank's part of a fetch: in an idle receiver process, else in a thread here."""
+    def _rank_fetch(self, job: Job, rank: int, endpoint: str, span: Span, epoch: str | None,
+                    lane: int = 0) -> RankFetch | RemoteRankFetch:
+        """A rank's part of a fetch: in an idle receiver process (a connection of its own),
+        else in a thread here, on the rank's ``lane``-th connection."""
         receiver = self.receivers.take() if self.receivers is not None else None
         if receiver is None:
-            return RankFetch(job, rank, endpoint, span)
+            return RankFetch(job, rank, endpoint, span, lane=lane)
         return RemoteRankFetch(job, rank, endpoint, span, epoch, receiver, self.receivers)
 
     def stream_opener(self, epoch: str | None) -> Callable[..., Any]:
         """``open_stream`` of one fetch: a retry after a broken connection gets a new one."""
         metadata = epoch_metadata(epoch)
-        used: dict[str, grpc.Channel] = {}
+        used: dict[tuple[str, int], grpc.Channel] = {}
 
-        def open_stream(endpoint: str, request: lanekv_pb2.FetchRequest, timeout: float, fresh: bool) -> Any:
-            channel = self.reconnect(endpoint, used.get(endpoint)) if fresh else self.channel(endpoint)
-            used[endpoint] = channel
+        def open_stream(endpoint: str, request: lanekv_pb2.FetchRequest, timeout: float, fresh: bool,
+                        lane: int = 0) -> Any:
+            key = (endpoint, lane)
+            channel = self.reconnect(endpoint, used.get(key), lane=lane) if fresh else self.channel(endpoint, lane=lane)
+            used[key] = channel
             # Messages come back as raw bytes, split by wire.split_chunk into views:
             # the payload is never copied out of the received message.
             call = channel.unary_stream(

@@ -35,7 +35,7 @@ from lanekv.transfer.protocol.wire import ChunkHeader, payload_to_tensor
 
 Code = grpc.StatusCode
 # (endpoint, request, timeout_s, fresh_connection) -> a started server-streaming call
-OpenStream = Callable[[str, lanekv_pb2.FetchRequest, float, bool], Any]
+OpenStream = Callable[[str, lanekv_pb2.FetchRequest, float, bool, int], Any]  # (endpoint, request, timeout, fresh, lane)
 # Statuses of a stream that a retry may cure: the server or the path to it is
 # down or restarting, our channel was closed under the call (CANCELLED that
 # this fetch did not ask for), or the connection broke in a way gRPC reports
@@ -130,10 +130,12 @@ class _Retry(Exception):
 class RankFetch:
     """One owner rank's part of a fetch (``run`` in its own thread)."""
 
-    def __init__(self, job: Job, rank: int, endpoint: str, span: Span, received: Cells | None = None) -> None:
+    def __init__(self, job: Job, rank: int, endpoint: str, span: Span, received: Cells | None = None,
+                 lane: int = 0) -> None:
         """``received``: cells of ``span`` already handed to the placer (by a receiver
-        process that failed); only the others are asked for."""
-        self.job, self.rank, self.endpoint = job, rank, endpoint
+        process that failed); only the others are asked for. ``lane``: which of the
+        rank's connections the stream goes on (one per stream of the rank)."""
+        self.job, self.rank, self.endpoint, self.lane = job, rank, endpoint, lane
         self.cells = Cells() if received is None else received  # verified and handed to the placer
         self.retries = 0
         self._pending = [span] if received is None else leftovers(span, received)
@@ -197,7 +199,7 @@ class RankFetch:
         if timeout <= 0:
             raise RemoteError(self.rank, self.endpoint, Code.DEADLINE_EXCEEDED, "the fetch ran out of time")
         request = span.request(job.request_id, job.fingerprint, job.max_chunk_bytes)
-        call = job.open_stream(self.endpoint, request, timeout, fresh)
+        call = job.open_stream(self.endpoint, request, timeout, fresh, self.lane)
         with self._lock:
             self._call, self._stalled = call, False
         try:

@@ -38,6 +38,13 @@ class NixlTransferError(RuntimeError):
     """A NIXL transfer failed (the peer died or refused), or did not end in time."""
 
 
+class NixlReadFailed(NixlTransferError):
+    """A NIXL read that NIXL itself ended in failure (state ``ERR``, or refused when
+    posted): nothing of it is in flight any more, so the same pages may be written
+    by another path. A read that did not end in time is a plain ``NixlTransferError``:
+    UCX may still be writing into them."""
+
+
 def load_api() -> Any:
     """NIXL's Python API module; ``NixlUnavailable`` naming what to install when absent."""
     for name in ("nixl_cu13._api", "nixl_cu12._api", "nixl._api"):
@@ -73,7 +80,7 @@ class Agent:
             raise NixlUnavailable(f"NIXL agent {name!r} with UCX did not start: {err}") from err
         self.name = name
         self._lock = threading.Lock()
-        self._registered: list[Any] = []
+        self._registered: list[tuple[int, Any]] = []  # (data_ptr, NIXL's registration)
         self._remotes: set[str] = set()
         self._closed = False
 
@@ -83,8 +90,31 @@ class Agent:
             raise ValueError("a NIXL-registered pool must be contiguous")
         with self._lock:
             self._check_open()
-            self._registered.append(self._agent.register_memory(tensor))
+            self._registered.append((tensor.data_ptr(), self._agent.register_memory(tensor)))
         return tensor.data_ptr(), tensor.numel() * tensor.element_size(), tensor.device.index or 0
+
+    def deregister(self, tensor: torch.Tensor) -> bool:
+        """Release the registration of ``tensor`` (a pool freed); whether it was registered."""
+        with self._lock:
+            for i, (ptr, registered) in enumerate(self._registered):
+                if ptr == tensor.data_ptr():
+                    del self._registered[i]
+                    if not self._closed:
+                        self._agent.deregister_memory(registered)
+                    return True
+        return False
+
+    @property
+    def registrations(self) -> int:
+        """How many memory regions are registered now."""
+        with self._lock:
+            return len(self._registered)
+
+    def backend_params(self) -> dict[str, str]:
+        """The UCX backend's parameters as NIXL runs it (``ucx_error_handling_mode`` among them)."""
+        with self._lock:
+            self._check_open()
+            return dict(self._agent.get_backend_params("UCX"))
 
     def metadata(self) -> bytes:
         with self._lock:
@@ -115,12 +145,18 @@ class Agent:
         with self._lock:
             self._check_open()
             agent = self._agent
-            remote_descs = agent.get_xfer_descs([(src, n, remote_device) for src, _, n in pairs], memory)
-            local_descs = agent.get_xfer_descs([(dst, n, local_device) for _, dst, n in pairs], local_memory)
-            handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote)
+            try:
+                remote_descs = agent.get_xfer_descs([(src, n, remote_device) for src, _, n in pairs], memory)
+                local_descs = agent.get_xfer_descs([(dst, n, local_device) for _, dst, n in pairs], local_memory)
+                handle = agent.initialize_xfer("READ", local_descs, remote_descs, remote)
+            except Exception as err:  # noqa: BLE001 - NIXL raises its own classes; nothing was posted
+                raise NixlReadFailed(f"a NIXL read from {remote} was refused: {err}") from err
         try:
             with self._lock:
-                state = agent.transfer(handle)
+                try:
+                    state = agent.transfer(handle)
+                except Exception as err:  # noqa: BLE001 - not posted: nothing in flight
+                    raise NixlReadFailed(f"a NIXL read from {remote} was refused: {err}") from err
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline:
                     raise NixlTransferError(f"a NIXL read from {remote} did not end in time")
@@ -128,7 +164,7 @@ class Agent:
                 with self._lock:
                     state = agent.check_xfer_state(handle)
             if state == "ERR":
-                raise NixlTransferError(f"a NIXL read from {remote} failed (the peer died or refused it)")
+                raise NixlReadFailed(f"a NIXL read from {remote} failed (the peer died or refused it)")
         except NixlTransferError:
             raise
         except Exception as err:  # noqa: BLE001 - NIXL raises its own classes
@@ -151,7 +187,7 @@ class Agent:
                     self._agent.remove_remote_agent(name)
                 except Exception:  # noqa: BLE001 - closing: nothing to report to
                     pass
-            for registered in self._registered:
+            for _, registered in self._registered:
                 try:
                     self._agent.deregister_memory(registered)
                 except Exception:  # noqa: BLE001

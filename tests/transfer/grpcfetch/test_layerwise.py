@@ -67,7 +67,7 @@ def asked(monkeypatch):
     fetch = KVTransferService.FetchKV
 
     def logged(self, request, context):
-        log.append((self._source.rank, request.layer_start, tuple(request.pages)))
+        log.append((self._source.rank, request.layer_start, tuple(request.pages), context.peer()))
         yield from fetch(self, request, context)
 
     monkeypatch.setattr(KVTransferService, "FetchKV", logged)
@@ -90,11 +90,14 @@ def test_several_streams_per_rank_place_every_cell_once_and_resume_a_broken_one(
         assert len(log) == len(set(log)) == LAYERS * NUM_PAGES  # every cell placed exactly once
         assert proxy.faulted.is_set() and stats.per_rank[1].retries >= 1 and stats.per_rank[0].retries == 0
         for rank in (0, 1):
-            first_two = [(start, p) for r, start, p in asked if r == rank][:2]
+            first_two = [(start, p) for r, start, p, _ in asked if r == rank][:2]
             # Two streams of consecutive runs of the rank's pages, each from layer 0 (in either order).
             assert sorted(first_two) == sorted([(0, tuple(pages[rank][:4])), (0, tuple(pages[rank][4:]))])
+        # Each stream of rank 0 on a connection of its own (the peer's port differs).
+        first_peers = [peer for r, _, _, peer in asked if r == 0][:2]
+        assert len(set(first_peers)) == 2, first_peers
         # The broken stream was asked again, for pages of its own rank only.
-        resumed = [(start, p) for r, start, p in asked if r == 1][2:]
+        resumed = [(start, p) for r, start, p, _ in asked if r == 1][2:]
         assert resumed and all(set(p) <= set(pages[1]) for _, p in resumed)
         assert stats.bytes == LAYERS * NUM_PAGES * PAGE_LAYER_BYTES
     finally:
@@ -104,7 +107,11 @@ def test_several_streams_per_rank_place_every_cell_once_and_resume_a_broken_one(
 @requires_gpu
 def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     """Layer 0 written, then seconds of GPU work before layer 1: a FetchKV read of layer 0
-    (the exact event, on the page source's own stream) is back long before that work ends."""
+    (the exact event, on the page source's own stream) is back long before that work ends.
+
+    The source compiles and loads its read kernels when it is made: a kernel loaded
+    during the prefill (Triton's first launch) may wait for the whole context, the
+    prefill's later layers included."""
     from lanekv.prefill.cp.page_source import RankPageSource
 
     from tests.reliability.kv_cluster import make_agreement
@@ -116,7 +123,8 @@ def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     source.add("req", [(0, 1), (1, 3)], progress)
     torch.cuda.synchronize()  # the pool and the source are ready: nothing before this counts
     progress.layer_written(0)
-    torch.cuda._sleep(4_000_000_000)  # seconds of work on the prefill's stream, queued after layer 0
+    # About 5 s of work on the prefill's stream (an H200 runs near 2 GHz), queued after layer 0.
+    torch.cuda._sleep(10_000_000_000)
     progress.layer_written(1)
     start = time.perf_counter()
     written, after = source.ready("req", 1, 10.0, lambda: True, exact=True)
@@ -124,7 +132,7 @@ def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     read_s = time.perf_counter() - start
     still_running = not progress._events[1].query()
     torch.cuda.synchronize()
-    assert written == 2 and still_running, "the sleep ended before the read: lengthen it"
+    assert written == 2 and still_running, f"the sleep ended before the read ({read_s:.2f} s): lengthen it"
     assert read_s < 0.5
     rows = torch.cat([torch.arange(4) + 4, torch.arange(4) + 12])
     assert torch.equal(payload, pool[0:1, :, rows].cpu())

@@ -1,7 +1,9 @@
 """NIXL as a transport, over UCX TCP between host-memory pools of real daemons (the
 prefill ranks are processes): greedy tokens equal transformers' for cp 1-3, every rank
 read through NIXL; a byte flipped in a NIXL-read page is caught by the rank's digest and
-the rank fetched again over gRPC. Also the runs of pages a read moves."""
+the rank fetched again over gRPC, as is a rank whose read NIXL failed (each counted by
+cause). Also the runs of pages a read moves, UCX's error handling mode, and the
+registrations released when a pool is freed or a rank stops."""
 
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def test_nixl_over_ucx_tcp_gives_transformers_tokens_and_a_flipped_byte_is_fetch
     expected = hf_greedy(checkpoint, PROMPTS, 5)
     paths: list[dict[int, str]] = []
     fetch, read = KVFetcher.fetch, agent_module.Agent.read
-    flip = threading.Event()
+    flip, fail = threading.Event(), threading.Event()
 
     def recorded(self, job):
         fetched = fetch(self, job)
@@ -56,6 +58,9 @@ def test_nixl_over_ucx_tcp_gives_transformers_tokens_and_a_flipped_byte_is_fetch
         return fetched
 
     def flipping_read(self, remote, memory, pairs, remote_device, local_memory, local_device, deadline):
+        if fail.is_set() and f"rank{cp - 1}-" in remote:  # the last rank's first read fails, as NIXL says
+            fail.clear()
+            raise agent_module.NixlReadFailed(f"a NIXL read from {remote} failed (the peer died or refused it)")
         read(self, remote, memory, pairs, remote_device, local_memory, local_device, deadline)
         if flip.is_set() and f"rank{cp - 1}-" in remote:  # the last rank's first range: one byte flipped
             flip.clear()
@@ -79,6 +84,19 @@ def test_nixl_over_ucx_tcp_gives_transformers_tokens_and_a_flipped_byte_is_fetch
         assert generate(PROMPTS[0]) == expected[0]
         assert not flip.is_set()  # the flip happened
         assert paths[-1][cp - 1] == "grpc" and all(paths[-1][r] == "nixl" for r in range(cp - 1))
+        failures = decode.metrics.failures
+        assert failures.labels(cause="nixl_digest").value == 1
+        endpoint = decode.prefill_contract.topology.endpoints[cp - 1]
+        before = decode.nixl._peers[endpoint]
+        fail.set()
+        assert generate(PROMPTS[0]) == expected[0]
+        assert not fail.is_set()  # the read failed
+        assert paths[-1][cp - 1] == "grpc" and all(paths[-1][r] == "nixl" for r in range(cp - 1))
+        assert failures.labels(cause="nixl_read").value == 1 and failures.labels(cause="nixl_digest").value == 1
+        assert endpoint not in decode.nixl._peers  # its agent dropped: attached again at the next fetch
+        assert generate(PROMPTS[0]) == expected[0]
+        assert paths[-1] == dict.fromkeys(range(cp), "nixl")
+        assert decode.nixl._peers[endpoint].start == before.start
         assert generate(PROMPTS[1]) == expected[1]
         assert paths[-1] == {r: "nixl" for r in paths[-1]}
 
@@ -149,6 +167,8 @@ def test_a_killed_prefill_daemon_ends_a_nixl_fetch_unavailable_naming_it_and_not
             time.sleep(0.1)
             stats = decode.stats()
         assert stats.free_pages == stats.total_pages and stats.active_requests == 0
+        # Every agent loaded here is one a peer is kept for (none half dropped).
+        assert decode.nixl._agent._remotes == {peer.agent for peer in decode.nixl._peers.values()}
     finally:
         decode.stop(grace_s=1.0)
         prefill.stop()
@@ -196,3 +216,56 @@ def test_a_restarted_prefill_daemon_is_never_read_through_the_old_agent(tmp_path
         old.stop()
         if new is not None:
             new.stop()
+
+
+@NEEDS_NIXL
+@pytest.mark.timeout(60)
+def test_ucx_error_handling_is_never_none_and_registrations_are_released(monkeypatch):
+    """UCX's error handling mode as NIXL runs it is ``peer`` (``none`` would hang reads from
+    a dead peer); a rank's export and the decode side's transport release their
+    registrations when the rank stops and when a pool is freed."""
+    import time
+
+    import torch
+    from lanekv.transfer.connector.nixl import NixlTransport
+    from lanekv.transfer.nixl.export import NixlExport
+
+    from tests.reliability.kv_cluster import make_agreement
+
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    agent = agent_module.Agent("lanekv-test-errmode")
+    try:
+        assert agent.backend_params()["ucx_error_handling_mode"] == agent_module.ERROR_HANDLING_MODE == "peer"
+        # A read NIXL refuses (here: a peer it does not know) has nothing in flight: NixlReadFailed,
+        # which the transport may send to gRPC.
+        local = torch.zeros(64, dtype=torch.uint8)
+        agent.register(local)
+        with pytest.raises(agent_module.NixlReadFailed, match="lanekv-nobody"):
+            agent.read("lanekv-nobody", "DRAM", [(4096, local.data_ptr(), 64)], 0, "DRAM", 0,
+                       time.monotonic() + 5)
+    finally:
+        agent.close()
+
+    pool = torch.zeros(2, 2, 16, 2, 8)
+    export = NixlExport(pool, 0, "start-1")
+    reply = export.attach()
+    assert "start-1" in reply.agent_name and reply.pool_bytes == pool.numel() * 4 and reply.memory == "DRAM"
+    assert export.attach() is reply  # one agent and one registration per start, however many attach
+    held = export._agent
+    assert held.registrations == 1
+    export.close()  # the rank drains or stops
+    assert held.registrations == 0 and not export.attached
+    with pytest.raises(RuntimeError, match="closed"):
+        export.attach()
+
+    transport = NixlTransport(None, make_agreement(num_layers=2))
+    first, second = torch.zeros(2, 2, 16, 2, 8), torch.zeros(2, 2, 8, 2, 8)
+    transport._register(first)
+    transport._register(second)
+    transport._register(first)  # registered once
+    assert transport._agent.registrations == 2
+    assert transport.release_pool(first) and transport._agent.registrations == 1
+    assert not transport.release_pool(first)  # released already
+    agent = transport._agent
+    transport.close()  # the decode daemon drains
+    assert agent.registrations == 0 and transport._agent is None
