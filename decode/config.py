@@ -11,6 +11,7 @@ from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_c
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
 from lanekv.model.pool_sizing import check_max_model_len
+from lanekv.model.tp import check_tp
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.connector.registry import TRANSPORTS
@@ -65,6 +66,9 @@ class DecodeConfig:
     max_model_len: int | None = None
     prefix_cache: bool = True  # keep verified prompt pages for later requests (decode.prefix.cache)
     prefix_cache_share: float = 1.0  # at most this share of the pool's pages cached
+    # Tensor parallelism: rank processes of one decode group, rank 0 this daemon's
+    # (decode.tp, docs/parallelism.md); must divide the model's KV heads. 1: one process.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.prefix_cache_share, bool) or not isinstance(self.prefix_cache_share, (int, float)) \
@@ -124,6 +128,17 @@ class DecodeConfig:
         # naming it, here at start-up (not a traceback from a rank or a loader).
         check_index_cache_dtype(self.index_cache_dtype)
         model = ModelConfig.from_dir(self.model_path)
+        check_tp(model, self.tp_size)  # one line naming tp_size and the value it does not divide
+        if self.tp_size > 1:
+            if self.transport == "nixl":
+                raise ValueError(f"transport='nixl' is not supported with tp_size={self.tp_size} (each decode "
+                                 "rank fetches its KV heads over gRPC; NIXL and the fast path move whole rows)")
+            if self.load_format != "safetensors":
+                raise ValueError(f"load_format={self.load_format!r} is not supported with tp_size={self.tp_size} "
+                                 "(each rank reads its shard of the safetensors files)")
+            if self.resolved_device == "cuda" and self.tp_size > torch.cuda.device_count():
+                raise ValueError(f"tp_size={self.tp_size} needs one GPU per rank, "
+                                 f"{torch.cuda.device_count()} are visible")
         check_max_model_len(self.max_model_len, model.max_position_embeddings, self.pool_pages * self.page_size)
         if not _is_endpoint(self.prefill_endpoint):
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
@@ -162,6 +177,8 @@ class DecodeConfig:
         """The KV fetcher's transports, most preferred first (``transfer.connector.registry``):
         every one registered but NIXL for "auto" (NIXL is chosen, never assumed), NIXL then
         gRPC for "nixl", gRPC alone for "grpc"."""
+        if self.tp_size > 1:  # a rank's KV heads travel over gRPC only (decode.tp.fetch)
+            return ("grpc",)
         if self.transport == "auto":
             return tuple(name for name in TRANSPORTS if name != "nixl")
         return ("nixl", "grpc") if self.transport == "nixl" else ("grpc",)

@@ -50,6 +50,9 @@ from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
+from lanekv.decode.tp.engine import TPDecodeEngine
+from lanekv.decode.tp.group import TPGroup
+from lanekv.decode.tp.start import start_group, tp_fetcher
 from lanekv.model.attention import pool_contract_fields
 from lanekv.model.checkpoint import load_checkpoint
 from lanekv.model.sampling import SamplingParams
@@ -102,6 +105,7 @@ class DecodeDaemon:
         self._stop = threading.Event()
         self._stopped = False
         self._failure: str | None = None  # why the decode loop stopped (fail-stop), once it has
+        self.tp: TPGroup | None = None  # tp_size > 1: the group of decode ranks (decode.tp), rank 0 here
         # Ports first: a busy one fails before the model loads.
         try:
             self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers,
@@ -114,6 +118,8 @@ class DecodeDaemon:
             self._start()
         except BaseException:
             self._stop.set()
+            if self.tp is not None:
+                self.tp.close()
             self._close_clients()
             self.rpc.close()
             raise
@@ -123,7 +129,11 @@ class DecodeDaemon:
     def _start(self) -> None:
         config = self.config
         device = torch.device(config.resolved_device)
-        self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
+        if config.tp_size > 1:
+            self.tp = start_group(config, on_death=lambda rank, reason: self._fail(reason))
+            self.loaded = self.tp.state.loaded  # its config the whole model's, its model rank 0's shard
+        else:
+            self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
         model_config = self.loaded.config
         self.agreement = Agreement.from_model(
             pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype),
@@ -147,11 +157,17 @@ class DecodeDaemon:
         self.fetcher = make_fetcher(config.transports, TransportContext(
             self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes,
             config.resolved_fetch_streams))
-        self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
-                                       config.torch_dtype, device,
-                                       index_cache_dtype=config.index_cache_dtype)
-        self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
-                                   graph_sizes=config.graph_batch_sizes)
+        if self.tp is not None:
+            self.fetcher = tp_fetcher(config, self.fetcher, self.tp, self.agreement)
+            self.pool = self.tp.state.pool
+            self.engine = TPDecodeEngine(self.loaded.model, self.pool, group=self.tp,
+                                         max_batch_size=config.max_batch_size)
+        else:
+            self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
+                                           config.torch_dtype, device,
+                                           index_cache_dtype=config.index_cache_dtype)
+            self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
+                                       graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
         warm_up_kernels(self.pool, model_config)
         self.budget = PageBudget(config.pool_pages)
@@ -454,6 +470,8 @@ class DecodeDaemon:
         self._stop.set()
         self.streams.broadcast(SHUTDOWN)  # wake streams still waiting
         self._loop.join(5.0)
+        if self.tp is not None:
+            self.tp.close()  # STOP to the ranks: the loop runs no step any more
         self._close_clients()
         self.rpc.close()
 

@@ -20,6 +20,7 @@ from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
 from lanekv.model.pool_sizing import GIB, PoolSize, page_bytes, pool_line, size_pool, weight_bytes
+from lanekv.model.tp import shard_config
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError
@@ -33,7 +34,7 @@ log = logging.getLogger("lanekv.decode")
 GIL_SWITCH_INTERVAL_S = 0.0005
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
 _CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes", "fetch_streams",
-                 "graph_batch_sizes", "prefill_health_interval_s")
+                 "graph_batch_sizes", "prefill_health_interval_s", "tp_size")
 
 
 def config_from_args(args: argparse.Namespace, size: PoolSize | None = None) -> DecodeConfig:
@@ -63,7 +64,8 @@ def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no GPU is visible (torch.cuda.is_available() is False); "
                          "give --device cpu or auto")
-    model = ModelConfig.from_dir(args.model)
+    # A TP rank holds 1/tp of each page's KV heads and about 1/tp of the weights.
+    model = shard_config(ModelConfig.from_dir(args.model), getattr(args, "tp_size", None) or 1)
     torch_dtype = DTYPES[dtype]
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     utilization = getattr(args, "gpu_memory_utilization", None)
@@ -82,7 +84,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         print(f"lanekv decode: {err}", file=sys.stderr)
         return 2
-    model = ModelConfig.from_dir(config.model_path)
+    model = shard_config(ModelConfig.from_dir(config.model_path), config.tp_size)
     log.info("%s", pool_line("decode", config.pool_pages, config.page_size,
                              page_bytes(model, config.torch_dtype, config.page_size, config.index_cache_dtype),
                              1, size.how))

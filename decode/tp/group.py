@@ -118,6 +118,12 @@ class TPGroup:
         """The line naming the rank that died, once one has."""
         return self._dead
 
+    def wait_failure(self, timeout_s: float) -> str | None:
+        """The dead rank's line, waiting up to ``timeout_s`` for the watcher to see a death."""
+        with self._answered:
+            self._answered.wait_for(lambda: self._dead is not None, timeout=timeout_s)
+            return self._dead
+
     def _wait_ready(self, timeout_s: float) -> list[Ready]:
         ready: dict[int, Ready] = {}
         deadline = time.monotonic() + timeout_s
@@ -138,9 +144,10 @@ class TPGroup:
             ready[message.rank] = message
         return [ready[r] for r in sorted(ready)]
 
-    def run_task(self, task: RankTask, timeout_s: float) -> list[Any]:
-        """``task.run`` on every rank (rank 0 in this thread); results in rank order.
-        Raises ``RankFailed`` naming the rank when it failed on one or a rank died."""
+    def run_task(self, task: RankTask, timeout_s: float, local: Callable[[], Any] | None = None) -> list[Any]:
+        """``task.run`` on every rank (rank 0 in this thread, or ``local()`` there, which
+        may raise its own errors); results in rank order. Raises ``RankFailed`` naming
+        the rank when the task failed on one, or a rank died."""
         seq = next(self._seq)
         with self._lock:
             if self._dead is not None:
@@ -148,7 +155,11 @@ class TPGroup:
             self._answers[seq] = {}
         for queue in self._tasks.values():
             queue.put((seq, task))
-        own = run_task(self.state, seq, task)
+        try:
+            own = run_task(self.state, seq, task) if local is None else TaskDone(0, seq, local())
+        except BaseException:
+            self._forget(seq, timeout_s)
+            raise
         deadline = time.monotonic() + timeout_s
         with self._answered:
             done = self._answered.wait_for(
@@ -166,6 +177,13 @@ class TPGroup:
                 raise RankFailed(f"decode rank {done_task.rank}: {done_task.error}")
             results.append(done_task.result)
         return results
+
+    def _forget(self, seq: int, timeout_s: float) -> None:
+        """Rank 0's part raised: wait (up to ``timeout_s``) for the others' answers, then drop them."""
+        with self._answered:
+            self._answered.wait_for(
+                lambda: self._dead is not None or len(self._answers[seq]) == len(self._tasks), timeout=timeout_s)
+            self._answers.pop(seq, None)
 
     def _read(self) -> None:
         while not self._closed.is_set():

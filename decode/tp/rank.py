@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, NamedTuple, Protocol
 
@@ -57,6 +57,7 @@ class RankState:
     tp: TPRank
     loaded: LoadedModel  # config: the whole model's; model: the shard
     pool: PagePool
+    extras: dict[str, Any] = field(default_factory=dict)  # what tasks keep in the process (a fetcher)
 
 
 class RankTask(Protocol):

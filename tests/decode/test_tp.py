@@ -111,7 +111,7 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
     try:
         pool = group.state.pool
         assert pool.tensor.shape[3] == whole.config.num_kv_heads // tp_size
-        engine = TPDecodeEngine(group.state.loaded.model, pool, group=group.group)
+        engine = TPDecodeEngine(group.state.loaded.model, pool, group=group)
         outputs = {}
         for i, (ids, first, full_table) in enumerate(zip(prompts, firsts, tables)):
             table = PageTable.allocate(pool, len(ids))

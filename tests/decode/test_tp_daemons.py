@@ -1,0 +1,123 @@
+"""A decode daemon with tensor parallelism (``tp_size`` rank processes, gloo on the CPU)
+behind a real prefill daemon: greedy tokens equal transformers' for prefill cp 1 and 2,
+each decode rank fetching only its KV heads over gRPC; a rank killed mid-generation
+ends its requests UNAVAILABLE naming the rank and turns the daemon NOT_SERVING."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from lanekv.decode.config import DecodeConfig
+from lanekv.prefill.engine_config import EngineConfig
+from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+
+from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
+from tests.daemons import running_pair
+
+PAGE_SIZE = 4
+MAX_NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_llama(tmp_path_factory.mktemp("tp-e2e-llama"))  # 4 query / 2 KV heads
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 17, 30)]
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="eager", dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in _prompts():
+            x = torch.tensor([ids])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=MAX_NEW_TOKENS, pad_token_id=EOS_TOKEN_ID)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+def _engine(checkpoint, cp_size: int) -> EngineConfig:
+    return EngineConfig(str(checkpoint), cp_size=cp_size, page_size=PAGE_SIZE, pages_per_lane=64,
+                        start_timeout_s=120, cpu_threads=1)
+
+
+def _generate(stub, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
+    call = stub.Generate(lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=ids),
+                                                    max_new_tokens=max_new_tokens), timeout=120)
+    tokens = [t for reply in call for t in reply.token_ids]
+    return tokens, dict(call.trailing_metadata())
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_tp2_decode_after_cp_prefill_equals_transformers(checkpoint, reference, cp_size: int) -> None:
+    with running_pair(_engine(checkpoint, cp_size), pool_pages=64, tp_size=2, transport="grpc") as (prefill, decode):
+        assert decode.pool.tensor.shape[3] == 1  # rank 0 holds 1 of the 2 KV heads
+        assert decode.config.transports == ("grpc",)
+        results: list = [None] * 3
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, _generate(stub, _prompts()[i],
+                                                                                          MAX_NEW_TOKENS)))
+                       for i in range(3)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(120)
+        agreement = decode.agreement
+        page_bytes = 2 * agreement.num_layers * PAGE_SIZE * agreement.num_kv_heads * agreement.head_dim * 4
+        for ids, want, (tokens, stats) in zip(_prompts(), reference, results):
+            assert tokens == want, f"prompt of {len(ids)} tokens"
+            # Both ranks' halves of every page: the whole page's bytes, once.
+            assert int(stats["lanekv-transfer-bytes"]) == -(-len(ids) // PAGE_SIZE) * page_bytes
+        stats = decode.stats()
+        assert (stats.free_pages, stats.active_requests) == (stats.total_pages, 0)
+
+
+def test_tp_size_not_dividing_kv_heads_is_refused(checkpoint) -> None:
+    with pytest.raises(ValueError, match=r"^tp_size=4 does not divide num_kv_heads=2$"):
+        DecodeConfig(str(checkpoint), "127.0.0.1:1", tp_size=4, device="cpu")
+    with pytest.raises(ValueError, match=r"transport='nixl' is not supported with tp_size=2"):
+        DecodeConfig(str(checkpoint), "127.0.0.1:1", tp_size=2, device="cpu", transport="nixl")
+
+
+@pytest.mark.timeout(180)
+def test_killed_rank_ends_requests_unavailable(checkpoint) -> None:
+    with running_pair(_engine(checkpoint, 1), pool_pages=128, tp_size=2, transport="grpc") as (prefill, decode):
+        free_before = prefill.engine.allocator.free_counts()
+        follower = decode.tp._procs[1]
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            call = stub.Generate(lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=_prompts()[1]),
+                                                            max_new_tokens=400, ignore_eos=True), timeout=120)
+            got = 0
+            with pytest.raises(grpc.RpcError) as caught:
+                for reply in call:
+                    got += len(reply.token_ids)
+                    if got >= 3 and follower.is_alive():
+                        os.kill(follower.pid, signal.SIGKILL)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode rank 1" in caught.value.details() and "SIGKILL" in caught.value.details()
+            assert 3 <= got < 400
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert "decode rank 1" in decode.failure()
+        # Nothing leaks on the prefill side: the request's pages came back (released after the fetch).
+        deadline = time.monotonic() + 10
+        while prefill.engine.allocator.free_counts() != free_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.engine.allocator.free_counts() == free_before
