@@ -103,7 +103,9 @@ def test_killed_rank_ends_requests_unavailable(checkpoint) -> None:
         with grpc.insecure_channel(decode.endpoint) as channel:
             stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
             call = stub.Generate(lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=_prompts()[1]),
-                                                            max_new_tokens=400, ignore_eos=True), timeout=120)
+                                                            max_new_tokens=400,
+                                                            sampling=lanekv_pb2.SamplingParams(ignore_eos=True)),
+                                   timeout=120)
             got = 0
             with pytest.raises(grpc.RpcError) as caught:
                 for reply in call:
