@@ -294,6 +294,10 @@ class DecodeDaemon:
                     log.info("waiting for prefill daemon %s (%s): %.0f s so far, %.0f s left of "
                              "connect_timeout_s", endpoint, err.code.name, now - start, deadline - now)
                 time.sleep(0.2)
+        try:
+            theirs.topology.check_decode_layout(cfg.tp_size)
+        except ValueError as err:
+            raise ContractMismatch([], f"prefill daemon {endpoint}: {err}") from None
         for rank in theirs.topology.endpoints:
             self.kv.handshake(rank, self.agreement, timeout=cfg.connect_timeout_s)
         return theirs

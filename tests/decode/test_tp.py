@@ -160,3 +160,17 @@ def test_rank_death_is_reported_naming_the_rank(checkpoints) -> None:
             group.run_task(Die(), 1.0)
     finally:
         group.close()
+
+
+def test_prefill_without_head_ranges_is_refused_naming_both_layouts() -> None:
+    from lanekv.transfer.protocol.contract import Topology
+
+    old = Topology.from_dict({"cp_size": 2, "split_mode": "in_seq", "owner_rule": "page_mod_cp",
+                              "endpoints": ["127.0.0.1:1", "127.0.0.1:2"]})  # an older peer's: no key
+    assert old.head_ranges is False
+    old.check_decode_layout(1)  # one decode process takes whole rows from anyone
+    with pytest.raises(ValueError, match=r"^decode tp_size=2 needs KV head ranges, and this prefill "
+                                         r"\(cp_size=2\) serves head_ranges=False$"):
+        old.check_decode_layout(2)
+    new = Topology.from_dict({**old.to_dict(), "head_ranges": True})
+    new.check_decode_layout(4)
