@@ -10,8 +10,8 @@ from lanekv.decode.cuda.graphs import check_ladder
 from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE, check_index_cache_dtype
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
+from lanekv.model.parallel.tp import check_tp
 from lanekv.model.pool_sizing import check_max_model_len
-from lanekv.model.tp import check_tp
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.connector.registry import TRANSPORTS

@@ -19,8 +19,8 @@ from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
+from lanekv.model.parallel.tp import shard_config
 from lanekv.model.pool_sizing import GIB, PoolSize, page_bytes, pool_line, size_pool, weight_bytes
-from lanekv.model.tp import shard_config
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError

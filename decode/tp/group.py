@@ -1,7 +1,7 @@
 """Rank 0's side of a tensor-parallel decode group: the other ranks' processes.
 
 ``TPGroup(spec)`` checks that the model splits over ``spec.tp_size`` ranks
-(before any process starts: ``model.tp.check_tp``, one line naming both values),
+(before any process starts: ``model.parallel.tp.check_tp``, one line naming both values),
 spawns ranks 1..T-1 (``decode.tp.rank.follower_main``), joins the group as rank
 0, loads rank 0's shard and pool, and waits until every rank said ``Ready``.
 Then a thread waits on the ranks' sentinels: a rank that exits is reported once
@@ -40,7 +40,7 @@ from lanekv.decode.tp.rank import (
 )
 from lanekv.decode.tp.steps import send_stop
 from lanekv.model.config import ModelConfig
-from lanekv.model.tp import check_tp
+from lanekv.model.parallel.tp import check_tp
 
 log = logging.getLogger("lanekv.decode.tp")
 START_TIMEOUT_S = 300.0  # every rank joined, loaded and built its pool

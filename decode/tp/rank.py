@@ -2,7 +2,7 @@
 
 Ranks 1..T-1 run ``follower_main`` in processes rank 0 spawned
 (``decode.tp.group``): join the group (gloo on the CPU, NCCL on CUDA, one GPU
-per rank), load their shard (``model.tp.load_shard``), build their pool (the
+per rank), load their shard (``model.parallel.tp.load_shard``), build their pool (the
 same pages as rank 0's, their KV heads' slice of each row), say ``Ready``, then
 run every step rank 0 broadcasts (``decode.tp.steps``) until it says STOP. Tasks
 (``RankTask``: work on the rank's pool, such as placing its heads' KV of a
@@ -26,7 +26,7 @@ from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool
 from lanekv.decode.tp.steps import receive_step
 from lanekv.model.checkpoint import LoadedModel
-from lanekv.model.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
+from lanekv.model.parallel.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
 
 log = logging.getLogger("lanekv.decode.tp")
 _PARENT_POLL_S = 0.5

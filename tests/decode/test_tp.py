@@ -15,8 +15,8 @@ from lanekv.decode.tp.group import RankFailed, TPGroup, free_port
 from lanekv.decode.tp.rank import TPSpec
 from lanekv.model.checkpoint import load_model, tensor_files
 from lanekv.model.config import ModelConfig
+from lanekv.model.parallel.tp import TPRank, check_tp, load_shard, shard_index
 from lanekv.model.sampling import SamplingParams
-from lanekv.model.tp import TPRank, check_tp, load_shard, shard_index
 from safetensors import safe_open
 
 from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_qwen2
