@@ -16,7 +16,9 @@ The shard is a model of ``shard_config(config, size)`` (the same class, its head
 and MLP counts divided), loaded by ``load_shard`` from the safetensors files with
 ``safe_open(...).get_slice(name)[rows]``: a rank materializes only its rows or
 columns, never a whole sharded tensor (``ShardLoad.bytes_read`` counts them).
-MLA, MoE and block-FP8 models are refused with ``tp_size > 1`` (``check_tp``).
+MoE blocks (Qwen3-MoE) shard their routed experts whole over the same ranks
+(``model.parallel.ep``: expert parallelism, the block's output all-reduced).
+MLA and block-FP8 models are refused with ``tp_size > 1`` (``check_tp``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ import torch
 import torch.distributed as dist
 from lanekv.model.checkpoint import LoadedModel, build_model, tensor_files
 from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import MoE
+from lanekv.model.parallel.ep import local_expert_name, shard_experts, shared_expert
 from lanekv.model.tokenizer import load_tokenizer
 from safetensors import safe_open
 from torch import nn
@@ -63,9 +67,11 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
     TPRank(0, tp_size)
     if tp_size == 1:
         return
-    if config.mla is not None or config.moe is not None:
+    if config.mla is not None:
         raise ValueError(f"tp_size={tp_size} is not supported for architecture={config.architecture!r} "
-                         "(decode TP serves dense GQA models; MLA and MoE run with tp_size=1)")
+                         "(decode TP serves GQA models; MLA runs with tp_size=1)")
+    if config.moe is not None and config.moe.num_experts % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide num_experts={config.moe.num_experts}")
     if config.weight_quant is not None:
         raise ValueError(f"tp_size={tp_size} is not supported with weight_quant="
                          f"{config.weight_quant.method!r} (block-FP8 shards are not cut yet)")
@@ -92,6 +98,8 @@ def shard_index(name: str, shape: tuple[int, ...], tp: TPRank) -> tuple[Any, ...
     if len(parts) < 2 or tp.size == 1:
         return None
     module, kind = parts[-2], parts[-1]
+    if "experts" in parts or "shared_experts" in parts:
+        return None  # routed experts are sharded whole (model.parallel.ep), shared ones replicated
     if module in _COLUMN:
         return (tp.span(shape[0]),)
     if module in _ROW and kind == "weight":
@@ -126,12 +134,18 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
     config = ModelConfig.from_dir(path)
     local = shard_config(config, tp.size)
     model = build_model(local, dtype=dtype, device="meta")
+    if config.moe is not None and tp.size > 1:
+        shard_experts(model, tp.rank, tp.size)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     nbytes = 0
     for file in tensor_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
+            for stored in f.keys():
+                name = stored if config.moe is None or tp.size == 1 else local_expert_name(
+                    stored, tp.rank, tp.size, config.moe.num_experts)
+                if name is None or tp.rank > 0 and shared_expert(stored):
+                    continue  # another rank's expert (or shared expert): never read
                 if name not in expected:
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
@@ -139,7 +153,7 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
                         continue
                     raise ValueError(f"checkpoint {path} does not match {config.architecture}: "
                                      f"unexpected tensor {name!r}")
-                tensor_slice = f.get_slice(name)
+                tensor_slice = f.get_slice(stored)
                 index = shard_index(name, tuple(tensor_slice.get_shape()), tp)
                 if name.endswith("o_proj.bias") and tp.rank > 0:
                     part = torch.zeros(expected[name].shape)  # the all-reduce adds rank 0's once
@@ -173,7 +187,8 @@ def attach_all_reduce(model: nn.Module, group: Any) -> int:
 
     count = 0
     for layer in model.model.layers:
-        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+        mlp = layer.mlp if isinstance(layer.mlp, MoE) else layer.mlp.down_proj  # EP: the block's sum
+        for projection in (layer.self_attn.o_proj, mlp):
             projection.register_forward_hook(hook)
             count += 1
     return count

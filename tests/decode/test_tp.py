@@ -19,7 +19,7 @@ from lanekv.model.parallel.tp import TPRank, check_tp, load_shard, shard_index
 from lanekv.model.sampling import SamplingParams
 from safetensors import safe_open
 
-from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_qwen2
+from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_qwen2, write_qwen3_moe
 from tests.decode.tp_tasks import Die, PlaceHeads
 
 GREEDY = SamplingParams()
@@ -41,7 +41,7 @@ def write_llama_4kv(path: Path) -> Path:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-ckpt")
     return {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
-            "qwen2": write_qwen2(root / "qwen2")}
+            "qwen2": write_qwen2(root / "qwen2"), "qwen3moe": write_qwen3_moe(root / "qwen3moe")}
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -83,6 +83,24 @@ def test_each_rank_reads_only_its_shard(checkpoints) -> None:
     parts = [load_shard(path, TPRank(r, 2), digest=False).loaded.model.model.layers[0].self_attn.q_proj.weight
              for r in range(2)]
     assert torch.equal(torch.cat(parts), whole)
+
+
+def test_each_rank_reads_only_its_experts(checkpoints) -> None:
+    """Qwen3-MoE over 2 ranks: each reads its 4 of the 8 experts of every layer (and
+    its half of the attention), never another rank's expert."""
+    path = checkpoints["qwen3moe"]
+    with safe_open(str(tensor_files(path)[0]), framework="pt") as f:
+        sizes = {n: f.get_slice(n).get_shape() for n in f.keys()}
+    nbytes = {n: torch.Size(s).numel() * 4 for n, s in sizes.items()}
+    experts = {n: b for n, b in nbytes.items() if ".mlp.experts." in n}
+    sharded = sum(b for n, b in nbytes.items() if shard_index(n, tuple(sizes[n]), TPRank(0, 2)) is not None)
+    rest = sum(nbytes.values()) - sum(experts.values()) - sharded
+    for rank in range(2):
+        shard = load_shard(path, TPRank(rank, 2), digest=False)
+        mine = sum(b for n, b in experts.items() if int(n.split(".")[5]) // 4 == rank)
+        assert shard.bytes_read == rest + sharded // 2 + mine
+        moe = shard.loaded.model.model.layers[0].mlp
+        assert (moe.first, len(moe.experts)) == (4 * rank, 4)
 
 
 def test_tp_size_must_divide_kv_heads(checkpoints) -> None:
@@ -132,7 +150,7 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen2", 2), ("llama4", 4)])
+@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen2", 2), ("qwen3moe", 2), ("llama4", 4)])
 def test_tp_decode_matches_transformers(checkpoints, tmp_path, name: str, tp_size: int) -> None:
     prompts = [prompt(5, 1), prompt(19, 2)]
     ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path)
