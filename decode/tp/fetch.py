@@ -4,7 +4,8 @@ Design: every decode rank runs its own FetchKV of the request's pages with a
 head range (``FetchRequest.head_start/head_count``: rank r of T asks for KV heads
 ``[r * H/T, (r + 1) * H/T)``), so each prefill rank streams each decode rank
 exactly the bytes it keeps, checksummed over those bytes, and no rank relays
-another's KV. (Rank 0 fetching every head and scattering slices would move each
+another's KV. An MLA rank keeps whole latent rows (shared by every head), so it
+fetches whole rows. (Rank 0 fetching every head and scattering slices would move each
 byte twice and make rank 0's link the group's bottleneck.) The pages are the
 same physical pages on every rank (one page table, rank 0's), so a rank needs
 only the logical -> physical map of the request's pages.
@@ -24,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import grpc
+import torch
 from lanekv.decode.tp.group import RankFailed, TPGroup
 from lanekv.decode.tp.rank import RankState
 from lanekv.runtime.security import SecurityConfig
@@ -74,10 +76,10 @@ class FetchHeads:
                 KVClient(s.security, retry=s.retry), s.agreement, None, s.max_inflight_bytes, s.max_chunk_bytes,
                 s.streams_per_rank))
             state.extras["fetcher"] = fetcher
-        heads = state.pool.tensor.shape[3]
         job = FetchJob(self.request_id, self.fingerprint, self.epoch, self.endpoints, self.pages, self.num_layers,
                        self.page_size, state.pool.tensor, lambda pages: [self.physical[p] for p in pages],
-                       time.monotonic() + self.seconds, heads=(state.tp.rank * heads, heads))
+                       time.monotonic() + self.seconds, heads=rank_heads(state.pool.tensor, self.setup.agreement,
+                                                                          state.tp.rank))
         try:
             return "ok", fetcher.fetch(job).stats
         except KVFetchError as err:
@@ -97,7 +99,7 @@ class TPFetcher:
         return self._fetcher.release(*args, **kwargs)
 
     def fetch(self, job: FetchJob) -> Fetched:
-        heads = self._group.state.pool.tensor.shape[3]
+        heads = rank_heads(self._group.state.pool.tensor, self._setup.agreement, 0)
         seconds = job.deadline - time.monotonic()
         pages = {rank: list(p) for rank, p in job.pages.items()}
         logical = [page for p in pages.values() for page in p]
@@ -105,7 +107,7 @@ class TPFetcher:
                           job.num_layers, job.page_size, dict(zip(logical, job.pages_for(logical))), seconds)
         try:
             own, *others = self._group.run_task(
-                task, max(0.0, seconds) + _SLACK_S, local=lambda: self._fetcher.fetch(replace(job, heads=(0, heads))))
+                task, max(0.0, seconds) + _SLACK_S, local=lambda: self._fetcher.fetch(replace(job, heads=heads)))
         except RankFailed as err:
             raise KVFetchError(Code.UNAVAILABLE, str(err)) from err
         stats = [own.stats]
@@ -115,6 +117,13 @@ class TPFetcher:
                 raise KVFetchError(Code[code], f"decode rank {rank}: {message}")
             stats.append(value)
         return Fetched(_sum(stats), own.paths)
+
+
+def rank_heads(pool: torch.Tensor, agreement: Agreement, rank: int) -> tuple[int, int] | None:
+    """Rank ``rank``'s KV heads of each row, (first, count); None when every rank holds
+    whole rows (MLA: the latent row is shared by every query head)."""
+    heads = pool.shape[3]
+    return None if heads == agreement.num_kv_heads else (rank * heads, heads)
 
 
 def _sum(stats: list[FetchStats]) -> FetchStats:

@@ -16,9 +16,12 @@ The shard is a model of ``shard_config(config, size)`` (the same class, its head
 and MLP counts divided), loaded by ``load_shard`` from the safetensors files with
 ``safe_open(...).get_slice(name)[rows]``: a rank materializes only its rows or
 columns, never a whole sharded tensor (``ShardLoad.bytes_read`` counts them).
-MoE blocks (Qwen3-MoE) shard their routed experts whole over the same ranks
-(``model.parallel.ep``: expert parallelism, the block's output all-reduced).
-MLA and block-FP8 models are refused with ``tp_size > 1`` (``check_tp``).
+MoE blocks (Qwen3-MoE, DeepSeek) shard their routed experts whole over the same
+ranks (``model.parallel.ep``: expert parallelism, the block's output all-reduced).
+MLA (DeepSeek-V2/V3) splits only its query heads (q_proj or q_b_proj, kv_b_proj,
+o_proj): the latent row is shared by every head, so every rank holds it whole
+(the pool rows are the same on every rank). DSA and block-FP8 models are refused
+with ``tp_size > 1`` (``check_tp``).
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ from lanekv.model.tokenizer import load_tokenizer
 from safetensors import safe_open
 from torch import nn
 
-_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # rows of the weight split
+# rows of the weight split (MLA: q_proj or q_b_proj, and kv_b_proj, are head-major)
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _ROW = ("o_proj", "down_proj")  # columns of the weight split, output all-reduced
 _DIGEST_BLOCK = 1 << 22  # bytes hashed at a time: the digest never holds a file
 
@@ -67,15 +71,17 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
     TPRank(0, tp_size)
     if tp_size == 1:
         return
-    if config.mla is not None:
+    if config.dsa is not None:
         raise ValueError(f"tp_size={tp_size} is not supported for architecture={config.architecture!r} "
-                         "(decode TP serves GQA models; MLA runs with tp_size=1)")
+                         "(the DSA indexer is not split yet; it runs with tp_size=1)")
     if config.moe is not None and config.moe.num_experts % tp_size:
         raise ValueError(f"tp_size={tp_size} does not divide num_experts={config.moe.num_experts}")
     if config.weight_quant is not None:
         raise ValueError(f"tp_size={tp_size} is not supported with weight_quant="
                          f"{config.weight_quant.method!r} (block-FP8 shards are not cut yet)")
-    for name in ("num_kv_heads", "num_heads", "intermediate_size"):
+    # MLA: one latent row shared by every head, whole on every rank: only the q heads split.
+    for name in ("num_heads", "intermediate_size") if config.mla is not None else (
+            "num_kv_heads", "num_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % tp_size:
             raise ValueError(f"tp_size={tp_size} does not divide {name}={value}")
@@ -86,8 +92,8 @@ def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     check_tp(config, tp_size)
     if tp_size == 1:
         return config
-    return replace(config, num_heads=config.num_heads // tp_size,
-                   num_kv_heads=config.num_kv_heads // tp_size,
+    kv_heads = config.num_kv_heads if config.mla is not None else config.num_kv_heads // tp_size
+    return replace(config, num_heads=config.num_heads // tp_size, num_kv_heads=kv_heads,
                    intermediate_size=config.intermediate_size // tp_size)
 
 
@@ -144,8 +150,9 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
             for stored in f.keys():
                 name = stored if config.moe is None or tp.size == 1 else local_expert_name(
                     stored, tp.rank, tp.size, config.moe.num_experts)
-                if name is None or tp.rank > 0 and shared_expert(stored):
-                    continue  # another rank's expert (or shared expert): never read
+                if name is None or tp.rank > 0 and shared_expert(stored) or (
+                        model.ignores_extra_layers and _extra_layer(stored, config.num_layers)):
+                    continue  # another rank's expert (or shared expert), a DeepSeek MTP layer: never read
                 if name not in expected:
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
@@ -175,6 +182,12 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
     loaded = LoadedModel(config=config, model=model, weights_digest=weights_digest(path) if digest else "",
                          tokenizer=load_tokenizer(path, config.eos_token_ids))
     return ShardLoad(loaded, nbytes)
+
+
+def _extra_layer(name: str, num_layers: int) -> bool:
+    """A layer past the decoder's (DeepSeek-V3's multi-token-prediction layers)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
 
 
 def attach_all_reduce(model: nn.Module, group: Any) -> int:

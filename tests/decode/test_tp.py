@@ -19,7 +19,14 @@ from lanekv.model.parallel.tp import TPRank, check_tp, load_shard, shard_index
 from lanekv.model.sampling import SamplingParams
 from safetensors import safe_open
 
-from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama, write_qwen2, write_qwen3_moe
+from tests.checkpoints import (
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    write_deepseek_v3,
+    write_llama,
+    write_qwen2,
+    write_qwen3_moe,
+)
 from tests.decode.tp_tasks import Die, PlaceHeads
 
 GREEDY = SamplingParams()
@@ -41,7 +48,8 @@ def write_llama_4kv(path: Path) -> Path:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-ckpt")
     return {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
-            "qwen2": write_qwen2(root / "qwen2"), "qwen3moe": write_qwen3_moe(root / "qwen3moe")}
+            "qwen2": write_qwen2(root / "qwen2"), "qwen3moe": write_qwen3_moe(root / "qwen3moe"),
+            "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -128,7 +136,8 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
                            cpu_threads=1))
     try:
         pool = group.state.pool
-        assert pool.tensor.shape[3] == whole.config.num_kv_heads // tp_size
+        mla = whole.config.mla is not None  # every rank holds the whole latent row
+        assert pool.tensor.shape[3] == whole.config.num_kv_heads // (1 if mla else tp_size)
         engine = TPDecodeEngine(group.state.loaded.model, pool, group=group)
         outputs = {}
         for i, (ids, first, full_table) in enumerate(zip(prompts, firsts, tables)):
@@ -150,7 +159,7 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen2", 2), ("qwen3moe", 2), ("llama4", 4)])
+@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen2", 2), ("qwen3moe", 2), ("deepseek_v3", 2), ("llama4", 4)])
 def test_tp_decode_matches_transformers(checkpoints, tmp_path, name: str, tp_size: int) -> None:
     prompts = [prompt(5, 1), prompt(19, 2)]
     ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path)

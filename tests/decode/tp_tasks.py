@@ -17,7 +17,7 @@ class PlaceHeads(NamedTuple):
     def run(self, state: RankState) -> int:
         full = torch.load(self.path, mmap=True)
         heads = state.pool.tensor.shape[3]
-        first = state.tp.rank * heads
+        first = 0 if heads == full.shape[3] else state.tp.rank * heads  # MLA: whole latent rows
         size = state.pool.page_size
         for page in self.pages:
             rows = slice(page * size, (page + 1) * size)
