@@ -18,7 +18,7 @@ from lanekv.decode.config import DecodeConfig
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
-from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_llama
+from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_deepseek_v3, write_llama
 from tests.daemons import running_pair
 
 PAGE_SIZE = 4
@@ -26,8 +26,15 @@ MAX_NEW_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    return write_llama(tmp_path_factory.mktemp("tp-e2e-llama"))  # 4 query / 2 KV heads
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-e2e")
+    # Llama: 4 query / 2 KV heads; DeepSeek-V3: MLA with 4 heads, 8 routed experts and a shared one.
+    return {"llama": write_llama(root / "llama"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(checkpoints):
+    return checkpoints["llama"]
 
 
 def _prompts() -> list[list[int]]:
@@ -35,7 +42,6 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (3, 17, 30)]
 
 
-@pytest.fixture(scope="module")
 def reference(checkpoint) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
@@ -63,10 +69,12 @@ def _generate(stub, ids: list[int], max_new_tokens: int) -> tuple[list[int], dic
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("cp_size", [1, 2])
-def test_tp2_decode_after_cp_prefill_equals_transformers(checkpoint, reference, cp_size: int) -> None:
+@pytest.mark.parametrize(("name", "cp_size"), [("llama", 1), ("llama", 2), ("deepseek_v3", 2)])
+def test_tp2_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, cp_size: int) -> None:
+    checkpoint = checkpoints[name]
+    mla = name == "deepseek_v3"
     with running_pair(_engine(checkpoint, cp_size), pool_pages=64, tp_size=2, transport="grpc") as (prefill, decode):
-        assert decode.pool.tensor.shape[3] == 1  # rank 0 holds 1 of the 2 KV heads
+        assert decode.pool.tensor.shape[3] == 1  # Llama: 1 of the 2 KV heads; MLA: the latent row
         assert decode.config.transports == ("grpc",)
         results: list = [None] * 3
         with grpc.insecure_channel(decode.endpoint) as channel:
@@ -79,11 +87,14 @@ def test_tp2_decode_after_cp_prefill_equals_transformers(checkpoint, reference, 
             for thread in threads:
                 thread.join(120)
         agreement = decode.agreement
-        page_bytes = 2 * agreement.num_layers * PAGE_SIZE * agreement.num_kv_heads * agreement.head_dim * 4
-        for ids, want, (tokens, stats) in zip(_prompts(), reference, results):
+        page_bytes = agreement.kv_planes * agreement.num_layers * PAGE_SIZE * agreement.num_kv_heads \
+            * agreement.head_dim * 4
+        for ids, want, (tokens, stats) in zip(_prompts(), reference(checkpoint), results):
             assert tokens == want, f"prompt of {len(ids)} tokens"
-            # Both ranks' halves of every page: the whole page's bytes, once.
-            assert int(stats["lanekv-transfer-bytes"]) == -(-len(ids) // PAGE_SIZE) * page_bytes
+            # GQA: both ranks' halves of every page, the whole page's bytes once; MLA: each
+            # rank the whole latent rows.
+            copies = 2 if mla else 1
+            assert int(stats["lanekv-transfer-bytes"]) == copies * -(-len(ids) // PAGE_SIZE) * page_bytes
         stats = decode.stats()
         assert (stats.free_pages, stats.active_requests) == (stats.total_pages, 0)
 
