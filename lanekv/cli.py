@@ -166,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd = lambda name: _default(DaemonConfig, name)
     p.add_argument("--cp-size", type=int, default=_default(EngineConfig, "cp_size"),
                    help="context-parallel ranks (processes; one GPU each on CUDA)")
+    p.add_argument("--ep", action="store_true",
+                   help="expert parallelism: a MoE model's routed experts sharded over the CP ranks, each "
+                        "rank reading only its experts (docs/parallelism.md)")
     add_sizing_args(p, _default(EngineConfig, "pages_per_lane"), "in each rank's pool")
     p.add_argument("--host", default=dd("host"), help="bind address (default loopback)")
     p.add_argument("--advertise-host", default=None,

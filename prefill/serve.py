@@ -64,7 +64,7 @@ def main(args: argparse.Namespace) -> int:
             model_path=args.model, cp_size=args.cp_size, page_size=args.page_size,
             pages_per_lane=size.pages, dtype=dtype, device=args.device,
             load_format=args.load_format, index_cache_dtype=args.index_cache_dtype,
-            graph_max_rows=args.graph_max_rows,
+            graph_max_rows=args.graph_max_rows, ep=getattr(args, "ep", False),
         )
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,
                               lease_s=args.lease_s, batch_wait_ms=args.batch_wait_ms,

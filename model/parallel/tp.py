@@ -131,25 +131,29 @@ def weights_digest(path: str | Path) -> str:
 
 
 def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", *, digest: bool = True) -> ShardLoad:
+               device: torch.device | str = "cpu", *, digest: bool = True,
+               ep: TPRank | None = None) -> ShardLoad:
     """Rank ``tp``'s shard of the checkpoint at ``path``: a model of ``shard_config``
     with its rows and columns read by ``get_slice`` (nothing else of a sharded tensor
     is read), eval mode, projections fused. ``digest=False`` skips the weights
-    digest (ranks other than the one that handshakes need none)."""
+    digest (ranks other than the one that handshakes need none). ``ep``: the rank
+    among the ranks sharing routed experts when it is not ``tp`` (prefill EP: the
+    attention whole, ``tp`` of size 1, the experts over the CP ranks)."""
+    experts = tp if ep is None else ep
     path = Path(path)
     config = ModelConfig.from_dir(path)
     local = shard_config(config, tp.size)
     model = build_model(local, dtype=dtype, device="meta")
-    if config.moe is not None and tp.size > 1:
-        shard_experts(model, tp.rank, tp.size)
+    if config.moe is not None and experts.size > 1:
+        shard_experts(model, experts.rank, experts.size, shared_everywhere=tp.size == 1)
     expected = model.state_dict()
     state: dict[str, torch.Tensor] = {}
     nbytes = 0
     for file in tensor_files(path):
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():
-                name = stored if config.moe is None or tp.size == 1 else local_expert_name(
-                    stored, tp.rank, tp.size, config.moe.num_experts)
+                name = stored if config.moe is None or experts.size == 1 else local_expert_name(
+                    stored, experts.rank, experts.size, config.moe.num_experts)
                 if name is None or tp.rank > 0 and shared_expert(stored) or (
                         model.ignores_extra_layers and _extra_layer(stored, config.num_layers)):
                     continue  # another rank's expert (or shared expert), a DeepSeek MTP layer: never read

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.config import ModelConfig
+from lanekv.model.parallel.ep import attach_expert_exchange
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.messages import (
     Answer,
@@ -238,7 +239,9 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
             **({"device_id": device} if device.type == "cuda" else {}),
         )
         group = dist.group.WORLD
-    loaded = load_for(config, device)
+    loaded = load_for(config, device, rank)
+    if config.ep and group is not None:  # each MoE layer exchanges its rows over the CP ranks
+        attach_expert_exchange(loaded.model, group)
     clock = GcClock().install()  # this process's collections, timed per prefill
     return build_runner(loaded, config, rank, group, shared_path, gc_clock=clock, serving=serving)
 
