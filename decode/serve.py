@@ -19,6 +19,7 @@ from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
+from lanekv.model.parallel.ep import ep_weight_bytes
 from lanekv.model.parallel.tp import shard_config
 from lanekv.model.pool_sizing import GIB, PoolSize, page_bytes, pool_line, size_pool, weight_bytes
 from lanekv.runtime.daemon import serve_until_signal
@@ -74,7 +75,15 @@ def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
         pool_pages=getattr(args, "pool_pages", None), kv_cache_memory=getattr(args, "kv_cache_memory", None),
         gpu_memory_utilization=utilization, default_pages=DecodeConfig.__dataclass_fields__["pool_pages"].default,
         memory=(lambda: [torch.cuda.mem_get_info()]) if cuda else None,
-        weights=weight_bytes(model, torch_dtype) if cuda and utilization is not None else 0)
+        weights=_rank_weights(model, torch_dtype, getattr(args, "tp_size", None) or 1)
+        if cuda and utilization is not None else 0)
+
+
+def _rank_weights(shard: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
+    """One decode rank's weights: its shard's, the routed experts divided over the ranks."""
+    if shard.moe is not None and tp_size > 1:
+        return ep_weight_bytes(shard, dtype, tp_size)
+    return weight_bytes(shard, dtype)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -141,3 +141,17 @@ def local_expert_name(name: str, rank: int, size: int, num_experts: int) -> str 
 
 def shared_expert(name: str) -> bool:
     return ".mlp.shared_experts." in name
+
+
+def ep_weight_bytes(config: Any, dtype: torch.dtype, size: int) -> int:
+    """One rank's bytes of weights when ``size`` ranks share the routed experts (counted on meta)."""
+    from lanekv.model.checkpoint import build_model
+
+    model = build_model(config, dtype=dtype, device="meta")
+    total = routed = 0
+    for name, param in model.named_parameters():
+        nbytes = param.numel() * param.element_size()
+        total += nbytes
+        routed += nbytes if ".mlp.experts." in name else 0
+    return total - routed + routed // size
+

@@ -33,6 +33,7 @@ from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.ep import attach_expert_exchange
+from lanekv.model.parallel.tp import weight_bytes
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.messages import (
     Answer,
@@ -266,6 +267,10 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     if serving is not None:
         page_source, server = serving.start(cfg, loaded.weights_digest, pool, shared_path)
     process = RankProcess(loaded.weights_digest, loaded.tokenizer, shared_path, gc_clock, page_source, server)
+    logging.getLogger("lanekv.prefill").info(
+        "prefill rank %d of %d holds %.1f MiB of weights%s and a %.1f MiB KV pool (%d pages)", rank,
+        config.cp_size, weight_bytes(loaded.model) / 2**20, " (its share of the experts)" if config.ep else "",
+        nbytes / 2**20, config.pages_per_lane)
     return RankRunner(
         loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group,
         rows=layout, process=process,
