@@ -45,9 +45,18 @@ class TPSpec:
     port: int  # the group's rendezvous on 127.0.0.1
     timeout_s: float = 24 * 3600.0  # a collective's limit: an idle group waits this long for a step
     cpu_threads: int = 0  # 0: the host's cores over the ranks
+    # Every rank on cuda:0 over gloo: the multi-rank code on one GPU (NCCL refuses two
+    # ranks on one device). Tests only: it measures nothing about NCCL.
+    share_gpu: bool = False
 
     def device_of(self, rank: int) -> torch.device:
-        return torch.device("cuda", rank) if self.device == "cuda" else torch.device("cpu")
+        if self.device != "cuda":
+            return torch.device("cpu")
+        return torch.device("cuda", 0 if self.share_gpu else rank)
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device == "cuda" and not self.share_gpu else "gloo"
 
 
 @dataclass
@@ -93,7 +102,7 @@ def join_group(spec: TPSpec, rank: int) -> torch.device:
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) // spec.tp_size))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+    dist.init_process_group(spec.backend,
                             init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                             world_size=spec.tp_size, timeout=timedelta(seconds=spec.timeout_s))
     return device

@@ -28,6 +28,7 @@ from tests.checkpoints import (
     write_qwen3_moe,
 )
 from tests.decode.tp_tasks import Die, PlaceHeads
+from tests.markers import requires_gpu
 
 GREEDY = SamplingParams()
 PAGE_SIZE, NUM_PAGES = 4, 48
@@ -120,7 +121,7 @@ def test_tp_size_must_divide_kv_heads(checkpoints) -> None:
 
 
 def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens: int,
-              tmp_path: Path) -> list[list[int]]:
+              tmp_path: Path, device: str = "cpu") -> list[list[int]]:
     """Prefill each prompt on the whole model, place each rank's KV heads of it in
     that rank's pool, then decode all prompts at once on the TP group."""
     whole = load_model(path)
@@ -132,8 +133,8 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
         tables.append(table)
     saved = tmp_path / f"pool-{tp_size}.pt"
     torch.save(full_pool.tensor, saved)
-    group = TPGroup(TPSpec(str(path), tp_size, torch.float32, "cpu", NUM_PAGES, PAGE_SIZE, free_port(),
-                           cpu_threads=1))
+    group = TPGroup(TPSpec(str(path), tp_size, torch.float32, device, NUM_PAGES, PAGE_SIZE, free_port(),
+                           cpu_threads=1, share_gpu=device == "cuda"))
     try:
         pool = group.state.pool
         mla = whole.config.mla is not None  # every rank holds the whole latent row
@@ -163,6 +164,17 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
 def test_tp_decode_matches_transformers(checkpoints, tmp_path, name: str, tp_size: int) -> None:
     prompts = [prompt(5, 1), prompt(19, 2)]
     ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path)
+    assert ours == hf_greedy(checkpoints[name], prompts, 8)
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen3moe", 2), ("deepseek_v3", 2), ("llama4", 4)])
+def test_tp_decode_on_one_gpu_matches_transformers(checkpoints, tmp_path, name: str, tp_size: int) -> None:
+    """The ranks share cuda:0 over gloo (NCCL refuses two ranks on one GPU): the Triton
+    kernels on each rank's shard and pool, the collectives on CUDA tensors."""
+    prompts = [prompt(5, 1), prompt(19, 2)]
+    ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, device="cuda")
     assert ours == hf_greedy(checkpoints[name], prompts, 8)
 
 
