@@ -475,7 +475,7 @@ class DecodeDaemon:
         self.streams.broadcast(SHUTDOWN)  # wake streams still waiting
         self._loop.join(5.0)
         if self.tp is not None:
-            self.tp.close()  # STOP to the ranks: the loop runs no step any more
+            self.tp.close(graceful=not self._loop.is_alive())  # STOP to the ranks, unless a step still runs
         self._close_clients()
         self.rpc.close()
 

@@ -214,19 +214,20 @@ class TPGroup:
                 self._on_death(rank, reason)
             return
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """STOP to the ranks (no step may run any more), then end their processes."""
+    def close(self, timeout_s: float = 10.0, graceful: bool = True) -> None:
+        """STOP to the ranks (no step may run any more), then end their processes;
+        ``graceful=False`` (a step may still be in a collective): kill them at once."""
         if self._closed.is_set():
             return
         self._closed.set()
-        if self._dead is None:
+        if self._dead is None and graceful:
             try:
                 send_stop(self.group, self.device)
             except Exception:  # noqa: BLE001 - a rank gone meanwhile: killed below
                 log.warning("decode ranks did not take STOP; ending them")
         for queue in self._tasks.values():
             queue.put(None)
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + (timeout_s if graceful else 0.0)
         for proc in self._procs.values():
             proc.join(max(0.0, deadline - time.monotonic()))
         self._kill()
