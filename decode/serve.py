@@ -17,6 +17,7 @@ import sys
 import torch
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
+from lanekv.decode.tp.group import RankFailed
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
 from lanekv.model.parallel.ep import ep_weight_bytes
@@ -109,7 +110,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"lanekv decode: {which} and this decode daemon disagree on the layout contract; "
               f"nothing was served.\n{detail}", file=sys.stderr)
         return 1
-    except (OSError, TransferError, ValueError) as err:
+    except (OSError, TransferError, ValueError, RankFailed) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
     if config.resolved_device == "cuda":  # what the sizing's allowance left, after weights, pool and graphs

@@ -130,17 +130,17 @@ class TPGroup:
         while len(ready) < len(self._procs):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise RuntimeError(f"decode ranks {sorted(set(self._procs) - set(ready))} did not start "
+                raise RankFailed(f"decode ranks {sorted(set(self._procs) - set(ready))} did not start "
                                    f"within {timeout_s:.0f} s")
             try:
                 message = self._results.get(timeout=min(left, _POLL_S))
             except Exception:  # noqa: BLE001 - queue.Empty: look at the processes
                 gone = [r for r, p in self._procs.items() if r not in ready and not p.is_alive()]
                 if gone:
-                    raise RuntimeError(exit_reason(gone[0], self._procs[gone[0]]) + " during start-up") from None
+                    raise RankFailed(exit_reason(gone[0], self._procs[gone[0]]) + " during start-up") from None
                 continue
             if isinstance(message, Failed):
-                raise RuntimeError(f"decode rank {message.rank} could not start: {message.reason}")
+                raise RankFailed(f"decode rank {message.rank} could not start: {message.reason}")
             ready[message.rank] = message
         return [ready[r] for r in sorted(ready)]
 
