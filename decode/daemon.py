@@ -169,7 +169,7 @@ class DecodeDaemon:
             self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
                                        graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
-        warm_up_kernels(self.pool, model_config)
+        warm_up_kernels(self.pool, self.loaded.model.config)  # the shard's heads with tp_size > 1
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
