@@ -23,6 +23,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 from lanekv.decode.cuda.step import step_hidden
+from lanekv.decode.cuda.warmup import warm_up_kernels
 from lanekv.decode.pool import PagePool
 from lanekv.decode.tp.steps import receive_step
 from lanekv.model.checkpoint import LoadedModel
@@ -137,6 +138,7 @@ def follower_main(rank: int, spec: TPSpec, tasks: Any, results: Any) -> None:
     try:
         device = join_group(spec, rank)
         state, ready = build_rank(spec, rank, device)
+        warm_up_kernels(state.pool, state.loaded.model.config)  # CUDA: as rank 0 does in the daemon
     except Exception as err:  # noqa: BLE001 - reported to rank 0, which refuses to start
         results.put(Failed(rank, f"{type(err).__name__}: {err}".splitlines()[0]))
         return
