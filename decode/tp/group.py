@@ -179,7 +179,9 @@ class TPGroup:
         return results
 
     def _forget(self, seq: int, timeout_s: float) -> None:
-        """Rank 0's part raised: wait (up to ``timeout_s``) for the others' answers, then drop them."""
+        """Rank 0's part raised: wait (up to ``timeout_s``) for the others' answers, then drop
+        them. (A fetch task writes into pages its caller frees once this returns: no rank
+        may still be writing then.)"""
         with self._answered:
             self._answered.wait_for(
                 lambda: self._dead is not None or len(self._answers[seq]) == len(self._tasks), timeout=timeout_s)
