@@ -24,6 +24,7 @@ from tests.checkpoints import (
     VOCAB_SIZE,
     write_deepseek_v3,
     write_llama,
+    write_llama_4kv,
     write_qwen2,
     write_qwen3_moe,
 )
@@ -32,17 +33,6 @@ from tests.markers import requires_gpu
 
 GREEDY = SamplingParams()
 PAGE_SIZE, NUM_PAGES = 4, 48
-
-
-def write_llama_4kv(path: Path) -> Path:
-    """Llama with 8 query / 4 KV heads: splits over 1, 2 and 4 ranks."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tests.checkpoints import _COMMON, _write
-
-    config = LlamaConfig(**{**_COMMON, "num_attention_heads": 8, "num_key_value_heads": 4},
-                         head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
-    return _write(path, LlamaForCausalLM, config, 4, None, False)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,13 @@ from lanekv.decode.config import DecodeConfig
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 
-from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, write_deepseek_v3, write_llama
+from tests.checkpoints import (
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    write_deepseek_v3,
+    write_llama,
+    write_llama_4kv,
+)
 from tests.daemons import running_pair
 
 PAGE_SIZE = 4
@@ -29,7 +35,8 @@ MAX_NEW_TOKENS = 8
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-e2e")
     # Llama: 4 query / 2 KV heads; DeepSeek-V3: MLA with 4 heads, 8 routed experts and a shared one.
-    return {"llama": write_llama(root / "llama"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    return {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
+            "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +76,15 @@ def _generate(stub, ids: list[int], max_new_tokens: int) -> tuple[list[int], dic
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("name", "cp_size"), [("llama", 1), ("llama", 2), ("deepseek_v3", 2)])
-def test_tp2_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, cp_size: int) -> None:
+@pytest.mark.parametrize(("name", "cp_size", "tp_size"),
+                         [("llama", 1, 2), ("llama", 2, 2), ("llama4", 2, 4), ("deepseek_v3", 2, 2)])
+def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, cp_size: int, tp_size: int) -> None:
     checkpoint = checkpoints[name]
     mla = name == "deepseek_v3"
-    with running_pair(_engine(checkpoint, cp_size), pool_pages=64, tp_size=2, transport="grpc") as (prefill, decode):
-        assert decode.pool.tensor.shape[3] == 1  # Llama: 1 of the 2 KV heads; MLA: the latent row
+    with running_pair(_engine(checkpoint, cp_size), pool_pages=64, tp_size=tp_size, transport="grpc") as (
+            prefill, decode):
+        # Llama: 1 of the 2 KV heads, llama4: 1 of 4; MLA: the latent row
+        assert decode.pool.tensor.shape[3] == 1
         assert decode.config.transports == ("grpc",)
         results: list = [None] * 3
         with grpc.insecure_channel(decode.endpoint) as channel:
@@ -93,7 +103,7 @@ def test_tp2_decode_after_cp_prefill_equals_transformers(checkpoints, name: str,
             assert tokens == want, f"prompt of {len(ids)} tokens"
             # GQA: both ranks' halves of every page, the whole page's bytes once; MLA: each
             # rank the whole latent rows.
-            copies = 2 if mla else 1
+            copies = tp_size if mla else 1
             assert int(stats["lanekv-transfer-bytes"]) == copies * -(-len(ids) // PAGE_SIZE) * page_bytes
         stats = decode.stats()
         assert (stats.free_pages, stats.active_requests) == (stats.total_pages, 0)
