@@ -51,7 +51,7 @@ from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
 from lanekv.decode.tp.engine import TPDecodeEngine
-from lanekv.decode.tp.group import TPGroup
+from lanekv.decode.tp.group import RankFailed, TPGroup
 from lanekv.decode.tp.start import start_group, tp_fetcher
 from lanekv.model.attention import pool_contract_fields
 from lanekv.model.checkpoint import load_checkpoint
@@ -130,7 +130,9 @@ class DecodeDaemon:
         config = self.config
         device = torch.device(config.resolved_device)
         if config.tp_size > 1:
-            self.tp = start_group(config, on_death=lambda rank, reason: self._fail(reason))
+            # A death before the streams exist fails the start below instead.
+            self.tp = start_group(config, on_death=lambda rank, reason: (
+                self._fail(reason) if hasattr(self, "streams") else None))
             self.loaded = self.tp.state.loaded  # its config the whole model's, its model rank 0's shard
         else:
             self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
@@ -184,6 +186,8 @@ class DecodeDaemon:
             self.prefix_cache, prefix_metrics,
         )
         self._watch_pool()
+        if self.tp is not None and self.tp.failure is not None:
+            raise RankFailed(self.tp.failure)  # a rank died during start-up
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
         self._loop.start()
         self._serve()
