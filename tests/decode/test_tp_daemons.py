@@ -5,6 +5,7 @@ ends its requests UNAVAILABLE naming the rank and turns the daemon NOT_SERVING."
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -17,6 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lanekv.decode.config import DecodeConfig
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
+from lanekv.runtime.daemon import serve_until_signal
 
 from tests.checkpoints import (
     EOS_TOKEN_ID,
@@ -139,6 +141,9 @@ def test_killed_rank_ends_requests_unavailable(checkpoint) -> None:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
             assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
         assert "decode rank 1" in decode.failure()
+        # ``lanekv decode`` serves through serve_until_signal: it sees the failure and exits 1.
+        assert serve_until_signal(decode, "banner", None, 1.0, logging.getLogger("test"), "draining",
+                                  prog="lanekv decode") == 1
         # Nothing leaks on the prefill side: the request's pages came back (released after the fetch).
         deadline = time.monotonic() + 10
         while prefill.engine.allocator.free_counts() != free_before and time.monotonic() < deadline:
