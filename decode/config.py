@@ -15,6 +15,7 @@ from lanekv.model.attention.rows import (
 )
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
+from lanekv.model.parallel.tp import check_tp
 from lanekv.model.pool_sizing import check_max_model_len
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
@@ -71,6 +72,9 @@ class DecodeConfig:
     max_model_len: int | None = None
     prefix_cache: bool = True  # keep verified prompt pages for later requests (decode.prefix.cache)
     prefix_cache_share: float = 1.0  # at most this share of the pool's pages cached
+    # Tensor parallelism: rank processes of one decode group, rank 0 this daemon's
+    # (decode.tp, docs/parallelism.md); must divide the model's KV heads. 1: one process.
+    tp_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.prefix_cache_share, bool) or not isinstance(self.prefix_cache_share, (int, float)) \
@@ -131,6 +135,20 @@ class DecodeConfig:
         check_index_cache_dtype(self.index_cache_dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
         model = ModelConfig.from_dir(self.model_path)
+        check_tp(model, self.tp_size)  # one line naming tp_size and the value it does not divide
+        if self.tp_size > 1:
+            if self.transport == "nixl":
+                raise ValueError(f"transport='nixl' is not supported with tp_size={self.tp_size} (each decode "
+                                 "rank fetches its KV heads over gRPC; NIXL and the fast path move whole rows)")
+            if self.load_format != "safetensors":
+                raise ValueError(f"load_format={self.load_format!r} is not supported with tp_size={self.tp_size} "
+                                 "(each rank reads its shard of the safetensors files)")
+            if self.kv_cache_dtype != "auto":
+                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
+                                 f"tp_size={self.tp_size} (the ranks' head slices hold model-dtype rows)")
+            if self.resolved_device == "cuda" and self.tp_size > torch.cuda.device_count():
+                raise ValueError(f"tp_size={self.tp_size} needs one GPU per rank, "
+                                 f"{torch.cuda.device_count()} are visible")
         check_max_model_len(self.max_model_len, model.max_position_embeddings, self.pool_pages * self.page_size)
         if not _is_endpoint(self.prefill_endpoint):
             raise ValueError(f"prefill_endpoint must be 'host:port', got {self.prefill_endpoint!r}")
@@ -169,6 +187,8 @@ class DecodeConfig:
         """The KV fetcher's transports, most preferred first (``transfer.connector.registry``):
         every one registered but NIXL for "auto" (NIXL is chosen, never assumed), NIXL then
         gRPC for "nixl", gRPC alone for "grpc"."""
+        if self.tp_size > 1:  # a rank's KV heads travel over gRPC only (decode.tp.fetch)
+            return ("grpc",)
         if self.transport == "auto":
             return tuple(name for name in TRANSPORTS if name != "nixl")
         return ("nixl", "grpc") if self.transport == "nixl" else ("grpc",)

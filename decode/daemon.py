@@ -50,6 +50,9 @@ from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.prefix.route import PrefixMemory
 from lanekv.decode.service import DecodeServicer
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
+from lanekv.decode.tp.engine import TPDecodeEngine
+from lanekv.decode.tp.group import RankFailed, TPGroup
+from lanekv.decode.tp.start import start_group, tp_fetcher
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import load_checkpoint
 from lanekv.model.grammar import Grammars
@@ -103,6 +106,7 @@ class DecodeDaemon:
         self._stop = threading.Event()
         self._stopped = False
         self._failure: str | None = None  # why the decode loop stopped (fail-stop), once it has
+        self.tp: TPGroup | None = None  # tp_size > 1: the group of decode ranks (decode.tp), rank 0 here
         # Ports first: a busy one fails before the model loads.
         try:
             self.rpc = DaemonServer(config.security, config.host, config.port, config.max_workers,
@@ -115,6 +119,8 @@ class DecodeDaemon:
             self._start()
         except BaseException:
             self._stop.set()
+            if self.tp is not None:
+                self.tp.close()
             self._close_clients()
             self.rpc.close()
             raise
@@ -124,7 +130,13 @@ class DecodeDaemon:
     def _start(self) -> None:
         config = self.config
         device = torch.device(config.resolved_device)
-        self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
+        if config.tp_size > 1:
+            # A death before the streams exist fails the start below instead.
+            self.tp = start_group(config, on_death=lambda rank, reason: (
+                self._fail(reason) if hasattr(self, "streams") else None))
+            self.loaded = self.tp.state.loaded  # its config the whole model's, its model rank 0's shard
+        else:
+            self.loaded = load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
         model_config = self.loaded.config
         self.agreement = Agreement.from_model(
             pool_contract_fields(model_config, config.torch_dtype, config.index_cache_dtype,
@@ -151,14 +163,20 @@ class DecodeDaemon:
         self.fetcher = make_fetcher(config.transports, TransportContext(
             self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes,
             config.resolved_fetch_streams))
-        self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
-                                       config.torch_dtype, device,
-                                       index_cache_dtype=config.index_cache_dtype,
-                                       kv_cache_dtype=config.kv_cache_dtype)
-        self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
-                                   graph_sizes=config.graph_batch_sizes)
+        if self.tp is not None:
+            self.fetcher = tp_fetcher(config, self.fetcher, self.tp, self.agreement)
+            self.pool = self.tp.state.pool
+            self.engine = TPDecodeEngine(self.loaded.model, self.pool, group=self.tp,
+                                         max_batch_size=config.max_batch_size)
+        else:
+            self.pool = PagePool.for_model(model_config, config.pool_pages, config.page_size,
+                                           config.torch_dtype, device,
+                                           index_cache_dtype=config.index_cache_dtype,
+                                           kv_cache_dtype=config.kv_cache_dtype)
+            self.engine = DecodeEngine(self.loaded.model, self.pool, max_batch_size=config.max_batch_size,
+                                       graph_sizes=config.graph_batch_sizes)
         self.engine.capture_graphs()  # CUDA only: compiles and captures before we serve
-        warm_up_kernels(self.pool, model_config)
+        warm_up_kernels(self.pool, self.loaded.model.config)  # the shard's heads with tp_size > 1
         self.budget = PageBudget(config.pool_pages)
         self.streams = Streams(self.metrics)
         self._lock = threading.Lock()
@@ -177,6 +195,8 @@ class DecodeDaemon:
                 self.loaded.tokenizer.backend, model_config.vocab_size, self.engine.eos_token_ids),
         )
         self._watch_pool()
+        if self.tp is not None and self.tp.failure is not None:
+            raise RankFailed(self.tp.failure)  # a rank died during start-up
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
         self._loop.start()
         self._serve()
@@ -289,6 +309,10 @@ class DecodeDaemon:
                     log.info("waiting for prefill daemon %s (%s): %.0f s so far, %.0f s left of "
                              "connect_timeout_s", endpoint, err.code.name, now - start, deadline - now)
                 time.sleep(0.2)
+        try:
+            theirs.topology.check_decode_layout(cfg.tp_size)
+        except ValueError as err:
+            raise ContractMismatch([], f"prefill daemon {endpoint}: {err}") from None
         for rank in theirs.topology.endpoints:
             self.kv.handshake(rank, self.agreement, timeout=cfg.connect_timeout_s)
         return theirs
@@ -467,6 +491,8 @@ class DecodeDaemon:
         self._stop.set()
         self.streams.broadcast(SHUTDOWN)  # wake streams still waiting
         self._loop.join(5.0)
+        if self.tp is not None:
+            self.tp.close(graceful=not self._loop.is_alive())  # STOP to the ranks, unless a step still runs
         self._close_clients()
         self.rpc.close()
 

@@ -17,8 +17,11 @@ import sys
 import torch
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.daemon import STOP_GRACE_S, DecodeDaemon
+from lanekv.decode.tp.group import RankFailed
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
+from lanekv.model.parallel.ep import ep_weight_bytes
+from lanekv.model.parallel.tp import shard_config
 from lanekv.model.pool_sizing import GIB, PoolSize, page_bytes, pool_line, size_pool, weight_bytes
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
@@ -33,7 +36,7 @@ log = logging.getLogger("lanekv.decode")
 GIL_SWITCH_INTERVAL_S = 0.0005
 # Optional flags of ``lanekv decode``: None (not given) leaves DecodeConfig's default.
 _CONFIG_FLAGS = ("page_wait_s", "connect_timeout_s", "transport", "fetch_processes", "fetch_streams",
-                 "graph_batch_sizes", "prefill_health_interval_s")
+                 "graph_batch_sizes", "prefill_health_interval_s", "tp_size")
 
 
 def config_from_args(args: argparse.Namespace, size: PoolSize | None = None) -> DecodeConfig:
@@ -64,7 +67,8 @@ def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no GPU is visible (torch.cuda.is_available() is False); "
                          "give --device cpu or auto")
-    model = ModelConfig.from_dir(args.model)
+    # A TP rank holds 1/tp of each page's KV heads and about 1/tp of the weights.
+    model = shard_config(ModelConfig.from_dir(args.model), getattr(args, "tp_size", None) or 1)
     torch_dtype = DTYPES[dtype]
     cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     utilization = getattr(args, "gpu_memory_utilization", None)
@@ -74,7 +78,15 @@ def pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
         pool_pages=getattr(args, "pool_pages", None), kv_cache_memory=getattr(args, "kv_cache_memory", None),
         gpu_memory_utilization=utilization, default_pages=DecodeConfig.__dataclass_fields__["pool_pages"].default,
         memory=(lambda: [torch.cuda.mem_get_info()]) if cuda else None,
-        weights=weight_bytes(model, torch_dtype) if cuda and utilization is not None else 0)
+        weights=_rank_weights(model, torch_dtype, getattr(args, "tp_size", None) or 1)
+        if cuda and utilization is not None else 0)
+
+
+def _rank_weights(shard: ModelConfig, dtype: torch.dtype, tp_size: int) -> int:
+    """One decode rank's weights: its shard's, the routed experts divided over the ranks."""
+    if shard.moe is not None and tp_size > 1:
+        return ep_weight_bytes(shard, dtype, tp_size)
+    return weight_bytes(shard, dtype)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -84,7 +96,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as err:
         print(f"lanekv decode: {err}", file=sys.stderr)
         return 2
-    model = ModelConfig.from_dir(config.model_path)
+    model = shard_config(ModelConfig.from_dir(config.model_path), config.tp_size)
     log.info("%s", pool_line("decode", config.pool_pages, config.page_size,
                              page_bytes(model, config.torch_dtype, config.page_size, config.index_cache_dtype,
                                         config.kv_cache_dtype),
@@ -101,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"lanekv decode: {which} and this decode daemon disagree on the layout contract; "
               f"nothing was served.\n{detail}", file=sys.stderr)
         return 1
-    except (OSError, TransferError, ValueError) as err:
+    except (OSError, TransferError, ValueError, RankFailed) as err:
         print(f"lanekv decode: could not start: {err}", file=sys.stderr)
         return 1
     if config.resolved_device == "cuda":  # what the sizing's allowance left, after weights, pool and graphs

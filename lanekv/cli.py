@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     dd = lambda name: _default(DaemonConfig, name)
     p.add_argument("--cp-size", type=int, default=_default(EngineConfig, "cp_size"),
                    help="context-parallel ranks (processes; one GPU each on CUDA)")
+    p.add_argument("--ep", action="store_true",
+                   help="expert parallelism: a MoE model's routed experts sharded over the CP ranks, each "
+                        "rank reading only its experts (docs/parallelism.md)")
     add_sizing_args(p, _default(EngineConfig, "pages_per_lane"), "in each rank's pool")
     p.add_argument("--host", default=dd("host"), help="bind address (default loopback)")
     p.add_argument("--advertise-host", default=None,
@@ -223,6 +226,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the others over gRPC; grpc: every rank over gRPC; nixl: read every rank through "
                         "NIXL (UCX: RDMA, TCP or shared memory; pip install 'lanekv[nixl]'), over gRPC where "
                         "a rank offers no NIXL or a page does not verify")
+    p.add_argument("--tp-size", type=int, default=None,
+                   help="tensor parallelism: decode rank processes, one GPU each (gloo on the CPU); "
+                        "must divide the model's KV heads; KV moves over gRPC, each rank its heads "
+                        "(default: 1)")
     p.add_argument("--fetch-processes", type=int, default=None,
                    help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
                         "(default: 4 with a GPU pool, else 0: threads of the daemon)")

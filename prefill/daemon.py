@@ -160,7 +160,8 @@ class PrefillDaemon:
     def _setup(self, engine_config: EngineConfig) -> None:
         cfg = self.config
         self.agreement = Agreement.decode(self.engine.info.agreement)
-        self.topology = Topology(engine_config.cp_size, "in_seq", "page_mod_cp", tuple(self.engine.endpoints))
+        self.topology = Topology(engine_config.cp_size, "in_seq", "page_mod_cp", tuple(self.engine.endpoints),
+                                 head_ranges=True)
         self.contract = LayoutContract(self.agreement, self.topology)
         self.engine.set_topology(self.topology)
         model = self.engine.info.model

@@ -40,6 +40,9 @@ class EngineConfig:
     # (``prefill.cp.graphs``, captured at warm-up); 0 = always eager. Past it the GPU's
     # work outweighs the host's launches (8B shapes).
     graph_max_rows: int = 2048
+    # Expert parallelism: the routed experts sharded over the CP ranks (each reads only
+    # its experts; every MoE layer exchanges rows: model.parallel.ep, docs/parallelism.md).
+    ep: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "pages_per_lane"):
@@ -62,7 +65,17 @@ class EngineConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
-        ModelConfig.from_dir(self.model_path)
+        model = ModelConfig.from_dir(self.model_path)
+        if self.ep:
+            if model.moe is None:
+                raise ValueError(f"ep=True needs a MoE model, architecture={model.architecture!r} has no experts")
+            if model.moe.num_experts % self.cp_size:
+                raise ValueError(f"ep=True: cp_size={self.cp_size} does not divide "
+                                 f"num_experts={model.moe.num_experts}")
+            if self.load_format != "safetensors" or model.weight_quant is not None:
+                raise ValueError(f"ep=True reads each rank's experts from unquantized safetensors files, "
+                                 f"got load_format={self.load_format!r}, weight_quant="
+                                 f"{None if model.weight_quant is None else model.weight_quant.method!r}")
         if self.resolved_device == "cuda":
             visible = torch.cuda.device_count()
             if self.cp_size > visible:
@@ -81,8 +94,14 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
-def load_for(config: EngineConfig, device: torch.device | str):
-    """The model of ``config`` on ``device`` (weights read, or dummy ones made there)."""
+def load_for(config: EngineConfig, device: torch.device | str, rank: int = 0):
+    """The model of ``config`` on ``device`` (weights read, or dummy ones made there);
+    with ``ep``, rank ``rank``'s routed experts only (``model.parallel.tp.load_shard``)."""
     from lanekv.model.checkpoint import load_checkpoint
 
+    if config.ep and config.cp_size > 1:
+        from lanekv.model.parallel.tp import TPRank, load_shard
+
+        return load_shard(config.model_path, TPRank(0, 1), config.torch_dtype, device,
+                          ep=TPRank(rank, config.cp_size)).loaded
     return load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)

@@ -14,6 +14,7 @@ import sys
 import torch
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES, resolve_dtype
+from lanekv.model.parallel.ep import ep_weight_bytes
 from lanekv.model.pool_sizing import (
     PoolSize,
     check_max_model_len,
@@ -39,6 +40,13 @@ def _unit_bytes(engine: EngineConfig) -> int:
                       engine.kv_cache_dtype)
 
 
+def _rank_weight_bytes(args: argparse.Namespace, model: ModelConfig, dtype: torch.dtype) -> int:
+    """One rank's weights: the whole model, less the routed experts other ranks hold with --ep."""
+    if getattr(args, "ep", False) and model.moe is not None and args.cp_size > 1:
+        return ep_weight_bytes(model, dtype, args.cp_size)
+    return weight_bytes(model, dtype)
+
+
 def _pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
     """Pages in each rank's pool (``model.pool_sizing.size_pool``), checked against --max-model-len."""
     model = ModelConfig.from_dir(args.model)
@@ -51,7 +59,7 @@ def _pool_size(args: argparse.Namespace, dtype: str) -> PoolSize:
         unit, pool_pages=getattr(args, "pool_pages", None), kv_cache_memory=getattr(args, "kv_cache_memory", None),
         gpu_memory_utilization=utilization, default_pages=_DEFAULT_PAGES,
         memory=(lambda: cuda_memory(args.cp_size)) if cuda else None,
-        weights=weight_bytes(model, torch_dtype) if cuda and utilization is not None else 0)
+        weights=_rank_weight_bytes(args, model, torch_dtype) if cuda and utilization is not None else 0)
     # A prompt's pages spread over the ranks' owner lanes: the pool holds cp_size lanes.
     check_max_model_len(getattr(args, "max_model_len", None), model.max_position_embeddings,
                         size.pages * args.page_size * args.cp_size)
@@ -67,7 +75,7 @@ def main(args: argparse.Namespace) -> int:
             pages_per_lane=size.pages, dtype=dtype, device=args.device,
             load_format=args.load_format, index_cache_dtype=args.index_cache_dtype,
             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
-            graph_max_rows=args.graph_max_rows,
+            graph_max_rows=args.graph_max_rows, ep=getattr(args, "ep", False),
         )
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,
                               lease_s=args.lease_s, batch_wait_ms=args.batch_wait_ms,

@@ -150,7 +150,7 @@ class HandshakeReply(_message.Message):
     def __init__(self, ok: _Optional[bool] = ..., contract: _Optional[bytes] = ..., fingerprint: _Optional[str] = ..., diff: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("request_id", "fingerprint", "layer_start", "layer_end", "pages", "max_chunk_bytes", "descriptors", "nixl")
+    __slots__ = ("request_id", "fingerprint", "layer_start", "layer_end", "pages", "max_chunk_bytes", "descriptors", "nixl", "head_start", "head_count")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class FetchRequest(_message.Message):
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTORS_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
+    HEAD_START_FIELD_NUMBER: _ClassVar[int]
+    HEAD_COUNT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     fingerprint: str
     layer_start: int
@@ -167,7 +169,9 @@ class FetchRequest(_message.Message):
     max_chunk_bytes: int
     descriptors: bool
     nixl: bool
-    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., descriptors: _Optional[bool] = ..., nixl: _Optional[bool] = ...) -> None: ...
+    head_start: int
+    head_count: int
+    def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., descriptors: _Optional[bool] = ..., nixl: _Optional[bool] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("header", "data", "pad")

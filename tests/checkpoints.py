@@ -222,3 +222,12 @@ def _write(path: str | Path, model_class: Any, config: Any, seed: int,
     if tokenizer:
         write_tokenizer(path, config.vocab_size)
     return path
+
+
+def write_llama_4kv(path: str | Path) -> Path:
+    """Llama with 8 query / 4 KV heads: splits over 1, 2 and 4 ranks."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**{**_COMMON, "num_attention_heads": 8, "num_key_value_heads": 4},
+                         head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
+    return _write(path, LlamaForCausalLM, config, 4, None, False)

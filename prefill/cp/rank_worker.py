@@ -32,6 +32,8 @@ import torch.distributed as dist
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.config import ModelConfig
+from lanekv.model.parallel.ep import attach_expert_exchange
+from lanekv.model.parallel.tp import weight_bytes
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.messages import (
     Answer,
@@ -238,7 +240,9 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
             **({"device_id": device} if device.type == "cuda" else {}),
         )
         group = dist.group.WORLD
-    loaded = load_for(config, device)
+    loaded = load_for(config, device, rank)
+    if config.ep and group is not None:  # each MoE layer exchanges its rows over the CP ranks
+        attach_expert_exchange(loaded.model, group)
     clock = GcClock().install()  # this process's collections, timed per prefill
     return build_runner(loaded, config, rank, group, shared_path, gc_clock=clock, serving=serving)
 
@@ -265,6 +269,10 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
     if serving is not None:
         page_source, server = serving.start(cfg, loaded.weights_digest, pool, shared_path)
     process = RankProcess(loaded.weights_digest, loaded.tokenizer, shared_path, gc_clock, page_source, server)
+    logging.getLogger("lanekv.prefill").info(
+        "prefill rank %d of %d holds %.1f MiB of weights%s and a %.1f MiB KV pool (%d pages)", rank,
+        config.cp_size, weight_bytes(loaded.model) / 2**20, " (its share of the experts)" if config.ep else "",
+        nbytes / 2**20, config.pages_per_lane)
     return RankRunner(
         loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group,
         rows=layout, process=process,

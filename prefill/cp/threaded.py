@@ -24,6 +24,8 @@ from lanekv.prefill.engine_config import EngineConfig, load_for
 
 class ThreadedPrefillEngine(PrefillEngine):
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        if config.ep:
+            raise ValueError("ep=True needs rank processes (one model per rank), not the threaded engine")
         self.config = config
         self.allocator = LaneAllocator(config.cp_size, config.pages_per_lane)
         if loaded is None:

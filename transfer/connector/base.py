@@ -96,6 +96,9 @@ class FetchJob:
     # answer; True once it came, False if the prefill failed, None while it runs.
     # None (no callable): every layer is written already.
     written: Callable[[float], bool | None] | None = None
+    # A tensor-parallel decode rank's KV heads of each row, (first, count); None: whole
+    # rows. The pool holds only these (gRPC alone serves a head range).
+    heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "page_size"):

@@ -65,6 +65,8 @@ class FastPathTransport(KVTransport):
         return self._fastpath
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
+        if job.heads is not None:  # whole rows only: a TP rank's head range goes over gRPC
+            return {}
         routes = {}
         for rank in ranks:
             endpoint = job.endpoints[rank]

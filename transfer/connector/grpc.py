@@ -110,7 +110,7 @@ class _GrpcFetch(TransportFetch):
             stats = self._kv.fetch(
                 endpoints, job.request_id, job.fingerprint, self._place, **self._limits,
                 timeout=time_left(job.deadline), layer_end=job.num_layers, epoch=job.epoch,
-                pages={rank: job.pages[rank] for rank in endpoints},
+                pages={rank: job.pages[rank] for rank in endpoints}, heads=job.heads,
             )
         except TransferError as err:
             raise fetch_error(err, job.deadline) from err

@@ -229,6 +229,7 @@ class KVClient:
         epoch: str | None = None,
         retry: RetryPolicy | None = None,
         streams_per_rank: int = 1,
+        heads: tuple[int, int] | None = None,
     ) -> FetchStats:
         """Fetch a request's KV from every owner rank at once; ``place`` each verified chunk.
 
@@ -237,7 +238,9 @@ class KVClient:
         ``epoch`` is the prefill daemon start that pinned the pages (servers of
         another start refuse); ``retry`` overrides the client's policy;
         ``streams_per_rank`` cuts each rank's named pages into that many streams
-        (``transfer.grpcfetch.layerwise``; each with its own retries).
+        (``transfer.grpcfetch.layerwise``; each with its own retries);
+        ``heads``: (first KV head, count) of each row, a TP decode rank's slice
+        (its chunks hold those heads only; fetched in this process's threads).
         ``place`` runs in one thread per owner rank (up to ``MAX_PLACERS``) and
         must be safe to call concurrently (``transfer.grpcfetch.placers``).
         Raises ``CorruptChunk`` (``ChecksumError``), ``RemoteError`` or
@@ -250,6 +253,7 @@ class KVClient:
         budget = ByteBudget(max_inflight_bytes)
         job = Job(request_id, fingerprint, max_chunk_bytes, policy, timeout,
                   self.stream_opener(epoch), budget)
+        job.heads = heads
         parts: list[RankFetch | RemoteRankFetch] = []  # a rank's streams, one part each
         threads: list[threading.Thread] = []
         try:
@@ -306,7 +310,8 @@ class KVClient:
                     lane: int = 0) -> RankFetch | RemoteRankFetch:
         """A rank's part of a fetch: in an idle receiver process (a connection of its own),
         else in a thread here, on the rank's ``lane``-th connection."""
-        receiver = self.receivers.take() if self.receivers is not None else None
+        # A head range stays in this process: receiver processes fetch whole rows.
+        receiver = self.receivers.take() if self.receivers is not None and job.heads is None else None
         if receiver is None:
             return RankFetch(job, rank, endpoint, span, lane=lane)
         return RemoteRankFetch(job, rank, endpoint, span, epoch, receiver, self.receivers)

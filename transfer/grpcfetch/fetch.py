@@ -112,6 +112,7 @@ class Job:
         self.request_id, self.fingerprint, self.max_chunk_bytes = request_id, fingerprint, max_chunk_bytes
         self.policy, self.open_stream, self.budget = policy, open_stream, budget
         self.deadline = time.monotonic() + timeout_s
+        self.heads: tuple[int, int] | None = None  # (first KV head, count): a TP decode rank's
         self.ready: queue.Queue[Item] = queue.Queue()
         self.stopping = threading.Event()
 
@@ -198,7 +199,7 @@ class RankFetch:
         timeout = job.remaining()
         if timeout <= 0:
             raise RemoteError(self.rank, self.endpoint, Code.DEADLINE_EXCEEDED, "the fetch ran out of time")
-        request = span.request(job.request_id, job.fingerprint, job.max_chunk_bytes)
+        request = span.request(job.request_id, job.fingerprint, job.max_chunk_bytes, job.heads)
         call = job.open_stream(self.endpoint, request, timeout, fresh, self.lane)
         with self._lock:
             self._call, self._stalled = call, False

@@ -23,7 +23,9 @@ class Span(NamedTuple):
     layer_end: int | None  # None: up to the server's last layer
     pages: tuple[int, ...] | None  # None: every page the rank holds of the request
 
-    def request(self, request_id: str, fingerprint: str, max_chunk_bytes: int) -> lanekv_pb2.FetchRequest:
+    def request(self, request_id: str, fingerprint: str, max_chunk_bytes: int,
+                heads: tuple[int, int] | None = None) -> lanekv_pb2.FetchRequest:
+        """The FetchRequest of this span; ``heads``: (first KV head, count) of each row."""
         request = lanekv_pb2.FetchRequest(
             request_id=request_id,
             fingerprint=fingerprint,
@@ -33,6 +35,8 @@ class Span(NamedTuple):
         )
         if self.layer_end is not None:
             request.layer_end = self.layer_end
+        if heads is not None:
+            request.head_start, request.head_count = heads
         return request
 
 

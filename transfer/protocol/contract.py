@@ -332,6 +332,9 @@ class Topology:
     split_mode: str  # one of SPLIT_MODES
     owner_rule: str  # one of OWNER_RULES
     endpoints: tuple[str, ...]  # "host:port" of each owner rank's KVTransfer service, by rank
+    # The ranks serve FetchKV of a KV head range (``head_start``/``head_count``), which a
+    # tensor-parallel decode group needs; absent in an older peer's topology: False.
+    head_ranges: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.endpoints, list | tuple):
@@ -383,8 +386,19 @@ class Topology:
 
     @classmethod
     def from_dict(cls, value: Mapping[str, Any]) -> Topology:
-        check_keys("topology", dict(value), [f.name for f in fields(cls)])
+        value = dict(value)
+        value.setdefault("head_ranges", False)
+        check_keys("topology", value, [f.name for f in fields(cls)])
+        if not isinstance(value["head_ranges"], bool):
+            raise ValueError(f"topology head_ranges must be a bool, got {value['head_ranges']!r:.40}")
         return cls(**value)
+
+    def check_decode_layout(self, tp_size: int) -> None:
+        """Refuse a decode group of ``tp_size`` ranks these ranks cannot feed, in one line
+        naming both sides' values (a GQA decode rank fetches only its KV heads)."""
+        if tp_size > 1 and not self.head_ranges:
+            raise ValueError(f"decode tp_size={tp_size} needs KV head ranges, and this prefill "
+                             f"(cp_size={self.cp_size}) serves head_ranges={self.head_ranges}")
 
 
 @dataclass(frozen=True)

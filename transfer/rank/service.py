@@ -132,6 +132,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             elif request.descriptors:
                 self._check_attached(context)
             span = self._span(request, agreement)
+            heads = _heads(request, agreement)
             chunks = [] if request.descriptors else self._plan(request, agreement, span)
             rid, sent_bytes = request.request_id, 0
 
@@ -164,6 +165,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     # the read; checking after it proves they were held throughout.
                     self._owned(rid)
                     _check_payload(payload, chunk, agreement)
+                    if heads is not None:  # a TP decode rank's KV heads: the checksum covers only them
+                        payload = payload[:, :, :, heads]
                     header, data = encode_chunk(rid, self._source.rank, seq, chunk.layer_start, chunk.pages, payload)
                     return self.frame(header, data), header.nbytes
 
@@ -383,6 +386,22 @@ def _one_ahead(produce: Callable[[int], T], count: int) -> Iterator[T]:
             if seq + LOOKAHEAD < count:
                 pending.append(pool.submit(produce, seq + LOOKAHEAD))
             yield message
+
+
+def _heads(request: lanekv_pb2.FetchRequest, a: Agreement) -> slice | None:
+    """The KV heads a fetch asks for (``head_start``/``head_count``), or None for whole rows."""
+    has_start, has_count = request.HasField("head_start"), request.HasField("head_count")
+    if not has_start and not has_count:
+        return None
+    if request.descriptors or request.nixl:
+        raise Refusal(Code.INVALID_ARGUMENT, "head_start/head_count are not served with descriptors "
+                      "(the fast path and NIXL move whole rows)")
+    start, count = request.head_start, request.head_count
+    if not has_count or count < 1 or start + count > a.num_kv_heads:
+        raise Refusal(Code.INVALID_ARGUMENT, f"heads [{start}, {start + count}) (head_start={start}, "
+                      f"head_count={count if has_count else 'absent'}) are not within the "
+                      f"num_kv_heads={a.num_kv_heads} of a row")
+    return slice(start, start + count)
 
 
 def _page_bytes(a: Agreement) -> int:

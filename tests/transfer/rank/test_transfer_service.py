@@ -353,3 +353,29 @@ def test_chunks_of_two_ranks_are_placed_at_once_and_a_failed_placement_ends_the_
 
     with pytest.raises(Boom, match="rank 1"):
         fetch_kv(cluster.endpoints, "req", fingerprint, failing_place, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("head", range(HEADS))
+def test_fetch_of_a_head_range_sends_and_checksums_only_those_heads(start_cluster, head):
+    """A tensor-parallel decode rank's fetch: each chunk holds one KV head of every row,
+    its checksum over exactly those bytes (StreamCheck verifies it), nothing else sent."""
+    cluster = start_cluster(2, num_pages=5)
+    fingerprint = make_agreement().fingerprint
+    dest = torch.full_like(cluster.full[:, :, :, head:head + 1], float("nan"))
+    log = []
+    with KVClient() as kv:
+        stats = kv.fetch(cluster.endpoints, "req", fingerprint, placer(dest, log), timeout=TIMEOUT,
+                         heads=(head, 1))
+    assert same_bits(dest, cluster.full[:, :, :, head:head + 1])
+    assert all(h.kv_heads == 1 for h in log)
+    assert stats.bytes == cluster.full.numel() * 2 // HEADS
+
+
+@pytest.mark.parametrize("heads", [(0, 0), (1, HEADS), (HEADS, 1)])
+def test_fetch_of_heads_outside_the_row_is_refused(start_cluster, heads):
+    cluster = start_cluster(1)
+    with pytest.raises(RemoteError) as caught, KVClient() as kv:
+        kv.fetch(cluster.endpoints, "req", make_agreement().fingerprint, lambda h, t: None, timeout=TIMEOUT,
+                 heads=heads)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"num_kv_heads={HEADS}" in caught.value.details

@@ -1,0 +1,1 @@
+"""Model parallelism applied outside the model definitions: tensor-parallel shards, expert sharding."""

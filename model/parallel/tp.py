@@ -1,0 +1,224 @@
+"""Tensor parallelism of the Llama-family decoder: one rank's shard of the weights.
+
+A rank of ``size`` holds ``num_heads / size`` query heads and ``num_kv_heads / size``
+KV heads (``size`` must divide ``num_kv_heads``, so no KV head is split or
+copied), and ``intermediate_size / size`` MLP columns:
+
+- q/k/v and gate/up are column-parallel: the rank's rows of each weight (and bias);
+- o_proj and down_proj are row-parallel: the rank's columns, and one all-reduce
+  (sum) of each's output, made by a forward hook (``attach_all_reduce``), so the
+  decoder's code is the same with or without TP; a bias of o_proj is kept on
+  rank 0 only (the sum adds it once);
+- the embedding, the norms and lm_head are replicated (the logits are whole on
+  every rank; only rank 0 computes them, see ``decode.tp``).
+
+The shard is a model of ``shard_config(config, size)`` (the same class, its head
+and MLP counts divided), loaded by ``load_shard`` from the safetensors files with
+``safe_open(...).get_slice(name)[rows]``: a rank materializes only its rows or
+columns, never a whole sharded tensor (``ShardLoad.bytes_read`` counts them).
+MoE blocks (Qwen3-MoE, DeepSeek) shard their routed experts whole over the same
+ranks (``model.parallel.ep``: expert parallelism, the block's output all-reduced).
+MLA (DeepSeek-V2/V3) splits only its query heads (q_proj or q_b_proj, kv_b_proj,
+o_proj): the latent row is shared by every head, so every rank holds it whole
+(the pool rows are the same on every rank). DSA and block-FP8 models are refused
+with ``tp_size > 1`` (``check_tp``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from lanekv.model.checkpoint import LoadedModel, build_model, tensor_files
+from lanekv.model.config import ModelConfig
+from lanekv.model.deepseek import MoE
+from lanekv.model.parallel.ep import local_expert_name, shard_experts, shared_expert
+from lanekv.model.tokenizer import load_tokenizer
+from safetensors import safe_open
+from torch import nn
+
+# rows of the weight split (MLA: q_proj or q_b_proj, and kv_b_proj, are head-major)
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
+_ROW = ("o_proj", "down_proj")  # columns of the weight split, output all-reduced
+_DIGEST_BLOCK = 1 << 22  # bytes hashed at a time: the digest never holds a file
+
+
+@dataclass(frozen=True)
+class TPRank:
+    """One rank of a tensor-parallel group."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"tp_size={self.size!r} must be a positive integer")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.size:
+            raise ValueError(f"tp rank={self.rank!r} must be in [0, {self.size})")
+
+    def span(self, total: int) -> slice:
+        """This rank's part of ``total`` items split evenly."""
+        part = total // self.size
+        return slice(self.rank * part, (self.rank + 1) * part)
+
+
+def check_tp(config: ModelConfig, tp_size: int) -> None:
+    """Refuse a model ``tp_size`` ranks cannot split, in one line naming both values."""
+    TPRank(0, tp_size)
+    if tp_size == 1:
+        return
+    if config.dsa is not None:
+        raise ValueError(f"tp_size={tp_size} is not supported for architecture={config.architecture!r} "
+                         "(the DSA indexer is not split yet; it runs with tp_size=1)")
+    if config.moe is not None and config.moe.num_experts % tp_size:
+        raise ValueError(f"tp_size={tp_size} does not divide num_experts={config.moe.num_experts}")
+    if config.weight_quant is not None:
+        raise ValueError(f"tp_size={tp_size} is not supported with weight_quant="
+                         f"{config.weight_quant.method!r} (block-FP8 shards are not cut yet)")
+    # MLA: one latent row shared by every head, whole on every rank: only the q heads split.
+    for name in ("num_heads", "intermediate_size") if config.mla is not None else (
+            "num_kv_heads", "num_heads", "intermediate_size"):
+        value = getattr(config, name)
+        if value % tp_size:
+            raise ValueError(f"tp_size={tp_size} does not divide {name}={value}")
+
+
+def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """The config of one rank's shard: heads and MLP columns divided by ``tp_size``."""
+    check_tp(config, tp_size)
+    if tp_size == 1:
+        return config
+    kv_heads = config.num_kv_heads if config.mla is not None else config.num_kv_heads // tp_size
+    return replace(config, num_heads=config.num_heads // tp_size, num_kv_heads=kv_heads,
+                   intermediate_size=config.intermediate_size // tp_size)
+
+
+def shard_index(name: str, shape: tuple[int, ...], tp: TPRank) -> tuple[Any, ...] | None:
+    """The index of ``tp``'s part of checkpoint tensor ``name`` (of full ``shape``),
+    or None when every rank holds it whole."""
+    parts = name.split(".")
+    if len(parts) < 2 or tp.size == 1:
+        return None
+    module, kind = parts[-2], parts[-1]
+    if "experts" in parts or "shared_experts" in parts:
+        return None  # routed experts are sharded whole (model.parallel.ep), shared ones replicated
+    if module in _COLUMN:
+        return (tp.span(shape[0]),)
+    if module in _ROW and kind == "weight":
+        return (slice(None), tp.span(shape[1]))
+    return None
+
+
+class ShardLoad(NamedTuple):
+    loaded: LoadedModel  # its config is the whole model's; its model the shard
+    bytes_read: int  # bytes materialized from the checkpoint's tensors by this rank
+
+
+def weights_digest(path: str | Path) -> str:
+    """The digest ``model.checkpoint.read_state_dict`` gives the same files, streamed:
+    sha256 over each file's length (8 bytes, little-endian) then its bytes."""
+    digest = hashlib.sha256()
+    for file in tensor_files(path):
+        digest.update(file.stat().st_size.to_bytes(8, "little"))
+        with open(file, "rb") as f:
+            while block := f.read(_DIGEST_BLOCK):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", *, digest: bool = True,
+               ep: TPRank | None = None) -> ShardLoad:
+    """Rank ``tp``'s shard of the checkpoint at ``path``: a model of ``shard_config``
+    with its rows and columns read by ``get_slice`` (nothing else of a sharded tensor
+    is read), eval mode, projections fused. ``digest=False`` skips the weights
+    digest (ranks other than the one that handshakes need none). ``ep``: the rank
+    among the ranks sharing routed experts when it is not ``tp`` (prefill EP: the
+    attention whole, ``tp`` of size 1, the experts over the CP ranks)."""
+    experts = tp if ep is None else ep
+    path = Path(path)
+    config = ModelConfig.from_dir(path)
+    local = shard_config(config, tp.size)
+    model = build_model(local, dtype=dtype, device="meta")
+    if config.moe is not None and experts.size > 1:
+        shard_experts(model, experts.rank, experts.size, shared_everywhere=tp.size == 1)
+    expected = model.state_dict()
+    state: dict[str, torch.Tensor] = {}
+    nbytes = 0
+    for file in tensor_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for stored in f.keys():
+                name = stored if config.moe is None or experts.size == 1 else local_expert_name(
+                    stored, experts.rank, experts.size, config.moe.num_experts)
+                if name is None or tp.rank > 0 and shared_expert(stored) or (
+                        model.ignores_extra_layers and _extra_layer(stored, config.num_layers)):
+                    continue  # another rank's expert (or shared expert), a DeepSeek MTP layer: never read
+                if name not in expected:
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue
+                    if name.endswith(".rotary_emb.inv_freq"):
+                        continue
+                    raise ValueError(f"checkpoint {path} does not match {config.architecture}: "
+                                     f"unexpected tensor {name!r}")
+                tensor_slice = f.get_slice(stored)
+                index = shard_index(name, tuple(tensor_slice.get_shape()), tp)
+                if name.endswith("o_proj.bias") and tp.rank > 0:
+                    part = torch.zeros(expected[name].shape)  # the all-reduce adds rank 0's once
+                else:
+                    part = tensor_slice[:] if index is None else tensor_slice[index]
+                    nbytes += part.numel() * part.element_size()
+                if part.shape != expected[name].shape:
+                    raise ValueError(f"tensor {name!r}: rank {tp.rank} of {tp.size} got shape "
+                                     f"{tuple(part.shape)}, expected {tuple(expected[name].shape)}")
+                state[name] = part.to(device=device, dtype=expected[name].dtype).contiguous()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise ValueError(f"checkpoint {path} does not match {config.architecture}: missing tensors {missing}")
+    model.load_state_dict(state, strict=True, assign=True)
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)
+    model.fuse_projections()
+    loaded = LoadedModel(config=config, model=model, weights_digest=weights_digest(path) if digest else "",
+                         tokenizer=load_tokenizer(path, config.eos_token_ids))
+    return ShardLoad(loaded, nbytes)
+
+
+def _extra_layer(name: str, num_layers: int) -> bool:
+    """A layer past the decoder's (DeepSeek-V3's multi-token-prediction layers)."""
+    parts = name.split(".")
+    return len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= num_layers
+
+
+def attach_all_reduce(model: nn.Module, group: Any) -> int:
+    """Sum the outputs of every row-parallel projection (o_proj, down_proj) over
+    ``group``, in place, by a forward hook; the number of hooks attached."""
+
+    def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(output, group=group)
+        return output
+
+    count = 0
+    for layer in model.model.layers:
+        mlp = layer.mlp if isinstance(layer.mlp, MoE) else layer.mlp.down_proj  # EP: the block's sum
+        for projection in (layer.self_attn.o_proj, mlp):
+            projection.register_forward_hook(hook)
+            count += 1
+    return count
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters (fused views counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in (*model.parameters(), *model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total

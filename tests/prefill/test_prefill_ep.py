@@ -1,0 +1,88 @@
+"""Prefill EP: a MoE model's routed experts sharded over the CP ranks (each rank reading
+only its experts), each MoE layer exchanging rows; greedy tokens through prefill ->
+transfer -> decode equal transformers', with the decode daemon at tp 1 and tp 2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lanekv.model.checkpoint import tensor_files
+from lanekv.model.config import ModelConfig
+from lanekv.model.parallel.tp import TPRank, load_shard
+from lanekv.prefill.engine_config import EngineConfig
+from safetensors import safe_open
+
+from tests.checkpoints import (
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    write_deepseek_v3,
+    write_llama,
+    write_qwen3_moe,
+)
+from tests.daemons import generate_concurrently, running_pair
+
+PAGE_SIZE, MAX_NEW_TOKENS = 4, 6
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    return {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (6, 21)]
+
+
+def _reference(path) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
+    outs = []
+    with torch.inference_mode():
+        for ids in _prompts():
+            x = torch.tensor([ids])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=MAX_NEW_TOKENS, pad_token_id=EOS_TOKEN_ID)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+def test_ep_rank_reads_only_its_experts(checkpoints) -> None:
+    """The attention and shared experts whole, the routed experts split: the two ranks
+    read the whole checkpoint's bytes plus one extra copy of what is not a routed expert."""
+    path = checkpoints["deepseek_v3"]
+    nbytes = {}
+    for file in tensor_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            nbytes.update({n: torch.Size(f.get_slice(n).get_shape()).numel() * 4 for n in f.keys()})
+    layers = ModelConfig.from_dir(path).num_layers
+
+    def routed_of(rank: int) -> int:  # experts 0-3 on rank 0, 4-7 on rank 1, of every MoE layer
+        return sum(b for n, b in nbytes.items() if ".mlp.experts." in n and int(n.split(".")[5]) // 4 == rank)
+
+    rest = sum(b for n, b in nbytes.items() if ".mlp.experts." not in n and int(
+        n.split(".")[2] if n.startswith("model.layers.") else 0) < layers)  # MTP layers are never read
+    reads = [load_shard(path, TPRank(0, 1), digest=False, ep=TPRank(r, 2)) for r in range(2)]
+    assert [r.bytes_read for r in reads] == [rest + routed_of(0), rest + routed_of(1)]
+    moe = reads[1].loaded.model.model.layers[1].mlp
+    assert (moe.first, len(moe.experts), moe.shared_experts is not None) == (4, 4, True)
+
+
+def test_ep_needs_a_moe_model_and_a_cp_size_dividing_the_experts(checkpoints, tmp_path) -> None:
+    with pytest.raises(ValueError, match="ep=True needs a MoE model"):
+        EngineConfig(str(write_llama(tmp_path / "llama")), cp_size=2, ep=True, device="cpu")
+    with pytest.raises(ValueError, match=r"cp_size=3 does not divide num_experts=8"):
+        EngineConfig(str(checkpoints["qwen3moe"]), cp_size=3, ep=True, device="cpu")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("name", "tp_size"), [("qwen3moe", 1), ("deepseek_v3", 2)])
+def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, tp_size: int) -> None:
+    path = checkpoints[name]
+    engine = EngineConfig(str(path), cp_size=2, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
+                          start_timeout_s=120, cpu_threads=1)
+    with running_pair(engine, pool_pages=64, tp_size=tp_size, transport="grpc") as (_, decode):
+        got = generate_concurrently(decode.endpoint, _prompts(), MAX_NEW_TOKENS)
+    assert got == _reference(path)
