@@ -26,7 +26,9 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
+from lanekv.kernels.moe.decode import moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
@@ -38,6 +40,9 @@ from torch import nn
 MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep the default epsilon whatever rms_norm_eps says.
 _LORA_NORM_EPS = 1e-6
+# Decode batches up to this many tokens run the routed and shared experts through the
+# sort-free kernels of kernels/moe/decode.py (three launches); larger ones the grouped GEMMs.
+MOE_DECODE_MAX_TOKENS = 64
 
 
 class MLAProjection(NamedTuple):
@@ -249,6 +254,17 @@ class MoE(nn.Module):
                 getattr(expert, name).weight = nn.Parameter(view, requires_grad=False)
         self.w13, self.w2 = w13, w2
 
+    def _shared_weights(self, inter: int) -> dict[str, torch.Tensor] | None:
+        """The fused shared expert as ``moe_experts_decode`` takes it, or None where it
+        cannot (none, unfused, block-FP8, or a width that is no multiple of ``inter``)."""
+        shared = self.shared_experts
+        if shared is None or not shared.gate_up.fused or shared.gate_up.fp8 is not None or (
+            shared.gate_up.bias is not None or type(shared.down_proj) is not nn.Linear
+            or shared.down_proj.bias is not None or shared.down_proj.weight.shape[1] % inter
+        ):
+            return None
+        return {"shared_w13": shared.gate_up.weight, "shared_w2": shared.down_proj.weight}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
@@ -257,6 +273,11 @@ class MoE(nn.Module):
                                      scale_ue8m0=fp8.scale_ue8m0)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
+        if x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x):
+            shared = self._shared_weights(w13.shape[1] // 2)
+            if shared is not None or self.shared_experts is None:
+                return moe_experts_decode(x, w13, w2, weights, ids, **(shared or {}))
+            return moe_experts_decode(x, w13, w2, weights, ids) + self.shared_experts(x)
         routed = moe_experts(x, w13, w2, weights, ids)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
