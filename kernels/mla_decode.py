@@ -279,11 +279,20 @@ def paged_mla_decode_attention_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if write_partial:
-        _mla_decode_merge_kernel[(heads, batch)](
-            part_o, part_lse, out, heads, num_splits, out.stride(0), out.stride(1),
-            RANK=kv_lora_rank, BLOCK_R=block_r,
-        )
+        merge_mla_partials(part_o, part_lse, out)
     return out
+
+
+def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Stage 2 of a split decode: ``part_o [B, H, S, R]`` float32 partial outputs and
+    ``part_lse [B, H, S]`` their log2-sum-exp (``-inf`` for a split without keys, whose
+    ``o`` is never read) -> ``out [B, H, R]`` (any strides but a dense last dim), the
+    softmax-weighted merge. Shared by the dense and the sparse (DSA) MLA decode kernels."""
+    batch, heads, splits, rank = part_o.shape
+    _mla_decode_merge_kernel[(heads, batch)](
+        part_o, part_lse, out, heads, splits, out.stride(0), out.stride(1),
+        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+    )
 
 
 def paged_mla_decode_attention_ref(

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
-from lanekv.kernels.moe.decode import moe_experts_decode
+from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
@@ -42,7 +42,7 @@ MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 _LORA_NORM_EPS = 1e-6
 # Decode batches up to this many tokens run the routed and shared experts through the
 # sort-free kernels of kernels/moe/decode.py (three launches); larger ones the grouped GEMMs.
-MOE_DECODE_MAX_TOKENS = 64
+MOE_DECODE_MAX_TOKENS = MAX_DECODE_TOKENS
 
 
 class MLAProjection(NamedTuple):

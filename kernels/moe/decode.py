@@ -43,9 +43,12 @@ import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.moe.experts import _check_args
 
-# The largest T * k the kernels scan in one block (the ids of a step); larger batches
-# take the sorted grouped GEMMs of kernels/moe/experts.py.
-MAX_DECODE_PAIRS = 1024
+# The most tokens the decode kernels take (larger batches take the sorted grouped GEMMs
+# of kernels/moe/experts.py). Each program scans the ids in one block of
+# next_power_of_2(MAX_DECODE_TOKENS * k) slots whatever T is, and the tiles depend on
+# the shapes of the weights and k only, so every batch size up to this one runs the
+# kernels compiled for the first: an eager step past the CUDA-graph ladder compiles nothing.
+MAX_DECODE_TOKENS = 64
 
 
 class DecodeTiles(NamedTuple):
@@ -58,7 +61,8 @@ class DecodeTiles(NamedTuple):
 
 def default_decode_tiles(x: torch.Tensor, active: int, inter: int, hidden: int) -> DecodeTiles:
     """Thin row blocks; columns per program chosen so the ``active`` experts' programs
-    (about ``min(E, T*k) + S``) cover every SM about twice in the wider of both GEMMs.
+    at batch 1 (``min(E, k) + S``; never the batch's own count, so that the tiles do not
+    change with it) cover every SM about twice in the narrower of both GEMMs.
     On the interpreter small tiles, so tests span several blocks."""
     if not x.is_cuda:
         return DecodeTiles(16, 16, 16, 4, 1)
@@ -228,9 +232,9 @@ def _check_shared(x, w13, shared_w13, shared_w2) -> int:
 
 def _check(x, w13, w2, weights, ids, shared_w13, shared_w2) -> int:
     _check_args(x, w13, w2, weights, ids)
-    if ids.numel() > MAX_DECODE_PAIRS:
-        raise ValueError(f"ids has {ids.numel()} (token, choice) pairs, more than the "
-                         f"{MAX_DECODE_PAIRS} of the decode path (use moe_experts)")
+    if x.shape[0] > MAX_DECODE_TOKENS:
+        raise ValueError(f"x has {x.shape[0]} tokens, more than the {MAX_DECODE_TOKENS} of "
+                         f"the decode path (use moe_experts)")
     return _check_shared(x, w13, shared_w13, shared_w2)
 
 
@@ -246,9 +250,10 @@ def moe_experts_decode_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(x)
-    cfg = config or default_decode_tiles(x, min(experts, pairs) + shared, inter, hidden)
+    cfg = config or default_decode_tiles(x, min(experts, top_k) + shared, inter, hidden)
     ids = ids.contiguous()
-    p_block = max(16, triton.next_power_of_2(pairs))
+    # On the interpreter nothing compiles: scan only the batch's own pairs.
+    p_block = max(16, triton.next_power_of_2((MAX_DECODE_TOKENS if x.is_cuda else tokens) * top_k))
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     ws13 = shared_w13 if shared else w13  # unused without a shared expert
     ws2 = shared_w2 if shared else w2

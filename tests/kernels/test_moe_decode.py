@@ -95,9 +95,9 @@ def test_bad_shared_weights_are_refused(change, match):
         moe_experts_decode_ref(*args, **change)
 
 
-def test_too_many_pairs_are_refused():
-    args, _ = _inputs(600, 2, 8, 16, 16, 0, torch.float32)
-    with pytest.raises(ValueError, match="pairs, more than"):
+def test_too_many_tokens_are_refused():
+    args, _ = _inputs(65, 2, 8, 16, 16, 0, torch.float32)
+    with pytest.raises(ValueError, match="65 tokens, more than the 64"):
         moe_experts_decode_triton(*args)
 
 
