@@ -30,6 +30,7 @@ from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
+from lanekv.kernels.moe.route import moe_route
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
 from lanekv.model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention, silu_mul_down
@@ -181,30 +182,13 @@ class Router(nn.Module):
                 torch.zeros(moe.num_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``."""
+        """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``
+        (``kernels.moe.moe_route``: one launch after the gate's GEMM on CUDA)."""
         moe = self.moe
         logits = F.linear(x.float(), self.weight.float())
-        if moe.scoring == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            group_rank = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).topk(
-                2, dim=-1)[0].sum(-1) if moe.n_group > 1 else None
-            fill = float("-inf")
-        else:
-            scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
-            group_rank = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).amax(-1) if (
-                moe.n_group > 1) else None
-            fill = 0.0
-        if group_rank is not None and moe.topk_group < moe.n_group:
-            groups = group_rank.topk(moe.topk_group, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, groups, True)
-            keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
-            choice = choice.masked_fill(~keep, fill)
-        ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
+        bias = self.e_score_correction_bias if moe.scoring == "sigmoid" else None
+        return moe_route(logits, bias, moe.top_k, moe.n_group, moe.topk_group, moe.scoring,
+                         bool(moe.norm_topk_prob), float(moe.routed_scaling_factor))
 
 
 class MoE(nn.Module):
