@@ -8,8 +8,11 @@ what the engine runs eagerly and captures) after a warm-up:
   attributed to the decoder layer whose forward launched it (a ``record_function``
   range per layer; launches outside every layer are "outside"), counted by name;
 - on CPU (and with ``--ops`` on CUDA too): the aten ops each layer dispatches (a
-  ``TorchDispatchMode``), a proxy for the launches: Triton kernels are no aten op,
-  and on CPU the kernels run their torch references.
+  ``TorchDispatchMode``; views, which launch nothing, apart), a proxy for the launches.
+  On CPU the kernels run their torch references, unless ``--interpret``: then the
+  Triton kernels run under the interpreter (as the tests run them) and each launch
+  counts by kernel name, beside the aten ops outside the kernels: the CUDA step's
+  launches, counted on a CPU.
 
 Prints a table of the first dense layer, the first MoE layer and the outside part
 (kernel names with their counts and total device time), the count per layer, and
@@ -17,7 +20,7 @@ writes everything to ``--json``.
 
 GPU:  python bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 --json prof_v2.json
       python bench/deepseek_profile.py --v32 --batch 1 --context 32768 --json prof_v32.json
-CPU:  python bench/deepseek_profile.py --tiny --batch 1 --context 40
+CPU:  python bench/deepseek_profile.py --tiny --batch 1 --context 40 --interpret
 """
 
 from __future__ import annotations
@@ -25,11 +28,15 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--interpret" in sys.argv:  # before the kernel modules are imported
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["LANEKV_CPU_KERNELS"] = "triton"
 
 import torch  # noqa: E402
 from lanekv.decode.cuda.step import step_hidden  # noqa: E402
@@ -43,6 +50,13 @@ OUTSIDE = "outside"
 _LAYER_PREFIX = "lanekv.layer."
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 _DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# aten ops that only make a view (no kernel on CUDA)
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "slice", "select", "split", "split_with_sizes", "chunk", "unsqueeze",
+    "squeeze", "expand", "permute", "transpose", "t", "as_strided", "alias", "detach", "unbind",
+    "numpy_T", "view_as", "unflatten", "flatten", "narrow", "diagonal", "resolve_conj",
+    "resolve_neg", "lift_fresh", "_reshape_alias",
+})
 
 
 class LayerMarks:
@@ -79,15 +93,44 @@ class LayerMarks:
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts the aten ops dispatched, per the layer ``marks`` says is running."""
+    """Counts the aten ops dispatched, per the layer ``marks`` says is running (views as
+    ``view:<name>``); with the interpreter on, each Triton launch as ``triton:<kernel>``
+    and none of the ops the interpreter runs inside it."""
 
     def __init__(self, marks: LayerMarks):
         super().__init__()
         self.marks = marks
         self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.inside = 0
+        self._restore = None
+
+    def __enter__(self):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            from triton.runtime.interpreter import InterpretedFunction
+
+            real, counter = InterpretedFunction.run, self
+
+            def run(fn_self, *args, **kwargs):
+                counter.counts[counter.marks.current][f"triton:{fn_self.fn.__name__}"] += 1
+                counter.inside += 1
+                try:
+                    return real(fn_self, *args, **kwargs)
+                finally:
+                    counter.inside -= 1
+
+            InterpretedFunction.run = run
+            self._restore = lambda: setattr(InterpretedFunction, "run", real)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._restore is not None:
+            self._restore()
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[self.marks.current][str(func.overloadpacket.__name__)] += 1
+        if not self.inside:
+            name = str(func.overloadpacket.__name__)
+            self.counts[self.marks.current][f"view:{name}" if name in VIEW_OPS else name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -148,11 +191,14 @@ def moe_layer_index(model) -> int | None:
 
 
 def summarize(table: dict[str, dict[str, list[float]]]) -> dict[str, int]:
-    return {where: int(sum(v[0] for v in names.values())) for where, names in table.items()}
+    """Launches per layer (views left out)."""
+    return {where: int(sum(v[0] for n, v in names.items() if not n.startswith("view:")))
+            for where, names in table.items()}
 
 
 def print_table(title: str, names: dict[str, list[float]], with_time: bool) -> None:
-    print(f"\n{title}: {int(sum(v[0] for v in names.values()))} in all")
+    launches = int(sum(v[0] for n, v in names.items() if not n.startswith("view:")))
+    print(f"\n{title}: {launches} launches (views apart)")
     print("| count | " + ("device us | " if with_time else "") + "name |")
     print("|---:|" + ("---:|" if with_time else "") + "---|")
     for name, (count, us) in sorted(names.items(), key=lambda kv: (-kv[1][0], kv[0])):
@@ -170,6 +216,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--ops", action="store_true", help="count aten ops per layer on CUDA too")
+    ap.add_argument("--interpret", action="store_true",
+                    help="on CPU: run the Triton kernels interpreted and count their launches")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.batch < 1 or args.context < 1:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
+from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.kernels.moe.route import moe_route
@@ -139,15 +140,11 @@ class MLAAttention(nn.Module):
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
         """``q [T, H, qk_head_dim]`` -> ``[T, H, R+P]``: q_nope through kv_b_proj's
         K part into the latent space, then q_pe, so ``q_abs . latent = q . k``."""
-        w_k, _ = self._kv_b()
-        q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_k)
-        return torch.cat((q_latent, q_pe), dim=-1)
+        return mla_absorb_query(q, self._kv_b()[0])
 
     def expand_output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output in the latent space ``[T, H, R]`` -> ``[T, H, v_head_dim]``."""
-        _, w_v = self._kv_b()
-        return torch.einsum("thr,hvr->thv", o_latent, w_v)
+        return mla_expand_output(o_latent, self._kv_b()[1])
 
 
 class SwiGLU(nn.Module):

@@ -91,10 +91,15 @@ def test_configs_read_the_mla_moe_and_yarn_fields(checkpoint_dirs) -> None:
     assert fields["attention"] == "mla" and fields["mla"]["kv_lora_rank"] == 32
 
 
-def test_absorbed_latent_attention_equals_decompressed(checkpoint_dirs) -> None:
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_absorbed_latent_attention_equals_decompressed(checkpoint_dirs, kernels,
+                                                       monkeypatch) -> None:
     """q absorbed through kv_b_proj's K part scores the latent rows as q scores
-    the decompressed K; latent-space values mapped through the V part are V."""
+    the decompressed K; latent-space values mapped through the V part are V (with the
+    torch einsums, and with the one-launch projection kernels interpreted)."""
     model = load_model(checkpoint_dirs["deepseek_v3"]).model
+    if kernels == "triton":
+        monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
     attn = model.mla_layer(1)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(5, 4, 24, generator=gen)
