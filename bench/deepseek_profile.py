@@ -8,7 +8,9 @@ what the engine runs eagerly and captures) after a warm-up:
   attributed to the decoder layer whose forward launched it (a ``record_function``
   range per layer; launches outside every layer are "outside"), counted by name;
 - on CPU (and with ``--ops`` on CUDA too): the aten ops each layer dispatches (a
-  ``TorchDispatchMode``; views, which launch nothing, apart), a proxy for the launches.
+  ``TorchDispatchMode``; views and allocations, which launch nothing, apart), a proxy for
+  the launches (on CPU it includes the launchers' range checks, ``item``, ``min``, ``max``
+  and the like, which CUDA tensors skip).
   On CPU the kernels run their torch references, unless ``--interpret``: then the
   Triton kernels run under the interpreter (as the tests run them) and each launch
   counts by kernel name, beside the aten ops outside the kernels: the CUDA step's
@@ -57,6 +59,8 @@ VIEW_OPS = frozenset({
     "numpy_T", "view_as", "unflatten", "flatten", "narrow", "diagonal", "resolve_conj",
     "resolve_neg", "lift_fresh", "_reshape_alias",
 })
+# aten ops that only allocate (no kernel on CUDA)
+ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
 
 
 class LayerMarks:
@@ -130,7 +134,8 @@ class OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
             name = str(func.overloadpacket.__name__)
-            self.counts[self.marks.current][f"view:{name}" if name in VIEW_OPS else name] += 1
+            kind = "view:" if name in VIEW_OPS else "alloc:" if name in ALLOC_OPS else ""
+            self.counts[self.marks.current][kind + name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -192,13 +197,13 @@ def moe_layer_index(model) -> int | None:
 
 def summarize(table: dict[str, dict[str, list[float]]]) -> dict[str, int]:
     """Launches per layer (views left out)."""
-    return {where: int(sum(v[0] for n, v in names.items() if not n.startswith("view:")))
+    return {where: int(sum(v[0] for n, v in names.items() if not n.startswith(("view:", "alloc:"))))
             for where, names in table.items()}
 
 
 def print_table(title: str, names: dict[str, list[float]], with_time: bool) -> None:
-    launches = int(sum(v[0] for n, v in names.items() if not n.startswith("view:")))
-    print(f"\n{title}: {launches} launches (views apart)")
+    launches = int(sum(v[0] for n, v in names.items() if not n.startswith(("view:", "alloc:"))))
+    print(f"\n{title}: {launches} launches (views and allocations apart)")
     print("| count | " + ("device us | " if with_time else "") + "name |")
     print("|---:|" + ("---:|" if with_time else "") + "---|")
     for name, (count, us) in sorted(names.items(), key=lambda kv: (-kv[1][0], kv[0])):

@@ -89,18 +89,34 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False, **kw)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.attention_bias, **kw)
+        # q_proj (or q_a_proj) and kv_a_proj_with_mqa read the same x: one GEMM once fused
+        self.q_kv_a = FusedLinear()
+
+    def _first_q(self) -> nn.Module:
+        return self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+
+    def fuse(self) -> None:
+        """q_proj (or q_a_proj) and kv_a_proj_with_mqa as one GEMM, where their biases
+        agree (block-FP8 parts fuse where their blocks allow, as ``FusedLinear`` says)."""
+        first, kv_a = self._first_q(), self.kv_a_proj_with_mqa
+        if (first.bias is None) == (kv_a.bias is None):
+            self.q_kv_a.fuse(first, kv_a)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjection:
         """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it)."""
         mla, num_tokens = self.mla, x.shape[0]
-        if mla.q_lora_rank is None:
-            q_lora, q = None, self.q_proj(x)
+        if self.q_kv_a.fused:  # q (a strided view of the fused output) and kv_a in one GEMM
+            q_part, kv_a = self.q_kv_a(x).split(
+                [self._first_q().out_features, mla.latent_dim], dim=-1)
         else:
-            q_lora = self.q_a_layernorm.fused(self.q_a_proj(x))[0]
+            q_part, kv_a = self._first_q()(x), self.kv_a_proj_with_mqa(x)
+        if mla.q_lora_rank is None:
+            q_lora, q = None, q_part
+        else:
+            q_lora = self.q_a_layernorm.fused(q_part)[0]
             q = self.q_b_proj(q_lora)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
-        compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        compressed, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
         mla_rope(q[..., mla.qk_nope_head_dim:], k_pe, cos, sin, mla.rope_interleave)
         latent = torch.cat((self.kv_a_layernorm.fused(compressed)[0], k_pe), dim=-1)
@@ -339,10 +355,11 @@ class DeepseekCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Gate/up of the dense and shared MLPs as one GEMM each, the routed experts'
-        weights stacked for the grouped GEMM (``MoE.fuse``); call once the weights
-        are in place."""
+        weights stacked for the grouped GEMM (``MoE.fuse``), the q and kv_a projections
+        as one GEMM (``MLAAttention.fuse``); call once the weights are in place."""
         for layer in self.model.layers:
             layer.mlp.fuse()
+            layer.self_attn.fuse()
             layer.self_attn._kv_b()  # a block-FP8 kv_b_proj dequantized now, not in a graph capture
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
