@@ -13,10 +13,14 @@ The callback decompresses the latent through ``MLAAttention.decompress`` (per-he
 K and V) or works in the latent space through ``absorb_query`` and
 ``expand_output``. Ops and their order follow transformers (RMSNorm and the
 router in float32, YaRN frequencies and cos/sin scaling as it computes them),
-so float32 logits agree with it. Routed experts run as grouped GEMMs over the
-(token, choice) pairs sorted by expert (``kernels.moe``: on CUDA without a host
-sync, so a decode step can be captured in a CUDA graph); residual adds are fused
-into the RMSNorms (``kernels.rmsnorm``), as in ``model.llama``.
+so float32 logits agree with it. The router's choice after its GEMM is one launch
+(``kernels.moe.route``). Routed experts run as grouped GEMMs over the (token, choice)
+pairs sorted by expert (``kernels.moe``: on CUDA without a host sync, so a decode step
+can be captured in a CUDA graph); decode batches of up to 64 tokens take the sort-free
+kernels of ``kernels/moe/decode.py`` instead, the shared expert fused in (three launches
+for the whole MLP). q and kv_a are one GEMM, the absorbed form's projections one launch
+each at decode sizes; residual adds are fused into the RMSNorms (``kernels.rmsnorm``),
+as in ``model.llama``.
 """
 
 from __future__ import annotations
