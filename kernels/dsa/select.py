@@ -68,7 +68,8 @@ def _topk_keys_kernel(scores_ptr, keys_ptr, n_cols, stride_s, stride_k, BLOCK: t
     x = tl.load(scores_ptr + row * stride_s + t, mask=ok, other=0.0) + 0.0  # -0.0 -> 0.0
     bits = x.to(tl.int32, bitcast=True)
     order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    key = order * 4294967296 + (4294967295 - t.to(tl.int64))
+    low = tl.full([BLOCK], 4294967295, tl.int64) - t.to(tl.int64)  # 2**32 - 1 - t
+    key = (order << 32) + low
     tl.store(keys_ptr + row * stride_k + t, key, mask=ok)
 
 
