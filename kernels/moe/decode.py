@@ -17,12 +17,14 @@ weights are read in the same launches.
 Three kernels, none sized on the host from the routing, so a decode step captures
 in a CUDA graph:
 
-1. gate/up, grid ``(E + S, cdiv(I, BLOCK_N))``: program ``e`` finds the (token,
-   choice) pairs routed to expert ``e`` by scanning ``ids`` (``T * k`` ints, no sort,
-   no offsets), exits when there are none, and otherwise streams its expert's gate and
-   up columns once per ``BLOCK_M`` of its pairs (once per step at decode sizes),
-   SiLU * up in the epilogue: ``h [T*k + S*T, I]``;
-2. down, grid ``(E + S, cdiv(H, BLOCK_N))``: the same pairs through ``w2``, the routing
+1. gate/up, grid ``(T*k + S, cdiv(I, BLOCK_N))``: slot ``j < T*k`` runs the expert of
+   pair ``j`` if ``j`` is that expert's first pair (else it exits at once), so each
+   touched expert runs once and at batch 1 no program idles; it finds the expert's
+   pairs by scanning ``ids`` (``T * k`` ints, no sort, no offsets) and streams the
+   expert's gate and up columns once per ``BLOCK_M`` of its pairs (once per step at
+   decode sizes), SiLU * up in the epilogue: ``h [T*k + S*T, I]``; slot ``T*k + s``
+   runs shared slice ``s`` for every token;
+2. down, grid ``(T*k + S, cdiv(H, BLOCK_N))``: the same pairs through ``w2``, the routing
    weight applied, one row per pair: ``y [T*k + S*T, H]``;
 3. the combine, grid ``(T, cdiv(H, BLOCK))``: each token's ``k + S`` rows added in
    float32 in a fixed order (deterministic, no atomics), rounded once.
@@ -97,6 +99,22 @@ def _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count_hint,
 
 
 @triton.jit
+def _expert_of_slot(ids_ptr, slot, num_tokens, num_experts, TOP_K: tl.constexpr,
+                    P_BLOCK: tl.constexpr):
+    """(expert or shared slice id, whether this slot runs it). Slot ``j < T*k`` runs pair
+    ``j``'s expert if ``j`` is that expert's first pair (the others exit: no expert runs
+    twice, and idle programs are at most the pairs); slot ``T*k + s`` runs shared slice ``s``."""
+    num_pairs = num_tokens * TOP_K
+    p = tl.arange(0, P_BLOCK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    routed = slot < num_pairs
+    expert = tl.load(ids_ptr + tl.minimum(slot, num_pairs - 1)).to(tl.int32)
+    earlier = tl.sum(((ids == expert) & (p < slot)).to(tl.int32), 0)
+    pid = tl.where(routed, expert, num_experts + slot - num_pairs)
+    return pid, ((earlier == 0) | (slot >= num_pairs)).to(tl.int32)
+
+
+@triton.jit
 def _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K: tl.constexpr, P_BLOCK: tl.constexpr):
     """How many rows program ``pid`` has: its pairs, or every token for a shared slice."""
     p = tl.arange(0, P_BLOCK)
@@ -112,10 +130,11 @@ def _decode_gate_up_kernel(
     TOP_K: tl.constexpr, SHARED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
-    if count == 0:
+    pid, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
+                                P_BLOCK)
+    if runs == 0:
         return
+    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     if pid < num_experts:
@@ -156,10 +175,11 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
-    if count == 0:
+    pid, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
+                                P_BLOCK)
+    if runs == 0:
         return
+    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     if pid < num_experts:
@@ -259,7 +279,7 @@ def moe_experts_decode_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     ws2 = shared_w2 if shared else w2
     rows = pairs + shared * tokens
     h = x.new_empty((rows, inter))
-    programs = experts + shared
+    programs = pairs + shared  # a slot per pair (its expert's first runs it), then the slices
     _decode_gate_up_kernel[(programs, triton.cdiv(inter, cfg.block_n))](
         x, w13, ws13, ids, h, tokens, experts, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), h.stride(0),
