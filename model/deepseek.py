@@ -13,10 +13,14 @@ The callback decompresses the latent through ``MLAAttention.decompress`` (per-he
 K and V) or works in the latent space through ``absorb_query`` and
 ``expand_output``. Ops and their order follow transformers (RMSNorm and the
 router in float32, YaRN frequencies and cos/sin scaling as it computes them),
-so float32 logits agree with it. Routed experts run as grouped GEMMs over the
-(token, choice) pairs sorted by expert (``kernels.moe``: on CUDA without a host
-sync, so a decode step can be captured in a CUDA graph); residual adds are fused
-into the RMSNorms (``kernels.rmsnorm``), as in ``model.llama``.
+so float32 logits agree with it. The router's choice after its GEMM is one launch
+(``kernels.moe.route``). Routed experts run as grouped GEMMs over the (token, choice)
+pairs sorted by expert (``kernels.moe``: on CUDA without a host sync, so a decode step
+can be captured in a CUDA graph); decode batches of up to 64 tokens take the sort-free
+kernels of ``kernels/moe/decode.py`` instead, the shared expert fused in (three launches
+for the whole MLP). q and kv_a are one GEMM, the absorbed form's projections one launch
+each at decode sizes; residual adds are fused into the RMSNorms (``kernels.rmsnorm``),
+as in ``model.llama``.
 """
 
 from __future__ import annotations
@@ -26,8 +30,12 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
+from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
+from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
+from lanekv.kernels.moe.route import moe_route
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
 from lanekv.model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention, silu_mul_down
@@ -38,6 +46,9 @@ from torch import nn
 MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 # DeepSeek's q_a_layernorm and kv_a_layernorm keep the default epsilon whatever rms_norm_eps says.
 _LORA_NORM_EPS = 1e-6
+# Decode batches up to this many tokens run the routed and shared experts through the
+# sort-free kernels of kernels/moe/decode.py (three launches); larger ones the grouped GEMMs.
+MOE_DECODE_MAX_TOKENS = MAX_DECODE_TOKENS
 
 
 class MLAProjection(NamedTuple):
@@ -82,18 +93,34 @@ class MLAAttention(nn.Module):
         self.kv_b_proj = nn.Linear(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False, **kw)
         self.o_proj = nn.Linear(heads * mla.v_head_dim, hidden, bias=config.attention_bias, **kw)
+        # q_proj (or q_a_proj) and kv_a_proj_with_mqa read the same x: one GEMM once fused
+        self.q_kv_a = FusedLinear()
+
+    def _first_q(self) -> nn.Module:
+        return self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+
+    def fuse(self) -> None:
+        """q_proj (or q_a_proj) and kv_a_proj_with_mqa as one GEMM, where their biases
+        agree (block-FP8 parts fuse where their blocks allow, as ``FusedLinear`` says)."""
+        first, kv_a = self._first_q(), self.kv_a_proj_with_mqa
+        if (first.bias is None) == (kv_a.bias is None):
+            self.q_kv_a.fuse(first, kv_a)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjection:
         """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it)."""
         mla, num_tokens = self.mla, x.shape[0]
-        if mla.q_lora_rank is None:
-            q_lora, q = None, self.q_proj(x)
+        if self.q_kv_a.fused:  # q (a strided view of the fused output) and kv_a in one GEMM
+            q_part, kv_a = self.q_kv_a(x).split(
+                [self._first_q().out_features, mla.latent_dim], dim=-1)
         else:
-            q_lora = self.q_a_layernorm.fused(self.q_a_proj(x))[0]
+            q_part, kv_a = self._first_q()(x), self.kv_a_proj_with_mqa(x)
+        if mla.q_lora_rank is None:
+            q_lora, q = None, q_part
+        else:
+            q_lora = self.q_a_layernorm.fused(q_part)[0]
             q = self.q_b_proj(q_lora)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
-        compressed, k_pe = self.kv_a_proj_with_mqa(x).split(
-            [mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        compressed, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
         mla_rope(q[..., mla.qk_nope_head_dim:], k_pe, cos, sin, mla.rope_interleave)
         latent = torch.cat((self.kv_a_layernorm.fused(compressed)[0], k_pe), dim=-1)
@@ -133,15 +160,11 @@ class MLAAttention(nn.Module):
     def absorb_query(self, q: torch.Tensor) -> torch.Tensor:
         """``q [T, H, qk_head_dim]`` -> ``[T, H, R+P]``: q_nope through kv_b_proj's
         K part into the latent space, then q_pe, so ``q_abs . latent = q . k``."""
-        w_k, _ = self._kv_b()
-        q_nope, q_pe = q.split([self.mla.qk_nope_head_dim, self.mla.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("thd,hdr->thr", q_nope, w_k)
-        return torch.cat((q_latent, q_pe), dim=-1)
+        return mla_absorb_query(q, self._kv_b()[0])
 
     def expand_output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output in the latent space ``[T, H, R]`` -> ``[T, H, v_head_dim]``."""
-        _, w_v = self._kv_b()
-        return torch.einsum("thr,hvr->thv", o_latent, w_v)
+        return mla_expand_output(o_latent, self._kv_b()[1])
 
 
 class SwiGLU(nn.Module):
@@ -176,30 +199,13 @@ class Router(nn.Module):
                 torch.zeros(moe.num_experts, dtype=torch.float32, device=device))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``."""
+        """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``
+        (``kernels.moe.moe_route``: one launch after the gate's GEMM on CUDA)."""
         moe = self.moe
         logits = F.linear(x.float(), self.weight.float())
-        if moe.scoring == "sigmoid":
-            scores = logits.sigmoid()
-            choice = scores + self.e_score_correction_bias
-            group_rank = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).topk(
-                2, dim=-1)[0].sum(-1) if moe.n_group > 1 else None
-            fill = float("-inf")
-        else:
-            scores = choice = logits.softmax(dim=-1, dtype=torch.float32)
-            group_rank = choice.view(-1, moe.n_group, moe.num_experts // moe.n_group).amax(-1) if (
-                moe.n_group > 1) else None
-            fill = 0.0
-        if group_rank is not None and moe.topk_group < moe.n_group:
-            groups = group_rank.topk(moe.topk_group, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(1, groups, True)
-            keep = keep.repeat_interleave(moe.num_experts // moe.n_group, dim=1)
-            choice = choice.masked_fill(~keep, fill)
-        ids = choice.topk(moe.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
+        bias = self.e_score_correction_bias if moe.scoring == "sigmoid" else None
+        return moe_route(logits, bias, moe.top_k, moe.n_group, moe.topk_group, moe.scoring,
+                         bool(moe.norm_topk_prob), float(moe.routed_scaling_factor))
 
 
 class MoE(nn.Module):
@@ -249,6 +255,17 @@ class MoE(nn.Module):
                 getattr(expert, name).weight = nn.Parameter(view, requires_grad=False)
         self.w13, self.w2 = w13, w2
 
+    def _shared_weights(self, inter: int) -> dict[str, torch.Tensor] | None:
+        """The fused shared expert as ``moe_experts_decode`` takes it, or None where it
+        cannot (none, unfused, block-FP8, or a width that is no multiple of ``inter``)."""
+        shared = self.shared_experts
+        if shared is None or not shared.gate_up.fused or shared.gate_up.fp8 is not None or (
+            shared.gate_up.bias is not None or type(shared.down_proj) is not nn.Linear
+            or shared.down_proj.bias is not None or shared.down_proj.weight.shape[1] % inter
+        ):
+            return None
+        return {"shared_w13": shared.gate_up.weight, "shared_w2": shared.down_proj.weight}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
@@ -257,6 +274,11 @@ class MoE(nn.Module):
                                      scale_ue8m0=fp8.scale_ue8m0)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
+        if x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x):
+            shared = self._shared_weights(w13.shape[1] // 2)
+            if shared is not None or self.shared_experts is None:
+                return moe_experts_decode(x, w13, w2, weights, ids, **(shared or {}))
+            return moe_experts_decode(x, w13, w2, weights, ids) + self.shared_experts(x)
         routed = moe_experts(x, w13, w2, weights, ids)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
@@ -337,10 +359,11 @@ class DeepseekCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Gate/up of the dense and shared MLPs as one GEMM each, the routed experts'
-        weights stacked for the grouped GEMM (``MoE.fuse``); call once the weights
-        are in place."""
+        weights stacked for the grouped GEMM (``MoE.fuse``), the q and kv_a projections
+        as one GEMM (``MLAAttention.fuse``); call once the weights are in place."""
         for layer in self.model.layers:
             layer.mlp.fuse()
+            layer.self_attn.fuse()
             layer.self_attn._kv_b()  # a block-FP8 kv_b_proj dequantized now, not in a graph capture
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

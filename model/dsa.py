@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 from lanekv.kernels.dsa.indexer import index_scores, index_topk
+from lanekv.kernels.rope_store import mla_rope
 from torch import nn
 
 _K_NORM_EPS = 1e-6  # transformers' indexer LayerNorm epsilon, whatever the config says
@@ -72,14 +73,6 @@ class IndexInputs(NamedTuple):
     weights: torch.Tensor  # [T, index_n_heads] float32, H ** -0.5 included
 
 
-def rope_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x [T, H, P]`` with pairs ``(x[i], x[i + P/2])``; ``cos``/``sin``
-    ``[T, P/2]`` are the angles' (scaled) cosines and sines, one per pair."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
-
-
 class Indexer(nn.Module):
     def __init__(self, config: DSAConfig, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -100,9 +93,10 @@ class Indexer(nn.Module):
         cfg = self.config
         tokens, rope = hidden.shape[0], cfg.qk_rope_head_dim
         q = self.wq_b(q_lora).view(tokens, cfg.index_n_heads, cfg.index_head_dim)
-        k = self.k_norm(self.wk(hidden))[:, None, :]  # [T, 1, D]
-        q = torch.cat((rope_halves(q[..., :rope], cos, sin), q[..., rope:]), dim=-1)
-        k = torch.cat((rope_halves(k[..., :rope], cos, sin), k[..., rope:]), dim=-1)[:, 0]
+        k = self.k_norm(self.wk(hidden))  # [T, D]
+        # RoPE on the first dims of both (pairs (x[i], x[i + P/2])), in place: one launch on
+        # CUDA where the torch ops of rope_halves are about twenty
+        mla_rope(q[..., :rope], k[:, :rope], cos, sin, interleave=False)
         weights = self.weights_proj(hidden.to(torch.float32)).float() * cfg.index_n_heads ** -0.5
         return IndexInputs(q, k, weights)
 

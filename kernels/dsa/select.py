@@ -22,6 +22,8 @@ tied scores is cut where transformers cuts it (see ``kernels/dsa/indexer.py``).
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k
 from lanekv.kernels.dsa.indexer import index_scores, index_topk, paged_index_scores
@@ -57,19 +59,78 @@ def select_fixed_width(q: torch.Tensor, weights: torch.Tensor, index_pool: torch
     return first_topk(scores, topk)
 
 
-def first_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """``index_topk`` with exact ties broken towards the lowest position: ``[N, T]``
-    float32 scores -> ``[N, topk]`` int32 positions, ``-1`` where no key is left.
+# Widths and strides vary with an eager step's page table: never specialized on.
+@triton.jit(do_not_specialize=["n_cols", "stride_s", "stride_k"])
+def _topk_keys_kernel(scores_ptr, keys_ptr, n_cols, stride_s, stride_k, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < n_cols
+    x = tl.load(scores_ptr + row * stride_s + t, mask=ok, other=0.0) + 0.0  # -0.0 -> 0.0
+    bits = x.to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    low = tl.full([BLOCK], 4294967295, tl.int64) - t.to(tl.int64)  # 2**32 - 1 - t
+    key = (order << 32) + low
+    tl.store(keys_ptr + row * stride_k + t, key, mask=ok)
 
-    One ``torch.topk`` over int64 keys ``(order(score) << 32) + (2**32 - 1 - t)``,
-    ``order`` the float's bits made monotonic (``-0.0`` counted as ``0.0``), so
-    keys are distinct and the chosen set is a function of the scores alone."""
+
+@triton.jit(do_not_specialize=["kept", "topk", "stride_b", "stride_s", "stride_o"])
+def _topk_finish_kernel(best_ptr, scores_ptr, out_ptr, kept, topk, stride_b, stride_s, stride_o,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    chosen = j < kept
+    best = tl.load(best_ptr + row * stride_b + j, mask=chosen, other=0)
+    score = tl.load(scores_ptr + row * stride_s + best, mask=chosen, other=float("-inf"))
+    pos = tl.where(score == float("-inf"), -1, best)
+    tl.store(out_ptr + row * stride_o + j, pos.to(tl.int32), mask=j < topk)
+
+
+def _check_first_topk(scores, topk) -> None:
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be a 2-D float32 tensor, got {scores!r:.80}")
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     if scores.shape[1] >= 1 << 32:
         raise ValueError(f"scores has {scores.shape[1]} columns, 2**32 or more")
+    if scores.shape[1] > 1 and scores.stride(1) != 1:
+        raise ValueError(f"scores must be dense along its last dim, got strides {scores.stride()}")
+
+
+def first_topk_triton(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``first_topk`` in three launches: the keys (one elementwise kernel), ``torch.topk``,
+    then the positions with ``-1`` for ``-inf`` scores and the padding (one kernel)."""
+    _check_first_topk(scores, topk)
+    rows, cols = scores.shape
+    kept = min(topk, cols)
+    out = torch.empty((rows, topk), dtype=torch.int32, device=scores.device)
+    if rows == 0:
+        return out
+    if kept == 0:
+        return out.fill_(-1)
+    keys = torch.empty((rows, cols), dtype=torch.int64, device=scores.device)
+    block = 1024 if scores.is_cuda else 64
+    _topk_keys_kernel[(rows, triton.cdiv(cols, block))](
+        scores, keys, cols, scores.stride(0), keys.stride(0), BLOCK=block)
+    best = keys.topk(kept, dim=-1).indices
+    _topk_finish_kernel[(rows, triton.cdiv(topk, block))](
+        best, scores, out, kept, topk, best.stride(0), scores.stride(0), out.stride(0),
+        BLOCK=block)
+    return out
+
+
+def first_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``first_topk_ref`` (see there); on CUDA the Triton version (three launches)."""
+    return (first_topk_triton if use_triton(scores) else first_topk_ref)(scores, topk)
+
+
+def first_topk_ref(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """``index_topk`` with exact ties broken towards the lowest position: ``[N, T]``
+    float32 scores -> ``[N, topk]`` int32 positions, ``-1`` where no key is left.
+
+    One ``torch.topk`` over int64 keys ``(order(score) << 32) + (2**32 - 1 - t)``,
+    ``order`` the float's bits made monotonic (``-0.0`` counted as ``0.0``), so
+    keys are distinct and the chosen set is a function of the scores alone."""
+    _check_first_topk(scores, topk)
     kept = min(topk, scores.shape[1])
     out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
     if kept == 0 or scores.shape[0] == 0:

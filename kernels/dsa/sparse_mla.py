@@ -19,6 +19,13 @@ A query without any selected row gets zeros. Order and repeats inside a row of
 the indices and the page ids they reach are range-checked; on CUDA they are
 trusted (checking would cost a sync per layer).
 
+Decode splits each request's ``K`` selected slots over ``num_splits`` programs per
+block of heads (flash-decoding): at batch 1 a DeepSeek-V3.2 layer has only two head
+blocks, so without splits two SMs of 132 would do the work. Each split writes its
+float32 partial output and log2-sum-exp, and ``kernels.mla_decode.merge_mla_partials``
+combines them. The split count depends only on shapes (``choose_sparse_splits``), so a
+captured step keeps its grid.
+
 ``sparse_mla_decode`` also reads FP8 latent rows (a uint8 ``latent_cache``, the
 latent part of each row the FP8 MLA row of ``kernels/fp8/kv_rows.py``): the
 kernel dequantizes the rows it loads as ``paged_mla_decode_attention`` does, and
@@ -28,6 +35,7 @@ the reference dequantizes the selected rows (``dequantized_latent``).
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -38,6 +46,7 @@ from lanekv.kernels.mla_decode import (
     dequantized_latent,
     latent_views,
     load_latent_rows,
+    merge_mla_partials,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -46,18 +55,47 @@ MAX_KV_LORA_RANK = 1024
 MAX_ROPE_DIM = 256
 
 
+class SparseDecodeConfig(NamedTuple):
+    """Launch knobs of the sparse decode kernel (bench/kernels_dsa.py sweeps them)."""
+
+    block_h: int = 64  # query heads per program (at most the head count's power of two)
+    block_n: int = 32  # selected rows per loop step
+    num_warps: int = 0  # 0: 8 for a latent wider than 256, else 4
+    num_stages: int = 2
+    # Auto split count: about this many programs per SM, never fewer than
+    # min_split_rows selected slots per split (each split writes a partial).
+    programs_per_sm: int = 1
+    min_split_rows: int = 128
+
+
+def choose_sparse_splits(programs: int, topk: int, num_sms: int,
+                         config: SparseDecodeConfig) -> int:
+    """Splits of each request's selected slots so that the grid fills the SMs."""
+    if programs == 0 or topk <= 0:
+        return 1
+    wanted = triton.cdiv(num_sms * config.programs_per_sm, programs)
+    return max(1, min(wanted, triton.cdiv(topk, config.min_split_rows)))
+
+
 @triton.jit(do_not_specialize=["stride_tb"])
 def _sparse_mla_kernel(
-    q_ptr, latent_ptr, scale_ptr, rope_ptr, idx_ptr, table_ptr, out_ptr,
+    q_ptr, latent_ptr, scale_ptr, rope_ptr, idx_ptr, table_ptr, out_ptr, part_o_ptr, part_lse_ptr,
     scale_log2, num_heads, topk,
     stride_qb, stride_qh, stride_lr, stride_sr, stride_pr, stride_ib, stride_tb, stride_ob,
     stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr, KV_FP8: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    # The slots are cut into num_splits runs of whole BLOCK_N blocks.
+    split_len = tl.cdiv(tl.cdiv(topk, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, topk)
     h = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     r = tl.arange(0, BLOCK_R)
     p = RANK + tl.arange(0, BLOCK_P)
@@ -71,9 +109,9 @@ def _sparse_mla_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
-    for n0 in range(0, topk, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b * stride_ib + n, mask=n < topk, other=-1)
+        idx = tl.load(idx_ptr + b * stride_ib + n, mask=n < end, other=-1)
         sel = idx >= 0
         if PAGED:
             page = tl.load(table_ptr + b * stride_tb + idx // PAGE_SIZE, mask=sel, other=0)
@@ -103,9 +141,20 @@ def _sparse_mla_kernel(
         l = l * alpha + tl.sum(prob, 1)
         acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m = m_new
-    o = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-    dst = out_ptr + b * stride_ob + h[:, None] * stride_oh + r[None, :]
-    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & r_ok[None, :])
+    has_rows = l > 0.0  # false for a split (or a query) without a selected slot
+    o = acc / tl.where(has_rows, l, 1.0)[:, None]
+    o_mask = h_ok[:, None] & r_ok[None, :]
+    if WRITE_PARTIAL:
+        # Partials as kernels/mla_decode.py lays them out: lse [B, H, S], o [B, H, S, RANK];
+        # a split without rows writes only its lse (-inf), its o is never read.
+        slot = (b * num_heads + h) * num_splits + split
+        tl.store(part_o_ptr + slot[:, None] * RANK + r[None, :], o,
+                 mask=o_mask & has_rows[:, None])
+        lse = tl.where(has_rows, m + tl.log2(tl.where(has_rows, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + slot, lse, mask=h_ok)
+    else:
+        dst = out_ptr + b * stride_ob + h[:, None] * stride_oh + r[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 def _is_int(x: object) -> bool:
@@ -198,25 +247,41 @@ def _check_decode(q, latent_cache, page_table, indices, page_size, softmax_scale
     return out
 
 
-def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_rank, out, paged):
+def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_rank, out, paged,
+            num_splits=1, config=None):
     rows, heads, width = q.shape
     if out.numel() == 0:
         return out
+    cfg = config or SparseDecodeConfig()
     rope = width - kv_lora_rank
-    block_h = max(16, min(64, triton.next_power_of_2(heads)))
+    block_h = max(16, min(triton.next_power_of_2(cfg.block_h), triton.next_power_of_2(heads)))
+    head_blocks, topk = triton.cdiv(heads, block_h), indices.shape[1]
+    if num_splits is None:
+        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                   if q.is_cuda else 1)  # the interpreter runs programs one by one
+        num_splits = choose_sparse_splits(rows * head_blocks, topk, num_sms, cfg)
+    write_partial = num_splits > 1
+    if write_partial:
+        part_o = torch.empty((rows, heads, num_splits, kv_lora_rank), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((rows, heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
     table = page_table if paged else indices  # unused when not paged
     values, scales, rope_part, strides, group = latent_views(latent, kv_lora_rank, rope)
-    _sparse_mla_kernel[(triton.cdiv(heads, block_h), rows)](
-        q, values, scales, rope_part, indices, table, out,
-        softmax_scale * _LOG2E, heads, indices.shape[1],
+    _sparse_mla_kernel[(head_blocks, rows, num_splits)](
+        q, values, scales, rope_part, indices, table, out, part_o, part_lse,
+        softmax_scale * _LOG2E, heads, topk,
         q.stride(0), q.stride(1), *strides, indices.stride(0), table.stride(0),
         out.stride(0), out.stride(1), GROUP=group, KV_FP8=latent.dtype == torch.uint8,
         RANK=kv_lora_rank, ROPE=rope, PAGED=paged, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
-        BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=32,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if kv_lora_rank > 256 else 4, num_stages=2,
+        BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=cfg.block_n,
+        WRITE_PARTIAL=write_partial, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps or (8 if kv_lora_rank > 256 else 4), num_stages=cfg.num_stages,
     )
+    if write_partial:
+        merge_mla_partials(part_o, part_lse, out)
     return out
 
 
@@ -251,18 +316,30 @@ def sparse_mla_prefill(q, latent, indices, softmax_scale: float, kv_lora_rank: i
     return impl(q, latent, indices, softmax_scale, kv_lora_rank, out=out)
 
 
+def _check_splits(num_splits) -> None:
+    if num_splits is not None and (not _is_int(num_splits) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a positive int, got {num_splits!r}")
+
+
 def sparse_mla_decode_triton(q, latent_cache, page_table, indices, page_size: int,
                              softmax_scale: float, kv_lora_rank: int, *,
-                             out: torch.Tensor | None = None) -> torch.Tensor:
+                             out: torch.Tensor | None = None, num_splits: int | None = None,
+                             config: SparseDecodeConfig | None = None) -> torch.Tensor:
+    """Triton launcher; ``num_splits`` None picks it from the shapes, ``config``
+    overrides the launch knobs (benchmarks sweep both)."""
+    _check_splits(num_splits)
     out = _check_decode(q, latent_cache, page_table, indices, page_size, softmax_scale,
                         kv_lora_rank, out)
     return _launch(q, latent_cache, indices, page_table, page_size, softmax_scale, kv_lora_rank,
-                   out, paged=True)
+                   out, paged=True, num_splits=num_splits, config=config)
 
 
 def sparse_mla_decode_ref(q, latent_cache, page_table, indices, page_size: int,
                           softmax_scale: float, kv_lora_rank: int, *,
-                          out: torch.Tensor | None = None) -> torch.Tensor:
+                          out: torch.Tensor | None = None,
+                          num_splits: int | None = None) -> torch.Tensor:
+    """Plain torch, one request at a time in float32; ``num_splits`` has no effect here."""
+    _check_splits(num_splits)
     out = _check_decode(q, latent_cache, page_table, indices, page_size, softmax_scale,
                         kv_lora_rank, out)
     for b in range(q.shape[0]):
@@ -275,8 +352,9 @@ def sparse_mla_decode_ref(q, latent_cache, page_table, indices, page_size: int,
 
 
 def sparse_mla_decode(q, latent_cache, page_table, indices, page_size: int, softmax_scale: float,
-                      kv_lora_rank: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_lora_rank: int, *, out: torch.Tensor | None = None,
+                      num_splits: int | None = None) -> torch.Tensor:
     """Each request's new token over its selected positions of its latent pages."""
     impl = sparse_mla_decode_triton if use_triton(q) else sparse_mla_decode_ref
     return impl(q, latent_cache, page_table, indices, page_size, softmax_scale, kv_lora_rank,
-                out=out)
+                out=out, num_splits=num_splits)

@@ -32,7 +32,14 @@ from lanekv.kernels.dsa.indexer import index_scores, index_topk
 from lanekv.kernels.dsa.select import decode_select
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode, sparse_mla_prefill
 from lanekv.kernels.store_kv import store_kv
-from lanekv.model.attention.base import AnyCausalLM, AttentionFn, CPBatch, DecodeStep, Pool
+from lanekv.model.attention.base import (
+    AnyCausalLM,
+    AttentionFn,
+    CPBatch,
+    DecodeStep,
+    Pool,
+    table_width,
+)
 from lanekv.model.attention.mla import MLA
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
@@ -138,6 +145,20 @@ class DSA(MLA):
             return mla.expand_output(o_latent)
 
         return attention
+
+    def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
+        """MLA's dense kernel, then the sparse one without and with split partials (the
+        split count of a step depends on its batch size); nothing selected, nothing read."""
+        super().warm_up_decode(config, pool)
+        latent = pool.rows.latent(pool.tensor[0, 0, :, 0])
+        like = {"device": latent.device}
+        q = torch.zeros((1, config.num_heads, latent.shape[1]), dtype=latent.dtype, **like)
+        table = torch.zeros((1, table_width(pool, config.max_position_embeddings)),
+                            dtype=torch.int32, **like)
+        selected = torch.full((1, config.dsa.index_topk), -1, dtype=torch.int32, **like)
+        for splits in (1, 2):
+            sparse_mla_decode(q, latent, table, selected, pool.page_size, 1.0,
+                              config.mla.kv_lora_rank, num_splits=splits)
 
     def colocated(self, model: AnyCausalLM, pool: Pool, locs: torch.Tensor) -> AttentionFn:
         lay, tensor, reference = pool.rows, pool.tensor, dsa_causal_attention(model)

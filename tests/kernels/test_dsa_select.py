@@ -10,7 +10,7 @@ import torch
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_ref
 from lanekv.kernels.dsa.indexer import paged_index_scores_triton
 from lanekv.kernels.dsa.pool_layout import DSARowLayout
-from lanekv.kernels.dsa.select import decode_select, first_topk
+from lanekv.kernels.dsa.select import decode_select, first_topk, first_topk_ref, first_topk_triton
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
 
 from tests.markers import requires_gpu
@@ -18,7 +18,8 @@ from tests.markers import requires_gpu
 LATENT, ROPE, DIM, PAGE, TOPK = 16, 8, 32, 4, 6
 
 
-def test_first_topk_matches_topk_and_breaks_ties_to_the_lowest_position():
+@pytest.mark.parametrize("first_topk", [first_topk_ref, first_topk_triton])
+def test_first_topk_matches_topk_and_breaks_ties_to_the_lowest_position(first_topk):
     gen = torch.Generator().manual_seed(0)
     scores = torch.randn(4, 50, generator=gen)
     got = first_topk(scores, 7)
@@ -34,6 +35,7 @@ def test_first_topk_matches_topk_and_breaks_ties_to_the_lowest_position():
         first_topk(scores, 0)
     with pytest.raises(ValueError, match="scores must be"):
         first_topk(scores.double(), 2)
+    assert torch.equal(first_topk(scores, 70), first_topk_ref(scores, 70))  # k past the width
 
 
 def _setup(cache_dtype: str):

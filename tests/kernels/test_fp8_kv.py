@@ -141,16 +141,21 @@ def test_paged_mla_decode_reads_fp8_rows(lens, heads, rank, rope, page_size, spl
         rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("heads,rank,rope,topk,pad", [(4, 32, 8, 5, 16), (2, 48, 16, 3, 0)])
-def test_sparse_mla_decode_reads_fp8_rows(heads, rank, rope, topk, pad):
-    lens, page_size = [9, 14], 4
-    table, num_pages, _ = _paged(lens, page_size, 10, 4)
+@pytest.mark.parametrize("splits", [None, 3])
+@pytest.mark.parametrize("heads,rank,rope,topk,pad", [(4, 32, 8, 5, 16), (2, 48, 16, 40, 0)])
+def test_sparse_mla_decode_reads_fp8_rows(heads, rank, rope, topk, pad, splits):
+    """Whole, and with the selected slots split over programs (partials merged)."""
+    lens, page_size = [9, 44], 4
+    table, num_pages, _ = _paged(lens, page_size, 10, 12)
     cache = _mla_cache(num_pages * page_size, rank, rope, 11, pad)
     gen = torch.Generator().manual_seed(12)
-    indices = torch.stack([torch.randperm(n, generator=gen)[:topk] for n in lens]).to(torch.int32)
-    indices[0, -1] = -1
+    indices = torch.full((len(lens), topk), -1, dtype=torch.int32)
+    for b, n in enumerate(lens):
+        picked = torch.randperm(n, generator=gen)[:topk]
+        indices[b, : len(picked)] = picked.to(torch.int32)
+    indices[0, 0] = -1
     q = torch.randn(len(lens), heads, rank + rope, generator=gen)
-    got = sparse_mla_decode_triton(q, cache, table, indices, page_size, 0.25, rank)
+    got = sparse_mla_decode_triton(q, cache, table, indices, page_size, 0.25, rank, num_splits=splits)
     want = sparse_mla_decode_ref(q, cache, table, indices, page_size, 0.25, rank)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # values up to ~100
 

@@ -16,6 +16,10 @@ from lanekv.kernels.mla_decode import (
     MLADecodeConfig,
     choose_mla_splits,
     default_mla_config,
+    mla_absorb_query_ref,
+    mla_absorb_query_triton,
+    mla_expand_output_ref,
+    mla_expand_output_triton,
     paged_mla_decode_attention,
     paged_mla_decode_attention_ref,
     paged_mla_decode_attention_triton,
@@ -226,3 +230,51 @@ def test_gpu_bf16_deepseek_shapes(heads, page_size):
         assert not got.isnan().any()
         assert rel_err(got, want) < 1e-2
     assert torch.equal(got[1], torch.zeros_like(got[1]))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("tokens,heads,nope,rope,rank,v_dim", [
+    (1, 3, 24, 8, 40, 20), (5, 2, 16, 0, 33, 16), (19, 4, 40, 12, 24, 36)])
+def test_absorb_and_expand_match_the_einsums(dtype, tol, tokens, heads, nope, rope, rank, v_dim):
+    """The one-launch projections of the absorbed form against the batched GEMMs: odd
+    dims, more tokens than one block of 16, q a strided view, w_k/w_v views of kv_b."""
+    gen = torch.Generator().manual_seed(tokens + heads)
+    q = torch.randn(tokens, heads, nope + rope + 5, generator=gen).to(dtype)[..., 5:]
+    kv_b = (torch.randn(heads, nope + v_dim, rank, generator=gen) * rank ** -0.5).to(dtype)
+    w_k, w_v = kv_b[:, :nope], kv_b[:, nope:]
+    got = mla_absorb_query_triton(q, w_k)
+    torch.testing.assert_close(got, mla_absorb_query_ref(q, w_k), rtol=tol, atol=tol)
+    assert torch.equal(got[..., rank:], q[..., nope:])
+    o = torch.randn(tokens, heads, rank, generator=gen).to(dtype)
+    got = mla_expand_output_triton(o, w_v)
+    assert got.is_contiguous()
+    torch.testing.assert_close(got, mla_expand_output_ref(o, w_v), rtol=tol, atol=tol)
+
+
+def test_absorb_and_expand_refuse_bad_shapes():
+    q, w = torch.zeros(2, 3, 20), torch.zeros(3, 16, 8)
+    with pytest.raises(ValueError, match="w_k must be a 3-D tensor"):
+        mla_absorb_query_triton(q, w[:2])
+    with pytest.raises(ValueError, match="w_k.dtype"):
+        mla_absorb_query_ref(q, w.half())
+    with pytest.raises(ValueError, match="w_k has 24 rows per head"):
+        mla_absorb_query_triton(q, torch.zeros(3, 24, 8))
+    with pytest.raises(ValueError, match="w_v rows have 8 values but o_latent has 9"):
+        mla_expand_output_triton(torch.zeros(2, 3, 9), w)
+    with pytest.raises(ValueError, match="o_latent must be a 3-D tensor"):
+        mla_expand_output_ref(torch.zeros(2, 9), w)
+
+
+@requires_gpu
+@pytest.mark.parametrize("tokens,heads", [(1, 16), (64, 128)])
+def test_absorb_and_expand_gpu_bf16(tokens, heads):
+    gen = torch.Generator(device="cuda").manual_seed(tokens)
+    q = torch.randn(tokens, heads, 192, device="cuda", generator=gen).bfloat16()
+    kv_b = (torch.randn(heads, 256, 512, device="cuda", generator=gen) * 512 ** -0.5).bfloat16()
+    want = mla_absorb_query_ref(q.float(), kv_b[:, :128].float())
+    got = mla_absorb_query_triton(q, kv_b[:, :128])
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    o = torch.randn(tokens, heads, 512, device="cuda", generator=gen).bfloat16()
+    want = mla_expand_output_ref(o.float(), kv_b[:, 128:].float())
+    got = mla_expand_output_triton(o, kv_b[:, 128:])
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

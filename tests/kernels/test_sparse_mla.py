@@ -3,6 +3,8 @@
 import pytest
 import torch
 from lanekv.kernels.dsa.sparse_mla import (
+    SparseDecodeConfig,
+    choose_sparse_splits,
     sparse_mla_decode,
     sparse_mla_decode_ref,
     sparse_mla_decode_triton,
@@ -89,6 +91,36 @@ def test_sparse_decode_reads_selected_positions_through_the_page_table(page_size
                        out.isnan())
 
 
+@pytest.mark.parametrize("splits,topk,heads", [(2, 37, 3), (3, 70, 16), (5, 41, 20), (64, 9, 3)])
+def test_split_decode_matches_reference(splits, topk, heads):
+    """The selected slots cut into splits (partials merged): odd counts, a query with
+    fewer slots than splits, one with none, and more splits than blocks (empty splits)."""
+    gen = torch.Generator().manual_seed(splits + topk)
+    page_size, rank, rope, batch, width = 4, 24, 8, 4, 30
+    positions = width * page_size
+    pages = batch * width
+    cache = torch.randn(pages * page_size, rank + rope, generator=gen)
+    table = torch.randperm(pages, generator=gen).view(batch, width).int()
+    idx = _selection(batch, positions, topk, gen)
+    idx[3, 2:] = -1  # two slots: most splits of this query are empty
+    q = torch.randn(batch, heads, rank + rope, generator=gen)
+    want = sparse_mla_decode_ref(q, cache, table, idx, page_size, 0.3, rank, num_splits=splits)
+    got = sparse_mla_decode_triton(q, cache, table, idx, page_size, 0.3, rank, num_splits=splits)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert (got[2] == 0).all()
+    with pytest.raises(ValueError, match="num_splits must be None or a positive int"):
+        sparse_mla_decode_triton(q, cache, table, idx, page_size, 0.3, rank, num_splits=0)
+
+
+def test_split_count_fills_the_device():
+    cfg = SparseDecodeConfig()
+    # V3.2 at batch 1: 2 head blocks; top 2048 in runs of at least 128 slots.
+    assert choose_sparse_splits(2, 2048, 132, cfg) == 16
+    assert choose_sparse_splits(128, 2048, 132, cfg) == 2
+    assert choose_sparse_splits(256, 2048, 132, cfg) == 1
+    assert choose_sparse_splits(2, 100, 132, cfg) == 1
+
+
 def test_arguments_are_refused_by_name():
     q, latent = torch.zeros(3, 2, 20), torch.zeros(8, 20)
     idx = torch.zeros(3, 4, dtype=torch.int32)
@@ -133,3 +165,7 @@ def test_sparse_mla_gpu_bf16_matches_reference():
     want = sparse_mla_decode_ref(q, latent, table, idx, 64, 0.07, rank)
     got = sparse_mla_decode_triton(q, latent, table, idx, 64, 0.07, rank)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    for splits in (1, 7, 16, 64):  # batch 1: the split path the decode step takes
+        got = sparse_mla_decode_triton(q[:1], latent, table[:1], idx[:1], 64, 0.07, rank,
+                                       num_splits=splits)
+        torch.testing.assert_close(got.float(), want[:1].float(), atol=2e-2, rtol=2e-2)

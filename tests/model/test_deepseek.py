@@ -91,10 +91,15 @@ def test_configs_read_the_mla_moe_and_yarn_fields(checkpoint_dirs) -> None:
     assert fields["attention"] == "mla" and fields["mla"]["kv_lora_rank"] == 32
 
 
-def test_absorbed_latent_attention_equals_decompressed(checkpoint_dirs) -> None:
+@pytest.mark.parametrize("kernels", ["reference", "triton"])
+def test_absorbed_latent_attention_equals_decompressed(checkpoint_dirs, kernels,
+                                                       monkeypatch) -> None:
     """q absorbed through kv_b_proj's K part scores the latent rows as q scores
-    the decompressed K; latent-space values mapped through the V part are V."""
+    the decompressed K; latent-space values mapped through the V part are V (with the
+    torch einsums, and with the one-launch projection kernels interpreted)."""
     model = load_model(checkpoint_dirs["deepseek_v3"]).model
+    if kernels == "triton":
+        monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
     attn = model.mla_layer(1)
     gen = torch.Generator().manual_seed(1)
     q = torch.randn(5, 4, 24, generator=gen)
@@ -182,3 +187,28 @@ def test_v2_norm_topk_prob_is_refused(checkpoint_dirs) -> None:
     hf = {**_config(checkpoint_dirs["deepseek_v2"]), "norm_topk_prob": True}
     with pytest.raises(ValueError, match="norm_topk_prob=True"):
         ModelConfig.from_hf(hf)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_moe_decode_path_matches_the_grouped_path(checkpoint_dirs, name, monkeypatch) -> None:
+    """A decode-sized batch through the sort-free kernels (interpreted: the shared expert
+    fused in) gives what the reference path gives; a batch past the threshold still
+    takes the grouped path (the same result too)."""
+    from lanekv.model import deepseek
+
+    mlp = load_model(checkpoint_dirs[name]).model.model.layers[1].mlp
+    assert mlp._shared_weights(mlp.w13.shape[1] // 2) is not None
+    calls = []
+    real = deepseek.moe_experts_decode
+    monkeypatch.setattr(deepseek, "moe_experts_decode",
+                        lambda *a, **k: calls.append(sorted(k)) or real(*a, **k))
+    monkeypatch.setattr(deepseek, "MOE_DECODE_MAX_TOKENS", 5)
+    for tokens in (1, 5, 6):
+        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
+        with torch.inference_mode():
+            want = mlp(x)
+            monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
+            got = mlp(x)
+            monkeypatch.delenv("LANEKV_CPU_KERNELS")
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert calls == [["shared_w13", "shared_w2"]] * 2

@@ -1,0 +1,285 @@
+"""Kernels per layer of one DeepSeek decode step (the launches the step's CUDA graph replays).
+
+Builds the model of ``bench/deepseek.py`` (dummy weights), a pool with ``--context``
+random rows per request, and runs one decode step (``decode.cuda.step.step_hidden``,
+what the engine runs eagerly and captures) after a warm-up:
+
+- on CUDA under ``torch.profiler``: every device kernel, memcpy and memset, each
+  attributed to the decoder layer whose forward launched it (a ``record_function``
+  range per layer; launches outside every layer are "outside"), counted by name;
+- on CPU (and with ``--ops`` on CUDA too): the aten ops each layer dispatches (a
+  ``TorchDispatchMode``; views and allocations, which launch nothing, apart), a proxy for
+  the launches (on CPU it includes the launchers' range checks, ``item``, ``min``, ``max``
+  and the like, which CUDA tensors skip).
+  On CPU the kernels run their torch references, unless ``--interpret``: then the
+  Triton kernels run under the interpreter (as the tests run them) and each launch
+  counts by kernel name, beside the aten ops outside the kernels: the CUDA step's
+  launches, counted on a CPU.
+
+Prints a table of the first dense layer, the first MoE layer and the outside part
+(kernel names with their counts and total device time), the count per layer, and
+writes everything to ``--json``.
+
+GPU:  python bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 --json prof_v2.json
+      python bench/deepseek_profile.py --v32 --batch 1 --context 32768 --json prof_v32.json
+CPU:  python bench/deepseek_profile.py --tiny --batch 1 --context 40 --interpret
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if "--interpret" in sys.argv:  # before the kernel modules are imported
+    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["LANEKV_CPU_KERNELS"] = "triton"
+
+import torch  # noqa: E402
+from lanekv.decode.cuda.step import step_hidden  # noqa: E402
+from lanekv.decode.pool import PagePool  # noqa: E402
+from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+
+from bench.deepseek import CONFIGS, fill_pool  # noqa: E402
+
+OUTSIDE = "outside"
+_LAYER_PREFIX = "lanekv.layer."
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
+_DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+# aten ops that only make a view (no kernel on CUDA)
+VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "slice", "select", "split", "split_with_sizes", "chunk", "unsqueeze",
+    "squeeze", "expand", "permute", "transpose", "t", "as_strided", "alias", "detach", "unbind",
+    "numpy_T", "view_as", "unflatten", "flatten", "narrow", "diagonal", "resolve_conj",
+    "resolve_neg", "lift_fresh", "_reshape_alias",
+})
+# aten ops that only allocate (no kernel on CUDA)
+ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"})
+
+
+class LayerMarks:
+    """Forward hooks on every decoder layer: ``current`` names the layer now running,
+    and on CUDA a ``record_function`` range spans its forward."""
+
+    def __init__(self, layers, ranges: bool):
+        self.current = OUTSIDE
+        self._open = []
+        self._handles = []
+        for i, layer in enumerate(layers):
+            self._handles.append(layer.register_forward_pre_hook(self._enter(i, ranges)))
+            self._handles.append(layer.register_forward_hook(self._leave(ranges)))
+
+    def _enter(self, index: int, ranges: bool):
+        def hook(module, args):
+            self.current = f"layer {index}"
+            if ranges:
+                rf = torch.profiler.record_function(f"{_LAYER_PREFIX}{index}")
+                rf.__enter__()
+                self._open.append(rf)
+        return hook
+
+    def _leave(self, ranges: bool):
+        def hook(module, args, output):
+            self.current = OUTSIDE
+            if ranges and self._open:
+                self._open.pop().__exit__(None, None, None)
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops dispatched, per the layer ``marks`` says is running (views as
+    ``view:<name>``); with the interpreter on, each Triton launch as ``triton:<kernel>``
+    and none of the ops the interpreter runs inside it."""
+
+    def __init__(self, marks: LayerMarks):
+        super().__init__()
+        self.marks = marks
+        self.counts: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.inside = 0
+        self._restore = None
+
+    def __enter__(self):
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            from triton.runtime.interpreter import InterpretedFunction
+
+            real, counter = InterpretedFunction.run, self
+
+            def run(fn_self, *args, **kwargs):
+                counter.counts[counter.marks.current][f"triton:{fn_self.fn.__name__}"] += 1
+                counter.inside += 1
+                try:
+                    return real(fn_self, *args, **kwargs)
+                finally:
+                    counter.inside -= 1
+
+            InterpretedFunction.run = run
+            self._restore = lambda: setattr(InterpretedFunction, "run", real)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._restore is not None:
+            self._restore()
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.inside:
+            name = str(func.overloadpacket.__name__)
+            kind = "view:" if name in VIEW_OPS else "alloc:" if name in ALLOC_OPS else ""
+            self.counts[self.marks.current][kind + name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
+    """From a Chrome trace of the profiler: layer -> kernel name -> [count, device us].
+    A device event belongs to the layer whose range holds the host launch with the
+    same correlation id (on the launching thread)."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    ranges = [(e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"), e["name"][len(_LAYER_PREFIX):])
+              for e in events if e.get("ph") == "X" and e.get("name", "").startswith(_LAYER_PREFIX)]
+    launch_at = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {}):
+            launch_at[e["args"]["correlation"]] = (e["ts"], e.get("tid"))
+    table: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in _DEVICE_CATS:
+            continue
+        where = OUTSIDE
+        launch = launch_at.get(e.get("args", {}).get("correlation"))
+        if launch is not None:
+            ts, tid = launch
+            for start, end, rtid, layer in ranges:
+                if start <= ts <= end and rtid == tid:
+                    where = f"layer {layer}"
+                    break
+        slot = table[where].setdefault(e["name"], [0, 0.0])
+        slot[0] += 1
+        slot[1] += float(e.get("dur", 0.0))
+    return table
+
+
+def build(name: str, batch: int, context: int, page_size: int, device: torch.device, model_dir: str):
+    dtype = torch.bfloat16 if name in ("v2_lite", "v32") and device.type == "cuda" else torch.float32
+    (Path(model_dir) / "config.json").write_text(json.dumps(CONFIGS[name]))
+    loaded = load_dummy_model(model_dir, dtype=dtype, device=device)
+    per_req = -(-(context + 1) // page_size)
+    pool = PagePool.for_model(loaded.config, batch * per_req + 1, page_size, dtype, device)
+    fill_pool(pool)
+    table = torch.arange(batch * per_req, dtype=torch.int32, device=device).view(batch, per_req)
+    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
+    locs = table[:, context // page_size].long() * page_size + context % page_size
+    ids = torch.arange(batch, device=device) + 11
+    positions = torch.full((batch,), context, dtype=torch.int64, device=device)
+
+    def step() -> torch.Tensor:
+        with torch.inference_mode():
+            return step_hidden(loaded.model, pool, ids, positions, locs, table, seq_lens)
+
+    return loaded, step, dtype
+
+
+def moe_layer_index(model) -> int | None:
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            return i
+    return None
+
+
+def summarize(table: dict[str, dict[str, list[float]]]) -> dict[str, int]:
+    """Launches per layer (views left out)."""
+    return {where: int(sum(v[0] for n, v in names.items() if not n.startswith(("view:", "alloc:"))))
+            for where, names in table.items()}
+
+
+def print_table(title: str, names: dict[str, list[float]], with_time: bool) -> None:
+    launches = int(sum(v[0] for n, v in names.items() if not n.startswith(("view:", "alloc:"))))
+    print(f"\n{title}: {launches} launches (views and allocations apart)")
+    print("| count | " + ("device us | " if with_time else "") + "name |")
+    print("|---:|" + ("---:|" if with_time else "") + "---|")
+    for name, (count, us) in sorted(names.items(), key=lambda kv: (-kv[1][0], kv[0])):
+        short = name if len(name) <= 90 else name[:87] + "..."
+        print(f"| {count} | " + (f"{us:.1f} | " if with_time else "") + f"{short} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = ap.add_mutually_exclusive_group(required=True)
+    for flag in ("--v2-lite", "--tiny", "--v32", "--tiny-v32"):
+        which.add_argument(flag, action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--ops", action="store_true", help="count aten ops per layer on CUDA too")
+    ap.add_argument("--interpret", action="store_true",
+                    help="on CPU: run the Triton kernels interpreted and count their launches")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.batch < 1 or args.context < 1:
+        raise SystemExit(f"--batch and --context must be >= 1, got {args.batch}, {args.context}")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = next(n for n in CONFIGS if getattr(args, n))
+    result = {"model": name, "batch": args.batch, "context": args.context,
+              "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    with tempfile.TemporaryDirectory() as model_dir:
+        loaded, step, dtype = build(name, args.batch, args.context, args.page_size, device,
+                                    model_dir)
+        result["dtype"] = str(dtype).removeprefix("torch.")
+        layers = loaded.model.model.layers
+        step()  # compile and warm up
+        step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            marks = LayerMarks(layers, ranges=True)
+            acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=acts) as prof:
+                step()
+                torch.cuda.synchronize()
+            marks.remove()
+            trace_path = Path(model_dir) / "trace.json"
+            prof.export_chrome_trace(str(trace_path))
+            kernels = kernels_by_layer(json.loads(trace_path.read_text()))
+            result["kernels"] = {w: {n: {"count": c, "device_us": us} for n, (c, us) in t.items()}
+                                 for w, t in kernels.items()}
+            result["kernels_per_layer"] = summarize(kernels)
+        if device.type != "cuda" or args.ops:
+            marks = LayerMarks(layers, ranges=False)
+            with OpCounter(marks) as counter:
+                step()
+            marks.remove()
+            ops = {w: {n: [c, 0.0] for n, c in names.items()} for w, names in counter.counts.items()}
+            result["aten_ops"] = {w: dict(names) for w, names in counter.counts.items()}
+            result["aten_ops_per_layer"] = summarize(ops)
+    moe = moe_layer_index(loaded.model)
+    show = ["layer 0"] + ([f"layer {moe}"] if moe not in (None, 0) else []) + [OUTSIDE]
+    for key, label, timed in (("kernels", "device kernels", True), ("aten_ops", "aten ops", False)):
+        if key not in result:
+            continue
+        table = result[key]
+        for where in show:
+            if where in table:
+                names = {n: ([v["count"], v["device_us"]] if isinstance(v, dict) else [v, 0.0])
+                         for n, v in table[where].items()}
+                print_table(f"{label}, {where} ({name}, batch {args.batch}, context {args.context})",
+                            names, timed)
+        per = result[f"{key}_per_layer"] if key == "kernels" else result["aten_ops_per_layer"]
+        print(f"\n{label} per layer: " + ", ".join(f"{w}: {n}" for w, n in sorted(
+            per.items(), key=lambda kv: (kv[0] == OUTSIDE, int(kv[0].split()[-1])
+                                         if kv[0] != OUTSIDE else 0))))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,333 @@
+"""moe_experts_decode: the routed experts of a few tokens (decode batches), the shared
+experts fused in, three launches and no sort.
+
+Same inputs as ``kernels/moe/experts.py`` (``x [T, H]``, ``w13 [E, 2I, H]`` gate rows
+then up rows, ``w2 [E, H, I]``, float32 ``weights [T, k]``, int64 ``ids [T, k]``),
+plus optionally the shared experts as one SwiGLU of ``S`` times the routed width:
+``shared_w13 [2SI, H]`` (its ``SI`` gate rows, then its ``SI`` up rows, as the fused
+gate/up of ``model.llama.FusedLinear``) and ``shared_w2 [H, SI]``. Returns
+
+    out[t] = sum_j weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t]))   (e = ids[t, j])
+             + shared_down(silu(shared_gate(x[t])) * shared_up(x[t]))
+
+in x's dtype. The shared expert runs as ``S`` more experts of width ``I`` that every
+token picks with weight 1 (its intermediate cut into ``S`` slices of ``I``), so its
+weights are read in the same launches.
+
+Three kernels, none sized on the host from the routing, so a decode step captures
+in a CUDA graph:
+
+1. gate/up, grid ``(T*k + S, cdiv(I, BLOCK_N))``: slot ``j < T*k`` runs the expert of
+   pair ``j`` if ``j`` is that expert's first pair (else it exits at once), so each
+   touched expert runs once and at batch 1 no program idles; it finds the expert's
+   pairs by scanning ``ids`` (``T * k`` ints, no sort, no offsets) and streams the
+   expert's gate and up columns once per ``BLOCK_M`` of its pairs (once per step at
+   decode sizes), SiLU * up in the epilogue: ``h [T*k + S*T, I]``; slot ``T*k + s``
+   runs shared slice ``s`` for every token;
+2. down, grid ``(T*k + S, cdiv(H, BLOCK_N))``: the same pairs through ``w2``, the routing
+   weight applied, one row per pair: ``y [T*k + S*T, H]``;
+3. the combine, grid ``(T, cdiv(H, BLOCK))``: each token's ``k + S`` rows added in
+   float32 in a fixed order (deterministic, no atomics), rounded once.
+
+Every GEMM output, the SiLU, the product and the weighted expert output are rounded
+to x's dtype as ``moe_experts`` rounds them. The reference (``moe_experts_decode_ref``)
+loops over the pairs one by one and runs the shared expert at its full width.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.moe.experts import _check_args
+
+# The most tokens the decode kernels take (larger batches take the sorted grouped GEMMs
+# of kernels/moe/experts.py). Each program scans the ids in one block of
+# next_power_of_2(MAX_DECODE_TOKENS * k) slots whatever T is, and the tiles depend on
+# the shapes of the weights and k only, so every batch size up to this one runs the
+# kernels compiled for the first: an eager step past the CUDA-graph ladder compiles nothing.
+MAX_DECODE_TOKENS = 64
+
+
+class DecodeTiles(NamedTuple):
+    block_m: int  # pairs per weight pass (tl.dot needs >= 16)
+    block_n: int  # output columns per program
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def default_decode_tiles(x: torch.Tensor, active: int, inter: int, hidden: int) -> DecodeTiles:
+    """Thin row blocks; columns per program chosen so the ``active`` experts' programs
+    at batch 1 (``min(E, k) + S``; never the batch's own count, so that the tiles do not
+    change with it) cover every SM about twice in the narrower of both GEMMs.
+    On the interpreter small tiles, so tests span several blocks."""
+    if not x.is_cuda:
+        return DecodeTiles(16, 16, 16, 4, 1)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+    block_n = 64
+    while block_n > 16 and active * triton.cdiv(min(inter, hidden), block_n) < 2 * sms:
+        block_n //= 2
+    if x.dtype == torch.float32:
+        return DecodeTiles(16, block_n, 64, 4, 2)
+    return DecodeTiles(16, block_n, 128, 4, 4)
+
+
+@triton.jit
+def _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count_hint,
+             TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``chunk .. chunk + BLOCK_M`` of program ``pid``'s pairs: (pair or -1 for a
+    shared slice, token, row of h / y, valid). Routed: the pairs whose id is ``pid``,
+    in pair order; shared slice ``s = pid - E``: every token, rows after the pairs."""
+    num_pairs = num_tokens * TOP_K
+    p = tl.arange(0, P_BLOCK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    mine = ids == pid
+    rank = tl.cumsum(mine.to(tl.int32), 0) - 1
+    r = chunk + tl.arange(0, BLOCK_M)
+    hit = mine[None, :] & (rank[None, :] == r[:, None])
+    pair = tl.sum(tl.where(hit, p[None, :], 0), 1)
+    shared = pid >= num_experts
+    token = tl.where(shared, r, pair // TOP_K)
+    row = tl.where(shared, num_pairs + (pid - num_experts) * num_tokens + r, pair)
+    valid = r < count_hint
+    return tl.where(shared, -1, pair), token.to(tl.int64), row.to(tl.int64), valid
+
+
+@triton.jit
+def _expert_of_slot(ids_ptr, slot, num_tokens, num_experts, TOP_K: tl.constexpr,
+                    P_BLOCK: tl.constexpr):
+    """(expert or shared slice id, whether this slot runs it). Slot ``j < T*k`` runs pair
+    ``j``'s expert if ``j`` is that expert's first pair (the others exit: no expert runs
+    twice, and idle programs are at most the pairs); slot ``T*k + s`` runs shared slice ``s``."""
+    num_pairs = num_tokens * TOP_K
+    p = tl.arange(0, P_BLOCK)
+    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
+    routed = slot < num_pairs
+    expert = tl.load(ids_ptr + tl.minimum(slot, num_pairs - 1)).to(tl.int32)
+    earlier = tl.sum(((ids == expert) & (p < slot)).to(tl.int32), 0)
+    pid = tl.where(routed, expert, num_experts + slot - num_pairs)
+    return pid, ((earlier == 0) | (slot >= num_pairs)).to(tl.int32)
+
+
+@triton.jit
+def _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K: tl.constexpr, P_BLOCK: tl.constexpr):
+    """How many rows program ``pid`` has: its pairs, or every token for a shared slice."""
+    p = tl.arange(0, P_BLOCK)
+    ids = tl.load(ids_ptr + p, mask=p < num_tokens * TOP_K, other=-1)
+    routed = tl.sum((ids == pid).to(tl.int32), 0)
+    return tl.where(pid >= num_experts, num_tokens, routed)
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+def _decode_gate_up_kernel(
+    x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, num_tokens, num_experts, inter, hidden,
+    stride_xt, stride_we, stride_wn, stride_wsn, stride_ht,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
+                                P_BLOCK)
+    if runs == 0:
+        return
+    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < inter
+    if pid < num_experts:
+        w = w_ptr + pid.to(tl.int64) * stride_we
+        stride_n = stride_wn.to(tl.int64)
+        up = inter * stride_n
+    else:  # shared slice s: gate rows s*I.., up rows S*I + s*I..
+        stride_n = stride_wsn.to(tl.int64)
+        w = ws_ptr + (pid - num_experts).to(tl.int64) * inter * stride_n
+        up = SHARED * inter * stride_n
+    dtype = h_ptr.dtype.element_ty
+    for chunk in range(0, count, BLOCK_M):
+        _, token, row, valid = _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count,
+                                        TOP_K, P_BLOCK, BLOCK_M)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            a = tl.load(x_ptr + token[:, None] * stride_xt + k[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)
+            w_mask = k_ok[:, None] & n_ok[None, :]
+            wg = tl.load(w + n[None, :] * stride_n + k[:, None], mask=w_mask, other=0.0)
+            wu = tl.load(w + up + n[None, :] * stride_n + k[:, None], mask=w_mask, other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
+        gate = acc_g.to(dtype).to(tl.float32)
+        upv = acc_u.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(h_ptr + row[:, None] * stride_ht + n[None, :], (act * upv).to(dtype),
+                 mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+def _decode_down_kernel(
+    h_ptr, w_ptr, ws_ptr, ids_ptr, weights_ptr, y_ptr, num_tokens, num_experts, hidden, inter,
+    stride_ht, stride_we, stride_wn, stride_wsn, stride_yt,
+    TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
+                                P_BLOCK)
+    if runs == 0:
+        return
+    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < hidden
+    if pid < num_experts:
+        w = w_ptr + pid.to(tl.int64) * stride_we
+        stride_n = stride_wn.to(tl.int64)
+    else:  # shared slice s: columns s*I .. (s+1)*I of shared_w2
+        w = ws_ptr + (pid - num_experts).to(tl.int64) * inter
+        stride_n = stride_wsn.to(tl.int64)
+    dtype = y_ptr.dtype.element_ty
+    for chunk in range(0, count, BLOCK_M):
+        pair, _, row, valid = _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count,
+                                       TOP_K, P_BLOCK, BLOCK_M)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < inter
+            a = tl.load(h_ptr + row[:, None] * stride_ht + k[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w + n[None, :] * stride_n + k[:, None],
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        routed = pair >= 0
+        weight = tl.load(weights_ptr + tl.where(routed, pair, 0), mask=valid & routed, other=1.0)
+        out = acc.to(dtype).to(tl.float32)
+        out = tl.where(routed[:, None], (out * weight[:, None]).to(dtype).to(tl.float32), out)
+        tl.store(y_ptr + row[:, None] * stride_yt + n[None, :], out.to(dtype),
+                 mask=valid[:, None] & n_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["num_tokens"])
+def _decode_combine_kernel(
+    y_ptr, out_ptr, num_tokens, hidden, stride_yt, stride_ot,
+    TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_ok = n < hidden
+    acc = tl.zeros([BLOCK], tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (t * TOP_K + j) * stride_yt + n, mask=n_ok, other=0.0).to(tl.float32)
+    for s in tl.static_range(SHARED):
+        row = num_tokens * TOP_K + s * num_tokens + t
+        acc += tl.load(y_ptr + row * stride_yt + n, mask=n_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * stride_ot + n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _check_shared(x, w13, shared_w13, shared_w2) -> int:
+    """The number of routed-width slices of the shared expert (0 without one)."""
+    if shared_w13 is None and shared_w2 is None:
+        return 0
+    if shared_w13 is None or shared_w2 is None:
+        raise ValueError("shared_w13 and shared_w2 go together: got one of them only")
+    hidden, inter = x.shape[1], w13.shape[1] // 2
+    for name, w in (("shared_w13", shared_w13), ("shared_w2", shared_w2)):
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor, got {getattr(w, 'shape', type(w))}")
+        if w.dtype != x.dtype:
+            raise ValueError(f"{name}.dtype is {w.dtype} but x.dtype is {x.dtype}")
+        if w.stride(1) != 1:
+            raise ValueError(f"{name} must be dense along its last dim, got strides {w.stride()}")
+    width = shared_w2.shape[1]
+    if shared_w2.shape[0] != hidden or width % inter or width == 0:
+        raise ValueError(f"shared_w2 must be [{hidden}, S * {inter}], got {tuple(shared_w2.shape)}")
+    if tuple(shared_w13.shape) != (2 * width, hidden):
+        raise ValueError(f"shared_w13 must be [{2 * width}, {hidden}], got "
+                         f"{tuple(shared_w13.shape)}")
+    check_same_device(x=x, shared_w13=shared_w13, shared_w2=shared_w2)
+    return width // inter
+
+
+def _check(x, w13, w2, weights, ids, shared_w13, shared_w2) -> int:
+    _check_args(x, w13, w2, weights, ids)
+    if x.shape[0] > MAX_DECODE_TOKENS:
+        raise ValueError(f"x has {x.shape[0]} tokens, more than the {MAX_DECODE_TOKENS} of "
+                         f"the decode path (use moe_experts)")
+    return _check_shared(x, w13, shared_w13, shared_w2)
+
+
+def moe_experts_decode_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                              weights: torch.Tensor, ids: torch.Tensor, *,
+                              shared_w13: torch.Tensor | None = None,
+                              shared_w2: torch.Tensor | None = None,
+                              config: DecodeTiles | None = None) -> torch.Tensor:
+    """Triton launcher; ``config`` overrides the tiles (benchmarks sweep them)."""
+    shared = _check(x, w13, w2, weights, ids, shared_w13, shared_w2)
+    tokens, hidden = x.shape
+    experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
+    pairs = tokens * top_k
+    if tokens == 0:
+        return torch.zeros_like(x)
+    cfg = config or default_decode_tiles(x, min(experts, top_k) + shared, inter, hidden)
+    ids = ids.contiguous()
+    # On the interpreter nothing compiles: scan only the batch's own pairs.
+    p_block = max(16, triton.next_power_of_2((MAX_DECODE_TOKENS if x.is_cuda else tokens) * top_k))
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    ws13 = shared_w13 if shared else w13  # unused without a shared expert
+    ws2 = shared_w2 if shared else w2
+    rows = pairs + shared * tokens
+    h = x.new_empty((rows, inter))
+    programs = pairs + shared  # a slot per pair (its expert's first runs it), then the slices
+    _decode_gate_up_kernel[(programs, triton.cdiv(inter, cfg.block_n))](
+        x, w13, ws13, ids, h, tokens, experts, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), h.stride(0),
+        TOP_K=top_k, SHARED=shared, P_BLOCK=p_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    y = x.new_empty((rows, hidden))
+    _decode_down_kernel[(programs, triton.cdiv(hidden, cfg.block_n))](
+        h, w2, ws2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), y.stride(0),
+        TOP_K=top_k, P_BLOCK=p_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    out = torch.empty_like(x)
+    block = min(1024, max(16, triton.next_power_of_2(hidden)))
+    _decode_combine_kernel[(tokens, triton.cdiv(hidden, block))](
+        y, out, tokens, hidden, y.stride(0), out.stride(0),
+        TOP_K=top_k, SHARED=shared, BLOCK=block,
+    )
+    return out
+
+
+def moe_experts_decode_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                           weights: torch.Tensor, ids: torch.Tensor, *,
+                           shared_w13: torch.Tensor | None = None,
+                           shared_w2: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch, one (token, choice) pair at a time; the shared expert at its full width."""
+    shared = _check(x, w13, w2, weights, ids, shared_w13, shared_w2)
+    inter = w13.shape[1] // 2
+    acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = F.linear(x[t:t + 1], w13[e]).split(inter, dim=-1)
+            y = F.linear(F.silu(gate) * up, w2[e])[0]
+            acc[t] += (y * weights[t, j]).to(x.dtype).float()
+    if shared:
+        gate, up = F.linear(x, shared_w13).chunk(2, dim=-1)
+        acc += F.linear(F.silu(gate) * up, shared_w2).float()
+    return acc.to(x.dtype)
+
+
+def moe_experts_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                       weights: torch.Tensor, ids: torch.Tensor, *,
+                       shared_w13: torch.Tensor | None = None,
+                       shared_w2: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts (and the shared one) of a few tokens (see the module doc)."""
+    run = moe_experts_decode_triton if use_triton(x) else moe_experts_decode_ref
+    return run(x, w13, w2, weights, ids, shared_w13=shared_w13, shared_w2=shared_w2)
