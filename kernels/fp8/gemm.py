@@ -38,6 +38,7 @@ from lanekv.kernels.backend import check_same_device, on_device, use_triton
 from lanekv.kernels.fp8.gemm_configs import GemmConfig, check_config, select_config
 from lanekv.kernels.fp8.quant import (
     _quantize_tile,
+    hw_cast,
     per_token_group_quant_fp8,
     silu_mul_quant_fp8,
 )
@@ -55,6 +56,7 @@ def _gemm_tile(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     LAG: tl.constexpr, FOLD: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
+    HW_CAST: tl.constexpr,
 ):
     """One output tile (or one k slice of it): grouped tile order, one scale per
     row and per column block for every k step, float32 accumulation."""
@@ -122,7 +124,7 @@ def _gemm_tile(
                 x = tl.load(a_ptrs).to(tl.float32)
             else:
                 x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0)
+            a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0, HW_CAST)
         else:
             if PREFETCH_A:
                 a_s = a_s_next
@@ -191,7 +193,7 @@ def _block_fp8_matmul_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
     LAG: tl.constexpr, FOLD: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr,
-    UE8M0: tl.constexpr,
+    UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     if PERSISTENT:  # one program per SM walks the tiles
@@ -200,12 +202,12 @@ def _block_fp8_matmul_kernel(
             _gemm_tile(tile, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                        depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
                        HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
-                       FOLD, QUANT_A, UE8M0)
+                       FOLD, QUANT_A, UE8M0, HW_CAST)
     else:
         _gemm_tile(pid, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                    depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
                    HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
-                   FOLD, QUANT_A, UE8M0)
+                   FOLD, QUANT_A, UE8M0, HW_CAST)
 
 
 @triton.jit
@@ -321,7 +323,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
             SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma, LAG=cfg.lag, FOLD=cfg.fold,
-            PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0,
+            PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0, HW_CAST=hw_cast(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split > 1:
