@@ -98,6 +98,9 @@ class AttentionKind(ABC):
     name: ClassVar[str]  # "gqa", "mla", "dsa"
     rope_in_attention: ClassVar[bool] = False  # callbacks get q, k before RoPE and cos, sin
     prefill_graphs: ClassVar[bool] = False  # the CP prefill may replay graphs around it
+    # Every query head reads the same row (MLA's latent): tensor parallelism splits the
+    # query heads only and each rank holds whole rows.
+    heads_share_rows: ClassVar[bool] = False
 
     @abstractmethod
     def matches(self, config: ModelConfig) -> bool:

@@ -52,6 +52,7 @@ from lanekv.model.llama import causal_attention
 
 class MLA(AttentionKind):
     name = "mla"
+    heads_share_rows = True
 
     def matches(self, config: ModelConfig) -> bool:
         return config.mla is not None and config.dsa is None

@@ -168,8 +168,16 @@ class FP8MLARows(RowLayout):
 
     @classmethod
     def build(cls, kv_lora_rank: int, rope_dim: int, model_dtype: torch.dtype) -> FP8MLARows:
-        return cls(1, 1, mla_fp8_row_bytes(kv_lora_rank, rope_dim), torch.uint8, kv_lora_rank,
-                   rope_dim, model_dtype)
+        """The row padded to 16 bytes (656 stays 656): compiled kernels read rows whose
+        starts are not 16-byte aligned at a misaligned address (measured on an H200
+        with 52- and 164-byte rows)."""
+        return cls(1, 1, _padded16(mla_fp8_row_bytes(kv_lora_rank, rope_dim)), torch.uint8,
+                   kv_lora_rank, rope_dim, model_dtype)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the row before its padding."""
+        return mla_fp8_row_bytes(self.kv_lora_rank, self.rope_dim)
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -177,21 +185,30 @@ class FP8MLARows(RowLayout):
 
     @property
     def row_format(self) -> str:
-        return mla_row_format(self.kv_lora_rank, self.rope_dim)
+        pad = self.head_dim - self.packed_bytes
+        return mla_row_format(self.kv_lora_rank, self.rope_dim) + (f"+{pad}xpad" if pad else "")
 
     @property
     def value_dtype(self) -> torch.dtype:
         return self.model_dtype
 
     def encode(self, values: torch.Tensor) -> torch.Tensor:
-        """``[T, 1, R + P]`` -> ``[T, 1, row_bytes]``."""
-        return pack_mla_fp8_rows(values[:, 0], self.kv_lora_rank)[:, None]
+        """``[T, 1, R + P]`` -> ``[T, 1, row_bytes]`` (the padding zero)."""
+        packed = pack_mla_fp8_rows(values[:, 0], self.kv_lora_rank)
+        pad = self.head_dim - packed.shape[1]
+        if pad:
+            packed = torch.nn.functional.pad(packed, (0, pad))
+        return packed[:, None]
 
     def decode(self, rows: torch.Tensor) -> torch.Tensor:
         lead = rows.shape[:-1]
-        flat = rows.reshape(-1, rows.shape[-1])
+        flat = rows.reshape(-1, rows.shape[-1])[:, : self.packed_bytes]
         return unpack_mla_fp8_rows(flat, self.kv_lora_rank, self.rope_dim,
                                    self.model_dtype).reshape(*lead, -1)
+
+
+def _padded16(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
 
 
 def mla_row_format(kv_lora_rank: int, rope_dim: int) -> str:

@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from lanekv.model.attention import kind_of
 from lanekv.model.checkpoint import LoadedModel, build_model, tensor_files
 from lanekv.model.config import ModelConfig
 from lanekv.model.deepseek import MoE
@@ -80,7 +81,7 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
         raise ValueError(f"tp_size={tp_size} is not supported with weight_quant="
                          f"{config.weight_quant.method!r} (block-FP8 shards are not cut yet)")
     # MLA: one latent row shared by every head, whole on every rank: only the q heads split.
-    for name in ("num_heads", "intermediate_size") if config.mla is not None else (
+    for name in ("num_heads", "intermediate_size") if kind_of(config).heads_share_rows else (
             "num_kv_heads", "num_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % tp_size:
@@ -92,7 +93,7 @@ def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     check_tp(config, tp_size)
     if tp_size == 1:
         return config
-    kv_heads = config.num_kv_heads if config.mla is not None else config.num_kv_heads // tp_size
+    kv_heads = config.num_kv_heads if kind_of(config).heads_share_rows else config.num_kv_heads // tp_size
     return replace(config, num_heads=config.num_heads // tp_size, num_kv_heads=kv_heads,
                    intermediate_size=config.intermediate_size // tp_size)
 

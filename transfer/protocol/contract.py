@@ -243,6 +243,8 @@ class Agreement:
         latent = self.kv_lora_rank + self.qk_rope_head_dim
         if fp8 and mla:
             latent = mla_fp8_row_bytes(self.kv_lora_rank, self.qk_rope_head_dim)
+        if fp8 and mla and not dsa:
+            latent = -(-latent // 16) * 16  # FP8MLARows pads the row to 16 bytes
         row = latent if not dsa else dsa_row_elements(
             latent, kv_dtype(self.kv_dtype).itemsize, self.index_row_bytes)
         if mla and (self.num_kv_heads, self.head_dim) != (1, row):

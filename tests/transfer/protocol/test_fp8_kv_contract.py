@@ -73,6 +73,18 @@ def test_a_row_format_without_fp8_is_refused(configs):
 
 def test_an_fp8_mla_agreement_checks_its_row_bytes(configs):
     fields = _agreement(configs["v3"], "fp8_e4m3").to_dict()
-    fields["head_dim"] = 40  # the latent's values, not the FP8 row's bytes
-    with pytest.raises(ValueError, match="head_dim=52"):
+    fields["head_dim"] = 40  # the latent's values, not the FP8 row's padded bytes
+    with pytest.raises(ValueError, match="head_dim=64"):
         Agreement.from_dict(fields)
+
+
+def test_an_fp8_mla_row_is_padded_to_16_bytes_and_says_so():
+    """Compiled kernels misread rows that do not start on a 16-byte boundary: a tiny
+    model's 52-byte row (32 e4m3 + one scale + 8 bf16) is kept in 64 bytes, zero padded."""
+    rows = FP8MLARows.build(32, 8, torch.float32)
+    assert (rows.row_bytes, rows.packed_bytes) == (64, 52)
+    assert rows.row_format.endswith("+8xbf16+12xpad")
+    values = torch.randn(5, 1, 40)
+    encoded = rows.encode(values)
+    assert encoded.shape == (5, 1, 64) and not encoded[..., 52:].any()
+    torch.testing.assert_close(rows.decode(encoded), rows.decode(encoded[..., :52].contiguous()))
