@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra --durations=25 tests
 
 # The unit tests: everything but the end-to-end tests that start daemons (marked slow
 # by tests/conftest.py) and the GPU tests.

@@ -408,9 +408,11 @@ def main() -> None:
                         a.update({f"{name}_{k[5:]}": v for k, v in got.items()})
                         a[f"{name}_raw_gbps"] = raw
                         a[f"{name}_over_raw"] = got["nixl_gbps"] / raw if raw else 0.0
-                    # UCX TCP between host-memory buffers: the TCP transport's own rate, no GPU staging.
+                    # UCX TCP between host-memory buffers: the TCP transport's own rate, no GPU
+                    # staging. On a GPU host UCX refuses a NIXL backend without cuda_copy.
                     a["nixl_tcp_raw_host_gbps"] = raw_nixl_gbps(a.get("nixl_tcp_bytes") or a["bytes"],
-                                                                torch.device("cpu"), args.repeat, "tcp,self")
+                                                                torch.device("cpu"), args.repeat,
+                                                                NIXL_TLS["nixl_tcp"])
             transports = sorted({decoders["fast"].fastpath.transport(e) for e in prefill.topology.endpoints})
             for ch in channels.values():
                 ch.close()
