@@ -83,7 +83,12 @@ def default_config(q: torch.Tensor) -> AttnLaunchConfig:
     if q.shape[2] > 192 or q.dtype == torch.float32:
         return AttnLaunchConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
     if q.shape[2] > 128:
-        # H200, DeepSeek qk 192 / v 128, 16k causal: 64x64 led 128x64 and 64x32 (BENCHMARKS.md).
+        if q.shape[1] >= 64:
+            # H200, DeepSeek-V3 qk 192 / v 128 with 128 heads at 8k and 32k: 128x128 (8 warps,
+            # 2 stages) led eight tile configs, 468/478 TFLOP/s against 64x64's 397 at 32k
+            # (bench/deepseek_kernels.py, BENCHMARKS.md).
+            return AttnLaunchConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+        # H200, DeepSeek-V2-Lite's 16 heads, 16k causal: 64x64 led 128x64 and 64x32 (BENCHMARKS.md).
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     if q.shape[0] < big_tile_min_rows(q.shape[1], q.shape[2], q.dtype, q.device):
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

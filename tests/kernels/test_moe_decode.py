@@ -113,7 +113,9 @@ def test_gpu_bf16_matches_and_captures(tokens, top_k, experts, hidden, inter, sh
     want = _grouped_plus_shared([a.cpu().float() if a.is_floating_point() else a.cpu() for a in args],
                                 {k: v.cpu().float() for k, v in extra.items()})
     got = moe_experts_decode_triton(*args, **extra)
-    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=2e-2)
+    # bf16 outputs of sums over up to 8 experts: a few bf16 steps apart at most (the H200 showed
+    # one element of 131072 at 0.022 with top-6 of 64 experts).
+    torch.testing.assert_close(got.float().cpu(), want, rtol=2e-2, atol=3e-2)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = moe_experts_decode_triton(*args, **extra)
