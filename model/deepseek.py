@@ -16,7 +16,7 @@ router in float32, YaRN frequencies and cos/sin scaling as it computes them),
 so float32 logits agree with it. The router's choice after its GEMM is one launch
 (``kernels.moe.route``). Routed experts run as grouped GEMMs over the (token, choice)
 pairs sorted by expert (``kernels.moe``: on CUDA without a host sync, so a decode step
-can be captured in a CUDA graph); decode batches of up to 64 tokens take the sort-free
+can be captured in a CUDA graph); decode batches of up to 16 tokens take the sort-free
 kernels of ``kernels/moe/decode.py`` instead, the shared expert fused in (three launches
 for the whole MLP). q and kv_a are one GEMM, the absorbed form's projections one launch
 each at decode sizes; residual adds are fused into the RMSNorms (``kernels.rmsnorm``),
@@ -48,7 +48,9 @@ MLAAttentionFn = Callable[[int, torch.Tensor, torch.Tensor], torch.Tensor]
 _LORA_NORM_EPS = 1e-6
 # Decode batches up to this many tokens run the routed and shared experts through the
 # sort-free kernels of kernels/moe/decode.py (three launches); larger ones the grouped GEMMs.
-MOE_DECODE_MAX_TOKENS = MAX_DECODE_TOKENS
+# On the H200 the sort-free path led up to 16 tokens (V2-Lite: 53 against 79 us at 1, even at
+# 16) and trailed at 64 (398 against 350 us; bench/results/session4_h200/deepseek_kernels.json).
+MOE_DECODE_MAX_TOKENS = min(16, MAX_DECODE_TOKENS)
 
 
 class MLAProjection(NamedTuple):
