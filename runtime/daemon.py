@@ -152,6 +152,17 @@ _FAILURE_POLL_S = 0.1
 _FAILED_GRACE_S = 1.0
 
 
+def how_it_ended(exitcode: int | None) -> str:
+    """How a child process ended, in words: ``exited with code -9 (SIGKILL)``."""
+    how = f"exited with code {exitcode}"
+    if exitcode is not None and exitcode < 0:
+        try:
+            how += f" ({signal.Signals(-exitcode).name})"
+        except ValueError:
+            pass
+    return how
+
+
 def write_atomically(path: Path, text: str) -> None:
     """Readers polling for the file never see it half written."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import itertools
 import logging
 import multiprocessing as mp
-import signal
 import socket
 import threading
 import time
@@ -41,6 +40,7 @@ from lanekv.decode.tp.rank import (
 from lanekv.decode.tp.steps import send_stop
 from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.tp import check_tp
+from lanekv.runtime.daemon import how_it_ended
 
 log = logging.getLogger("lanekv.decode.tp")
 START_TIMEOUT_S = 300.0  # every rank joined, loaded and built its pool
@@ -59,14 +59,7 @@ def free_port() -> int:
 
 def exit_reason(rank: int, proc: mp.process.BaseProcess) -> str:
     """One line naming a rank process that is gone and how it ended."""
-    code = proc.exitcode
-    how = f"exited with code {code}"
-    if code is not None and code < 0:
-        try:
-            how += f" ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return f"decode rank {rank} (pid {proc.pid}) {how}"
+    return f"decode rank {rank} (pid {proc.pid}) {how_it_ended(proc.exitcode)}"
 
 
 class TPGroup:

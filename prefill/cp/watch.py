@@ -9,11 +9,12 @@ closing, whose Shutdown ends the ranks) silences it first.
 
 from __future__ import annotations
 
-import signal
 import threading
 from collections.abc import Callable, Sequence
 from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
+
+from lanekv.runtime.daemon import how_it_ended
 
 # How often the watcher looks whether it was stopped (a death wakes it at once).
 _POLL_S = 0.2
@@ -21,14 +22,7 @@ _POLL_S = 0.2
 
 def exit_reason(rank: int, proc: BaseProcess) -> str:
     """One line naming a rank process that is gone and how it ended."""
-    code = proc.exitcode
-    how = f"exited with code {code}"
-    if code is not None and code < 0:
-        try:
-            how += f" ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return f"rank {rank} ({proc.name}, pid {proc.pid}) {how}"
+    return f"rank {rank} ({proc.name}, pid {proc.pid}) {how_it_ended(proc.exitcode)}"
 
 
 class RankWatcher:
