@@ -59,6 +59,13 @@ def mla_fp8_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     return kv_lora_rank + 4 * (kv_lora_rank // mla_fp8_group(kv_lora_rank)) + 2 * rope_dim
 
 
+def mla_fp8_row_stride(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes a pool gives an FP8 MLA row: ``mla_fp8_row_bytes`` rounded up to 16 (656 stays
+    656). Compiled kernels read rows that do not start 16-byte aligned at a misaligned
+    address (on an H200: 52-, 68-, 164- and 260-byte rows faulted, 64-byte ones did not)."""
+    return -(-mla_fp8_row_bytes(kv_lora_rank, rope_dim) // 16) * 16
+
+
 def check_mla_fp8_rank(kv_lora_rank: int) -> None:
     if isinstance(kv_lora_rank, bool) or not isinstance(kv_lora_rank, int) or kv_lora_rank <= 0 or (
             kv_lora_rank % 16):

@@ -35,6 +35,7 @@ from lanekv.kernels.fp8.kv_rows import (
     kv_fp8_head_bytes,
     mla_fp8_group,
     mla_fp8_row_bytes,
+    mla_fp8_row_stride,
     pack_kv_fp8_rows,
     pack_mla_fp8_rows,
     unpack_mla_fp8_rows,
@@ -168,10 +169,8 @@ class FP8MLARows(RowLayout):
 
     @classmethod
     def build(cls, kv_lora_rank: int, rope_dim: int, model_dtype: torch.dtype) -> FP8MLARows:
-        """The row padded to 16 bytes (656 stays 656): compiled kernels read rows whose
-        starts are not 16-byte aligned at a misaligned address (measured on an H200
-        with 52- and 164-byte rows)."""
-        return cls(1, 1, _padded16(mla_fp8_row_bytes(kv_lora_rank, rope_dim)), torch.uint8,
+        """The row padded to 16 bytes (``mla_fp8_row_stride``)."""
+        return cls(1, 1, mla_fp8_row_stride(kv_lora_rank, rope_dim), torch.uint8,
                    kv_lora_rank, rope_dim, model_dtype)
 
     @property
@@ -205,10 +204,6 @@ class FP8MLARows(RowLayout):
         flat = rows.reshape(-1, rows.shape[-1])[:, : self.packed_bytes]
         return unpack_mla_fp8_rows(flat, self.kv_lora_rank, self.rope_dim,
                                    self.model_dtype).reshape(*lead, -1)
-
-
-def _padded16(nbytes: int) -> int:
-    return -(-nbytes // 16) * 16
 
 
 def mla_row_format(kv_lora_rank: int, rope_dim: int) -> str:

@@ -72,6 +72,11 @@ def mla_fp8_row_bytes(kv_lora_rank: int, rope_dim: int) -> int:
     return kv_lora_rank + 4 * (kv_lora_rank // math.gcd(kv_lora_rank, 128)) + 2 * rope_dim
 
 
+def mla_fp8_row_stride(kv_lora_rank: int, rope_dim: int) -> int:
+    """Bytes a pool gives that row: rounded up to 16 (``kernels/fp8/kv_rows.py``'s)."""
+    return -(-mla_fp8_row_bytes(kv_lora_rank, rope_dim) // 16) * 16
+
+
 def dsa_row_elements(latent_dim: int, itemsize: int, index_row_bytes: int) -> int:
     """Pool elements per DSA row: the latent, then the index-K bytes from the next
     4-byte boundary, rounded up to 16 bytes (``kernels/dsa/pool_layout.py``'s layout)."""
@@ -241,10 +246,9 @@ class Agreement:
                              f"agreement, got {self.index_cache_dtype!r} with attention="
                              f"{self.attention!r}")
         latent = self.kv_lora_rank + self.qk_rope_head_dim
-        if fp8 and mla:
-            latent = mla_fp8_row_bytes(self.kv_lora_rank, self.qk_rope_head_dim)
-        if fp8 and mla and not dsa:
-            latent = -(-latent // 16) * 16  # FP8MLARows pads the row to 16 bytes
+        if fp8 and mla:  # a DSA row pads after its index row instead
+            latent = (mla_fp8_row_bytes if dsa else mla_fp8_row_stride)(self.kv_lora_rank,
+                                                                         self.qk_rope_head_dim)
         row = latent if not dsa else dsa_row_elements(
             latent, kv_dtype(self.kv_dtype).itemsize, self.index_row_bytes)
         if mla and (self.num_kv_heads, self.head_dim) != (1, row):

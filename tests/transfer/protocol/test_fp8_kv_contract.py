@@ -88,3 +88,13 @@ def test_an_fp8_mla_row_is_padded_to_16_bytes_and_says_so():
     encoded = rows.encode(values)
     assert encoded.shape == (5, 1, 64) and not encoded[..., 52:].any()
     torch.testing.assert_close(rows.decode(encoded), rows.decode(encoded[..., :52].contiguous()))
+
+
+def test_the_contract_sizes_fp8_mla_rows_as_the_kernels_lay_them_out():
+    """The protocol does not import the kernels: its copies of the row sizes must agree."""
+    from lanekv.kernels.fp8 import kv_rows
+    from lanekv.transfer.protocol import contract
+
+    for rank, rope in ((512, 64), (32, 8), (48, 16), (128, 64)):
+        assert contract.mla_fp8_row_bytes(rank, rope) == kv_rows.mla_fp8_row_bytes(rank, rope)
+        assert contract.mla_fp8_row_stride(rank, rope) == kv_rows.mla_fp8_row_stride(rank, rope)
