@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One H200, 2026-12-02 (fifth session): the runs behind BENCHMARKS.md's tables of issues
+# 33 (FP8), 35 (the T=1 decode step), 36 (cross-host KV) and 37 (DeepSeek), each part under
+# one device call of at most 10 minutes. Logs and JSON under $OUT.
+# Usage (repository root, the carried wheels installed): bash bench/gpu_session5.sh PART
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+part=${1:-ttft}
+case "$part" in
+ttft)  # issue 36 (and 35: the T=1 step beside transformers)
+    timeout 390 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 \
+        --paths grpc fast nixl nixl_tcp --fetch-streams 1 4 \
+        --json "$OUT/ttft_crosshost_h200.json" > "$OUT/ttft_crosshost.log" 2>&1
+    echo "ttft rc=$?"; grep -v "NIXL INFO" "$OUT/ttft_crosshost.log" | tail -30
+    timeout 150 python3 bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 --runs 5 \
+        --json "$OUT/decode_step_h200.json" > "$OUT/decode_step.log" 2>&1
+    echo "decode_step rc=$?"; tail -8 "$OUT/decode_step.log" ;;
+fp8)  # issue 33: the GEMM sweep, the tuned GEMM vs torch, the FP8 decode steps, FP8-KV TTFT
+    timeout 240 python3 bench/fp8.py --sweep --rows 1 16 64 2048 --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_h200.json" > "$OUT/fp8_sweep.log" 2>&1
+    echo "sweep rc=$?"; tail -14 "$OUT/fp8_sweep.log"
+    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 150 python3 bench/fp8.py --only decode \
+        --json "$OUT/fp8_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
+    echo "fp8 decode rc=$?"; tail -10 "$OUT/fp8_decode.log"
+    timeout 150 python3 bench/fp8_kv.py --llama3-8b --tokens 32768 --repeat 2 \
+        --json "$OUT/fp8_kv_ttft_h200.json" > "$OUT/fp8_kv.log" 2>&1
+    echo "fp8 kv rc=$?"; tail -12 "$OUT/fp8_kv.log" ;;
+esac
