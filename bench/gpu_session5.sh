@@ -15,14 +15,19 @@ ttft)  # issue 36 (and 35: the T=1 step beside transformers)
     timeout 150 python3 bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 --runs 5 \
         --json "$OUT/decode_step_h200.json" > "$OUT/decode_step.log" 2>&1
     echo "decode_step rc=$?"; tail -8 "$OUT/decode_step.log" ;;
-fp8)  # issue 33: the GEMM sweep, the tuned GEMM vs torch, the FP8 decode steps, FP8-KV TTFT
-    timeout 240 python3 bench/fp8.py --sweep --rows 1 16 64 2048 --write-table "$OUT/nvidia_h200.json" \
-        --json "$OUT/gemm_sweep_h200.json" > "$OUT/fp8_sweep.log" 2>&1
-    echo "sweep rc=$?"; tail -14 "$OUT/fp8_sweep.log"
-    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 150 python3 bench/fp8.py --only decode \
+fp8)  # issue 33: the GEMM sweep, the tuned GEMM vs torch, the FP8 decode steps, FP8-KV TTFT; issue 36: UCX
+    timeout 90 python3 bench/ucx_sweep.py --mib 256 --json "$OUT/ucx_sweep_h200.json" > "$OUT/ucx_sweep.log" 2>&1
+    echo "ucx rc=$?"; grep -v "NIXL INFO" "$OUT/ucx_sweep.log" | tail -12
+    timeout 150 python3 bench/fp8.py --sweep --rows 1 16 64 --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_decode_h200.json" > "$OUT/fp8_sweep_decode.log" 2>&1
+    echo "sweep decode rc=$?"; tail -8 "$OUT/fp8_sweep_decode.log"
+    timeout 110 python3 bench/fp8.py --sweep --rows 2048 --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_prefill_h200.json" > "$OUT/fp8_sweep_prefill.log" 2>&1
+    echo "sweep prefill rc=$?"; tail -8 "$OUT/fp8_sweep_prefill.log"
+    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 110 python3 bench/fp8.py --only decode \
         --json "$OUT/fp8_decode_h200.json" > "$OUT/fp8_decode.log" 2>&1
     echo "fp8 decode rc=$?"; tail -10 "$OUT/fp8_decode.log"
-    timeout 150 python3 bench/fp8_kv.py --llama3-8b --tokens 32768 --repeat 2 \
+    timeout 100 python3 bench/fp8_kv.py --llama3-8b --tokens 32768 --repeat 2 \
         --json "$OUT/fp8_kv_ttft_h200.json" > "$OUT/fp8_kv.log" 2>&1
     echo "fp8 kv rc=$?"; tail -12 "$OUT/fp8_kv.log" ;;
 esac
