@@ -55,6 +55,8 @@ import torch
 
 TABLE_ENV = "LANEKV_FP8_GEMM_CONFIGS"
 TABLE_DIR = Path(__file__).resolve().parent / "gemm_tables"
+# A tuned entry serves row counts within this many octaves (factors of 2) of its own.
+MAX_ROW_OCTAVES = 2
 FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "fold")
 
 
@@ -263,7 +265,12 @@ def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConf
         return None
     target = math.log2(max(rows, 1))
     # nearest row count in log scale; on a tie the larger (its tiles cover these rows)
-    return min(tuned, key=lambda rc: (abs(math.log2(max(rc[0], 1)) - target), -rc[0]))[1]
+    near_rows, cfg = min(tuned, key=lambda rc: (abs(math.log2(max(rc[0], 1)) - target), -rc[0]))
+    # A config tuned for decode's few rows says nothing about a prefill's thousands (and
+    # the reverse): beyond a factor of 4 the default's heuristics decide.
+    if abs(math.log2(max(near_rows, 1)) - target) > MAX_ROW_OCTAVES:
+        return None
+    return cfg
 
 
 def select_config(rows: int, n: int, k: int, block: tuple[int, int],

@@ -216,8 +216,11 @@ def test_config_table_round_trip_and_nearest_rows(tmp_path, monkeypatch):
         table_entry(8192, 4096, 4096, (128, 128), big)]}))
     table = load_table(str(path))
     assert lookup(table, 1, 4096, 4096, (128, 128)) == small
-    assert lookup(table, 50, 4096, 4096, (128, 128)) == small
-    assert lookup(table, 200, 4096, 4096, (128, 128)) == big  # log2 200 nearer 13 than 0
+    assert lookup(table, 4, 4096, 4096, (128, 128)) == small
+    assert lookup(table, 2048, 4096, 4096, (128, 128)) == big
+    # more than 4x from every tuned row count: the default decides, not a far tuned entry
+    assert lookup(table, 50, 4096, 4096, (128, 128)) is None
+    assert lookup(table, 1024, 4096, 4096, (128, 128)) is None
     assert lookup(table, 1, 4096, 2048, (128, 128)) is None  # shape not tuned
     monkeypatch.setenv(TABLE_ENV, str(path))
     assert select_config(1, 4096, 4096, (128, 128), torch.device("cpu")) == small
