@@ -17,6 +17,7 @@ registered address and the layout contract.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -28,6 +29,20 @@ import torch
 ERROR_HANDLING_MODE = "peer"
 # How often a transfer's state is asked while it runs.
 POLL_S = 0.0005
+# UCX settings an agent starts with where the operator's environment leaves them unset.
+# UCX's TCP transport moves 8 KiB segments by default; on an H200 host a NIXL read of GPU
+# memory over UCX TCP ran 0.41 GB/s, and 2.08 with 512 KiB segments, 2.32 with 8 MiB
+# pipeline fragments too (bench/ucx_sweep.py, BENCHMARKS.md). RDMA transports ignore them.
+UCX_DEFAULTS = {"UCX_TCP_TX_SEG_SIZE": "512k", "UCX_TCP_RX_SEG_SIZE": "512k",
+                "UCX_RNDV_FRAG_SIZE": "host:8m,cuda:8m"}
+
+
+def apply_ucx_defaults(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """Set each of ``UCX_DEFAULTS`` the environment lacks (UCX reads it when a backend
+    starts); an operator's own value always stays. Returns what was set."""
+    added = {k: v for k, v in UCX_DEFAULTS.items() if k not in environ}
+    environ.update(added)
+    return added
 
 
 class NixlUnavailable(RuntimeError):
@@ -72,6 +87,7 @@ class Agent:
 
     def __init__(self, name: str, devices: Sequence[str] = ()) -> None:
         api = load_api()
+        apply_ucx_defaults()
         try:
             self._agent = api.nixl_agent(name, api.nixl_agent_config(backends=[]))
             self._agent.create_backend("UCX", {"ucx_error_handling_mode": ERROR_HANDLING_MODE,

@@ -269,3 +269,12 @@ def test_ucx_error_handling_is_never_none_and_registrations_are_released(monkeyp
     agent = transport._agent
     transport.close()  # the decode daemon drains
     assert agent.registrations == 0 and transport._agent is None
+
+
+def test_ucx_tcp_defaults_fill_only_what_the_operator_left_unset():
+    environ = {"UCX_TLS": "tcp,self", "UCX_TCP_TX_SEG_SIZE": "64k"}
+    added = agent_module.apply_ucx_defaults(environ)
+    assert "UCX_TCP_TX_SEG_SIZE" not in added and environ["UCX_TCP_TX_SEG_SIZE"] == "64k"
+    assert environ["UCX_TCP_RX_SEG_SIZE"] == added["UCX_TCP_RX_SEG_SIZE"] == "512k"
+    assert environ["UCX_RNDV_FRAG_SIZE"] == "host:8m,cuda:8m" and environ["UCX_TLS"] == "tcp,self"
+    assert agent_module.apply_ucx_defaults(environ) == {}  # nothing left to fill
