@@ -21,6 +21,7 @@ Prints a table of the first dense layer, the first MoE layer and the outside par
 writes everything to ``--json``.
 
 GPU:  python bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 --json prof_v2.json
+      python bench/deepseek_profile.py --llama3-8b --fp8 --batch 64 --json prof_llama_fp8.json
       python bench/deepseek_profile.py --v32 --batch 1 --context 32768 --json prof_v32.json
 CPU:  python bench/deepseek_profile.py --tiny --batch 1 --context 40 --interpret
 """
@@ -46,7 +47,14 @@ from lanekv.decode.pool import PagePool  # noqa: E402
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
-from bench.deepseek import CONFIGS, fill_pool  # noqa: E402
+from bench.deepseek import CONFIGS as DEEPSEEK_CONFIGS  # noqa: E402
+from bench.deepseek import fill_pool  # noqa: E402
+from bench.prefill import LLAMA3_8B  # noqa: E402
+
+CONFIGS = {**DEEPSEEK_CONFIGS, "llama3_8b": LLAMA3_8B}
+# block-FP8 weights (``--fp8``): the dummy weights quantized as a DeepSeek/-FP8 checkpoint is
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+              "weight_block_size": [128, 128]}
 
 OUTSIDE = "outside"
 _LAYER_PREFIX = "lanekv.layer."
@@ -168,9 +176,11 @@ def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
     return table
 
 
-def build(name: str, batch: int, context: int, page_size: int, device: torch.device, model_dir: str):
-    dtype = torch.bfloat16 if name in ("v2_lite", "v32") and device.type == "cuda" else torch.float32
-    (Path(model_dir) / "config.json").write_text(json.dumps(CONFIGS[name]))
+def build(name: str, batch: int, context: int, page_size: int, device: torch.device, model_dir: str,
+          fp8: bool = False):
+    dtype = torch.bfloat16 if name in ("v2_lite", "v32", "llama3_8b") and device.type == "cuda" else torch.float32
+    cfg = dict(CONFIGS[name], **({"quantization_config": FP8_CONFIG} if fp8 else {}))
+    (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
     loaded = load_dummy_model(model_dir, dtype=dtype, device=device)
     per_req = -(-(context + 1) // page_size)
     pool = PagePool.for_model(loaded.config, batch * per_req + 1, page_size, dtype, device)
@@ -215,8 +225,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     which = ap.add_mutually_exclusive_group(required=True)
-    for flag in ("--v2-lite", "--tiny", "--v32", "--tiny-v32"):
+    for flag in ("--v2-lite", "--tiny", "--v32", "--tiny-v32", "--llama3-8b"):
         which.add_argument(flag, action="store_true")
+    ap.add_argument("--fp8", action="store_true", help="block-FP8 weights (quantization_config)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
@@ -229,12 +240,12 @@ def main() -> None:
         raise SystemExit(f"--batch and --context must be >= 1, got {args.batch}, {args.context}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = next(n for n in CONFIGS if getattr(args, n))
-    result = {"model": name, "batch": args.batch, "context": args.context,
+    result = {"model": name, "fp8_weights": args.fp8, "batch": args.batch, "context": args.context,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as model_dir:
         loaded, step, dtype = build(name, args.batch, args.context, args.page_size, device,
-                                    model_dir)
+                                    model_dir, fp8=args.fp8)
         result["dtype"] = str(dtype).removeprefix("torch.")
         layers = loaded.model.model.layers
         step()  # compile and warm up
