@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
+from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
 from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
@@ -272,8 +273,13 @@ class MoE(nn.Module):
         weights, ids = self.gate(x)
         if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
             fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)
-            routed = moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
-                                     scale_ue8m0=fp8.scale_ue8m0)
+            if x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x):
+                # decode batches: each touched expert's e4m3 weights read once, no sort
+                routed = moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
+                                                fp8.block)
+            else:
+                routed = moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
+                                         scale_ue8m0=fp8.scale_ue8m0)
             return routed if self.shared_experts is None else routed + self.shared_experts(x)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
         if x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x):
