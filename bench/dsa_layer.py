@@ -1,0 +1,198 @@
+"""DSA decode attention of one DeepSeek-V3.2 layer on one GPU, part by part, against dense MLA.
+
+Shapes (V3.2): 128 MLA heads over latent rows of 512 + 64, the index keys of 64
+index heads of 128 dims stored as fp8 rows (128 e4m3 bytes + a float32 scale) inside
+the DSA pool plane (``kernels/dsa/pool_layout.py``: 1296-byte rows with a bf16
+latent, 800 with an FP8 one), top 2048, page 64. For each KV dtype of ``--kv``,
+context of ``--contexts`` and batch of ``--batches`` (every request at that
+context, pages shuffled over the pool), the new token of each request:
+
+- ``score_us``: the paged index scoring (``paged_index_scores_triton``) over the
+  page table; ``index_floor_us`` the index rows' bytes (132 a key) at the device's
+  copy rate and ``index_gbps`` the rate the kernel reads them at;
+- ``topk_us``: ``first_topk`` of those scores (what the decode step runs: keys,
+  ``torch.topk``, positions); ``torch_topk_us`` / ``torch_topk_unsorted_us``:
+  ``torch.topk`` on the float scores alone, sorted and not (what the int64 keys
+  and the sorted output cost);
+- ``sparse_us``: the sparse MLA decode over the selected rows (auto splits);
+- ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` then the sparse decode
+  captured as one graph (the layer's DSA attention as the decode step runs it);
+- ``dense_us``: the paged dense MLA decode kernel over all ``context`` rows;
+  ``dsa_over_dense`` = dsa_us / dense_us against the target (at most 1.0 at 8k,
+  at most 0.5 at 128k; the contexts between are reported against 1.0).
+
+``--score-configs`` (block_n,programs_per_sm,warps,stages) times the scoring kernel
+under each launch config too (table ``score_sweep``). Every timing is a CUDA graph
+of 20 calls replayed (the median of ``triton.testing.do_bench``, divided by 20), as
+bench/deepseek_kernels.py times its kernels. Before timing, the scores are checked
+against ``paged_index_scores_ref`` and the selection against the reference's.
+
+    python -m bench.dsa_layer --json bench/results/dsa_layer_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_triton  # noqa: E402
+from lanekv.kernels.dsa.indexer import (  # noqa: E402
+    IndexScoreConfig,
+    paged_index_scores_ref,
+    paged_index_scores_triton,
+)
+from lanekv.kernels.dsa.pool_layout import DSARowLayout  # noqa: E402
+from lanekv.kernels.dsa.select import decode_select, first_topk  # noqa: E402
+from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton  # noqa: E402
+from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows  # noqa: E402
+from lanekv.kernels.mla_decode import paged_mla_decode_attention  # noqa: E402
+
+from bench.deepseek_kernels import GRAPH_CALLS, copy_gbps, graph_us, print_rows  # noqa: E402
+
+HEADS, RANK, ROPE, PAGE, TOPK = 128, 512, 64, 64, 2048
+INDEX_HEADS, INDEX_DIM = 64, 128
+CHUNK = 1 << 18  # rows filled per step (keeps the temporaries small)
+DEV, DT = "cuda", torch.bfloat16  # a CPU smoke run of the code swaps these (and graph_us)
+
+
+def _config(text: str) -> IndexScoreConfig:
+    return IndexScoreConfig(*(int(v) for v in text.split(",")))
+
+
+def _plane(kv: str, rows: int, gen: torch.Generator) -> tuple[DSARowLayout, torch.Tensor]:
+    """A DSA pool plane of ``rows`` random tokens: latent rows and fp8 index rows."""
+    lay = DSARowLayout(RANK + ROPE, IndexCacheSpec(INDEX_DIM, "fp8_e4m3", DT, min(128, INDEX_DIM)),
+                       fp8_rank=RANK if kv == "fp8" else 0)
+    plane = torch.zeros(rows, lay.head_dim, dtype=lay.dtype, device=DEV)
+    latent, index = lay.latent(plane), lay.index_rows(plane)
+    for start in range(0, rows, CHUNK):
+        n = min(CHUNK, rows - start)
+        vals = torch.randn(n, RANK + ROPE, generator=gen, device=DEV).to(DT)
+        latent[start : start + n] = pack_mla_fp8_rows(vals, RANK) if kv == "fp8" else vals
+        keys = torch.randn(n, INDEX_DIM, generator=gen, device=DEV).to(DT)
+        locs = torch.arange(start, start + n, device=DEV)
+        store_index_k_triton(keys, index, locs, lay.index)
+    return lay, plane
+
+
+def _overlap(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Mean fraction of the reference's selected positions the kernel path selects too."""
+    fracs = []
+    for g, w in zip(got.tolist(), want.tolist()):
+        ws = {x for x in w if x >= 0}
+        fracs.append(len(ws & {x for x in g if x >= 0}) / max(1, len(ws)))
+    return sum(fracs) / len(fracs)
+
+
+def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple[dict, list]:
+    pages = context // PAGE
+    lay, plane = _plane(kv, batch * context, gen)
+    latent, index = lay.latent(plane), lay.index_rows(plane)
+    table = torch.randperm(batch * pages, generator=gen, device=DEV).int().view(batch, pages)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    qi = torch.randn(batch, INDEX_HEADS, INDEX_DIM, generator=gen, device=DEV).to(DT)
+    w = torch.randn(batch, INDEX_HEADS, generator=gen, device=DEV) * INDEX_HEADS ** -0.5
+    qa = torch.randn(batch, HEADS, RANK + ROPE, generator=gen, device=DEV).to(DT)
+    iscale, ascale = INDEX_DIM ** -0.5, 192 ** -0.5
+    spec = lay.index
+
+    def score(cfg=None):
+        return paged_index_scores_triton(qi, w, index, table, lens, PAGE, iscale, spec,
+                                         config=cfg)
+
+    scores = score()
+    want = paged_index_scores_ref(qi, w, index, table, lens, PAGE, iscale, spec)
+    rel = ((scores - want).norm() / want.norm()).item()
+    chosen = first_topk(scores, TOPK)
+    overlap = _overlap(chosen, first_topk(want, TOPK))
+    del want
+
+    def dsa():
+        sel = decode_select(qi, w, index, table, lens, PAGE, iscale, TOPK, spec)
+        return sparse_mla_decode_triton(qa, latent, table, sel, PAGE, ascale, RANK)
+
+    nbytes = batch * context * spec.row_bytes
+    score_us = graph_us(score)
+    topk_us = graph_us(lambda: first_topk(scores, TOPK))
+    sparse_us = graph_us(lambda: sparse_mla_decode_triton(qa, latent, table, chosen, PAGE,
+                                                          ascale, RANK))
+    dsa_us = graph_us(dsa)
+    dense_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, table, lens, PAGE, ascale,
+                                                           RANK))
+    target = 0.5 if context >= 131072 else 1.0
+    row = {"kv": kv, "batch": batch, "context": context, "score_us": score_us,
+           "index_floor_us": nbytes / rate / 1e3, "index_gbps": nbytes / score_us / 1e3,
+           "topk_us": topk_us,
+           "torch_topk_us": graph_us(lambda: scores.topk(TOPK, dim=-1)),
+           "torch_topk_unsorted_us": graph_us(lambda: scores.topk(TOPK, dim=-1, sorted=False)),
+           "sparse_us": sparse_us, "sum_us": score_us + topk_us + sparse_us, "dsa_us": dsa_us,
+           "dense_us": dense_us, "dsa_over_dense": dsa_us / dense_us, "target": target,
+           "meets": dsa_us / dense_us <= target, "score_rel_err": rel,
+           "topk_overlap": overlap}
+    sweep = []
+    for cfg in configs:
+        key = {"kv": kv, "batch": batch, "context": context, "config": ",".join(map(str, cfg))}
+        try:
+            err = ((score(cfg) - scores).abs().max()).item()
+            us = graph_us(lambda cfg=cfg: score(cfg))
+        except Exception as exc:  # a config that does not fit: recorded, not fatal
+            sweep.append(dict(key, error=type(exc).__name__))
+            continue
+        sweep.append(dict(key, score_us=us, index_gbps=nbytes / us / 1e3,
+                          of_default=us / score_us, max_abs_diff=err))
+    del plane
+    torch.cuda.empty_cache()
+    return row, sweep
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kv", nargs="+", choices=("bf16", "fp8"), default=["bf16", "fp8"],
+                    help="latent rows of the pool: bf16 (1296-byte rows) or FP8 (800)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--score-configs", type=_config, nargs="*", default=[
+        _config(c) for c in ("32,4,4,3", "64,2,4,3", "64,8,4,3", "128,4,8,3", "64,4,4,2")])
+    ap.add_argument("--bandwidth", type=float, default=0.0,
+                    help="GB/s for the index floor (default: the measured copy rate)")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/dsa_layer.py times compiled kernels and needs a CUDA GPU", file=sys.stderr)
+        return 2
+    for ctx in args.contexts:
+        if ctx <= 0 or ctx % PAGE:
+            ap.error(f"--contexts: {ctx} is not a positive multiple of the page size {PAGE}")
+    rate = args.bandwidth or copy_gbps()
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+              "floor_gbps": rate, "graph_calls": GRAPH_CALLS,
+              "shapes": {"heads": HEADS, "kv_lora_rank": RANK, "rope": ROPE, "page": PAGE,
+                         "topk": TOPK, "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM},
+              "layer": [], "score_sweep": []}
+    for kv in args.kv:
+        for batch in args.batches:
+            for context in args.contexts:
+                row, sweep = _case(kv, batch, context, rate, args.score_configs, gen)
+                result["layer"].append(row)
+                result["score_sweep"] += sweep
+                print(f"{kv} b{batch} {context}: dsa {row['dsa_us']:.1f} us, dense "
+                      f"{row['dense_us']:.1f} us ({row['dsa_over_dense']:.2f}x)", flush=True)
+                if args.json:  # after each case, so a long run keeps what it measured
+                    args.json.write_text(json.dumps(result, indent=2))
+    print_rows("DSA decode attention per layer", result["layer"])
+    print_rows("index scoring launch configs", result["score_sweep"])
+    print(f"\nindex floor at {rate:.0f} GB/s; timed as CUDA graphs of {GRAPH_CALLS} calls")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
