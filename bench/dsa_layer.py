@@ -7,13 +7,16 @@ latent, 800 with an FP8 one), top 2048, page 64. For each KV dtype of ``--kv``,
 context of ``--contexts`` and batch of ``--batches`` (every request at that
 context, pages shuffled over the pool), the new token of each request:
 
-- ``score_us``: the paged index scoring (``paged_index_scores_triton``) over the
-  page table; ``index_floor_us`` the index rows' bytes (132 a key) at the device's
-  copy rate and ``index_gbps`` the rate the kernel reads them at;
-- ``topk_us``: ``first_topk`` of those scores (what the decode step runs: keys,
-  ``torch.topk``, positions); ``torch_topk_us`` / ``torch_topk_unsorted_us``:
-  ``torch.topk`` on the float scores alone, sorted and not (what the int64 keys
-  and the sorted output cost);
+- ``score_us``: the paged index scoring over the page table as the decode step
+  runs it (``paged_index_keys_triton``: the scores written as ``first_topk``'s int64
+  keys); ``float_score_us`` the same kernel writing float32 scores
+  (``paged_index_scores_triton``); ``index_floor_us`` the index rows' bytes (132 a
+  key) at the device's copy rate and ``index_gbps`` the rate the kernel reads them at;
+- ``topk_us``: ``topk_of_keys`` of those keys (what the decode step runs:
+  ``torch.topk`` over the int64 keys, then the positions); ``first_topk_us``:
+  ``first_topk`` of the float scores (the key kernel, then the same);
+  ``torch_topk_us`` / ``torch_topk_unsorted_us``: ``torch.topk`` on the float scores
+  alone, sorted and not (what the int64 keys and the sorted output cost);
 - ``sparse_us``: the sparse MLA decode over the selected rows (auto splits);
 - ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` then the sparse decode
   captured as one graph (the layer's DSA attention as the decode step runs it);
@@ -44,11 +47,12 @@ import torch  # noqa: E402
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_triton  # noqa: E402
 from lanekv.kernels.dsa.indexer import (  # noqa: E402
     IndexScoreConfig,
+    paged_index_keys_triton,
     paged_index_scores_ref,
     paged_index_scores_triton,
 )
 from lanekv.kernels.dsa.pool_layout import DSARowLayout  # noqa: E402
-from lanekv.kernels.dsa.select import decode_select, first_topk  # noqa: E402
+from lanekv.kernels.dsa.select import decode_select, first_topk, topk_of_keys  # noqa: E402
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton  # noqa: E402
 from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows  # noqa: E402
 from lanekv.kernels.mla_decode import paged_mla_decode_attention  # noqa: E402
@@ -117,9 +121,14 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
         sel = decode_select(qi, w, index, table, lens, PAGE, iscale, TOPK, spec)
         return sparse_mla_decode_triton(qa, latent, table, sel, PAGE, ascale, RANK)
 
+    keys = paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale, spec)
+    if not torch.equal(topk_of_keys(keys, TOPK), chosen):
+        raise RuntimeError("the keys' selection differs from first_topk of the scores")
     nbytes = batch * context * spec.row_bytes
-    score_us = graph_us(score)
-    topk_us = graph_us(lambda: first_topk(scores, TOPK))
+    score_us = graph_us(lambda: paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale,
+                                                        spec))
+    float_score_us = graph_us(score)
+    topk_us = graph_us(lambda: topk_of_keys(keys, TOPK))
     sparse_us = graph_us(lambda: sparse_mla_decode_triton(qa, latent, table, chosen, PAGE,
                                                           ascale, RANK))
     dsa_us = graph_us(dsa)
@@ -128,7 +137,8 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
     target = 0.5 if context >= 131072 else 1.0
     row = {"kv": kv, "batch": batch, "context": context, "score_us": score_us,
            "index_floor_us": nbytes / rate / 1e3, "index_gbps": nbytes / score_us / 1e3,
-           "topk_us": topk_us,
+           "float_score_us": float_score_us, "topk_us": topk_us,
+           "first_topk_us": graph_us(lambda: first_topk(scores, TOPK)),
            "torch_topk_us": graph_us(lambda: scores.topk(TOPK, dim=-1)),
            "torch_topk_unsorted_us": graph_us(lambda: scores.topk(TOPK, dim=-1, sorted=False)),
            "sparse_us": sparse_us, "sum_us": score_us + topk_us + sparse_us, "dsa_us": dsa_us,
@@ -145,7 +155,7 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
             sweep.append(dict(key, error=type(exc).__name__))
             continue
         sweep.append(dict(key, score_us=us, index_gbps=nbytes / us / 1e3,
-                          of_default=us / score_us, max_abs_diff=err))
+                          of_default=us / float_score_us, max_abs_diff=err))
     del plane
     torch.cuda.empty_cache()
     return row, sweep

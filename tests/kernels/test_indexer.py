@@ -10,9 +10,11 @@ from lanekv.kernels.dsa.indexer import (
     index_scores_ref,
     index_scores_triton,
     index_topk,
+    paged_index_keys_triton,
     paged_index_scores,
     paged_index_scores_ref,
     paged_index_scores_triton,
+    score_keys_ref,
 )
 
 from tests.markers import requires_gpu
@@ -257,6 +259,7 @@ def test_paged_index_scores_gpu_long_context_on_the_dsa_plane(fp8_latent):
     vector loads), batch 1 over 20k keys in page 64 (hundreds of programs, each many
     key blocks) and batch 3, for each launch config the bench sweeps."""
     from lanekv.kernels.dsa.pool_layout import DSARowLayout
+    from lanekv.kernels.dsa.select import first_topk_ref, topk_of_keys_triton
 
     lay = DSARowLayout(576, IndexCacheSpec(128, "fp8_e4m3", torch.bfloat16),
                        fp8_rank=512 if fp8_latent else 0)
@@ -279,3 +282,7 @@ def test_paged_index_scores_gpu_long_context_on_the_dsa_plane(fp8_latent):
                                             config=cfg)
             assert torch.equal(got.isfinite(), fin)
             torch.testing.assert_close(got[fin], ref[fin], atol=5e-2, rtol=2e-2)
+            keys = paged_index_keys_triton(q, w, index, t, n, 64, 128 ** -0.5, lay.index,
+                                           config=cfg)
+            assert torch.equal(keys, score_keys_ref(got))  # the same scores, as keys
+            assert torch.equal(topk_of_keys_triton(keys, 2048), first_topk_ref(got, 2048))
