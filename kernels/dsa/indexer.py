@@ -92,13 +92,14 @@ def index_score_programs(batch: int, max_len: int, num_sms: int,
 
 
 @triton.jit
-def score_key(score, t):
+def score_key(score, t, BLOCK: tl.constexpr):
     """``first_topk``'s int64 key of float32 ``score`` at position ``t``: the float's
     bits made monotonic (``-0.0`` counted as ``0.0``) in the high word, ``2**32 - 1 - t``
     in the low one, so a larger key is a larger score, or the same score earlier."""
     bits = (score + 0.0).to(tl.int32, bitcast=True)
     order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    return (order << 32) + (4294967295 - t.to(tl.int64))
+    low = tl.full([BLOCK], 4294967295, tl.int64) - t.to(tl.int64)  # 2**32 - 1 - t
+    return (order << 32) + low
 
 
 # The page size is a runtime value on purpose: as a constexpr, Triton 3.6 took
@@ -159,14 +160,14 @@ def _paged_index_scores_kernel(
             s = tl.dot(q, tl.trans(raw), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
         score = tl.where(t_ok, tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0), float("-inf"))
         if KEYS:
-            tl.store(out_ptr + b * stride_o + t, score_key(score, t), mask=t < max_len)
+            tl.store(out_ptr + b * stride_o + t, score_key(score, t, BLOCK_N), mask=t < max_len)
         else:
             tl.store(out_ptr + b * stride_o + t, score, mask=t < max_len)
     hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
     for blk in range(live + pid, tl.cdiv(max_len, BLOCK_N), progs):
         t = blk * BLOCK_N + n
         if KEYS:
-            tl.store(out_ptr + b * stride_o + t, score_key(hidden, t), mask=t < max_len)
+            tl.store(out_ptr + b * stride_o + t, score_key(hidden, t, BLOCK_N), mask=t < max_len)
         else:
             tl.store(out_ptr + b * stride_o + t, hidden, mask=t < max_len)
 

@@ -79,7 +79,7 @@ def _topk_keys_kernel(scores_ptr, keys_ptr, n_cols, stride_s, stride_k, BLOCK: t
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_cols
     x = tl.load(scores_ptr + row * stride_s + t, mask=ok, other=0.0)
-    tl.store(keys_ptr + row * stride_k + t, score_key(x, t), mask=ok)
+    tl.store(keys_ptr + row * stride_k + t, score_key(x, t, BLOCK), mask=ok)
 
 
 @triton.jit(do_not_specialize=["kept", "topk", "stride_v", "stride_i", "stride_o"])
