@@ -17,9 +17,14 @@ context, pages shuffled over the pool), the new token of each request:
   ``first_topk`` of the float scores (the key kernel, then the same);
   ``torch_topk_us`` / ``torch_topk_unsorted_us``: ``torch.topk`` on the float scores
   alone, sorted and not (what the int64 keys and the sorted output cost);
+  ``radix_topk_us`` / ``radix_topk_w8_us``: ``kernels/dsa/topk.py``'s ``radix_topk``
+  (the same set in position order, one to three launches of our own) at 16 and 8
+  warps, checked equal to its reference first (``radix_same``);
 - ``sparse_us``: the sparse MLA decode over the selected rows (auto splits);
 - ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` then the sparse decode
   captured as one graph (the layer's DSA attention as the decode step runs it);
+  ``dsa_radix_us``: the same chain with the float scores and ``radix_topk`` in place
+  of the keys and ``torch.topk`` (``radix_over_dense`` against the dense kernel);
 - ``dense_us``: the paged dense MLA decode kernel over all ``context`` rows;
   ``dsa_over_dense`` = dsa_us / dense_us against the target (at most 1.0 at 8k,
   at most 0.5 at 128k; the contexts between are reported against 1.0).
@@ -54,6 +59,7 @@ from lanekv.kernels.dsa.indexer import (  # noqa: E402
 from lanekv.kernels.dsa.pool_layout import DSARowLayout  # noqa: E402
 from lanekv.kernels.dsa.select import decode_select, first_topk, topk_of_keys  # noqa: E402
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton  # noqa: E402
+from lanekv.kernels.dsa.topk import radix_topk_ref, radix_topk_triton  # noqa: E402
 from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows  # noqa: E402
 from lanekv.kernels.mla_decode import paged_mla_decode_attention  # noqa: E402
 
@@ -124,6 +130,12 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
     keys = paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale, spec)
     if not torch.equal(topk_of_keys(keys, TOPK), chosen):
         raise RuntimeError("the keys' selection differs from first_topk of the scores")
+    radix_same = bool(torch.equal(radix_topk_triton(scores, TOPK), radix_topk_ref(scores, TOPK)))
+
+    def dsa_radix():
+        sel = radix_topk_triton(score(), TOPK)
+        return sparse_mla_decode_triton(qa, latent, table, sel, PAGE, ascale, RANK)
+
     nbytes = batch * context * spec.row_bytes
     score_us = graph_us(lambda: paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale,
                                                         spec))
@@ -134,6 +146,7 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
     dsa_us = graph_us(dsa)
     dense_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, table, lens, PAGE, ascale,
                                                            RANK))
+    dsa_radix_us = graph_us(dsa_radix)
     target = 0.5 if context >= 131072 else 1.0
     row = {"kv": kv, "batch": batch, "context": context, "score_us": score_us,
            "index_floor_us": nbytes / rate / 1e3, "index_gbps": nbytes / score_us / 1e3,
@@ -141,9 +154,13 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
            "first_topk_us": graph_us(lambda: first_topk(scores, TOPK)),
            "torch_topk_us": graph_us(lambda: scores.topk(TOPK, dim=-1)),
            "torch_topk_unsorted_us": graph_us(lambda: scores.topk(TOPK, dim=-1, sorted=False)),
+           "radix_topk_us": graph_us(lambda: radix_topk_triton(scores, TOPK)),
+           "radix_topk_w8_us": graph_us(lambda: radix_topk_triton(scores, TOPK, num_warps=8)),
+           "radix_same": radix_same,
            "sparse_us": sparse_us, "sum_us": score_us + topk_us + sparse_us, "dsa_us": dsa_us,
            "dense_us": dense_us, "dsa_over_dense": dsa_us / dense_us, "target": target,
-           "meets": dsa_us / dense_us <= target, "score_rel_err": rel,
+           "meets": dsa_us / dense_us <= target, "dsa_radix_us": dsa_radix_us,
+           "radix_over_dense": dsa_radix_us / dense_us, "score_rel_err": rel,
            "topk_overlap": overlap}
     sweep = []
     for cfg in configs:
