@@ -8,9 +8,9 @@ function of the set, so the result does not depend on the row's width past its
 last finite score (a captured step's wide table selects what an eager one does).
 
 How: a row is cut into chunks of ``chunk`` scores; one program per chunk finds the
-chunk's ``topk``-th largest score by a bitwise search over the float's monotonic
-32-bit order (32 counting passes over the values it holds in registers, no
-histogram), then keeps the scores above it and the lowest-position ties, compacted
+chunk's ``topk``-th largest score by a search over the float's monotonic 32-bit
+order, two bits a pass (16 counting passes over the values it holds in registers,
+no histogram), then keeps the scores above it and the lowest-position ties, compacted
 in position order by a prefix sum. A chunk's survivors (at most ``topk``, with
 their orders) are the next level's input: ``chunk // topk`` lists per program,
 again in position order, so the tie rule holds across levels. One launch at 8k
@@ -29,6 +29,7 @@ from lanekv.kernels.backend import use_triton
 from lanekv.kernels.dsa.indexer import score_keys_ref
 
 DEFAULT_CHUNK = 8192
+MAX_CHUNK = 32768  # a chunk's counts are packed in 16-bit fields
 INT32_MIN = tl.constexpr(-(1 << 31))
 
 
@@ -60,14 +61,25 @@ def _radix_topk_kernel(
         order = tl.load(in_order_ptr + off, mask=valid, other=0)
         pos = tl.load(in_pos_ptr + off, mask=valid, other=0)
     n_valid = tl.sum(valid.to(tl.int32), 0)
-    # The topk-th largest order: the largest t with count(order >= t) >= topk, found
-    # bit by bit from the top over the sign-flipped (unsigned-monotonic) pattern.
+    # The topk-th largest order: the largest t with count(order >= t) >= topk, found two
+    # bits at a time from the top over the sign-flipped (unsigned-monotonic) pattern:
+    # the counts of the three candidates (< 2**16 each: CHUNK <= 32768) add up packed
+    # in one int64, one block reduction per two bits.
     prefix = tl.zeros([], tl.int32)
-    one = tl.full([], 1, tl.int32)
-    for i_bit in range(32):
-        cand = prefix | (one << (31 - i_bit))  # bit 31 wraps to INT32_MIN: the flipped sign bit
-        above = tl.sum((valid & (order >= (cand ^ INT32_MIN))).to(tl.int32), 0)
-        prefix = tl.where(above >= topk, cand, prefix)
+    for step in range(16):
+        shift = 30 - 2 * step
+        c1 = prefix | (tl.full([], 1, tl.int32) << shift)  # shift 30: wraps, as bit patterns
+        c2 = prefix | (tl.full([], 2, tl.int32) << shift)
+        c3 = prefix | (tl.full([], 3, tl.int32) << shift)
+        packed = ((order >= (c1 ^ INT32_MIN)).to(tl.int64)
+                  + ((order >= (c2 ^ INT32_MIN)).to(tl.int64) << 16)
+                  + ((order >= (c3 ^ INT32_MIN)).to(tl.int64) << 32))
+        counts = tl.sum(tl.where(valid, packed, 0), 0)
+        n1 = (counts & 0xFFFF).to(tl.int32)
+        n2 = ((counts >> 16) & 0xFFFF).to(tl.int32)
+        n3 = ((counts >> 32) & 0xFFFF).to(tl.int32)
+        prefix = tl.where(n3 >= topk, c3, tl.where(n2 >= topk, c2, tl.where(n1 >= topk, c1,
+                                                                              prefix)))
     thr = prefix ^ INT32_MIN
     gt = valid & (order > thr)
     eq = (valid & (order == thr)).to(tl.int32)
@@ -100,8 +112,10 @@ def _check(scores, topk, chunk) -> None:
     if scores.shape[1] > 1 and scores.stride(1) != 1:
         raise ValueError(f"scores must be dense along its last dim, got strides {scores.stride()}")
     if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2
-                              or chunk & (chunk - 1)):
-        raise ValueError(f"chunk must be None or a power of two >= 2, got {chunk!r}")
+                              or chunk & (chunk - 1) or chunk > MAX_CHUNK):
+        raise ValueError(f"chunk must be None or a power of two in [2, {MAX_CHUNK}], got {chunk!r}")
+    if 2 * triton.next_power_of_2(topk) > MAX_CHUNK:
+        raise ValueError(f"topk must be at most {MAX_CHUNK // 2}, got {topk}")
 
 
 def radix_topk_levels(cols: int, topk: int, chunk: int | None = None) -> list[int]:

@@ -70,8 +70,10 @@ def test_levels_and_arguments():
         radix_topk_triton(torch.zeros(2, 3), 0)
     with pytest.raises(ValueError, match="scores must be a 2-D float32"):
         radix_topk_ref(torch.zeros(2, 3, dtype=torch.float64), 2)
-    with pytest.raises(ValueError, match="chunk must be None or a power of two"):
+    with pytest.raises(ValueError, match="chunk must be None or a power of two in"):
         radix_topk_triton(torch.zeros(2, 3), 2, chunk=24)
+    with pytest.raises(ValueError, match="topk must be at most 16384"):
+        radix_topk_triton(torch.zeros(1, 3), 20000)
     with pytest.raises(ValueError, match="scores must be dense"):
         radix_topk_triton(torch.zeros(3, 4).t(), 2)
 
