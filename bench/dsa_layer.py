@@ -20,6 +20,8 @@ context, pages shuffled over the pool), the new token of each request:
   ``radix_topk_us`` / ``radix_topk_w8_us``: ``kernels/dsa/topk.py``'s ``radix_topk``
   (the same set in position order, one to three launches of our own) at 16 and 8
   warps, checked equal to its reference first (``radix_same``);
+- ``launches_*``: the GPU operations one eager call launches (torch.profiler): the
+  step's top-k, ``radix_topk``, and the two chains;
 - ``sparse_us``: the sparse MLA decode over the selected rows (auto splits);
 - ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` then the sparse decode
   captured as one graph (the layer's DSA attention as the decode step runs it);
@@ -93,6 +95,18 @@ def _plane(kv: str, rows: int, gen: torch.Generator) -> tuple[DSARowLayout, torc
     return lay, plane
 
 
+def kernel_count(fn) -> int:
+    """GPU operations (kernels, memsets, copies) one eager call of ``fn`` launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def _overlap(got: torch.Tensor, want: torch.Tensor) -> float:
     """Mean fraction of the reference's selected positions the kernel path selects too."""
     fracs = []
@@ -158,6 +172,9 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
            "radix_topk_us": graph_us(lambda: radix_topk_triton(scores, TOPK)),
            "radix_topk_w8_us": graph_us(lambda: radix_topk_triton(scores, TOPK, num_warps=8)),
            "radix_same": radix_same, "keys_same": keys_same,
+           "launches_topk": kernel_count(lambda: topk_of_keys(keys, TOPK)),
+           "launches_radix": kernel_count(lambda: radix_topk_triton(scores, TOPK)),
+           "launches_dsa": kernel_count(dsa), "launches_dsa_radix": kernel_count(dsa_radix),
            "sparse_us": sparse_us, "sum_us": score_us + topk_us + sparse_us, "dsa_us": dsa_us,
            "dense_us": dense_us, "dsa_over_dense": dsa_us / dense_us, "target": target,
            "meets": dsa_us / dense_us <= target, "dsa_radix_us": dsa_radix_us,
