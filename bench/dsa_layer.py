@@ -31,6 +31,11 @@ context, pages shuffled over the pool), the new token of each request:
   ``dsa_over_dense`` = dsa_us / dense_us against the target (at most 1.0 at 8k,
   at most 0.5 at 128k; the contexts between are reported against 1.0).
 
+``*_wide_us``: the dense kernel and both chains over a page table as wide as a
+captured decode step's (``--graph-positions``, V3.2's 163840 by default; the rows past
+each request's pages are page 0, never read): what the step pays under CUDA graphs,
+where the scores and the top-k run over the table's whole width.
+
 ``--score-configs`` (block_n,programs_per_sm,warps,stages) times the scoring kernel
 under each launch config too (table ``score_sweep``). Every timing is a CUDA graph
 of 20 calls replayed (the median of ``triton.testing.do_bench``, divided by 20), as
@@ -116,7 +121,8 @@ def _overlap(got: torch.Tensor, want: torch.Tensor) -> float:
     return sum(fracs) / len(fracs)
 
 
-def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple[dict, list]:
+def _case(kv: str, batch: int, context: int, rate: float, configs, gen,
+          graph_positions: int) -> tuple[dict, list]:
     pages = context // PAGE
     lay, plane = _plane(kv, batch * context, gen)
     latent, index = lay.latent(plane), lay.index_rows(plane)
@@ -162,6 +168,23 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
     dense_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, table, lens, PAGE, ascale,
                                                            RANK))
     dsa_radix_us = graph_us(dsa_radix)
+    wide_pages = max(pages, graph_positions // PAGE)
+    wide = torch.zeros((batch, wide_pages), dtype=torch.int32, device=DEV)
+    wide[:, :pages] = table
+
+    def dsa_wide():
+        sel = decode_select(qi, w, index, wide, lens, PAGE, iscale, TOPK, spec)
+        return sparse_mla_decode_triton(qa, latent, wide, sel, PAGE, ascale, RANK)
+
+    def dsa_radix_wide():
+        scores = paged_index_scores_triton(qi, w, index, wide, lens, PAGE, iscale, spec)
+        return sparse_mla_decode_triton(qa, latent, wide, radix_topk_triton(scores, TOPK), PAGE,
+                                        ascale, RANK)
+
+    wide_same = bool(torch.equal(dsa_wide(), dsa()))
+    dense_wide_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, wide, lens, PAGE,
+                                                                ascale, RANK))
+    dsa_wide_us, dsa_radix_wide_us = graph_us(dsa_wide), graph_us(dsa_radix_wide)
     target = 0.5 if context >= 131072 else 1.0
     row = {"kv": kv, "batch": batch, "context": context, "score_us": score_us,
            "index_floor_us": nbytes / rate / 1e3, "index_gbps": nbytes / score_us / 1e3,
@@ -178,7 +201,11 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen) -> tuple
            "sparse_us": sparse_us, "sum_us": score_us + topk_us + sparse_us, "dsa_us": dsa_us,
            "dense_us": dense_us, "dsa_over_dense": dsa_us / dense_us, "target": target,
            "meets": dsa_us / dense_us <= target, "dsa_radix_us": dsa_radix_us,
-           "radix_over_dense": dsa_radix_us / dense_us, "score_rel_err": rel,
+           "radix_over_dense": dsa_radix_us / dense_us, "graph_positions": wide_pages * PAGE,
+           "dense_wide_us": dense_wide_us, "dsa_wide_us": dsa_wide_us,
+           "dsa_radix_wide_us": dsa_radix_wide_us, "wide_over_dense": dsa_wide_us / dense_wide_us,
+           "radix_wide_over_dense": dsa_radix_wide_us / dense_wide_us,
+           "wide_same_output": wide_same, "score_rel_err": rel,
            "topk_overlap": overlap}
     sweep = []
     for cfg in configs:
@@ -207,6 +234,8 @@ def main() -> int:
         _config(c) for c in ("32,4,4,3", "64,2,4,3", "64,8,4,3", "128,4,8,3", "64,4,4,2")])
     ap.add_argument("--bandwidth", type=float, default=0.0,
                     help="GB/s for the index floor (default: the measured copy rate)")
+    ap.add_argument("--graph-positions", type=int, default=163840,
+                    help="positions of a captured step's page table (the *_wide_us columns)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -226,11 +255,15 @@ def main() -> int:
     for kv in args.kv:
         for batch in args.batches:
             for context in args.contexts:
-                row, sweep = _case(kv, batch, context, rate, args.score_configs, gen)
+                row, sweep = _case(kv, batch, context, rate, args.score_configs, gen,
+                                   args.graph_positions)
                 result["layer"].append(row)
                 result["score_sweep"] += sweep
                 print(f"{kv} b{batch} {context}: dsa {row['dsa_us']:.1f} us, dense "
-                      f"{row['dense_us']:.1f} us ({row['dsa_over_dense']:.2f}x)", flush=True)
+                      f"{row['dense_us']:.1f} us ({row['dsa_over_dense']:.2f}x); with radix_topk "
+                      f"{row['radix_over_dense']:.2f}x; at the graph's width "
+                      f"{row['wide_over_dense']:.2f}x / {row['radix_wide_over_dense']:.2f}x",
+                      flush=True)
                 if args.json:  # after each case, so a long run keeps what it measured
                     args.json.write_text(json.dumps(result, indent=2))
     print_rows("DSA decode attention per layer", result["layer"])

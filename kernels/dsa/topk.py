@@ -66,20 +66,21 @@ def _radix_topk_kernel(
     # the counts of the three candidates (< 2**16 each: CHUNK <= 32768) add up packed
     # in one int64, one block reduction per two bits.
     prefix = tl.zeros([], tl.int32)
-    for step in range(16):
-        shift = 30 - 2 * step
-        c1 = prefix | (tl.full([], 1, tl.int32) << shift)  # shift 30: wraps, as bit patterns
-        c2 = prefix | (tl.full([], 2, tl.int32) << shift)
-        c3 = prefix | (tl.full([], 3, tl.int32) << shift)
-        packed = ((order >= (c1 ^ INT32_MIN)).to(tl.int64)
-                  + ((order >= (c2 ^ INT32_MIN)).to(tl.int64) << 16)
-                  + ((order >= (c3 ^ INT32_MIN)).to(tl.int64) << 32))
-        counts = tl.sum(tl.where(valid, packed, 0), 0)
-        n1 = (counts & 0xFFFF).to(tl.int32)
-        n2 = ((counts >> 16) & 0xFFFF).to(tl.int32)
-        n3 = ((counts >> 32) & 0xFFFF).to(tl.int32)
-        prefix = tl.where(n3 >= topk, c3, tl.where(n2 >= topk, c2, tl.where(n1 >= topk, c1,
-                                                                              prefix)))
+    if n_valid > topk:  # else every valid score is kept: no search (a chunk past seq_len)
+        for step in range(16):
+            shift = 30 - 2 * step
+            c1 = prefix | (tl.full([], 1, tl.int32) << shift)  # shift 30: wraps, as bit patterns
+            c2 = prefix | (tl.full([], 2, tl.int32) << shift)
+            c3 = prefix | (tl.full([], 3, tl.int32) << shift)
+            packed = ((order >= (c1 ^ INT32_MIN)).to(tl.int64)
+                      + ((order >= (c2 ^ INT32_MIN)).to(tl.int64) << 16)
+                      + ((order >= (c3 ^ INT32_MIN)).to(tl.int64) << 32))
+            counts = tl.sum(tl.where(valid, packed, 0), 0)
+            n1 = (counts & 0xFFFF).to(tl.int32)
+            n2 = ((counts >> 16) & 0xFFFF).to(tl.int32)
+            n3 = ((counts >> 32) & 0xFFFF).to(tl.int32)
+            prefix = tl.where(n3 >= topk, c3, tl.where(n2 >= topk, c2, tl.where(n1 >= topk, c1,
+                                                                                  prefix)))
     thr = prefix ^ INT32_MIN
     gt = valid & (order > thr)
     eq = (valid & (order == thr)).to(tl.int32)
