@@ -25,6 +25,13 @@
   experts a step's tokens touch in expectation under uniform routing; the
   lm_head; the embedding rows of the batch, not the table) at the device's
   copy rate.
+- ``prefill``: one ``--prefill-tokens`` prompt (8k and 32k by default) prefilled at
+  cp=1 by the prefill daemon's engine (``ThreadedPrefillEngine``, the rank code the
+  daemon runs), DeepSeek-V2-Lite and Llama-3-8B shapes, the dummy weights bf16 and
+  then the same values quantized blockwise, in one run: tokens/s (the median of
+  ``--prefill-repeat`` prefills after one warm-up) and ``vs_bf16`` (FP8 tokens/s
+  over bf16's); ``logits_rel_err_vs_bf16`` and ``same_first_token_as_bf16`` compare
+  the prompt's last-token logits with the bf16 model's (the same seeded weights).
 
 Each run writes a new JSON file (``--json PATH``, refused if it exists, or a
 timestamped one in bench/results/fp8/). ``--write-table`` merges the configs a
@@ -35,6 +42,7 @@ reads (or PATH; ``LANEKV_FP8_GEMM_CONFIGS`` points the kernel at another).
     python bench/fp8.py --sweep --rows 2048 8192 --write-table    # tune prefill rows
     python bench/fp8.py --only gemm                               # the tuned GEMM vs torch
     python bench/fp8.py --only decode
+    python bench/fp8.py --only prefill                            # FP8 vs bf16 prefill tok/s
 """
 
 from __future__ import annotations
@@ -76,6 +84,9 @@ from lanekv.kernels.fp8.weights import (  # noqa: E402
 )
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
 from lanekv.model.sampling import SamplingParams  # noqa: E402
+from lanekv.prefill.cp.launcher import PrefillInput  # noqa: E402
+from lanekv.prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
+from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 
 from bench.deepseek import V2_LITE  # noqa: E402
 from bench.prefill import LLAMA3_8B  # noqa: E402
@@ -448,6 +459,87 @@ def bench_decode(models: list[str], batches: list[int], context: int, steps: int
     return out
 
 
+def _prefill_once(engine, ids: list[int], device: torch.device) -> tuple[float, torch.Tensor]:
+    """Seconds of one prefill of ``ids`` (pages freed after) and its last-token logits."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
+    sync(device)
+    t0 = time.perf_counter()
+    res = engine.prefill([PrefillInput(ids)], return_logits=True)[0]
+    sync(device)
+    seconds = time.perf_counter() - t0
+    engine.free(res.new_pages)
+    return seconds, res.logits.float().flatten().cpu()
+
+
+def bench_prefill(models: list[str], tokens: list[int], repeat: int, page_size: int,
+                  device: torch.device) -> list[dict]:
+    """bf16 then FP8 weights of each model: one prompt of each length, cp=1."""
+    out = []
+    for name in models:
+        logits = {}
+        for quant in ("bf16", "fp8"):
+            cfg = dict(MODELS[name])
+            if quant == "fp8":
+                cfg["quantization_config"] = FP8_CONFIG
+            with tempfile.TemporaryDirectory() as d:
+                (Path(d) / "config.json").write_text(json.dumps(cfg))
+                loaded = load_dummy_model(d, dtype=torch.bfloat16, device=device)
+                for n in tokens:
+                    row = dict(model=name, weights=quant, tokens=n)
+                    ecfg = EngineConfig(d, cp_size=1, page_size=page_size,
+                                        pages_per_lane=-(-n // page_size) + 8, dtype="bfloat16",
+                                        load_format="dummy", device=device.type)
+                    ids = torch.randint(3, cfg["vocab_size"], (n,),
+                                        generator=torch.Generator().manual_seed(n)).tolist()
+                    engine = None
+                    try:
+                        engine = ThreadedPrefillEngine(ecfg, loaded)
+                        _, logits[(quant, n)] = _prefill_once(engine, ids, device)  # warm-up
+                        times = [_prefill_once(engine, ids, device)[0] for _ in range(repeat)]
+                    except Exception as err:  # noqa: BLE001  (recorded; the other rows still run)
+                        row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" \
+                            if str(err) else type(err).__name__
+                        out.append(row)
+                        print(f"{name:>9} {quant:>4} prefill {n:>6}: {row['error']}", flush=True)
+                        continue
+                    finally:
+                        if engine is not None:
+                            engine.close()
+                        engine = None
+                        if device.type == "cuda":
+                            torch.cuda.empty_cache()
+                    seconds = sorted(times)[len(times) // 2]
+                    row.update(ms=seconds * 1e3, tokens_per_s=n / seconds,
+                               ms_runs=[t * 1e3 for t in times])
+                    if quant == "fp8" and ("bf16", n) in logits:
+                        ref, got = logits[("bf16", n)], logits[(quant, n)]
+                        row["logits_rel_err_vs_bf16"] = float((got - ref).norm() / ref.norm())
+                        row["same_first_token_as_bf16"] = bool(got.argmax() == ref.argmax())
+                    out.append(row)
+                    print(f"{name:>9} {quant:>4} prefill {n:>6}: {n / seconds:>9,.0f} tok/s "
+                          f"({seconds * 1e3:.1f} ms)", flush=True)
+            del loaded
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for row in out:
+        bf16 = next((r for r in out if r["model"] == row["model"] and r["weights"] == "bf16"
+                     and r["tokens"] == row["tokens"] and "tokens_per_s" in r), None)
+        if row["weights"] == "fp8" and bf16 is not None and "tokens_per_s" in row:
+            row["bf16_tokens_per_s"] = bf16["tokens_per_s"]
+            row["vs_bf16"] = row["tokens_per_s"] / bf16["tokens_per_s"]
+    print(f"\n{'model':>9} {'tokens':>6} {'bf16 tok/s':>11} {'fp8 tok/s':>10} {'fp8/bf16':>8} "
+          f"{'logits err':>10} {'same tok':>8}")
+    for row in out:
+        if row["weights"] == "fp8":
+            print(f"{row['model']:>9} {row['tokens']:>6} "
+                  f"{row.get('bf16_tokens_per_s', float('nan')):>11,.0f} "
+                  f"{row.get('tokens_per_s', float('nan')):>10,.0f} "
+                  f"{row.get('vs_bf16', float('nan')):>8.2f} "
+                  f"{row.get('logits_rel_err_vs_bf16', float('nan')):>10.2e} "
+                  f"{str(row.get('same_first_token_as_bf16', '-')):>8}", flush=True)
+    return out
+
+
 def _result_path(args, device: torch.device) -> Path:
     """A new file per run: the given path, refused if it exists, or a timestamped one."""
     if args.json is not None:
@@ -455,14 +547,15 @@ def _result_path(args, device: torch.device) -> Path:
             sys.exit(f"--json {args.json} exists; results are never overwritten")
         return args.json
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    kind = "gemm_sweep" if args.sweep else ("gemm" if args.only == "gemm" else "fp8")
+    kind = "gemm_sweep" if args.sweep else (args.only if args.only in ("gemm", "prefill")
+                                            else "fp8")
     return RESULTS_DIR / f"{kind}_{device_slug(torch.cuda.get_device_name(device))}_{stamp}.json"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("gemm", "decode"), default=None)
+    ap.add_argument("--only", choices=("gemm", "decode", "prefill"), default=None)
     ap.add_argument("--sweep", action="store_true",
                     help="GEMM only: try every candidate config per shape and row count, "
                          "report and use the fastest correct one")
@@ -479,11 +572,21 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--prefill-tokens", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--prefill-repeat", type=int, default=3)
+    ap.add_argument("--prefill-models", nargs="+", default=["v2_lite", "llama3_8b"],
+                    choices=list(MODELS))
+    ap.add_argument("--page-size", type=int, default=64, help="prefill: the KV page size")
     ap.add_argument("--json", type=Path, default=None,
                     help="result file (default: a new timestamped file in bench/results/fp8/)")
     args = ap.parse_args()
-    if args.sweep and args.only == "decode":
-        ap.error("--sweep tunes the GEMM; it cannot go with --only decode")
+    if args.sweep and args.only in ("decode", "prefill"):
+        ap.error(f"--sweep tunes the GEMM; it cannot go with --only {args.only}")
+    if args.prefill_repeat < 1:
+        ap.error(f"--prefill-repeat must be at least 1, got {args.prefill_repeat}")
+    for n in args.prefill_tokens:
+        if n < 1:
+            ap.error(f"--prefill-tokens: {n} is not a positive token count")
     if args.sweep:
         args.only = "gemm"
     if not torch.cuda.is_available():
@@ -506,6 +609,10 @@ def main() -> None:
     if args.only in (None, "decode"):
         result["decode"] = bench_decode(args.models, args.batches, args.context, args.steps,
                                         device)
+        out_path.write_text(json.dumps(result, indent=2))
+    if args.only in (None, "prefill"):
+        result["prefill"] = bench_prefill(args.prefill_models, args.prefill_tokens,
+                                          args.prefill_repeat, args.page_size, device)
     out_path.write_text(json.dumps(result, indent=2))
     print(f"wrote {out_path}", flush=True)
 

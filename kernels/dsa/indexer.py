@@ -10,6 +10,9 @@
   seq_lens [B] int32, page_size, softmax_scale, spec) -> [B, W * page_size] f32``:
   decode, against the request's index-K pool rows (``kernels/dsa/index_cache.py``),
   dequantizing fp8 inside; keys at ``t >= seq_lens[b]`` score ``-inf``.
+  ``paged_index_keys`` (same arguments) -> ``[B, W * page_size]`` int64: the same
+  scores written as ``kernels/dsa/select.py``'s ``first_topk`` keys (``score_key``),
+  so the decode selection reads them straight into its top-k.
 - ``index_topk(scores [N, T], topk) -> [N, topk] int32``: the positions of the
   ``topk`` best keys per row (all visible keys when fewer), ``-1`` padded.
 
@@ -27,12 +30,13 @@ lowest positions whatever the page table's width.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
-from lanekv.kernels.dsa.index_cache import IndexCacheSpec, e4m3_value, read_index_k_ref
+from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k_ref
 from lanekv.kernels.kv_layout import check_page_table
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -69,48 +73,103 @@ def _index_scores_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+class IndexScoreConfig(NamedTuple):
+    """Launch knobs of the paged (decode) index scoring kernel; bench/dsa_layer.py sweeps them."""
+
+    block_n: int = 64  # keys per loop step of a program
+    programs_per_sm: int = 4  # programs launched per SM over the whole batch (at most one per block)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def index_score_programs(batch: int, max_len: int, num_sms: int,
+                         config: IndexScoreConfig) -> int:
+    """Programs per request: enough over the batch to fill ``num_sms`` SMs
+    ``programs_per_sm`` deep, never more than the request's key blocks. A function
+    of shapes only, so a captured step keeps its grid."""
+    blocks = triton.cdiv(max_len, config.block_n)
+    return max(1, min(blocks, triton.cdiv(num_sms * config.programs_per_sm, max(batch, 1))))
+
+
+@triton.jit
+def score_key(score, t, BLOCK: tl.constexpr):
+    """``first_topk``'s int64 key of float32 ``score`` at position ``t``: the float's
+    bits made monotonic (``-0.0`` counted as ``0.0``) in the high word, ``2**32 - 1 - t``
+    in the low one, so a larger key is a larger score, or the same score earlier."""
+    bits = (score + 0.0).to(tl.int32, bitcast=True)
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
+    low = tl.full([BLOCK], 4294967295, tl.int64) - t.to(tl.int64)  # 2**32 - 1 - t
+    return (order << 32) + low
+
+
 # The page size is a runtime value on purpose: as a constexpr, Triton 3.6 took
 # ``page * PAGE_SIZE + t % PAGE_SIZE`` for a multiple of 16 in every lane and
 # loaded the fp8 rows (132-byte stride) with 16-byte vector loads: "misaligned
-# address" on an H200.
-@triton.jit(do_not_specialize=["stride_tb", "page_size"])
+# address" on an H200. The pool's row stride stays specialized, so rows at a
+# stride that is a multiple of 16 (the DSA pool's 1296 and 800 bytes) load in
+# 16-byte vectors.
+#
+# Each program loads its request's q and weights once and walks key blocks
+# ``pid, pid + P, ...`` up to the request's ``seq_len`` (so any length spreads
+# over all P programs, also under a captured step's wide table), then writes
+# ``-inf`` over the rest of the table's width. fp8 keys are converted exactly
+# to q's dtype (e4m3 values fit fp16/bf16/fp32) and the dot of each scale block
+# is multiplied by that block's float32 scale afterwards: the bytes read are the
+# row's 128 + 4, and the product is no less exact than dequantizing first.
+@triton.jit(do_not_specialize=["stride_tb", "page_size", "max_len"])
 def _paged_index_scores_kernel(
     q_ptr, w_ptr, pool_ptr, scale_ptr, table_ptr, lens_ptr, out_ptr,
     num_heads, max_len, scale,
     stride_qb, stride_qh, stride_wb, stride_pool, stride_scale, stride_tb, stride_o, page_size,
     HEAD_DIM: tl.constexpr, QBLOCK: tl.constexpr, FP8: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, NUM_STAGES: tl.constexpr, KEYS: tl.constexpr,
 ):
     b = tl.program_id(0).to(tl.int64)
-    t = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid = tl.program_id(1)
+    progs = tl.num_programs(1)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_len)
-    t_ok = t < seq_len
-    score = tl.full([BLOCK_N], float("-inf"), tl.float32)
-    if tl.program_id(1) * BLOCK_N < seq_len:
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        h_ok = h < num_heads
-        d_ok = d < HEAD_DIM
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    h_ok = h < num_heads
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
+                mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+    w = tl.load(w_ptr + b * stride_wb + h, mask=h_ok, other=0.0)
+    live = tl.cdiv(seq_len, BLOCK_N)
+    for blk in tl.range(pid, live, progs, num_stages=NUM_STAGES):
+        t = blk * BLOCK_N + n
+        t_ok = t < seq_len
         page = tl.load(table_ptr + b * stride_tb + t // page_size, mask=t_ok, other=0)
         row = page.to(tl.int64) * page_size + t % page_size
-        kmask = t_ok[:, None] & d_ok[None, :]
-        raw = tl.load(pool_ptr + row[:, None] * stride_pool + d[None, :], mask=kmask, other=0)
-        q = tl.load(q_ptr + b * stride_qb + h[:, None] * stride_qh + d[None, :],
-                    mask=h_ok[:, None] & d_ok[None, :], other=0.0)
+        raw = tl.load(pool_ptr + row[:, None] * stride_pool + d[None, :],
+                      mask=t_ok[:, None] & d_ok[None, :], other=0)
         if FP8:
-            sc = tl.load(scale_ptr + row[:, None] * stride_scale + HEAD_DIM // 4
-                         + d[None, :] // QBLOCK, mask=kmask, other=0.0)
-            # Dequantized in float32, then the dot in q's dtype as the prefill kernel's
-            # (for bf16, rounding k to bf16 adds 2**-9 to e4m3's 2**-4 relative error).
-            k = (e4m3_value(raw.to(tl.int32)) * sc).to(q.dtype)  # [BLOCK_N, BLOCK_D]
+            k = raw.to(tl.float8e4nv, bitcast=True).to(q.dtype)  # exact
+            s = tl.zeros([BLOCK_H, BLOCK_N], tl.float32)
+            for qb in tl.static_range(HEAD_DIM // QBLOCK):
+                sc = tl.load(scale_ptr + row * stride_scale + HEAD_DIM // 4 + qb, mask=t_ok,
+                             other=0.0)
+                if HEAD_DIM == QBLOCK:
+                    kb = k
+                else:
+                    kb = tl.where(((d // QBLOCK) == qb)[None, :], k, 0.0)
+                s += tl.dot(q, tl.trans(kb), input_precision=DOT_PRECISION) * sc[None, :]
         else:
-            k = raw
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
-        w = tl.load(w_ptr + b * stride_wb + h, mask=h_ok, other=0.0)
-        score = tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0)
-        score = tl.where(t_ok, score, float("-inf"))
-    tl.store(out_ptr + b * stride_o + t, score, mask=t < max_len)
+            s = tl.dot(q, tl.trans(raw), input_precision=DOT_PRECISION)  # [BLOCK_H, BLOCK_N]
+        score = tl.where(t_ok, tl.sum(w[:, None] * tl.maximum(s * scale, 0.0), 0), float("-inf"))
+        if KEYS:
+            tl.store(out_ptr + b * stride_o + t, score_key(score, t, BLOCK_N), mask=t < max_len)
+        else:
+            tl.store(out_ptr + b * stride_o + t, score, mask=t < max_len)
+    hidden = tl.full([BLOCK_N], float("-inf"), tl.float32)
+    for blk in range(live + pid, tl.cdiv(max_len, BLOCK_N), progs):
+        t = blk * BLOCK_N + n
+        if KEYS:
+            tl.store(out_ptr + b * stride_o + t, score_key(hidden, t, BLOCK_N), mask=t < max_len)
+        else:
+            tl.store(out_ptr + b * stride_o + t, hidden, mask=t < max_len)
 
 
 def _check_scale(softmax_scale) -> None:
@@ -228,27 +287,79 @@ def _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax
         check_page_table(page_table, seq_lens, page_size, pool.shape[0] // page_size, "pool")
 
 
-def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size: int,
-                              softmax_scale: float, spec: IndexCacheSpec) -> torch.Tensor:
+def _launch_paged(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec,
+                  config, keys: bool) -> torch.Tensor:
     _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec)
+    if config is not None and not isinstance(config, IndexScoreConfig):
+        raise ValueError(f"config must be an IndexScoreConfig or None, got {config!r:.80}")
+    cfg = config or IndexScoreConfig()
     max_len = page_table.shape[1] * page_size
-    out = torch.empty((q.shape[0], max_len), dtype=torch.float32, device=q.device)
+    if max_len >= 1 << 32:
+        raise ValueError(f"page_table spans {max_len} positions, 2**32 or more")
+    out = torch.empty((q.shape[0], max_len), dtype=torch.int64 if keys else torch.float32,
+                      device=q.device)
     if out.numel() == 0:
         return out
     fp8 = spec.cache_dtype == "fp8_e4m3"
-    keys = pool if fp8 else pool.view(spec.model_dtype)
+    rows = pool if fp8 else pool.view(spec.model_dtype)
     scales = pool.view(torch.float32)
-    block_n = 32
-    _paged_index_scores_kernel[(q.shape[0], triton.cdiv(max_len, block_n))](
-        q, weights, keys, scales, page_table, seq_lens, out, q.shape[1], max_len,
-        float(softmax_scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0),
+    num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 1)  # the interpreter runs programs one by one
+    block_n = max(16, triton.next_power_of_2(cfg.block_n))
+    progs = index_score_programs(q.shape[0], max_len, num_sms, cfg._replace(block_n=block_n))
+    _paged_index_scores_kernel[(q.shape[0], progs)](
+        q, weights, rows, scales, page_table, seq_lens, out, q.shape[1], max_len,
+        float(softmax_scale), q.stride(0), q.stride(1), weights.stride(0), rows.stride(0),
         scales.stride(0), page_table.stride(0), out.stride(0), page_size,
         HEAD_DIM=spec.head_dim, QBLOCK=spec.block, FP8=fp8,
         BLOCK_H=max(16, triton.next_power_of_2(q.shape[1])),
         BLOCK_D=max(16, triton.next_power_of_2(spec.head_dim)), BLOCK_N=block_n,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        NUM_STAGES=cfg.num_stages, KEYS=keys, num_warps=cfg.num_warps,
     )
     return out
+
+
+def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size: int,
+                              softmax_scale: float, spec: IndexCacheSpec, *,
+                              config: IndexScoreConfig | None = None) -> torch.Tensor:
+    """Triton launcher; ``config`` (bench sweeps) picks the key block, the programs
+    per SM and the pipelining, ``None`` the defaults."""
+    return _launch_paged(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec,
+                         config, keys=False)
+
+
+def paged_index_keys_triton(q, weights, pool, page_table, seq_lens, page_size: int,
+                            softmax_scale: float, spec: IndexCacheSpec, *,
+                            config: IndexScoreConfig | None = None) -> torch.Tensor:
+    """``paged_index_scores_triton``'s scores written as ``first_topk``'s int64 keys
+    (``score_key``) by the same kernel: the decode selection's first launch."""
+    return _launch_paged(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec,
+                         config, keys=True)
+
+
+def paged_index_keys_ref(q, weights, pool, page_table, seq_lens, page_size: int,
+                         softmax_scale: float, spec: IndexCacheSpec, *,
+                         config: IndexScoreConfig | None = None) -> torch.Tensor:
+    """``paged_index_scores_ref``'s scores as int64 keys (``config`` has no effect here)."""
+    scores = paged_index_scores_ref(q, weights, pool, page_table, seq_lens, page_size,
+                                    softmax_scale, spec)
+    return score_keys_ref(scores)
+
+
+def score_keys_ref(scores: torch.Tensor) -> torch.Tensor:
+    """``score_key`` of each float32 score of ``[N, T]`` at its column ``t``."""
+    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # monotonic in the float
+    pos = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
+    return order * (1 << 32) + ((1 << 32) - 1 - pos)
+
+
+def paged_index_keys(q, weights, pool, page_table, seq_lens, page_size: int,
+                     softmax_scale: float, spec: IndexCacheSpec) -> torch.Tensor:
+    """Each request's new-token index scores as ``first_topk``'s int64 keys."""
+    run = paged_index_keys_triton if use_triton(q) else paged_index_keys_ref
+    return run(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec)
 
 
 def paged_index_scores_ref(q, weights, pool, page_table, seq_lens, page_size: int,

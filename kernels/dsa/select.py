@@ -6,10 +6,11 @@ int32 token positions of each request, ``-1`` padded (``index_topk``'s form, wha
 ``sparse_mla_decode`` takes). ``seq_lens`` count the new token, whose key is in
 the pool already.
 
-On CUDA it is one launch of the paged Triton kernel (fp8 dequantized inside)
-over the page table's width (keys past ``seq_lens[b]`` score ``-inf`` and are
-selected only when fewer than ``topk`` keys exist, then returned as ``-1``, which
-``sparse_mla_decode`` skips) and one ``torch.topk`` (``first_topk``: exactly tied
+On CUDA it is one launch of the paged Triton kernel (fp8 rows read as they are
+stored) over the page table's width, writing ``first_topk``'s int64 keys (keys past
+``seq_lens[b]`` score ``-inf`` and are selected only when fewer than ``topk`` keys
+exist, then returned as ``-1``, which ``sparse_mla_decode`` skips), one
+``torch.topk`` and one launch for the positions (``first_topk``: exactly tied
 scores go to the lowest positions, so the set does not depend on the table's
 width, and a captured step, whose table is as wide as the pool allows, selects
 what an eager step over the batch's own width does). No host read, no shape
@@ -26,7 +27,13 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k
-from lanekv.kernels.dsa.indexer import index_scores, index_topk, paged_index_scores
+from lanekv.kernels.dsa.indexer import (
+    index_scores,
+    index_topk,
+    paged_index_keys,
+    score_key,
+    score_keys_ref,
+)
 
 
 def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,
@@ -52,11 +59,17 @@ def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tens
 def select_fixed_width(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,
                        page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                        softmax_scale: float, topk: int, spec: IndexCacheSpec) -> torch.Tensor:
-    """``decode_select``'s CUDA path on any device: scores over the page table's whole
-    width (``-inf`` past each ``seq_len``), then ``first_topk``."""
-    scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
-                                softmax_scale, spec)
-    return first_topk(scores, topk)
+    """``decode_select``'s CUDA path on any device: the scores over the page table's
+    whole width (``-inf`` past each ``seq_len``), written by the scoring kernel as
+    ``first_topk``'s keys, then their top ``topk`` (``torch.topk`` and one launch
+    for the positions): what ``first_topk(paged_index_scores(...), topk)`` gives,
+    one launch and a float32 round trip fewer."""
+    keys = paged_index_keys(q, weights, index_pool, page_table, seq_lens, page_size,
+                            softmax_scale, spec)
+    return topk_of_keys(keys, topk)
+
+
+_NEG_INF_ORDER = -2139095041  # score_key's high word of -inf
 
 
 # Widths and strides vary with an eager step's page table: never specialized on.
@@ -65,35 +78,71 @@ def _topk_keys_kernel(scores_ptr, keys_ptr, n_cols, stride_s, stride_k, BLOCK: t
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = t < n_cols
-    x = tl.load(scores_ptr + row * stride_s + t, mask=ok, other=0.0) + 0.0  # -0.0 -> 0.0
-    bits = x.to(tl.int32, bitcast=True)
-    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.int64)
-    low = tl.full([BLOCK], 4294967295, tl.int64) - t.to(tl.int64)  # 2**32 - 1 - t
-    key = (order << 32) + low
-    tl.store(keys_ptr + row * stride_k + t, key, mask=ok)
+    x = tl.load(scores_ptr + row * stride_s + t, mask=ok, other=0.0)
+    tl.store(keys_ptr + row * stride_k + t, score_key(x, t, BLOCK), mask=ok)
 
 
-@triton.jit(do_not_specialize=["kept", "topk", "stride_b", "stride_s", "stride_o"])
-def _topk_finish_kernel(best_ptr, scores_ptr, out_ptr, kept, topk, stride_b, stride_s, stride_o,
-                        BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["kept", "topk", "stride_v", "stride_i", "stride_o"])
+def _topk_finish_kernel(values_ptr, best_ptr, out_ptr, kept, topk, stride_v, stride_i, stride_o,
+                        NEG_INF_ORDER: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     chosen = j < kept
-    best = tl.load(best_ptr + row * stride_b + j, mask=chosen, other=0)
-    score = tl.load(scores_ptr + row * stride_s + best, mask=chosen, other=float("-inf"))
-    pos = tl.where(score == float("-inf"), -1, best)
+    key = tl.load(values_ptr + row * stride_v + j, mask=chosen, other=0)
+    best = tl.load(best_ptr + row * stride_i + j, mask=chosen, other=0)
+    pos = tl.where(chosen & ((key >> 32) != NEG_INF_ORDER), best, -1)
     tl.store(out_ptr + row * stride_o + j, pos.to(tl.int32), mask=j < topk)
 
 
-def _check_first_topk(scores, topk) -> None:
-    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be a 2-D float32 tensor, got {scores!r:.80}")
+def _check_topk(name, scores, dtype, topk) -> None:
+    if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or scores.dtype != dtype:
+        raise ValueError(f"{name} must be a 2-D {dtype} tensor, got {scores!r:.80}")
     if isinstance(topk, bool) or not isinstance(topk, int) or topk <= 0:
         raise ValueError(f"topk must be a positive int, got {topk!r}")
     if scores.shape[1] >= 1 << 32:
-        raise ValueError(f"scores has {scores.shape[1]} columns, 2**32 or more")
+        raise ValueError(f"{name} has {scores.shape[1]} columns, 2**32 or more")
     if scores.shape[1] > 1 and scores.stride(1) != 1:
-        raise ValueError(f"scores must be dense along its last dim, got strides {scores.stride()}")
+        raise ValueError(f"{name} must be dense along its last dim, got strides {scores.stride()}")
+
+
+def _check_first_topk(scores, topk) -> None:
+    _check_topk("scores", scores, torch.float32, topk)
+
+
+def topk_of_keys_triton(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """``[N, T]`` int64 ``score_key`` keys -> ``[N, topk]`` int32 positions of the
+    largest, ``-1`` for ``-inf`` scores and the padding: ``torch.topk`` and one launch."""
+    _check_topk("keys", keys, torch.int64, topk)
+    rows, cols = keys.shape
+    kept = min(topk, cols)
+    out = torch.empty((rows, topk), dtype=torch.int32, device=keys.device)
+    if rows == 0:
+        return out
+    if kept == 0:
+        return out.fill_(-1)
+    best = keys.topk(kept, dim=-1)
+    block = 1024 if keys.is_cuda else 64
+    _topk_finish_kernel[(rows, triton.cdiv(topk, block))](
+        best.values, best.indices, out, kept, topk, best.values.stride(0),
+        best.indices.stride(0), out.stride(0), NEG_INF_ORDER=_NEG_INF_ORDER, BLOCK=block)
+    return out
+
+
+def topk_of_keys_ref(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    _check_topk("keys", keys, torch.int64, topk)
+    kept = min(topk, keys.shape[1])
+    out = torch.full((keys.shape[0], topk), -1, dtype=torch.int32, device=keys.device)
+    if kept == 0 or keys.shape[0] == 0:
+        return out
+    best = keys.topk(kept, dim=-1)
+    hidden = (best.values >> 32) == _NEG_INF_ORDER
+    out[:, :kept] = best.indices.to(torch.int32).masked_fill(hidden, -1)
+    return out
+
+
+def topk_of_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
+    """The positions of the ``topk`` largest keys of each row, ``-1`` for ``-inf``."""
+    return (topk_of_keys_triton if use_triton(keys) else topk_of_keys_ref)(keys, topk)
 
 
 def first_topk_triton(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -101,21 +150,12 @@ def first_topk_triton(scores: torch.Tensor, topk: int) -> torch.Tensor:
     then the positions with ``-1`` for ``-inf`` scores and the padding (one kernel)."""
     _check_first_topk(scores, topk)
     rows, cols = scores.shape
-    kept = min(topk, cols)
-    out = torch.empty((rows, topk), dtype=torch.int32, device=scores.device)
-    if rows == 0:
-        return out
-    if kept == 0:
-        return out.fill_(-1)
     keys = torch.empty((rows, cols), dtype=torch.int64, device=scores.device)
-    block = 1024 if scores.is_cuda else 64
-    _topk_keys_kernel[(rows, triton.cdiv(cols, block))](
-        scores, keys, cols, scores.stride(0), keys.stride(0), BLOCK=block)
-    best = keys.topk(kept, dim=-1).indices
-    _topk_finish_kernel[(rows, triton.cdiv(topk, block))](
-        best, scores, out, kept, topk, best.stride(0), scores.stride(0), out.stride(0),
-        BLOCK=block)
-    return out
+    if rows and cols:
+        block = 1024 if scores.is_cuda else 64
+        _topk_keys_kernel[(rows, triton.cdiv(cols, block))](
+            scores, keys, cols, scores.stride(0), keys.stride(0), BLOCK=block)
+    return topk_of_keys_triton(keys, topk)
 
 
 def first_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
@@ -129,17 +169,7 @@ def first_topk_ref(scores: torch.Tensor, topk: int) -> torch.Tensor:
 
     One ``torch.topk`` over int64 keys ``(order(score) << 32) + (2**32 - 1 - t)``,
     ``order`` the float's bits made monotonic (``-0.0`` counted as ``0.0``), so
-    keys are distinct and the chosen set is a function of the scores alone."""
+    keys are distinct and the chosen set is a function of the scores alone
+    (``score_keys_ref``; ``score_key`` in the kernels)."""
     _check_first_topk(scores, topk)
-    kept = min(topk, scores.shape[1])
-    out = torch.full((scores.shape[0], topk), -1, dtype=torch.int32, device=scores.device)
-    if kept == 0 or scores.shape[0] == 0:
-        return out
-    bits = (scores + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
-    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).long()  # monotonic in the float
-    pos = torch.arange(scores.shape[1], device=scores.device, dtype=torch.int64)
-    keys = order * (1 << 32) + ((1 << 32) - 1 - pos)
-    best = keys.topk(kept, dim=-1).indices
-    hidden = torch.gather(scores, 1, best) == float("-inf")
-    out[:, :kept] = best.to(torch.int32).masked_fill(hidden, -1)
-    return out
+    return topk_of_keys_ref(score_keys_ref(scores), topk)

@@ -8,9 +8,26 @@ path does, for requests longer than ``topk``, shorter than it, and padding rows
 import pytest
 import torch
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_ref
-from lanekv.kernels.dsa.indexer import paged_index_scores_triton
+from lanekv.kernels.dsa.indexer import (
+    IndexScoreConfig,
+    paged_index_keys,
+    paged_index_keys_ref,
+    paged_index_keys_triton,
+    paged_index_scores_ref,
+    paged_index_scores_triton,
+    score_keys_ref,
+)
 from lanekv.kernels.dsa.pool_layout import DSARowLayout
-from lanekv.kernels.dsa.select import decode_select, first_topk, first_topk_ref, first_topk_triton
+from lanekv.kernels.dsa.select import (
+    decode_select,
+    first_topk,
+    first_topk_ref,
+    first_topk_triton,
+    select_fixed_width,
+    topk_of_keys,
+    topk_of_keys_ref,
+    topk_of_keys_triton,
+)
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_decode_triton
 
 from tests.markers import requires_gpu
@@ -69,6 +86,42 @@ def test_fixed_width_selection_and_attention_equal_the_exact_path(cache_dtype):
     ref = sparse_mla_decode_ref(qa, lay.latent(plane), exact, want, PAGE, 0.25, LATENT)
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
     assert (got[2] == 0).all()  # a padding row attends nothing
+
+
+@pytest.mark.parametrize("cache_dtype", ["model", "fp8_e4m3"])
+def test_keys_written_by_the_scoring_kernel_select_what_first_topk_selects(cache_dtype):
+    """The scoring kernel's int64 keys are ``first_topk``'s keys of its own float32
+    scores bit for bit (several programs a request, the ``-inf`` tail included), and
+    their top-k is ``first_topk``'s: exact ties (zero index keys) go to the lowest
+    positions, over the exact width and over a wider one alike."""
+    lay, plane, index, exact, wide, lens, q, w, gen = _setup(cache_dtype)
+    zero = torch.zeros(4, DIM)
+    store_index_k_ref(zero, index, torch.tensor([5 * PAGE, 5 * PAGE + 2, 2 * PAGE + 1, 7 * PAGE]),
+                      lay.index)  # request 0's positions 0, 2, 5 and request 1's 0 score 0
+    cfg = IndexScoreConfig(block_n=16, programs_per_sm=3, num_stages=2)
+    for table in (exact, wide):
+        scores = paged_index_scores_triton(q, w, index, table, lens, PAGE, 0.3, lay.index,
+                                           config=cfg)
+        keys = paged_index_keys_triton(q, w, index, table, lens, PAGE, 0.3, lay.index,
+                                       config=cfg)
+        assert keys.dtype == torch.int64 and torch.equal(keys, score_keys_ref(scores))
+        assert (scores[0] == 0).sum() >= 3  # exact ties, inside request 0's top 6
+        ref = paged_index_scores_ref(q, w, index, table, lens, PAGE, 0.3, lay.index)
+        assert torch.equal(paged_index_keys_ref(q, w, index, table, lens, PAGE, 0.3, lay.index),
+                           score_keys_ref(ref))
+        assert torch.equal(paged_index_keys(q, w, index, table, lens, PAGE, 0.3, lay.index),
+                           score_keys_ref(ref))  # CPU dispatch: the reference
+        for k in (1, 3, TOPK, 20):
+            want = first_topk_ref(scores, k)
+            assert torch.equal(topk_of_keys_triton(keys, k), want)
+            assert torch.equal(topk_of_keys_ref(keys, k), want)
+            assert torch.equal(topk_of_keys(keys, k), want)
+    got = select_fixed_width(q, w, index, wide, lens, PAGE, 0.3, TOPK, lay.index)  # CPU: torch
+    assert torch.equal(got, select_fixed_width(q, w, index, exact, lens, PAGE, 0.3, TOPK,
+                                               lay.index))
+    assert torch.equal(got, first_topk_ref(ref, TOPK))
+    with pytest.raises(ValueError, match="keys must be a 2-D torch.int64"):
+        topk_of_keys_triton(scores, 2)
 
 
 @requires_gpu

@@ -4,13 +4,17 @@ import pytest
 import torch
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k_ref, store_index_k_ref
 from lanekv.kernels.dsa.indexer import (
+    IndexScoreConfig,
+    index_score_programs,
     index_scores,
     index_scores_ref,
     index_scores_triton,
     index_topk,
+    paged_index_keys_triton,
     paged_index_scores,
     paged_index_scores_ref,
     paged_index_scores_triton,
+    score_keys_ref,
 )
 
 from tests.markers import requires_gpu
@@ -80,6 +84,38 @@ def test_paged_index_scores_match_reference(cache_dtype, page_size):
     torch.testing.assert_close(ref[b, :13], dense[0], atol=1e-5, rtol=1e-5)
     assert torch.equal(paged_index_scores(q, w, pool, page_table, seq_lens, page_size, 0.2, spec),
                        ref)
+
+
+@pytest.mark.parametrize("cache_dtype", ["fp8_e4m3", "model"])
+def test_paged_index_scores_spread_over_programs_match_reference(cache_dtype):
+    """Odd shapes (5 heads, 48 dims in 3 scale blocks, page 3) with several programs per
+    request walking strided key blocks: some programs only write the ``-inf`` tail, one
+    request is longer than the others' programs reach in one step, one is empty."""
+    gen = torch.Generator().manual_seed(3)
+    heads, dim, page, pages = 5, 48, 3, 40
+    spec = IndexCacheSpec(head_dim=dim, cache_dtype=cache_dtype, model_dtype=torch.float32,
+                          block=16)
+    # Rows at a wider stride than the index row, as in the DSA pool plane.
+    plane = torch.zeros(pages * page, spec.row_bytes + 12, dtype=torch.uint8)
+    pool = plane[:, 4 : 4 + spec.row_bytes]
+    store_index_k_ref(torch.randn(pool.shape[0], dim, generator=gen) * 3, pool,
+                      torch.arange(pool.shape[0]), spec)
+    width = 29  # 87 keys of room per request
+    table = torch.stack([torch.randperm(pages, generator=gen)[:width] for _ in range(3)]).int()
+    lens = torch.tensor([37, 0, 87], dtype=torch.int32)
+    q = torch.randn(3, heads, dim, generator=gen)
+    w = torch.randn(3, heads, generator=gen)
+    ref = paged_index_scores_ref(q, w, pool, table, lens, page, 0.3, spec)
+    cfg = IndexScoreConfig(block_n=16, programs_per_sm=10, num_stages=2)
+    assert index_score_programs(3, width * page, 1, cfg) == 4  # of 6 key blocks a request
+    for config in (cfg, None):
+        got = paged_index_scores_triton(q, w, pool, table, lens, page, 0.3, spec, config=config)
+        assert torch.equal(got.isinf(), ref.isinf())
+        assert torch.equal(ref.isinf(), torch.arange(width * page)[None, :] >= lens[:, None])
+        fin = ref.isfinite()
+        torch.testing.assert_close(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="config must be an IndexScoreConfig"):
+        paged_index_scores_triton(q, w, pool, table, lens, page, 0.3, spec, config=(16, 1))
 
 
 def test_topk_takes_all_visible_keys_when_fewer_and_pads():
@@ -214,3 +250,39 @@ def test_indexer_gpu_bf16_matches_reference():
         assert torch.equal(have.isfinite(), want.isfinite())
         torch.testing.assert_close(have[want.isfinite()], want[want.isfinite()], atol=5e-2,
                                    rtol=2e-2)
+
+
+@requires_gpu
+@pytest.mark.parametrize("fp8_latent", [False, True])
+def test_paged_index_scores_gpu_long_context_on_the_dsa_plane(fp8_latent):
+    """V3.2's index rows inside the DSA pool plane (1296- or 800-byte rows, 16-byte
+    vector loads), batch 1 over 20k keys in page 64 (hundreds of programs, each many
+    key blocks) and batch 3, for each launch config the bench sweeps."""
+    from lanekv.kernels.dsa.pool_layout import DSARowLayout
+    from lanekv.kernels.dsa.select import first_topk_ref, topk_of_keys_triton
+
+    lay = DSARowLayout(576, IndexCacheSpec(128, "fp8_e4m3", torch.bfloat16),
+                       fp8_rank=512 if fp8_latent else 0)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = 384 * 64
+    plane = torch.zeros(rows, lay.head_dim, dtype=lay.dtype, device="cuda")
+    index = lay.index_rows(plane)
+    keys = (torch.randn(rows, 128, device="cuda", generator=gen) * 2).bfloat16()
+    store_index_k_ref(keys, index, torch.arange(rows, device="cuda"), lay.index)
+    table = torch.randperm(384, device="cuda", generator=gen).int().view(1, 384)
+    for lens in ([20000], [64 * 384 - 5, 1, 0]):
+        t = table.repeat(len(lens), 1)
+        n = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens), 64, 128, device="cuda", generator=gen).bfloat16()
+        w = torch.randn(len(lens), 64, device="cuda", generator=gen)
+        ref = paged_index_scores_ref(q, w, index, t, n, 64, 128 ** -0.5, lay.index)
+        fin = ref.isfinite()
+        for cfg in (None, IndexScoreConfig(32, 2, 4, 2), IndexScoreConfig(128, 8, 8, 3)):
+            got = paged_index_scores_triton(q, w, index, t, n, 64, 128 ** -0.5, lay.index,
+                                            config=cfg)
+            assert torch.equal(got.isfinite(), fin)
+            torch.testing.assert_close(got[fin], ref[fin], atol=5e-2, rtol=2e-2)
+            keys = paged_index_keys_triton(q, w, index, t, n, 64, 128 ** -0.5, lay.index,
+                                           config=cfg)
+            assert torch.equal(keys, score_keys_ref(got))  # the same scores, as keys
+            assert torch.equal(topk_of_keys_triton(keys, 2048), first_topk_ref(got, 2048))
