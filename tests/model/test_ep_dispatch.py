@@ -13,6 +13,8 @@ from lanekv.kernels.moe.experts import moe_experts_ref
 from lanekv.model.parallel.dispatch import dispatch_combine, exchange_counts
 from lanekv.model.parallel.ep import expert_bounds, expert_span
 
+from tests.markers import requires_gpu
+
 HIDDEN, INTER = 16, 8
 
 
@@ -90,3 +92,43 @@ def test_dispatch_combine_equals_one_process(tmp_path, name: str, dtype: torch.d
     if name == "uneven":
         assert results[1]["recv"] == [0, 0, 0] and results[1]["send"] == [0, 0, 0]
         assert results[1]["out"].shape == (0, HIDDEN)
+
+
+@requires_gpu
+@pytest.mark.timeout(120)
+def test_dispatch_on_cuda_syncs_once_and_equals_the_kernel(tmp_path) -> None:
+    """One GPU, one NCCL rank (NCCL refuses two ranks on one GPU): the dispatch's device
+    ops and the Triton experts on what was received equal ``moe_experts`` on the whole
+    batch, and the counts' read to the host is the layer's only synchronizing op."""
+    import warnings
+
+    from lanekv.kernels.moe.experts import moe_experts
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        gen = torch.Generator().manual_seed(5)
+        tokens, experts, top_k, dtype = 200, 16, 4, torch.bfloat16
+        x = torch.randn(tokens, 128, generator=gen).to("cuda", dtype)
+        w13 = (torch.randn(experts, 2 * 64, 128, generator=gen) / 8).to("cuda", dtype)
+        w2 = (torch.randn(experts, 128, 64, generator=gen) / 6).to("cuda", dtype)
+        ids = torch.stack([torch.randperm(experts - 1, generator=gen)[:top_k] for _ in range(tokens)]).cuda()
+        weights = torch.rand(tokens, top_k, generator=gen).cuda()  # expert 15 gets no rows
+        bounds = expert_bounds(experts, 1)
+        dispatch_combine(x, weights, ids, w13, w2, bounds, dist.group.WORLD)  # compile the kernels
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = dispatch_combine(x, weights, ids, w13, w2, bounds, dist.group.WORLD)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) == 1, syncs
+        want = moe_experts(x, w13, w2, weights, ids)
+        # the kernel rounds acc * weight once; the combine weighs the rounded output: one ulp per pair
+        eps = torch.finfo(dtype).eps
+        torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()))
+    finally:
+        dist.destroy_process_group()
