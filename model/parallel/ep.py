@@ -1,19 +1,21 @@
-"""Expert parallelism of a MoE layer over the ranks of a group: each rank holds
-``num_experts / size`` routed experts, ``[rank * E/size, (rank + 1) * E/size)``.
+"""Expert parallelism of a MoE layer over the ranks of a group: rank ``r`` holds the
+routed experts ``expert_span(E, r, size)``, ``[r E // size, (r + 1) E // size)`` (an
+even split where ``size`` divides ``E``, else the later ranks hold one more).
 
-The router stays whole on every rank (its weights are small), so every rank
-picks the same top-k for every token. A rank runs its own experts' share of the
-choices (the others weigh 0 on it) and the ranks' partial outputs are summed by
-one all-reduce, the hook ``model.parallel.tp.attach_all_reduce`` puts on the MoE
-block. This all-reduce combine is the first EP: the tokens' hidden rows are on
-every rank already (attention is tensor-parallel and its o_proj all-reduced),
-so no dispatch is needed; an all-to-all dispatch of each token to its experts'
-owners only (counts exchanged first) would cut the combine's bytes for large
-batches. Shared experts run on rank 0 only (the sum adds them once).
+Decode TP (``ExpertShardMoE``): the router stays whole on every rank (its weights are
+small), so every rank picks the same top-k for every token. A rank runs its own
+experts' share of the choices (the others weigh 0 on it) and the ranks' partial
+outputs are summed by one all-reduce, the hook ``model.parallel.tp.attach_all_reduce``
+puts on the MoE block. The tokens' hidden rows are on every rank already (attention
+is tensor-parallel and its o_proj all-reduced) and every rank needs every token's
+output for the next layer, so the all-reduce is the whole combine: an all-to-all
+dispatch would move rows that are already there (docs/parallelism.md). Shared
+experts run on rank 0 only (the sum adds them once).
 
-The CP prefill's ranks hold different tokens: there each MoE layer first
-exchanges the rows (``ExchangedExpertShardMoE``; counts, then the rows, then
-the all-reduce), and shared experts run on every rank over its own rows.
+The CP prefill's ranks hold different tokens: there each MoE layer dispatches each
+(token, choice) to its expert's owner and combines back by all-to-all
+(``DispatchedExpertShardMoE``, ``model.parallel.dispatch``), and shared experts run
+on every rank over its own rows.
 
 A rank reads only its experts' tensors from the checkpoint (``local_expert_name``
 renames the rank's experts to local indices and skips the rest).
@@ -28,6 +30,7 @@ import torch
 import torch.distributed as dist
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.model.deepseek import MoE
+from lanekv.model.parallel.dispatch import dispatch_combine
 from torch import nn
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)$")
@@ -57,43 +60,31 @@ class ExpertShardMoE(MoE):
         return moe_experts(x, w13, w2, weights, ids)
 
 
-class ExchangedExpertShardMoE(ExpertShardMoE):
-    """Prefill EP: the CP ranks hold different tokens, so each MoE layer exchanges them.
-
-    Row counts first (an all-gather of one number per rank), then every rank's rows
-    (padded to the largest count) are all-gathered; each rank runs its experts' share
-    of all of them, one all-reduce sums the shares, and each rank keeps its own rows;
-    shared experts run locally on a rank's own rows. This all-reduce combine moves
-    every row to every rank: an all-to-all that sends each row only to its experts'
-    owners is the next step.
-    """
+class DispatchedExpertShardMoE(ExpertShardMoE):
+    """Prefill EP: the CP ranks hold different tokens, so each MoE layer sends each
+    (token, choice) to its expert's owner only and combines the outputs back
+    (``model.parallel.dispatch.dispatch_combine``: counts, rows, experts, rows back);
+    shared experts run locally on a rank's own rows."""
 
     group: Any
+    bounds: tuple[int, ...]  # every rank's first expert, then num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        count = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-        counts = [torch.empty_like(count) for _ in range(size)]
-        dist.all_gather(counts, count, group=self.group)
-        counts = [int(c) for c in counts]
-        most = max(counts)
-        if most == 0:
-            return x.clone()
-        padded = x.new_zeros((most, x.shape[1]))
-        padded[: x.shape[0]] = x
-        parts = [torch.empty_like(padded) for _ in range(size)]
-        dist.all_gather(parts, padded, group=self.group)
-        rows = torch.cat([part[:n] for part, n in zip(parts, counts)])  # every rank's rows, in rank order
-        routed = self.routed(rows)
-        dist.all_reduce(routed, group=self.group)
-        start = sum(counts[:rank])
-        out = routed[start:start + x.shape[0]]
-        return out if self.shared_experts is None else out + self.shared_experts(x)
+        weights, ids = self.gate(x)  # [T, k] over every expert
+        w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
+        routed = dispatch_combine(x, weights, ids, w13, w2, self.bounds, self.group)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
 def expert_span(num_experts: int, rank: int, size: int) -> range:
-    part = num_experts // size
-    return range(rank * part, (rank + 1) * part)
+    """Rank ``rank``'s experts of ``num_experts`` over ``size`` ranks: contiguous, an even
+    split where ``size`` divides ``num_experts`` (the later ranks take the remainder)."""
+    return range(rank * num_experts // size, (rank + 1) * num_experts // size)
+
+
+def expert_bounds(num_experts: int, size: int) -> tuple[int, ...]:
+    """Every rank's first expert, then ``num_experts``."""
+    return tuple(r * num_experts // size for r in range(size + 1))
 
 
 def shard_experts(model: nn.Module, rank: int, size: int, *, shared_everywhere: bool = False) -> int:
@@ -117,13 +108,15 @@ def shard_experts(model: nn.Module, rank: int, size: int, *, shared_everywhere: 
 
 
 def attach_expert_exchange(model: nn.Module, group: Any) -> int:
-    """Prefill EP: every expert-sharded MoE block of ``model`` exchanges its rows over
-    ``group`` (``ExchangedExpertShardMoE``); the number of blocks."""
+    """Prefill EP: every expert-sharded MoE block of ``model`` dispatches its rows over
+    ``group`` (``DispatchedExpertShardMoE``); the number of blocks."""
     count = 0
+    size = dist.get_world_size(group)
     for layer in model.model.layers:
         if isinstance(layer.mlp, ExpertShardMoE):
-            layer.mlp.__class__ = ExchangedExpertShardMoE
+            layer.mlp.__class__ = DispatchedExpertShardMoE
             layer.mlp.group = group
+            layer.mlp.bounds = expert_bounds(layer.mlp.gate.moe.num_experts, size)
             count += 1
     return count
 
@@ -153,5 +146,6 @@ def ep_weight_bytes(config: Any, dtype: torch.dtype, size: int) -> int:
         nbytes = param.numel() * param.element_size()
         total += nbytes
         routed += nbytes if ".mlp.experts." in name else 0
-    return total - routed + routed // size
+    most = -(-config.moe.num_experts // size)  # the largest rank's experts
+    return total - routed + routed * most // config.moe.num_experts
 

@@ -241,7 +241,7 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
         )
         group = dist.group.WORLD
     loaded = load_for(config, device, rank)
-    if config.ep and group is not None:  # each MoE layer exchanges its rows over the CP ranks
+    if config.ep and group is not None:  # each MoE layer dispatches its rows to the experts' owners (all-to-all)
         attach_expert_exchange(loaded.model, group)
     clock = GcClock().install()  # this process's collections, timed per prefill
     return build_runner(loaded, config, rank, group, shared_path, gc_clock=clock, serving=serving)

@@ -49,39 +49,47 @@ def _reference(path) -> list[list[int]]:
     return outs
 
 
-def test_ep_rank_reads_only_its_experts(checkpoints) -> None:
-    """The attention and shared experts whole, the routed experts split: the two ranks
-    read the whole checkpoint's bytes plus one extra copy of what is not a routed expert."""
+@pytest.mark.parametrize("size", [2, 3])
+def test_ep_rank_reads_only_its_experts(checkpoints, size: int) -> None:
+    """The attention and shared experts whole, the routed experts split (8 experts over 3
+    ranks: 2, 3 and 3): the ranks read the whole checkpoint's bytes plus one extra copy
+    per extra rank of what is not a routed expert."""
     path = checkpoints["deepseek_v3"]
     nbytes = {}
     for file in tensor_files(path):
         with safe_open(str(file), framework="pt") as f:
             nbytes.update({n: torch.Size(f.get_slice(n).get_shape()).numel() * 4 for n in f.keys()})
     layers = ModelConfig.from_dir(path).num_layers
+    owner = {2: [0, 0, 0, 0, 1, 1, 1, 1], 3: [0, 0, 1, 1, 1, 2, 2, 2]}[size]
 
-    def routed_of(rank: int) -> int:  # experts 0-3 on rank 0, 4-7 on rank 1, of every MoE layer
-        return sum(b for n, b in nbytes.items() if ".mlp.experts." in n and int(n.split(".")[5]) // 4 == rank)
+    def routed_of(rank: int) -> int:  # of every MoE layer
+        return sum(b for n, b in nbytes.items() if ".mlp.experts." in n and owner[int(n.split(".")[5])] == rank)
 
     rest = sum(b for n, b in nbytes.items() if ".mlp.experts." not in n and int(
         n.split(".")[2] if n.startswith("model.layers.") else 0) < layers)  # MTP layers are never read
-    reads = [load_shard(path, TPRank(0, 1), digest=False, ep=TPRank(r, 2)) for r in range(2)]
-    assert [r.bytes_read for r in reads] == [rest + routed_of(0), rest + routed_of(1)]
+    reads = [load_shard(path, TPRank(0, 1), digest=False, ep=TPRank(r, size)) for r in range(size)]
+    assert [r.bytes_read for r in reads] == [rest + routed_of(r) for r in range(size)]
+    assert sum(routed_of(r) for r in range(size)) == sum(b for n, b in nbytes.items() if ".mlp.experts." in n and int(
+        n.split(".")[2]) < layers)
     moe = reads[1].loaded.model.model.layers[1].mlp
-    assert (moe.first, len(moe.experts), moe.shared_experts is not None) == (4, 4, True)
+    assert (moe.first, len(moe.experts), moe.shared_experts is not None) == (owner.index(1), owner.count(1), True)
 
 
-def test_ep_needs_a_moe_model_and_a_cp_size_dividing_the_experts(checkpoints, tmp_path) -> None:
+def test_ep_needs_a_moe_model_and_an_expert_per_rank(checkpoints, tmp_path) -> None:
     with pytest.raises(ValueError, match="ep=True needs a MoE model"):
         EngineConfig(str(write_llama(tmp_path / "llama")), cp_size=2, ep=True, device="cpu")
-    with pytest.raises(ValueError, match=r"cp_size=3 does not divide num_experts=8"):
-        EngineConfig(str(checkpoints["qwen3moe"]), cp_size=3, ep=True, device="cpu")
+    with pytest.raises(ValueError, match=r"cp_size=9 is more ranks than num_experts=8"):
+        EngineConfig(str(checkpoints["qwen3moe"]), cp_size=9, ep=True, device="cpu")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "tp_size"), [("qwen3moe", 1), ("deepseek_v3", 2)])
-def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, tp_size: int) -> None:
+@pytest.mark.parametrize(("name", "cp_size", "tp_size"), [
+    ("qwen3moe", 2, 1), ("qwen3moe", 3, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 1)])
+def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, cp_size: int, tp_size: int) -> None:
+    """Each MoE layer dispatches its (token, choice) rows to the experts' owners by
+    all-to-all (cp 3: 8 experts split 2, 3, 3)."""
     path = checkpoints[name]
-    engine = EngineConfig(str(path), cp_size=2, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
+    engine = EngineConfig(str(path), cp_size=cp_size, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
                           start_timeout_s=120, cpu_threads=1)
     with running_pair(engine, pool_pages=64, tp_size=tp_size, transport="grpc") as (_, decode):
         got = generate_concurrently(decode.endpoint, _prompts(), MAX_NEW_TOKENS)
