@@ -35,6 +35,7 @@ from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
+from lanekv.kernels.moe.gate import router_logits
 from lanekv.kernels.moe.route import moe_route
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
@@ -55,7 +56,9 @@ MOE_DECODE_MAX_TOKENS = min(16, MAX_DECODE_TOKENS)
 
 class MLAProjection(NamedTuple):
     q: torch.Tensor  # [T, H, qk_head_dim]: q_nope then the RoPE'd q_pe
-    latent: torch.Tensor  # [T, kv_lora_rank + qk_rope_head_dim], the cached row
+    # [T, kv_lora_rank + qk_rope_head_dim], the cached row (rows may be strided: a view
+    # of the q/kv_a GEMM's output)
+    latent: torch.Tensor
     q_lora: torch.Tensor | None  # [T, q_lora_rank] after q_a_layernorm (DSA's index queries)
 
 
@@ -125,8 +128,10 @@ class MLAAttention(nn.Module):
         compressed, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
         mla_rope(q[..., mla.qk_nope_head_dim:], k_pe, cos, sin, mla.rope_interleave)
-        latent = torch.cat((self.kv_a_layernorm.fused(compressed)[0], k_pe), dim=-1)
-        return MLAProjection(q, latent, q_lora)
+        # the compressed part normed in place: kv_a (a row-strided view of the GEMM output)
+        # is then the latent row, with no concatenation
+        self.kv_a_layernorm.fused(compressed, out=compressed)
+        return MLAProjection(q, kv_a, q_lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: MLAAttentionFn) -> torch.Tensor:
@@ -202,9 +207,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``
-        (``kernels.moe.moe_route``: one launch after the gate's GEMM on CUDA)."""
+        (``kernels.moe.gate.router_logits``, then ``kernels.moe.moe_route``: two launches
+        at decode sizes on CUDA)."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight.float())  # one launch at decode sizes on CUDA
         bias = self.e_score_correction_bias if moe.scoring == "sigmoid" else None
         return moe_route(logits, bias, moe.top_k, moe.n_group, moe.topk_group, moe.scoring,
                          bool(moe.norm_topk_prob), float(moe.routed_scaling_factor))
