@@ -14,6 +14,7 @@ import pytest
 import torch
 from lanekv.kernels.mla_decode import (
     MLADecodeConfig,
+    busy_splits_ref,
     choose_mla_splits,
     default_mla_config,
     mla_absorb_query_ref,
@@ -171,10 +172,40 @@ def test_wide_head_blocks():
 def test_choose_mla_splits_fills_the_gpu():
     cfg = MLADecodeConfig()
     assert choose_mla_splits(1, 1 << 20, 132, cfg) == 2 * 132  # one request, one head block
-    assert choose_mla_splits(1, 32768, 132, cfg) == 32768 // 256
-    assert choose_mla_splits(1, 512, 132, cfg) == 2  # never under min_split_keys keys
+    assert choose_mla_splits(1, 8192, 132, cfg) == 8192 // cfg.min_split_keys
+    assert choose_mla_splits(1, 512, 132, cfg) == 512 // cfg.min_split_keys  # never fewer keys
     assert choose_mla_splits(64 * 8, 8192, 132, cfg) == 1
     assert choose_mla_splits(0, 100, 132, cfg) == 1
+
+
+def test_busy_splits_cover_every_key_once():
+    """A request's busy splits: at most num_splits, none empty, together every key once,
+    each more than half split_keys keys (whole blocks) unless num_splits caps their count."""
+    for num_splits in (1, 3, 8, 264):
+        for seq_len in (0, 1, 15, 16, 17, 63, 64, 65, 1025, 5000):
+            for split_keys, block_n in ((16, 16), (64, 32), (256, 32)):
+                busy, per = busy_splits_ref(seq_len, num_splits, split_keys, block_n)
+                assert 0 <= busy <= num_splits and per % block_n == 0 and per > 0
+                assert busy == (0 if seq_len == 0 else -(-seq_len // per))
+                assert (busy - 1) * per < seq_len <= busy * per or seq_len == busy == 0
+                if busy > 1 and busy < num_splits:
+                    assert 2 * per > split_keys
+
+
+@pytest.mark.parametrize("heads,page_size,block_n,split_keys", [(4, 3, 16, 16), (20, 5, 16, 40)])
+def test_wide_grid_busy_and_direct_requests(heads, page_size, block_n, split_keys):
+    """A captured-size grid (8 splits) over lengths that use none, one (written straight to
+    out, the merge leaving it) and several splits, in one batch; out starts NaN."""
+    lens = [0, 5, 16, 17, 40, 131]
+    p = make_problem(heads, page_size, lens, torch.float32, seed=heads + page_size)
+    cfg = MLADecodeConfig(block_n=block_n, min_split_keys=split_keys)
+    out = torch.full((len(lens), heads, RANK), float("nan"))
+    paged_mla_decode_attention_triton(*p, page_size, 0.3, RANK, out=out, num_splits=8, config=cfg)
+    assert not out.isnan().any()
+    assert rel_err(out, naive_mla(p, page_size, 0.3, RANK)) < 1e-5
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    used = [busy_splits_ref(n, 8, -(-split_keys // block_n) * block_n, block_n)[0] for n in lens]
+    assert used[1] == 1 and max(used) > 2  # both kinds are in the batch
 
 
 @pytest.mark.parametrize("impl", [paged_mla_decode_attention_triton, paged_mla_decode_attention_ref])
