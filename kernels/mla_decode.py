@@ -184,10 +184,18 @@ def _paged_mla_decode_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # The page ids of the next key block load one iteration ahead, so a block's latent
+    # loads wait on one memory trip, not on the page table's and then their own.
+    t_next = start + tl.arange(0, BLOCK_N)
+    page_next = tl.load(table_ptr + b * stride_tb + t_next // PAGE_SIZE, mask=t_next < end,
+                        other=0)
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
-        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
+        page = page_next
+        t_next = t + BLOCK_N
+        page_next = tl.load(table_ptr + b * stride_tb + t_next // PAGE_SIZE, mask=t_next < end,
+                            other=0)
         rows = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
         # Masked rows read 0, never a neighbour's (or a poisoned unused) row.
         kv, k_pe = load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, t_ok, r, p, stride_lr,
