@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
-from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
+from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, TOKEN_BUCKETS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.kernels.moe.gate import router_logits
 from lanekv.kernels.moe.route import moe_route
@@ -274,6 +274,23 @@ class MoE(nn.Module):
             return None
         return {"shared_w13": shared.gate_up.weight, "shared_w2": shared.down_proj.weight}
 
+    def warm_up_decode(self) -> None:
+        """Compile the sort-free decode kernels for each token bucket the model sends them
+        (``TOKEN_BUCKETS`` up to MOE_DECODE_MAX_TOKENS): a CUDA-graph ladder compiles its own
+        sizes' buckets only, and an eager step above a short ladder can take another. The
+        kernels run on zeros, every token on the first experts; no collectives, so every
+        rank may call it alone. Nothing on the CPU or for block-FP8 experts."""
+        if self.w13 is None or not self.w13.is_cuda or self.fp8 is not None:
+            return
+        experts, inter, hidden = self.w13.shape[0], self.w13.shape[1] // 2, self.w13.shape[2]
+        top_k = min(self.gate.moe.top_k, experts)
+        shared = self._shared_weights(inter) or {}
+        like = {"device": self.w13.device}
+        for bucket in (b for b in TOKEN_BUCKETS if b <= MOE_DECODE_MAX_TOKENS):
+            ids = torch.arange(top_k, **like).repeat(bucket, 1)
+            moe_experts_decode(torch.zeros((bucket, hidden), dtype=self.w13.dtype, **like),
+                               self.w13, self.w2, torch.ones(ids.shape, **like), ids, **shared)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
@@ -373,6 +390,15 @@ class DeepseekCausalLM(nn.Module):
             layer.mlp.fuse()
             layer.self_attn.fuse()
             layer.self_attn._kv_b()  # a block-FP8 kv_b_proj dequantized now, not in a graph capture
+
+    def warm_up_decode_kernels(self) -> None:
+        """Compile the kernels whose launch variants follow the batch size beyond what the
+        graph ladder compiled (``MoE.warm_up_decode``; the layers share their shapes)."""
+        with torch.inference_mode():
+            for layer in self.model.layers:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.warm_up_decode()
+                    return
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
