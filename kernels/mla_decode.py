@@ -244,9 +244,11 @@ def _mla_decode_merge_kernel(
     if HAS_LENS:  # the dense kernel's partials: only its busy splits wrote any
         seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
         used, _ = _busy_splits(seq_len, num_splits, SPLIT_KEYS, BLOCK_N)
+        fewest = 2  # one busy split: stage 1 wrote the output
     else:  # every split wrote its lse (-inf: no keys, its o unwritten)
         used = num_splits
-    if used > 1:  # else stage 1 wrote the output
+        fewest = 1
+    if used >= fewest:
         s = tl.arange(0, BLOCK_S)
         top = tl.full([BLOCK_S], float("-inf"), tl.float32)
         for s0 in range(0, used, BLOCK_S):

@@ -17,6 +17,7 @@ from lanekv.kernels.mla_decode import (
     busy_splits_ref,
     choose_mla_splits,
     default_mla_config,
+    merge_mla_partials,
     mla_absorb_query_ref,
     mla_absorb_query_triton,
     mla_expand_output_ref,
@@ -190,6 +191,25 @@ def test_busy_splits_cover_every_key_once():
                 assert (busy - 1) * per < seq_len <= busy * per or seq_len == busy == 0
                 if busy > 1 and busy < num_splits:
                     assert 2 * per > split_keys
+
+
+def test_merge_without_lengths_takes_every_split():
+    """The sparse kernel's merge (no lengths): every split, -inf lse for an empty one, and
+    a single split copied through; all empty gives zeros."""
+    gen = torch.Generator().manual_seed(6)
+    part_o = torch.randn(2, 3, 5, 20, generator=gen)
+    lse = torch.randn(2, 3, 5, generator=gen)
+    lse[0, :, 1] = float("-inf")
+    lse[1, 2] = float("-inf")
+    out = torch.full((2, 3, 20), float("nan"))
+    merge_mla_partials(part_o, lse, out)
+    w = torch.exp2(lse - lse.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)).nan_to_num(0.0)
+    want = (w[..., None] * part_o.nan_to_num(0.0)).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, 2], torch.zeros(20))
+    one = torch.full((2, 3, 20), float("nan"))
+    merge_mla_partials(part_o[:, :, :1].contiguous(), lse[:, :, :1].clamp_min(0.0).contiguous(), one)
+    torch.testing.assert_close(one, part_o[:, :, 0], rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("heads,page_size,block_n,split_keys", [(4, 3, 16, 16), (20, 5, 16, 40)])
