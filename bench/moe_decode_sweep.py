@@ -71,12 +71,14 @@ MOE_CANDIDATES = [DecodeTiles(16, n, k, w, s) for n, k, w, s in (
     (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 2), (32, 64, 4, 4), (32, 256, 4, 2),
     (32, 256, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (64, 128, 4, 3),
     (64, 128, 8, 3), (16, 128, 4, 4), (16, 256, 4, 3), (16, 64, 4, 4))]
-# (block_n, num_warps, num_stages, min_split_keys) with 16-head blocks; the default first
+# (block_n, num_warps, num_stages, min_split_keys) with 16-head blocks, then one program per
+# SM (half the splits, half the partials) at two split sizes; the default goes first
 MLA_CANDIDATES = [MLADecodeConfig(block_h=16, block_n=n, num_warps=w, num_stages=s,
                                   min_split_keys=k) for n, w, s, k in (
     (32, 4, 2, 256), (32, 4, 2, 32), (32, 4, 2, 128), (32, 4, 3, 64), (32, 4, 4, 64),
     (32, 4, 3, 128), (32, 8, 2, 64), (64, 4, 2, 64), (64, 8, 2, 64), (64, 8, 3, 64),
-    (64, 8, 3, 128), (16, 4, 2, 32), (16, 4, 3, 32), (16, 4, 3, 64))]
+    (64, 8, 3, 128), (16, 4, 2, 32), (16, 4, 3, 32), (16, 4, 3, 64))] + [
+    MLADecodeConfig(block_h=16, block_n=32, programs_per_sm=1, min_split_keys=k) for k in (64, 128)]
 ROUTERS = {"v2_lite": (64, 2048), "v3": (256, 7168)}
 GRAPH_CALLS = 20
 
@@ -156,42 +158,47 @@ def _moe_inputs(shape, tokens: int, dtype, device, gen):
     return x, w13, w2, s13, s2, weights, ids
 
 
+def _moe_case(kernel: str, tokens: int, args, timer: Timer, rate: float, candidates,
+              gen: torch.Generator) -> list[dict]:
+    shape = TINY_MOE if args.tiny else V2_LITE_MOE
+    experts, top_k, hidden, width, shared = shape
+    x, w13, w2, s13, s2, weights, ids = _moe_inputs(shape, tokens, args.dtype, args.device, gen)
+    touched = int(torch.unique(ids).numel())
+    item = x.element_size()
+    if kernel == GATE_UP:
+        nbytes = (touched * w13[0].numel() + s13.numel()) * item
+    else:
+        nbytes = (touched * w2[0].numel() + s2.numel()) * item
+    picked = decode_tiles(x, kernel, min(experts, top_k) + shared, width, hidden)
+    h = launch_decode_gate_up(x, w13, ids, s13, picked)
+
+    def call(tiles):
+        if kernel == GATE_UP:
+            return launch_decode_gate_up(x, w13, ids, s13, tiles)
+        return launch_decode_down(x, h, w2, ids, weights, s2, tiles)
+    want = call(picked)
+    floor_us = nbytes / rate / 1e3
+    rows = []
+    for i, tiles in enumerate([picked, *[c for c in candidates if c != picked]]):
+        key = {"kernel": kernel, "tokens": tokens, "tiles": ",".join(map(str, tiles)),
+               "table": i == 0}
+        try:
+            err = _rel(call(tiles), want)
+            us = timer(lambda tiles=tiles: call(tiles))
+        except Exception as exc:  # a tile set that does not compile or fit: recorded
+            rows.append(dict(key, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            continue
+        rows.append(dict(key, us=us, floor_us=floor_us, of_floor=floor_us / us,
+                         gbps=nbytes / us / 1e3, bytes=nbytes, experts_touched=touched,
+                         rel_err=err, ok=err < 1e-2))
+    return rows
+
+
 def bench_moe(kernel: str, args, timer: Timer, rate: float, candidates) -> list[dict]:
     """One MoE decode kernel over the candidates, at each token count."""
     gen = torch.Generator(device=args.device).manual_seed(0)
-    shape = TINY_MOE if args.tiny else V2_LITE_MOE
-    experts, top_k, hidden, width, shared = shape
-    rows = []
-    for tokens in args.tokens:
-        x, w13, w2, s13, s2, weights, ids = _moe_inputs(shape, tokens, args.dtype, args.device, gen)
-        touched = int(torch.unique(ids).numel())
-        item = x.element_size()
-        if kernel == GATE_UP:
-            nbytes = (touched * w13[0].numel() + s13.numel()) * item
-        else:
-            nbytes = (touched * w2[0].numel() + s2.numel()) * item
-        picked = decode_tiles(x, kernel, min(experts, top_k) + shared, width, hidden)
-        h = launch_decode_gate_up(x, w13, ids, s13, picked)
-
-        def call(tiles):
-            if kernel == GATE_UP:
-                return launch_decode_gate_up(x, w13, ids, s13, tiles)
-            return launch_decode_down(x, h, w2, ids, weights, s2, tiles)
-        want = call(picked)
-        floor_us = nbytes / rate / 1e3
-        for i, tiles in enumerate([picked, *[c for c in candidates if c != picked]]):
-            key = {"kernel": kernel, "tokens": tokens, "tiles": ",".join(map(str, tiles)),
-                   "table": i == 0}
-            try:
-                err = _rel(call(tiles), want)
-                us = timer(lambda tiles=tiles: call(tiles))
-            except Exception as exc:  # a tile set that does not compile or fit: recorded
-                rows.append(dict(key, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
-                continue
-            rows.append(dict(key, us=us, floor_us=floor_us, of_floor=floor_us / us,
-                             gbps=nbytes / us / 1e3, bytes=nbytes, experts_touched=touched,
-                             rel_err=err, ok=err < 1e-2))
-    return rows
+    return [row for tokens in args.tokens
+            for row in _moe_case(kernel, tokens, args, timer, rate, candidates, gen)]
 
 
 def bench_router(args, timer: Timer) -> list[dict]:
@@ -211,43 +218,48 @@ def bench_router(args, timer: Timer) -> list[dict]:
     return rows
 
 
-def bench_mla(args, timer: Timer, rate: float, candidates) -> list[dict]:
+def _mla_case(batch: int, context: int, args, timer: Timer, rate: float, candidates,
+              gen: torch.Generator) -> list[dict]:
     heads, rank, rope, page = (4, 32, 16, 4) if args.tiny else (16, 512, 64, 64)
     scale = (128 + 64) ** -0.5
     width = max(1, args.table_positions // page)  # a captured graph's page table
-    gen = torch.Generator(device=args.device).manual_seed(2)
-    rows = []
-    for context in args.contexts:
-        for batch in args.tokens:
-            pages = -(-context // page)
-            q = torch.randn(batch, heads, rank + rope, generator=gen, device=args.device).to(args.dtype)
-            cache = torch.randn(batch * pages * page, rank + rope, generator=gen,
-                                device=args.device).to(args.dtype)
-            table = torch.zeros(batch, max(width, pages), dtype=torch.int32, device=args.device)
-            table[:, :pages] = torch.randperm(batch * pages, generator=gen,
-                                              device=args.device).int().view(batch, pages)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=args.device)
-            want = paged_mla_decode_attention_ref(q, cache, table, lens, page, scale, rank)
-            nbytes = batch * context * (rank + rope) * cache.element_size()
-            floor_us = nbytes / rate / 1e3
-            default = default_mla_config(heads)
-            for i, cfg in enumerate([default, *[c for c in candidates if c != default]]):
-                key = {"batch": batch, "context": context, "table_pages": table.shape[1],
-                       "config": f"n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
-                                 f"keys{cfg.min_split_keys}", "default": i == 0}
+    pages = -(-context // page)
+    q = torch.randn(batch, heads, rank + rope, generator=gen, device=args.device).to(args.dtype)
+    cache = torch.randn(batch * pages * page, rank + rope, generator=gen,
+                        device=args.device).to(args.dtype)
+    table = torch.zeros(batch, max(width, pages), dtype=torch.int32, device=args.device)
+    table[:, :pages] = torch.randperm(batch * pages, generator=gen,
+                                      device=args.device).int().view(batch, pages)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=args.device)
+    want = paged_mla_decode_attention_ref(q, cache, table, lens, page, scale, rank)
+    nbytes = batch * context * (rank + rope) * cache.element_size()
+    floor_us = nbytes / rate / 1e3
+    default = default_mla_config(heads)
 
-                def call(cfg=cfg):
-                    return paged_mla_decode_attention_triton(q, cache, table, lens, page, scale,
-                                                             rank, config=cfg)
-                try:
-                    err = _rel(call(), want)
-                    us = timer(call)
-                except Exception as exc:  # a config that does not compile or fit: recorded
-                    rows.append(dict(key, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
-                    continue
-                rows.append(dict(key, us=us, floor_us=floor_us, of_floor=floor_us / us,
-                                 gbps=nbytes / us / 1e3, rel_err=err, ok=err < 2e-2))
+    def call(cfg):
+        return paged_mla_decode_attention_triton(q, cache, table, lens, page, scale, rank,
+                                                 config=cfg)
+    rows = []
+    for i, cfg in enumerate([default, *[c for c in candidates if c != default]]):
+        key = {"batch": batch, "context": context, "table_pages": table.shape[1],
+               "config": f"n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} "
+                         f"keys{cfg.min_split_keys} sm{cfg.programs_per_sm}",
+               "default": i == 0}
+        try:
+            err = _rel(call(cfg), want)
+            us = timer(lambda cfg=cfg: call(cfg))
+        except Exception as exc:  # a config that does not compile or fit: recorded
+            rows.append(dict(key, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+            continue
+        rows.append(dict(key, us=us, floor_us=floor_us, of_floor=floor_us / us,
+                         gbps=nbytes / us / 1e3, rel_err=err, ok=err < 2e-2))
     return rows
+
+
+def bench_mla(args, timer: Timer, rate: float, candidates) -> list[dict]:
+    gen = torch.Generator(device=args.device).manual_seed(2)
+    return [row for context in args.contexts for batch in args.tokens
+            for row in _mla_case(batch, context, args, timer, rate, candidates, gen)]
 
 
 def best_of(rows: list[dict], group: tuple[str, ...], label: str) -> list[dict]:

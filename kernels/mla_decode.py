@@ -256,7 +256,7 @@ def _mla_decode_merge_kernel(
                                           other=float("-inf")))
         top_all = tl.max(top, 0)
         top_all = tl.where(top_all > float("-inf"), top_all, 0.0)  # all empty: weights 0
-        r = tl.arange(0, BLOCK_R)
+        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # this program's latent columns
         r_ok = r < RANK
         acc = tl.zeros([BLOCK_R], tl.float32)
         total = tl.zeros([BLOCK_S], tl.float32)
@@ -428,9 +428,12 @@ def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.
     already) when that is one."""
     batch, heads, splits, rank = part_o.shape
     lens, max_kv_len, split_keys, block_n = busy if busy is not None else (part_lse, 0, 1, 1)
-    _mla_decode_merge_kernel[(heads, batch)](
+    # Columns of the latent cut over programs too, so that a long context's many partials
+    # (264 splits x 2 KiB per head at batch 1) stream through several SMs per head.
+    block_r = min(128, max(16, triton.next_power_of_2(rank))) if part_o.is_cuda else 16
+    _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
         part_o, part_lse, out, lens, heads, splits, max_kv_len, out.stride(0), out.stride(1),
-        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)), BLOCK_S=8,
+        RANK=rank, BLOCK_R=block_r, BLOCK_S=8,
         HAS_LENS=busy is not None, SPLIT_KEYS=split_keys, BLOCK_N=block_n,
     )
 
