@@ -71,9 +71,9 @@ class DecodeTiles(NamedTuple):
 
 
 # Token buckets: the tiles and the ids block a launch compiles on depend on the smallest
-# bucket holding the batch, never on the batch itself, so the CUDA-graph ladder's sizes
-# (1, 2, 4, 8, 16, ...) compile every bucket a decode step can take and eager steps
-# compile nothing new.
+# bucket holding the batch, never on the batch itself. The CUDA-graph capture compiles
+# its sizes' buckets and then every bucket the model uses (``MoE.warm_up_decode``), so
+# an eager step above a short ladder compiles nothing either.
 TOKEN_BUCKETS = (1, 4, 16, MAX_DECODE_TOKENS)
 GATE_UP, DOWN = "gate_up", "down"
 
