@@ -177,7 +177,7 @@ def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
 
 
 def build(name: str, batch: int, context: int, page_size: int, device: torch.device, model_dir: str,
-          fp8: bool = False):
+          table_pages: int = 0, fp8: bool = False):
     dtype = torch.bfloat16 if name in ("v2_lite", "v32", "llama3_8b") and device.type == "cuda" else torch.float32
     cfg = dict(CONFIGS[name], **({"quantization_config": FP8_CONFIG} if fp8 else {}))
     (Path(model_dir) / "config.json").write_text(json.dumps(cfg))
@@ -186,6 +186,8 @@ def build(name: str, batch: int, context: int, page_size: int, device: torch.dev
     pool = PagePool.for_model(loaded.config, batch * per_req + 1, page_size, dtype, device)
     fill_pool(pool)
     table = torch.arange(batch * per_req, dtype=torch.int32, device=device).view(batch, per_req)
+    if table_pages > per_req:  # as wide as a captured graph's (zeros past each request's pages)
+        table = torch.cat((table, table.new_zeros(batch, table_pages - per_req)), dim=1)
     seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
     locs = table[:, context // page_size].long() * page_size + context % page_size
     ids = torch.arange(batch, device=device) + 11
@@ -231,6 +233,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--table-pages", type=int, default=0,
+                    help="page-table width (0: the request's own pages); a captured graph's is "
+                         "the model's positions over the page size (2560 for V2-Lite at 64), "
+                         "which sets the split count the MLA decode kernel runs")
     ap.add_argument("--ops", action="store_true", help="count aten ops per layer on CUDA too")
     ap.add_argument("--interpret", action="store_true",
                     help="on CPU: run the Triton kernels interpreted and count their launches")
@@ -241,11 +247,12 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = next(n for n in CONFIGS if getattr(args, n))
     result = {"model": name, "fp8_weights": args.fp8, "batch": args.batch, "context": args.context,
+              "table_pages": args.table_pages,
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
     with tempfile.TemporaryDirectory() as model_dir:
         loaded, step, dtype = build(name, args.batch, args.context, args.page_size, device,
-                                    model_dir, fp8=args.fp8)
+                                    model_dir, args.table_pages, fp8=args.fp8)
         result["dtype"] = str(dtype).removeprefix("torch.")
         layers = loaded.model.model.layers
         step()  # compile and warm up

@@ -14,8 +14,18 @@ Split-KV as in ``kernels/decode_attention.py``: stage 1 runs one program per
 for scores and values of all the block's heads and, with several splits,
 writes a partial output and log-sum-exp that stage 2 merges. The grid depends
 only on shapes and ``num_splits``: lengths come from ``seq_lens`` on the
-device, each request's keys are cut into the splits in the kernel, and the int arguments that vary per batch are not specialized on, so a
-caller using CUDA graphs fixes ``num_splits`` and the page table's width.
+device, each request's keys are cut into the splits in the kernel, and the int
+arguments that vary per batch are not specialized on, so a caller using CUDA
+graphs fixes ``num_splits`` and the page table's width.
+
+A captured step's ``num_splits`` is sized for the longest context its page table
+allows (264 splits at batch 1 on an H200), so each request uses only as many of
+them as its own length fills with ``min_split_keys`` keys each (``busy_splits_ref``,
+computed alike on the device by both stages): a 1k-token request at batch 1 runs
+17 programs of 64 keys, the other programs exit at once and write nothing, and the
+merge reads only the busy splits' partials. A request whose keys fit one split is
+written by its stage-1 program straight to ``out`` (no partial) and the merge leaves
+it alone, so at short contexts stage 2 is a launch that exits.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
 """
@@ -51,9 +61,10 @@ class MLADecodeConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 2
     # Auto split count: aim for this many stage-1 programs per SM, but never
-    # give a split fewer than min_split_keys keys (merging costs a pass).
+    # give a split fewer than min_split_keys keys (merging costs a pass); on the
+    # device a request uses only the splits its own length fills this much.
     programs_per_sm: int = 2
-    min_split_keys: int = 256
+    min_split_keys: int = 64
 
 
 def default_mla_config(heads: int) -> MLADecodeConfig:
@@ -71,6 +82,24 @@ def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLAD
         return 1
     wanted = triton.cdiv(num_sms * config.programs_per_sm, programs)
     return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
+
+
+def busy_splits_ref(seq_len: int, num_splits: int, split_keys: int, block_n: int) -> tuple[int, int]:
+    """``(busy splits, keys per split)`` of a request of ``seq_len`` keys (host twin of
+    ``_busy_splits``): at most ``num_splits``, ``ceil(seq_len / split_keys)`` of them where
+    that is fewer (about ``split_keys`` keys each), whole ``block_n`` blocks; split ``i < busy`` holds keys
+    ``[i * per_split, min((i + 1) * per_split, seq_len))``, never none."""
+    used = min(max(triton.cdiv(seq_len, split_keys), 1), num_splits)
+    per_split = max(triton.cdiv(triton.cdiv(seq_len, used), block_n), 1) * block_n
+    return triton.cdiv(seq_len, per_split), per_split
+
+
+@triton.jit
+def _busy_splits(seq_len, num_splits, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(busy splits, keys per split) of one request: ``busy_splits_ref`` on the device."""
+    used = tl.minimum(tl.maximum(tl.cdiv(seq_len, SPLIT_KEYS), 1), num_splits)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, used), BLOCK_N), 1) * BLOCK_N
+    return tl.cdiv(seq_len, per_split), per_split
 
 
 @triton.jit
@@ -126,7 +155,7 @@ def _paged_mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SPLIT_KEYS: tl.constexpr,
 ):
     # Head blocks vary fastest, so the programs sharing a request's latent tiles run together.
     head_block = tl.program_id(0)
@@ -134,10 +163,12 @@ def _paged_mla_decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
-    # Each request's own keys are cut into num_splits whole key blocks, so a fixed
-    # grid (a captured step with a page table as wide as the longest context)
-    # spreads a short request over every split too.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    # A request takes only the splits its length fills with SPLIT_KEYS keys each, in
+    # whole key blocks (a captured grid is sized for the longest context); the others
+    # exit here and write nothing. Split 0 always runs (zeros for an empty request).
+    busy, split_len = _busy_splits(seq_len, num_splits, SPLIT_KEYS, BLOCK_N)
+    if (split > 0) & (split >= busy):
+        return
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
 
@@ -153,10 +184,18 @@ def _paged_mla_decode_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # The page ids of the next key block load one iteration ahead, so a block's latent
+    # loads wait on one memory trip, not on the page table's and then their own.
+    t_next = start + tl.arange(0, BLOCK_N)
+    page_next = tl.load(table_ptr + b * stride_tb + t_next // PAGE_SIZE, mask=t_next < end,
+                        other=0)
     for n0 in range(start, end, BLOCK_N):
         t = n0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
-        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
+        page = page_next
+        t_next = t + BLOCK_N
+        page_next = tl.load(table_ptr + b * stride_tb + t_next // PAGE_SIZE, mask=t_next < end,
+                            other=0)
         rows = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
         # Masked rows read 0, never a neighbour's (or a poisoned unused) row.
         kv, k_pe = load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, t_ok, r, p, stride_lr,
@@ -173,47 +212,65 @@ def _paged_mla_decode_kernel(
         acc = acc * alpha[:, None] + tl.dot(prob.to(kv.dtype), kv, input_precision=DOT_PRECISION)
         m = m_new
 
-    has_keys = l > 0.0  # false only for an empty split (or seq_len 0)
+    has_keys = l > 0.0  # false only for seq_len 0 (a busy split has keys)
     o = acc / tl.where(has_keys, l, 1.0)[:, None]
     o_mask = h_ok[:, None] & r_ok[None, :]
+    busy_h = tl.zeros([BLOCK_H], tl.int32) + busy  # per row: masks take blocks
     if WRITE_PARTIAL:
-        # Partials: lse [B, H, num_splits], o [B, H, num_splits, RANK].
-        # An empty split (a short request in a wide captured grid) writes only its lse.
+        # Partials of the busy splits: lse [B, H, num_splits], o [B, H, num_splits, RANK];
+        # a request with one busy split writes its output instead (nothing to merge).
+        partial = h_ok & (busy_h > 1)
         slot = (b * num_heads + h) * num_splits + split
         tl.store(part_o_ptr + slot[:, None] * RANK + r[None, :], o,
-                 mask=o_mask & has_keys[:, None])
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + slot, lse, mask=h_ok)
+                 mask=o_mask & partial[:, None])
+        tl.store(part_lse_ptr + slot, m + tl.log2(tl.where(has_keys, l, 1.0)), mask=partial)
+        direct = busy_h <= 1
     else:
-        dst = out_ptr + b * stride_ob + h[:, None] * stride_oh + r[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        direct = busy_h >= 0  # always
+    dst = out_ptr + b * stride_ob + h[:, None] * stride_oh + r[None, :]
+    tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask & direct[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "max_kv_len"])
 def _mla_decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, num_heads, num_splits, stride_ob, stride_oh,
-    RANK: tl.constexpr, BLOCK_R: tl.constexpr,
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, num_heads, num_splits, max_kv_len,
+    stride_ob, stride_oh,
+    RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LENS: tl.constexpr,
+    SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     first = (b * num_heads + h) * num_splits
-    top = tl.load(part_lse_ptr + first)
-    for i in range(1, num_splits):
-        top = tl.maximum(top, tl.load(part_lse_ptr + first + i))
-    top = tl.where(top > float("-inf"), top, 0.0)  # every split empty: all weights 0
-    r = tl.arange(0, BLOCK_R)
-    r_ok = r < RANK
-    acc = tl.zeros([BLOCK_R], tl.float32)
-    total = tl.zeros([BLOCK_R], tl.float32)
-    for i in range(num_splits):
-        weight = tl.exp2(tl.load(part_lse_ptr + first + i) - top)  # 0 for an empty split
-        o = tl.load(part_o_ptr + (first + i) * RANK + r, mask=r < tl.where(weight > 0.0, RANK, 0),
-                    other=0.0)  # an empty split's o is never written: not read
-        acc += weight * o
-        total += weight
-    merged = acc / tl.where(total > 0.0, total, 1.0)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + r, merged.to(out_ptr.dtype.element_ty),
-             mask=r_ok)
+    if HAS_LENS:  # the dense kernel's partials: only its busy splits wrote any
+        seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
+        used, _ = _busy_splits(seq_len, num_splits, SPLIT_KEYS, BLOCK_N)
+        fewest = 2  # one busy split: stage 1 wrote the output
+    else:  # every split wrote its lse (-inf: no keys, its o unwritten)
+        used = num_splits
+        fewest = 1
+    if used >= fewest:
+        s = tl.arange(0, BLOCK_S)
+        top = tl.full([BLOCK_S], float("-inf"), tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            top = tl.maximum(top, tl.load(part_lse_ptr + first + s0 + s, mask=s0 + s < used,
+                                          other=float("-inf")))
+        top_all = tl.max(top, 0)
+        top_all = tl.where(top_all > float("-inf"), top_all, 0.0)  # all empty: weights 0
+        r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)  # this program's latent columns
+        r_ok = r < RANK
+        acc = tl.zeros([BLOCK_R], tl.float32)
+        total = tl.zeros([BLOCK_S], tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            lse = tl.load(part_lse_ptr + first + s0 + s, mask=s0 + s < used, other=float("-inf"))
+            weight = tl.exp2(lse - top_all)  # 0 past the used splits and for an empty one
+            o = tl.load(part_o_ptr + (first + s0 + s)[:, None] * RANK + r[None, :],
+                        mask=(weight > 0.0)[:, None] & r_ok[None, :], other=0.0)
+            acc += tl.sum(weight[:, None] * o, 0)
+            total += weight
+        norm = tl.sum(total, 0)
+        merged = acc / tl.where(norm > 0.0, norm, 1.0)
+        tl.store(out_ptr + b * stride_ob + h * stride_oh + r,
+                 merged.to(out_ptr.dtype.element_ty), mask=r_ok)
 
 
 def _is_int(x: object) -> bool:
@@ -330,7 +387,7 @@ def paged_mla_decode_attention_triton(
         num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
                    if q.is_cuda else 1)  # the interpreter runs programs one by one
         num_splits = choose_mla_splits(batch * head_blocks, max_kv_len, num_sms, cfg)
-    # Splits are whole key blocks; trailing ones may get no keys (and write an empty partial).
+    # Splits are whole key blocks; a request uses those its length fills (module doc).
     write_partial = num_splits > 1
     if write_partial:
         part_o = torch.empty((batch, heads, num_splits, kv_lora_rank), dtype=torch.float32,
@@ -339,6 +396,8 @@ def paged_mla_decode_attention_triton(
     else:
         part_o = part_lse = out  # unused
     block_r = max(16, triton.next_power_of_2(kv_lora_rank))
+    # whole key blocks, so that a busy split's keys start on a block
+    split_keys = triton.cdiv(max(1, cfg.min_split_keys), cfg.block_n) * cfg.block_n
     values, scales, rope_part, strides, group = latent_views(latent_cache, kv_lora_rank, rope)
     _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
         q, values, scales, rope_part, page_table, seq_lens, part_o, part_lse, out,
@@ -349,23 +408,33 @@ def paged_mla_decode_attention_triton(
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
-        KV_FP8=latent_cache.dtype == torch.uint8,
+        KV_FP8=latent_cache.dtype == torch.uint8, SPLIT_KEYS=split_keys,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if write_partial:
-        merge_mla_partials(part_o, part_lse, out)
+        merge_mla_partials(part_o, part_lse, out,
+                           busy=(seq_lens, max_kv_len, split_keys, cfg.block_n))
     return out
 
 
-def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, *,
+                       busy: tuple[torch.Tensor, int, int, int] | None = None) -> None:
     """Stage 2 of a split decode: ``part_o [B, H, S, R]`` float32 partial outputs and
     ``part_lse [B, H, S]`` their log2-sum-exp (``-inf`` for a split without keys, whose
     ``o`` is never read) -> ``out [B, H, R]`` (any strides but a dense last dim), the
-    softmax-weighted merge. Shared by the dense and the sparse (DSA) MLA decode kernels."""
+    softmax-weighted merge. Shared by the dense and the sparse (DSA) MLA decode kernels.
+    ``busy = (seq_lens, max_kv_len, split_keys, block_n)`` (the dense kernel's): request
+    ``b`` wrote only its ``busy_splits`` partials, and none (its output is written
+    already) when that is one."""
     batch, heads, splits, rank = part_o.shape
-    _mla_decode_merge_kernel[(heads, batch)](
-        part_o, part_lse, out, heads, splits, out.stride(0), out.stride(1),
-        RANK=rank, BLOCK_R=max(16, triton.next_power_of_2(rank)),
+    lens, max_kv_len, split_keys, block_n = busy if busy is not None else (part_lse, 0, 1, 1)
+    # Columns of the latent cut over programs too, so that a long context's many partials
+    # (264 splits x 2 KiB per head at batch 1) stream through several SMs per head.
+    block_r = min(128, max(16, triton.next_power_of_2(rank))) if part_o.is_cuda else 16
+    _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
+        part_o, part_lse, out, lens, heads, splits, max_kv_len, out.stride(0), out.stride(1),
+        RANK=rank, BLOCK_R=block_r, BLOCK_S=8,
+        HAS_LENS=busy is not None, SPLIT_KEYS=split_keys, BLOCK_N=block_n,
     )
 
 

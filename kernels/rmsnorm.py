@@ -6,6 +6,10 @@ as a plain add is) and ``out = weight * (s * rsqrt(mean(s**2) + eps))`` where
 ``s`` is ``summed`` in float32 and the normalised row is cast back to the model
 dtype before the weight multiply (the order transformers uses). ``residual``
 may be None: then ``summed`` is ``x`` itself and only the norm runs.
+``out`` (optional, ``[T, N]`` of x's dtype, a dense last dim, any row stride)
+receives the normalised rows instead of a new tensor; it may be ``x`` itself
+(each row is read whole before it is written): MLA normalises the compressed
+KV in place inside its GEMM output, so the latent row needs no concatenation.
 
 The Triton kernel runs one program per row; the row length is a compile-time
 block, the row count is never specialised on (it varies per batch).
@@ -44,6 +48,18 @@ def _add_rmsnorm_kernel(
     tl.store(out_ptr + row * stride_out + col, (normed * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
+def _check_out(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    if out is None:
+        return torch.empty_like(x)
+    if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+        raise ValueError(f"out must be a {x.dtype} tensor of shape {tuple(x.shape)}, got "
+                         f"{getattr(out, 'shape', type(out))} {getattr(out, 'dtype', '')}")
+    check_same_device(x=x, out=out)
+    if out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"out must be dense along its last dim, got strides {out.stride()}")
+    return out
+
+
 def _check_args(x, residual, weight, eps) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D tensor [T, N], got {getattr(x, 'shape', type(x))}")
@@ -69,9 +85,10 @@ def _check_args(x, residual, weight, eps) -> None:
 
 
 def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                       eps: float, *, out: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args(x, residual, weight, eps)
-    out = torch.empty_like(x)
+    out = _check_out(x, out)
     summed = x if residual is None else torch.empty_like(x)
     if x.shape[0] == 0:
         return out, summed
@@ -87,16 +104,24 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: t
 
 
 def add_rmsnorm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                    eps: float, *, out: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     _check_args(x, residual, weight, eps)
+    if out is not None:
+        _check_out(x, out)
     summed = x if residual is None else residual + x
     s = summed.float()
     variance = s.pow(2).mean(-1, keepdim=True)
-    return weight * (s * torch.rsqrt(variance + eps)).to(x.dtype), summed
+    normed = weight * (s * torch.rsqrt(variance + eps)).to(x.dtype)
+    if out is None:
+        return normed, summed
+    return out.copy_(normed), summed
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(RMSNorm(residual + x), residual + x)``; see the module doc."""
+                eps: float, *, out: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(RMSNorm(residual + x), residual + x)``, the first in ``out`` if given; see the
+    module doc."""
     run = add_rmsnorm_triton if use_triton(x) else add_rmsnorm_ref
-    return run(x, residual, weight, eps)
+    return run(x, residual, weight, eps, out=out)

@@ -34,8 +34,9 @@ from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
 from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
-from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, moe_experts_decode
+from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, TOKEN_BUCKETS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts
+from lanekv.kernels.moe.gate import router_logits
 from lanekv.kernels.moe.route import moe_route
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
@@ -56,7 +57,9 @@ MOE_DECODE_MAX_TOKENS = min(16, MAX_DECODE_TOKENS)
 
 class MLAProjection(NamedTuple):
     q: torch.Tensor  # [T, H, qk_head_dim]: q_nope then the RoPE'd q_pe
-    latent: torch.Tensor  # [T, kv_lora_rank + qk_rope_head_dim], the cached row
+    # [T, kv_lora_rank + qk_rope_head_dim], the cached row (rows may be strided: a view
+    # of the q/kv_a GEMM's output)
+    latent: torch.Tensor
     q_lora: torch.Tensor | None  # [T, q_lora_rank] after q_a_layernorm (DSA's index queries)
 
 
@@ -126,8 +129,10 @@ class MLAAttention(nn.Module):
         compressed, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
         mla_rope(q[..., mla.qk_nope_head_dim:], k_pe, cos, sin, mla.rope_interleave)
-        latent = torch.cat((self.kv_a_layernorm.fused(compressed)[0], k_pe), dim=-1)
-        return MLAProjection(q, latent, q_lora)
+        # the compressed part normed in place: kv_a (a row-strided view of the GEMM output)
+        # is then the latent row, with no concatenation
+        self.kv_a_layernorm.fused(compressed, out=compressed)
+        return MLAProjection(q, kv_a, q_lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: MLAAttentionFn) -> torch.Tensor:
@@ -203,9 +208,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x [T, hidden]`` -> weights ``[T, k]`` float32 and expert ids ``[T, k]``
-        (``kernels.moe.moe_route``: one launch after the gate's GEMM on CUDA)."""
+        (``kernels.moe.gate.router_logits``, then ``kernels.moe.moe_route``: two launches
+        at decode sizes on CUDA)."""
         moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())
+        logits = router_logits(x, self.weight.float())  # one launch at decode sizes on CUDA
         bias = self.e_score_correction_bias if moe.scoring == "sigmoid" else None
         return moe_route(logits, bias, moe.top_k, moe.n_group, moe.topk_group, moe.scoring,
                          bool(moe.norm_topk_prob), float(moe.routed_scaling_factor))
@@ -268,6 +274,23 @@ class MoE(nn.Module):
         ):
             return None
         return {"shared_w13": shared.gate_up.weight, "shared_w2": shared.down_proj.weight}
+
+    def warm_up_decode(self) -> None:
+        """Compile the sort-free decode kernels for each token bucket the model sends them
+        (``TOKEN_BUCKETS`` up to MOE_DECODE_MAX_TOKENS): a CUDA-graph ladder compiles its own
+        sizes' buckets only, and an eager step above a short ladder can take another. The
+        kernels run on zeros, every token on the first experts; no collectives, so every
+        rank may call it alone. Nothing on the CPU or for block-FP8 experts."""
+        if self.w13 is None or not self.w13.is_cuda or self.fp8 is not None:
+            return
+        experts, inter, hidden = self.w13.shape[0], self.w13.shape[1] // 2, self.w13.shape[2]
+        top_k = min(self.gate.moe.top_k, experts)
+        shared = self._shared_weights(inter) or {}
+        like = {"device": self.w13.device}
+        for bucket in (b for b in TOKEN_BUCKETS if b <= MOE_DECODE_MAX_TOKENS):
+            ids = torch.arange(top_k, **like).repeat(bucket, 1)
+            moe_experts_decode(torch.zeros((bucket, hidden), dtype=self.w13.dtype, **like),
+                               self.w13, self.w2, torch.ones(ids.shape, **like), ids, **shared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -373,6 +396,15 @@ class DeepseekCausalLM(nn.Module):
             layer.mlp.fuse()
             layer.self_attn.fuse()
             layer.self_attn._kv_b()  # a block-FP8 kv_b_proj dequantized now, not in a graph capture
+
+    def warm_up_decode_kernels(self) -> None:
+        """Compile the kernels whose launch variants follow the batch size beyond what the
+        graph ladder compiled (``MoE.warm_up_decode``; the layers share their shapes)."""
+        with torch.inference_mode():
+            for layer in self.model.layers:
+                if isinstance(layer.mlp, MoE):
+                    layer.mlp.warm_up_decode()
+                    return
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -48,11 +48,12 @@ class RMSNorm(nn.Module):
         variance = x32.pow(2).mean(-1, keepdim=True)
         return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
-    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None = None, *,
+              out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm(residual + x), residual + x)`` for ``[T, N]`` rows, the add fused
-        into the norm (``kernels.rmsnorm``; the same ops as ``forward`` on the CPU)."""
-        return add_rmsnorm(x, residual, self.weight, self.eps)
+        into the norm (``kernels.rmsnorm``; the same ops as ``forward`` on the CPU);
+        ``out`` takes the normed rows (it may be ``x``: in place)."""
+        return add_rmsnorm(x, residual, self.weight, self.eps, out=out)
 
 
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -179,6 +179,9 @@ class DecodeGraphs:
             torch.cuda.empty_cache()  # so that the figure below counts only what the graphs keep
             before = torch.cuda.memory_reserved(device)
             self._capture_all(device, torch.cuda.graph_pool_handle(), torch.cuda.Stream(device))
+            warm = getattr(self.model, "warm_up_decode_kernels", None)
+            if warm is not None:  # variants an eager step above the ladder may take (DeepSeek's MoE)
+                warm()
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the eager runs' blocks go; the graphs' private pool stays
         self.memory_bytes = torch.cuda.memory_reserved(device) - before

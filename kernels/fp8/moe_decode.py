@@ -29,6 +29,8 @@ from lanekv.kernels.moe.decode import (
     _count_of,
     _decode_combine_kernel,
     _expert_of_slot,
+    _load_ids,
+    _p_block,
     _rows_of,
     default_decode_tiles,
 )
@@ -49,11 +51,11 @@ def _fp8_decode_gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    expert, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
-                                   P_BLOCK)
+    ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
+    expert, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
     if runs == 0:
         return
-    count = _count_of(ids_ptr, expert, num_tokens, num_experts, TOP_K, P_BLOCK)
+    count = _count_of(ids, expert, num_tokens, num_experts)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < inter
@@ -65,7 +67,7 @@ def _fp8_decode_gate_up_kernel(
     up_scales = scales + ((inter + n0) // GROUP_N) * stride_sn  # inter: whole blocks
     dtype = h_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
-        _, token, row, valid = _rows_of(ids_ptr, expert, num_tokens, num_experts, chunk, count,
+        _, token, row, valid = _rows_of(ids, expert, num_tokens, num_experts, chunk, count,
                                         TOP_K, P_BLOCK, BLOCK_M)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -97,11 +99,11 @@ def _fp8_decode_down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    expert, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
-                                   P_BLOCK)
+    ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
+    expert, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
     if runs == 0:
         return
-    count = _count_of(ids_ptr, expert, num_tokens, num_experts, TOP_K, P_BLOCK)
+    count = _count_of(ids, expert, num_tokens, num_experts)
     n0 = tl.program_id(1) * BLOCK_N
     n = n0 + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
@@ -110,7 +112,7 @@ def _fp8_decode_down_kernel(
     scales = s_ptr + expert.to(tl.int64) * stride_se + (n0 // GROUP_N) * stride_sn
     dtype = y_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
-        pair, _, row, valid = _rows_of(ids_ptr, expert, num_tokens, num_experts, chunk, count,
+        pair, _, row, valid = _rows_of(ids, expert, num_tokens, num_experts, chunk, count,
                                        TOP_K, P_BLOCK, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
@@ -150,8 +152,7 @@ def moe_experts_fp8_decode_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch
         raise ValueError(f"config.block_n={cfg.block_n} and config.block_k={cfg.block_k} must "
                          f"divide the weight block {tuple(block)}")
     ids = ids.contiguous()
-    # On the interpreter nothing compiles: scan only the batch's own pairs.
-    p_block = max(16, triton.next_power_of_2((MAX_DECODE_TOKENS if x.is_cuda else tokens) * top_k))
+    p_block = _p_block(x, top_k)  # the token bucket's pairs (one compile per bucket)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     pairs = tokens * top_k
     h = x.new_empty((pairs, inter))

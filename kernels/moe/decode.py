@@ -20,7 +20,8 @@ in a CUDA graph:
 1. gate/up, grid ``(T*k + S, cdiv(I, BLOCK_N))``: slot ``j < T*k`` runs the expert of
    pair ``j`` if ``j`` is that expert's first pair (else it exits at once), so each
    touched expert runs once and at batch 1 no program idles; it finds the expert's
-   pairs by scanning ``ids`` (``T * k`` ints, no sort, no offsets) and streams the
+   pairs by scanning ``ids`` (``T * k`` ints, one load per program before the weights
+   stream, no sort, no offsets) and streams the
    expert's gate and up columns once per ``BLOCK_M`` of its pairs (once per step at
    decode sizes), SiLU * up in the epilogue: ``h [T*k + S*T, I]``; slot ``T*k + s``
    runs shared slice ``s`` for every token;
@@ -29,6 +30,12 @@ in a CUDA graph:
 3. the combine, grid ``(T, cdiv(H, BLOCK))``: each token's ``k + S`` rows added in
    float32 in a fixed order (deterministic, no atomics), rounded once.
 
+Tiles (``DecodeTiles``) are per kernel: ``DECODE_TILE_TABLE`` by (kernel, token bucket,
+N, K), else ``default_decode_tiles``; the token buckets (1, 4, 16, 64) are all a launch
+compiles on besides the weights' shapes, so the graph ladder's sizes compile every
+variant a step can take. ``bench/moe_decode_sweep.py`` times candidate tiles per kernel
+against the bytes each reads.
+
 Every GEMM output, the SiLU, the product and the weighted expert output are rounded
 to x's dtype as ``moe_experts`` rounds them. The reference (``moe_experts_decode_ref``)
 loops over the pairs one by one and runs the shared expert at its full width.
@@ -36,6 +43,8 @@ loops over the pairs one by one and runs the shared expert at its full width.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -47,9 +56,9 @@ from lanekv.kernels.moe.experts import _check_args
 
 # The most tokens the decode kernels take (larger batches take the sorted grouped GEMMs
 # of kernels/moe/experts.py). Each program scans the ids in one block of
-# next_power_of_2(MAX_DECODE_TOKENS * k) slots whatever T is, and the tiles depend on
-# the shapes of the weights and k only, so every batch size up to this one runs the
-# kernels compiled for the first: an eager step past the CUDA-graph ladder compiles nothing.
+# next_power_of_2(bucket * k) slots, the bucket being the smallest of TOKEN_BUCKETS that
+# holds T, and the tiles depend on the weights' shapes, k and that bucket only, so every
+# batch size of a bucket runs the kernels compiled for the first.
 MAX_DECODE_TOKENS = 64
 
 
@@ -59,6 +68,35 @@ class DecodeTiles(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
+
+
+# Token buckets: the tiles and the ids block a launch compiles on depend on the smallest
+# bucket holding the batch, never on the batch itself. The CUDA-graph capture compiles
+# its sizes' buckets and then every bucket the model uses (``MoE.warm_up_decode``), so
+# an eager step above a short ladder compiles nothing either.
+TOKEN_BUCKETS = (1, 4, 16, MAX_DECODE_TOKENS)
+GATE_UP, DOWN = "gate_up", "down"
+
+# Tiles by (kernel, token bucket, N, K) for 16-bit weights on a GPU; N is the GEMM's
+# output width (gate_up: the expert width I, down: the hidden size H), K its reduction.
+# Shapes and buckets not listed take ``default_decode_tiles``. DeepSeek-V2-Lite (H 2048,
+# I 1408, 6 routed + 2 shared slices: 8 experts at batch 1): the batch-1 gate_up tiles
+# give 8 x 44 = 352 programs of 60 KiB of shared memory (3 stages), so all of them are
+# resident at once on 132 SMs (3 per SM) instead of 1.33 waves of the 80 KiB default;
+# bench/moe_decode_sweep.py times these against the other candidates and the byte floor.
+DECODE_TILE_TABLE: Mapping[tuple[str, int, int, int], DecodeTiles] = MappingProxyType({
+    (GATE_UP, 1, 1408, 2048): DecodeTiles(16, 32, 128, 4, 3),
+    (DOWN, 1, 2048, 1408): DecodeTiles(16, 32, 128, 4, 4),
+    (GATE_UP, 4, 1408, 2048): DecodeTiles(16, 32, 128, 4, 3),
+    (DOWN, 4, 2048, 1408): DecodeTiles(16, 32, 128, 4, 4),
+    (GATE_UP, 16, 1408, 2048): DecodeTiles(16, 64, 64, 4, 4),
+    (DOWN, 16, 2048, 1408): DecodeTiles(16, 64, 64, 4, 4),
+})
+
+
+def token_bucket(tokens: int) -> int:
+    """The smallest of ``TOKEN_BUCKETS`` holding ``tokens`` (``tokens`` <= MAX_DECODE_TOKENS)."""
+    return next(b for b in TOKEN_BUCKETS if tokens <= b)
 
 
 def default_decode_tiles(x: torch.Tensor, active: int, inter: int, hidden: int) -> DecodeTiles:
@@ -77,15 +115,37 @@ def default_decode_tiles(x: torch.Tensor, active: int, inter: int, hidden: int) 
     return DecodeTiles(16, block_n, 128, 4, 4)
 
 
+def decode_tiles(x: torch.Tensor, kernel: str, active: int, inter: int,
+                 hidden: int) -> DecodeTiles:
+    """The tiles of ``kernel`` (GATE_UP or DOWN) for ``x``'s batch: ``DECODE_TILE_TABLE``'s
+    entry for the batch's token bucket and the kernel's (N, K) where there is one (16-bit
+    weights on a GPU), else ``default_decode_tiles``; the row block covers the bucket's
+    tokens (at most 64), so a shared slice streams its weights once."""
+    listed = table_tiles(kernel, x.shape[0], inter, hidden) if (
+        x.is_cuda and x.dtype != torch.float32) else None
+    tiles = listed or default_decode_tiles(x, active, inter, hidden)
+    if not x.is_cuda:
+        return tiles
+    return tiles._replace(block_m=max(tiles.block_m, min(token_bucket(max(1, x.shape[0])), 64)))
+
+
+def table_tiles(kernel: str, tokens: int, inter: int, hidden: int) -> DecodeTiles | None:
+    """``DECODE_TILE_TABLE``'s tiles for ``kernel`` at ``tokens``' bucket, or None."""
+    if kernel not in (GATE_UP, DOWN):
+        raise ValueError(f"kernel={kernel!r} must be {GATE_UP!r} or {DOWN!r}")
+    n, k = (inter, hidden) if kernel == GATE_UP else (hidden, inter)
+    return DECODE_TILE_TABLE.get((kernel, token_bucket(max(1, tokens)), n, k))
+
+
 @triton.jit
-def _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count_hint,
+def _rows_of(ids, pid, num_tokens, num_experts, chunk, count_hint,
              TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows ``chunk .. chunk + BLOCK_M`` of program ``pid``'s pairs: (pair or -1 for a
     shared slice, token, row of h / y, valid). Routed: the pairs whose id is ``pid``,
-    in pair order; shared slice ``s = pid - E``: every token, rows after the pairs."""
+    in pair order; shared slice ``s = pid - E``: every token, rows after the pairs.
+    ``ids``: the step's ids as ``_load_ids`` gives them (loaded once per program)."""
     num_pairs = num_tokens * TOP_K
     p = tl.arange(0, P_BLOCK)
-    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
     mine = ids == pid
     rank = tl.cumsum(mine.to(tl.int32), 0) - 1
     r = chunk + tl.arange(0, BLOCK_M)
@@ -99,26 +159,31 @@ def _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count_hint,
 
 
 @triton.jit
-def _expert_of_slot(ids_ptr, slot, num_tokens, num_experts, TOP_K: tl.constexpr,
+def _load_ids(ids_ptr, num_tokens, TOP_K: tl.constexpr, P_BLOCK: tl.constexpr):
+    """The step's ``T * k`` expert ids as one block (-1 past them): the one load of them
+    a program makes, before its weights stream (the helpers below work on it)."""
+    p = tl.arange(0, P_BLOCK)
+    return tl.load(ids_ptr + p, mask=p < num_tokens * TOP_K, other=-1).to(tl.int32)
+
+
+@triton.jit
+def _expert_of_slot(ids, slot, num_tokens, num_experts, TOP_K: tl.constexpr,
                     P_BLOCK: tl.constexpr):
     """(expert or shared slice id, whether this slot runs it). Slot ``j < T*k`` runs pair
     ``j``'s expert if ``j`` is that expert's first pair (the others exit: no expert runs
     twice, and idle programs are at most the pairs); slot ``T*k + s`` runs shared slice ``s``."""
     num_pairs = num_tokens * TOP_K
     p = tl.arange(0, P_BLOCK)
-    ids = tl.load(ids_ptr + p, mask=p < num_pairs, other=-1)
     routed = slot < num_pairs
-    expert = tl.load(ids_ptr + tl.minimum(slot, num_pairs - 1)).to(tl.int32)
+    expert = tl.sum(tl.where(p == slot, ids, 0), 0)  # ids[slot], from the block in registers
     earlier = tl.sum(((ids == expert) & (p < slot)).to(tl.int32), 0)
     pid = tl.where(routed, expert, num_experts + slot - num_pairs)
     return pid, ((earlier == 0) | (slot >= num_pairs)).to(tl.int32)
 
 
 @triton.jit
-def _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K: tl.constexpr, P_BLOCK: tl.constexpr):
+def _count_of(ids, pid, num_tokens, num_experts):
     """How many rows program ``pid`` has: its pairs, or every token for a shared slice."""
-    p = tl.arange(0, P_BLOCK)
-    ids = tl.load(ids_ptr + p, mask=p < num_tokens * TOP_K, other=-1)
     routed = tl.sum((ids == pid).to(tl.int32), 0)
     return tl.where(pid >= num_experts, num_tokens, routed)
 
@@ -130,11 +195,11 @@ def _decode_gate_up_kernel(
     TOP_K: tl.constexpr, SHARED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
-                                P_BLOCK)
+    ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
+    pid, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
     if runs == 0:
         return
-    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
+    count = _count_of(ids, pid, num_tokens, num_experts)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < inter
     if pid < num_experts:
@@ -147,7 +212,7 @@ def _decode_gate_up_kernel(
         up = SHARED * inter * stride_n
     dtype = h_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
-        _, token, row, valid = _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count,
+        _, token, row, valid = _rows_of(ids, pid, num_tokens, num_experts, chunk, count,
                                         TOP_K, P_BLOCK, BLOCK_M)
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -175,11 +240,11 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    pid, runs = _expert_of_slot(ids_ptr, tl.program_id(0), num_tokens, num_experts, TOP_K,
-                                P_BLOCK)
+    ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
+    pid, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
     if runs == 0:
         return
-    count = _count_of(ids_ptr, pid, num_tokens, num_experts, TOP_K, P_BLOCK)
+    count = _count_of(ids, pid, num_tokens, num_experts)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < hidden
     if pid < num_experts:
@@ -190,7 +255,7 @@ def _decode_down_kernel(
         stride_n = stride_wsn.to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
-        pair, _, row, valid = _rows_of(ids_ptr, pid, num_tokens, num_experts, chunk, count,
+        pair, _, row, valid = _rows_of(ids, pid, num_tokens, num_experts, chunk, count,
                                        TOP_K, P_BLOCK, BLOCK_M)
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, inter, BLOCK_K):
@@ -258,43 +323,76 @@ def _check(x, w13, w2, weights, ids, shared_w13, shared_w2) -> int:
     return _check_shared(x, w13, shared_w13, shared_w2)
 
 
+def _p_block(x: torch.Tensor, top_k: int) -> int:
+    """The ids block: the token bucket's pairs on a GPU; on the interpreter (nothing
+    compiles) the batch's own."""
+    tokens = token_bucket(max(1, x.shape[0])) if x.is_cuda else x.shape[0]
+    return max(16, triton.next_power_of_2(tokens * top_k))
+
+
+def _precision(x: torch.Tensor) -> str:
+    return "ieee" if x.dtype == torch.float32 else "tf32"
+
+
+def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
+                          shared_w13: torch.Tensor | None, tiles: DecodeTiles) -> torch.Tensor:
+    """Kernel 1 on checked inputs (``ids`` contiguous): ``h [T*k + S*T, I]``, SiLU(gate) * up
+    of every pair's expert, then of every shared slice per token."""
+    tokens, hidden = x.shape
+    experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
+    shared = 0 if shared_w13 is None else shared_w13.shape[0] // (2 * inter)
+    ws13 = w13 if shared_w13 is None else shared_w13  # unused without a shared expert
+    h = x.new_empty((tokens * top_k + shared * tokens, inter))
+    programs = tokens * top_k + shared  # a slot per pair (its expert's first runs it), the slices
+    _decode_gate_up_kernel[(programs, triton.cdiv(inter, tiles.block_n))](
+        x, w13, ws13, ids, h, tokens, experts, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), h.stride(0),
+        TOP_K=top_k, SHARED=shared, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return h
+
+
+def launch_decode_down(x: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor, shared_w2: torch.Tensor | None,
+                       tiles: DecodeTiles) -> torch.Tensor:
+    """Kernel 2 on checked inputs (``x`` only for its shape and dtype): ``y [T*k + S*T, H]``,
+    each pair's expert output times its routing weight, then the shared slices' outputs."""
+    tokens, hidden = x.shape
+    experts, inter, top_k = w2.shape[0], w2.shape[2], ids.shape[1]
+    shared = 0 if shared_w2 is None else shared_w2.shape[1] // inter
+    ws2 = w2 if shared_w2 is None else shared_w2
+    y = x.new_empty((h.shape[0], hidden))
+    _decode_down_kernel[(tokens * top_k + shared, triton.cdiv(hidden, tiles.block_n))](
+        h, w2, ws2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), y.stride(0),
+        TOP_K=top_k, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+    )
+    return y
+
+
 def moe_experts_decode_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                               weights: torch.Tensor, ids: torch.Tensor, *,
                               shared_w13: torch.Tensor | None = None,
                               shared_w2: torch.Tensor | None = None,
-                              config: DecodeTiles | None = None) -> torch.Tensor:
-    """Triton launcher; ``config`` overrides the tiles (benchmarks sweep them)."""
+                              config: DecodeTiles | None = None,
+                              down_config: DecodeTiles | None = None) -> torch.Tensor:
+    """Triton launcher; ``config`` overrides the tiles of both GEMM kernels and
+    ``down_config`` those of the down kernel (benchmarks sweep them); else ``decode_tiles``."""
     shared = _check(x, w13, w2, weights, ids, shared_w13, shared_w2)
     tokens, hidden = x.shape
     experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
-    pairs = tokens * top_k
     if tokens == 0:
         return torch.zeros_like(x)
-    cfg = config or default_decode_tiles(x, min(experts, top_k) + shared, inter, hidden)
+    active = min(experts, top_k) + shared
+    up_tiles = config or decode_tiles(x, GATE_UP, active, inter, hidden)
+    down_tiles = down_config or config or decode_tiles(x, DOWN, active, inter, hidden)
     ids = ids.contiguous()
-    # On the interpreter nothing compiles: scan only the batch's own pairs.
-    p_block = max(16, triton.next_power_of_2((MAX_DECODE_TOKENS if x.is_cuda else tokens) * top_k))
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    ws13 = shared_w13 if shared else w13  # unused without a shared expert
-    ws2 = shared_w2 if shared else w2
-    rows = pairs + shared * tokens
-    h = x.new_empty((rows, inter))
-    programs = pairs + shared  # a slot per pair (its expert's first runs it), then the slices
-    _decode_gate_up_kernel[(programs, triton.cdiv(inter, cfg.block_n))](
-        x, w13, ws13, ids, h, tokens, experts, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), h.stride(0),
-        TOP_K=top_k, SHARED=shared, P_BLOCK=p_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    y = x.new_empty((rows, hidden))
-    _decode_down_kernel[(programs, triton.cdiv(hidden, cfg.block_n))](
-        h, w2, ws2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), y.stride(0),
-        TOP_K=top_k, P_BLOCK=p_block, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, DOT_PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+    h = launch_decode_gate_up(x, w13, ids, shared_w13 if shared else None, up_tiles)
+    y = launch_decode_down(x, h, w2, ids, weights, shared_w2 if shared else None, down_tiles)
     out = torch.empty_like(x)
     block = min(1024, max(16, triton.next_power_of_2(hidden)))
     _decode_combine_kernel[(tokens, triton.cdiv(hidden, block))](

@@ -48,3 +48,28 @@ def test_no_kernel_compiles_after_warm_up_gpu(tmp_path, write):
         torch.cuda.synchronize()
     assert steps > 50
     assert compiles == [], f"{len(compiles)} kernels compiled after warm-up: {compiles[:3]}"
+
+
+@requires_gpu
+def test_short_ladder_deepseek_eager_batches_compile_nothing_gpu(tmp_path):
+    """A ladder of 1 and 2 under a batch limit of 12: eager steps of 3 to 12 requests take
+    the MoE decode kernels at token buckets no captured size compiled; the capture's
+    warm-up (``DeepseekCausalLM.warm_up_decode_kernels``) compiled them."""
+    loaded = load_model(write_deepseek_v3(tmp_path / "model"), dtype=torch.bfloat16, device="cuda")
+    pool = PagePool.for_model(loaded.config, 4096, 16, torch.bfloat16, "cuda")
+    pool.tensor.normal_()
+    engine = DecodeEngine(loaded.model, pool, max_batch_size=12, eos_token_ids=(),
+                          graph_sizes=(1, 2))
+    engine.capture_graphs()
+    warm_up_kernels(pool, loaded.config)
+    rng = random.Random(1)
+    with recording_compiles() as compiles:
+        for i in range(12):
+            engine.add(f"r{i}", PageTable.allocate(pool, rng.randint(1, 300)), 7, SamplingParams(), 6)
+        steps = 0
+        while engine.has_work:
+            engine.step()
+            steps += 1
+        torch.cuda.synchronize()
+    assert steps >= 6
+    assert compiles == [], f"{len(compiles)} kernels compiled after warm-up: {compiles[:3]}"

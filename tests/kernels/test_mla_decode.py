@@ -14,8 +14,10 @@ import pytest
 import torch
 from lanekv.kernels.mla_decode import (
     MLADecodeConfig,
+    busy_splits_ref,
     choose_mla_splits,
     default_mla_config,
+    merge_mla_partials,
     mla_absorb_query_ref,
     mla_absorb_query_triton,
     mla_expand_output_ref,
@@ -171,10 +173,59 @@ def test_wide_head_blocks():
 def test_choose_mla_splits_fills_the_gpu():
     cfg = MLADecodeConfig()
     assert choose_mla_splits(1, 1 << 20, 132, cfg) == 2 * 132  # one request, one head block
-    assert choose_mla_splits(1, 32768, 132, cfg) == 32768 // 256
-    assert choose_mla_splits(1, 512, 132, cfg) == 2  # never under min_split_keys keys
+    assert choose_mla_splits(1, 8192, 132, cfg) == 8192 // cfg.min_split_keys
+    assert choose_mla_splits(1, 512, 132, cfg) == 512 // cfg.min_split_keys  # never fewer keys
     assert choose_mla_splits(64 * 8, 8192, 132, cfg) == 1
     assert choose_mla_splits(0, 100, 132, cfg) == 1
+
+
+def test_busy_splits_cover_every_key_once():
+    """A request's busy splits: at most num_splits, none empty, together every key once,
+    each more than half split_keys keys (whole blocks) unless num_splits caps their count."""
+    for num_splits in (1, 3, 8, 264):
+        for seq_len in (0, 1, 15, 16, 17, 63, 64, 65, 1025, 5000):
+            for split_keys, block_n in ((16, 16), (64, 32), (256, 32)):
+                busy, per = busy_splits_ref(seq_len, num_splits, split_keys, block_n)
+                assert 0 <= busy <= num_splits and per % block_n == 0 and per > 0
+                assert busy == (0 if seq_len == 0 else -(-seq_len // per))
+                assert (busy - 1) * per < seq_len <= busy * per or seq_len == busy == 0
+                if busy > 1 and busy < num_splits:
+                    assert 2 * per > split_keys
+
+
+def test_merge_without_lengths_takes_every_split():
+    """The sparse kernel's merge (no lengths): every split, -inf lse for an empty one, and
+    a single split copied through; all empty gives zeros."""
+    gen = torch.Generator().manual_seed(6)
+    part_o = torch.randn(2, 3, 5, 20, generator=gen)
+    lse = torch.randn(2, 3, 5, generator=gen)
+    lse[0, :, 1] = float("-inf")
+    lse[1, 2] = float("-inf")
+    out = torch.full((2, 3, 20), float("nan"))
+    merge_mla_partials(part_o, lse, out)
+    w = torch.exp2(lse - lse.amax(-1, keepdim=True).nan_to_num(0.0, neginf=0.0)).nan_to_num(0.0)
+    want = (w[..., None] * part_o.nan_to_num(0.0)).sum(2) / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(out[1, 2], torch.zeros(20))
+    one = torch.full((2, 3, 20), float("nan"))
+    merge_mla_partials(part_o[:, :, :1].contiguous(), lse[:, :, :1].clamp_min(0.0).contiguous(), one)
+    torch.testing.assert_close(one, part_o[:, :, 0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads,page_size,block_n,split_keys", [(4, 3, 16, 16), (20, 5, 16, 40)])
+def test_wide_grid_busy_and_direct_requests(heads, page_size, block_n, split_keys):
+    """A captured-size grid (8 splits) over lengths that use none, one (written straight to
+    out, the merge leaving it) and several splits, in one batch; out starts NaN."""
+    lens = [0, 5, 16, 17, 40, 131]
+    p = make_problem(heads, page_size, lens, torch.float32, seed=heads + page_size)
+    cfg = MLADecodeConfig(block_n=block_n, min_split_keys=split_keys)
+    out = torch.full((len(lens), heads, RANK), float("nan"))
+    paged_mla_decode_attention_triton(*p, page_size, 0.3, RANK, out=out, num_splits=8, config=cfg)
+    assert not out.isnan().any()
+    assert rel_err(out, naive_mla(p, page_size, 0.3, RANK)) < 1e-5
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    used = [busy_splits_ref(n, 8, -(-split_keys // block_n) * block_n, block_n)[0] for n in lens]
+    assert used[1] == 1 and max(used) > 2  # both kinds are in the batch
 
 
 @pytest.mark.parametrize("impl", [paged_mla_decode_attention_triton, paged_mla_decode_attention_ref])

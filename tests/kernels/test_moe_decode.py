@@ -6,10 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lanekv.kernels.moe.decode import (
+    DECODE_TILE_TABLE,
+    DOWN,
+    GATE_UP,
+    TOKEN_BUCKETS,
     DecodeTiles,
+    decode_tiles,
     moe_experts_decode,
     moe_experts_decode_ref,
     moe_experts_decode_triton,
+    table_tiles,
+    token_bucket,
 )
 from lanekv.kernels.moe.experts import moe_experts_ref
 
@@ -80,6 +87,38 @@ def test_explicit_tiles_and_dispatcher(monkeypatch: pytest.MonkeyPatch):
     torch.testing.assert_close(moe_experts_decode(*args, **extra), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,inter,shared", [
+    (2, 3, 7, 72, 24, 3),  # three shared slices, an odd expert count, hidden 4.5 blocks
+    (1, 1, 3, 17, 9, 1),  # top 1, widths off every block
+])
+def test_odd_sizes_with_separate_tiles(tokens, top_k, experts, hidden, inter, shared):
+    """Gate/up and down on different tiles (as DECODE_TILE_TABLE may give them)."""
+    args, extra = _inputs(tokens, top_k, experts, hidden, inter, shared, torch.float32, seed=7)
+    got = moe_experts_decode_triton(*args, **extra, config=DecodeTiles(16, 16, 32, 4, 1),
+                                    down_config=DecodeTiles(16, 32, 16, 4, 1))
+    torch.testing.assert_close(got, moe_experts_decode_ref(*args, **extra), rtol=1e-5, atol=1e-5)
+
+
+def test_tile_table_and_buckets():
+    assert [token_bucket(t) for t in (1, 2, 4, 5, 16, 17, 64)] == [1, 4, 4, 16, 16, 64, 64]
+    assert TOKEN_BUCKETS[-1] == 64 and list(TOKEN_BUCKETS) == sorted(TOKEN_BUCKETS)
+    for (kernel, bucket, n, k), tiles in DECODE_TILE_TABLE.items():
+        assert kernel in (GATE_UP, DOWN) and bucket in TOKEN_BUCKETS
+        inter, hidden = (n, k) if kernel == GATE_UP else (k, n)
+        assert table_tiles(kernel, bucket, inter, hidden) == tiles
+        assert tiles.block_m >= 16 and tiles.block_n >= 16 and tiles.block_k >= 16
+    # DeepSeek-V2-Lite's shapes are listed for every bucket of the model's decode batches
+    for tokens in (1, 2, 3, 4, 8, 16):
+        for kernel in (GATE_UP, DOWN):
+            assert table_tiles(kernel, tokens, 1408, 2048) is not None
+    assert table_tiles(GATE_UP, 1, 2048, 7168) is None  # V3: the default tiles
+    with pytest.raises(ValueError, match="kernel='up'"):
+        table_tiles("up", 1, 1408, 2048)
+    # the interpreter keeps its small tiles whatever the table says
+    x = torch.zeros(1, 2048)
+    assert decode_tiles(x, GATE_UP, 8, 1408, 2048) == DecodeTiles(16, 16, 16, 4, 1)
+
+
 @pytest.mark.parametrize("change,match", [
     ({"shared_w13": torch.zeros(80, 64)}, "shared_w13 and shared_w2 go together"),
     ({"shared_w13": torch.zeros(80, 64), "shared_w2": torch.zeros(64, 30)}, "shared_w2 must be"),
@@ -103,7 +142,9 @@ def test_too_many_tokens_are_refused():
 
 @requires_gpu
 @pytest.mark.parametrize("tokens,top_k,experts,hidden,inter,shared", [
-    (1, 6, 64, 2048, 1408, 2),  # DeepSeek-V2-Lite
+    (1, 6, 64, 2048, 1408, 2),  # DeepSeek-V2-Lite: the table's tiles at each bucket
+    (3, 6, 64, 2048, 1408, 2),
+    (13, 6, 64, 2048, 1408, 2),
     (16, 8, 256, 1024, 256, 1),
     (64, 6, 64, 2048, 1408, 2),
 ])

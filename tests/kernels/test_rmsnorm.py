@@ -64,3 +64,34 @@ def test_add_rmsnorm_gpu_bf16():
     want_out, want_sum = _unfused(x, residual, weight, 1e-5)
     assert torch.equal(summed, want_sum)
     torch.testing.assert_close(out, want_out, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("impl", [add_rmsnorm_triton, add_rmsnorm_ref])
+def test_out_in_place_inside_a_wider_row(impl):
+    """MLA's latent row: the first 21 values of each 37-wide GEMM row normed in place
+    (``out`` is ``x``), the rest of the row untouched; ``out`` elsewhere too."""
+    gen = torch.Generator().manual_seed(11)
+    rows = torch.randn(3, 37, generator=gen)
+    before = rows.clone()
+    weight = 1 + torch.randn(21, generator=gen)
+    want = add_rmsnorm_ref(before[:, :21], None, weight, 1e-6)[0]
+    part = rows[:, :21]
+    got, summed = impl(part, None, weight, 1e-6, out=part)
+    assert got.data_ptr() == rows.data_ptr() and summed.data_ptr() == rows.data_ptr()
+    torch.testing.assert_close(rows[:, :21], want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rows[:, 21:], before[:, 21:])
+    dest = torch.empty(3, 21)
+    impl(before[:, :21], torch.ones(3, 21), weight, 1e-6, out=dest)
+    torch.testing.assert_close(dest, add_rmsnorm_ref(before[:, :21], torch.ones(3, 21), weight,
+                                                     1e-6)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("out,match", [
+    (torch.empty(3, 20), "out must be a torch.float32 tensor of shape \\(3, 21\\)"),
+    (torch.empty(3, 21, dtype=torch.float16), "out must be a torch.float32"),
+    (torch.empty(21, 3).t(), "out must be dense"),
+])
+def test_bad_out_is_refused(out, match):
+    for impl in (add_rmsnorm_triton, add_rmsnorm_ref):
+        with pytest.raises(ValueError, match=match):
+            impl(torch.zeros(3, 21), None, torch.ones(21), 1e-6, out=out)
