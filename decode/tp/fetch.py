@@ -12,9 +12,11 @@ only the logical -> physical map of the request's pages.
 
 ``TPFetcher`` stands where the daemon's ``KVFetcher`` stands (``fetch``,
 ``release``, ``transport``): rank 0 fetches its heads through the daemon's
-fetcher (gRPC only: the fast path and NIXL move whole rows and are refused with
-``tp_size > 1``), the other ranks run ``FetchHeads`` with a gRPC fetcher of their
-own, at once. A failure on a rank keeps its status code and names the rank; a
+fetcher, the other ranks run ``FetchHeads`` with a fetcher of their own over the
+same transports, at once. Over the same-host fast path each rank maps the
+prefill ranks' pools and copies its heads of each row (a strided copy), checked
+against the rank's digest of exactly those bytes; over gRPC the prefill rank
+sends only those heads. NIXL reads whole rows and is refused with ``tp_size > 1``. A failure on a rank keeps its status code and names the rank; a
 rank that died is UNAVAILABLE.
 """
 
@@ -51,6 +53,7 @@ class FetchSetup:
     max_inflight_bytes: int
     max_chunk_bytes: int
     streams_per_rank: int
+    transports: tuple[str, ...] = ("grpc",)  # the daemon's (``DecodeConfig.transports``)
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ class FetchHeads:
         fetcher = state.extras.get("fetcher")
         if fetcher is None:
             s = self.setup
-            fetcher = make_fetcher(("grpc",), TransportContext(
+            fetcher = make_fetcher(s.transports, TransportContext(
                 KVClient(s.security, retry=s.retry), s.agreement, None, s.max_inflight_bytes, s.max_chunk_bytes,
                 s.streams_per_rank))
             state.extras["fetcher"] = fetcher

@@ -65,8 +65,6 @@ class FastPathTransport(KVTransport):
         return self._fastpath
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
-        if job.heads is not None:  # whole rows only: a TP rank's head range goes over gRPC
-            return {}
         routes = {}
         for rank in ranks:
             endpoint = job.endpoints[rank]
@@ -100,7 +98,7 @@ class _FastFetch(TransportFetch):
         self._lock = threading.Lock()
         # What every rank's fetch shares; each rank adds its pool, pages and places.
         self._request = FastRequest(job.request_id, job.fingerprint, job.pool, job.pages_for, coverage.placed,
-                                    job.epoch, job.deadline)
+                                    job.epoch, job.deadline, job.heads)
         pools = {rank: route.source for rank, route in routes.items()}
         self._order = CopyOrder.for_pools(pools, job.pool.device)
         self._threads = [

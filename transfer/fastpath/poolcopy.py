@@ -135,9 +135,14 @@ def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: 
     layer_bytes = src_pool.shape[1] * len(src_pages) * page_size * src_pool[0, 0, 0].numel() \
         * src_pool.element_size()
     step = max(1, MAX_STAGING_BYTES // layer_bytes)  # layers per buffer
+    rows = None if src_pool.is_contiguous() else \
+        (src_index[:, None] * page_size + torch.arange(page_size, device=src_index.device)).reshape(-1)
     for first in range(layer_start, layer_end, step):
         last = min(layer_end, first + step)
         with on_device(src_pool.device):
-            buf = gather_pages(src_pool, src_index, page_size, first, last)
+            # A view of some KV heads (a TP decode rank's) is no pool gather_pages reads:
+            # its rows are picked by torch, the heads' bytes only.
+            buf = gather_pages(src_pool, src_index, page_size, first, last) if rows is None else \
+                src_pool[first:last].index_select(2, rows)
         with on_device(dst_pool.device):
             scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, first, last)
