@@ -84,7 +84,8 @@ class FetchHeads:
                        time.monotonic() + self.seconds, heads=rank_heads(state.pool.tensor, self.setup.agreement,
                                                                           state.tp.rank))
         try:
-            return "ok", fetcher.fetch(job).stats
+            fetched = fetcher.fetch(job)
+            return "ok", (fetched.stats, fetched.paths)
         except KVFetchError as err:
             return "error", (err.code.name, str(err))
 
@@ -113,13 +114,14 @@ class TPFetcher:
                 task, max(0.0, seconds) + _SLACK_S, local=lambda: self._fetcher.fetch(replace(job, heads=heads)))
         except RankFailed as err:
             raise KVFetchError(Code.UNAVAILABLE, str(err)) from err
-        stats = [own.stats]
+        stats, paths = [own.stats], [own.paths]
         for rank, (status, value) in enumerate(others, start=1):
             if status != "ok":
                 code, message = value
                 raise KVFetchError(Code[code], f"decode rank {rank}: {message}")
-            stats.append(value)
-        return Fetched(_sum(stats), own.paths)
+            stats.append(value[0])
+            paths.append(value[1])
+        return Fetched(_sum(stats), _paths(paths))
 
 
 def rank_heads(pool: torch.Tensor, agreement: Agreement, rank: int) -> tuple[int, int] | None:
@@ -127,6 +129,13 @@ def rank_heads(pool: torch.Tensor, agreement: Agreement, rank: int) -> tuple[int
     whole rows (MLA: the latent row is shared by every query head)."""
     heads = pool.shape[3]
     return None if heads == agreement.num_kv_heads else (rank * heads, heads)
+
+
+def _paths(paths: list[dict[int, str]]) -> dict[int, str]:
+    """How each prefill rank's KV came to the decode ranks: one path when every decode rank
+    took the same, else each path taken, joined by '+' (a rank that fell back shows)."""
+    ranks = sorted({rank for p in paths for rank in p})
+    return {rank: "+".join(sorted({p[rank] for p in paths if rank in p})) for rank in ranks}
 
 
 def _sum(stats: list[FetchStats]) -> FetchStats:
