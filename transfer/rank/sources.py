@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from lanekv.kernels.page_copy import gather_pages
-from lanekv.kernels.page_digest import PageDigest, kv_digest, page_digest
+from lanekv.kernels.page_digest import PageDigest, head_slice_digest, page_digest
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
 from lanekv.transfer.protocol.descriptors import PoolHandle, as_u64, share_pool
 from lanekv.transfer.protocol.wire import kv_dtype
@@ -317,26 +316,6 @@ class TensorPageSource:
         if request_id in self._released:
             raise KeyError("released")
         raise KeyError("unknown request")
-
-
-def head_slice_digest(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
-                      layer_end: int, heads: slice) -> int:
-    """``page_digest(..., first_layer=0)`` of a pool that held only KV heads ``heads`` of
-    each row: what a TP decode rank's pool of those heads digests after the copy.
-
-    The pages are gathered (wire order, on the pool's device), the heads cut out and
-    made contiguous, and ``kv_digest`` weighs each word by its place in that smaller
-    buffer among all layers. One gather more than the whole-row digest (a kernel
-    that digests the head slice in place would spare it; not built yet).
-    """
-    # [layers, planes, len(pages) * page_size, heads, head_dim]
-    sliced = gather_pages(pool, pages, page_size, layer_start, layer_end)[:, :, :, heads].contiguous()
-    row_bytes = sliced.shape[3] * sliced.shape[4] * sliced.element_size()
-    if row_bytes % 4:
-        raise ValueError(f"heads [{heads.start}, {heads.stop}) make rows of {row_bytes} bytes, "
-                         "not whole 4-byte words")
-    position = sliced.shape[1] * layer_start * sliced.shape[2] * row_bytes // 4
-    return kv_digest(sliced, position) if sliced.numel() else 0
 
 
 def _digest(capability: str) -> bytes:

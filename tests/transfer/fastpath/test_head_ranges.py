@@ -14,15 +14,18 @@ import time
 import grpc
 import pytest
 import torch
-from lanekv.kernels.page_digest import PageDigest
+from lanekv.kernels.page_digest import PageDigest, head_slice_digest
 from lanekv.proto import lanekv_pb2
 from lanekv.transfer.fastpath.client import FastPath
 from lanekv.transfer.fastpath.rankfetch import DigestMismatch, FastRequest, RankPages
-from lanekv.transfer.grpcfetch.client import FETCH_METHOD
+from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient
+from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import SHM
-from lanekv.transfer.rank.sources import head_slice_digest
+from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.sources import TensorPageSource
 
-from tests.reliability.kv_cluster import LAYERS, PAGE, rows_of
+from tests.markers import requires_gpu
+from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of
 from tests.transfer.fastpath.rig import POOL_PAGES, fill
 
 Code = grpc.StatusCode
@@ -122,3 +125,34 @@ def test_heads_with_nixl_or_outside_the_rows_are_refused(rank):
             list(fetch(request, timeout=10))
         assert caught.value.code() == Code.INVALID_ARGUMENT
         assert re.search(message, caught.value.details() or ""), caught.value.details()
+
+
+@requires_gpu
+def test_a_head_range_is_copied_between_gpus_and_matches_the_rank_digest():
+    """A GPU pool of 4 KV heads (the rank digests heads [2, 4) on its device, Triton's
+    gather), a decode pool of 2 heads on the last GPU; scattered and consecutive pages."""
+    layers = 8
+    agreement = make_agreement(kv_dtype="float16", num_layers=layers, num_kv_heads=4)
+    src_device = torch.device("cuda", 0)
+    dst_device = torch.device("cuda", torch.cuda.device_count() - 1)
+    pool = torch.randn((layers, 2, 16 * PAGE, 4, 8), device=src_device).half()
+    source = TensorPageSource(agreement, 0, pool)
+    served = serve(source)
+    endpoint = f"127.0.0.1:{served.port}"
+    source.set_topology(Topology(1, "in_seq", "page_mod_cp", (endpoint,)))
+    physical = [5, 6, 7, 1, 12, 3, 9, 14]  # more runs than a copy moves run by run
+    source.add("req", list(enumerate(physical)))
+    kv = KVClient()
+    try:
+        FastPath(kv, agreement).pool(endpoint, None, 10)  # attached: descriptors may be asked
+        fast = FastPath(kv, agreement, transports=[])
+        for pages in ([0, 1, 2], list(range(len(physical)))):
+            dst = torch.zeros((layers, 2, 10 * PAGE, 2, 8), dtype=torch.float16, device=dst_device)
+            slot = {p: 9 - p for p in pages}
+            stats, _ = _fetch(fast, endpoint, pool, agreement, pages, dst, slot, (2, 2))
+            assert stats.bytes == layers * 2 * len(pages) * PAGE * 2 * 8 * 2
+            want = pool[:, :, rows_of([physical[p] for p in pages]), 2:4].cpu()
+            assert torch.equal(dst[:, :, rows_of([slot[p] for p in pages])].cpu(), want)
+    finally:
+        kv.close()
+        served.server.stop(None)
