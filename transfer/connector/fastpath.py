@@ -5,7 +5,9 @@ here (``FastPath.pool``: a rank that refuses, or a handle this process cannot
 open, is left to gRPC). Its pages are copied in place, one thread per rank,
 every copied range checked against the rank's digest; a range that does not
 match sends the rank back to the fetcher (``FetchOutcome.again``) to be
-fetched over gRPC. The ranks' copies are queued in a ``CopyOrder``.
+fetched over gRPC. The ranks' copies are queued in a ``CopyOrder``. A job
+with a head range (``FetchJob.heads``: a tensor-parallel decode rank's) copies
+only those heads of each row, checked against the rank's digest of them.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ import torch
 from lanekv.kernels.page_digest import PageDigest, head_slice_digest
 from lanekv.proto import lanekv_pb2
 from lanekv.transfer.fastpath.client import FastPath
+from lanekv.transfer.fastpath.poolcopy import PlannedCopy
 from lanekv.transfer.fastpath.rankfetch import DigestMismatch, FastRequest, RankPages
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient
 from lanekv.transfer.protocol.contract import Topology
@@ -146,7 +147,11 @@ def test_a_head_range_is_copied_between_gpus_and_matches_the_rank_digest():
     try:
         FastPath(kv, agreement).pool(endpoint, None, 10)  # attached: descriptors may be asked
         fast = FastPath(kv, agreement, transports=[])
-        for pages in ([0, 1, 2], list(range(len(physical)))):
+        # Runs of consecutive pages of a head slice are planned as 2-D copies per layer and plane.
+        planned = PlannedCopy.plan(pool[:, :, :, 2:4], [5, 6, 7], torch.zeros((layers, 2, 4 * PAGE, 2, 8),
+                                   dtype=torch.float16, device=dst_device), [1, 2, 3], PAGE, 0, layers)
+        assert planned is not None and planned.runs == 1
+        for pages in ([0, 1, 2], list(range(len(physical)))):  # 3 runs (2-D copies); 8 (gathered)
             dst = torch.zeros((layers, 2, 10 * PAGE, 2, 8), dtype=torch.float16, device=dst_device)
             slot = {p: 9 - p for p in pages}
             stats, _ = _fetch(fast, endpoint, pool, agreement, pages, dst, slot, (2, 2))
