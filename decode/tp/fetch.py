@@ -16,8 +16,10 @@ fetcher, the other ranks run ``FetchHeads`` with a fetcher of their own over the
 same transports, at once. Over the same-host fast path each rank maps the
 prefill ranks' pools and copies its heads of each row (a strided copy), checked
 against the rank's digest of exactly those bytes; over gRPC the prefill rank
-sends only those heads. NIXL reads whole rows and is refused with ``tp_size > 1``. A failure on a rank keeps its status code and names the rank; a
-rank that died is UNAVAILABLE.
+sends only those heads. NIXL reads whole rows and is refused with ``tp_size > 1``.
+A failure on a rank keeps its status code and names the rank; a rank that died
+is UNAVAILABLE. ``Fetched.paths`` shows each prefill rank's path to every decode
+rank (``grpc+shm`` when one decode rank fell back to gRPC).
 """
 
 from __future__ import annotations
