@@ -139,7 +139,7 @@ class DecodeConfig:
         if self.tp_size > 1:
             if self.transport == "nixl":
                 raise ValueError(f"transport='nixl' is not supported with tp_size={self.tp_size} (each decode "
-                                 "rank fetches its KV heads over gRPC; NIXL and the fast path move whole rows)")
+                                 "rank fetches its KV heads, by the fast path or gRPC; NIXL reads whole rows)")
             if self.load_format != "safetensors":
                 raise ValueError(f"load_format={self.load_format!r} is not supported with tp_size={self.tp_size} "
                                  "(each rank reads its shard of the safetensors files)")
@@ -187,9 +187,7 @@ class DecodeConfig:
         """The KV fetcher's transports, most preferred first (``transfer.connector.registry``):
         every one registered but NIXL for "auto" (NIXL is chosen, never assumed), NIXL then
         gRPC for "nixl", gRPC alone for "grpc"."""
-        if self.tp_size > 1:  # a rank's KV heads travel over gRPC only (decode.tp.fetch)
-            return ("grpc",)
-        if self.transport == "auto":
+        if self.transport == "auto":  # with tp_size > 1 each rank's KV heads too (decode.tp.fetch)
             return tuple(name for name in TRANSPORTS if name != "nixl")
         return ("nixl", "grpc") if self.transport == "nixl" else ("grpc",)
 

@@ -91,7 +91,7 @@ class Prepared(NamedTuple):
     first_token: int | None  # None: the engine samples it (the prompt was all in our cache)
     prefill_s: float
     fetch: FetchStats
-    paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm" or "cuda_ipc"
+    paths: dict[int, str]  # how each owner rank's KV came: "grpc", "shm", "cuda_ipc" (TP: "grpc+shm" if ranks differ)
     compute_s: float = 0.0  # the slowest prefill rank's own time (its reply's timings)
     first_logprobs: TokenLogprobs | None = None  # computed by prefill, when asked
 

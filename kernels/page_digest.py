@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, on_device, use_triton
 from lanekv.kernels.kv_layout import check_pool_tensor
-from lanekv.kernels.page_copy import gather_pages_ref
+from lanekv.kernels.page_copy import gather_pages, gather_pages_ref
 
 # The position weight of kv_digest, odd, as a signed int64.
 DIGEST_WEIGHT = 0x9E3779B97F4A7C15 - (1 << 64)
@@ -209,3 +209,26 @@ class PageDigest:
         if not parts:
             return torch.zeros((), dtype=torch.int64, device=self._pool.device)
         return torch.stack(parts).sum()
+
+
+def head_slice_digest(pool: torch.Tensor, pages: torch.Tensor, page_size: int, layer_start: int,
+                      layer_end: int, heads: slice) -> int:
+    """``page_digest(..., first_layer=0)`` of a pool that held only KV heads ``heads`` of
+    each row: what a TP decode rank's pool of those heads digests after the copy.
+
+    The pages are gathered (wire order, on the pool's device), the heads cut out and
+    made contiguous, and ``kv_digest`` weighs each word by its place in that smaller
+    buffer among all layers. It lives here, among the contract's sources, because
+    it is part of the transfer's meaning: two builds that digest a head slice
+    differently refuse each other at the handshake. One gather and int64
+    temporaries more than ``page_digest`` (a kernel reading the slice in place
+    would spare them; not built yet).
+    """
+    # [layers, planes, len(pages) * page_size, heads, head_dim]
+    sliced = gather_pages(pool, pages, page_size, layer_start, layer_end)[:, :, :, heads].contiguous()
+    row_bytes = sliced.shape[3] * sliced.shape[4] * sliced.element_size()
+    if row_bytes % 4:
+        raise ValueError(f"heads [{heads.start}, {heads.stop}) make rows of {row_bytes} bytes, "
+                         "not whole 4-byte words")
+    position = sliced.shape[1] * layer_start * sliced.shape[2] * row_bytes // 4
+    return kv_digest(sliced, position) if sliced.numel() else 0

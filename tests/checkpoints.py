@@ -141,13 +141,14 @@ def write_deepseek_v2(path: str | Path, *, q_lora: bool = False, num_layers: int
 
 
 def write_deepseek_v3(path: str | Path, *, num_layers: int = 3, seed: int = 6,
-                      max_shard_size: str | None = None, tokenizer: bool = False) -> Path:
+                      max_shard_size: str | None = None, tokenizer: bool = False, num_experts: int = 8) -> Path:
     """DeepSeek-V3: q_lora, sigmoid routing with e_score_correction_bias over 4
-    groups (top 2 groups, 3 of 8 experts), 1 shared expert, YaRN with mscale !=
-    mscale_all_dim, interleaved RoPE, the first layer dense."""
+    groups (top 2 groups, 3 of ``num_experts``, a multiple of 4), 1 shared expert,
+    YaRN with mscale != mscale_all_dim, interleaved RoPE, the first layer dense."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(**{**_COMMON, **_MLA, "num_hidden_layers": num_layers},
+    config = DeepseekV3Config(**{**_COMMON, **_MLA, "num_hidden_layers": num_layers,
+                                 "n_routed_experts": num_experts},
                               q_lora_rank=48, n_group=4, topk_group=2, num_experts_per_tok=3,
                               n_shared_experts=1, first_k_dense_replace=1,
                               routed_scaling_factor=2.5, norm_topk_prob=True,

@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 # Tests that start daemons end to end: ``slow`` (``make test-fast`` leaves them out).
 SLOW_PATHS = ("tests/reliability/", "tests/lanekv/http/test_front.py", "tests/lanekv/http/test_xpyd.py",
               "tests/decode/test_decode_daemon.py", "tests/decode/test_fastpath_daemons.py",
-              "tests/decode/test_tp_daemons.py", "tests/decode/test_tp.py", "tests/prefill/test_prefill_ep.py",
+              "tests/decode/test_tp_daemons.py", "tests/decode/test_tp.py", "tests/decode/test_tp_pairing_matrix.py", "tests/prefill/test_prefill_ep.py",
               "tests/test_generate_e2e.py", "tests/test_dsa_e2e.py", "tests/test_mla_e2e.py")
 
 

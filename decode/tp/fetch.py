@@ -12,10 +12,14 @@ only the logical -> physical map of the request's pages.
 
 ``TPFetcher`` stands where the daemon's ``KVFetcher`` stands (``fetch``,
 ``release``, ``transport``): rank 0 fetches its heads through the daemon's
-fetcher (gRPC only: the fast path and NIXL move whole rows and are refused with
-``tp_size > 1``), the other ranks run ``FetchHeads`` with a gRPC fetcher of their
-own, at once. A failure on a rank keeps its status code and names the rank; a
-rank that died is UNAVAILABLE.
+fetcher, the other ranks run ``FetchHeads`` with a fetcher of their own over the
+same transports, at once. Over the same-host fast path each rank maps the
+prefill ranks' pools and copies its heads of each row (a strided copy), checked
+against the rank's digest of exactly those bytes; over gRPC the prefill rank
+sends only those heads. NIXL reads whole rows and is refused with ``tp_size > 1``.
+A failure on a rank keeps its status code and names the rank; a rank that died
+is UNAVAILABLE. ``Fetched.paths`` shows each prefill rank's path to every decode
+rank (``grpc+shm`` when one decode rank fell back to gRPC).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ class FetchSetup:
     max_inflight_bytes: int
     max_chunk_bytes: int
     streams_per_rank: int
+    transports: tuple[str, ...] = ("grpc",)  # the daemon's (``DecodeConfig.transports``)
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,7 @@ class FetchHeads:
         fetcher = state.extras.get("fetcher")
         if fetcher is None:
             s = self.setup
-            fetcher = make_fetcher(("grpc",), TransportContext(
+            fetcher = make_fetcher(s.transports, TransportContext(
                 KVClient(s.security, retry=s.retry), s.agreement, None, s.max_inflight_bytes, s.max_chunk_bytes,
                 s.streams_per_rank))
             state.extras["fetcher"] = fetcher
@@ -81,7 +86,8 @@ class FetchHeads:
                        time.monotonic() + self.seconds, heads=rank_heads(state.pool.tensor, self.setup.agreement,
                                                                           state.tp.rank))
         try:
-            return "ok", fetcher.fetch(job).stats
+            fetched = fetcher.fetch(job)
+            return "ok", (fetched.stats, fetched.paths)
         except KVFetchError as err:
             return "error", (err.code.name, str(err))
 
@@ -110,13 +116,14 @@ class TPFetcher:
                 task, max(0.0, seconds) + _SLACK_S, local=lambda: self._fetcher.fetch(replace(job, heads=heads)))
         except RankFailed as err:
             raise KVFetchError(Code.UNAVAILABLE, str(err)) from err
-        stats = [own.stats]
+        stats, paths = [own.stats], [own.paths]
         for rank, (status, value) in enumerate(others, start=1):
             if status != "ok":
                 code, message = value
                 raise KVFetchError(Code[code], f"decode rank {rank}: {message}")
-            stats.append(value)
-        return Fetched(_sum(stats), own.paths)
+            stats.append(value[0])
+            paths.append(value[1])
+        return Fetched(_sum(stats), _paths(paths))
 
 
 def rank_heads(pool: torch.Tensor, agreement: Agreement, rank: int) -> tuple[int, int] | None:
@@ -124,6 +131,13 @@ def rank_heads(pool: torch.Tensor, agreement: Agreement, rank: int) -> tuple[int
     whole rows (MLA: the latent row is shared by every query head)."""
     heads = pool.shape[3]
     return None if heads == agreement.num_kv_heads else (rank * heads, heads)
+
+
+def _paths(paths: list[dict[int, str]]) -> dict[int, str]:
+    """How each prefill rank's KV came to the decode ranks: one path when every decode rank
+    took the same, else each path taken, joined by '+' (a rank that fell back shows)."""
+    ranks = sorted({rank for p in paths for rank in p})
+    return {rank: "+".join(sorted({p[rank] for p in paths if rank in p})) for rank in ranks}
 
 
 def _sum(stats: list[FetchStats]) -> FetchStats:

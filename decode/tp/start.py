@@ -28,9 +28,8 @@ log = logging.getLogger("lanekv.decode")
 def start_group(config: DecodeConfig, on_death: Callable[[int, str], None]) -> TPGroup:
     spec = TPSpec(config.model_path, config.tp_size, config.torch_dtype, config.resolved_device,
                   config.pool_pages, config.page_size, free_port())
-    if config.transport == "auto":
-        log.info("tp_size=%d: every decode rank fetches its KV heads over gRPC (the fast path moves whole "
-                 "rows and is not used)", config.tp_size)
+    log.info("tp_size=%d: every decode rank fetches its KV heads (%s)", config.tp_size,
+             " or ".join(config.transports))
     group = TPGroup(spec, on_death=on_death)
     for ready in group.ready:
         log.info("decode rank %d (pid %d): %.1f MiB of weights, %.1f MiB of KV pool (%d pages)", ready.rank,
@@ -40,5 +39,5 @@ def start_group(config: DecodeConfig, on_death: Callable[[int, str], None]) -> T
 
 def tp_fetcher(config: DecodeConfig, fetcher: KVFetcher, group: TPGroup, agreement: Agreement) -> TPFetcher:
     setup = FetchSetup(config.security, config.fetch_retry, agreement, config.max_inflight_bytes,
-                       config.fetch_chunk_bytes, config.resolved_fetch_streams)
+                       config.fetch_chunk_bytes, config.resolved_fetch_streams, config.transports)
     return TPFetcher(fetcher, group, setup)

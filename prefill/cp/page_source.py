@@ -103,11 +103,11 @@ class RankPageSource(TensorPageSource):
             return host
 
     def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
-                     after: Any = None) -> int:
+                     after: Any = None, *, heads: slice | None = None) -> int:
         if self._stream is None:
-            return super().fresh_digest(physical_pages, layer_start, layer_end, after)
+            return super().fresh_digest(physical_pages, layer_start, layer_end, after, heads=heads)
         with self._on_stream(after):
-            return super().fresh_digest(physical_pages, layer_start, layer_end)
+            return super().fresh_digest(physical_pages, layer_start, layer_end, heads=heads)
 
     def release(self, request_id: str) -> int:
         logical = [page for page, _ in self.pages_of(request_id)]

@@ -203,3 +203,11 @@ def test_prefill_without_head_ranges_is_refused_naming_both_layouts() -> None:
         old.check_decode_layout(2)
     new = Topology.from_dict({**old.to_dict(), "head_ranges": True})
     new.check_decode_layout(4)
+
+
+def test_a_tp_fetch_names_every_path_its_ranks_took() -> None:
+    from lanekv.decode.tp.fetch import _paths
+
+    # Decode rank 1 fell back to gRPC for prefill rank 0 (its digest did not match): both show.
+    assert _paths([{0: "shm", 1: "shm"}, {0: "grpc", 1: "shm"}]) == {0: "grpc+shm", 1: "shm"}
+    assert _paths([{0: "grpc"}, {0: "grpc"}, {0: "grpc"}]) == {0: "grpc"}

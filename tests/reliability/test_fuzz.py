@@ -506,7 +506,7 @@ class _ContractOnly:
     def read(self, physical_pages, layer_start: int, layer_end: int, after=None):
         raise KeyError("no pages here")
 
-    def digest(self, physical_pages, layer_start: int, layer_end: int, after=None, *, request_id=None):
+    def digest(self, physical_pages, layer_start: int, layer_end: int, after=None, *, request_id=None, heads=None):
         raise KeyError("no pages here")
 
     def share(self, transports):

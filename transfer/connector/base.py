@@ -97,7 +97,7 @@ class FetchJob:
     # None (no callable): every layer is written already.
     written: Callable[[float], bool | None] | None = None
     # A tensor-parallel decode rank's KV heads of each row, (first, count); None: whole
-    # rows. The pool holds only these (gRPC alone serves a head range).
+    # rows. The pool holds only these (gRPC and the fast path serve a head range; NIXL not).
     heads: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:

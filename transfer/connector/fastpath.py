@@ -5,7 +5,9 @@ here (``FastPath.pool``: a rank that refuses, or a handle this process cannot
 open, is left to gRPC). Its pages are copied in place, one thread per rank,
 every copied range checked against the rank's digest; a range that does not
 match sends the rank back to the fetcher (``FetchOutcome.again``) to be
-fetched over gRPC. The ranks' copies are queued in a ``CopyOrder``.
+fetched over gRPC. The ranks' copies are queued in a ``CopyOrder``. A job
+with a head range (``FetchJob.heads``: a tensor-parallel decode rank's) copies
+only those heads of each row, checked against the rank's digest of them.
 """
 
 from __future__ import annotations
@@ -65,8 +67,6 @@ class FastPathTransport(KVTransport):
         return self._fastpath
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
-        if job.heads is not None:  # whole rows only: a TP rank's head range goes over gRPC
-            return {}
         routes = {}
         for rank in ranks:
             endpoint = job.endpoints[rank]
@@ -100,7 +100,7 @@ class _FastFetch(TransportFetch):
         self._lock = threading.Lock()
         # What every rank's fetch shares; each rank adds its pool, pages and places.
         self._request = FastRequest(job.request_id, job.fingerprint, job.pool, job.pages_for, coverage.placed,
-                                    job.epoch, job.deadline)
+                                    job.epoch, job.deadline, job.heads)
         pools = {rank: route.source for rank, route in routes.items()}
         self._order = CopyOrder.for_pools(pools, job.pool.device)
         self._threads = [

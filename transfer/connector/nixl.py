@@ -108,7 +108,7 @@ class NixlTransport(KVTransport):
         return cls(ctx.kv, ctx.agreement, failures=ctx.failures)
 
     def claim(self, job: FetchJob, ranks: Sequence[int]) -> dict[int, Route]:
-        if job.heads is not None:  # whole rows only: a TP rank's head range goes over gRPC
+        if job.heads is not None:  # whole rows only (no strided descriptors): a TP rank's heads go another way
             return {}
         start = start_of(job.epoch) or ""
         routes = {}

@@ -175,3 +175,57 @@ class BlockCopy:
             for i in range(count):
                 rt.check(rt.memcpy(dst + i * self._dpitch, src + i * self._spitch, self._width, _MEMCPY_DEFAULT,
                                    self._stream), "cudaMemcpyAsync")
+
+
+class RowSliceCopy:
+    """``BlockCopy`` for views whose blocks are rows of a part of each row: a tensor-parallel
+    decode rank's KV heads ``[layers, planes, rows, heads, head_dim]`` out of a pool of
+    more heads. Each block (a layer's K or V, or MLA latent, of a run of pages) is one
+    ``cudaMemcpy2DAsync`` of ``rows`` rows of ``heads * head_dim`` elements at the two
+    views' row pitches, so the copy stays on the copy engines (torch would make the
+    strided source contiguous with a kernel on the source's GPU first).
+
+    ``plan`` returns None where the views are not such blocks (the caller copies with
+    torch); ``issue(first, count)`` as ``BlockCopy.issue``.
+    """
+
+    def __init__(self, runtime: _Runtime, dst: torch.Tensor, src: torch.Tensor, device: torch.device) -> None:
+        size = src.element_size()
+        self._runtime, self._device, self._dst, self._src = runtime, device, dst, src  # held: addresses valid
+        self.count = dst.shape[0] * dst.shape[1]
+        self._rows, self._width = dst.shape[2], dst.shape[3] * dst.shape[4] * size
+        self._dst_ptr, self._src_ptr = dst.data_ptr(), src.data_ptr()
+        self._block_d, self._block_s = dst.stride(1) * size, src.stride(1) * size
+        self._row_d, self._row_s = dst.stride(2) * size, src.stride(2) * size
+        self._stream = ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
+
+    @classmethod
+    def plan(cls, dst: torch.Tensor, src: torch.Tensor, *, push: bool = True,
+             keep_gil: bool = True) -> RowSliceCopy | None:
+        if not (dst.is_cuda and src.is_cuda) or dst.dim() != 5 or dst.shape != src.shape \
+                or dst.dtype != src.dtype or dst.numel() == 0:
+            return None
+        for view in (dst, src):
+            rows, heads, dim = view.shape[2:]
+            if view.stride(4) != 1 or (heads > 1 and view.stride(3) != dim) or view.stride(2) < heads * dim \
+                    or (view.shape[0] > 1 and view.stride(0) != view.shape[1] * view.stride(1)):
+                return None  # rows of one dense part each, blocks at one pitch
+        runtime = _Runtime.get(keep_gil)
+        if runtime is None:
+            return None
+        limit = min(runtime.max_pitch(dst.device.index), runtime.max_pitch(src.device.index))
+        if max(dst.stride(2), src.stride(2)) * src.element_size() > limit:
+            return None
+        runtime.enable_peers(src.device, dst.device)
+        return cls(runtime, dst, src, src.device if push else dst.device)
+
+    def issue(self, first: int = 0, count: int | None = None) -> None:
+        count = self.count - first if count is None else count
+        if not (0 <= first and 1 <= count and first + count <= self.count):
+            raise ValueError(f"blocks [{first}, {first + count}) are not within the {self.count} planned")
+        rt = self._runtime
+        with torch.cuda.device(self._device):
+            for block in range(first, first + count):
+                rt.check(rt.memcpy_2d(self._dst_ptr + block * self._block_d, self._row_d,
+                                      self._src_ptr + block * self._block_s, self._row_s, self._width,
+                                      self._rows, _MEMCPY_DEFAULT, self._stream), "cudaMemcpy2DAsync")

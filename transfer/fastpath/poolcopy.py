@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 from lanekv.kernels.backend import on_device
 from lanekv.kernels.page_copy import gather_pages, scatter_pages
-from lanekv.transfer.fastpath.devcopy import BlockCopy
+from lanekv.transfer.fastpath.devcopy import BlockCopy, RowSliceCopy
 from lanekv.transfer.fastpath.tuning import DEFAULT_COPY, CopyTuning
 
 
@@ -86,7 +86,7 @@ class PlannedCopy:
     such as a received chunk).
     """
 
-    def __init__(self, copies: list[BlockCopy], layer_start: int, planes: int = 2) -> None:
+    def __init__(self, copies: list[BlockCopy | RowSliceCopy], layer_start: int, planes: int = 2) -> None:
         self._copies, self._layer_start, self._planes = copies, layer_start, planes
 
     @property
@@ -110,9 +110,12 @@ class PlannedCopy:
         copies = []
         for s, d, n in runs:
             # A run past a pool's end slices short: the shapes differ and plan says None.
-            plan = BlockCopy.plan(dst_pool[dst_layers, :, d * page_size:(d + n) * page_size],
-                                  src_pool[src_layers, :, s * page_size:(s + n) * page_size],
-                                  push=tuning.push, keep_gil=tuning.keep_gil)
+            dst_run = dst_pool[dst_layers, :, d * page_size:(d + n) * page_size]
+            src_run = src_pool[src_layers, :, s * page_size:(s + n) * page_size]
+            # Whole rows: one 2-D copy per run; a view of some KV heads (a TP decode
+            # rank's): one 2-D copy of the rows' slices per layer and plane.
+            plan = BlockCopy.plan(dst_run, src_run, push=tuning.push, keep_gil=tuning.keep_gil) \
+                or RowSliceCopy.plan(dst_run, src_run, push=tuning.push, keep_gil=tuning.keep_gil)
             if plan is None:
                 return None
             copies.append(plan)
@@ -135,9 +138,14 @@ def _copy_scattered(src_pool: torch.Tensor, src_pages: Sequence[int], dst_pool: 
     layer_bytes = src_pool.shape[1] * len(src_pages) * page_size * src_pool[0, 0, 0].numel() \
         * src_pool.element_size()
     step = max(1, MAX_STAGING_BYTES // layer_bytes)  # layers per buffer
+    rows = None if src_pool.is_contiguous() else \
+        (src_index[:, None] * page_size + torch.arange(page_size, device=src_index.device)).reshape(-1)
     for first in range(layer_start, layer_end, step):
         last = min(layer_end, first + step)
         with on_device(src_pool.device):
-            buf = gather_pages(src_pool, src_index, page_size, first, last)
+            # A view of some KV heads (a TP decode rank's) is no pool gather_pages reads:
+            # its rows are picked by torch, the heads' bytes only.
+            buf = gather_pages(src_pool, src_index, page_size, first, last) if rows is None else \
+                src_pool[first:last].index_select(2, rows)
         with on_device(dst_pool.device):
             scatter_pages(buf.to(dst_pool.device), dst_pool, dst_index, page_size, first, last)

@@ -68,6 +68,10 @@ class FastRequest(NamedTuple):
     on_copied: OnCopied
     epoch: str | None  # the access ticket sent to the rank (None: none)
     deadline: float  # time.monotonic() by which the fetch ends
+    # A tensor-parallel decode rank's KV heads of each row, (first, count): only they are
+    # copied (a strided copy over the head dim) and digested; ``dst_pool`` holds only them.
+    # None: whole rows.
+    heads: tuple[int, int] | None = None
 
 
 class RankPages(NamedTuple):
@@ -121,7 +125,8 @@ class RankFetch:
     def __init__(self, kv: KVClient, agreement: Agreement, request: FastRequest, part: RankPages, *,
                  order: CopyOrder, tuning: FastPathTuning, copy_at_end: bool,
                  stream_set: Callable[[], StreamSet], on_call: Callable[[Any], None] | None = None) -> None:
-        part = part._replace(pages=tuple(part.pages), expect=None if part.expect is None else tuple(part.expect))
+        part = part._replace(pages=tuple(part.pages), expect=None if part.expect is None else tuple(part.expect),
+                             src=_heads_of(part.src, request.heads, request.dst_pool))
         self.request, self.part = request, part
         self._kv, self._order, self._tuning = kv, order, tuning
         self._copy_at_end, self._stream_set, self._on_call = copy_at_end, stream_set, on_call
@@ -175,6 +180,8 @@ class RankFetch:
         message = lanekv_pb2.FetchRequest(request_id=request.request_id, fingerprint=request.fingerprint,
                                           layer_start=0, layer_end=self._num_layers, pages=list(part.pages),
                                           descriptors=True)
+        if request.heads is not None:  # the rank digests only these heads of each row
+            message.head_start, message.head_count = request.heads
         stream = channel.unary_stream(
             FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
             response_deserializer=lanekv_pb2.KVChunk.FromString)
@@ -334,6 +341,20 @@ class RankFetch:
         if len(set(d.physical)) != len(d.physical):
             return "names a place twice in the shared pool"
         return ""
+
+
+def _heads_of(src: torch.Tensor, heads: tuple[int, int] | None, dst_pool: torch.Tensor) -> torch.Tensor:
+    """The part of the rank's pool ``[layers, planes, rows, kv_heads, head_dim]`` that is
+    copied: every head, or a view of heads ``[first, first + count)`` (strided over the
+    head dim; the copies move only those bytes of each row). ``ValueError`` naming
+    the heads when they are not within the rows or ``dst_pool`` does not hold that many."""
+    if heads is None:
+        return src
+    first, count = heads
+    if not (count >= 1 and 0 <= first and first + count <= src.shape[3]) or dst_pool.shape[3] != count:
+        raise ValueError(f"heads (first={first}, count={count}) are not within the {src.shape[3]} KV heads of "
+                         f"the rank's rows, or the pool here holds {dst_pool.shape[3]} heads, not {count}")
+    return src[:, :, :, first:first + count]
 
 
 @contextlib.contextmanager

@@ -127,12 +127,12 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             # Everything is checked before the first yield: a refused fetch sends no byte.
             agreement = self._agreed(request.request_id, request.fingerprint)
             self._same_start(context, request.request_id)
+            heads = _heads(request, agreement)
             if request.nixl:
                 self._check_nixl(request)
             elif request.descriptors:
                 self._check_attached(context)
             span = self._span(request, agreement)
-            heads = _heads(request, agreement)
             chunks = [] if request.descriptors else self._plan(request, agreement, span)
             rid, sent_bytes = request.request_id, 0
 
@@ -153,8 +153,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
             if request.descriptors:
-                yield from self._descriptors(rid, span, ready, exact=request.nixl)
-                sent_bytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement)
+                yield from self._descriptors(rid, span, ready, exact=request.nixl, heads=heads)
+                sent_bytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement, heads)
             else:
                 def message(seq: int) -> tuple[bytes, int]:
                     chunk, physical = chunks[seq]
@@ -177,7 +177,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
 
     def _descriptors(self, rid: str, span: _Span, ready: Callable[..., tuple[int, Any]],
-                     exact: bool = False) -> Iterator[bytes]:
+                     exact: bool = False, heads: slice | None = None) -> Iterator[bytes]:
         """Descriptor chunks (the fast path): each covers every layer written since the
         one before, so a finished prefill goes in one and a running one layer by layer.
 
@@ -188,6 +188,10 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         ``exact`` (NIXL, read from another host): a range ends at the last layer whose
         event has completed, not at the last one queued, so the first range goes
         out as soon as its first layer is on the device (layer-wise streaming).
+
+        ``heads`` (a TP decode rank's KV heads): the descriptors are the same, the
+        caller copies only those heads of each row, and the digest covers exactly
+        them (``PageSource.digest``), the bytes that rank receives.
         """
         seq, layer = 0, span.layer_start
         while layer < span.layer_end:
@@ -204,7 +208,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 after.synchronize()  # written on the device, not only queued
             announced = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, None)
             yield frame_chunk(announced.encode(), memoryview(b""))
-            digest = self._source.digest(span.physical, layer, upto, after, request_id=rid)
+            digest = self._source.digest(span.physical, layer, upto, after, request_id=rid, heads=heads)
             self._owned(rid)  # held while the digest read them
             yield frame_chunk(dataclasses.replace(announced, digest=digest).encode(), memoryview(b""))
             seq, layer = seq + 1, upto
@@ -393,9 +397,9 @@ def _heads(request: lanekv_pb2.FetchRequest, a: Agreement) -> slice | None:
     has_start, has_count = request.HasField("head_start"), request.HasField("head_count")
     if not has_start and not has_count:
         return None
-    if request.descriptors or request.nixl:
-        raise Refusal(Code.INVALID_ARGUMENT, "head_start/head_count are not served with descriptors "
-                      "(the fast path and NIXL move whole rows)")
+    if request.nixl:
+        raise Refusal(Code.INVALID_ARGUMENT, "head_start/head_count are not served with nixl=true "
+                      "(NIXL reads whole rows)")
     start, count = request.head_start, request.head_count
     if not has_count or count < 1 or start + count > a.num_kv_heads:
         raise Refusal(Code.INVALID_ARGUMENT, f"heads [{start}, {start + count}) (head_start={start}, "
@@ -404,9 +408,10 @@ def _heads(request: lanekv_pb2.FetchRequest, a: Agreement) -> slice | None:
     return slice(start, start + count)
 
 
-def _page_bytes(a: Agreement) -> int:
-    """K and V (or the MLA latent) of one page of one layer."""
-    return a.kv_planes * a.page_size * a.num_kv_heads * a.head_dim * kv_dtype(a.kv_dtype).itemsize
+def _page_bytes(a: Agreement, heads: slice | None = None) -> int:
+    """K and V (or the MLA latent) of one page of one layer (of KV heads ``heads`` only)."""
+    count = a.num_kv_heads if heads is None else heads.stop - heads.start
+    return a.kv_planes * a.page_size * count * a.head_dim * kv_dtype(a.kv_dtype).itemsize
 
 
 def _check_payload(payload: torch.Tensor, chunk: ChunkPlan, a: Agreement) -> None:

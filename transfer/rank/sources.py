@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-from lanekv.kernels.page_digest import PageDigest, page_digest
+from lanekv.kernels.page_digest import PageDigest, head_slice_digest, page_digest
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
 from lanekv.transfer.protocol.descriptors import PoolHandle, as_u64, share_pool
 from lanekv.transfer.protocol.wire import kv_dtype
@@ -61,9 +61,10 @@ class PageSource(Protocol):
         ...
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
-               *, request_id: str | None = None) -> int:
+               *, request_id: str | None = None, heads: slice | None = None) -> int:
         """The digest of a descriptor of these pages of ``request_id``: ``page_digest`` of the pages'
-        layers, each at its place among all layers (``first_layer=0``), computed where the pool is."""
+        layers, each at its place among all layers (``first_layer=0``), computed where the pool is.
+        ``heads``: only these KV heads of each row (a TP decode rank's), as if the pool held no others."""
         ...
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
@@ -105,7 +106,7 @@ class ContractOnlySource:
         raise KeyError(self._why)
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
-               *, request_id: str | None = None) -> int:
+               *, request_id: str | None = None, heads: slice | None = None) -> int:
         raise KeyError(self._why)
 
     def share(self, transports: Sequence[str]) -> PoolHandle:
@@ -249,18 +250,23 @@ class TensorPageSource:
                     self._written[rid] = written
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
-               *, request_id: str | None = None) -> int:
+               *, request_id: str | None = None, heads: slice | None = None) -> int:
         """The descriptor digest of these pages' layers (each at its place among all
         layers: ``page_digest(..., first_layer=0)``); from ``digest_written`` when
-        that took the request's pages in this order and these layers."""
-        known = self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
-        return self.fresh_digest(physical_pages, layer_start, layer_end, after) if known is None else known
+        that took the request's pages in this order and these layers (whole rows only:
+        a head range, ``heads``, is digested now)."""
+        known = None if heads is not None else \
+            self.written_digest(physical_pages, layer_start, layer_end, after, request_id)
+        return self.fresh_digest(physical_pages, layer_start, layer_end, after, heads=heads) \
+            if known is None else known
 
     def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
-                     after: Any = None) -> int:
+                     after: Any = None, *, heads: slice | None = None) -> int:
         """``digest`` taken now from the pool (on the current stream; ``after``, the layers'
         event, matters to sources that read on a stream of their own)."""
         pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self._pool.device)
+        if heads is not None and (heads.start, heads.stop) != (0, self._pool.shape[3]):
+            return head_slice_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end, heads)
         return as_u64(page_digest(self._pool, pages, self._agreement.page_size, layer_start, layer_end,
                                   first_layer=0))
 
