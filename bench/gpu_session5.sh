@@ -30,4 +30,16 @@ fp8)  # issue 33: the GEMM sweep, the tuned GEMM vs torch, the FP8 decode steps,
     timeout 100 python3 bench/fp8_kv.py --llama3-8b --tokens 32768 --repeat 2 \
         --json "$OUT/fp8_kv_ttft_h200.json" > "$OUT/fp8_kv.log" 2>&1
     echo "fp8 kv rc=$?"; tail -12 "$OUT/fp8_kv.log" ;;
+probe)  # issue 33: where the FP8 Llama step's time goes; issue 36: the rank's GIL switch interval
+    for b in 1 64; do
+        timeout 100 python3 bench/deepseek_profile.py --llama3-8b --fp8 --batch $b --context 1024 \
+            --json "$OUT/profile_llama_fp8_b$b.json" > "$OUT/profile_llama_fp8_b$b.log" 2>&1
+        echo "profile fp8 b$b rc=$?"; sed -n '/layer 1 (/,/^$/p' "$OUT/profile_llama_fp8_b$b.log" | head -30
+    done
+    # every process of the run (the rank processes too) starts with a 0.1 ms switch interval
+    mkdir -p /tmp/swi && printf 'import os, sys\nif os.environ.get("LANEKV_PROBE_SWITCH_S"):\n    sys.setswitchinterval(float(os.environ["LANEKV_PROBE_SWITCH_S"]))\n' > /tmp/swi/sitecustomize.py
+    PYTHONPATH=/tmp/swi:${PYTHONPATH:-} LANEKV_PROBE_SWITCH_S=0.0001 timeout 150 python3 bench/ttft.py --llama3-8b --cp 1 \
+        --tokens 8192 --repeat 2 --no-nixl --paths grpc fast --fetch-streams 1 4 \
+        --json "$OUT/ttft_switch_0p1ms_h200.json" > "$OUT/ttft_switch.log" 2>&1
+    echo "ttft switch rc=$?"; grep -E "^ +8192 +(colocated|grpc|fast)" "$OUT/ttft_switch.log" ;;
 esac
