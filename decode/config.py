@@ -143,9 +143,6 @@ class DecodeConfig:
             if self.load_format != "safetensors":
                 raise ValueError(f"load_format={self.load_format!r} is not supported with tp_size={self.tp_size} "
                                  "(each rank reads its shard of the safetensors files)")
-            if self.kv_cache_dtype != "auto":
-                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
-                                 f"tp_size={self.tp_size} (the ranks' head slices hold model-dtype rows)")
             if self.resolved_device == "cuda" and self.tp_size > torch.cuda.device_count():
                 raise ValueError(f"tp_size={self.tp_size} needs one GPU per rank, "
                                  f"{torch.cuda.device_count()} are visible")

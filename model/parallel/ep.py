@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.model.deepseek import MoE
+from lanekv.model.quant.linear import StackedFp8Experts
 from torch import nn
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)$")
@@ -53,6 +55,10 @@ class ExpertShardMoE(MoE):
         # Another rank's choices go to local expert 0 with weight 0: the same grid on every step.
         ids = torch.where(mine, ids - self.first, torch.zeros_like(ids))
         weights = torch.where(mine, weights, torch.zeros_like(weights))
+        if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
+            fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)  # block-FP8 experts as stored
+            return moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
+                                   scale_ue8m0=fp8.scale_ue8m0)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
         return moe_experts(x, w13, w2, weights, ids)
 
