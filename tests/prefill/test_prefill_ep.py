@@ -20,6 +20,7 @@ from tests.checkpoints import (
     write_qwen3_moe,
 )
 from tests.daemons import generate_concurrently, running_pair
+from tests.fp8_checkpoints import dequantized_copy, quantize_checkpoint
 
 PAGE_SIZE, MAX_NEW_TOKENS = 4, 6
 
@@ -27,7 +28,11 @@ PAGE_SIZE, MAX_NEW_TOKENS = 4, 6
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    return {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    out = {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    # Block-FP8 (16x32 blocks: the decode's tp 2 cuts fall on them), two files
+    out["deepseek_v3_fp8"] = quantize_checkpoint(out["deepseek_v3"], root / "deepseek_v3_fp8", (16, 32), shards=2)
+    out["deepseek_v3_fp8-dequantized"] = dequantized_copy(out["deepseek_v3_fp8"], root / "v3_fp8-dequantized")
+    return out
 
 
 def _prompts() -> list[list[int]]:
@@ -49,14 +54,17 @@ def _reference(path) -> list[list[int]]:
     return outs
 
 
-def test_ep_rank_reads_only_its_experts(checkpoints) -> None:
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_fp8"])
+def test_ep_rank_reads_only_its_experts(checkpoints, name: str) -> None:
     """The attention and shared experts whole, the routed experts split: the two ranks
-    read the whole checkpoint's bytes plus one extra copy of what is not a routed expert."""
-    path = checkpoints["deepseek_v3"]
+    read the whole checkpoint's bytes plus one extra copy of what is not a routed expert
+    (block-FP8: an expert's e4m3 weights and their scales go together)."""
+    path = checkpoints[name]
     nbytes = {}
     for file in tensor_files(path):
         with safe_open(str(file), framework="pt") as f:
-            nbytes.update({n: torch.Size(f.get_slice(n).get_shape()).numel() * 4 for n in f.keys()})
+            nbytes.update({n: torch.Size(f.get_slice(n).get_shape()).numel() * (
+                1 if f.get_slice(n).get_dtype() == "F8_E4M3" else 4) for n in f.keys()})
     layers = ModelConfig.from_dir(path).num_layers
 
     def routed_of(rank: int) -> int:  # experts 0-3 on rank 0, 4-7 on rank 1, of every MoE layer
@@ -68,6 +76,7 @@ def test_ep_rank_reads_only_its_experts(checkpoints) -> None:
     assert [r.bytes_read for r in reads] == [rest + routed_of(0), rest + routed_of(1)]
     moe = reads[1].loaded.model.model.layers[1].mlp
     assert (moe.first, len(moe.experts), moe.shared_experts is not None) == (4, 4, True)
+    assert (moe.fp8 is not None) == name.endswith("_fp8")  # e4m3 experts stacked with their scales
 
 
 def test_ep_needs_a_moe_model_and_a_cp_size_dividing_the_experts(checkpoints, tmp_path) -> None:
@@ -78,11 +87,13 @@ def test_ep_needs_a_moe_model_and_a_cp_size_dividing_the_experts(checkpoints, tm
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "tp_size"), [("qwen3moe", 1), ("deepseek_v3", 2)])
+@pytest.mark.parametrize(("name", "tp_size"), [("qwen3moe", 1), ("deepseek_v3", 2), ("deepseek_v3_fp8", 2)])
 def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, tp_size: int) -> None:
+    """Block-FP8: EP prefill ranks read their experts' e4m3 weights and scales, the decode
+    ranks their slices of the attention (transformers runs the weights dequantized)."""
     path = checkpoints[name]
     engine = EngineConfig(str(path), cp_size=2, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
                           start_timeout_s=120, cpu_threads=1)
     with running_pair(engine, pool_pages=64, tp_size=tp_size, transport="grpc") as (_, decode):
         got = generate_concurrently(decode.endpoint, _prompts(), MAX_NEW_TOKENS)
-    assert got == _reference(path)
+    assert got == _reference(checkpoints.get(f"{name}-dequantized", path))
