@@ -86,6 +86,32 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
             raise ValueError(f"tp_size={tp_size} does not divide {name}={value}")
 
 
+def check_fp8_cuts(path: str | Path, tp_size: int) -> None:
+    """Refuse, before any rank starts, a block-FP8 checkpoint a cut of ``tp_size`` ranks
+    would split inside a block, in one line naming the layer, the tp size and the block
+    size (only the files' headers are read)."""
+    config = ModelConfig.from_dir(path)
+    if config.weight_quant is None or tp_size == 1:
+        return
+    shapes = _tensor_shapes(tensor_files(path))
+    tp = TPRank(0, tp_size)
+    for name in sorted(shapes):
+        weight = name[: -len(SCALE_SUFFIX)] + ".weight"
+        if name.endswith(SCALE_SUFFIX) and weight in shapes:
+            index = shard_index(weight, shapes[weight], tp)
+            if index is not None:
+                _check_blocks(weight, shapes[weight], index, tp, config.weight_quant.block)
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's whole shape, from the files' headers (no tensor is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
+
+
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
     """The config of one rank's shard: heads and MLP columns divided by ``tp_size``."""
     check_tp(config, tp_size)
@@ -153,10 +179,7 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
         shard_experts(model, experts.rank, experts.size, shared_everywhere=tp.size == 1)
     expected = model.state_dict()
     files = tensor_files(path)
-    shapes: dict[str, tuple[int, ...]] = {}  # every tensor's full shape, from the files' headers
-    for file in files:
-        with safe_open(str(file), framework="pt") as f:
-            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    shapes = _tensor_shapes(files)  # a weight's and its scale's may be in different files
     block = None if config.weight_quant is None else config.weight_quant.block
     state: dict[str, torch.Tensor] = {}
     nbytes = 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from lanekv.decode.colocated import generate_colocated, prefill_into_pool
+from lanekv.decode.config import DecodeConfig
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.decode.tp.engine import TPDecodeEngine
 from lanekv.decode.tp.group import RankFailed, TPGroup, free_port
@@ -238,6 +239,10 @@ def test_fp8_cut_off_its_blocks_is_refused_naming_the_layer(checkpoints, tmp_pat
                                          r"32 output rows into parts of 16, not whole blocks of "
                                          r"weight_block_size=\[32, 32\]$"):
         load_shard(path, TPRank(1, 2), digest=False)
+    # The daemon's config refuses it before any rank starts (the files' headers only).
+    with pytest.raises(ValueError, match=r"^layer 'model\.layers\.0\.self_attn\.k_proj': tp_size=2 cuts"):
+        DecodeConfig(str(path), "127.0.0.1:1", tp_size=2, device="cpu")
+    DecodeConfig(str(path), "127.0.0.1:1", tp_size=1, device="cpu")  # whole rows: no cut
 
 
 @requires_gpu
@@ -249,6 +254,22 @@ def test_tp_decode_on_one_gpu_matches_transformers(checkpoints, tmp_path, name: 
     prompts = [prompt(5, 1), prompt(19, 2)]
     ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, device="cuda")
     assert ours == hf_greedy(checkpoints[name], prompts, 8)
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "tp_size", "kv"), [("deepseek_v32", 2, "auto"), ("llama_fp8", 2, "auto"),
+                                                     ("deepseek_v3_fp8", 2, "auto"), ("llama", 2, "fp8_e4m3"),
+                                                     ("deepseek_v3", 2, "fp8_e4m3"), ("deepseek_v32", 2, "fp8_e4m3")])
+def test_tp_on_one_gpu_equals_one_rank(checkpoints, tmp_path, name: str, tp_size: int, kv: str) -> None:
+    """The Triton kernels (sparse MLA and the indexer's selection, the block-FP8 GEMMs with
+    their activation quantization, FP8 KV rows) on each rank's shard, the ranks sharing
+    cuda:0 over gloo: the tokens of a group of one on the same GPU (the FP8 GEMMs quantize
+    activations on CUDA, so transformers' float32 run is not the reference there)."""
+    prompts = [prompt(5, 1), prompt(19, 2)]
+    dtypes = {"kv_cache_dtype": kv, **(DSA_CACHE if name == "deepseek_v32" else {})}
+    ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, device="cuda", **dtypes)
+    assert ours == decode_tp(checkpoints[name], 1, prompts, 8, tmp_path, device="cuda", **dtypes)
 
 
 @pytest.mark.timeout(60)
