@@ -90,8 +90,10 @@ def check_fp8_cuts(path: str | Path, tp_size: int) -> None:
     """Refuse, before any rank starts, a block-FP8 checkpoint a cut of ``tp_size`` ranks
     would split inside a block, in one line naming the layer, the tp size and the block
     size (only the files' headers are read)."""
+    if tp_size == 1:
+        return
     config = ModelConfig.from_dir(path)
-    if config.weight_quant is None or tp_size == 1:
+    if config.weight_quant is None:
         return
     shapes = _tensor_shapes(tensor_files(path))
     tp = TPRank(0, tp_size)
