@@ -16,6 +16,7 @@ from tests.checkpoints import (
     EOS_TOKEN_ID,
     VOCAB_SIZE,
     write_deepseek_v3,
+    write_deepseek_v32,
     write_llama,
     write_qwen3_moe,
 )
@@ -28,7 +29,8 @@ PAGE_SIZE, MAX_NEW_TOKENS = 4, 6
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    out = {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    out = {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3"),
+           "deepseek_v32": write_deepseek_v32(root / "deepseek_v32")}
     # Block-FP8 (16x32 blocks: the decode's tp 2 cuts fall on them), two files
     out["deepseek_v3_fp8"] = quantize_checkpoint(out["deepseek_v3"], root / "deepseek_v3_fp8", (16, 32), shards=2)
     out["deepseek_v3_fp8-dequantized"] = dequantized_copy(out["deepseek_v3_fp8"], root / "v3_fp8-dequantized")
@@ -87,13 +89,16 @@ def test_ep_needs_a_moe_model_and_a_cp_size_dividing_the_experts(checkpoints, tm
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "tp_size"), [("qwen3moe", 1), ("deepseek_v3", 2), ("deepseek_v3_fp8", 2)])
+@pytest.mark.parametrize(("name", "tp_size"), [("qwen3moe", 1), ("deepseek_v3", 2), ("deepseek_v3_fp8", 2),
+                                               ("deepseek_v32", 2)])
 def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, tp_size: int) -> None:
     """Block-FP8: EP prefill ranks read their experts' e4m3 weights and scales, the decode
-    ranks their slices of the attention (transformers runs the weights dequantized)."""
+    ranks their slices of the attention (transformers runs the weights dequantized).
+    DeepSeek-V3.2: the index keys in the model dtype, as transformers keeps them."""
     path = checkpoints[name]
+    cache = {"index_cache_dtype": "model"} if name == "deepseek_v32" else {}
     engine = EngineConfig(str(path), cp_size=2, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
-                          start_timeout_s=120, cpu_threads=1)
+                          start_timeout_s=120, cpu_threads=1, **cache)
     with running_pair(engine, pool_pages=64, tp_size=tp_size, transport="grpc") as (_, decode):
         got = generate_concurrently(decode.endpoint, _prompts(), MAX_NEW_TOKENS)
     assert got == _reference(checkpoints.get(f"{name}-dequantized", path))
