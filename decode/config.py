@@ -15,7 +15,7 @@ from lanekv.model.attention.rows import (
 )
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
-from lanekv.model.parallel.tp import check_tp
+from lanekv.model.parallel.tp import check_fp8_cuts, check_tp
 from lanekv.model.pool_sizing import check_max_model_len
 from lanekv.runtime.advertise import check_advertise_host
 from lanekv.runtime.security import SecurityConfig
@@ -136,6 +136,7 @@ class DecodeConfig:
         check_kv_cache_dtype(self.kv_cache_dtype)
         model = ModelConfig.from_dir(self.model_path)
         check_tp(model, self.tp_size)  # one line naming tp_size and the value it does not divide
+        check_fp8_cuts(self.model_path, self.tp_size)  # block-FP8: each cut on a block boundary
         if self.tp_size > 1:
             if self.transport == "nixl":
                 raise ValueError(f"transport='nixl' is not supported with tp_size={self.tp_size} (each decode "
@@ -143,9 +144,6 @@ class DecodeConfig:
             if self.load_format != "safetensors":
                 raise ValueError(f"load_format={self.load_format!r} is not supported with tp_size={self.tp_size} "
                                  "(each rank reads its shard of the safetensors files)")
-            if self.kv_cache_dtype != "auto":
-                raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported with "
-                                 f"tp_size={self.tp_size} (the ranks' head slices hold model-dtype rows)")
             if self.resolved_device == "cuda" and self.tp_size > torch.cuda.device_count():
                 raise ValueError(f"tp_size={self.tp_size} needs one GPU per rank, "
                                  f"{torch.cuda.device_count()} are visible")

@@ -72,10 +72,9 @@ class EngineConfig:
             if model.moe.num_experts < self.cp_size:  # every rank owns an expert (an uneven split is fine)
                 raise ValueError(f"ep=True: cp_size={self.cp_size} is more ranks than "
                                  f"num_experts={model.moe.num_experts}")
-            if self.load_format != "safetensors" or model.weight_quant is not None:
-                raise ValueError(f"ep=True reads each rank's experts from unquantized safetensors files, "
-                                 f"got load_format={self.load_format!r}, weight_quant="
-                                 f"{None if model.weight_quant is None else model.weight_quant.method!r}")
+            if self.load_format != "safetensors":
+                raise ValueError(f"ep=True reads each rank's experts from the safetensors files, "
+                                 f"got load_format={self.load_format!r}")
         if self.resolved_device == "cuda":
             visible = torch.cuda.device_count()
             if self.cp_size > visible:

@@ -26,6 +26,7 @@ from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.cuda.warmup import warm_up_kernels
 from lanekv.decode.pool import PagePool
 from lanekv.decode.tp.steps import receive_step
+from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.parallel.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
 
@@ -49,6 +50,8 @@ class TPSpec:
     # Every rank on cuda:0 over gloo: the multi-rank code on one GPU (NCCL refuses two
     # ranks on one device). Tests only: it measures nothing about NCCL.
     share_gpu: bool = False
+    kv_cache_dtype: str = "auto"  # the daemon's: FP8 rows keep each head's scale beside its bytes
+    index_cache_dtype: str = DEFAULT_INDEX_CACHE_DTYPE  # DSA: the index-K row beside the whole latent
 
     def device_of(self, rank: int) -> torch.device:
         if self.device != "cuda":
@@ -114,7 +117,8 @@ def build_rank(spec: TPSpec, rank: int, device: torch.device) -> tuple[RankState
     shard = load_shard(spec.model_path, TPRank(rank, spec.tp_size), spec.dtype, device, digest=rank == 0)
     model = shard.loaded.model
     attach_all_reduce(model, dist.group.WORLD)
-    pool = PagePool.for_model(model.config, spec.num_pages, spec.page_size, spec.dtype, device)
+    pool = PagePool.for_model(model.config, spec.num_pages, spec.page_size, spec.dtype, device,
+                              index_cache_dtype=spec.index_cache_dtype, kv_cache_dtype=spec.kv_cache_dtype)
     ready = Ready(rank, os.getpid(), weight_bytes(model), pool.tensor.nbytes, shard.bytes_read)
     log.info("decode rank %d of %d holds %d bytes of weights (%d read from the checkpoint) and a "
              "%d-byte KV pool (%d pages, %d of %d KV heads)", rank, spec.tp_size, ready.weight_bytes,

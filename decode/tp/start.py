@@ -27,7 +27,8 @@ log = logging.getLogger("lanekv.decode")
 
 def start_group(config: DecodeConfig, on_death: Callable[[int, str], None]) -> TPGroup:
     spec = TPSpec(config.model_path, config.tp_size, config.torch_dtype, config.resolved_device,
-                  config.pool_pages, config.page_size, free_port())
+                  config.pool_pages, config.page_size, free_port(), kv_cache_dtype=config.kv_cache_dtype,
+                  index_cache_dtype=config.index_cache_dtype)
     log.info("tp_size=%d: every decode rank fetches its KV heads (%s)", config.tp_size,
              " or ".join(config.transports))
     group = TPGroup(spec, on_death=on_death)

@@ -26,6 +26,7 @@ exchange takes split sizes read on the host, so a layer does not capture as a wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -57,11 +58,16 @@ def exchange_counts(per_expert: torch.Tensor, bounds: tuple[int, ...], rank: int
 
 
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
-                     w2: torch.Tensor, bounds: tuple[int, ...], group: Any) -> torch.Tensor:
+                     w2: torch.Tensor, bounds: tuple[int, ...], group: Any,
+                     run: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                     ) -> torch.Tensor:
     """The routed experts' output for this rank's tokens ``x [T, H]`` with router
     ``weights [T, k]`` float32 and ``ids [T, k]`` int64 (global expert ids), this rank's
     experts stacked in ``w13 [E_r, 2I, H]`` and ``w2 [E_r, H, I]``, over ``group``
-    (module doc). Every rank of ``group`` must call it for the layer, with no tokens too."""
+    (module doc). Every rank of ``group`` must call it for the layer, with no tokens too.
+    ``run(rows, weights, local_ids)``, if given, runs this rank's experts on the rows it
+    received instead of ``moe_experts`` over ``w13``/``w2`` (block-FP8 experts as stored;
+    ``w13`` then only gives the count of local experts)."""
     size, rank = dist.get_world_size(group), dist.get_rank(group)
     if len(bounds) != size + 1 or w13.shape[0] != bounds[rank + 1] - bounds[rank]:
         raise ValueError(f"bounds={bounds} do not give rank {rank} of {size} its {w13.shape[0]} experts")
@@ -82,7 +88,10 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     local = torch.arange(mine, device=x.device).repeat(size)
     local_ids = torch.repeat_interleave(local, splits.recv_per_expert, output_size=received.shape[0])
     ones = torch.ones((received.shape[0], 1), dtype=torch.float32, device=x.device)
-    outputs = moe_experts(received, w13, w2, ones, local_ids[:, None])  # [received, H]
+    if run is None:
+        outputs = moe_experts(received, w13, w2, ones, local_ids[:, None])  # [received, H]
+    else:
+        outputs = run(received, ones, local_ids[:, None])
 
     back = x.new_empty((tokens * top_k, hidden))
     dist.all_to_all_single(back, outputs, splits.send, splits.recv, group=group)

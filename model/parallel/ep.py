@@ -28,9 +28,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.moe.experts import moe_experts
 from lanekv.model.deepseek import MoE
 from lanekv.model.parallel.dispatch import dispatch_combine
+from lanekv.model.quant.linear import StackedFp8Experts
 from torch import nn
 
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts\.)(\d+)(\..+)$")
@@ -56,6 +58,10 @@ class ExpertShardMoE(MoE):
         # Another rank's choices go to local expert 0 with weight 0: the same grid on every step.
         ids = torch.where(mine, ids - self.first, torch.zeros_like(ids))
         weights = torch.where(mine, weights, torch.zeros_like(weights))
+        if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
+            fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)  # block-FP8 experts as stored
+            return moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
+                                   scale_ue8m0=fp8.scale_ue8m0)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
         return moe_experts(x, w13, w2, weights, ids)
 
@@ -71,8 +77,17 @@ class DispatchedExpertShardMoE(ExpertShardMoE):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)  # [T, k] over every expert
-        w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
-        routed = dispatch_combine(x, weights, ids, w13, w2, self.bounds, self.group)
+        if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
+            fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)  # block-FP8 experts as stored
+
+            def run(rows: torch.Tensor, row_weights: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+                return moe_experts_fp8(rows, fp8.w13, fp8.s13, fp8.w2, fp8.s2, row_weights, local_ids,
+                                       fp8.block, scale_ue8m0=fp8.scale_ue8m0)
+
+            routed = dispatch_combine(x, weights, ids, fp8.w13, fp8.w2, self.bounds, self.group, run)
+        else:
+            w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
+            routed = dispatch_combine(x, weights, ids, w13, w2, self.bounds, self.group)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 

@@ -20,8 +20,11 @@ MoE blocks (Qwen3-MoE, DeepSeek) shard their routed experts whole over the same
 ranks (``model.parallel.ep``: expert parallelism, the block's output all-reduced).
 MLA (DeepSeek-V2/V3) splits only its query heads (q_proj or q_b_proj, kv_b_proj,
 o_proj): the latent row is shared by every head, so every rank holds it whole
-(the pool rows are the same on every rank). DSA and block-FP8 models are refused
-with ``tp_size > 1`` (``check_tp``).
+(the pool rows are the same on every rank). DSA (DeepSeek-V3.2) adds the indexer,
+replicated: its inputs (the hidden row after the all-reduce, the replicated q_a
+latent) are the same on every rank, so every rank picks the same top-k keys from
+the same index-K rows (each rank's pool row holds the whole latent and index row).
+Block-FP8 weights are cut with their block scales (``shard_scale_index``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
+from lanekv.kernels.fp8.weights import FP8_DTYPE
 from lanekv.model.attention import kind_of
 from lanekv.model.checkpoint import LoadedModel, build_model, tensor_files
 from lanekv.model.config import ModelConfig
-from lanekv.model.deepseek import MoE
 from lanekv.model.parallel.ep import local_expert_name, shard_experts, shared_expert
+from lanekv.model.quant.linear import SCALE_SUFFIX, use_fp8_linears
 from lanekv.model.tokenizer import load_tokenizer
 from safetensors import safe_open
 from torch import nn
@@ -72,20 +76,42 @@ def check_tp(config: ModelConfig, tp_size: int) -> None:
     TPRank(0, tp_size)
     if tp_size == 1:
         return
-    if config.dsa is not None:
-        raise ValueError(f"tp_size={tp_size} is not supported for architecture={config.architecture!r} "
-                         "(the DSA indexer is not split yet; it runs with tp_size=1)")
     if config.moe is not None and config.moe.num_experts % tp_size:
         raise ValueError(f"tp_size={tp_size} does not divide num_experts={config.moe.num_experts}")
-    if config.weight_quant is not None:
-        raise ValueError(f"tp_size={tp_size} is not supported with weight_quant="
-                         f"{config.weight_quant.method!r} (block-FP8 shards are not cut yet)")
     # MLA: one latent row shared by every head, whole on every rank: only the q heads split.
     for name in ("num_heads", "intermediate_size") if kind_of(config).heads_share_rows else (
             "num_kv_heads", "num_heads", "intermediate_size"):
         value = getattr(config, name)
         if value % tp_size:
             raise ValueError(f"tp_size={tp_size} does not divide {name}={value}")
+
+
+def check_fp8_cuts(path: str | Path, tp_size: int) -> None:
+    """Refuse, before any rank starts, a block-FP8 checkpoint a cut of ``tp_size`` ranks
+    would split inside a block, in one line naming the layer, the tp size and the block
+    size (only the files' headers are read)."""
+    if tp_size == 1:
+        return
+    config = ModelConfig.from_dir(path)
+    if config.weight_quant is None:
+        return
+    shapes = _tensor_shapes(tensor_files(path))
+    tp = TPRank(0, tp_size)
+    for name in sorted(shapes):
+        weight = name[: -len(SCALE_SUFFIX)] + ".weight"
+        if name.endswith(SCALE_SUFFIX) and weight in shapes:
+            index = shard_index(weight, shapes[weight], tp)
+            if index is not None:
+                _check_blocks(weight, shapes[weight], index, tp, config.weight_quant.block)
+
+
+def _tensor_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor's whole shape, from the files' headers (no tensor is read)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            shapes.update((name, tuple(f.get_slice(name).get_shape())) for name in f.keys())
+    return shapes
 
 
 def shard_config(config: ModelConfig, tp_size: int) -> ModelConfig:
@@ -139,7 +165,13 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
     is read), eval mode, projections fused. ``digest=False`` skips the weights
     digest (ranks other than the one that handshakes need none). ``ep``: the rank
     among the ranks sharing routed experts when it is not ``tp`` (prefill EP: the
-    attention whole, ``tp`` of size 1, the experts over the CP ranks)."""
+    attention whole, ``tp`` of size 1, the experts over the CP ranks).
+
+    A block-FP8 checkpoint's e4m3 weights are cut like any others and each
+    ``weight_scale_inv`` by the same rule in blocks (``shard_scale_index``): a rank
+    reads its rows or columns of the weight and the matching rows or columns of its
+    block scales, so a cut must fall on block boundaries (else one line naming the
+    layer, the tp size and the block size)."""
     experts = tp if ep is None else ep
     path = Path(path)
     config = ModelConfig.from_dir(path)
@@ -148,9 +180,12 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
     if config.moe is not None and experts.size > 1:
         shard_experts(model, experts.rank, experts.size, shared_everywhere=tp.size == 1)
     expected = model.state_dict()
+    files = tensor_files(path)
+    shapes = _tensor_shapes(files)  # a weight's and its scale's may be in different files
+    block = None if config.weight_quant is None else config.weight_quant.block
     state: dict[str, torch.Tensor] = {}
     nbytes = 0
-    for file in tensor_files(path):
+    for file in files:
         with safe_open(str(file), framework="pt") as f:
             for stored in f.keys():
                 name = stored if config.moe is None or experts.size == 1 else local_expert_name(
@@ -158,27 +193,42 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
                 if name is None or tp.rank > 0 and shared_expert(stored) or (
                         model.ignores_extra_layers and _extra_layer(stored, config.num_layers)):
                     continue  # another rank's expert (or shared expert), a DeepSeek MTP layer: never read
-                if name not in expected:
+                if name not in expected and not name.endswith(SCALE_SUFFIX):
                     if config.tie_word_embeddings and name == "lm_head.weight":
                         continue
                     if name.endswith(".rotary_emb.inv_freq"):
                         continue
                     raise ValueError(f"checkpoint {path} does not match {config.architecture}: "
                                      f"unexpected tensor {name!r}")
-                tensor_slice = f.get_slice(stored)
-                index = shard_index(name, tuple(tensor_slice.get_shape()), tp)
+                if name.endswith(SCALE_SUFFIX):
+                    weight = stored[: -len(SCALE_SUFFIX)] + ".weight"
+                    index = shard_scale_index(name, shapes.get(weight), shapes[stored], tp, block)
+                else:
+                    index = shard_index(name, shapes[stored], tp)
+                    scaled = stored[: -len(".weight")] + SCALE_SUFFIX
+                    if index is not None and block is not None and scaled in shapes:
+                        _check_blocks(name, shapes[stored], index, tp, block)
                 if name.endswith("o_proj.bias") and tp.rank > 0:
                     part = torch.zeros(expected[name].shape)  # the all-reduce adds rank 0's once
                 else:
+                    tensor_slice = f.get_slice(stored)
                     part = tensor_slice[:] if index is None else tensor_slice[index]
                     nbytes += part.numel() * part.element_size()
-                if part.shape != expected[name].shape:
-                    raise ValueError(f"tensor {name!r}: rank {tp.rank} of {tp.size} got shape "
-                                     f"{tuple(part.shape)}, expected {tuple(expected[name].shape)}")
-                state[name] = part.to(device=device, dtype=expected[name].dtype).contiguous()
+                state[name] = part
+    use_fp8_linears(model, state, config.weight_quant, dtype)  # block-FP8 layers, their local shapes checked
+    expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     if missing:
         raise ValueError(f"checkpoint {path} does not match {config.architecture}: missing tensors {missing}")
+    for name, part in state.items():
+        if name not in expected:
+            raise ValueError(f"checkpoint {path} does not match {config.architecture}: "
+                             f"unexpected tensor {name!r}")
+        if part.shape != expected[name].shape:
+            raise ValueError(f"tensor {name!r}: rank {tp.rank} of {tp.size} got shape "
+                             f"{tuple(part.shape)}, expected {tuple(expected[name].shape)}")
+        stored_as = part.dtype == FP8_DTYPE or name.endswith(SCALE_SUFFIX)  # e4m3 weights, their scales
+        state[name] = part.to(device=device, dtype=part.dtype if stored_as else expected[name].dtype).contiguous()
     model.load_state_dict(state, strict=True, assign=True)
     model.to(device)
     model.eval()
@@ -189,6 +239,36 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
     return ShardLoad(loaded, nbytes)
 
 
+def shard_scale_index(name: str, weight_shape: tuple[int, ...] | None, shape: tuple[int, ...], tp: TPRank,
+                      block: tuple[int, int] | None) -> tuple[Any, ...] | None:
+    """The index of ``tp``'s part of block-scale tensor ``name`` (``X.weight_scale_inv``,
+    of full ``shape``) for its weight of full ``weight_shape``: the blocks of the rows
+    (column-parallel) or columns (row-parallel) ``shard_index`` gives the weight, or
+    None when the weight is whole on every rank."""
+    weight = name[: -len(SCALE_SUFFIX)] + ".weight"
+    if block is None or weight_shape is None:
+        raise ValueError(f"tensor {name!r} scales {weight!r}, but the checkpoint has no block-FP8 "
+                         f"{'quantization_config' if block is None else 'weight beside it'}")
+    index = shard_index(weight, weight_shape, tp)
+    if index is None:
+        return None
+    _check_blocks(weight, weight_shape, index, tp, block)
+    dim = len(index) - 1  # 0: the weight's rows are cut, 1: its columns
+    return (slice(None),) * dim + (tp.span(shape[dim]),)
+
+
+def _check_blocks(name: str, shape: tuple[int, ...], index: tuple[Any, ...], tp: TPRank,
+                  block: tuple[int, int]) -> None:
+    """Refuse a cut of a block-FP8 weight that does not fall on its blocks' boundaries."""
+    dim = len(index) - 1
+    part = shape[dim] // tp.size
+    if part % block[dim]:
+        what = ("output rows", "input columns")[dim]
+        layer = name.removesuffix(".weight")
+        raise ValueError(f"layer {layer!r}: tp_size={tp.size} cuts its {shape[dim]} {what} into parts of "
+                         f"{part}, not whole blocks of weight_block_size={list(block)}")
+
+
 def _extra_layer(name: str, num_layers: int) -> bool:
     """A layer past the decoder's (DeepSeek-V3's multi-token-prediction layers)."""
     parts = name.split(".")
@@ -196,8 +276,9 @@ def _extra_layer(name: str, num_layers: int) -> bool:
 
 
 def attach_all_reduce(model: nn.Module, group: Any) -> int:
-    """Sum the outputs of every row-parallel projection (o_proj, down_proj) over
-    ``group``, in place, by a forward hook; the number of hooks attached."""
+    """Sum the outputs of every row-parallel projection (o_proj, and down_proj as the
+    MLP block's output) over ``group``, in place, by a forward hook; the number of
+    hooks attached."""
 
     def hook(_module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(output, group=group)
@@ -205,8 +286,9 @@ def attach_all_reduce(model: nn.Module, group: Any) -> int:
 
     count = 0
     for layer in model.model.layers:
-        mlp = layer.mlp if isinstance(layer.mlp, MoE) else layer.mlp.down_proj  # EP: the block's sum
-        for projection in (layer.self_attn.o_proj, mlp):
+        # The MLP block's output, down_proj's: a block-FP8 down_proj runs through its
+        # ``silu_mul``, not its forward; EP: the block's sum of the experts' shares.
+        for projection in (layer.self_attn.o_proj, layer.mlp):
             projection.register_forward_hook(hook)
             count += 1
     return count

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from lanekv.decode.colocated import prefill_into_pool
+from lanekv.decode.colocated import generate_colocated, prefill_into_pool
+from lanekv.decode.config import DecodeConfig
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.decode.tp.engine import TPDecodeEngine
 from lanekv.decode.tp.group import RankFailed, TPGroup, free_port
@@ -23,24 +24,37 @@ from tests.checkpoints import (
     EOS_TOKEN_ID,
     VOCAB_SIZE,
     write_deepseek_v3,
+    write_deepseek_v32,
     write_llama,
     write_llama_4kv,
     write_qwen2,
     write_qwen3_moe,
 )
-from tests.decode.tp_tasks import Die, PlaceHeads
+from tests.decode.tp_tasks import Die, IndexerTopK, PlaceHeads
+from tests.fp8_checkpoints import dequantized_copy, quantize_checkpoint
 from tests.markers import requires_gpu
 
 GREEDY = SamplingParams()
 PAGE_SIZE, NUM_PAGES = 4, 48
 
 
+# Block-FP8 copies (two files, so a weight and its scale may sit in different ones): the
+# blocks tile each rank's part at tp 2 (DeepSeek-V3's o_proj: 32 of 64 input columns).
+FP8_CHECKPOINTS = {"llama_fp8": ("llama", (16, 16)), "deepseek_v3_fp8": ("deepseek_v3", (16, 32))}
+DSA_CACHE = {"index_cache_dtype": "model"}  # index keys in the model dtype, as transformers keeps them
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp-ckpt")
-    return {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
-            "qwen2": write_qwen2(root / "qwen2"), "qwen3moe": write_qwen3_moe(root / "qwen3moe"),
-            "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    out = {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
+           "qwen2": write_qwen2(root / "qwen2"), "qwen3moe": write_qwen3_moe(root / "qwen3moe"),
+           "deepseek_v3": write_deepseek_v3(root / "deepseek_v3"),
+           "deepseek_v32": write_deepseek_v32(root / "deepseek_v32")}
+    for name, (source, block) in FP8_CHECKPOINTS.items():
+        out[name] = quantize_checkpoint(out[source], root / name, block, shards=2)
+        out[f"{name}-dequantized"] = dequantized_copy(out[name], root / f"{name}-dequantized")
+    return out
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -111,11 +125,12 @@ def test_tp_size_must_divide_kv_heads(checkpoints) -> None:
 
 
 def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens: int,
-              tmp_path: Path, device: str = "cpu") -> list[list[int]]:
+              tmp_path: Path, device: str = "cpu", **pool_dtypes: str) -> list[list[int]]:
     """Prefill each prompt on the whole model, place each rank's KV heads of it in
-    that rank's pool, then decode all prompts at once on the TP group."""
+    that rank's pool, then decode all prompts at once on the TP group. ``pool_dtypes``:
+    ``kv_cache_dtype``, ``index_cache_dtype`` of every pool."""
     whole = load_model(path)
-    full_pool = PagePool.for_model(whole.config, NUM_PAGES, PAGE_SIZE, torch.float32)
+    full_pool = PagePool.for_model(whole.config, NUM_PAGES, PAGE_SIZE, torch.float32, **pool_dtypes)
     firsts, tables = [], []
     for ids in prompts:
         table, first = prefill_into_pool(whole.model, full_pool, ids, GREEDY)
@@ -124,9 +139,10 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
     saved = tmp_path / f"pool-{tp_size}.pt"
     torch.save(full_pool.tensor, saved)
     group = TPGroup(TPSpec(str(path), tp_size, torch.float32, device, NUM_PAGES, PAGE_SIZE, free_port(),
-                           cpu_threads=1, share_gpu=device == "cuda"))
+                           cpu_threads=1, share_gpu=device == "cuda", **pool_dtypes))
     try:
         pool = group.state.pool
+        assert pool.tensor.dtype == full_pool.tensor.dtype and pool.tensor.shape[4] == full_pool.tensor.shape[4]
         mla = whole.config.mla is not None  # every rank holds the whole latent row
         assert pool.tensor.shape[3] == whole.config.num_kv_heads // (1 if mla else tp_size)
         engine = TPDecodeEngine(group.state.loaded.model, pool, group=group)
@@ -150,11 +166,83 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen2", 2), ("qwen3moe", 2), ("deepseek_v3", 2), ("llama4", 4)])
+@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("qwen2", 2), ("qwen3moe", 2), ("deepseek_v3", 2),
+                                               ("llama4", 4), ("deepseek_v32", 2), ("llama_fp8", 2),
+                                               ("deepseek_v3_fp8", 2)])
 def test_tp_decode_matches_transformers(checkpoints, tmp_path, name: str, tp_size: int) -> None:
+    """DeepSeek-V3.2: every rank holds the whole latent + index-K row and the whole
+    indexer; FP8: each rank's e4m3 slices and block scales (transformers runs the same
+    weights dequantized)."""
     prompts = [prompt(5, 1), prompt(19, 2)]
-    ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path)
-    assert ours == hf_greedy(checkpoints[name], prompts, 8)
+    ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, **(DSA_CACHE if name == "deepseek_v32" else {}))
+    assert ours == hf_greedy(checkpoints.get(f"{name}-dequantized", checkpoints[name]), prompts, 8)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("name", "tp_size"), [("llama", 2), ("deepseek_v3", 2), ("deepseek_v32", 2)])
+def test_tp_decode_over_fp8_kv_equals_one_process(checkpoints, tmp_path, name: str, tp_size: int) -> None:
+    """FP8 KV rows: a GQA rank holds its heads' e4m3 bytes and their scales, an MLA or
+    DSA rank the whole FlashMLA row (and index-K row); the tokens are the
+    single-process run's over the same FP8 KV."""
+    prompts = [prompt(5, 1), prompt(19, 2)]
+    ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, kv_cache_dtype="fp8_e4m3")
+    whole = load_model(checkpoints[name])
+    pool = PagePool.for_model(whole.config, NUM_PAGES, PAGE_SIZE, torch.float32, kv_cache_dtype="fp8_e4m3")
+    assert ours == generate_colocated(whole.model, pool, prompts, GREEDY, 8)
+
+
+@pytest.mark.timeout(60)
+def test_dsa_ranks_select_the_same_keys(checkpoints) -> None:
+    """The indexer is whole on every rank and its inputs are the same on every rank,
+    so each rank's top-k of the same scores is the same (and the whole model's)."""
+    path = checkpoints["deepseek_v32"]
+    group = TPGroup(TPSpec(str(path), 2, torch.float32, "cpu", 8, PAGE_SIZE, free_port(), cpu_threads=1,
+                           **DSA_CACHE))
+    try:
+        picks = group.run_task(IndexerTopK(layer=1, tokens=12, seed=5), 30.0)
+    finally:
+        group.close()
+    whole = IndexerTopK(layer=1, tokens=12, seed=5).select(load_model(path).model)
+    assert picks[0].shape == whole.shape and (picks[0] >= 0).any()
+    assert all(torch.equal(p, whole) for p in picks)
+
+
+def test_each_rank_reads_only_its_fp8_slices_and_scales(checkpoints) -> None:
+    """Each rank reads its rows or columns of every cut e4m3 weight and the matching
+    blocks of its ``weight_scale_inv``, nothing else of them; the ranks' parts are the
+    whole tensors, in rank order."""
+    path = checkpoints["llama_fp8"]
+    shapes, sizes = {}, {}
+    for file in tensor_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for n in f.keys():
+                t = f.get_slice(n)
+                shapes[n] = tuple(t.get_shape())
+                sizes[n] = torch.Size(shapes[n]).numel() * (1 if t.get_dtype() == "F8_E4M3" else 4)
+    cut = {n for n in shapes if shard_index(n.replace(".weight_scale_inv", ".weight"), shapes[n], TPRank(0, 2))}
+    assert any(n.endswith(".weight_scale_inv") for n in cut) and any(n.endswith(".weight") for n in cut)
+    shards = [load_shard(path, TPRank(rank, 2), digest=False) for rank in range(2)]
+    assert [s.bytes_read for s in shards] == [sum(sizes.values()) - sum(sizes[n] for n in cut) // 2] * 2
+    whole = load_model(path).model.model.layers[0]
+    for attr, dim in (("self_attn.k_proj", 0), ("self_attn.o_proj", 1), ("mlp.down_proj", 1)):
+        parts = [s.loaded.model.model.layers[0].get_submodule(attr) for s in shards]
+        layer = whole.get_submodule(attr)
+        for tensor in ("weight", "weight_scale_inv"):  # e4m3 compared as bytes
+            got = torch.cat([getattr(p, tensor).view(torch.uint8) for p in parts], dim=dim)
+            assert torch.equal(got, getattr(layer, tensor).view(torch.uint8))
+
+
+def test_fp8_cut_off_its_blocks_is_refused_naming_the_layer(checkpoints, tmp_path) -> None:
+    # 32-row blocks: k_proj's 32 rows (2 KV heads of 16) cut in two are 16 rows a rank.
+    path = quantize_checkpoint(checkpoints["llama"], tmp_path / "llama-fp8-32", (32, 32))
+    with pytest.raises(ValueError, match=r"^layer 'model\.layers\.0\.self_attn\.k_proj': tp_size=2 cuts its "
+                                         r"32 output rows into parts of 16, not whole blocks of "
+                                         r"weight_block_size=\[32, 32\]$"):
+        load_shard(path, TPRank(1, 2), digest=False)
+    # The daemon's config refuses it before any rank starts (the files' headers only).
+    with pytest.raises(ValueError, match=r"^layer 'model\.layers\.0\.self_attn\.k_proj': tp_size=2 cuts"):
+        DecodeConfig(str(path), "127.0.0.1:1", tp_size=2, device="cpu")
+    DecodeConfig(str(path), "127.0.0.1:1", tp_size=1, device="cpu")  # whole rows: no cut
 
 
 @requires_gpu
@@ -166,6 +254,22 @@ def test_tp_decode_on_one_gpu_matches_transformers(checkpoints, tmp_path, name: 
     prompts = [prompt(5, 1), prompt(19, 2)]
     ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, device="cuda")
     assert ours == hf_greedy(checkpoints[name], prompts, 8)
+
+
+@requires_gpu
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("name", "tp_size", "kv"), [("deepseek_v32", 2, "auto"), ("llama_fp8", 2, "auto"),
+                                                     ("deepseek_v3_fp8", 2, "auto"), ("llama", 2, "fp8_e4m3"),
+                                                     ("deepseek_v3", 2, "fp8_e4m3"), ("deepseek_v32", 2, "fp8_e4m3")])
+def test_tp_on_one_gpu_equals_one_rank(checkpoints, tmp_path, name: str, tp_size: int, kv: str) -> None:
+    """The Triton kernels (sparse MLA and the indexer's selection, the block-FP8 GEMMs with
+    their activation quantization, FP8 KV rows) on each rank's shard, the ranks sharing
+    cuda:0 over gloo: the tokens of a group of one on the same GPU (the FP8 GEMMs quantize
+    activations on CUDA, so transformers' float32 run is not the reference there)."""
+    prompts = [prompt(5, 1), prompt(19, 2)]
+    dtypes = {"kv_cache_dtype": kv, **(DSA_CACHE if name == "deepseek_v32" else {})}
+    ours = decode_tp(checkpoints[name], tp_size, prompts, 8, tmp_path, device="cuda", **dtypes)
+    assert ours == decode_tp(checkpoints[name], 1, prompts, 8, tmp_path, device="cuda", **dtypes)
 
 
 @pytest.mark.timeout(60)

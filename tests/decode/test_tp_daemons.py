@@ -24,10 +24,12 @@ from tests.checkpoints import (
     EOS_TOKEN_ID,
     VOCAB_SIZE,
     write_deepseek_v3,
+    write_deepseek_v32,
     write_llama,
     write_llama_4kv,
 )
 from tests.daemons import running_pair
+from tests.fp8_checkpoints import dequantized_copy, quantize_checkpoint
 
 PAGE_SIZE = 4
 MAX_NEW_TOKENS = 8
@@ -37,8 +39,13 @@ MAX_NEW_TOKENS = 8
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-e2e")
     # Llama: 4 query / 2 KV heads; DeepSeek-V3: MLA with 4 heads, 8 routed experts and a shared one.
-    return {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
-            "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    # DeepSeek-V3.2: DSA (4 index heads, top 5 keys); llama_fp8: block-FP8 weights (16x16 blocks).
+    out = {"llama": write_llama(root / "llama"), "llama4": write_llama_4kv(root / "llama4"),
+           "deepseek_v3": write_deepseek_v3(root / "deepseek_v3"),
+           "deepseek_v32": write_deepseek_v32(root / "deepseek_v32")}
+    out["llama_fp8"] = quantize_checkpoint(out["llama"], root / "llama_fp8", (16, 16), shards=2)
+    out["llama_fp8-dequantized"] = dequantized_copy(out["llama_fp8"], root / "llama_fp8-dequantized")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -65,9 +72,10 @@ def reference(checkpoint) -> list[list[int]]:
     return outs
 
 
-def _engine(checkpoint, cp_size: int) -> EngineConfig:
+def _engine(checkpoint, cp_size: int, **fields) -> EngineConfig:
+    """The prefill's config; ``fields`` (kv_cache_dtype, index_cache_dtype) the decode daemon takes too."""
     return EngineConfig(str(checkpoint), cp_size=cp_size, page_size=PAGE_SIZE, pages_per_lane=64,
-                        start_timeout_s=120, cpu_threads=1)
+                        start_timeout_s=120, cpu_threads=1, **fields)
 
 
 def _generate(stub, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
@@ -77,13 +85,35 @@ def _generate(stub, ids: list[int], max_new_tokens: int) -> tuple[list[int], dic
     return tokens, dict(call.trailing_metadata())
 
 
+def _single_fp8_kv(checkpoint) -> list[list[int]]:
+    """The tokens of one process over FP8 KV (the reference of an FP8-KV run: e4m3 rows
+    are not transformers')."""
+    from lanekv.decode.colocated import generate_colocated
+    from lanekv.decode.pool import PagePool
+    from lanekv.model.checkpoint import load_model
+    from lanekv.model.sampling import SamplingParams
+
+    whole = load_model(checkpoint)
+    pool = PagePool.for_model(whole.config, 64, PAGE_SIZE, torch.float32, kv_cache_dtype=FP8)
+    return generate_colocated(whole.model, pool, _prompts(), SamplingParams(), MAX_NEW_TOKENS)
+
+
+FP8 = "fp8_e4m3"
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize(("name", "cp_size", "tp_size"),
-                         [("llama", 1, 2), ("llama", 2, 2), ("llama4", 2, 4), ("deepseek_v3", 2, 2)])
-def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, cp_size: int, tp_size: int) -> None:
+@pytest.mark.parametrize(("name", "cp_size", "tp_size", "fields"),
+                         [("llama", 1, 2, {}), ("llama", 2, 2, {}), ("llama4", 2, 4, {}), ("deepseek_v3", 2, 2, {}),
+                          ("deepseek_v32", 2, 2, {"index_cache_dtype": "model"}), ("llama_fp8", 2, 2, {}),
+                          ("llama", 2, 2, {"kv_cache_dtype": FP8}), ("deepseek_v32", 1, 2, {"kv_cache_dtype": FP8})])
+def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, cp_size: int, tp_size: int,
+                                                        fields: dict) -> None:
+    """Transformers' tokens (on the dequantized weights for block-FP8), or with FP8 KV
+    the single-process FP8-KV run's: every pairing fetches each rank's heads (GQA;
+    FP8 rows with their scales) or whole rows (MLA, DSA's latent + index-K row)."""
     checkpoint = checkpoints[name]
-    mla = name == "deepseek_v3"
-    with running_pair(_engine(checkpoint, cp_size), pool_pages=64, tp_size=tp_size, transport="grpc") as (
+    mla = name.startswith("deepseek")
+    with running_pair(_engine(checkpoint, cp_size, **fields), pool_pages=64, tp_size=tp_size, transport="grpc") as (
             prefill, decode):
         # Llama: 1 of the 2 KV heads, llama4: 1 of 4; MLA: the latent row
         assert decode.pool.tensor.shape[3] == 1
@@ -100,9 +130,11 @@ def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, 
                 thread.join(120)
         agreement = decode.agreement
         page_bytes = agreement.kv_planes * agreement.num_layers * PAGE_SIZE * agreement.num_kv_heads \
-            * agreement.head_dim * 4
-        for ids, want, (tokens, stats) in zip(_prompts(), reference(checkpoint), results):
-            assert tokens == want, f"prompt of {len(ids)} tokens"
+            * agreement.head_dim * decode.pool.tensor.element_size()
+        want = _single_fp8_kv(checkpoint) if "kv_cache_dtype" in fields else reference(
+            checkpoints.get(f"{name}-dequantized", checkpoint))
+        for ids, expected, (tokens, stats) in zip(_prompts(), want, results):
+            assert tokens == expected, f"prompt of {len(ids)} tokens"
             # GQA: both ranks' halves of every page, the whole page's bytes once; MLA: each
             # rank the whole latent rows.
             copies = tp_size if mla else 1

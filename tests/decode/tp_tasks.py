@@ -32,3 +32,27 @@ class Die(NamedTuple):
         import os
         if state.tp.rank != 0:
             os._exit(9)
+
+
+class IndexerTopK(NamedTuple):
+    """A DSA layer's indexer top-k for ``tokens`` seeded hidden rows at positions
+    ``0..tokens-1``, on the rank's shard (``select`` on any model)."""
+
+    layer: int
+    tokens: int
+    seed: int
+
+    def select(self, model) -> torch.Tensor:
+        config = model.config
+        gen = torch.Generator().manual_seed(self.seed)
+        hidden = torch.randn(self.tokens, config.hidden_size, generator=gen)
+        attn = model.mla_layer(self.layer)
+        positions = torch.arange(self.tokens)
+        cos, sin = model.rotary(positions)
+        proj = attn.project(hidden, cos, sin)
+        index = attn.indexer.project(hidden, proj.q_lora, cos, sin)
+        return attn.indexer.select(index.q, index.weights, index.k, positions)
+
+    def run(self, state: RankState) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.select(state.loaded.model)

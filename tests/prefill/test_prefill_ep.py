@@ -16,10 +16,12 @@ from tests.checkpoints import (
     EOS_TOKEN_ID,
     VOCAB_SIZE,
     write_deepseek_v3,
+    write_deepseek_v32,
     write_llama,
     write_qwen3_moe,
 )
 from tests.daemons import generate_concurrently, running_pair
+from tests.fp8_checkpoints import dequantized_copy, quantize_checkpoint
 
 PAGE_SIZE, MAX_NEW_TOKENS = 4, 6
 
@@ -27,7 +29,12 @@ PAGE_SIZE, MAX_NEW_TOKENS = 4, 6
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ep")
-    return {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3")}
+    out = {"qwen3moe": write_qwen3_moe(root / "qwen3moe"), "deepseek_v3": write_deepseek_v3(root / "deepseek_v3"),
+           "deepseek_v32": write_deepseek_v32(root / "deepseek_v32")}
+    # Block-FP8 (16x32 blocks: the decode's tp 2 cuts fall on them), two files
+    out["deepseek_v3_fp8"] = quantize_checkpoint(out["deepseek_v3"], root / "deepseek_v3_fp8", (16, 32), shards=2)
+    out["deepseek_v3_fp8-dequantized"] = dequantized_copy(out["deepseek_v3_fp8"], root / "v3_fp8-dequantized")
+    return out
 
 
 def _prompts() -> list[list[int]]:
@@ -49,16 +56,18 @@ def _reference(path) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("size", [2, 3])
-def test_ep_rank_reads_only_its_experts(checkpoints, size: int) -> None:
+@pytest.mark.parametrize(("name", "size"), [("deepseek_v3", 2), ("deepseek_v3", 3), ("deepseek_v3_fp8", 2)])
+def test_ep_rank_reads_only_its_experts(checkpoints, name: str, size: int) -> None:
     """The attention and shared experts whole, the routed experts split (8 experts over 3
     ranks: 2, 3 and 3): the ranks read the whole checkpoint's bytes plus one extra copy
-    per extra rank of what is not a routed expert."""
-    path = checkpoints["deepseek_v3"]
+    per extra rank of what is not a routed expert (block-FP8: an expert's e4m3 weights
+    and their scales go together)."""
+    path = checkpoints[name]
     nbytes = {}
     for file in tensor_files(path):
         with safe_open(str(file), framework="pt") as f:
-            nbytes.update({n: torch.Size(f.get_slice(n).get_shape()).numel() * 4 for n in f.keys()})
+            nbytes.update({n: torch.Size(f.get_slice(n).get_shape()).numel() * (
+                1 if f.get_slice(n).get_dtype() == "F8_E4M3" else 4) for n in f.keys()})
     layers = ModelConfig.from_dir(path).num_layers
     owner = {2: [0, 0, 0, 0, 1, 1, 1, 1], 3: [0, 0, 1, 1, 1, 2, 2, 2]}[size]
 
@@ -73,6 +82,7 @@ def test_ep_rank_reads_only_its_experts(checkpoints, size: int) -> None:
         n.split(".")[2]) < layers)
     moe = reads[1].loaded.model.model.layers[1].mlp
     assert (moe.first, len(moe.experts), moe.shared_experts is not None) == (owner.index(1), owner.count(1), True)
+    assert (moe.fp8 is not None) == name.endswith("_fp8")  # e4m3 experts stacked with their scales
 
 
 def test_ep_needs_a_moe_model_and_an_expert_per_rank(checkpoints, tmp_path) -> None:
@@ -84,13 +94,18 @@ def test_ep_needs_a_moe_model_and_an_expert_per_rank(checkpoints, tmp_path) -> N
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(("name", "cp_size", "tp_size"), [
-    ("qwen3moe", 2, 1), ("qwen3moe", 3, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 1)])
+    ("qwen3moe", 2, 1), ("qwen3moe", 3, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 1),
+    ("deepseek_v3_fp8", 2, 2), ("deepseek_v32", 2, 2)])
 def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, cp_size: int, tp_size: int) -> None:
     """Each MoE layer dispatches its (token, choice) rows to the experts' owners by
-    all-to-all (cp 3: 8 experts split 2, 3, 3)."""
+    all-to-all (cp 3: 8 experts split 2, 3, 3). Block-FP8: EP prefill ranks read their
+    experts' e4m3 weights and scales, the decode ranks their slices of the attention
+    (transformers runs the weights dequantized). DeepSeek-V3.2: the index keys in the
+    model dtype, as transformers keeps them."""
     path = checkpoints[name]
+    cache = {"index_cache_dtype": "model"} if name == "deepseek_v32" else {}
     engine = EngineConfig(str(path), cp_size=cp_size, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
-                          start_timeout_s=120, cpu_threads=1)
+                          start_timeout_s=120, cpu_threads=1, **cache)
     with running_pair(engine, pool_pages=64, tp_size=tp_size, transport="grpc") as (_, decode):
         got = generate_concurrently(decode.endpoint, _prompts(), MAX_NEW_TOKENS)
-    assert got == _reference(path)
+    assert got == _reference(checkpoints.get(f"{name}-dequantized", path))
