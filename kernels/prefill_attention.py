@@ -44,6 +44,8 @@ __all__ = [
     "AttnOutput",
     "AttnSegments",
     "AttnLaunchConfig",
+    "MLA_PREFILL_VARIANTS",
+    "check_launch_config",
     "cp_prefill_attention",
     "cp_prefill_attention_ref",
     "cp_prefill_attention_triton",
@@ -82,6 +84,26 @@ class AttnLaunchConfig(NamedTuple):
     def label(self) -> str:
         flags = [name for name in ("tma", "overlap", "heads_fast", "warp_specialize") if getattr(self, name)]
         return ",".join(str(x) for x in self[:4]) + ("+" + "+".join(flags) if flags else "")
+
+
+# The configs bench/mla_prefill_sweep.py times for MLA prefill (qk 192 = 128 + 64, v 128,
+# bf16) on the H200. Shared memory per pipeline stage is BLOCK_N * (192 + 128) * 2 bytes
+# of K and V, plus BLOCK_M * 192 * 2 of q once; 227 KB per block: 128x128 takes
+# 2 * 80 + 48 = 208 KB at 2 stages and would need 288 at 3; 128x64 takes
+# 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4.
+MLA_PREFILL_VARIANTS = (
+    AttnLaunchConfig(128, 128, 8, 2),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True),
+    AttnLaunchConfig(128, 128, 8, 2, overlap=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, warp_specialize=True),
+    AttnLaunchConfig(128, 128, 8, 2, heads_fast=True),
+    AttnLaunchConfig(128, 64, 8, 3),
+    AttnLaunchConfig(128, 64, 8, 3, tma=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True),
+    AttnLaunchConfig(128, 64, 8, 3, overlap=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True),
+)
 
 
 # Below this many (128-row query block, head) programs per SM the chip is
