@@ -9,7 +9,7 @@ v 128, causal, bf16, one sequence of each ``--tokens`` (default 8k and 32k). Row
   columns are cut off). Each backend's figure is its fastest form that ran.
 - ``kernel``: ``launch_cp_prefill_attention`` with each config of ``MLA_PREFILL_VARIANTS``
   (``kernels/prefill_attention.py``; ``--configs`` to pick others, written
-  ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize]``).
+  ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize][+exp_bf16]``).
 
 FLOPs count the causal work at v 128: ``2 * H * (192 + 128) * N * (N + 1) / 2``, the same
 count for every row (a padded SDPA run does more work than it is credited with).
@@ -44,6 +44,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from lanekv.kernels.prefill_attention import (  # noqa: E402
+    LAUNCH_SWITCHES,
     MLA_PREFILL_VARIANTS,
     AttnLaunchConfig,
     AttnSegments,
@@ -53,7 +54,6 @@ from lanekv.kernels.prefill_attention import (  # noqa: E402
 
 QK_DIM, V_DIM = 192, 128
 MAX_REL_ERR = 1e-2
-SWITCHES = ("tma", "overlap", "heads_fast", "warp_specialize")
 BACKENDS = ("cudnn", "flash")
 TARGET = 1.0  # x the fastest SDPA (issue 37)
 
@@ -64,10 +64,10 @@ def parse_config(text: str) -> AttnLaunchConfig:
     parts = tile.split(",")
     if len(parts) != 4 or not all(p.strip().isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"config {text!r}: want block_m,block_n,warps,stages[+switch]")
-    unknown = [f for f in flags if f not in SWITCHES]
+    unknown = [f for f in flags if f not in LAUNCH_SWITCHES]
     if unknown:
         raise argparse.ArgumentTypeError(f"config {text!r}: unknown switch {unknown[0]!r}; "
-                                         f"known: {', '.join(SWITCHES)}")
+                                         f"known: {', '.join(LAUNCH_SWITCHES)}")
     return AttnLaunchConfig(*(int(p) for p in parts), **{f: True for f in flags})
 
 

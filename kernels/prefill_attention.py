@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from lanekv.kernels.backend import on_device, use_triton
+from lanekv.kernels.backend import interpreter_enabled, on_device, use_triton
 from lanekv.kernels.prefill_attention_ref import (
     AttnOutput,
     AttnSegments,
@@ -44,6 +44,7 @@ __all__ = [
     "AttnOutput",
     "AttnSegments",
     "AttnLaunchConfig",
+    "LAUNCH_SWITCHES",
     "MLA_PREFILL_VARIANTS",
     "check_launch_config",
     "cp_prefill_attention",
@@ -53,6 +54,10 @@ __all__ = [
 ]
 
 _LOG2E = 1.4426950408889634
+
+
+# The boolean fields of AttnLaunchConfig, in label order.
+LAUNCH_SWITCHES = ("tma", "overlap", "heads_fast", "warp_specialize", "exp_bf16")
 
 
 class AttnLaunchConfig(NamedTuple):
@@ -69,6 +74,11 @@ class AttnLaunchConfig(NamedTuple):
       first) instead of one head's query blocks, longest first, then the next head's.
     - ``warp_specialize``: the unmasked loop asks Triton for warp specialization
       (``tl.range(..., warp_specialize=True)``); needs ``tma`` and not ``overlap``.
+    - ``exp_bf16``: the softmax's powers of two in bfloat16, two per special-function
+      instruction (``ex2.approx.ftz.bf16x2``, sm_90 and later) instead of one float32 each;
+      p feeds a bfloat16 product anyway, and the row sums add the same rounded p (float32
+      sums). The exponent is rounded to bfloat16 first: an absolute error in p of at most
+      about 7e-4 (largest near p = 0.37), below p's own bfloat16 rounding at p near 1.
     """
 
     block_m: int
@@ -79,10 +89,11 @@ class AttnLaunchConfig(NamedTuple):
     overlap: bool = False
     heads_fast: bool = False
     warp_specialize: bool = False
+    exp_bf16: bool = False
 
     @property
     def label(self) -> str:
-        flags = [name for name in ("tma", "overlap", "heads_fast", "warp_specialize") if getattr(self, name)]
+        flags = [name for name in LAUNCH_SWITCHES if getattr(self, name)]
         return ",".join(str(x) for x in self[:4]) + ("+" + "+".join(flags) if flags else "")
 
 
@@ -103,6 +114,10 @@ MLA_PREFILL_VARIANTS = (
     AttnLaunchConfig(128, 64, 8, 4, tma=True),
     AttnLaunchConfig(128, 64, 8, 3, overlap=True),
     AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True),
+    AttnLaunchConfig(128, 128, 8, 2, exp_bf16=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, exp_bf16=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True, exp_bf16=True),
 )
 
 
@@ -205,8 +220,30 @@ def _scores_tma(q, q_tail, k_desc, k_tail_desc, row, col,
 
 
 @triton.jit
+def _round_bf16(x):
+    """float32 rounded to the nearest bfloat16 (ties to even), kept in float32: the
+    interpreter has no bfloat16. Infinities stay; NaN never reaches here."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_bf16(x, INTERPRET: tl.constexpr):
+    """2**x for x <= 0 (or -inf) in bfloat16, two per ex2 instruction on the GPU; the
+    interpreter rounds the same way in float32."""
+    if INTERPRET:
+        return _round_bf16(tl.exp2(_round_bf16(x)))
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r",
+                                         [x.to(tl.bfloat16)], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
+
+
+@triton.jit
 def _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
-                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr,
+                  INTERPRET: tl.constexpr):
     """Online softmax in base 2 over one block of raw scores, then acc += p @ v.
 
     log2(e) is folded into ``qk_scale`` (> 0, so the row max commutes with the
@@ -216,12 +253,18 @@ def _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
         qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk * qk_scale, float("-inf"))
         # Every row saw at least key 0 by its first block, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
+        x = qk - m_new[:, None]
     else:
         m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        x = qk * qk_scale - m_new[:, None]
+    if EXP_BF16:
+        p = _exp2_bf16(x, INTERPRET)
+        p_sum = tl.sum(p.to(tl.float32), 1)
+    else:
+        p = tl.exp2(x)
+        p_sum = tl.sum(p, 1)
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + p_sum
     acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
@@ -240,6 +283,7 @@ def _cp_prefill_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr, OVERLAP: tl.constexpr, HEADS_FAST: tl.constexpr, WARP_SPEC: tl.constexpr,
+    EXP_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Slots are numbered in segment order; the last block of a segment has
     # the most keys, so launch from the end: long programs first, short ones fill.
@@ -323,7 +367,7 @@ def _cp_prefill_attention_kernel(
                                      PAGED, PAGE_SIZE)
                     v = _load_cols(V, prev, stride_vt, offs_v, V_DIM, EVEN_V)
                 acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, offs_n, qk_scale,
-                                              False, DOT_PRECISION)
+                                              False, DOT_PRECISION, EXP_BF16, INTERPRET)
                 qk = qk_next
             if TMA:
                 v = v_desc.load([kv_start + full_end - BLOCK_N, v_col])
@@ -332,7 +376,7 @@ def _cp_prefill_attention_kernel(
                                  PAGED, PAGE_SIZE)
                 v = _load_cols(V, last, stride_vt, offs_v, V_DIM, EVEN_V)
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, offs_n, qk_scale,
-                                          False, DOT_PRECISION)
+                                          False, DOT_PRECISION, EXP_BF16, INTERPRET)
     else:
         for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
             pos_n = start_n + offs_n
@@ -346,7 +390,7 @@ def _cp_prefill_attention_kernel(
                              HAS_TAIL, EVEN_TAIL, DOT_PRECISION)
                 v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
-                                          False, DOT_PRECISION)
+                                          False, DOT_PRECISION, EXP_BF16, INTERPRET)
     for start_n in range(full_end, kv_end, BLOCK_N):
         # Clamp past-the-end positions to the last key: an in-bounds load
         # whose score the causal mask drops for every stored row.
@@ -357,7 +401,7 @@ def _cp_prefill_attention_kernel(
                      EVEN_TAIL, DOT_PRECISION)
         v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
-                                      True, DOT_PRECISION)
+                                      True, DOT_PRECISION, EXP_BF16, INTERPRET)
 
     acc = acc / l_i[:, None]
     tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
@@ -388,7 +432,7 @@ def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tens
         value = getattr(config, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"config.{name} must be an int >= 1, got {value!r}")
-    for name in ("tma", "overlap", "heads_fast", "warp_specialize"):
+    for name in LAUNCH_SWITCHES:
         if not isinstance(getattr(config, name), bool):
             raise TypeError(f"config.{name} must be a bool, got {getattr(config, name)!r}")
     if config.warp_specialize and (config.overlap or not config.tma):
@@ -470,6 +514,8 @@ def launch_cp_prefill_attention(
             OVERLAP=config.overlap,
             HEADS_FAST=config.heads_fast,
             WARP_SPEC=config.warp_specialize,
+            EXP_BF16=config.exp_bf16,
+            INTERPRET=interpreter_enabled(),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
