@@ -103,20 +103,20 @@ class AttnLaunchConfig(NamedTuple):
 # 2 * 80 + 48 = 208 KB at 2 stages and would need 288 at 3; 128x64 takes
 # 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4.
 MLA_PREFILL_VARIANTS = (
-    AttnLaunchConfig(128, 128, 8, 2),
+    AttnLaunchConfig(128, 128, 8, 2),  # the default for qk 192 with 64+ heads
     AttnLaunchConfig(128, 128, 8, 2, tma=True),
-    AttnLaunchConfig(128, 128, 8, 2, overlap=True),
     AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True),
     AttnLaunchConfig(128, 128, 8, 2, tma=True, warp_specialize=True),
     AttnLaunchConfig(128, 128, 8, 2, heads_fast=True),
-    AttnLaunchConfig(128, 64, 8, 3),
-    AttnLaunchConfig(128, 64, 8, 3, tma=True),
-    AttnLaunchConfig(128, 64, 8, 4, tma=True),
-    AttnLaunchConfig(128, 64, 8, 3, overlap=True),
-    AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True),
     AttnLaunchConfig(128, 128, 8, 2, exp_bf16=True),
     AttnLaunchConfig(128, 128, 8, 2, tma=True, exp_bf16=True),
     AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 8, 3),
+    AttnLaunchConfig(128, 64, 8, 4),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True),
+    AttnLaunchConfig(128, 64, 8, 4, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, exp_bf16=True),
     AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True, exp_bf16=True),
 )
 
@@ -298,12 +298,18 @@ def _cp_prefill_attention_kernel(
     n_blocks = (tl.maximum(lens, 0) + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(n_blocks, 0)  # slot of the block after each segment's last
     seg = tl.sum((ends <= slot).to(tl.int32), 0)  # empty segments are skipped over
-    if seg >= num_segments:
-        return
+    live = seg < num_segments
+    if WARP_SPEC:
+        # Triton's warp specialization takes structured control flow only: a slot past
+        # the last block runs both key loops zero times and stores nothing.
+        seg = tl.minimum(seg, num_segments - 1)
+    else:
+        if not live:
+            return
     this = offs_s == seg
     m_block = slot - tl.sum(tl.where(this, ends - n_blocks, 0), 0)
     q_start = tl.load(seg_q_start + seg)
-    q_len = tl.load(seg_q_len + seg)
+    q_len = tl.where(live, tl.load(seg_q_len + seg), 0)
     q_pos = tl.load(seg_q_pos + seg)
     kv_start = tl.load(seg_kv_start + seg)
     kv_head = head // GROUP
@@ -333,8 +339,8 @@ def _cp_prefill_attention_kernel(
     # [full_end, kv_end) need the mask. Padding rows only see keys < kv_end
     # that exist, and their results are never stored.
     first_pos = q_pos + m_block * BLOCK_M
-    kv_end = q_pos + tl.minimum(q_len, (m_block + 1) * BLOCK_M)
-    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.where(live, q_pos + tl.minimum(q_len, (m_block + 1) * BLOCK_M), 0)
+    full_end = tl.where(live, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
