@@ -101,7 +101,8 @@ class AttnLaunchConfig(NamedTuple):
 # bf16) on the H200. Shared memory per pipeline stage is BLOCK_N * (192 + 128) * 2 bytes
 # of K and V, plus BLOCK_M * 192 * 2 of q once; 227 KB per block: 128x128 takes
 # 2 * 80 + 48 = 208 KB at 2 stages and would need 288 at 3; 128x64 takes
-# 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4.
+# 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4; 64x64 takes 2 * 40 + 24 = 104
+# at 2 (two blocks per SM). TMA adds about 1 KB of barriers.
 MLA_PREFILL_VARIANTS = (
     AttnLaunchConfig(128, 128, 8, 2),  # the default for qk 192 with 64+ heads
     AttnLaunchConfig(128, 128, 8, 2, tma=True),
@@ -118,6 +119,9 @@ MLA_PREFILL_VARIANTS = (
     AttnLaunchConfig(128, 64, 8, 4, exp_bf16=True),
     AttnLaunchConfig(128, 64, 8, 4, tma=True, exp_bf16=True),
     AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True, exp_bf16=True),
+    # One warpgroup per block at 104 KB: two blocks share an SM and keep out of each
+    # other's barriers, so one's softmax can run beside the other's products.
+    AttnLaunchConfig(64, 64, 4, 2, tma=True, exp_bf16=True),
 )
 
 
