@@ -36,7 +36,9 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -51,6 +53,7 @@ from lanekv.kernels.prefill_attention import (  # noqa: E402
     cp_prefill_attention_ref,
     launch_cp_prefill_attention,
 )
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 QK_DIM, V_DIM = 192, 128
 MAX_REL_ERR = 1e-2
@@ -75,10 +78,17 @@ def causal_flops(heads: int, n: int) -> float:
     return 2.0 * heads * (QK_DIM + V_DIM) * n * (n + 1) / 2
 
 
-def time_ms(fn, budget_ms: float = 1000.0, max_reps: int = 20) -> float:
-    """Median of per-call CUDA-event times; two warm-up calls (the first compiles)."""
+def time_ms(fn, device: str = "cuda", budget_ms: float = 1000.0, max_reps: int = 20) -> float:
+    """Median of per-call times (CUDA events on the GPU); two warm-up calls (the first compiles)."""
     fn()
     fn()
+    if device != "cuda":  # a dry run on the CPU (interpreter): wall time of a few calls
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -114,25 +124,45 @@ def _sdpa_backend(name: str):
     return {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[name]
 
 
-def _check_small(config: AttnLaunchConfig, heads: int) -> dict:
-    """The variant against the torch reference on a small multi-segment bf16 batch."""
-    gen = torch.Generator(device="cuda").manual_seed(11)
-    kv_lens, segs = (700, 333), [(0, 0, 301), (0, 437, 263), (1, 300, 33)]  # (request, q_pos, q_len)
-    kv_starts = (0, kv_lens[0] + 5)
-    tk = kv_starts[1] + kv_lens[1] + 3
+class Env(NamedTuple):
+    """Where the worker runs: the GPU in bf16, or the CPU (interpreter) in float32 for a dry run."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16
+    check_kv: tuple[int, int] = (700, 333)  # the reference check's two requests
+
+
+def _env(spec: dict) -> Env:
+    return Env(spec.get("device", "cuda"), getattr(torch, spec.get("dtype", "bfloat16")),
+               tuple(spec.get("check_kv", (700, 333))))
+
+
+def _randn(gen, env: Env, *shape) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=env.device).to(env.dtype)
+
+
+def _check_small(config: AttnLaunchConfig, heads: int, env: Env) -> dict:
+    """The variant against the torch reference on a small batch: two requests, three
+    segments of odd lengths (a chunk from 0, a later chunk, a request's tail)."""
+    gen = torch.Generator(device=env.device).manual_seed(11)
+    kv0, kv1 = env.check_kv
+    segs = [(0, 0, kv0 * 3 // 7), (0, kv0 * 5 // 8, kv0 - kv0 * 5 // 8),
+            (1, kv1 * 9 // 10, kv1 - kv1 * 9 // 10)]  # (request, q_pos, q_len)
+    kv_starts = (0, kv0 + 5)
+    tk = kv_starts[1] + kv1 + 3
     tq = sum(s[2] for s in segs)
-    q = torch.randn(tq, heads, QK_DIM, generator=gen, device="cuda").bfloat16()
-    k = torch.randn(tk, heads, QK_DIM, generator=gen, device="cuda").bfloat16()
-    v = torch.randn(tk, heads, V_DIM, generator=gen, device="cuda").bfloat16()
+    q = _randn(gen, env, tq, heads, QK_DIM)
+    k = _randn(gen, env, tk, heads, QK_DIM)
+    v = _randn(gen, env, tk, heads, V_DIM)
     starts, row = [], 0
     for s in segs:
         starts.append(row)
         row += s[2]
     cols = (starts, [s[2] for s in segs], [s[1] for s in segs], [kv_starts[s[0]] for s in segs])
-    seg = AttnSegments(*(torch.tensor(c, dtype=torch.int32, device="cuda") for c in cols))
+    seg = AttnSegments(*(torch.tensor(c, dtype=torch.int32, device=env.device) for c in cols))
     scale = QK_DIM**-0.5
-    out = torch.full((tq, heads, V_DIM), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.empty(tq, heads, dtype=torch.float32, device="cuda")
+    out = torch.full((tq, heads, V_DIM), float("nan"), dtype=env.dtype, device=env.device)
+    lse = torch.empty(tq, heads, dtype=torch.float32, device=env.device)
     launch_cp_prefill_attention(q, k, v, seg, scale, None, 0, out, lse, config)
     want = cp_prefill_attention_ref(q, k, v, seg, scale, return_lse=True)
     out_err = rel_err(out, want.out) if not out.isnan().any() else float("nan")
@@ -141,19 +171,16 @@ def _check_small(config: AttnLaunchConfig, heads: int) -> dict:
             "ref_ok": bool(out_err < MAX_REL_ERR and lse_err < 2e-2)}
 
 
-def _inputs(n: int, heads: int):
-    gen = torch.Generator(device="cuda").manual_seed(4)
-    q, k = (torch.randn(n, heads, QK_DIM, generator=gen, device="cuda").bfloat16() for _ in "qk")
-    v = torch.randn(n, heads, V_DIM, generator=gen, device="cuda").bfloat16()
-    return q, k, v
+def _inputs(n: int, heads: int, env: Env):
+    gen = torch.Generator(device=env.device).manual_seed(4)
+    q, k = (_randn(gen, env, n, heads, QK_DIM) for _ in "qk")
+    return q, k, _randn(gen, env, n, heads, V_DIM)
 
 
 def _sdpa_call(backend: str, padded: bool, q, k, v):
-    from torch.nn.attention import sdpa_kernel
-
     qh, kh = (t.transpose(0, 1)[None] for t in (q, k))
     vh = (F.pad(v, (0, QK_DIM - V_DIM)) if padded else v).transpose(0, 1)[None]
-    kind = _sdpa_backend(backend)
+    kind = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}[backend]
 
     def call():
         with sdpa_kernel([kind]):
@@ -162,17 +189,16 @@ def _sdpa_call(backend: str, padded: bool, q, k, v):
 
 
 def _reference_out(q, k, v) -> torch.Tensor:
-    """SDPA's output in [N, H, 128] (v padded: every fused backend takes that form)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
+    """SDPA's output in [N, H, 128], v padded (every fused backend takes that form; the
+    math backend only where none runs, as on a CPU dry run)."""
     qh, kh, vh = (t.transpose(0, 1)[None] for t in (q, k, F.pad(v, (0, QK_DIM - V_DIM))))
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                      SDPBackend.EFFICIENT_ATTENTION]):
+                      SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=QK_DIM**-0.5)
     return out[0, :, :, :V_DIM].transpose(0, 1).contiguous()
 
 
-def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict) -> list[dict]:
+def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict, env: Env) -> list[dict]:
     q, k, v = tensors
     flops = causal_flops(heads, n)
     rows = []
@@ -184,7 +210,7 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict) -> list
             try:
                 call = _sdpa_call(backend, padded, q, k, v)
                 got = call()[0, :, :, :V_DIM].transpose(0, 1)
-                ms = time_ms(call)
+                ms = time_ms(call, env.device)
             except RuntimeError as exc:  # the backend refuses these shapes: recorded
                 row["error"] = _one_line(exc)
                 rows.append(row)
@@ -197,17 +223,19 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict) -> list
     row = {"tokens": n, "kind": "kernel", "config": config.label, "form": "v 128"}
     try:
         if config.label not in checked:
-            checked[config.label] = _check_small(config, heads)
+            checked[config.label] = _check_small(config, heads, env)
         row.update(checked[config.label])
-        seg = AttnSegments(*(torch.tensor([x], dtype=torch.int32, device="cuda") for x in (0, n, 0, 0)))
-        out = torch.empty(n, heads, V_DIM, dtype=torch.bfloat16, device="cuda")
+        seg = AttnSegments(*(torch.tensor([x], dtype=torch.int32, device=env.device)
+                             for x in (0, n, 0, 0)))
+        out = torch.empty(n, heads, V_DIM, dtype=env.dtype, device=env.device)
 
         def call():
             launch_cp_prefill_attention(q, k, v, seg, QK_DIM**-0.5, None, 0, out, None, config)
         call()
-        torch.cuda.synchronize()
+        if env.device == "cuda":
+            torch.cuda.synchronize()
         err = rel_err(out, want)
-        ms = time_ms(call)
+        ms = time_ms(call, env.device)
     except Exception as exc:  # noqa: BLE001 - a config that does not compile or fit: recorded
         row["error"] = _one_line(exc)
         return [row]
@@ -218,7 +246,9 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict) -> list
 _CONTEXT_LOST = 3
 
 
-def _context_alive() -> bool:
+def _context_alive(env: Env) -> bool:
+    if env.device != "cuda":
+        return True
     try:
         torch.cuda.synchronize()
         torch.zeros(1, device="cuda").add_(1).item()
@@ -228,23 +258,25 @@ def _context_alive() -> bool:
 
 
 def worker(spec: dict) -> int:
-    heads = spec["heads"]
+    """Run spec["jobs"] at each of spec["tokens"] except the [tokens, job] pairs in
+    spec["skip"], printing ``START [n, job]`` before each and ``ROW {...}`` per result."""
+    heads, env = spec["heads"], _env(spec)
     checked: dict = {}
     for n in spec["tokens"]:
         todo = [job for job in spec["jobs"] if [n, job] not in spec["skip"]]
         if not todo:
             continue
-        tensors = _inputs(n, heads)
+        tensors = _inputs(n, heads, env)
         want = _reference_out(*tensors)
         for job in todo:
             print("START " + json.dumps([n, job]), flush=True)
-            for row in _run_job(job, n, heads, tensors, want, checked):
+            for row in _run_job(job, n, heads, tensors, want, checked, env):
                 print("ROW " + json.dumps(row), flush=True)
-            if not _context_alive():  # a fault (illegal address) sticks to the context
+            if not _context_alive(env):  # a fault (illegal address) sticks to the context
                 return _CONTEXT_LOST
-            torch.cuda.empty_cache()
+            if env.device == "cuda":
+                torch.cuda.empty_cache()
         del tensors, want
-        torch.cuda.empty_cache()
     return 0
 
 

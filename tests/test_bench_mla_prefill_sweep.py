@@ -98,3 +98,29 @@ def test_run_jobs_records_a_crashed_variant_and_finishes_the_rest(tmp_path, monk
     # a fresh worker after the crash and one after the fault; the crashed variant is not
     # tried again at 32k, the faulted one is
     assert launches.read_text() == "xxx"
+
+
+def test_worker_dry_run_on_cpu(capsys):
+    # The worker's own code path under the interpreter, float32, tiny sizes: each kernel
+    # variant is checked against the reference and SDPA's output, and rows come out whole.
+    import json
+
+    from lanekv.kernels.backend import interpreter_enabled
+
+    from bench.mla_prefill_sweep import worker
+
+    if not interpreter_enabled():
+        pytest.skip("the dry run launches the kernel on CPU tensors, which needs TRITON_INTERPRET=1")
+    jobs = ["sdpa:flash", "kernel:16,16,4,1", "kernel:32,16,4,1+tma+exp_bf16"]
+    spec = {"jobs": jobs, "tokens": [37], "heads": 2, "skip": [[37, "sdpa:flash"]],
+            "device": "cpu", "dtype": "float32", "check_kv": [40, 23]}
+    assert worker(spec) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [json.loads(x[6:]) for x in lines if x.startswith("START ")] == [[37, j] for j in jobs[1:]]
+    rows = [json.loads(x[4:]) for x in lines if x.startswith("ROW ")]
+    assert [r["config"] for r in rows] == ["16,16,4,1", "32,16,4,1+tma+exp_bf16"]
+    for r in rows:
+        assert r["ok"] and r["ref_ok"] and "error" not in r, r
+        assert r["ms"] > 0 and r["tflops"] == pytest.approx(causal_flops(2, 37) / r["ms"] / 1e9)
+    assert rows[0]["rel_err"] < 1e-5 and rows[0]["ref_err"] < 1e-5  # float32 all the way
+    assert 1e-5 < rows[1]["ref_err"] < 1e-2  # p rounded to bfloat16
