@@ -122,6 +122,9 @@ MLA_PREFILL_VARIANTS = (
     # One warpgroup per block at 104 KB: two blocks share an SM and keep out of each
     # other's barriers, so one's softmax can run beside the other's products.
     AttnLaunchConfig(64, 64, 4, 2, tma=True, exp_bf16=True),
+    # Unbuffered loads (58 KB), two blocks per SM by registers: each block's loads wait
+    # while the other computes.
+    AttnLaunchConfig(64, 128, 4, 1, tma=True, exp_bf16=True),
 )
 
 
