@@ -416,6 +416,8 @@ def _cp_prefill_attention_kernel(
         acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
                                       True, DOT_PRECISION, EXP_BF16, INTERPRET)
 
+    if WARP_SPEC:
+        l_i = tl.where(live, l_i, 1.0)  # a slot past the last block saw no key: no 0 / 0
     acc = acc / l_i[:, None]
     tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
              acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_v < V_DIM)[None, :])
