@@ -230,8 +230,8 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict, env: En
         out = torch.empty(n, heads, V_DIM, dtype=env.dtype, device=env.device)
 
         def call():
-            launch_cp_prefill_attention(q, k, v, seg, QK_DIM**-0.5, None, 0, out, None, config)
-        call()
+            return launch_cp_prefill_attention(q, k, v, seg, QK_DIM**-0.5, None, 0, out, None, config)
+        row.update(_compiled_facts(call()))
         if env.device == "cuda":
             torch.cuda.synchronize()
         err = rel_err(out, want)
@@ -241,6 +241,21 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict, env: En
         return [row]
     ok = bool(err < MAX_REL_ERR and row.get("ref_ok", False))
     return [dict(row, ms=ms, tflops=flops / ms / 1e9, rel_err=err, ok=ok)]
+
+
+def _compiled_facts(kernel) -> dict:
+    """Registers per thread, spilled bytes and shared memory of the compiled kernel
+    (absent under the interpreter, or where this Triton names them otherwise)."""
+    facts = {}
+    for key, get in (("regs", lambda: kernel.n_regs), ("spills", lambda: kernel.n_spills),
+                     ("smem", lambda: kernel.metadata.shared)):
+        try:
+            value = get()
+        except AttributeError:
+            continue
+        if isinstance(value, int):
+            facts[key] = value
+    return facts
 
 
 _CONTEXT_LOST = 3
@@ -394,7 +409,7 @@ def main() -> int:
     print_table("sdpa", [r for r in rows if r["kind"] != "kernel"],
                 ["tokens", "config", "form", "ms", "tflops", "rel_err", "ok", "error"])
     cols = ["tokens", "config", "ms", "tflops", "vs_best_sdpa"] + [f"vs_{b}" for b in args.backends] + [
-        "rel_err", "ref_err", "ok", "error"]
+        "rel_err", "ref_err", "ok", "regs", "spills", "smem", "error"]
     print_table("kernel variants", [r for r in rows if r["kind"] == "kernel"], cols)
     print()
     for n, s in summary.items():

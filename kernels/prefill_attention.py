@@ -478,12 +478,15 @@ def launch_cp_prefill_attention(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     config: AttnLaunchConfig,
-) -> None:
-    """Launch on checked arguments with an explicit tile config (tests, sweeps)."""
+) -> object | None:
+    """Launch on checked arguments with an explicit tile config (tests, sweeps).
+
+    Returns Triton's compiled kernel (registers, spills and shared memory for a sweep's
+    record); None when nothing was launched or under the interpreter."""
     check_launch_config(config, q, k, v, page_table)
     num_segments = segments.q_len.shape[0]
     if num_segments == 0 or q.shape[0] == 0:
-        return
+        return None
     num_slots = triton.cdiv(q.shape[0], config.block_m) + num_segments
     if config.heads_fast and num_slots > _MAX_GRID_Y:
         raise ValueError(f"config.heads_fast=True puts the {num_slots} query blocks on the grid's "
@@ -505,7 +508,7 @@ def launch_cp_prefill_attention(
                                   [config.block_n, split.v_block])
     grid = (q.shape[1], num_slots) if config.heads_fast else (num_slots, q.shape[1])
     with on_device(q.device):
-        _cp_prefill_attention_kernel[grid](
+        return _cp_prefill_attention_kernel[grid](
             q, k, v, out, lse_arg, k_desc, k_tail_desc, v_desc, *seg, num_segments, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
