@@ -21,8 +21,10 @@ with SDPA's (relative Frobenius error < 1e-2). A variant that fails either is ma
 ``ok: False`` and ranks nowhere.
 
 Each job runs in a worker process: a variant that crashes its process (a compiler abort)
-is recorded with the exit status and the sweep goes on in a fresh worker. Times: the median
-of CUDA-event-timed calls after two warm-up calls (about one second of calls per row).
+or hangs (nothing printed for ``--job-timeout`` seconds: the worker is killed) is recorded
+and the sweep goes on in a fresh worker; the JSON is rewritten after every row. Times: the
+median of CUDA-event-timed calls after two warm-up calls (about one second of calls per row).
+Each kernel row also records the compiled kernel's registers, spills and shared memory.
 
     python bench/mla_prefill_sweep.py --json bench/results/mla_prefill_sweep_h200.json
     python bench/mla_prefill_sweep.py --tokens 8192 --configs 128,128,8,2 128,64,8,4+tma+overlap
@@ -33,9 +35,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import queue
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -298,10 +302,19 @@ def worker(spec: dict) -> int:
 # ---- parent side -------------------------------------------------------------------------
 
 
+def _read_lines(stream, lines: queue.Queue) -> None:
+    for line in stream:
+        lines.put(line)
+    lines.put(None)  # the worker closed its output
+
+
 def run_jobs(jobs: list[str], tokens: list[int], heads: int,
-             worker_argv: tuple[str, ...] = (sys.executable, __file__, "--worker")) -> list[dict]:
-    """All (tokens, job) pairs in worker processes; a job whose worker dies is recorded
-    and skipped at every length, and a fresh worker takes the rest."""
+             worker_argv: tuple[str, ...] = (sys.executable, __file__, "--worker"),
+             job_timeout_s: float = 240.0, on_row=None) -> list[dict]:
+    """All (tokens, job) pairs in worker processes. A job whose worker dies, or that
+    prints nothing for ``job_timeout_s`` (a hung kernel: the worker is killed), is
+    recorded and skipped at every length, and a fresh worker takes the rest.
+    ``on_row(rows)`` runs after each new row (the caller saves what it has)."""
     rows: list[dict] = []
     done: list[list] = []
     dead: set[str] = set()
@@ -311,8 +324,18 @@ def run_jobs(jobs: list[str], tokens: list[int], heads: int,
             return rows
         spec = {"jobs": jobs, "tokens": tokens, "heads": heads, "skip": skip}
         proc = subprocess.Popen([*worker_argv, json.dumps(spec)], stdout=subprocess.PIPE, text=True)
-        current, done_before = None, len(done)
-        for line in proc.stdout:
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_read_lines, args=(proc.stdout, lines), daemon=True).start()
+        current, done_before, hung = None, len(done), False
+        while True:
+            try:
+                line = lines.get(timeout=job_timeout_s)
+            except queue.Empty:
+                hung = True
+                proc.kill()
+                break
+            if line is None:
+                break
             if line.startswith("START "):
                 current = json.loads(line[6:])
                 print(f"  {current[0]:>6} tokens: {current[1]}", file=sys.stderr, flush=True)
@@ -320,20 +343,26 @@ def run_jobs(jobs: list[str], tokens: list[int], heads: int,
                 rows.append(json.loads(line[4:]))
                 if current is not None and current not in done:
                     done.append(current)
+                if on_row is not None:
+                    on_row(rows)
         code = proc.wait()
-        if code == 0:
+        if code == 0 and not hung:
             return rows
+        why = (f"no output for {job_timeout_s:.0f} s: worker killed" if hung
+               else f"worker process died (exit status {code})")
         if current is not None and current not in done:
             n, job = current
             kind, config = job.split(":", 1)
             rows.append({"tokens": n, "kind": "kernel" if kind == "kernel" else "sdpa",
                          "config": parse_config(config).label if kind == "kernel" else config,
-                         "form": "v 128", "error": f"worker process died (exit status {code})"})
+                         "form": "v 128", "error": why})
             done.append(current)
             dead.add(job)
+            if on_row is not None:
+                on_row(rows)
         elif len(done) == done_before:  # died before its first job: give up on the rest
             rows.append({"tokens": None, "kind": "worker", "config": "-",
-                         "error": f"worker exited with status {code} before any job"})
+                         "error": f"{why} before any job"})
             return rows
         # else: the worker left after a job broke its CUDA context; a fresh one goes on
 
@@ -387,6 +416,8 @@ def main() -> int:
     ap.add_argument("--configs", type=parse_config, nargs="+", default=list(MLA_PREFILL_VARIANTS))
     ap.add_argument("--backends", nargs="*", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--job-timeout", type=float, default=240.0,
+                    help="seconds a job may print nothing (compile included) before its worker is killed")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -399,13 +430,17 @@ def main() -> int:
             print(f"--tokens must be >= 1, got {n}", file=sys.stderr)
             return 2
     jobs = [f"sdpa:{b}" for b in args.backends] + [f"kernel:{c.label}" for c in args.configs]
-    rows = run_jobs(jobs, args.tokens, args.heads)
+    head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
+            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "heads": args.heads, "qk_dim": QK_DIM, "v_dim": V_DIM}
+
+    def save(rows: list[dict]) -> None:  # after every row, so a cut-off run keeps its rows
+        if args.json:
+            args.json.write_text(json.dumps(dict(head, rows=rows), indent=2))
+    rows = run_jobs(jobs, args.tokens, args.heads, job_timeout_s=args.job_timeout, on_row=save)
     summary = summarize(rows)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
-              "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-              "heads": args.heads, "qk_dim": QK_DIM, "v_dim": V_DIM,
-              "rows": rows, "summary": summary}
+    result = dict(head, rows=rows, summary=summary)
     print_table("sdpa", [r for r in rows if r["kind"] != "kernel"],
                 ["tokens", "config", "form", "ms", "tflops", "rel_err", "ok", "error"])
     cols = ["tokens", "config", "ms", "tflops", "vs_best_sdpa"] + [f"vs_{b}" for b in args.backends] + [

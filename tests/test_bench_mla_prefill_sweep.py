@@ -124,3 +124,33 @@ def test_worker_dry_run_on_cpu(capsys):
         assert r["ms"] > 0 and r["tflops"] == pytest.approx(causal_flops(2, 37) / r["ms"] / 1e9)
     assert rows[0]["rel_err"] < 1e-5 and rows[0]["ref_err"] < 1e-5  # float32 all the way
     assert 1e-5 < rows[1]["ref_err"] < 1e-2  # p rounded to bfloat16
+
+
+HANGING_WORKER = textwrap.dedent("""
+    import json, sys, time
+    spec = json.loads(sys.argv[-1])
+    for n in spec["tokens"]:
+        for job in spec["jobs"]:
+            if [n, job] in spec["skip"]:
+                continue
+            print("START " + json.dumps([n, job]), flush=True)
+            if job == "kernel:128,128,8,2+tma+warp_specialize":
+                time.sleep(60)  # a kernel that never finishes
+            print("ROW " + json.dumps({"tokens": n, "kind": "kernel", "config": job, "ms": 1.0,
+                                       "ok": True}), flush=True)
+""")
+
+
+def test_run_jobs_kills_a_hung_worker_and_saves_each_row(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(HANGING_WORKER)
+    saved = []
+    jobs = ["kernel:128,128,8,2+tma+warp_specialize", "kernel:128,64,8,3"]
+    rows = run_jobs(jobs, [8192], 128, worker_argv=(sys.executable, str(script)), job_timeout_s=1.5,
+                    on_row=lambda rows: saved.append(len(rows)))
+    assert rows == [
+        {"tokens": 8192, "kind": "kernel", "config": "128,128,8,2+tma+warp_specialize", "form": "v 128",
+         "error": "no output for 2 s: worker killed"},
+        {"tokens": 8192, "kind": "kernel", "config": "kernel:128,64,8,3", "ms": 1.0, "ok": True},
+    ]
+    assert saved == [1, 2]
