@@ -61,6 +61,8 @@ from lanekv.kernels.prefill_attention import (  # noqa: E402
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from bench.mla_prefill_sweep import parse_config  # noqa: E402
+
 PARTS = ("moe", "route", "proj", "dsa", "prefill")
 MOE_SHAPES = {  # experts, top_k, hidden, width, shared slices
     "v2_lite": (64, 6, 2048, 1408, 2),
@@ -243,7 +245,8 @@ def bench_dsa(args) -> list[dict]:
 
 
 def _prefill_config(text: str) -> AttnLaunchConfig:
-    return AttnLaunchConfig(*(int(v) for v in text.split(",")))
+    """``block_m,block_n,warps,stages[+switch...]``; bench/mla_prefill_sweep.py times every variant."""
+    return parse_config(text)
 
 
 def _prefill_case(n: int, configs) -> list[dict]:
@@ -270,8 +273,8 @@ def _prefill_case(n: int, configs) -> list[dict]:
     for cfg in [None, *configs]:
         for variant, (qq, kk, vv, out) in variants.items():
             used = cfg or default_config(qq)
-            key = {"tokens": n, "config": ("default " if cfg is None else "") + ",".join(
-                str(x) for x in used), "variant": variant}
+            key = {"tokens": n, "config": ("default " if cfg is None else "") + used.label,
+                   "variant": variant}
 
             def call(qq=qq, kk=kk, vv=vv, out=out, used=used):
                 return launch_cp_prefill_attention(qq, kk, vv, seg, scale, None, 0, out, None, used)

@@ -29,7 +29,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from lanekv.kernels.backend import use_triton
+from lanekv.kernels.backend import interpreter_enabled, on_device, use_triton
 from lanekv.kernels.prefill_attention_ref import (
     AttnOutput,
     AttnSegments,
@@ -38,11 +38,15 @@ from lanekv.kernels.prefill_attention_ref import (
     cp_prefill_attention_ref,
     out_shape,
 )
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 __all__ = [
     "AttnOutput",
     "AttnSegments",
     "AttnLaunchConfig",
+    "LAUNCH_SWITCHES",
+    "MLA_PREFILL_VARIANTS",
+    "check_launch_config",
     "cp_prefill_attention",
     "cp_prefill_attention_ref",
     "cp_prefill_attention_triton",
@@ -52,11 +56,76 @@ __all__ = [
 _LOG2E = 1.4426950408889634
 
 
+# The boolean fields of AttnLaunchConfig, in label order.
+LAUNCH_SWITCHES = ("tma", "overlap", "heads_fast", "warp_specialize", "exp_bf16")
+
+
 class AttnLaunchConfig(NamedTuple):
+    """A tile and the kernel's variant switches (all off: the plain FlashAttention-2 loop).
+
+    - ``tma``: the unmasked key blocks read K and V through TMA tensor descriptors
+      (Hopper and later; contiguous K/V whose qk dim splits exactly into the head and
+      tail parts and whose v dim is a power of two, 16-byte aligned rows). The diagonal
+      blocks keep the pointer loads, which clamp past-the-end keys to the last one.
+    - ``overlap``: the unmasked loop is software-pipelined by hand, so the next block's
+      QK^T is issued before this block's softmax runs (FlashAttention-3's intra-warpgroup
+      overlap, left to the compiler to make asynchronous).
+    - ``heads_fast``: heads on the grid's fast axis (every head's longest query block
+      first) instead of one head's query blocks, longest first, then the next head's.
+    - ``warp_specialize``: the unmasked loop asks Triton for warp specialization
+      (``tl.range(..., warp_specialize=True)``); needs ``tma`` and not ``overlap``.
+    - ``exp_bf16``: the softmax's powers of two in bfloat16, two per special-function
+      instruction (``ex2.approx.ftz.bf16x2``, sm_90 and later) instead of one float32 each;
+      p feeds a bfloat16 product anyway, and the row sums add the same rounded p (float32
+      sums). The exponent is rounded to bfloat16 first: an absolute error in p of at most
+      about 7e-4 (largest near p = 0.37), below p's own bfloat16 rounding at p near 1.
+    """
+
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    overlap: bool = False
+    heads_fast: bool = False
+    warp_specialize: bool = False
+    exp_bf16: bool = False
+
+    @property
+    def label(self) -> str:
+        flags = [name for name in LAUNCH_SWITCHES if getattr(self, name)]
+        return ",".join(str(x) for x in self[:4]) + ("+" + "+".join(flags) if flags else "")
+
+
+# The configs bench/mla_prefill_sweep.py times for MLA prefill (qk 192 = 128 + 64, v 128,
+# bf16) on the H200. Shared memory per pipeline stage is BLOCK_N * (192 + 128) * 2 bytes
+# of K and V, plus BLOCK_M * 192 * 2 of q once; 227 KB per block: 128x128 takes
+# 2 * 80 + 48 = 208 KB at 2 stages and would need 288 at 3; 128x64 takes
+# 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4; 64x64 takes 2 * 40 + 24 = 104
+# at 2 (two blocks per SM). TMA adds about 1 KB of barriers.
+MLA_PREFILL_VARIANTS = (
+    AttnLaunchConfig(128, 128, 8, 2),  # the default for qk 192 with 64+ heads
+    AttnLaunchConfig(128, 128, 8, 2, tma=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, warp_specialize=True),
+    AttnLaunchConfig(128, 128, 8, 2, heads_fast=True),
+    AttnLaunchConfig(128, 128, 8, 2, exp_bf16=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, exp_bf16=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 8, 3),
+    AttnLaunchConfig(128, 64, 8, 4),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True),
+    AttnLaunchConfig(128, 64, 8, 4, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True, exp_bf16=True),
+    # One warpgroup per block at 104 KB: two blocks share an SM and keep out of each
+    # other's barriers, so one's softmax can run beside the other's products.
+    AttnLaunchConfig(64, 64, 4, 2, tma=True, exp_bf16=True),
+    # Unbuffered loads (58 KB), two blocks per SM by registers: each block's loads wait
+    # while the other computes.
+    AttnLaunchConfig(64, 128, 4, 1, tma=True, exp_bf16=True),
+)
 
 
 # Below this many (128-row query block, head) programs per SM the chip is
@@ -133,34 +202,84 @@ def _load_cols(base, rows, stride, cols, DIM: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(
-    acc, l_i, m_i, q, q_tail, K, V, rows, pos_m, pos_n, offs_d, offs_t, offs_v,
-    stride_kt, stride_vt, qk_scale,
-    QK_DIM: tl.constexpr, V_DIM: tl.constexpr, EVEN_HEAD: tl.constexpr,
-    HAS_TAIL: tl.constexpr, EVEN_TAIL: tl.constexpr, EVEN_V: tl.constexpr,
-    MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
+def _scores(q, q_tail, K, rows, offs_d, offs_t, stride_kt,
+            QK_DIM: tl.constexpr, EVEN_HEAD: tl.constexpr, HAS_TAIL: tl.constexpr,
+            EVEN_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Raw scores q @ k^T of one key block read through pointers: [BLOCK_M, BLOCK_N]."""
     k = _load_cols(K, rows, stride_kt, offs_d, QK_DIM, EVEN_HEAD)  # [BLOCK_N, QK_HEAD]
-    v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)  # [BLOCK_N, V_BLOCK]
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if HAS_TAIL:
         k_tail = _load_cols(K, rows, stride_kt, offs_t, QK_DIM, EVEN_TAIL)  # [BLOCK_N, QK_TAIL]
         qk = tl.dot(q_tail, tl.trans(k_tail), qk, input_precision=DOT_PRECISION)
-    qk = qk * qk_scale
+    return qk
+
+
+@triton.jit
+def _scores_tma(q, q_tail, k_desc, k_tail_desc, row, col,
+                QK_HEAD: tl.constexpr, HAS_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The same through TMA: key rows [row, row + BLOCK_N), head columns from ``col``."""
+    k = k_desc.load([row, col])  # [BLOCK_N, QK_HEAD]
+    qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        k_tail = k_tail_desc.load([row, col + QK_HEAD])  # [BLOCK_N, QK_TAIL]
+        qk = tl.dot(q_tail, k_tail.T, qk, input_precision=DOT_PRECISION)
+    return qk
+
+
+@triton.jit
+def _round_bf16(x):
+    """float32 rounded to the nearest bfloat16 (ties to even), kept in float32: the
+    interpreter has no bfloat16. Infinities stay; NaN never reaches here."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_bf16(x, INTERPRET: tl.constexpr):
+    """2**x for x <= 0 (or -inf) in bfloat16, two per ex2 instruction on the GPU; the
+    interpreter rounds the same way in float32."""
+    if INTERPRET:
+        return _round_bf16(tl.exp2(_round_bf16(x)))
+    else:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r",
+                                         [x.to(tl.bfloat16)], dtype=tl.bfloat16, is_pure=True,
+                                         pack=2)
+
+
+@triton.jit
+def _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
+                  MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Online softmax in base 2 over one block of raw scores, then acc += p @ v.
+
+    log2(e) is folded into ``qk_scale`` (> 0, so the row max commutes with the
+    scaling): off the diagonal the scores are scaled and shifted in one FMA;
+    normalization waits until the end of the row."""
     if MASKED:
-        qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
-    # Every row saw at least key 0 by its first block, so m_new is finite.
-    m_new = tl.maximum(m_i, tl.max(qk, 1))
-    p = tl.exp2(qk - m_new[:, None])
+        qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk * qk_scale, float("-inf"))
+        # Every row saw at least key 0 by its first block, so m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        x = qk - m_new[:, None]
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        x = qk * qk_scale - m_new[:, None]
+    if EXP_BF16:
+        p = _exp2_bf16(x, INTERPRET)
+        p_sum = tl.sum(p.to(tl.float32), 1)
+    else:
+        p = tl.exp2(x)
+        p_sum = tl.sum(p, 1)
     alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    l_i = l_i * alpha + p_sum
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit(do_not_specialize=["num_segments", "stride_pt"])  # vary per batch
 def _cp_prefill_attention_kernel(
-    Q, K, V, O, LSE,
+    Q, K, V, O, LSE, k_desc, k_tail_desc, v_desc,
     seg_q_start, seg_q_len, seg_q_pos, seg_kv_start, num_segments, page_table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh, stride_pt,
@@ -170,22 +289,34 @@ def _cp_prefill_attention_kernel(
     QK_HEAD: tl.constexpr, QK_TAIL: tl.constexpr, V_BLOCK: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SEG_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, OVERLAP: tl.constexpr, HEADS_FAST: tl.constexpr, WARP_SPEC: tl.constexpr,
+    EXP_BF16: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Slots are numbered in segment order; the last block of a segment has
     # the most keys, so launch from the end: long programs first, short ones fill.
-    slot = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    if HEADS_FAST:
+        head = tl.program_id(0)
+        slot = tl.num_programs(1) - 1 - tl.program_id(1)
+    else:
+        slot = tl.num_programs(0) - 1 - tl.program_id(0)
+        head = tl.program_id(1)
     offs_s = tl.arange(0, SEG_BLOCK)
     lens = tl.load(seg_q_len + offs_s, mask=offs_s < num_segments, other=0)
     n_blocks = (tl.maximum(lens, 0) + BLOCK_M - 1) // BLOCK_M
     ends = tl.cumsum(n_blocks, 0)  # slot of the block after each segment's last
     seg = tl.sum((ends <= slot).to(tl.int32), 0)  # empty segments are skipped over
-    if seg >= num_segments:
-        return
+    live = seg < num_segments
+    if WARP_SPEC:
+        # Triton's warp specialization takes structured control flow only: a slot past
+        # the last block runs both key loops zero times and stores nothing.
+        seg = tl.minimum(seg, num_segments - 1)
+    else:
+        if not live:
+            return
     this = offs_s == seg
     m_block = slot - tl.sum(tl.where(this, ends - n_blocks, 0), 0)
     q_start = tl.load(seg_q_start + seg)
-    q_len = tl.load(seg_q_len + seg)
+    q_len = tl.where(live, tl.load(seg_q_len + seg), 0)
     q_pos = tl.load(seg_q_pos + seg)
     kv_start = tl.load(seg_kv_start + seg)
     kv_head = head // GROUP
@@ -215,36 +346,125 @@ def _cp_prefill_attention_kernel(
     # [full_end, kv_end) need the mask. Padding rows only see keys < kv_end
     # that exist, and their results are never stored.
     first_pos = q_pos + m_block * BLOCK_M
-    kv_end = q_pos + tl.minimum(q_len, (m_block + 1) * BLOCK_M)
-    full_end = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+    kv_end = tl.where(live, q_pos + tl.minimum(q_len, (m_block + 1) * BLOCK_M), 0)
+    full_end = tl.where(live, ((first_pos + 1) // BLOCK_N) * BLOCK_N, 0)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, V_BLOCK], dtype=tl.float32)
-    for start_n in range(0, full_end, BLOCK_N):
-        pos_n = start_n + offs_n
-        rows = _key_rows(pos_n, kv_start, page_table, stride_pt, PAGED, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_tail, K, V, rows, pos_m, pos_n,
-                                      offs_d, offs_t, offs_v, stride_kt, stride_vt, qk_scale,
-                                      QK_DIM, V_DIM, EVEN_HEAD, HAS_TAIL, EVEN_TAIL, EVEN_V,
-                                      False, DOT_PRECISION)
+    # TMA coordinates: rows of the request's keys, columns of this kv head in the
+    # [rows, heads * stride] view the descriptors were made over.
+    k_col = kv_head * stride_kh
+    v_col = kv_head * stride_vh
+    if OVERLAP:
+        # Block j's softmax runs while block j + 1's scores are being computed.
+        if full_end > 0:
+            if TMA:
+                qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start, k_col,
+                                 QK_HEAD, HAS_TAIL, DOT_PRECISION)
+            else:
+                first = _key_rows(offs_n, kv_start, page_table, stride_pt, PAGED, PAGE_SIZE)
+                qk = _scores(q, q_tail, K, first, offs_d, offs_t, stride_kt, QK_DIM, EVEN_HEAD,
+                             HAS_TAIL, EVEN_TAIL, DOT_PRECISION)
+            for start_n in range(BLOCK_N, full_end, BLOCK_N):
+                if TMA:
+                    qk_next = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col,
+                                          QK_HEAD, HAS_TAIL, DOT_PRECISION)
+                    v = v_desc.load([kv_start + start_n - BLOCK_N, v_col])
+                else:
+                    rows = _key_rows(start_n + offs_n, kv_start, page_table, stride_pt, PAGED,
+                                     PAGE_SIZE)
+                    qk_next = _scores(q, q_tail, K, rows, offs_d, offs_t, stride_kt, QK_DIM,
+                                      EVEN_HEAD, HAS_TAIL, EVEN_TAIL, DOT_PRECISION)
+                    prev = _key_rows(start_n - BLOCK_N + offs_n, kv_start, page_table, stride_pt,
+                                     PAGED, PAGE_SIZE)
+                    v = _load_cols(V, prev, stride_vt, offs_v, V_DIM, EVEN_V)
+                acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, offs_n, qk_scale,
+                                              False, DOT_PRECISION, EXP_BF16, INTERPRET)
+                qk = qk_next
+            if TMA:
+                v = v_desc.load([kv_start + full_end - BLOCK_N, v_col])
+            else:
+                last = _key_rows(full_end - BLOCK_N + offs_n, kv_start, page_table, stride_pt,
+                                 PAGED, PAGE_SIZE)
+                v = _load_cols(V, last, stride_vt, offs_v, V_DIM, EVEN_V)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, offs_n, qk_scale,
+                                          False, DOT_PRECISION, EXP_BF16, INTERPRET)
+    else:
+        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+            pos_n = start_n + offs_n
+            if TMA:
+                qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col,
+                                 QK_HEAD, HAS_TAIL, DOT_PRECISION)
+                v = v_desc.load([kv_start + start_n, v_col])
+            else:
+                rows = _key_rows(pos_n, kv_start, page_table, stride_pt, PAGED, PAGE_SIZE)
+                qk = _scores(q, q_tail, K, rows, offs_d, offs_t, stride_kt, QK_DIM, EVEN_HEAD,
+                             HAS_TAIL, EVEN_TAIL, DOT_PRECISION)
+                v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
+                                          False, DOT_PRECISION, EXP_BF16, INTERPRET)
     for start_n in range(full_end, kv_end, BLOCK_N):
         # Clamp past-the-end positions to the last key: an in-bounds load
         # whose score the causal mask drops for every stored row.
         pos_n = start_n + offs_n
         rows = _key_rows(tl.minimum(pos_n, kv_end - 1), kv_start, page_table, stride_pt,
                          PAGED, PAGE_SIZE)
-        acc, l_i, m_i = _attend_block(acc, l_i, m_i, q, q_tail, K, V, rows, pos_m, pos_n,
-                                      offs_d, offs_t, offs_v, stride_kt, stride_vt, qk_scale,
-                                      QK_DIM, V_DIM, EVEN_HEAD, HAS_TAIL, EVEN_TAIL, EVEN_V,
-                                      True, DOT_PRECISION)
+        qk = _scores(q, q_tail, K, rows, offs_d, offs_t, stride_kt, QK_DIM, EVEN_HEAD, HAS_TAIL,
+                     EVEN_TAIL, DOT_PRECISION)
+        v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
+                                      True, DOT_PRECISION, EXP_BF16, INTERPRET)
 
+    if WARP_SPEC:
+        l_i = tl.where(live, l_i, 1.0)  # a slot past the last block saw no key: no 0 / 0
     acc = acc / l_i[:, None]
     tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
              acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_v < V_DIM)[None, :])
     if STORE_LSE:
         lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log
         tl.store(LSE + q_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
+
+
+_MAX_GRID_Y = 65535
+
+
+def _row_view_ok(t: torch.Tensor) -> bool:
+    """TMA over the [rows, heads * stride] view: unit last stride, 16-byte aligned base and rows."""
+    item = t.element_size()
+    return (t.stride(2) == 1 and t.stride(1) >= t.shape[2] and t.data_ptr() % 16 == 0
+            and (t.stride(0) * item) % 16 == 0 and (t.stride(1) * item) % 16 == 0)
+
+
+def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        page_table: torch.Tensor | None) -> None:
+    """Refuse a config the kernel cannot run on these tensors (one line naming the field)."""
+    for name in ("block_m", "block_n"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 16 or value & (value - 1):
+            raise ValueError(f"config.{name} must be a power of two >= 16, got {value!r}")
+    for name in ("num_warps", "num_stages"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"config.{name} must be an int >= 1, got {value!r}")
+    for name in LAUNCH_SWITCHES:
+        if not isinstance(getattr(config, name), bool):
+            raise TypeError(f"config.{name} must be a bool, got {getattr(config, name)!r}")
+    if config.warp_specialize and (config.overlap or not config.tma):
+        raise ValueError("config.warp_specialize=True needs tma=True and overlap=False, got "
+                         f"tma={config.tma}, overlap={config.overlap}")
+    if config.tma:
+        split = head_dim_split(q.shape[2], v.shape[2])
+        if page_table is not None:
+            raise ValueError("config.tma=True reads contiguous K/V only, got a page_table")
+        if split.qk_head + split.qk_tail != q.shape[2] or split.v_block != v.shape[2]:
+            raise ValueError(f"config.tma=True needs the qk dim to split exactly into powers of two "
+                             f"and a power-of-two v dim, got qk {q.shape[2]} "
+                             f"({split.qk_head} + {split.qk_tail}) and v {v.shape[2]}")
+        for name, t in (("k", k), ("v", v)):
+            if not _row_view_ok(t):
+                raise ValueError(f"config.tma=True needs {name} with a unit last stride and 16-byte "
+                                 f"aligned base and rows, got strides {tuple(t.stride())}")
 
 
 def launch_cp_prefill_attention(
@@ -258,39 +478,65 @@ def launch_cp_prefill_attention(
     out: torch.Tensor,
     lse: torch.Tensor | None,
     config: AttnLaunchConfig,
-) -> None:
-    """Launch on checked arguments with an explicit tile config (tests, sweeps)."""
+) -> object | None:
+    """Launch on checked arguments with an explicit tile config (tests, sweeps).
+
+    Returns Triton's compiled kernel (registers, spills and shared memory for a sweep's
+    record); None when nothing was launched or under the interpreter."""
+    check_launch_config(config, q, k, v, page_table)
     num_segments = segments.q_len.shape[0]
     if num_segments == 0 or q.shape[0] == 0:
-        return
+        return None
     num_slots = triton.cdiv(q.shape[0], config.block_m) + num_segments
+    if config.heads_fast and num_slots > _MAX_GRID_Y:
+        raise ValueError(f"config.heads_fast=True puts the {num_slots} query blocks on the grid's "
+                         f"y axis, which holds at most {_MAX_GRID_Y}; use block_m > {config.block_m}")
     seg = [t.contiguous() for t in segments]
     table = page_table if page_table is not None else seg[3]  # unread when not paged
     lse_arg = lse if lse is not None else out  # unread without STORE_LSE
     split = head_dim_split(q.shape[2], v.shape[2])
-    _cp_prefill_attention_kernel[(num_slots, q.shape[1])](
-        q, k, v, out, lse_arg, *seg, num_segments, table,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
-        table.stride(0) if page_table is not None else 0,
-        softmax_scale * _LOG2E,
-        GROUP=q.shape[1] // k.shape[1],
-        PAGED=page_table is not None,
-        PAGE_SIZE=page_size if page_table is not None else 1,
-        STORE_LSE=lse is not None,
-        QK_DIM=q.shape[2],
-        V_DIM=v.shape[2],
-        QK_HEAD=split.qk_head,
-        QK_TAIL=split.qk_tail,
-        V_BLOCK=split.v_block,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        SEG_BLOCK=max(2, triton.next_power_of_2(num_segments)),
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+    k_desc = k_tail_desc = v_desc = k  # unread without TMA
+    if config.tma:
+        k_width = (k.shape[1] - 1) * k.stride(1) + k.shape[2]
+        v_width = (v.shape[1] - 1) * v.stride(1) + v.shape[2]
+        k_desc = TensorDescriptor(k, [k.shape[0], k_width], [k.stride(0), 1],
+                                  [config.block_n, split.qk_head])
+        if split.qk_tail:
+            k_tail_desc = TensorDescriptor(k, [k.shape[0], k_width], [k.stride(0), 1],
+                                           [config.block_n, split.qk_tail])
+        v_desc = TensorDescriptor(v, [v.shape[0], v_width], [v.stride(0), 1],
+                                  [config.block_n, split.v_block])
+    grid = (q.shape[1], num_slots) if config.heads_fast else (num_slots, q.shape[1])
+    with on_device(q.device):
+        return _cp_prefill_attention_kernel[grid](
+            q, k, v, out, lse_arg, k_desc, k_tail_desc, v_desc, *seg, num_segments, table,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
+            table.stride(0) if page_table is not None else 0,
+            softmax_scale * _LOG2E,
+            GROUP=q.shape[1] // k.shape[1],
+            PAGED=page_table is not None,
+            PAGE_SIZE=page_size if page_table is not None else 1,
+            STORE_LSE=lse is not None,
+            QK_DIM=q.shape[2],
+            V_DIM=v.shape[2],
+            QK_HEAD=split.qk_head,
+            QK_TAIL=split.qk_tail,
+            V_BLOCK=split.v_block,
+            BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n,
+            SEG_BLOCK=max(2, triton.next_power_of_2(num_segments)),
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            TMA=config.tma,
+            OVERLAP=config.overlap,
+            HEADS_FAST=config.heads_fast,
+            WARP_SPEC=config.warp_specialize,
+            EXP_BF16=config.exp_bf16,
+            INTERPRET=interpreter_enabled(),
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
 
 
 def cp_prefill_attention_triton(
