@@ -192,13 +192,13 @@ def test_a_model_dtype_decode_refuses_an_fp8_prefill_by_field(checkpoints):
 @pytest.mark.parametrize("name", list(WRITERS))
 def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoints, single, name,
                                                                         monkeypatch):
-    """The same run with the FP8 kernels interpreted (the rest on the references): the
-    packing in the store and the gather, and the decode kernels dequantizing the rows as
-    they load them."""
+    """The same run with the FP8 kernels interpreted (the rest on the references): RoPE,
+    packing and store fused (GQA, MLA), the packing of DSA's latent, and the decode kernels
+    dequantizing the rows as they load them."""
     from lanekv.kernels import decode_attention, mla_decode
     from lanekv.kernels.backend import interpreter_enabled
     from lanekv.kernels.dsa import sparse_mla
-    from lanekv.kernels.fp8 import kv_rows
+    from lanekv.kernels.fp8 import kv_rows, rope_store
     from lanekv.model.attention import dsa, gqa, mla, rows
 
     if not interpreter_enabled():
@@ -207,6 +207,8 @@ def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoi
     for module, name_, kernel in (
             (rows, "pack_kv_fp8_rows", kv_rows.pack_kv_fp8_rows_triton),
             (rows, "pack_mla_fp8_rows", kv_rows.pack_mla_fp8_rows_triton),
+            (gqa, "rope_store_kv_fp8", rope_store.rope_store_kv_fp8_triton),
+            (mla, "mla_rope_store_fp8", rope_store.mla_rope_store_fp8_triton),
             (gqa, "paged_decode_attention", decode_attention.paged_decode_attention_triton),
             (mla, "paged_mla_decode_attention", mla_decode.paged_mla_decode_attention_triton),
             (dsa, "sparse_mla_decode", sparse_mla.sparse_mla_decode_triton)):
