@@ -24,12 +24,14 @@ anything with ``tensor``, ``rows``, ``page_size`` and ``num_pages``
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
+from lanekv.kernels.invariant.linear import RowInvariantLinear
 from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
@@ -131,10 +133,17 @@ class AttentionKind(ABC):
 
     def forward(self, model: AnyCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionFn) -> torch.Tensor:
-        """``model``'s final hidden rows with ``attention``, built by this kind."""
-        if self.rope_in_attention:
-            return model(input_ids, positions, attention, rope_in_attention=True)
-        return model(input_ids, positions, attention)
+        """``model``'s final hidden rows with ``attention``, built by this kind. On the CPU the
+        linears are batch-invariant (``RowInvariantLinear``): a row's bits do not depend on
+        the rows beside it, so a CP rank's rows equal the single-process run's."""
+        with _linears_for(input_ids):
+            if self.takes_rope(attention):
+                return model(input_ids, positions, attention, rope_in_attention=True)
+            return model(input_ids, positions, attention)
+
+    def takes_rope(self, attention: AttentionFn) -> bool:
+        """Whether ``attention`` gets q and k (or the latent) before RoPE, and cos/sin."""
+        return self.rope_in_attention
 
     @abstractmethod
     def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
@@ -174,3 +183,7 @@ def kv_fields(rows: RowLayout) -> dict[str, Any]:
 def table_width(pool: Pool, max_positions: int) -> int:
     """Pages of the widest page table a request of ``max_positions`` tokens needs."""
     return max(1, min(pool.num_pages, -(-max_positions // pool.page_size)))
+
+
+def _linears_for(input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if input_ids.is_cuda else RowInvariantLinear()

@@ -84,12 +84,9 @@ class MLA(AttentionKind):
         return config.contract_fields({"attention": "mla", "mla": config.mla.contract_fields(),
                                        **kv_fields(rows)})
 
-    def forward(self, model: AnyCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionFn) -> torch.Tensor:
+    def takes_rope(self, attention: AttentionFn) -> bool:
         """FP8 rows' callbacks (``LatentRopeFn``) get the latent before RoPE and cos/sin."""
-        if isinstance(attention, LatentRopeFn):
-            return model(input_ids, positions, attention, rope_in_attention=True)
-        return model(input_ids, positions, attention)
+        return isinstance(attention, LatentRopeFn)
 
     def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
         pool, scale, layout = batch.pool, model.config.softmax_scale, batch.rows

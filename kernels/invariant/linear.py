@@ -1,0 +1,49 @@
+"""``F.linear`` whose every output row is independent of the rows beside it (CPU).
+
+``row_invariant_linear(x, weight, bias)``: ``y[i, j] = sum_k x[i, k] * w[j, k]``
+as an elementwise product reduced over its last dim (float32), so each output
+sums the same K products in the same order whatever ``x``'s row count; rows
+run in chunks that bound the ``[rows, N, K]`` product. ``RowInvariantLinear``
+is a ``TorchFunctionMode``: inside it, ``F.linear`` (``nn.Linear``, the experts'
+and router's GEMMs) on CPU tensors is ``row_invariant_linear``; CUDA tensors
+keep cuBLAS. The mode is a context object, per thread (each CP rank thread
+enters its own).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+_PRODUCT_ELEMENTS = 1 << 22  # float32 elements of one chunk's [rows, N, K] product (16 MiB)
+
+
+def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` with each output row a function of its input row alone."""
+    if x.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ValueError(f"x [..., {x.shape[-1]}] and weight {tuple(weight.shape)} do not "
+                         f"make a linear (weight must be [N, {x.shape[-1]}])")
+    lead, (out_features, in_features) = x.shape[:-1], weight.shape
+    rows = x.reshape(-1, in_features)
+    w = weight.float()
+    out = torch.empty((rows.shape[0], out_features), dtype=torch.float32, device=x.device)
+    step = max(1, _PRODUCT_ELEMENTS // max(1, out_features * in_features))
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start : start + step].float()
+        out[start : start + step] = (chunk[:, None, :] * w[None]).sum(-1)  # [rows, N]
+    if bias is not None:
+        out += bias.float()
+    return out.to(torch.promote_types(x.dtype, weight.dtype)).reshape(*lead, out_features)
+
+
+class RowInvariantLinear(TorchFunctionMode):
+    """Inside: ``F.linear`` on CPU tensors is ``row_invariant_linear``."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and not args[0].is_cuda:
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            return row_invariant_linear(args[0], args[1], bias)
+        return func(*args, **kwargs)
