@@ -1,4 +1,5 @@
-"""``F.linear`` whose every output row is independent of the rows beside it (CPU).
+"""``F.linear``, sigmoid and SiLU whose every output row is independent of the rows
+beside it (CPU).
 
 ``row_invariant_linear(x, weight, bias)``: ``y[i, j] = sum_k x[i, k] * w[j, k]``
 as an elementwise product reduced over its last dim (float32), so each output
@@ -6,8 +7,13 @@ sums the same K products in the same order whatever ``x``'s row count; rows
 run in chunks that bound the ``[rows, N, K]`` product. ``RowInvariantLinear``
 is a ``TorchFunctionMode``: inside it, ``F.linear`` (``nn.Linear``, the experts'
 and router's GEMMs) on CPU tensors is ``row_invariant_linear``; CUDA tensors
-keep cuBLAS. The mode is a context object, per thread (each CP rank thread
-enters its own).
+keep cuBLAS. Sigmoid and SiLU are there too: torch's CPU kernels compute a
+contiguous tensor's full vectors with one routine and its tail with another,
+which round differently, so an element's bits depend on where the tensor ends
+(the router's ``[tokens, experts]`` sigmoid: measured); inside the mode they are
+``1 / (1 + exp(-x))`` and ``x / (1 + exp(-x))``, whose exp rounds the same in
+both routines (measured for every row count up to 40). The mode is a context
+object, per thread (each CP rank thread enters its own).
 """
 
 from __future__ import annotations
@@ -38,12 +44,22 @@ def row_invariant_linear(x: torch.Tensor, weight: torch.Tensor,
     return out.to(torch.promote_types(x.dtype, weight.dtype)).reshape(*lead, out_features)
 
 
+_SIGMOIDS = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
+
+
 class RowInvariantLinear(TorchFunctionMode):
-    """Inside: ``F.linear`` on CPU tensors is ``row_invariant_linear``."""
+    """Inside: ``F.linear`` on CPU tensors is ``row_invariant_linear``; sigmoid and SiLU
+    are computed through ``exp`` (see the module doc)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear and not args[0].is_cuda:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].is_cuda:
+            return func(*args, **kwargs)
+        if func is F.linear:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             return row_invariant_linear(args[0], args[1], bias)
+        if func in _SIGMOIDS and len(args) == 1 and not kwargs:
+            return 1.0 / (1.0 + torch.exp(-args[0]))
+        if func is F.silu and len(args) == 1 and not kwargs.get("inplace", False):
+            return args[0] / (1.0 + torch.exp(-args[0]))
         return func(*args, **kwargs)
