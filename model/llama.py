@@ -351,10 +351,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` (MLA: ``Dv != D``)
     with ``Tk >= Tq``: the queries
     are the last ``Tq`` positions, query ``i`` sees keys ``[0, Tk - Tq + i]``.
-    Query head ``h`` reads KV head ``h // (Hq // Hkv)``. On the CPU it is
-    ``blocked_attention`` (each query's bits independent of the batch, as the CP
-    reference computes them: ``kernels/invariant``); on CUDA, transformers' eager
-    op order (softmax in float32, cast back).
+    Query head ``h`` reads KV head ``h // (Hq // Hkv)``. In float32 on the CPU it
+    is ``blocked_attention`` (each query's bits independent of the batch, as the CP
+    reference computes them: ``kernels/invariant``); otherwise transformers' eager
+    op order (softmax in float32, cast back), which the half-precision oracle tests
+    track.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(
@@ -367,7 +368,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)} "
             "(need equal head_dim, Hq a multiple of Hkv, Tk >= Tq)"
         )
-    if not q.is_cuda:
+    if not q.is_cuda and q.dtype == torch.float32:
         positions = torch.arange(q_len, device=q.device) + (kv_len - q_len)
         return blocked_attention(q, k, v, positions, softmax_scale)[0]
     group = num_heads // num_kv_heads

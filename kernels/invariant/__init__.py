@@ -17,6 +17,8 @@ softmax over key blocks of a fixed size from key 0, each block zero-padded to
 full size, so a masked or padded key adds an exact zero). The model's CPU forward
 (``AttentionKind.forward``) runs in ``RowInvariantLinear`` and both CPU attention
 references (``causal_attention``, ``cp_prefill_attention_ref``) are
-``blocked_attention``: on the CPU, a CP prefill of any size stores the
-single-process run's KV bytes exactly, FP8 or not.
+``blocked_attention``: on the CPU, a float32 model's CP prefill of any size stores
+the single-process run's KV bytes exactly, FP8 or not. (Half precision on the CPU
+keeps transformers' op order in ``causal_attention`` and torch's GEMM, which the
+half-precision oracle tests track.)
 """

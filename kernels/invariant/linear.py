@@ -6,8 +6,8 @@ as an elementwise product reduced over its last dim (float32), so each output
 sums the same K products in the same order whatever ``x``'s row count; rows
 run in chunks that bound the ``[rows, N, K]`` product. ``RowInvariantLinear``
 is a ``TorchFunctionMode``: inside it, ``F.linear`` (``nn.Linear``, the experts'
-and router's GEMMs) on CPU tensors is ``row_invariant_linear``; CUDA tensors
-keep cuBLAS. Sigmoid and SiLU are there too: torch's CPU kernels compute a
+and router's GEMMs) on float32 CPU tensors is ``row_invariant_linear``; CUDA
+tensors keep cuBLAS, half-precision CPU ones torch's GEMM. Sigmoid and SiLU are there too: torch's CPU kernels compute a
 contiguous tensor's full vectors with one routine and its tail with another,
 which round differently, so an element's bits depend on where the tensor ends
 (the router's ``[tokens, experts]`` sigmoid: measured); inside the mode they are
@@ -48,12 +48,14 @@ _SIGMOIDS = (torch.sigmoid, torch.Tensor.sigmoid, F.sigmoid)
 
 
 class RowInvariantLinear(TorchFunctionMode):
-    """Inside: ``F.linear`` on CPU tensors is ``row_invariant_linear``; sigmoid and SiLU
-    are computed through ``exp`` (see the module doc)."""
+    """Inside: ``F.linear`` on float32 CPU tensors is ``row_invariant_linear``; sigmoid and
+    SiLU are computed through ``exp`` (see the module doc). Half precision keeps torch's
+    ops: its CPU runs track transformers' op order (the half-precision oracle tests)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not args or not isinstance(args[0], torch.Tensor) or args[0].is_cuda:
+        if not args or not isinstance(args[0], torch.Tensor) or args[0].is_cuda or (
+                args[0].dtype != torch.float32):
             return func(*args, **kwargs)
         if func is F.linear:
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
