@@ -8,9 +8,11 @@ caller tests which kind a model is: it asks ``kind_of(config)``
 (``model/attention/__init__.py``) and calls the kind. A kind says
 
 - its pool rows (``rows``: a ``RowLayout``; ``fits``) and its contract fields;
-- whether RoPE runs in its callbacks (``rope_in_attention``; ``forward`` runs
-  the model with a callback of the kind) and whether the CP prefill may run
-  captured pieces around it (``prefill_graphs``);
+- whether RoPE runs in its callbacks (``rope_in_attention``, or per callback
+  ``takes_rope``: MLA's FP8 callbacks rotate the latent's key as they store it;
+  ``forward`` runs the model with a callback of the kind, on the CPU with
+  batch-invariant linears) and whether the CP prefill may run captured pieces
+  around it (``prefill_graphs``);
 - its callbacks: ``cp_prefill`` (the rank's all-gather comes in as
   ``CPBatch.gather``, so model code never imports prefill code),
   ``paged_decode`` and ``colocated``;
