@@ -19,10 +19,11 @@ from typing import NamedTuple
 
 import torch
 from lanekv.kernels.backend import check_same_device
+from lanekv.kernels.invariant.attention import blocked_attention
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256  # qk and v head dims each in [1, MAX_HEAD_DIM]
-# Query rows the reference scores at once: bounds its [Hq, rows, keys] buffer.
+# Query rows the reference scores at once: bounds its [rows, key block, Hq, D] buffers.
 _REF_ROWS_PER_CHUNK = 256
 
 
@@ -209,7 +210,8 @@ def cp_prefill_attention_ref(
     lse_out: torch.Tensor | None = None,
     validate: bool = True,
 ) -> torch.Tensor | AttnOutput:
-    """Plain torch, float32 math, one segment at a time; always checks bounds."""
+    """Plain torch, float32 math, one segment at a time (``blocked_attention``: a query's
+    result does not depend on the segment or the batch around it); always checks bounds."""
     del validate  # the reference reads the segments on the host anyway
     check_attention_args(q, k, v, segments, softmax_scale, page_table, page_size, out, return_lse, lse_out)
     check_segment_bounds(q, k, segments, page_table, page_size)
@@ -218,23 +220,18 @@ def cp_prefill_attention_ref(
     lse = None
     if return_lse:
         lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
-    group = q.shape[1] // k.shape[1]
     for q_start, q_len, q_pos, kv_start in zip(*(t.tolist() for t in segments), strict=True):
         if q_len == 0:
             continue
         rows = _key_rows(kv_start, q_pos + q_len, page_table, page_size).to(k.device)
-        keys = k[rows].float().repeat_interleave(group, dim=1)  # [L, Hq, Dqk]
-        values = v[rows].float().repeat_interleave(group, dim=1)
-        key_pos = torch.arange(q_pos + q_len, device=q.device)
+        keys, values = k[rows], v[rows]  # [L, Hkv, D]: the request's keys [0, q_pos + q_len)
         for lo in range(0, q_len, _REF_ROWS_PER_CHUNK):
             hi = min(q_len, lo + _REF_ROWS_PER_CHUNK)
-            queries = q[q_start + lo : q_start + hi].float()  # [rows, Hq, Dqk]
-            scores = torch.einsum("qhd,khd->hqk", queries, keys) * softmax_scale
-            query_pos = q_pos + torch.arange(lo, hi, device=q.device)
-            scores.masked_fill_(key_pos[None, None, :] > query_pos[None, :, None], float("-inf"))
-            row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, rows]
-            probs = torch.exp(scores - row_lse[..., None])
-            out[q_start + lo : q_start + hi] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+            # each query's bits independent of the segment around it (kernels/invariant)
+            seg_out, seg_lse = blocked_attention(
+                q[q_start + lo : q_start + hi], keys, values,
+                q_pos + torch.arange(lo, hi, device=q.device), softmax_scale)
+            out[q_start + lo : q_start + hi] = seg_out
             if lse is not None:
-                lse[q_start + lo : q_start + hi] = row_lse.T
+                lse[q_start + lo : q_start + hi] = seg_lse
     return AttnOutput(out, lse) if return_lse else out

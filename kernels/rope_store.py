@@ -21,6 +21,8 @@ KV) rotated in float32 by ``cos, sin [T, P/2]`` float32 (YaRN's scale
 included), pairs ``(x[2i], x[2i+1])`` when ``interleave`` else halves, the
 result laid out as the rotated first members then the second ones
 (``rope_pairs``, transformers' order), rounded once to the model dtype.
+``k_pe=None`` rotates the queries only (FP8 latent rows rotate the key as they
+store it: ``kernels/fp8/rope_store.py``).
 """
 
 from __future__ import annotations
@@ -213,13 +215,12 @@ def _check_mla_rope_args(q_pe, k_pe, cos, sin) -> None:
         raise ValueError(f"q_pe.shape[2] must be even for RoPE, got {rope}")
     if q_pe.dtype not in _DTYPES:
         raise ValueError(f"q_pe.dtype must be one of {_DTYPES}, got {q_pe.dtype}")
-    if not isinstance(k_pe, torch.Tensor) or k_pe.shape != (num_tokens, rope) or (
-        k_pe.dtype != q_pe.dtype
-    ):
-        raise ValueError(f"k_pe must be a {q_pe.dtype} [{num_tokens}, {rope}] tensor, got "
+    if k_pe is not None and (not isinstance(k_pe, torch.Tensor) or k_pe.shape != (
+            num_tokens, rope) or k_pe.dtype != q_pe.dtype):
+        raise ValueError(f"k_pe must be None or a {q_pe.dtype} [{num_tokens}, {rope}] tensor, got "
                          f"{getattr(k_pe, 'shape', type(k_pe))} {getattr(k_pe, 'dtype', '')}")
     for name, t in (("q_pe", q_pe), ("k_pe", k_pe)):
-        if t.stride(-1) != 1:
+        if t is not None and t.stride(-1) != 1:
             raise ValueError(f"{name} must be dense along its last dim, got strides {t.stride()}")
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor) or t.shape != (num_tokens, rope // 2) or (
@@ -230,16 +231,18 @@ def _check_mla_rope_args(q_pe, k_pe, cos, sin) -> None:
     check_same_device(q_pe=q_pe, k_pe=k_pe, cos=cos, sin=sin)
 
 
-def mla_rope_triton(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+def mla_rope_triton(q_pe: torch.Tensor, k_pe: torch.Tensor | None, cos: torch.Tensor,
                     sin: torch.Tensor, interleave: bool) -> None:
     _check_mla_rope_args(q_pe, k_pe, cos, sin)
     num_tokens, num_heads, rope = q_pe.shape
     if num_tokens == 0:
         return
     half = rope // 2
-    _mla_rope_kernel[(num_tokens, num_heads + 1)](
-        q_pe, k_pe, cos, sin, num_tokens, num_heads,
-        q_pe.stride(0), q_pe.stride(1), k_pe.stride(0), cos.stride(0), sin.stride(0),
+    # without k_pe no program reaches the key's branch (q_pe stands in for its pointer)
+    _mla_rope_kernel[(num_tokens, num_heads + (k_pe is not None))](
+        q_pe, q_pe if k_pe is None else k_pe, cos, sin, num_tokens, num_heads,
+        q_pe.stride(0), q_pe.stride(1), 0 if k_pe is None else k_pe.stride(0), cos.stride(0),
+        sin.stride(0),
         HALF=half, BLOCK=max(2, triton.next_power_of_2(half)), INTERLEAVE=bool(interleave),
         num_warps=1,
     )
@@ -259,15 +262,16 @@ def rope_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
 
-def mla_rope_ref(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor,
+def mla_rope_ref(q_pe: torch.Tensor, k_pe: torch.Tensor | None, cos: torch.Tensor,
                  sin: torch.Tensor, interleave: bool) -> None:
     """``rope_pairs`` of each, copied back in place."""
     _check_mla_rope_args(q_pe, k_pe, cos, sin)
     q_pe.copy_(rope_pairs(q_pe, cos, sin, interleave))
-    k_pe.copy_(rope_pairs(k_pe[:, None, :], cos, sin, interleave)[:, 0])
+    if k_pe is not None:
+        k_pe.copy_(rope_pairs(k_pe[:, None, :], cos, sin, interleave)[:, 0])
 
 
-def mla_rope(q_pe: torch.Tensor, k_pe: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def mla_rope(q_pe: torch.Tensor, k_pe: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
              interleave: bool) -> None:
     """MLA's RoPE on ``q_pe`` and ``k_pe``, in place (see the module doc)."""
     run = mla_rope_triton if use_triton(q_pe) else mla_rope_ref

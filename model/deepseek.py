@@ -11,7 +11,10 @@ per-head K and V:
 then the RoPE'd shared key part; ``q`` is ``q_nope`` then the RoPE'd ``q_pe``.
 The callback decompresses the latent through ``MLAAttention.decompress`` (per-head
 K and V) or works in the latent space through ``absorb_query`` and
-``expand_output``. Ops and their order follow transformers (RMSNorm and the
+``expand_output``. With ``rope_in_attention=True`` (FP8 latent rows, whose store
+rotates the key: ``kernels/fp8/rope_store.py``) the latent's RoPE part comes before
+RoPE and the callback also gets ``cos, sin [T, qk_rope_head_dim / 2]``:
+``attention(layer, q, latent, cos, sin)``. Ops and their order follow transformers (RMSNorm and the
 router in float32, YaRN frequencies and cos/sin scaling as it computes them),
 so float32 logits agree with it. The router's choice after its GEMM is one launch
 (``kernels.moe.route``). Routed experts run as grouped GEMMs over the (token, choice)
@@ -112,8 +115,10 @@ class MLAAttention(nn.Module):
         if (first.bias is None) == (kv_a.bias is None):
             self.q_kv_a.fuse(first, kv_a)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> MLAProjection:
-        """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it)."""
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope_latent: bool = True) -> MLAProjection:
+        """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it);
+        ``rope_latent=False`` leaves the latent's RoPE part unrotated."""
         mla, num_tokens = self.mla, x.shape[0]
         if self.q_kv_a.fused:  # q (a strided view of the fused output) and kv_a in one GEMM
             q_part, kv_a = self.q_kv_a(x).split(
@@ -128,14 +133,18 @@ class MLAAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         compressed, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
-        mla_rope(q[..., mla.qk_nope_head_dim:], k_pe, cos, sin, mla.rope_interleave)
+        mla_rope(q[..., mla.qk_nope_head_dim:], k_pe if rope_latent else None, cos, sin,
+                 mla.rope_interleave)
         # the compressed part normed in place: kv_a (a row-strided view of the GEMM output)
         # is then the latent row, with no concatenation
         self.kv_a_layernorm.fused(compressed, out=compressed)
         return MLAProjection(q, kv_a, q_lora)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: MLAAttentionFn) -> torch.Tensor:
+                attention: MLAAttentionFn, rope_in_attention: bool = False) -> torch.Tensor:
+        if rope_in_attention:  # the callback rotates the latent's key as it stores it
+            proj = self.project(x, cos, sin, rope_latent=False)
+            return self.output(attention(self.layer_index, proj.q, proj.latent, cos, sin))
         proj = self.project(x, cos, sin)
         return self.output(attention(self.layer_index, proj.q, proj.latent))
 
@@ -325,11 +334,12 @@ class DeepseekDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor, attention: MLAAttentionFn) -> tuple[torch.Tensor, torch.Tensor]:
+                sin: torch.Tensor, attention: MLAAttentionFn,
+                rope_in_attention: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual)``: the layer's output is their sum, which the next
         norm computes, fused with its RMSNorm; ``residual=None`` at layer 0."""
         x, residual = self.input_layernorm.fused(hidden, residual)
-        hidden = self.self_attn(x, cos, sin, attention)
+        hidden = self.self_attn(x, cos, sin, attention, rope_in_attention)
         x, residual = self.post_attention_layernorm.fused(hidden, residual)
         return self.mlp(x), residual
 
@@ -376,8 +386,9 @@ class DeepseekCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: MLAAttentionFn) -> torch.Tensor:
-        """``input_ids [T]``, ``positions [T]`` int64 -> hidden ``[T, hidden]`` after the final norm."""
+                attention: MLAAttentionFn, rope_in_attention: bool = False) -> torch.Tensor:
+        """``input_ids [T]``, ``positions [T]`` int64 -> hidden ``[T, hidden]`` after the final
+        norm. ``rope_in_attention``: see the module doc."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
             raise ValueError(f"input_ids must be 1-D [T] and positions the same shape, got "
                              f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
@@ -385,7 +396,7 @@ class DeepseekCausalLM(nn.Module):
         cos, sin = self.rotary(positions)
         residual = None
         for layer in self.model.layers:
-            hidden, residual = layer(hidden, residual, cos, sin, attention)
+            hidden, residual = layer(hidden, residual, cos, sin, attention, rope_in_attention)
         return self.model.norm.fused(hidden, residual)[0]
 
     def fuse_projections(self) -> None:

@@ -36,7 +36,10 @@ class DSAAttention(MLAAttention):
         self.indexer = Indexer(config.dsa, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attention: DSAAttentionFn) -> torch.Tensor:
+                attention: DSAAttentionFn, rope_in_attention: bool = False) -> torch.Tensor:
+        if rope_in_attention:
+            raise ValueError("a DSA callback takes the latent after RoPE, got "
+                             "rope_in_attention=True")
         proj = self.project(x, cos, sin)
         index = self.indexer.project(x, proj.q_lora, cos, sin)
         return self.output(attention(self.layer_index, proj.q, proj.latent, index))

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from lanekv.kernels.fp8.gemm import fp8_linear
+from lanekv.kernels.invariant.attention import blocked_attention
 from lanekv.kernels.rmsnorm import add_rmsnorm
 from lanekv.kernels.rope_store import apply_rotary, rotate_half  # noqa: F401 (the model's RoPE ops)
 from lanekv.model.config import ModelConfig
@@ -351,8 +352,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``q [Tq, Hq, D]``, ``k [Tk, Hkv, D]``, ``v [Tk, Hkv, Dv]`` (MLA: ``Dv != D``)
     with ``Tk >= Tq``: the queries
     are the last ``Tq`` positions, query ``i`` sees keys ``[0, Tk - Tq + i]``.
-    Query head ``h`` reads KV head ``h // (Hq // Hkv)``. Same op order as
-    transformers' eager attention (softmax in float32, cast back).
+    Query head ``h`` reads KV head ``h // (Hq // Hkv)``. In float32 on the CPU it
+    is ``blocked_attention`` (each query's bits independent of the batch, as the CP
+    reference computes them: ``kernels/invariant``); otherwise transformers' eager
+    op order (softmax in float32, cast back), which the half-precision oracle tests
+    track.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or v.shape[:2] != k.shape[:2]:
         raise ValueError(
@@ -365,6 +369,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             f"incompatible shapes q {tuple(q.shape)}, k {tuple(k.shape)} "
             "(need equal head_dim, Hq a multiple of Hkv, Tk >= Tq)"
         )
+    if not q.is_cuda and q.dtype == torch.float32:
+        positions = torch.arange(q_len, device=q.device) + (kv_len - q_len)
+        return blocked_attention(q, k, v, positions, softmax_scale)[0]
     group = num_heads // num_kv_heads
     qh = q.transpose(0, 1)  # [Hq, Tq, D]
     kh = k.repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tk, D]

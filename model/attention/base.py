@@ -8,9 +8,11 @@ caller tests which kind a model is: it asks ``kind_of(config)``
 (``model/attention/__init__.py``) and calls the kind. A kind says
 
 - its pool rows (``rows``: a ``RowLayout``; ``fits``) and its contract fields;
-- whether RoPE runs in its callbacks (``rope_in_attention``; ``forward`` runs
-  the model with a callback of the kind) and whether the CP prefill may run
-  captured pieces around it (``prefill_graphs``);
+- whether RoPE runs in its callbacks (``rope_in_attention``, or per callback
+  ``takes_rope``: MLA's FP8 callbacks rotate the latent's key as they store it;
+  ``forward`` runs the model with a callback of the kind, on the CPU with
+  batch-invariant linears) and whether the CP prefill may run captured pieces
+  around it (``prefill_graphs``);
 - its callbacks: ``cp_prefill`` (the rank's all-gather comes in as
   ``CPBatch.gather``, so model code never imports prefill code),
   ``paged_decode`` and ``colocated``;
@@ -24,12 +26,14 @@ anything with ``tensor``, ``rows``, ``page_size`` and ``num_pages``
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
+from lanekv.kernels.invariant.linear import RowInvariantLinear
 from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
@@ -131,10 +135,17 @@ class AttentionKind(ABC):
 
     def forward(self, model: AnyCausalLM, input_ids: torch.Tensor, positions: torch.Tensor,
                 attention: AttentionFn) -> torch.Tensor:
-        """``model``'s final hidden rows with ``attention``, built by this kind."""
-        if self.rope_in_attention:
-            return model(input_ids, positions, attention, rope_in_attention=True)
-        return model(input_ids, positions, attention)
+        """``model``'s final hidden rows with ``attention``, built by this kind. On the CPU the
+        linears are batch-invariant (``RowInvariantLinear``): a row's bits do not depend on
+        the rows beside it, so a CP rank's rows equal the single-process run's."""
+        with _linears_for(input_ids):
+            if self.takes_rope(attention):
+                return model(input_ids, positions, attention, rope_in_attention=True)
+            return model(input_ids, positions, attention)
+
+    def takes_rope(self, attention: AttentionFn) -> bool:
+        """Whether ``attention`` gets q and k (or the latent) before RoPE, and cos/sin."""
+        return self.rope_in_attention
 
     @abstractmethod
     def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
@@ -174,3 +185,7 @@ def kv_fields(rows: RowLayout) -> dict[str, Any]:
 def table_width(pool: Pool, max_positions: int) -> int:
     """Pages of the widest page table a request of ``max_positions`` tokens needs."""
     return max(1, min(pool.num_pages, -(-max_positions // pool.page_size)))
+
+
+def _linears_for(input_ids: torch.Tensor) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext() if input_ids.is_cuda else RowInvariantLinear()

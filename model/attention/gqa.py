@@ -11,10 +11,11 @@ callbacks: the CP prefill and decode callbacks fuse it with the K/V store
   ``paged_decode_attention`` through the page table.
 - Colocated: RoPE, the K/V stored at the prompt's rows, plain causal attention.
 
-FP8 KV (``FP8Rows``): RoPE runs apart (``apply_rotary``), the rotated K and V are
-quantized (``rows.encode``) and those bytes stored, gathered and read; the CP
-prefill and the colocated run attend on the dequantized rows (``rows.decode``),
-and the decode kernel dequantizes the same way as it loads them.
+FP8 KV (``FP8Rows``): one launch rotates q and k, quantizes K and V and stores the
+rows (``rope_store_kv_fp8``, in every path: CP prefill, decode step, colocated), and
+those bytes are stored, gathered and read; the CP prefill and the colocated run
+attend on the dequantized rows (``rows.decode``), and the decode kernel dequantizes
+the same way as it loads them.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 from lanekv.kernels.decode_attention import DecodeConfig, paged_decode_attention
+from lanekv.kernels.fp8.rope_store import rope_store_kv_fp8
 from lanekv.kernels.prefill_attention import cp_prefill_attention
 from lanekv.kernels.rope_store import apply_rotary, rope_store_kv
 from lanekv.kernels.store_kv import store_kv
@@ -103,8 +105,7 @@ class GQA(AttentionKind):
             k_cache, v_cache = tensor[layer, 0], tensor[layer, 1]
             # RoPE, then the new token's K/V first: it attends itself
             if isinstance(rows, FP8Rows):  # quantized on write; the kernel dequantizes on load
-                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-                store_kv(rows.encode(k), rows.encode(v), k_cache, v_cache, step.locs)
+                q = rope_store_kv_fp8(q, k, v, cos, sin, k_cache, v_cache, step.locs)
             else:
                 q = rope_store_kv(q, k, v, cos, sin, k_cache, v_cache, step.locs)
             return paged_decode_attention(q, k_cache, v_cache, step.page_table, step.seq_lens,
@@ -117,11 +118,15 @@ class GQA(AttentionKind):
 
         def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+            if isinstance(rows, FP8Rows):  # the op every FP8 path stores a new row with
+                kv = k.new_empty((k.shape[0], 2, rows.kv_heads, rows.head_dim), dtype=torch.uint8)
+                q = rope_store_kv_fp8(q, k, v, cos, sin, tensor[layer, 0], tensor[layer, 1], locs,
+                                      kv_out=kv)
+                # what the pool holds, read back
+                return causal_attention(q, rows.decode(kv[:, 0]), rows.decode(kv[:, 1]), scale)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-            k_rows, v_rows = rows.encode(k), rows.encode(v)
-            store_kv(k_rows, v_rows, tensor[layer, 0], tensor[layer, 1], locs)
-            # what the pool holds, read back (the values themselves for plain rows)
-            return causal_attention(q, rows.decode(k_rows), rows.decode(v_rows), scale)
+            store_kv(k, v, tensor[layer, 0], tensor[layer, 1], locs)
+            return causal_attention(q, k, v, scale)
 
         return attention
 
@@ -157,11 +162,11 @@ def _fp8_cp_prefill(batch: CPBatch, scale: float) -> AttentionFn:
 
     def attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_rows, v_rows = rows.encode(k), rows.encode(v)  # [T, Hkv, D + 4] uint8
-        store_kv(k_rows, v_rows, pool[layer, 0], pool[layer, 1], batch.store_rows)
-        block = k_rows.new_empty((batch.block_rows, 2, *k_rows.shape[1:]))
-        block[: k.shape[0], 0], block[: k.shape[0], 1] = k_rows, v_rows
+        # [block_rows, 2, Hkv, D + 4] uint8: the new rows (rotated, quantized, stored where
+        # owned, in one launch), then owned prefix rows
+        block = k.new_empty((batch.block_rows, 2, rows.kv_heads, rows.head_dim), dtype=torch.uint8)
+        q = rope_store_kv_fp8(q, k, v, cos, sin, pool[layer, 0], pool[layer, 1], batch.store_rows,
+                              kv_out=block[: k.shape[0]])
         kv = rows.decode(batch.gather(layer, block))  # [kv rows in request order, 2, Hkv, D]
         if batch.on_layer is not None:
             batch.on_layer(layer)

@@ -12,17 +12,22 @@ KV, then the RoPE'd shared key, ``qk_rope_head_dim``). RoPE runs in the model.
   space, the output mapped back through the V part.
 - Colocated: the latent stored, then decompressed for plain causal attention.
 
-FP8 KV (``FP8MLARows``, FlashMLA's 656-byte row): the latent is quantized
-(``rows.encode``) before the gather and the store, the CP prefill and the
-colocated run decompress the rows dequantized (``rows.decode``), and the decode
-kernel dequantizes the rows it loads the same way.
+FP8 KV (``FP8MLARows``, FlashMLA's 656-byte row): the model hands the callbacks the
+latent before RoPE (``rope_in_attention``) and one launch rotates its key, quantizes
+the row and stores it (``mla_rope_store_fp8``, in every path: CP prefill before the
+gather, decode step, colocated); the CP prefill and the colocated run decompress the
+rows dequantized (``rows.decode``), and the decode kernel dequantizes the rows it
+loads the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8
 from lanekv.kernels.mla_decode import paged_mla_decode_attention
 from lanekv.kernels.prefill_attention import cp_prefill_attention
 from lanekv.kernels.prefill_attention_ref import AttnSegments
@@ -79,8 +84,14 @@ class MLA(AttentionKind):
         return config.contract_fields({"attention": "mla", "mla": config.mla.contract_fields(),
                                        **kv_fields(rows)})
 
+    def takes_rope(self, attention: AttentionFn) -> bool:
+        """FP8 rows' callbacks (``LatentRopeFn``) get the latent before RoPE and cos/sin."""
+        return isinstance(attention, LatentRopeFn)
+
     def cp_prefill(self, model: AnyCausalLM, batch: CPBatch) -> AttentionFn:
         pool, scale, layout = batch.pool, model.config.softmax_scale, batch.rows
+        if isinstance(layout, FP8MLARows):
+            return _fp8_cp_prefill(model, batch)
 
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
             rows = layout.encode(latent[:, None, :])  # [T, 1 head, R + P] (FP8: row bytes)
@@ -101,6 +112,20 @@ class MLA(AttentionKind):
     def paged_decode(self, model: AnyCausalLM, pool: Pool, step: DecodeStep) -> AttentionFn:
         page_size, scale, tensor = pool.page_size, model.config.softmax_scale, pool.tensor
         rank, rows = model.config.mla.kv_lora_rank, pool.rows
+        interleave = model.config.mla.rope_interleave
+
+        def fp8_attention(layer: int, q: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor:
+            mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, row bytes]
+            # RoPE, quantize, store: the kernel below dequantizes on load
+            mla_rope_store_fp8(latent, cos, sin, interleave, plane[:, 0], step.locs, rank)
+            o_latent = paged_mla_decode_attention(
+                mla.absorb_query(q), rows.latent(plane[:, 0]), step.page_table, step.seq_lens,
+                page_size, scale, rank)
+            return mla.expand_output(o_latent)
+
+        if isinstance(rows, FP8MLARows):
+            return LatentRopeFn(fp8_attention)
 
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
             mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, R + P]
@@ -115,6 +140,18 @@ class MLA(AttentionKind):
 
     def colocated(self, model: AnyCausalLM, pool: Pool, locs: torch.Tensor) -> AttentionFn:
         scale, tensor, layout = model.config.softmax_scale, pool.tensor, pool.rows
+        mla_config = model.config.mla
+
+        def fp8_attention(layer: int, q: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor) -> torch.Tensor:
+            rows = latent.new_empty((latent.shape[0], layout.head_dim), dtype=torch.uint8)
+            mla_rope_store_fp8(latent, cos, sin, mla_config.rope_interleave, tensor[layer, 0, :, 0],
+                               locs, mla_config.kv_lora_rank, rows_out=rows)
+            stored = layout.decode(rows[:, None])[:, 0]  # what the pool holds, read back
+            return causal_attention(q, *model.mla_layer(layer).decompress(stored), scale)
+
+        if isinstance(layout, FP8MLARows):
+            return LatentRopeFn(fp8_attention)
 
         def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
             plane, rows = tensor[layer, 0], layout.encode(latent[:, None, :])
@@ -148,3 +185,36 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     V3) as they are: the Triton kernel scores a qk dim that is no power of two as a
     power-of-two part plus a masked tail and masks v's dim, so nothing is padded."""
     return cp_prefill_attention(q, k, v, segments, softmax_scale)
+
+
+@dataclass(frozen=True)
+class LatentRopeFn:
+    """An MLA callback that takes the latent before RoPE, then cos/sin: ``fn(layer, q,
+    latent, cos, sin)`` (FP8 rows, whose store rotates the key)."""
+
+    fn: Callable[..., torch.Tensor]
+
+    def __call__(self, layer: int, q: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        return self.fn(layer, q, latent, cos, sin)
+
+
+def _fp8_cp_prefill(model: AnyCausalLM, batch: CPBatch) -> LatentRopeFn:
+    """The CP prefill callback over FP8 rows: rotate, quantize and store the rank's rows and
+    fill the block in one launch, gather the bytes, decompress the gathered rows dequantized
+    (the values every decode step reads)."""
+    pool, scale, layout, mla = batch.pool, model.config.softmax_scale, batch.rows, model.config.mla
+
+    def attention(layer: int, q: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+        # [block_rows, 1, 1, row bytes]: the new rows, then owned prefix rows
+        block = latent.new_empty((batch.block_rows, 1, 1, layout.head_dim), dtype=torch.uint8)
+        mla_rope_store_fp8(latent, cos, sin, mla.rope_interleave, pool[layer, 0, :, 0],
+                           batch.store_rows, mla.kv_lora_rank, rows_out=block[: latent.shape[0], 0, 0])
+        gathered = layout.decode(batch.gather(layer, block)[:, 0])[:, 0]  # [rows, R + P]
+        if batch.on_layer is not None:
+            batch.on_layer(layer)
+        k, v = model.mla_layer(layer).decompress(gathered)
+        return mla_prefill_attention(q, k, v, batch.segments, scale)
+
+    return LatentRopeFn(attention)

@@ -160,6 +160,24 @@ def test_mla_rope_names_bad_arguments(change, match):
             impl(**args)
 
 
+@pytest.mark.parametrize("interleave", [False, True])
+def test_mla_rope_without_k_pe_rotates_the_queries_only(interleave):
+    """FP8 latent rows rotate the key as they store it: ``k_pe=None`` rotates q_pe alone,
+    as the call with a key does."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(4, 3, 16 + 6, generator=gen)
+    k_pe = torch.randn(4, 6, generator=gen)
+    angles = torch.rand(4, 3, generator=gen) * 6
+    cos, sin = angles.cos(), angles.sin()
+    want = q.clone()
+    mla_rope_ref(want[..., 16:], k_pe.clone(), cos, sin, interleave)
+    for impl in (mla_rope_ref, mla_rope_triton):
+        got = q.clone()
+        impl(got[..., 16:], None, cos, sin, interleave)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(got, q)
+
+
 @requires_gpu
 def test_mla_rope_gpu_bf16_v2_lite_shapes():
     gen = torch.Generator(device="cuda").manual_seed(0)
