@@ -46,7 +46,7 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     consts = dict(GROUP_N=128, GROUP_K=128, HAS_BIAS=False, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   SPLIT_K=cfg.split_k, EVEN_K=even_k, TMA=cfg.tma, LAG=cfg.lag, FOLD=cfg.fold,
-                  PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False)
+                  PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False, HW_CAST=True)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE
