@@ -411,7 +411,7 @@ def _summary(rows: list[dict]) -> None:
                   f"{below}/{len(ratios)} shapes below 0.85", flush=True)
 
 
-def write_table(path: Path, rows: list[dict], device: torch.device) -> None:
+def write_table(path: Path, rows: list[dict], device_name: str) -> None:
     """The best config of each swept (rows, N, K): merged into the table at ``path``
     (entries of other shapes or row counts kept)."""
     entries = {}
@@ -424,7 +424,7 @@ def write_table(path: Path, rows: list[dict], device: torch.device) -> None:
         entries[(r["rows"], r["n"], r["k"], (128, 128))] = table_entry(
             r["rows"], r["n"], r["k"], (128, 128), GemmConfig(**r["config"]),
             ms=r["gemm_ms"], vs_best_torch_fp8=r["vs_best_torch_fp8"])
-    table = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
+    table = dict(device=device_name, torch=torch.__version__,
                  triton=triton.__version__,
                  entries=sorted(entries.values(), key=lambda e: (e["n"], e["k"], e["rows"])))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -672,7 +672,7 @@ def main() -> None:
             result["gemm"] = rows
             out_path.write_text(json.dumps(result, indent=2))
             if table is not None:
-                write_table(table, rows[-1:], device)
+                write_table(table, rows[-1:], result["device"])
 
         result["gemm"] = bench_gemm(args.rows, args.models, device, sweep=args.sweep,
                                     timer=args.timer, budget=budget, on_row=on_row)

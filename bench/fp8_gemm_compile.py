@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import lanekv  # noqa: F401  (the package first)
@@ -63,7 +64,10 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
     tile_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
-    return dict(config=cfg.name(), shared=kernel.metadata.shared,
+    # global stores by width: the epilogue should store whole vectors (v4/v2), never
+    # one bf16 element per instruction
+    stores = dict(Counter(re.findall(r"\bst\.global(?:\.v\d)?\.b\d+", kernel.asm["ptx"])))
+    return dict(config=cfg.name(), shared=kernel.metadata.shared, global_stores=stores,
                 registers=int(regs.group(1)) if regs else None,
                 local_bytes=int(local.group(1)) if local else None,
                 tiles_in_flight=kernel.metadata.shared // tile_bytes)
