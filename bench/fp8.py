@@ -36,10 +36,15 @@
 Each run writes a new JSON file (``--json PATH``, refused if it exists, or a
 timestamped one in bench/results/fp8/). ``--write-table`` merges the configs a
 run used into ``kernels/fp8/gemm_tables/<device>.json``, the table the kernel
-reads (or PATH; ``LANEKV_FP8_GEMM_CONFIGS`` points the kernel at another).
+reads (or PATH; ``LANEKV_FP8_GEMM_CONFIGS`` points the kernel at another). Both
+files are written after every GEMM shape, so a run cut short keeps what it
+finished; ``--time-budget-s S`` stops cleanly within S seconds of the start (a
+shape starts only while one as slow as the slowest so far still fits; the JSON's
+``gemm_complete`` says whether every shape ran). A sweep at prefill rows tries
+eight configs per shape (``prefill_candidates``), the likeliest first.
 
     python bench/fp8.py --sweep --rows 1 16 64 --write-table      # tune decode rows
-    python bench/fp8.py --sweep --rows 2048 8192 --write-table    # tune prefill rows
+    python bench/fp8.py --sweep --rows 2048 --time-budget-s 200 --write-table  # prefill rows
     python bench/fp8.py --only gemm                               # the tuned GEMM vs torch
     python bench/fp8.py --only decode
     python bench/fp8.py --only prefill                            # FP8 vs bf16 prefill tok/s
