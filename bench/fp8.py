@@ -341,6 +341,10 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 if sweep:
                     row["tried"], best = _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block,
                                                         budget)
+                    # what the kernel picks without this sweep, if it was a candidate
+                    row["selected_config"] = cfg.name()
+                    row["selected_ms"] = next((t["ms"] for t in row["tried"]
+                                               if t["config"] == cfg.name() and "ms" in t), None)
                     if best is not None:
                         cfg = best["cfg"]
                 row["config"] = cfg.to_dict()
@@ -386,8 +390,10 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 row["vs_bf16"] = row["bf16_ms"] / row["gemm_ms"]
                 row["tflops"] = 2 * rows * n * k / row["gemm_ms"] / 1e9
                 out.append(row)
+                other = (f" sel {_us(row['selected_ms'])}" if sweep  # the un-swept pick's time
+                         else f" lin {_us(row.get('linear_ms'))}")
                 print(f"{model:>9} {name:>14} {rows:>5} {cfg.name():>26} gemm {row['gemm_ms']*1e3:8.1f}"
-                      f" lin {_us(row.get('linear_ms'))} row {_us(row['scaled_mm_row_ms'])} "
+                      f"{other} row {_us(row['scaled_mm_row_ms'])} "
                       f"blk {_us(row['scaled_mm_block_ms'])} bf16 {row['bf16_ms']*1e3:8.1f} us "
                       f"{row['tflops']:5.0f} TF/s  x{row['vs_best_torch_fp8'] or float('nan'):.2f}"
                       f" of torch fp8", flush=True)
@@ -414,6 +420,12 @@ def _summary(rows: list[dict]) -> None:
             below = sum(v < 0.85 for v in ratios)
             print(f"{label}: vs best torch FP8 min {min(ratios):.2f} geomean {geo:.2f}, "
                   f"{below}/{len(ratios)} shapes below 0.85", flush=True)
+        sel = [r["best_torch_fp8_ms"] / r["selected_ms"] for r in rows
+               if pick(r) and r.get("selected_ms") and r.get("best_torch_fp8_ms")]
+        if sel:  # a sweep: the config select_config picks without it, on the same shapes
+            geo = math.exp(sum(math.log(v) for v in sel) / len(sel))
+            print(f"{label}: select_config's pick vs best torch FP8 min {min(sel):.2f} "
+                  f"geomean {geo:.2f} ({len(sel)} shapes)", flush=True)
 
 
 def write_table(path: Path, rows: list[dict], device_name: str) -> None:
