@@ -66,3 +66,14 @@ def test_a_time_budget_that_is_not_positive_is_refused(monkeypatch, capsys, valu
         bench_fp8.main()
     assert exc.value.code == 2
     assert f"--time-budget-s must be positive, got {float(value)}" in capsys.readouterr().err
+
+
+def test_summary_reports_the_sweep_and_the_untuned_pick(capsys):
+    rows = [dict(rows=2048, vs_best_torch_fp8=0.9, best_torch_fp8_ms=0.9, selected_ms=1.8),
+            dict(rows=2048, vs_best_torch_fp8=0.4, best_torch_fp8_ms=0.4, selected_ms=0.8),
+            dict(rows=1, vs_best_torch_fp8=1.5)]
+    bench_fp8._summary(rows)
+    out = capsys.readouterr().out
+    assert "decode rows <= 64: vs best torch FP8 min 1.50 geomean 1.50, 0/1" in out
+    assert "prefill rows >= 2048: vs best torch FP8 min 0.40 geomean 0.60, 1/2" in out
+    assert "select_config's pick vs best torch FP8 min 0.50 geomean 0.50 (2 shapes)" in out
