@@ -36,10 +36,15 @@
 Each run writes a new JSON file (``--json PATH``, refused if it exists, or a
 timestamped one in bench/results/fp8/). ``--write-table`` merges the configs a
 run used into ``kernels/fp8/gemm_tables/<device>.json``, the table the kernel
-reads (or PATH; ``LANEKV_FP8_GEMM_CONFIGS`` points the kernel at another).
+reads (or PATH; ``LANEKV_FP8_GEMM_CONFIGS`` points the kernel at another). Both
+files are written after every GEMM shape, so a run cut short keeps what it
+finished; ``--time-budget-s S`` stops cleanly within S seconds of the start (a
+shape starts only while one as slow as the slowest so far still fits; the JSON's
+``gemm_complete`` says whether every shape ran). A sweep at prefill rows tries
+eight configs per shape (``prefill_candidates``), the likeliest first.
 
     python bench/fp8.py --sweep --rows 1 16 64 --write-table      # tune decode rows
-    python bench/fp8.py --sweep --rows 2048 8192 --write-table    # tune prefill rows
+    python bench/fp8.py --sweep --rows 2048 --time-budget-s 200 --write-table  # prefill rows
     python bench/fp8.py --only gemm                               # the tuned GEMM vs torch
     python bench/fp8.py --only decode
     python bench/fp8.py --only prefill                            # FP8 vs bf16 prefill tok/s
@@ -190,11 +195,16 @@ def _scaled_mm_block_calls(a, a_scale, ws, ref) -> tuple[list, str, float | None
     return [], " | ".join(errors), None
 
 
-def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block) -> tuple[list[dict], dict | None]:
-    """Every candidate config: compiled, checked against the reference, timed."""
+def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block, budget: Budget | None = None,
+                   ) -> tuple[list[dict], dict | None]:
+    """Every candidate config: compiled, checked against the reference, timed (in the
+    candidates' order; past the budget's deadline the rest are skipped, once one ran)."""
     tried, best = [], None
     limit = 4 * _rel_err(ref.to(torch.bfloat16), ref) + 1e-4  # 4x the output's own rounding
     for cfg in candidate_configs(rows, block):
+        if budget is not None and best is not None and budget.expired():
+            tried.append(dict(config=cfg.name(), skipped="time budget spent"))
+            continue
         rec = dict(config=cfg.name())
         try:
             out = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block, torch.bfloat16,
@@ -214,6 +224,30 @@ def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block) -> tuple[list[dict
         if "ms" in rec and (best is None or rec["ms"] < best["ms"]):
             best = dict(rec, cfg=cfg)
     return tried, best
+
+
+class Budget:
+    """A wall-clock budget for the whole run (``--time-budget-s``): the GEMM loop asks
+    before each shape whether one more, as long as the slowest so far, still fits."""
+
+    def __init__(self, seconds: float | None, start: float | None = None):
+        self.seconds = seconds
+        self.start = time.perf_counter() if start is None else start
+        self.longest_step = 0.0
+
+    def left(self) -> float:
+        if self.seconds is None:
+            return math.inf
+        return self.seconds - (time.perf_counter() - self.start)
+
+    def expired(self) -> bool:
+        return self.left() <= 0
+
+    def fits_another(self) -> bool:
+        return self.left() > self.longest_step
+
+    def record_step(self, seconds: float) -> None:
+        self.longest_step = max(self.longest_step, seconds)
 
 
 def _spec_shapes(models: list[str]) -> list[tuple[int, int]]:
@@ -274,12 +308,22 @@ def precompile(rows_list: list[int], models: list[str], jobs: int) -> None:
 
 
 def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
-               sweep: bool, timer: str) -> list[dict]:
+               sweep: bool, timer: str, budget: Budget | None = None,
+               on_row=None) -> list[dict]:
+    """``on_row(rows_so_far)`` after each (shape, row count): the caller writes its
+    files there, so a run stopped by its time limit still leaves every finished row.
+    With a ``budget``, a shape is started only while one more fits."""
     block = (128, 128)
     time_fn = _timer(timer, 20 if sweep else 40)
     out = []
     for model in models:
         for name, n, k in SHAPES[model]:
+            if budget is not None and not budget.fits_another():
+                print(f"time budget: {budget.left():.0f} s left, the slowest shape took "
+                      f"{budget.longest_step:.0f} s; stopping before {model} {name}", flush=True)
+                _summary(out)
+                return out
+            shape_t0 = time.perf_counter()
             w_bf16 = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
             copies = _copies(n * k)
             bf16s = [w_bf16] + [w_bf16.clone() for _ in range(copies - 1)]
@@ -293,18 +337,28 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 ref = (a.float() * a_scale.repeat_interleave(128, 1)[:, :k]) @ w_deq.t()
                 row = dict(model=model, linear=name, n=n, k=k, rows=rows, weight_copies=copies)
                 cfg = select_config(rows, n, k, block, device)
+                best = None
                 if sweep:
-                    row["tried"], best = _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block)
+                    row["tried"], best = _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block,
+                                                        budget)
+                    # what the kernel picks without this sweep, if it was a candidate
+                    row["selected_config"] = cfg.name()
+                    row["selected_ms"] = next((t["ms"] for t in row["tried"]
+                                               if t["config"] == cfg.name() and "ms" in t), None)
                     if best is not None:
                         cfg = best["cfg"]
                 row["config"] = cfg.to_dict()
                 row["config_name"] = cfg.name()
-                got = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block,
-                                              torch.bfloat16, config=cfg)
-                row["rel_err"] = _rel_err(got, ref)
-                row["gemm_ms"] = time_fn(_rotating([partial(
-                    block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16, config=cfg)
-                    for w, s in ws]))
+                row["config_source"] = "sweep" if best is not None else "select_config"
+                if best is not None:  # timed in the sweep, on the same inputs and timer
+                    row["rel_err"], row["gemm_ms"] = best["rel_err"], best["ms"]
+                else:
+                    got = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block,
+                                                  torch.bfloat16, config=cfg)
+                    row["rel_err"] = _rel_err(got, ref)
+                    row["gemm_ms"] = time_fn(_rotating([partial(
+                        block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16,
+                        config=cfg) for w, s in ws]))
                 if not sweep:  # the linear takes the table's config, not the sweep's
                     row["linear_ms"] = time_fn(_rotating([partial(
                         fp8_linear_triton, x, w, s, block) for w, s in ws]))
@@ -336,13 +390,19 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 row["vs_bf16"] = row["bf16_ms"] / row["gemm_ms"]
                 row["tflops"] = 2 * rows * n * k / row["gemm_ms"] / 1e9
                 out.append(row)
+                other = (f" sel {_us(row['selected_ms'])}" if sweep  # the un-swept pick's time
+                         else f" lin {_us(row.get('linear_ms'))}")
                 print(f"{model:>9} {name:>14} {rows:>5} {cfg.name():>26} gemm {row['gemm_ms']*1e3:8.1f}"
-                      f" lin {_us(row.get('linear_ms'))} row {_us(row['scaled_mm_row_ms'])} "
+                      f"{other} row {_us(row['scaled_mm_row_ms'])} "
                       f"blk {_us(row['scaled_mm_block_ms'])} bf16 {row['bf16_ms']*1e3:8.1f} us "
                       f"{row['tflops']:5.0f} TF/s  x{row['vs_best_torch_fp8'] or float('nan'):.2f}"
                       f" of torch fp8", flush=True)
+                if on_row is not None:
+                    on_row(out)
             del ws, bf16s, w_rows, w_deq
             torch.cuda.empty_cache()
+            if budget is not None:
+                budget.record_step(time.perf_counter() - shape_t0)
     _summary(out)
     return out
 
@@ -360,9 +420,15 @@ def _summary(rows: list[dict]) -> None:
             below = sum(v < 0.85 for v in ratios)
             print(f"{label}: vs best torch FP8 min {min(ratios):.2f} geomean {geo:.2f}, "
                   f"{below}/{len(ratios)} shapes below 0.85", flush=True)
+        sel = [r["best_torch_fp8_ms"] / r["selected_ms"] for r in rows
+               if pick(r) and r.get("selected_ms") and r.get("best_torch_fp8_ms")]
+        if sel:  # a sweep: the config select_config picks without it, on the same shapes
+            geo = math.exp(sum(math.log(v) for v in sel) / len(sel))
+            print(f"{label}: select_config's pick vs best torch FP8 min {min(sel):.2f} "
+                  f"geomean {geo:.2f} ({len(sel)} shapes)", flush=True)
 
 
-def write_table(path: Path, rows: list[dict], device: torch.device) -> None:
+def write_table(path: Path, rows: list[dict], device_name: str) -> None:
     """The best config of each swept (rows, N, K): merged into the table at ``path``
     (entries of other shapes or row counts kept)."""
     entries = {}
@@ -370,14 +436,18 @@ def write_table(path: Path, rows: list[dict], device: torch.device) -> None:
         for e in json.loads(path.read_text()).get("entries", []):
             entries[(e["rows"], e["n"], e["k"], tuple(e["block"]))] = e
     for r in rows:
+        if r.get("tried") is not None and r.get("config_source") != "sweep":
+            continue  # a swept row where no candidate ran correctly teaches the table nothing
         entries[(r["rows"], r["n"], r["k"], (128, 128))] = table_entry(
             r["rows"], r["n"], r["k"], (128, 128), GemmConfig(**r["config"]),
             ms=r["gemm_ms"], vs_best_torch_fp8=r["vs_best_torch_fp8"])
-    table = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
+    table = dict(device=device_name, torch=torch.__version__,
                  triton=triton.__version__,
                  entries=sorted(entries.values(), key=lambda e: (e["n"], e["k"], e["rows"])))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table, indent=1) + "\n")
+    tmp.replace(path)  # whole or not at all: a run killed mid-write leaves the last table
     print(f"wrote {len(table['entries'])} table entries to {path}", flush=True)
 
 
@@ -563,6 +633,11 @@ def main() -> None:
                     metavar="PATH",
                     help="merge the configs used into a tuned table (default path: "
                          "kernels/fp8/gemm_tables/<device>.json, which select_config reads)")
+    ap.add_argument("--time-budget-s", type=float, default=None, metavar="S",
+                    help="stop cleanly within S seconds of the start: the GEMM loop starts a "
+                         "shape only while one as slow as the slowest so far still fits, a sweep "
+                         "skips the remaining candidates of a shape once the budget is spent; "
+                         "the JSON and the table are written after every shape either way")
     ap.add_argument("--jobs", type=int, default=12,
                     help="with --sweep: processes compiling the candidate configs first")
     ap.add_argument("--timer", choices=("graph", "events"), default="graph",
@@ -580,6 +655,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None,
                     help="result file (default: a new timestamped file in bench/results/fp8/)")
     args = ap.parse_args()
+    started = time.perf_counter()
     if args.sweep and args.only in ("decode", "prefill"):
         ap.error(f"--sweep tunes the GEMM; it cannot go with --only {args.only}")
     if args.prefill_repeat < 1:
@@ -587,6 +663,8 @@ def main() -> None:
     for n in args.prefill_tokens:
         if n < 1:
             ap.error(f"--prefill-tokens: {n} is not a positive token count")
+    if args.time_budget_s is not None and not args.time_budget_s > 0:
+        ap.error(f"--time-budget-s must be positive, got {args.time_budget_s}")
     if args.sweep:
         args.only = "gemm"
     if not torch.cuda.is_available():
@@ -596,16 +674,32 @@ def main() -> None:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
                   triton=triton.__version__, timer=args.timer, sweep=args.sweep)
+    budget = Budget(args.time_budget_s, start=started)
+    if args.time_budget_s is not None:
+        result["time_budget_s"] = args.time_budget_s
     if args.sweep:
         precompile(args.rows, args.models, args.jobs)
     if args.only in (None, "gemm"):
-        result["gemm"] = bench_gemm(args.rows, args.models, device, sweep=args.sweep,
-                                    timer=args.timer)
-        out_path.write_text(json.dumps(result, indent=2))
+        table = None
         if args.write_table is not None:
             table = args.write_table if args.write_table != Path("-") else (
                 TABLE_DIR / f"{device_slug(torch.cuda.get_device_name(device))}.json")
-            write_table(table, result["gemm"], device)
+
+        def on_row(rows: list[dict]) -> None:
+            result["gemm"] = rows
+            out_path.write_text(json.dumps(result, indent=2))
+            if table is not None:
+                write_table(table, rows[-1:], result["device"])
+
+        result["gemm"] = bench_gemm(args.rows, args.models, device, sweep=args.sweep,
+                                    timer=args.timer, budget=budget, on_row=on_row)
+        result["gemm_complete"] = len(result["gemm"]) == len(args.rows) * sum(
+            len(SHAPES[m]) for m in args.models)
+        out_path.write_text(json.dumps(result, indent=2))
+    if args.only is None and budget.expired():
+        result["skipped"] = "decode and prefill: the time budget was spent on the GEMMs"
+        print(result["skipped"], flush=True)
+        args.only = "gemm"
     if args.only in (None, "decode"):
         result["decode"] = bench_decode(args.models, args.batches, args.context, args.steps,
                                         device)

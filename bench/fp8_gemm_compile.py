@@ -20,6 +20,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import lanekv  # noqa: F401  (the package first)
@@ -46,7 +47,7 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     consts = dict(GROUP_N=128, GROUP_K=128, HAS_BIAS=False, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
                   SPLIT_K=cfg.split_k, EVEN_K=even_k, TMA=cfg.tma, LAG=cfg.lag, FOLD=cfg.fold,
-                  PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False)
+                  PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False, HW_CAST=True)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE
@@ -63,7 +64,10 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
     tile_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
-    return dict(config=cfg.name(), shared=kernel.metadata.shared,
+    # global stores by width: the epilogue should store whole vectors (v4/v2), never
+    # one bf16 element per instruction
+    stores = dict(Counter(re.findall(r"\bst\.global(?:\.v\d)?\.b\d+", kernel.asm["ptx"])))
+    return dict(config=cfg.name(), shared=kernel.metadata.shared, global_stores=stores,
                 registers=int(regs.group(1)) if regs else None,
                 local_bytes=int(local.group(1)) if local else None,
                 tiles_in_flight=kernel.metadata.shared // tile_bytes)

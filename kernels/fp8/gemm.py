@@ -24,7 +24,12 @@ K-major operand Hopper's fp8 tensor cores take): tiles are loaded along K,
 coalesced. Tiles are handed out grouped by rows (``group_m``) for L2 reuse of
 the weight; decode's few rows can split K over more programs (float32 partials
 and one deterministic reduction); TMA descriptors, persistent programs and a
-lagged scaling of the products are switches of the config. The config comes
+lagged scaling of the products are switches of the config. Loads index rows and
+columns clamped into range (no masks along them); stores index them as they are,
+masked, so the compiler sees each row's columns contiguous and stores 16-byte
+vectors (with the clamped indices it stored bf16 one element per instruction;
+the first prefill sweep's times fit a fixed ~30 us per wave of 128x128 tiles
+on top of the k loop). The config comes
 from a tuned table or a heuristic: ``gemm_configs.py``.
 """
 
@@ -174,15 +179,19 @@ def _gemm_tile(
         else:
             acc = acc * prev_a[:, None] * prev_w[None, :]
 
+    # The stores index by the unclamped rows and columns (masked): the clamped indices
+    # hide from the compiler that a row's columns are contiguous, and it then stores one
+    # element per instruction (scalar 2-byte stores).
     mask = m_ok[:, None] & n_ok[None, :]
+    m_out = m.to(tl.int64)[:, None]
     if SPLIT_K > 1:  # float32 partials; the reduction adds the bias and casts
         part = part_ptr + split.to(tl.int64) * rows * cols
-        tl.store(part + m_safe[:, None] * cols + n_safe[None, :], acc, mask=mask)
+        tl.store(part + m_out * cols + n[None, :], acc, mask=mask)
     else:
         if HAS_BIAS:
-            acc += tl.load(bias_ptr + n_safe).to(tl.float32)[None, :]
-        tl.store(out_ptr + m_safe[:, None] * stride_out + n_safe[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+            acc += tl.load(bias_ptr + n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + m_out * stride_out + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 @triton.jit(do_not_specialize=["rows"])

@@ -1,0 +1,79 @@
+"""bench/fp8.py's GEMM sweep under a time limit: the budget that decides whether one more
+shape fits, the table merged after every shape (swept rows only, the decode rows
+of the file kept), and the option refused when it is not a positive number."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from lanekv.kernels.fp8.gemm_configs import GemmConfig, load_table, lookup
+
+from bench import fp8 as bench_fp8
+
+
+def test_budget_starts_a_shape_only_while_the_slowest_so_far_still_fits(monkeypatch):
+    clock = {"now": 10.0}
+    monkeypatch.setattr(bench_fp8.time, "perf_counter", lambda: clock["now"])
+    budget = bench_fp8.Budget(100.0, start=0.0)
+    assert budget.left() == 90.0 and budget.fits_another() and not budget.expired()
+    budget.record_step(30.0)
+    budget.record_step(20.0)  # the slowest so far stays 30
+    assert budget.longest_step == 30.0
+    clock["now"] = 69.0
+    assert budget.fits_another()  # 31 s left > 30
+    clock["now"] = 71.0
+    assert not budget.fits_another() and not budget.expired()  # 29 s left: stop cleanly
+    clock["now"] = 101.0
+    assert budget.expired()
+    unlimited = bench_fp8.Budget(None)
+    unlimited.record_step(1e9)
+    assert unlimited.fits_another() and not unlimited.expired()
+
+
+def _row(rows, n, k, cfg, **extra):
+    return dict(rows=rows, n=n, k=k, config=cfg.to_dict(), gemm_ms=0.01, vs_best_torch_fp8=1.0,
+                **extra)
+
+
+def test_write_table_merges_each_shape_and_keeps_the_other_rows(tmp_path):
+    path = tmp_path / "table.json"
+    decode = GemmConfig(16, 64, 128, 8, 4, 4, 4)
+    prefill = GemmConfig(64, 128, 128, 8, 1, 4, 3)
+    # a run without --sweep writes the configs it used
+    bench_fp8.write_table(path, [_row(1, 4096, 4096, decode, config_source="select_config")],
+                          "GPU X")
+    # a prefill run writes one shape at a time (as bench_gemm's on_row does)
+    bench_fp8.write_table(path, [_row(2048, 4096, 4096, prefill, tried=[],
+                                      config_source="sweep")], "GPU X")
+    # a swept row where no candidate ran correctly: the table learns nothing from it
+    bench_fp8.write_table(path, [_row(2048, 6144, 4096, prefill, tried=[],
+                                      config_source="select_config")], "GPU X")
+    data = json.loads(path.read_text())
+    assert data["device"] == "GPU X" and len(data["entries"]) == 2
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, then moved into place
+    table = load_table.__wrapped__(str(path))
+    assert lookup(table, 1, 4096, 4096, (128, 128)) == decode
+    assert lookup(table, 2048, 4096, 4096, (128, 128)) == prefill
+    assert lookup(table, 2048, 6144, 4096, (128, 128)) is None
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan"])
+def test_a_time_budget_that_is_not_positive_is_refused(monkeypatch, capsys, value):
+    monkeypatch.setattr(sys, "argv", ["fp8.py", "--sweep", "--time-budget-s", value])
+    with pytest.raises(SystemExit) as exc:
+        bench_fp8.main()
+    assert exc.value.code == 2
+    assert f"--time-budget-s must be positive, got {float(value)}" in capsys.readouterr().err
+
+
+def test_summary_reports_the_sweep_and_the_untuned_pick(capsys):
+    rows = [dict(rows=2048, vs_best_torch_fp8=0.9, best_torch_fp8_ms=0.9, selected_ms=1.8),
+            dict(rows=2048, vs_best_torch_fp8=0.4, best_torch_fp8_ms=0.4, selected_ms=0.8),
+            dict(rows=1, vs_best_torch_fp8=1.5)]
+    bench_fp8._summary(rows)
+    out = capsys.readouterr().out
+    assert "decode rows <= 64: vs best torch FP8 min 1.50 geomean 1.50, 0/1" in out
+    assert "prefill rows >= 2048: vs best torch FP8 min 0.40 geomean 0.60, 1/2" in out
+    assert "select_config's pick vs best torch FP8 min 0.50 geomean 0.50 (2 shapes)" in out
