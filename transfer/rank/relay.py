@@ -128,6 +128,7 @@ class RelayService:
         self._channel = open_channel(rank_endpoint, self.security, grpc_options())
         self._pool: torch.Tensor | None = None
         self._lock = threading.Lock()
+        self._attach_lock = threading.Lock()
         self.sent_bytes = 0  # payload bytes of every chunk sent, for logs and tests
         self.sent_chunks = 0
 
@@ -150,15 +151,27 @@ class RelayService:
             self._pool = pool
         return pool
 
+    def _mapped(self) -> torch.Tensor:
+        """The rank's pool, mapped at the first fetch (the rank answers AttachPool only once
+        its daemon has told it the topology, after every rank and relay started)."""
+        with self._attach_lock:
+            if self._pool is None:
+                try:
+                    self.attach()
+                except (grpc.RpcError, OSError, RuntimeError, ValueError) as err:
+                    detail = err.details() if isinstance(err, grpc.RpcError) else str(err)
+                    log.error("relay of rank %d cannot map the rank's pool: %s", self.rank, detail)
+                    raise Refusal(Code.UNAVAILABLE, f"the relay of rank {self.rank} cannot map the rank's pool: "
+                                  f"{detail}") from err
+            return self._pool
+
     def FetchKV(self, request: lanekv_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         with refusals(context):
             yield from self._fetch(request, context)
 
     def _fetch(self, request: lanekv_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         start = time.perf_counter()
-        pool = self._pool
-        if pool is None:
-            raise Refusal(Code.UNAVAILABLE, f"the relay of rank {self.rank} has not mapped its pool yet")
+        pool = self._mapped()
         if request.descriptors or request.nixl:
             raise Refusal(Code.INVALID_ARGUMENT, f"a relay sends bytes: descriptors={request.descriptors} "
                           f"nixl={request.nixl} go to rank {self.rank} at {self.rank_endpoint}")

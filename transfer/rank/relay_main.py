@@ -47,8 +47,7 @@ def main() -> int:
         torch.cuda.set_device(torch.device(spec.device))
     service = RelayService(spec.rank, spec.rank_endpoint, Agreement.decode(spec.agreement), spec.security)
     try:
-        service.attach()
-        served = serve_relay(service, spec.host)
+        served = serve_relay(service, spec.host)  # the pool is mapped at the first fetch
     except Exception as err:  # noqa: BLE001 - the rank reads our stdout and reports the failure
         logging.getLogger("lanekv.transfer").error("relay of rank %d failed to start: %s", spec.rank, err)
         return 1
