@@ -16,7 +16,7 @@ import grpc
 import pytest
 import torch
 from lanekv.proto import lanekv_pb2
-from lanekv.transfer.grpcfetch.client import RemoteError
+from lanekv.transfer.grpcfetch.client import KVClient, RemoteError
 from lanekv.transfer.protocol.descriptors import Descriptor
 from lanekv.transfer.rank.relay import (
     RangeMismatch,
@@ -28,6 +28,7 @@ from lanekv.transfer.rank.relay import (
     serve_relay,
 )
 
+from tests.markers import requires_gpu
 from tests.reliability.kv_cluster import LAYERS, PAGE, placer, rows_of, same_bits
 from tests.transfer.fastpath.rig import fill, shm_rank
 
@@ -210,3 +211,40 @@ def test_a_relay_exits_when_its_parent_does(tmp_path):
         while time.monotonic() < deadline and pid in _relay_pids():
             time.sleep(0.1)
         assert pid not in _relay_pids()
+
+
+@requires_gpu
+@pytest.mark.timeout(120)
+def test_relay_processes_map_a_gpu_pool_by_cuda_ipc_and_send_its_pages():
+    # The GPU path of a relay: CUDA IPC, gather_pages and the digest on the device.
+    from lanekv.transfer.protocol.contract import Topology
+    from lanekv.transfer.rank.service import serve
+    from lanekv.transfer.rank.sources import TensorPageSource
+
+    from tests.reliability.kv_cluster import make_agreement
+
+    agreement = make_agreement(kv_dtype="float16")
+    pool = torch.zeros(LAYERS, 2, 8 * PAGE, 2, 8, dtype=torch.float16, device="cuda:0")
+    source = TensorPageSource(agreement, 0, pool)
+    served = serve(source)
+    endpoint = f"127.0.0.1:{served.port}"
+    source.set_topology(Topology(1, "in_seq", "page_mod_cp", (endpoint,)))
+    cpu = pool.cpu()
+    for layer in range(LAYERS):
+        fill(cpu, [p for _, p in PAGES], layer, seed=layer + 11)
+    pool.copy_(cpu)
+    torch.cuda.synchronize()
+    source.add("g1", PAGES)
+    kv = KVClient()
+    relays = RelayProcesses(RelaySpec(0, endpoint, agreement.encode(), kv.security, "127.0.0.1", "127.0.0.1",
+                                      "cuda:0"), 2)
+    try:
+        dest = torch.zeros(LAYERS, 2, len(PAGES) * PAGE, 2, 8, dtype=torch.float16)
+        stats = kv.fetch({0: endpoint}, "g1", agreement.fingerprint, placer(dest, []), timeout=60, layer_end=LAYERS,
+                         pages={0: [p for p, _ in PAGES]}, streams_per_rank=2, relays={0: relays.endpoints})
+        assert same_bits(dest, _expected(cpu))
+        assert stats.retries == 0
+    finally:
+        relays.close()
+        kv.close()
+        served.server.stop(None)
