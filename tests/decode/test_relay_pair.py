@@ -13,6 +13,7 @@ import pytest
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.transfer.grpcfetch import client as grpcfetch_client
+from lanekv.transfer.protocol.descriptors import SHM_DIR
 
 from tests.checkpoints import write_llama
 from tests.daemons import running_pair
@@ -52,7 +53,8 @@ def test_relays_carry_the_kv_and_tokens_equal_transformers(tmp_path, monkeypatch
     engine = EngineConfig(str(checkpoint), cp_size=cp_size, page_size=4, pages_per_lane=32, start_timeout_s=120,
                           fetch_relays=2)
     with running_pair(engine, transport="grpc", fetch_streams=2, fetch_chunk_bytes=2048) as (prefill, decode):
-        relays = prefill.relays
+        relays, epoch = prefill.relays, prefill.epoch
+        assert len(list(SHM_DIR.glob(f"lanekv-{epoch}-rank*"))) == cp_size  # the pools the relays map
         assert len(relays) == cp_size and all(len(r) == 2 for r in relays)
         assert len(_relay_pids() - before) == 2 * cp_size
         with grpc.insecure_channel(decode.endpoint) as channel:
@@ -72,3 +74,4 @@ def test_relays_carry_the_kv_and_tokens_equal_transformers(tmp_path, monkeypatch
     assert len(sent) == 2 * cp_size and all(n > 0 for _, n in sent), sent
     assert sum(n for _, n in sent) == stats.bytes
     assert not _relay_pids() - before  # every relay ended with its rank
+    assert not list(SHM_DIR.glob(f"lanekv-{epoch}-*"))  # the ranks' pool files are gone
