@@ -114,7 +114,22 @@ def range_payload(pool: torch.Tensor, descriptor: Descriptor, page_size: int) ->
         raise RangeMismatch(
             f"layers [{descriptor.layer_start}, {descriptor.layer_end}) of pages {list(descriptor.pages)[:8]} "
             f"read {got:#018x} from the mapped pool, the rank sealed them as {descriptor.digest:#018x}")
-    return payload.cpu()
+    if not payload.is_cuda:
+        return payload
+    host = torch.empty(payload.shape, dtype=payload.dtype, pin_memory=True)  # torch caches pinned blocks
+    host.copy_(payload)
+    return host
+
+
+def warm_reads(pool: torch.Tensor, page_size: int) -> None:
+    """Launch every specialization of a read once: ``gather_pages`` of one layer and of all,
+    for 1..16 pages (its strides are specialized on the page count mod 16), and a digest."""
+    layers, num_pages = pool.shape[0], pool.shape[2] // page_size
+    for end in sorted({1, layers}):
+        for count in range(1, min(16, num_pages) + 1):
+            index = torch.arange(count, dtype=torch.int64, device=pool.device)
+            kv_digest(gather_pages(pool, index, page_size, 0, end))
+    torch.cuda.synchronize(pool.device)
 
 
 class RelayService:
@@ -164,6 +179,23 @@ class RelayService:
                     raise Refusal(Code.UNAVAILABLE, f"the relay of rank {self.rank} cannot map the rank's pool: "
                                   f"{detail}") from err
             return self._pool
+
+    def attach_when_served(self, stop: threading.Event, every_s: float = 0.5) -> bool:
+        """Map the pool as soon as the rank answers AttachPool (once its daemon has told it the
+        topology), then launch the read's kernels once (a GPU pool), so that no fetch pays a
+        kernel's first load; False if ``stop`` came first."""
+        while not stop.is_set():
+            try:
+                with self._attach_lock:
+                    pool = self._pool if self._pool is not None else self.attach(timeout_s=5.0)
+            except (grpc.RpcError, OSError, RuntimeError, ValueError) as err:  # not yet: the first fetch says why
+                log.debug("relay of rank %d: no pool yet: %s", self.rank, err)
+                stop.wait(every_s)
+                continue
+            if pool.is_cuda:
+                warm_reads(pool, self.agreement.page_size)
+            return True
+        return False
 
     def FetchKV(self, request: lanekv_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         with refusals(context):

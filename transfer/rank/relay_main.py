@@ -56,6 +56,7 @@ def main() -> int:
                                               spec.rank, served.port, os.getpid())
     sys.stdout.write(f"port {served.port}\n")
     sys.stdout.flush()
+    threading.Thread(target=service.attach_when_served, args=(stop,), name="relay-attach", daemon=True).start()
     while not stop.wait(PARENT_POLL_S):
         if os.getppid() != parent:
             break
