@@ -181,8 +181,13 @@ def test_relay_processes_serve_then_a_killed_one_falls_back_and_none_is_left():
             relays.processes[0].send_signal(signal.SIGKILL)
             relays.processes[0].wait(10)
             dest.zero_()
-            stats = kv.fetch({0: endpoint}, "r2", agreement.fingerprint, placer(dest, []), timeout=30,
-                             layer_end=LAYERS, pages=pages, streams_per_rank=2, relays={0: relays.endpoints})
+            # Received in receiver processes this time: the fallback travels with the stream's part.
+            with KVClient(receivers=2) as received:
+                assert received.receivers.wait_started(2, 60)
+                stats = received.fetch({0: endpoint}, "r2", agreement.fingerprint, placer(dest, []), timeout=30,
+                                       layer_end=LAYERS, pages=pages, streams_per_rank=2,
+                                       relays={0: relays.endpoints})
+                assert received.receivers.taken == 2  # both streams went through receiver processes
             assert same_bits(dest, _expected(pool))
             assert stats.retries >= 1  # the dead relay's stream went to the rank
         finally:
