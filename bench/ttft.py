@@ -6,6 +6,9 @@ One H200, cp=1, the cross-host paths beside colocated and the fast path (fewer d
 daemons: each holds the model's 16 GB):
     python bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --paths grpc fast nixl nixl_tcp \
         --fetch-streams 1 2 4 --json out.json
+The same, gRPC to the ranks beside gRPC through 4 sender relays per rank (grpc_relay_s<n>):
+    python bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --transfer-tokens 8192 --paths grpc fast \
+        --fetch-streams 1 2 4 --fetch-relays 4 --json out.json
 CPU (the tiny model; also the smoke test, tests/test_bench_ttft.py):
     python bench/ttft.py --tiny --cp 2 --tokens 256 1024
 

@@ -75,3 +75,20 @@ def test_relays_carry_the_kv_and_tokens_equal_transformers(tmp_path, monkeypatch
     assert sum(n for _, n in sent) == stats.bytes
     assert not _relay_pids() - before  # every relay ended with its rank
     assert not list(SHM_DIR.glob(f"lanekv-{epoch}-*"))  # the ranks' pool files are gone
+
+
+def test_the_relays_a_reply_names_are_checked():
+    from lanekv.decode.prefill_call import relays_of
+    from lanekv.runtime.status import Refusal
+
+    def reply(*relays):
+        return lanekv_pb2.PrefillReply(endpoints=["h:1", "h:2"],
+                                       relays=[lanekv_pb2.RankRelays(endpoints=list(r)) for r in relays])
+
+    assert relays_of(lanekv_pb2.PrefillReply(endpoints=["h:1"])) == ()  # an older prefill: none
+    assert relays_of(reply(["h:3", "h:4"], [])) == (("h:3", "h:4"), ())
+    with pytest.raises(Refusal, match="relays of 1 ranks, its endpoints 2") as err:
+        relays_of(reply(["h:3"]))
+    assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    with pytest.raises(Refusal, match="relay 'h:0' of rank 1: not 'host:port'"):
+        relays_of(reply(["h:3"], ["h:0"]))
