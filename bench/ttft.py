@@ -6,6 +6,9 @@ One H200, cp=1, the cross-host paths beside colocated and the fast path (fewer d
 daemons: each holds the model's 16 GB):
     python bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --paths grpc fast nixl nixl_tcp \
         --fetch-streams 1 2 4 --json out.json
+The same, gRPC to the ranks beside gRPC through 4 sender relays per rank (grpc_relay_s<n>):
+    python bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --transfer-tokens 8192 --paths grpc fast \
+        --fetch-streams 1 2 4 --fetch-relays 4 --json out.json
 CPU (the tiny model; also the smoke test, tests/test_bench_ttft.py):
     python bench/ttft.py --tiny --cp 2 --tokens 256 1024
 
@@ -21,7 +24,9 @@ length, median of ``--repeat`` after one warm-up, with the min and max:
 - (a) colocated: the prefill daemon's own Prefill call, first token out (the
   KV stays where it was written: what a colocated server pays);
 - (b) grpc_s<n>: layer-wise FetchKV under the prefill with ``n`` streams per
-  owner rank (``--fetch-streams``; one decode daemon, its streams set per row),
+  owner rank (``--fetch-streams``; one decode daemon, its streams set per row);
+  with ``--fetch-relays N`` also grpc_relay_s<n>, the same streams sent by each
+  rank's N sender relays (``transfer.rank.relay``) instead of the rank process,
   (c) fast (the daemons' default: the decode daemon calls the ranks
   once the prefill has answered and copies every layer at once), (d) "fast,
   streamed" (it calls the ranks at once, each sends a descriptor pair per layer
@@ -86,6 +91,7 @@ from lanekv.transfer.nixl.agent import available as nixl_available  # noqa: E402
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket  # noqa: E402
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
+from lanekv.transfer.rank.relay import check_relays  # noqa: E402
 
 from bench.nixl_transfer import nixl_alone, raw_nixl_gbps, ucx_tls  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
@@ -136,29 +142,36 @@ NIXL_PATHS = (("nixl", "nixl"), ("nixl_tcp", "nixl"))
 NIXL_TLS = {"nixl": None, "nixl_tcp": "tcp,cuda_copy,self" if torch.cuda.is_available() else "tcp,self"}
 
 
-def row_names(paths, fetch_streams) -> list[str]:
-    """The TTFT table's rows after colocated: the gRPC daemon once per stream count."""
+def row_names(paths, fetch_streams, relays: int = 0) -> list[str]:
+    """The TTFT table's rows after colocated: the gRPC daemon once per stream count, and with
+    ``relays`` (the prefill's sender relays per rank) once more per count through them."""
     names = []
     for name, _ in paths:
-        names += [f"grpc_s{n}" for n in fetch_streams] if name == "grpc" else [name]
+        if name == "grpc":
+            names += [f"grpc_s{n}" for n in fetch_streams]
+            names += [f"grpc_relay_s{n}" for n in fetch_streams] if relays else []
+        else:
+            names.append(name)
     return names
 
 
 def ttft(prefill, stubs: dict, vocab: int, tokens: int, repeat: int, paths=PATHS, grpc_transport=None,
-         fetch_streams=(1,)) -> dict:
+         fetch_streams=(1,), relays: int = 0) -> dict:
     """Medians over ``repeat`` prompts of ``tokens`` (after one warm-up) of each path's TTFT,
     prefill call, transfer and ranks' own compute seconds, with each TTFT's min and max.
-    ``grpc_transport``: the gRPC daemon's transport, set to each of ``fetch_streams`` in turn."""
+    ``grpc_transport``: the gRPC daemon's transport, set to each of ``fetch_streams`` in turn,
+    to the ranks themselves (grpc_s<n>) and, with ``relays``, through them (grpc_relay_s<n>)."""
     rows = []
-    names = row_names(paths, fetch_streams)
+    names = row_names(paths, fetch_streams, relays)
     for i in range(repeat + 1):  # the first is a warm-up
         ids = prompt(vocab, tokens, tokens * 100 + i)
         seconds, timings = colocated(prefill, stubs["prefill"], ids)
         row = dict(colocated_s=seconds, **{f"colocated_{k}": timings[k] for k in ("compute_s", "queued_s", "gc_s")})
         for name in names:
-            stub = stubs["grpc" if name.startswith("grpc_s") else name]
-            if name.startswith("grpc_s"):
-                grpc_transport.streams_per_rank = int(name[len("grpc_s"):])
+            stub = stubs["grpc" if name.startswith("grpc_") else name]
+            if name.startswith("grpc_"):
+                grpc_transport.streams_per_rank = int(name.rpartition("_s")[2])
+                grpc_transport.use_relays = name.startswith("grpc_relay_s")
             seconds, meta = generate(stub, ids)
             row[f"{name}_s"] = seconds
             for key, field in (("transfer", "transfer_s"), ("prefill", "prefill_s"), ("prefill-compute", "compute_s")):
@@ -229,7 +242,10 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
             raise errors[0]
         return time.perf_counter() - t0
 
-    def grpc_once(drop: bool = False, kv: KVClient = grpc_decode.kv, streams: int = 1) -> float:
+    relays = {r: tuple(reply.relays[r].endpoints) for r in owners} if reply.relays else None
+
+    def grpc_once(drop: bool = False, kv: KVClient = grpc_decode.kv, streams: int = 1,
+                  relayed: bool = False) -> float:
         def place(header, payload):
             if drop:  # receive and verify only
                 return
@@ -239,7 +255,8 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         sync()
         t0 = time.perf_counter()
         kv.fetch({r: endpoints[r] for r in owners}, reply.request_id, reply.contract_fingerprint,
-                 place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages, streams_per_rank=streams)
+                 place, timeout=600, layer_end=pool.shape[0], epoch=epoch, pages=pages, streams_per_rank=streams,
+                 relays=relays if relayed else None)
         sync()
         return time.perf_counter() - t0
 
@@ -259,6 +276,8 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         threads_s = min(grpc_once(kv=threads_only) for _ in range(repeat + 1))
         streams_s = {n: min(grpc_once(kv=threads_only, streams=n) for _ in range(repeat + 1))
                      for n in fetch_streams}
+        relay_s = {n: min(grpc_once(kv=threads_only, streams=n, relayed=True) for _ in range(repeat + 1))
+                   for n in fetch_streams} if relays else {}
     release(prefill, reply, call)
     procs, conns, ports = start(_raw_server, [() for _ in owners])
     try:
@@ -281,7 +300,9 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
                 grpc_threads_gbps=gb / threads_s, grpc_threads_over_raw=raw["seconds"] / threads_s,
                 raw_grpc_processes_gbps=gb / raw_procs["seconds"],
                 grpc_streams={n: dict(gbps=gb / streams_s[n], raw_gbps=gb / raw_streams_s[n],
-                                      over_raw=raw_streams_s[n] / streams_s[n]) for n in fetch_streams},
+                                      over_raw=raw_streams_s[n] / streams_s[n],
+                                      **(dict(relay_gbps=gb / relay_s[n], relay_over_raw=raw_streams_s[n] / relay_s[n])
+                                         if relay_s else {})) for n in fetch_streams},
                 grpc_over_raw_processes=raw_procs["seconds"] / grpc_s,
                 shm_copy_gbps=shm_copy_gbps(nbytes // len(owners)))
 
@@ -348,7 +369,14 @@ def main() -> None:
                     help="the decode daemons to start (each holds the model; default: all; grpc and fast always)")
     ap.add_argument("--fetch-streams", type=int, nargs="+", default=[1, 2, 4],
                     help="gRPC streams per owner rank: a TTFT row and a transfer-alone figure each")
+    ap.add_argument("--fetch-relays", type=int, default=0,
+                    help="sender relays per prefill rank: with N > 0, a grpc_relay_s<n> TTFT row per stream "
+                         "count (the streams through the relays) beside grpc_s<n> (to the ranks themselves)")
     args = ap.parse_args()
+    try:
+        check_relays(args.fetch_relays)
+    except ValueError as err:
+        ap.error(f"--fetch-relays: {err}")
     for n in args.fetch_streams:
         try:
             check_streams(n)
@@ -370,7 +398,8 @@ def main() -> None:
         (Path(d) / "config.json").write_text(json.dumps(model_cfg))
         prefill = PrefillDaemon(
             EngineConfig(d, cp_size=args.cp, page_size=args.page_size, dtype=dtype, load_format="dummy",
-                         pages_per_lane=2 * pages // args.cp + 16, start_timeout_s=900),
+                         pages_per_lane=2 * pages // args.cp + 16, start_timeout_s=900,
+                         fetch_relays=args.fetch_relays),
             DaemonConfig(lease_s=600, max_batch_tokens=max(args.tokens), prefix_cache=False),
         )
         decoders = {}
@@ -396,7 +425,8 @@ def main() -> None:
             stubs = {name: lanekv_pb2_grpc.DecodeServiceStub(ch) for name, ch in channels.items()}
             stubs["prefill"] = lanekv_pb2_grpc.PrefillServiceStub(channels["prefill"])
             rows = [] if args.skip_ttft else [ttft(prefill, stubs, vocab, n, args.repeat, paths, grpc_transport,
-                                                   args.fetch_streams) for n in args.tokens]
+                                                   args.fetch_streams, args.fetch_relays) for n in args.tokens]
+            grpc_transport.use_relays = False  # the transfer alone: to the ranks themselves
             alone = [transfer_alone(prefill, decoders["fast"], decoders["grpc"], vocab, n, args.repeat,
                                     args.fetch_streams) for n in transfer_tokens]
             if use_nixl:  # each NIXL path alone, beside a raw NIXL read of the same bytes, same transports
@@ -424,13 +454,13 @@ def main() -> None:
     print(f"\nTTFT, prefill cp={args.cp}, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, {dtype}, "
           f"page {args.page_size}, {device}; fast path: {transports}")
     print("(a) colocated: the prefill daemon's own Prefill call; (b) grpc_s<n>: layer-wise FetchKV, n streams "
-          "per rank; nixl: NIXL, pool registered where it is; nixl_tcp: NIXL over UCX TCP; (c) fast: called once the prefill "
+          "per rank (grpc_relay_s<n>: the same through the ranks' sender relays); nixl: NIXL, pool registered where it is; nixl_tcp: NIXL over UCX TCP; (c) fast: called once the prefill "
           "answered; (d) fast, streamed: called at once, copied at the end; (e) fast, per layer: copied as "
           "each layer comes. Median ms [min-max], and over (a)")
     print(f"{'tokens':>7} {'path':>14} {'TTFT ms':>9} {'min':>7} {'max':>7} {'/a':>6} {'prefill call':>13} "
           f"{'rank compute':>13} {'transfer':>9}")
     for r in rows:
-        for name in ("colocated", *row_names(paths, args.fetch_streams)):
+        for name in ("colocated", *row_names(paths, args.fetch_streams, args.fetch_relays)):
             over = "" if name == "colocated" else f"{r[f'{name}_over_colocated']:.3f}"
             call = "" if name == "colocated" else f"{r[f'{name}_prefill_s'] * 1e3:.1f}"
             compute = r[f"{name}_compute_s"] * 1e3
@@ -460,10 +490,11 @@ def main() -> None:
               f"{a['grpc_over_raw']:>10.2f} {a['grpc_over_raw_processes']:>10.2f} {a['grpc_threads_over_raw']:>13.2f} "
               f"{a['grpc_placed_over_not_placed']:>11.2f}")
     print("\nFetchKV with n streams per rank (threads of this process) against n raw gRPC streams per server, GB/s:")
-    print(f"{'tokens':>7} {'streams':>7} {'FetchKV':>8} {'raw':>8} {'/raw':>6}")
+    print(f"{'tokens':>7} {'streams':>7} {'FetchKV':>8} {'raw':>8} {'/raw':>6} {'relayed':>8} {'/raw':>6}")
     for a in alone:
         for n, g in a["grpc_streams"].items():
-            print(f"{a['tokens']:>7} {n:>7} {g['gbps']:>8.2f} {g['raw_gbps']:>8.2f} {g['over_raw']:>6.2f}")
+            relayed = f"{g['relay_gbps']:>8.2f} {g['relay_over_raw']:>6.2f}" if "relay_gbps" in g else ""
+            print(f"{a['tokens']:>7} {n:>7} {g['gbps']:>8.2f} {g['raw_gbps']:>8.2f} {g['over_raw']:>6.2f} {relayed}")
     if use_nixl:
         print("\nNIXL (the transport alone: descriptor streams, NIXL reads into the pool, digest checks) "
               "against a raw NIXL read of the same bytes, same UCX transports, GB/s:")
@@ -484,6 +515,7 @@ def main() -> None:
         args.json.write_text(json.dumps(dict(device=device, date=time.strftime("%Y-%m-%d"), cp_size=args.cp,
                                              page_size=args.page_size, dtype=dtype, transports=transports,
                                              paths=[name for name, _ in paths], fetch_streams=args.fetch_streams,
+                                             fetch_relays=args.fetch_relays,
                                              ttft=rows, transfer_alone=alone), indent=2))
 
 

@@ -57,6 +57,7 @@ from lanekv.decode.prefill_call import (
     PrefillPool,
     PrefillTarget,
     check_manifest,
+    relays_of,
 )
 from lanekv.decode.prefix.cache import DecodePrefixCache
 from lanekv.decode.streams import SHUTDOWN, DaemonFailed, Streams
@@ -321,6 +322,7 @@ class GeneratePipeline:
                 {rank: [p.page for p in moving if p.owner == rank] for rank in sorted({p.owner for p in moving})},
                 ctx.agreement.num_layers, config.page_size, ctx.pool.tensor, table.physical_pages_for, deadline,
                 physical_of=topology.physical_of, written=None if prefill.answered() else prefill.written,
+                relays=relays_of(started),
             )
             # Over gRPC the ranks send each layer as soon as it is written: the fetch overlaps
             # the prefill. The fast path copies once the prefill has answered (its tuning).

@@ -170,6 +170,22 @@ def check_manifest(reply: lanekv_pb2.PrefillReply, request_id: str, num_tokens: 
     return manifest
 
 
+def relays_of(reply: lanekv_pb2.PrefillReply) -> tuple[tuple[str, ...], ...]:
+    """Each owner rank's sender relays the reply names (``PrefillReply.relays``; none from an
+    older prefill), checked: one entry per rank, each endpoint 'host:port'."""
+    relays = tuple(tuple(r.endpoints) for r in reply.relays)
+    if relays and len(relays) != len(reply.endpoints):
+        raise Refusal(Code.FAILED_PRECONDITION, f"prefill named relays of {len(relays)} ranks, "
+                      f"its endpoints {len(reply.endpoints)}")
+    for rank, endpoints in enumerate(relays):
+        for endpoint in endpoints:
+            host, _, port = endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535 or len(endpoint) > 1024:
+                raise Refusal(Code.FAILED_PRECONDITION,
+                              f"prefill named relay {endpoint!r:.80} of rank {rank}: not 'host:port'")
+    return relays
+
+
 # -- xPyD: several prefill daemons ---------------------------------------------
 
 # Failures of one prefill daemon (or of the fetch from its ranks) that another

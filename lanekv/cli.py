@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--graph-max-rows", type=int, default=_default(EngineConfig, "graph_max_rows"),
                    help="CUDA: prefills of up to this many rows per rank replay CUDA graphs captured at "
                         "start (0 = always eager)")
+    p.add_argument("--fetch-relays", type=int, default=_default(EngineConfig, "fetch_relays"),
+                   help="sender relays per rank: processes of the rank's host that send its FetchKV bytes "
+                        "outside the rank's GIL; a decode's i-th stream of a rank goes to relay i (0 = none)")
     p.add_argument("--ready-file", default=None, help="write 'host:port' here once serving")
     add_prefix_cache_args(p)
     add_metrics_arg(p)

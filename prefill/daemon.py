@@ -163,6 +163,7 @@ class PrefillDaemon:
         self.topology = Topology(engine_config.cp_size, "in_seq", "page_mod_cp", tuple(self.engine.endpoints),
                                  head_ranges=True)
         self.contract = LayoutContract(self.agreement, self.topology)
+        self.relays = [tuple(r) for r in getattr(self.engine, "relays", ())]  # each rank's sender relays
         self.engine.set_topology(self.topology)
         model = self.engine.info.model
         self.vocab_size = model["vocab_size"]
@@ -441,6 +442,7 @@ class PrefillServicer(lanekv_pb2_grpc.PrefillServiceServicer):
             first_logprob=None if res.first_logprobs is None else logprob_to_proto(
                 res.first_token, *res.first_logprobs, lanekv_pb2.TokenLogprob),
             prompt_logprobs=[logprob_to_proto(*lp, lanekv_pb2.TokenLogprob) for lp in res.prompt_logprobs or ()],
+            relays=[lanekv_pb2.RankRelays(endpoints=list(r)) for r in d.relays] if any(d.relays) else [],
         )
 
     def _refused(self, refusal: Refusal, request_id: str | None) -> None:

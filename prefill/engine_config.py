@@ -14,6 +14,7 @@ from lanekv.model.attention.rows import (
 )
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
+from lanekv.transfer.rank.relay import check_relays
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,11 @@ class EngineConfig:
     # Expert parallelism: the routed experts sharded over the CP ranks (each reads only
     # its experts; every MoE layer exchanges rows: model.parallel.ep, docs/parallelism.md).
     ep: bool = False
+    # Sender relays per rank (``transfer.rank.relay``): processes that send the rank's
+    # FetchKV bytes outside its GIL. 0 (CPU and GPU): each relay on a GPU holds a CUDA
+    # context and runs its reads on the rank's GPU, and what it buys is measured by
+    # bench/ttft.py's grpc_relay_s<n> rows before it becomes a default.
+    fetch_relays: int = 0
 
     def __post_init__(self) -> None:
         for name in ("cp_size", "page_size", "pages_per_lane"):
@@ -63,6 +69,7 @@ class EngineConfig:
             raise ValueError(f"model_path={self.model_path!r} has no config.json")
         check_index_cache_dtype(self.index_cache_dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_relays(self.fetch_relays)
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
         model = ModelConfig.from_dir(self.model_path)

@@ -15,7 +15,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/lanekv.proto\x12\tlanekv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\r\n\x05min_p\x18x \x01(\x02\x12\x1a\n\x12repetition_penalty\x18y \x01(\x02\x12\x18\n\x10presence_penalty\x18z \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18{ \x01(\x02\x12<\n\nlogit_bias\x18| \x03(\x0b\x32(.lanekv.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18} \x01(\r\x12\x12\n\nignore_eos\x18~ \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x7f \x03(\x05\x12\x11\n\x08logprobs\x18\x80\x01 \x01(\r\x12\x15\n\x0chas_logprobs\x18\x81\x01 \x01(\x08\x12\x15\n\x0cgrammar_kind\x18\xe8\x02 \x01(\t\x12\x10\n\x07grammar\x18\xe9\x02 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x94\x02\n\x0ePrefillRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x15\n\x0c\x63\x61\x63hed_pages\x18\xb4\x01 \x01(\r\x12\x1a\n\x11skip_prefix_cache\x18\x90\x03 \x01(\x08\x12\x18\n\x0fprompt_logprobs\x18\xfc\x02 \x01(\r\x12\x1c\n\x13has_prompt_logprobs\x18\xfd\x02 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_request_id\"\x8d\x03\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x1c\n\x14\x63ontract_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08manifest\x18\x04 \x01(\x0c\x12\x11\n\tendpoints\x18\x05 \x03(\t\x12\x35\n\x07timings\x18\x06 \x03(\x0b\x32$.lanekv.v1.PrefillReply.TimingsEntry\x12\x12\n\ncapability\x18\x07 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\x12.\n\rfirst_logprob\x18x \x01(\x0b\x32\x17.lanekv.v1.TokenLogprob\x12\x1b\n\x12prefix_cache_pages\x18\x90\x03 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\xfc\x02 \x03(\x0b\x32\x17.lanekv.v1.TokenLogprob\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"G\n\x0fPrefillProgress\x12&\n\x05reply\x18\x01 \x01(\x0b\x32\x17.lanekv.v1.PrefillReply\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"$\n\x10HandshakeRequest\x12\x10\n\x08\x63ontract\x18\x01 \x01(\x0c\"Q\n\x0eHandshakeReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08\x63ontract\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04\x64iff\x18\x04 \x03(\t\"\x90\x02\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x16\n\tlayer_end\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05pages\x18\x05 \x03(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x07 \x01(\x08\x12\r\n\x04nixl\x18\xdc\x01 \x01(\x08\x12\x18\n\nhead_start\x18\xc0\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\nhead_count\x18\xc1\x02 \x01(\rH\x02\x88\x01\x01\x42\x0c\n\n_layer_endB\r\n\x0b_head_startB\r\n\x0b_head_count\"4\n\x07KVChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03pad\x18\x03 \x01(\x0c\"I\n\rAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\"\x1d\n\x0b\x41ttachReply\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"#\n\x0cReleaseReply\x12\x13\n\x0bpages_freed\x18\x01 \x01(\r\"(\n\x11NixlAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x96\x01\n\x0fNixlAttachReply\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x11\n\tpool_addr\x18\x04 \x01(\x04\x12\x12\n\npool_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x0e\n\x06memory\x18\x07 \x01(\t\"\x92\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x17\n\nrequest_id\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x0fprompt_logprobs\x18\xfc\x02 \x01(\r\x12\x1c\n\x13has_prompt_logprobs\x18\xfd\x02 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_request_id\"\x81\x02\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\x12)\n\x08logprobs\x18x \x03(\x0b\x32\x17.lanekv.v1.TokenLogprob\x12\x1c\n\x13prefix_cache_tokens\x18\x90\x03 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\xfc\x02 \x03(\x0b\x32\x17.lanekv.v1.TokenLogprob\"\x15\n\x13\x44\x65\x63odeStatusRequest\"I\n\x13PrefillDaemonStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\"g\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\x30\n\x08prefills\x18\x03 \x03(\x0b\x32\x1e.lanekv.v1.PrefillDaemonStatus2\x99\x01\n\x0ePrefillService\x12=\n\x07Prefill\x12\x19.lanekv.v1.PrefillRequest\x1a\x17.lanekv.v1.PrefillReply\x12H\n\rPrefillStream\x12\x19.lanekv.v1.PrefillRequest\x1a\x1a.lanekv.v1.PrefillProgress0\x01\x32\xd2\x02\n\nKVTransfer\x12\x43\n\tHandshake\x12\x1b.lanekv.v1.HandshakeRequest\x1a\x19.lanekv.v1.HandshakeReply\x12\x38\n\x07\x46\x65tchKV\x12\x17.lanekv.v1.FetchRequest\x1a\x12.lanekv.v1.KVChunk0\x01\x12=\n\x07Release\x12\x19.lanekv.v1.ReleaseRequest\x1a\x17.lanekv.v1.ReleaseReply\x12>\n\nAttachPool\x12\x18.lanekv.v1.AttachRequest\x1a\x16.lanekv.v1.AttachReply\x12\x46\n\nNixlAttach\x12\x1c.lanekv.v1.NixlAttachRequest\x1a\x1a.lanekv.v1.NixlAttachReply2\x9b\x01\n\rDecodeService\x12\x42\n\x08Generate\x12\x1a.lanekv.v1.GenerateRequest\x1a\x18.lanekv.v1.GenerateReply0\x01\x12\x46\n\x06Status\x12\x1e.lanekv.v1.DecodeStatusRequest\x1a\x1c.lanekv.v1.DecodeStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x12proto/lanekv.proto\x12\tlanekv.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc6\x03\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x02\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x12\x10\n\x08has_seed\x18\x05 \x01(\x08\x12\r\n\x05min_p\x18x \x01(\x02\x12\x1a\n\x12repetition_penalty\x18y \x01(\x02\x12\x18\n\x10presence_penalty\x18z \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18{ \x01(\x02\x12<\n\nlogit_bias\x18| \x03(\x0b\x32(.lanekv.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18} \x01(\r\x12\x12\n\nignore_eos\x18~ \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x7f \x03(\x05\x12\x11\n\x08logprobs\x18\x80\x01 \x01(\r\x12\x15\n\x0chas_logprobs\x18\x81\x01 \x01(\x08\x12\x15\n\x0cgrammar_kind\x18\xe8\x02 \x01(\t\x12\x10\n\x07grammar\x18\xe9\x02 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\x94\x02\n\x0ePrefillRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x17\n\nrequest_id\x18\x04 \x01(\tH\x01\x88\x01\x01\x12\x15\n\x0c\x63\x61\x63hed_pages\x18\xb4\x01 \x01(\r\x12\x1a\n\x11skip_prefix_cache\x18\x90\x03 \x01(\x08\x12\x18\n\x0fprompt_logprobs\x18\xfc\x02 \x01(\r\x12\x1c\n\x13has_prompt_logprobs\x18\xfd\x02 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_request_id\"\xb5\x03\n\x0cPrefillReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x1c\n\x14\x63ontract_fingerprint\x18\x03 \x01(\t\x12\x10\n\x08manifest\x18\x04 \x01(\x0c\x12\x11\n\tendpoints\x18\x05 \x03(\t\x12\x35\n\x07timings\x18\x06 \x03(\x0b\x32$.lanekv.v1.PrefillReply.TimingsEntry\x12\x12\n\ncapability\x18\x07 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\x12.\n\rfirst_logprob\x18x \x01(\x0b\x32\x17.lanekv.v1.TokenLogprob\x12\x1b\n\x12prefix_cache_pages\x18\x90\x03 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\xfc\x02 \x03(\x0b\x32\x17.lanekv.v1.TokenLogprob\x12&\n\x06relays\x18\xc2\x03 \x03(\x0b\x32\x15.lanekv.v1.RankRelays\x1a.\n\x0cTimingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x1f\n\nRankRelays\x12\x11\n\tendpoints\x18\x01 \x03(\t\"G\n\x0fPrefillProgress\x12&\n\x05reply\x18\x01 \x01(\x0b\x32\x17.lanekv.v1.PrefillReply\x12\x0c\n\x04\x64one\x18\x02 \x01(\x08\"$\n\x10HandshakeRequest\x12\x10\n\x08\x63ontract\x18\x01 \x01(\x0c\"Q\n\x0eHandshakeReply\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x10\n\x08\x63ontract\x18\x02 \x01(\x0c\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12\x0c\n\x04\x64iff\x18\x04 \x03(\t\"\x90\x02\n\x0c\x46\x65tchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\r\x12\x16\n\tlayer_end\x18\x04 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05pages\x18\x05 \x03(\x03\x12\x17\n\x0fmax_chunk_bytes\x18\x06 \x01(\x04\x12\x13\n\x0b\x64\x65scriptors\x18\x07 \x01(\x08\x12\r\n\x04nixl\x18\xdc\x01 \x01(\x08\x12\x18\n\nhead_start\x18\xc0\x02 \x01(\rH\x01\x88\x01\x01\x12\x18\n\nhead_count\x18\xc1\x02 \x01(\rH\x02\x88\x01\x01\x42\x0c\n\n_layer_endB\r\n\x0b_head_startB\r\n\x0b_head_count\"4\n\x07KVChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03pad\x18\x03 \x01(\x0c\"I\n\rAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\x12\x0f\n\x07host_id\x18\x02 \x01(\t\x12\x12\n\ntransports\x18\x03 \x03(\t\"\x1d\n\x0b\x41ttachReply\x12\x0e\n\x06handle\x18\x01 \x01(\x0c\"9\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\"#\n\x0cReleaseReply\x12\x13\n\x0bpages_freed\x18\x01 \x01(\r\"(\n\x11NixlAttachRequest\x12\x13\n\x0b\x66ingerprint\x18\x01 \x01(\t\"\x96\x01\n\x0fNixlAttachReply\x12\x16\n\x0e\x61gent_metadata\x18\x01 \x01(\x0c\x12\x12\n\nagent_name\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\t\x12\x11\n\tpool_addr\x18\x04 \x01(\x04\x12\x12\n\npool_bytes\x18\x05 \x01(\x04\x12\x11\n\tdevice_id\x18\x06 \x01(\r\x12\x0e\n\x06memory\x18\x07 \x01(\t\"\x92\x02\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x13.lanekv.v1.TokenIdsH\x00\x12+\n\x08sampling\x18\x03 \x01(\x0b\x32\x19.lanekv.v1.SamplingParams\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x17\n\nrequest_id\x18\x06 \x01(\tH\x01\x88\x01\x01\x12\x18\n\x0fprompt_logprobs\x18\xfc\x02 \x01(\r\x12\x1c\n\x13has_prompt_logprobs\x18\xfd\x02 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_request_id\"\x81\x02\n\rGenerateReply\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\x16\n\rcached_tokens\x18\xb4\x01 \x01(\r\x12)\n\x08logprobs\x18x \x03(\x0b\x32\x17.lanekv.v1.TokenLogprob\x12\x1c\n\x13prefix_cache_tokens\x18\x90\x03 \x01(\r\x12\x31\n\x0fprompt_logprobs\x18\xfc\x02 \x03(\x0b\x32\x17.lanekv.v1.TokenLogprob\"\x15\n\x13\x44\x65\x63odeStatusRequest\"I\n\x13PrefillDaemonStatus\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x0f\n\x07problem\x18\x03 \x01(\t\"g\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\x30\n\x08prefills\x18\x03 \x03(\x0b\x32\x1e.lanekv.v1.PrefillDaemonStatus2\x99\x01\n\x0ePrefillService\x12=\n\x07Prefill\x12\x19.lanekv.v1.PrefillRequest\x1a\x17.lanekv.v1.PrefillReply\x12H\n\rPrefillStream\x12\x19.lanekv.v1.PrefillRequest\x1a\x1a.lanekv.v1.PrefillProgress0\x01\x32\xd2\x02\n\nKVTransfer\x12\x43\n\tHandshake\x12\x1b.lanekv.v1.HandshakeRequest\x1a\x19.lanekv.v1.HandshakeReply\x12\x38\n\x07\x46\x65tchKV\x12\x17.lanekv.v1.FetchRequest\x1a\x12.lanekv.v1.KVChunk0\x01\x12=\n\x07Release\x12\x19.lanekv.v1.ReleaseRequest\x1a\x17.lanekv.v1.ReleaseReply\x12>\n\nAttachPool\x12\x18.lanekv.v1.AttachRequest\x1a\x16.lanekv.v1.AttachReply\x12\x46\n\nNixlAttach\x12\x1c.lanekv.v1.NixlAttachRequest\x1a\x1a.lanekv.v1.NixlAttachReply2\x9b\x01\n\rDecodeService\x12\x42\n\x08Generate\x12\x1a.lanekv.v1.GenerateRequest\x1a\x18.lanekv.v1.GenerateReply0\x01\x12\x46\n\x06Status\x12\x1e.lanekv.v1.DecodeStatusRequest\x1a\x1c.lanekv.v1.DecodeStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,45 +37,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=606
   _globals['_PREFILLREQUEST']._serialized_end=882
   _globals['_PREFILLREPLY']._serialized_start=885
-  _globals['_PREFILLREPLY']._serialized_end=1282
-  _globals['_PREFILLREPLY_TIMINGSENTRY']._serialized_start=1236
-  _globals['_PREFILLREPLY_TIMINGSENTRY']._serialized_end=1282
-  _globals['_PREFILLPROGRESS']._serialized_start=1284
-  _globals['_PREFILLPROGRESS']._serialized_end=1355
-  _globals['_HANDSHAKEREQUEST']._serialized_start=1357
-  _globals['_HANDSHAKEREQUEST']._serialized_end=1393
-  _globals['_HANDSHAKEREPLY']._serialized_start=1395
-  _globals['_HANDSHAKEREPLY']._serialized_end=1476
-  _globals['_FETCHREQUEST']._serialized_start=1479
-  _globals['_FETCHREQUEST']._serialized_end=1751
-  _globals['_KVCHUNK']._serialized_start=1753
-  _globals['_KVCHUNK']._serialized_end=1805
-  _globals['_ATTACHREQUEST']._serialized_start=1807
-  _globals['_ATTACHREQUEST']._serialized_end=1880
-  _globals['_ATTACHREPLY']._serialized_start=1882
-  _globals['_ATTACHREPLY']._serialized_end=1911
-  _globals['_RELEASEREQUEST']._serialized_start=1913
-  _globals['_RELEASEREQUEST']._serialized_end=1970
-  _globals['_RELEASEREPLY']._serialized_start=1972
-  _globals['_RELEASEREPLY']._serialized_end=2007
-  _globals['_NIXLATTACHREQUEST']._serialized_start=2009
-  _globals['_NIXLATTACHREQUEST']._serialized_end=2049
-  _globals['_NIXLATTACHREPLY']._serialized_start=2052
-  _globals['_NIXLATTACHREPLY']._serialized_end=2202
-  _globals['_GENERATEREQUEST']._serialized_start=2205
-  _globals['_GENERATEREQUEST']._serialized_end=2479
-  _globals['_GENERATEREPLY']._serialized_start=2482
-  _globals['_GENERATEREPLY']._serialized_end=2739
-  _globals['_DECODESTATUSREQUEST']._serialized_start=2741
-  _globals['_DECODESTATUSREQUEST']._serialized_end=2762
-  _globals['_PREFILLDAEMONSTATUS']._serialized_start=2764
-  _globals['_PREFILLDAEMONSTATUS']._serialized_end=2837
-  _globals['_DECODESTATUSREPLY']._serialized_start=2839
-  _globals['_DECODESTATUSREPLY']._serialized_end=2942
-  _globals['_PREFILLSERVICE']._serialized_start=2945
-  _globals['_PREFILLSERVICE']._serialized_end=3098
-  _globals['_KVTRANSFER']._serialized_start=3101
-  _globals['_KVTRANSFER']._serialized_end=3439
-  _globals['_DECODESERVICE']._serialized_start=3442
-  _globals['_DECODESERVICE']._serialized_end=3597
+  _globals['_PREFILLREPLY']._serialized_end=1322
+  _globals['_PREFILLREPLY_TIMINGSENTRY']._serialized_start=1276
+  _globals['_PREFILLREPLY_TIMINGSENTRY']._serialized_end=1322
+  _globals['_RANKRELAYS']._serialized_start=1324
+  _globals['_RANKRELAYS']._serialized_end=1355
+  _globals['_PREFILLPROGRESS']._serialized_start=1357
+  _globals['_PREFILLPROGRESS']._serialized_end=1428
+  _globals['_HANDSHAKEREQUEST']._serialized_start=1430
+  _globals['_HANDSHAKEREQUEST']._serialized_end=1466
+  _globals['_HANDSHAKEREPLY']._serialized_start=1468
+  _globals['_HANDSHAKEREPLY']._serialized_end=1549
+  _globals['_FETCHREQUEST']._serialized_start=1552
+  _globals['_FETCHREQUEST']._serialized_end=1824
+  _globals['_KVCHUNK']._serialized_start=1826
+  _globals['_KVCHUNK']._serialized_end=1878
+  _globals['_ATTACHREQUEST']._serialized_start=1880
+  _globals['_ATTACHREQUEST']._serialized_end=1953
+  _globals['_ATTACHREPLY']._serialized_start=1955
+  _globals['_ATTACHREPLY']._serialized_end=1984
+  _globals['_RELEASEREQUEST']._serialized_start=1986
+  _globals['_RELEASEREQUEST']._serialized_end=2043
+  _globals['_RELEASEREPLY']._serialized_start=2045
+  _globals['_RELEASEREPLY']._serialized_end=2080
+  _globals['_NIXLATTACHREQUEST']._serialized_start=2082
+  _globals['_NIXLATTACHREQUEST']._serialized_end=2122
+  _globals['_NIXLATTACHREPLY']._serialized_start=2125
+  _globals['_NIXLATTACHREPLY']._serialized_end=2275
+  _globals['_GENERATEREQUEST']._serialized_start=2278
+  _globals['_GENERATEREQUEST']._serialized_end=2552
+  _globals['_GENERATEREPLY']._serialized_start=2555
+  _globals['_GENERATEREPLY']._serialized_end=2812
+  _globals['_DECODESTATUSREQUEST']._serialized_start=2814
+  _globals['_DECODESTATUSREQUEST']._serialized_end=2835
+  _globals['_PREFILLDAEMONSTATUS']._serialized_start=2837
+  _globals['_PREFILLDAEMONSTATUS']._serialized_end=2910
+  _globals['_DECODESTATUSREPLY']._serialized_start=2912
+  _globals['_DECODESTATUSREPLY']._serialized_end=3015
+  _globals['_PREFILLSERVICE']._serialized_start=3018
+  _globals['_PREFILLSERVICE']._serialized_end=3171
+  _globals['_KVTRANSFER']._serialized_start=3174
+  _globals['_KVTRANSFER']._serialized_end=3512
+  _globals['_DECODESERVICE']._serialized_start=3515
+  _globals['_DECODESERVICE']._serialized_end=3670
 # @@protoc_insertion_point(module_scope)

@@ -91,7 +91,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., request_id: _Optional[str] = ..., cached_pages: _Optional[int] = ..., skip_prefix_cache: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., has_prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens", "first_logprob", "prefix_cache_pages", "prompt_logprobs")
+    __slots__ = ("request_id", "first_token", "contract_fingerprint", "manifest", "endpoints", "timings", "capability", "cached_tokens", "first_logprob", "prefix_cache_pages", "prompt_logprobs", "relays")
     class TimingsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -110,6 +110,7 @@ class PrefillReply(_message.Message):
     FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_PAGES_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RELAYS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     contract_fingerprint: str
@@ -121,7 +122,14 @@ class PrefillReply(_message.Message):
     first_logprob: TokenLogprob
     prefix_cache_pages: int
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prefix_cache_pages: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    relays: _containers.RepeatedCompositeFieldContainer[RankRelays]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., contract_fingerprint: _Optional[str] = ..., manifest: _Optional[bytes] = ..., endpoints: _Optional[_Iterable[str]] = ..., timings: _Optional[_Mapping[str, float]] = ..., capability: _Optional[str] = ..., cached_tokens: _Optional[int] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ..., prefix_cache_pages: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., relays: _Optional[_Iterable[_Union[RankRelays, _Mapping]]] = ...) -> None: ...
+
+class RankRelays(_message.Message):
+    __slots__ = ("endpoints",)
+    ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    endpoints: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, endpoints: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PrefillProgress(_message.Message):
     __slots__ = ("reply", "done")

@@ -25,12 +25,13 @@ def test_the_tiny_run_has_every_cross_host_path_beside_its_raw_rate(monkeypatch,
     monkeypatch.setenv("UCX_TLS", "tcp,self")
     out = tmp_path / "ttft.json"
     nixl = ["nixl_tcp"] if nixl_available() else []
-    _run(monkeypatch, out, "--paths", "grpc", "fast", *nixl, "--fetch-streams", "1", "2")
+    _run(monkeypatch, out, "--paths", "grpc", "fast", *nixl, "--fetch-streams", "1", "2", "--fetch-relays", "2")
     got = json.loads(out.read_text())
     assert got["paths"] == ["grpc", "fast", *nixl] and got["fetch_streams"] == [1, 2]
+    assert got["fetch_relays"] == 2
     (row,) = got["ttft"]
     assert row["tokens"] == 48 and row["bytes"] > 0
-    for name in ("grpc_s1", "grpc_s2", "fast", *nixl):
+    for name in ("grpc_s1", "grpc_s2", "grpc_relay_s1", "grpc_relay_s2", "fast", *nixl):
         assert row[f"{name}_s"] > 0 and row[f"{name}_over_colocated"] == row[f"{name}_s"] / row["colocated_s"]
         assert row[f"{name}_transfer_s"] >= 0
     assert "fast_layer_s" not in row  # not asked for: no daemon started
@@ -41,6 +42,7 @@ def test_the_tiny_run_has_every_cross_host_path_beside_its_raw_rate(monkeypatch,
     for figures in alone["grpc_streams"].values():
         assert figures["gbps"] > 0 and figures["raw_gbps"] > 0
         assert figures["over_raw"] == pytest.approx(figures["gbps"] / figures["raw_gbps"])
+        assert figures["relay_gbps"] > 0  # the same streams through the ranks' relays
     if nixl:
         assert alone["nixl_tcp_gbps"] > 0 and alone["nixl_tcp_raw_gbps"] > 0
         assert alone["nixl_tcp_over_raw"] == pytest.approx(alone["nixl_tcp_gbps"] / alone["nixl_tcp_raw_gbps"])
@@ -53,3 +55,9 @@ def test_a_stream_count_out_of_range_is_refused(monkeypatch, tmp_path, capsys, s
         _run(monkeypatch, tmp_path / "x.json", "--fetch-streams", streams)
     assert f"--fetch-streams: streams_per_rank must be an integer in [1, 8], got streams_per_rank={streams}" \
         in capsys.readouterr().err
+
+
+def test_a_relay_count_out_of_range_is_refused(monkeypatch, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _run(monkeypatch, tmp_path / "x.json", "--fetch-relays", "9")
+    assert "--fetch-relays: fetch_relays must be an integer in [0, 8], got fetch_relays=9" in capsys.readouterr().err

@@ -334,6 +334,7 @@ class CPPrefillEngine(PrefillEngine):
         ready = self._wait(None, config.start_timeout_s, "start-up")
         self.info: RankInfo = ready[0]
         self.endpoints = [r.endpoint for r in ready]
+        self.relays = [tuple(r.relays) for r in ready]  # each rank's sender relays
         # From here on a rank that exits is a death (before, its Failed says why it could not start).
         self._watcher = RankWatcher(self._procs, self._rank_died)
         log.info("CP ranks started: %s", ", ".join(f"rank {r} pid {p.pid}" for r, p in enumerate(self._procs)))

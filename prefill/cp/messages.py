@@ -120,6 +120,7 @@ class RankInfo:
     device: str
     endpoint: str | None = None  # its KVTransfer server ("host:port"); None when it serves none
     agreement: bytes | None = None  # its encoded Agreement; None when it serves no transfers
+    relays: tuple[str, ...] = ()  # its sender relays' endpoints (transfer.rank.relay)
 
 
 @dataclass(frozen=True)

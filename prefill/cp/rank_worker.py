@@ -79,6 +79,7 @@ from lanekv.transfer.protocol.descriptors import (
     shm_room,
 )
 from lanekv.transfer.rank.progress import LayerProgress
+from lanekv.transfer.rank.relay import RelayProcesses, RelaySpec
 from lanekv.transfer.rank.service import Served, serve
 
 # A test hook: ``<layer>:<seconds>`` makes every prefill sleep once that layer is written.
@@ -184,6 +185,8 @@ def rank_main(
         results.put(Ready(rank, info))
     except Exception as err:  # report start-up failures to the parent, then exit
         results.put(Failed(rank, None, _reported(rank, err)))
+        if serving is not None:
+            serving.close_relays()
         remove_shared_pool(shared_path)
         return
     try:
@@ -207,6 +210,8 @@ def rank_main(
             except Exception as err:
                 results.put(Failed(rank, call.seq, _reported(rank, err)))
     finally:
+        if serving is not None:
+            serving.close_relays()  # no relay outlives its rank
         served = runner.process.transfer_server
         if served is not None:
             served.stop(_STOP_GRACE_S)
@@ -383,6 +388,7 @@ class _TransferServer:
         self._config, self._rank, self._where, self._results, self._reporter = config, rank, where, results, reporter
         self._agreement: Agreement | None = None
         self.nixl: NixlExport | None = None  # the pool offered over NIXL, once started
+        self.relays: RelayProcesses | None = None  # its sender relays, once started
 
     def start(self, model_config: ModelConfig, weights_digest: str, pool: torch.Tensor,
               shared_path: Path | None) -> tuple[RankPageSource, Served]:
@@ -406,12 +412,26 @@ class _TransferServer:
         server = serve(source, where.host, port, security=where.security,
                        interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
                        nixl=self.nixl)
+        if config.fetch_relays and (pool.is_cuda or shared_path is not None):  # relays map the pool
+            try:
+                advertise = where.advertise or where.host
+                self.relays = RelayProcesses(RelaySpec(
+                    rank, join_host_port(advertise, server.port), agreement.encode(), where.security,
+                    where.host, advertise, str(pool.device)), config.fetch_relays)
+            except BaseException:
+                server.stop(0)
+                raise
         return source, server
+
+    def close_relays(self) -> None:
+        if self.relays is not None:
+            self.relays.close()
 
     def described(self, process: RankProcess, info: RankInfo) -> RankInfo:
         """``info`` with the server's endpoint and the agreement it serves."""
         endpoint = join_host_port(self._where.advertise or self._where.host, process.transfer_server.port)
-        return dataclasses.replace(info, endpoint=endpoint, agreement=self._agreement.encode())
+        relays = () if self.relays is None else tuple(self.relays.endpoints)
+        return dataclasses.replace(info, endpoint=endpoint, agreement=self._agreement.encode(), relays=relays)
 
 
 def _reported(rank: int, err: Exception) -> str:

@@ -99,6 +99,9 @@ class FetchJob:
     # A tensor-parallel decode rank's KV heads of each row, (first, count); None: whole
     # rows. The pool holds only these (gRPC and the fast path serve a head range; NIXL not).
     heads: tuple[int, int] | None = None
+    # Each rank's sender relays (``transfer.rank.relay``), by rank; () or an empty
+    # entry: none (an older prefill), its streams go to the rank's endpoint.
+    relays: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "page_size"):

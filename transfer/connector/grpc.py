@@ -55,6 +55,8 @@ class GrpcTransport(KVTransport):
         self._kv = kv
         self._limits = {"max_inflight_bytes": max_inflight_bytes, "max_chunk_bytes": max_chunk_bytes,
                         "streams_per_rank": check_streams(streams_per_rank)}
+        # Whether streams go to the ranks' sender relays where a job names some.
+        self.use_relays = True
 
     @property
     def streams_per_rank(self) -> int:
@@ -69,7 +71,7 @@ class GrpcTransport(KVTransport):
         return {rank: Route(GRPC) for rank in ranks}
 
     def start(self, job: FetchJob, routes: Mapping[int, Route], coverage: Coverage) -> TransportFetch:
-        return _GrpcFetch(self._kv, self._limits, job, sorted(routes), coverage)
+        return _GrpcFetch(self._kv, self._limits, job, sorted(routes), coverage, self.use_relays)
 
     def release(self, endpoints: Mapping[int, str], request_id: str, fingerprint: str, *, timeout: float,
                 epoch: str | None) -> int:
@@ -87,8 +89,10 @@ class _GrpcFetch(TransportFetch):
     """The ranks' streams of one job, run by ``wait``."""
 
     def __init__(self, kv: KVClient, limits: dict[str, int], job: FetchJob, ranks: list[int],
-                 coverage: Coverage) -> None:
+                 coverage: Coverage, use_relays: bool = True) -> None:
         self._kv, self._limits, self._job, self._ranks, self._coverage = kv, limits, job, ranks, coverage
+        self._relays = {rank: tuple(job.relays[rank]) for rank in ranks
+                        if use_relays and rank < len(job.relays) and job.relays[rank]}
         self._owner_of = {page: rank for rank, pages in job.pages.items() for page in pages}
 
     def _place(self, header: ChunkHeader, payload: torch.Tensor) -> None:
@@ -110,7 +114,7 @@ class _GrpcFetch(TransportFetch):
             stats = self._kv.fetch(
                 endpoints, job.request_id, job.fingerprint, self._place, **self._limits,
                 timeout=time_left(job.deadline), layer_end=job.num_layers, epoch=job.epoch,
-                pages={rank: job.pages[rank] for rank in endpoints}, heads=job.heads,
+                pages={rank: job.pages[rank] for rank in endpoints}, heads=job.heads, relays=self._relays,
             )
         except TransferError as err:
             raise fetch_error(err, job.deadline) from err

@@ -230,6 +230,7 @@ class KVClient:
         retry: RetryPolicy | None = None,
         streams_per_rank: int = 1,
         heads: tuple[int, int] | None = None,
+        relays: Mapping[int, Sequence[str]] | None = None,
     ) -> FetchStats:
         """Fetch a request's KV from every owner rank at once; ``place`` each verified chunk.
 
@@ -241,6 +242,9 @@ class KVClient:
         (``transfer.grpcfetch.layerwise``; each with its own retries);
         ``heads``: (first KV head, count) of each row, a TP decode rank's slice
         (its chunks hold those heads only; fetched in this process's threads).
+        ``relays``: each rank's sender relays (``transfer.rank.relay``): the rank's
+        i-th stream goes to relay ``i % len``, and back to the rank's own endpoint
+        if it fails in a way a retry may cure (a head range always goes to the rank).
         ``place`` runs in one thread per owner rank (up to ``MAX_PLACERS``) and
         must be safe to call concurrently (``transfer.grpcfetch.placers``).
         Raises ``CorruptChunk`` (``ChecksumError``), ``RemoteError`` or
@@ -259,8 +263,11 @@ class KVClient:
         try:
             for rank, endpoint in endpoints.items():
                 spans = split_span(Span(layer_start, layer_end, _pages_of(pages, rank)), streams_per_rank)
+                relayed = () if heads is not None or not relays else tuple(relays.get(rank, ()))
                 for lane, span in enumerate(spans):
-                    parts.append(self._rank_fetch(job, rank, endpoint, span, epoch, lane))
+                    via = relayed[lane % len(relayed)] if relayed else endpoint
+                    parts.append(self._rank_fetch(job, rank, via, span, epoch, lane,
+                                                  fallback=endpoint if relayed else None))
             for i, part in enumerate(parts):
                 threads.append(threading.Thread(target=part.run, name=f"fetch-rank{part.rank}-{i}", daemon=True))
                 threads[-1].start()
@@ -307,14 +314,14 @@ class KVClient:
         )
 
     def _rank_fetch(self, job: Job, rank: int, endpoint: str, span: Span, epoch: str | None,
-                    lane: int = 0) -> RankFetch | RemoteRankFetch:
+                    lane: int = 0, fallback: str | None = None) -> RankFetch | RemoteRankFetch:
         """A rank's part of a fetch: in an idle receiver process (a connection of its own),
         else in a thread here, on the rank's ``lane``-th connection."""
         # A head range stays in this process: receiver processes fetch whole rows.
         receiver = self.receivers.take() if self.receivers is not None and job.heads is None else None
         if receiver is None:
-            return RankFetch(job, rank, endpoint, span, lane=lane)
-        return RemoteRankFetch(job, rank, endpoint, span, epoch, receiver, self.receivers)
+            return RankFetch(job, rank, endpoint, span, lane=lane, fallback=fallback)
+        return RemoteRankFetch(job, rank, endpoint, span, epoch, receiver, self.receivers, fallback=fallback)
 
     def stream_opener(self, epoch: str | None) -> Callable[..., Any]:
         """``open_stream`` of one fetch: a retry after a broken connection gets a new one."""

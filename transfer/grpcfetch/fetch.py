@@ -132,11 +132,16 @@ class RankFetch:
     """One owner rank's part of a fetch (``run`` in its own thread)."""
 
     def __init__(self, job: Job, rank: int, endpoint: str, span: Span, received: Cells | None = None,
-                 lane: int = 0) -> None:
+                 lane: int = 0, fallback: str | None = None) -> None:
         """``received``: cells of ``span`` already handed to the placer (by a receiver
         process that failed); only the others are asked for. ``lane``: which of the
-        rank's connections the stream goes on (one per stream of the rank)."""
+        rank's connections the stream goes on (one per stream of the rank).
+        ``fallback``: the rank's own endpoint when ``endpoint`` is one of its sender
+        relays (``transfer.rank.relay``): a relay stream that fails in a way a retry
+        may cure goes on there at once, for the cells it lacks, whatever the policy's
+        tries (a relay that died or found a page it read changed says UNAVAILABLE)."""
         self.job, self.rank, self.endpoint, self.lane = job, rank, endpoint, lane
+        self.fallback = fallback if fallback != endpoint else None
         self.cells = Cells() if received is None else received  # verified and handed to the placer
         self.retries = 0
         self._pending = [span] if received is None else leftovers(span, received)
@@ -158,6 +163,11 @@ class RankFetch:
                     fresh = False
                     continue
                 except _Retry as retry:
+                    if self.fallback is not None and not job.stopping.is_set():
+                        self.endpoint, self.fallback, fresh = self.fallback, None, True
+                        self.retries += 1
+                        self._pending[0:1] = leftovers(span, self.cells)
+                        continue
                     failures = 1 if self.cells.count > mark else failures + 1
                     mark = self.cells.count
                     wait = job.policy.backoff(failures)

@@ -103,7 +103,7 @@ class _Receiver:
                   spec.timeout_s, self.client.stream_opener(spec.epoch), budget)
         tag = object()
         job.ready = _Tagged(self.inbox, tag)  # the rank's items come in among the client's messages
-        part = RankFetch(job, spec.rank, spec.endpoint, spec.span)
+        part = RankFetch(job, spec.rank, spec.endpoint, spec.span, fallback=spec.fallback)
         thread = threading.Thread(target=part.run, name=f"receive-rank{spec.rank}", daemon=True)
         thread.start()
         free, waiting = deque(range(self.slots)), deque()

@@ -59,6 +59,7 @@ class RankJob(NamedTuple):
     policy: RetryPolicy
     timeout_s: float
     epoch: str | None
+    fallback: str | None = None  # the rank's own endpoint when ``endpoint`` is a relay of it
 
 
 class Receiver:

@@ -54,8 +54,8 @@ class RemoteRankFetch:
     """
 
     def __init__(self, job: Job, rank: int, endpoint: str, span: Span, epoch: str | None,
-                 receiver: Receiver, pool: ReceiverPool) -> None:
-        self.job, self.rank, self.endpoint = job, rank, endpoint
+                 receiver: Receiver, pool: ReceiverPool, fallback: str | None = None) -> None:
+        self.job, self.rank, self.endpoint, self.fallback = job, rank, endpoint, fallback
         self.retries = 0
         self._span, self._epoch, self._receiver, self._pool = span, epoch, receiver, pool
         self._lock = threading.Lock()  # orders our stop after our fetch message
@@ -72,7 +72,7 @@ class RemoteRankFetch:
                 receiver.clean = False
                 receiver.send(("fetch", RankJob(self.rank, self.endpoint, self._span, job.request_id,
                                                 job.fingerprint, job.max_chunk_bytes, job.policy, job.remaining(),
-                                                self._epoch)))
+                                                self._epoch, self.fallback)))
                 self._sent = True
             self._relay()
         except (EOFError, OSError) as err:
@@ -91,7 +91,8 @@ class RemoteRankFetch:
                 return  # the fetch is over: nobody waits for this part
             log.warning("rank %d: %s; receiving the rest in a thread", self.rank, why,
                         extra={"request_id": self.job.request_id})
-            self._local = RankFetch(self.job, self.rank, self.endpoint, self._span, received=self._cells)
+            self._local = RankFetch(self.job, self.rank, self.endpoint, self._span, received=self._cells,
+                                   fallback=self.fallback)
         try:
             self._local.run()
         finally:
