@@ -42,4 +42,26 @@ probe)  # issue 33: where the FP8 Llama step's time goes; issue 36: the rank's G
         --tokens 8192 --repeat 2 --no-nixl --paths grpc fast --fetch-streams 1 4 \
         --json "$OUT/ttft_switch_0p1ms_h200.json" > "$OUT/ttft_switch.log" 2>&1
     echo "ttft switch rc=$?"; grep -E "^ +8192 +(colocated|grpc|fast)" "$OUT/ttft_switch.log" ;;
+final)  # after the merges: issue 37 (V2-Lite step, MLA prefill), 36 (relays), 33 (FP8 prefill GEMM), GPU tests
+    timeout 95 python3 bench/deepseek.py --v2-lite --batches 1 16 64 --parts decode \
+        --json "$OUT/deepseek_v2_lite_decode.json" > "$OUT/deepseek_v2_lite.log" 2>&1
+    echo "v2-lite rc=$?"; tail -8 "$OUT/deepseek_v2_lite.log"
+    timeout 120 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
+        --transfer-tokens 8192 --paths grpc fast --fetch-streams 4 --fetch-relays 4 \
+        --json "$OUT/ttft_relays_h200.json" > "$OUT/ttft_relays.log" 2>&1
+    echo "ttft relays rc=$?"; grep -E "^ +(8192|32768) +(colocated|grpc|fast)" "$OUT/ttft_relays.log"
+    cp kernels/fp8/gemm_tables/nvidia_h200.json "$OUT/nvidia_h200.json"
+    timeout 110 python3 bench/fp8.py --sweep --rows 2048 --time-budget-s 90 --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_prefill_h200.json" > "$OUT/fp8_sweep_prefill.log" 2>&1
+    echo "fp8 prefill sweep rc=$?"; tail -6 "$OUT/fp8_sweep_prefill.log"
+    PYTHONPATH=.:${PYTHONPATH:-} timeout 90 python3 bench/mla_prefill_sweep.py --job-timeout 60 \
+        --configs 128,128,8,2 128,128,8,2+exp_bf16 128,64,8,4+exp_bf16 \
+        --json "$OUT/mla_prefill_sweep_h200.json" > "$OUT/mla_prefill_sweep.log" 2>&1
+    echo "mla prefill rc=$?"; tail -12 "$OUT/mla_prefill_sweep.log"
+    timeout 130 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_moe_decode.py \
+        tests/kernels/test_fp8_moe_decode.py tests/kernels/test_moe_gate.py tests/kernels/test_mla_decode.py \
+        tests/kernels/test_sparse_mla.py tests/kernels/test_fp8_rope_store.py tests/kernels/test_rmsnorm.py \
+        tests/kernels/test_fp8_gemm_prefill.py tests/transfer/fastpath/test_head_ranges.py \
+        tests/decode/test_no_compile.py tests/transfer/rank/test_relay.py > "$OUT/gpu_tests.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | cut -c1-180; tail -1 "$OUT/gpu_tests.log" ;;
 esac
