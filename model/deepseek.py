@@ -38,7 +38,7 @@ from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
 from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, TOKEN_BUCKETS, moe_experts_decode
-from lanekv.kernels.moe.experts import moe_experts
+from lanekv.kernels.moe.experts import moe_experts, prefill_tile_min_pairs
 from lanekv.kernels.moe.gate import router_logits
 from lanekv.kernels.moe.route import moe_route
 from lanekv.kernels.rope_store import mla_rope
@@ -285,21 +285,43 @@ class MoE(nn.Module):
         return {"shared_w13": shared.gate_up.weight, "shared_w2": shared.down_proj.weight}
 
     def warm_up_decode(self) -> None:
-        """Compile the sort-free decode kernels for each token bucket the model sends them
-        (``TOKEN_BUCKETS`` up to MOE_DECODE_MAX_TOKENS): a CUDA-graph ladder compiles its own
-        sizes' buckets only, and an eager step above a short ladder can take another. The
-        kernels run on zeros, every token on the first experts; no collectives, so every
-        rank may call it alone. Nothing on the CPU or for block-FP8 experts."""
-        if self.w13 is None or not self.w13.is_cuda or self.fp8 is not None:
+        """Compile the experts' kernels an eager decode step may take that a CUDA-graph
+        ladder did not: the sort-free decode kernels for each token bucket
+        (``TOKEN_BUCKETS`` up to MOE_DECODE_MAX_TOKENS; a ladder compiles its own sizes'
+        buckets only), and the grouped kernels past that at both of their tile sets (a
+        batch above the ladder takes them). The kernels run on zeros, every token on the
+        first experts; no collectives, so every rank may call it alone. Nothing on the CPU."""
+        fp8 = self.fp8 or (StackedFp8Experts(self.experts, fuse=False)
+                           if self.w13 is None and StackedFp8Experts.stackable(self.experts) else None)
+        w13 = fp8.w13 if fp8 is not None else self.w13
+        if w13 is None or not w13.is_cuda:
             return
-        experts, inter, hidden = self.w13.shape[0], self.w13.shape[1] // 2, self.w13.shape[2]
+        experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, w13.shape[2]
         top_k = min(self.gate.moe.top_k, experts)
-        shared = self._shared_weights(inter) or {}
-        like = {"device": self.w13.device}
+        dtype = self.shared_dtype if fp8 is not None else w13.dtype
+        shared = {} if fp8 is not None else self._shared_weights(inter) or {}
+        like = {"device": w13.device}
+
+        def run(tokens: int, decode: bool) -> None:
+            ids = torch.arange(top_k, **like).repeat(tokens, 1)
+            x, weights = torch.zeros((tokens, hidden), dtype=dtype, **like), torch.ones(ids.shape, **like)
+            if fp8 is not None:
+                if decode:
+                    moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block)
+                else:
+                    moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
+                                    scale_ue8m0=fp8.scale_ue8m0)
+            elif decode:
+                moe_experts_decode(x, self.w13, self.w2, weights, ids, **shared)
+            else:
+                moe_experts(x, self.w13, self.w2, weights, ids)
+
         for bucket in (b for b in TOKEN_BUCKETS if b <= MOE_DECODE_MAX_TOKENS):
-            ids = torch.arange(top_k, **like).repeat(bucket, 1)
-            moe_experts_decode(torch.zeros((bucket, hidden), dtype=self.w13.dtype, **like),
-                               self.w13, self.w2, torch.ones(ids.shape, **like), ids, **shared)
+            run(bucket, decode=True)
+        # the grouped kernels' two tile sets: below and from prefill_tile_min_pairs pairs
+        first = MOE_DECODE_MAX_TOKENS + 1
+        run(first, decode=False)
+        run(max(first, -(-prefill_tile_min_pairs(experts) // top_k)), decode=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)

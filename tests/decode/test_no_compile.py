@@ -71,5 +71,5 @@ def test_short_ladder_deepseek_eager_batches_compile_nothing_gpu(tmp_path):
             engine.step()
             steps += 1
         torch.cuda.synchronize()
-    assert steps >= 6
     assert compiles == [], f"{len(compiles)} kernels compiled after warm-up: {compiles[:3]}"
+    assert steps >= 5  # 6 tokens each, the first from the prefill: batches of 12 down to 1
