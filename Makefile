@@ -5,6 +5,10 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the build machines' disk; the GPU machines bring their own.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# Test processes (pytest-xdist). Each takes whole files (--dist loadfile), so a module's
+# daemons and checkpoints are started once; the tests pick free ports and name their
+# /dev/shm files by pid, so files on different processes do not meet. CI has 2 cores.
+TEST_JOBS ?= 2
 
 .PHONY: install test test-fast lint bench proto demo tiny-model clean
 
@@ -20,12 +24,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=25 tests
+	$(PY) -m pytest -q -ra --durations=25 -n $(TEST_JOBS) --dist loadfile tests
 
 # The unit tests: everything but the end-to-end tests that start daemons (marked slow
 # by tests/conftest.py) and the GPU tests.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -m "not slow and not gpu" tests
+	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow and not gpu" tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -331,7 +331,13 @@ class CPPrefillEngine(PrefillEngine):
             proc.start()
         self._reader = threading.Thread(target=self._read_loop, name="lanekv-cp-reader", daemon=True)
         self._reader.start()
-        ready = self._wait(None, config.start_timeout_s, "start-up")
+        try:
+            ready = self._wait(None, config.start_timeout_s, "start-up")
+        except BaseException:
+            # The other ranks end first (a failing one logs its traceback as it goes), so the
+            # caller's one error line comes after every rank's output, never amid it.
+            self.close(timeout_s=5.0)
+            raise
         self.info: RankInfo = ready[0]
         self.endpoints = [r.endpoint for r in ready]
         self.relays = [tuple(r.relays) for r in ready]  # each rank's sender relays

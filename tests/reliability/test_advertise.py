@@ -93,6 +93,7 @@ def test_a_wildcard_bound_daemon_names_a_real_address_of_this_host():
 # -- two network namespaces -------------------------------------------------
 
 SUBNET = "10.213.{}.{}"
+PREFILL_PORT = 50070  # the prefill namespace is new: every port in it is free
 
 
 def _can_make_namespaces() -> str | None:
@@ -168,18 +169,23 @@ def test_a_decode_daemon_on_another_host_reaches_a_wildcard_bound_prefill_daemon
     checkpoint = write_llama(tmp_path / "llama")
     procs: list[subprocess.Popen] = []
     logs = {name: tmp_path / f"{name}.log" for name in ("prefill", "decode")}
+    port = PREFILL_PORT
     try:
         with logs["prefill"].open("w") as err:
             procs.append(_in(prefill_ns, "prefill", "--model", str(checkpoint), "--cp-size", "2", "--page-size", "4",
-                             "--pool-pages", "32", "--device", "cpu", "--host", "0.0.0.0",
+                             "--pool-pages", "32", "--device", "cpu", "--host", "0.0.0.0", "--port", str(port),
                              "--ready-file", str(tmp_path / "prefill.ready"), stdout=subprocess.DEVNULL, stderr=err))
-        prefill = _ready(tmp_path / "prefill.ready", procs[0], logs["prefill"])
-        assert prefill.rpartition(":")[0] == prefill_addr  # not 0.0.0.0
-        assert f"advertising {prefill_addr}" in logs["prefill"].read_text()
+        # Started at once, the decode daemon waits for the prefill daemon (--connect-timeout-s):
+        # the ranks' endpoints it dials then are those the prefill daemon's topology advertises.
         with logs["decode"].open("w") as err:  # another host: only the veth reaches the prefill daemon
-            procs.append(_in(decode_ns, "decode", "--model", str(checkpoint), "--prefill", prefill, "--page-size",
-                             "4", "--pool-pages", "64", "--device", "cpu", "--transport", "grpc",
-                             "--ready-file", str(tmp_path / "decode.ready"), stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(_in(decode_ns, "decode", "--model", str(checkpoint), "--prefill", f"{prefill_addr}:{port}",
+                             "--connect-timeout-s", "150", "--page-size", "4", "--pool-pages", "64", "--device",
+                             "cpu", "--transport", "grpc", "--ready-file", str(tmp_path / "decode.ready"),
+                             stdout=subprocess.DEVNULL, stderr=err))
+        expected = _hf_greedy(checkpoint)  # while both start
+        prefill = _ready(tmp_path / "prefill.ready", procs[0], logs["prefill"])
+        assert prefill == f"{prefill_addr}:{port}"  # not 0.0.0.0
+        assert f"advertising {prefill_addr}" in logs["prefill"].read_text()
         decode = _ready(tmp_path / "decode.ready", procs[1], logs["decode"])
         generated = _in(decode_ns, "generate", "--decode", decode, "--ids", ",".join(map(str, PROMPT)),
                         "--max-new-tokens", str(NEW_TOKENS), "--print-ids", stdout=subprocess.PIPE,
@@ -187,7 +193,7 @@ def test_a_decode_daemon_on_another_host_reaches_a_wildcard_bound_prefill_daemon
         out, err = generated.communicate(timeout=120)
         assert generated.returncode == 0, err[-2000:]
         tokens = [int(t) for t in out.replace(",", " ").split()]
-        assert tokens == _hf_greedy(checkpoint), (tokens, out)
+        assert tokens == expected, (tokens, out)
     finally:
         for proc in procs:
             proc.terminate()

@@ -58,10 +58,11 @@ def _free_port() -> int:
 
 
 class PrefillProcess:
-    """``lanekv prefill`` (cp 1) in a session of its own, on ``port``, with /metrics."""
+    """``lanekv prefill`` (cp 1) in a session of its own, on ``port``, with /metrics.
+    Started here; ``wait_ready`` waits for its endpoint (several start at once)."""
 
     def __init__(self, checkpoint, tmp, name: str, port: int = 0) -> None:
-        ready = tmp / f"{name}-{time.monotonic_ns()}.ready"
+        self.ready = ready = tmp / f"{name}-{time.monotonic_ns()}.ready"
         self.metrics_port = _free_port()
         args = [sys.executable, "-m", "lanekv.cli", "prefill", "--model", str(checkpoint), "--cp-size", "1",
                 "--page-size", str(PAGE_SIZE), "--pool-pages", "200", "--port", str(port),
@@ -72,14 +73,17 @@ class PrefillProcess:
             self.process = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=out,
                                             stderr=subprocess.STDOUT,
                                             env={**os.environ, "PYTHONPATH": str(ROOT), **ENV})
+
+    def wait_ready(self) -> PrefillProcess:
         deadline = time.monotonic() + 2 * START_TIMEOUT_S
-        while not ready.exists():
+        while not self.ready.exists():
             if self.process.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 raise RuntimeError(f"lanekv prefill did not start (exit {self.process.returncode}): "
                                    f"{self.log.read_text()[-2000:]}")
             time.sleep(0.05)
-        self.endpoint = ready.read_text()
+        self.endpoint = self.ready.read_text()
+        return self
 
     def metric(self, name: str, labels: str) -> float:
         request = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics",
@@ -142,6 +146,8 @@ def test_one_decode_over_two_prefills_kill_one_under_load(checkpoint, references
         stack.callback(steady.stop)
         doomed = PrefillProcess(checkpoint, tmp_path, "doomed", port=doomed_port)
         stack.callback(lambda: doomed.stop())
+        steady.wait_ready()  # the two have been starting at once
+        doomed.wait_ready()
         steady_free = steady.free_pages()
         # Health is asked only when the test says so (``check``): the killed daemon is
         # found out by the calls sent to it, each of which must then go to the other one.
@@ -200,7 +206,7 @@ def test_one_decode_over_two_prefills_kill_one_under_load(checkpoint, references
 
         # The daemon restarted on its port (its rank on a new one) joins again once its
         # health says SERVING and a new handshake passes; its prompts' KV comes from its new rank.
-        doomed = PrefillProcess(checkpoint, tmp_path, "restarted", port=doomed_port)
+        doomed = PrefillProcess(checkpoint, tmp_path, "restarted", port=doomed_port).wait_ready()
         restarted_free = doomed.free_pages()
 
         def rejoined():
