@@ -190,10 +190,11 @@ def _count_of(ids, pid, num_tokens, num_experts):
 
 @triton.jit(do_not_specialize=["num_tokens", "num_experts"])
 def _decode_gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, ids_ptr, h_ptr, num_tokens, num_experts, inter, hidden,
-    stride_xt, stride_we, stride_wn, stride_wsn, stride_ht,
+    x_ptr, w_ptr, ws_ptr, s_ptr, ids_ptr, h_ptr, num_tokens, num_experts, inter, hidden,
+    stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_sn, stride_ht,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
     pid, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
@@ -210,6 +211,11 @@ def _decode_gate_up_kernel(
         stride_n = stride_wsn.to(tl.int64)
         w = ws_ptr + (pid - num_experts).to(tl.int64) * inter * stride_n
         up = SHARED * inter * stride_n
+    if W_FP8:  # e4m3 routed experts (no shared slices), a scale per GROUP_N x GROUP_K block
+        n0 = tl.program_id(1) * BLOCK_N
+        scales = s_ptr + pid.to(tl.int64) * stride_se
+        gate_scales = scales + (n0 // GROUP_N) * stride_sn  # the tile lies in one block row
+        up_scales = scales + ((inter + n0) // GROUP_N) * stride_sn  # inter: whole blocks
     dtype = h_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
         _, token, row, valid = _rows_of(ids, pid, num_tokens, num_experts, chunk, count,
@@ -224,6 +230,9 @@ def _decode_gate_up_kernel(
             w_mask = k_ok[:, None] & n_ok[None, :]
             wg = tl.load(w + n[None, :] * stride_n + k[:, None], mask=w_mask, other=0.0)
             wu = tl.load(w + up + n[None, :] * stride_n + k[:, None], mask=w_mask, other=0.0)
+            if W_FP8:  # dequantized as dequantize_weight_blocks does: e4m3 x scale, rounded
+                wg = (wg.to(tl.float32) * tl.load(gate_scales + k0 // GROUP_K)).to(dtype)
+                wu = (wu.to(tl.float32) * tl.load(up_scales + k0 // GROUP_K)).to(dtype)
             acc_g = tl.dot(a, wg, acc_g, input_precision=DOT_PRECISION)
             acc_u = tl.dot(a, wu, acc_u, input_precision=DOT_PRECISION)
         gate = acc_g.to(dtype).to(tl.float32)
@@ -235,10 +244,11 @@ def _decode_gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_experts"])
 def _decode_down_kernel(
-    h_ptr, w_ptr, ws_ptr, ids_ptr, weights_ptr, y_ptr, num_tokens, num_experts, hidden, inter,
-    stride_ht, stride_we, stride_wn, stride_wsn, stride_yt,
+    h_ptr, w_ptr, ws_ptr, s_ptr, ids_ptr, weights_ptr, y_ptr, num_tokens, num_experts, hidden,
+    inter, stride_ht, stride_we, stride_wn, stride_wsn, stride_se, stride_sn, stride_yt,
     TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
 ):
     ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
     pid, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
@@ -253,6 +263,8 @@ def _decode_down_kernel(
     else:  # shared slice s: columns s*I .. (s+1)*I of shared_w2
         w = ws_ptr + (pid - num_experts).to(tl.int64) * inter
         stride_n = stride_wsn.to(tl.int64)
+    if W_FP8:  # e4m3 routed experts: the tile's block row of scales
+        scales = s_ptr + pid.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // GROUP_N) * stride_sn
     dtype = y_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
         pair, _, row, valid = _rows_of(ids, pid, num_tokens, num_experts, chunk, count,
@@ -265,6 +277,8 @@ def _decode_down_kernel(
                         mask=valid[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(w + n[None, :] * stride_n + k[:, None],
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if W_FP8:
+                b = (b.to(tl.float32) * tl.load(scales + k0 // GROUP_K)).to(dtype)
             acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         routed = pair >= 0
         weight = tl.load(weights_ptr + tl.where(routed, pair, 0), mask=valid & routed, other=1.0)
@@ -335,20 +349,25 @@ def _precision(x: torch.Tensor) -> str:
 
 
 def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
-                          shared_w13: torch.Tensor | None, tiles: DecodeTiles) -> torch.Tensor:
+                          shared_w13: torch.Tensor | None, tiles: DecodeTiles,
+                          scales: torch.Tensor | None = None,
+                          block: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """Kernel 1 on checked inputs (``ids`` contiguous): ``h [T*k + S*T, I]``, SiLU(gate) * up
-    of every pair's expert, then of every shared slice per token."""
+    of every pair's expert, then of every shared slice per token. ``scales``: ``w13`` is
+    e4m3 with a float32 scale per ``block`` (no shared slices then; tiles inside blocks)."""
     tokens, hidden = x.shape
     experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
     shared = 0 if shared_w13 is None else shared_w13.shape[0] // (2 * inter)
     ws13 = w13 if shared_w13 is None else shared_w13  # unused without a shared expert
     h = x.new_empty((tokens * top_k + shared * tokens, inter))
     programs = tokens * top_k + shared  # a slot per pair (its expert's first runs it), the slices
+    s13 = w13 if scales is None else scales  # unused without scales
     _decode_gate_up_kernel[(programs, triton.cdiv(inter, tiles.block_n))](
-        x, w13, ws13, ids, h, tokens, experts, inter, hidden,
-        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), h.stride(0),
-        TOP_K=top_k, SHARED=shared, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
+        x, w13, ws13, s13, ids, h, tokens, experts, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), s13.stride(0), s13.stride(1),
+        h.stride(0), TOP_K=top_k, SHARED=shared, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
+        W_FP8=scales is not None, GROUP_N=block[0], GROUP_K=block[1],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return h
@@ -356,19 +375,23 @@ def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
 
 def launch_decode_down(x: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                        weights: torch.Tensor, shared_w2: torch.Tensor | None,
-                       tiles: DecodeTiles) -> torch.Tensor:
+                       tiles: DecodeTiles, scales: torch.Tensor | None = None,
+                       block: tuple[int, int] = (1, 1)) -> torch.Tensor:
     """Kernel 2 on checked inputs (``x`` only for its shape and dtype): ``y [T*k + S*T, H]``,
-    each pair's expert output times its routing weight, then the shared slices' outputs."""
+    each pair's expert output times its routing weight, then the shared slices' outputs.
+    ``scales``: ``w2`` is e4m3 with a float32 scale per ``block``, as in kernel 1."""
     tokens, hidden = x.shape
     experts, inter, top_k = w2.shape[0], w2.shape[2], ids.shape[1]
     shared = 0 if shared_w2 is None else shared_w2.shape[1] // inter
     ws2 = w2 if shared_w2 is None else shared_w2
     y = x.new_empty((h.shape[0], hidden))
+    s2 = w2 if scales is None else scales  # unused without scales
     _decode_down_kernel[(tokens * top_k + shared, triton.cdiv(hidden, tiles.block_n))](
-        h, w2, ws2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), y.stride(0),
-        TOP_K=top_k, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
+        h, w2, ws2, s2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden, inter,
+        h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), s2.stride(0), s2.stride(1),
+        y.stride(0), TOP_K=top_k, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
+        W_FP8=scales is not None, GROUP_N=block[0], GROUP_K=block[1],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages,
     )
     return y
