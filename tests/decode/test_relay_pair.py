@@ -7,6 +7,8 @@ from __future__ import annotations
 import re
 import subprocess
 import threading
+import uuid
+from pathlib import Path
 
 import grpc
 import pytest
@@ -23,9 +25,22 @@ PROMPT = [(5 * i + 2) % 120 + 3 for i in range(37)]  # 10 pages of 4
 RELAY_LOG = re.compile(r"relay of rank (\d+): request '([^']+)': (\d+) bytes in (\d+) chunks")
 
 
-def _relay_pids() -> set[int]:
+def _relay_pids(tag: str) -> set[int]:
+    """The relay processes started under this test's ``TAG_ENV`` (tests of another pytest
+    process may run relays at the same time; an orphan keeps its environment)."""
     out = subprocess.run(["pgrep", "-f", "lanekv.transfer.rank.relay_main"], capture_output=True, text=True)
-    return {int(p) for p in out.stdout.split()}
+    mine = set()
+    for pid in (int(p) for p in out.stdout.split()):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        if f"{TAG_ENV}={tag}".encode() in environ:
+            mine.add(pid)
+    return mine
+
+
+TAG_ENV = "LANEKV_TEST_RELAY_TAG"
 
 
 @pytest.mark.timeout(240)
@@ -33,7 +48,8 @@ def _relay_pids() -> set[int]:
 def test_relays_carry_the_kv_and_tokens_equal_transformers(tmp_path, monkeypatch, capfd, cp_size):
     checkpoint = write_llama(tmp_path / "llama", num_layers=2)
     expected = hf_greedy(checkpoint, [PROMPT], 5)[0]
-    before = _relay_pids()
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_ENV, tag)  # every process the daemons start inherits it
     lock, used, fetched = threading.Lock(), [], []
     rank_fetch, fetch = grpcfetch_client.KVClient._rank_fetch, grpcfetch_client.KVClient.fetch
 
@@ -56,7 +72,7 @@ def test_relays_carry_the_kv_and_tokens_equal_transformers(tmp_path, monkeypatch
         relays, epoch = prefill.relays, prefill.epoch
         assert len(list(SHM_DIR.glob(f"lanekv-{epoch}-rank*"))) == cp_size  # the pools the relays map
         assert len(relays) == cp_size and all(len(r) == 2 for r in relays)
-        assert len(_relay_pids() - before) == 2 * cp_size
+        assert len(_relay_pids(tag)) == 2 * cp_size
         with grpc.insecure_channel(decode.endpoint) as channel:
             request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT), max_new_tokens=5,
                                                  request_id="relayed")
@@ -73,7 +89,7 @@ def test_relays_carry_the_kv_and_tokens_equal_transformers(tmp_path, monkeypatch
     sent = [(int(m[1]), int(m[3])) for m in RELAY_LOG.finditer(capfd.readouterr().err) if m[2] == "relayed"]
     assert len(sent) == 2 * cp_size and all(n > 0 for _, n in sent), sent
     assert sum(n for _, n in sent) == stats.bytes
-    assert not _relay_pids() - before  # every relay ended with its rank
+    assert not _relay_pids(tag)  # every relay ended with its rank
     assert not list(SHM_DIR.glob(f"lanekv-{epoch}-*"))  # the ranks' pool files are gone
 
 

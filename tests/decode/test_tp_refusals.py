@@ -34,12 +34,8 @@ CASES = [
     ("llama-odd-mlp", {"tp_size": 4}, r"^tp_size=4 does not divide intermediate_size=130$"),
     ("deepseek_v3", {"tp_size": 3}, r"^tp_size=3 does not divide num_experts=8$"),
     ("deepseek_v3", {"tp_size": 8}, r"^tp_size=8 does not divide num_heads=4$"),
-    ("deepseek_v32", {"tp_size": 2},
-     r"^tp_size=2 is not supported for architecture='DeepseekV32ForCausalLM' \(the DSA indexer"),
     ("llama", {"tp_size": 0}, r"^tp_size=0 must be a positive integer$"),
     ("llama", {"tp_size": 2, "transport": "nixl"}, r"^transport='nixl' is not supported with tp_size=2 "),
-    ("llama", {"tp_size": 2, "kv_cache_dtype": "fp8_e4m3"},
-     r"^kv_cache_dtype='fp8_e4m3' is not supported with tp_size=2 "),
     ("llama", {"tp_size": 2, "load_format": "dummy"}, r"^load_format='dummy' is not supported with tp_size=2 "),
 ]
 
@@ -60,6 +56,10 @@ def test_every_layout_the_heads_allow_is_accepted(models) -> None:
                                       transport=transport)
                 # With tp_size > 1 too, auto tries the same-host fast path first (each rank its heads).
                 assert config.transports == (("fastpath", "grpc") if transport == "auto" else ("grpc",))
+    # DSA (the indexer replicated on every rank) and FP8 KV rows (each rank its heads' bytes)
+    assert DecodeConfig(str(models["deepseek_v32"]), "127.0.0.1:1", device="cpu", tp_size=2).tp_size == 2
+    assert DecodeConfig(str(models["llama"]), "127.0.0.1:1", device="cpu", tp_size=2,
+                        kv_cache_dtype="fp8_e4m3").kv_cache_dtype == "fp8_e4m3"
 
 
 def test_lanekv_decode_refuses_in_one_line(models, capsys) -> None:
