@@ -105,13 +105,18 @@ def _pack_mla_fp8_kernel(latent_ptr, q_ptr, s_ptr, rope_ptr, stride_l, stride_q,
     tl.store(s_ptr + t * stride_s + g, scale, mask=g_ok)
     r = tl.arange(0, ROPE_BLOCK)
     rope = tl.load(latent_ptr + t * stride_l + RANK + r, mask=r < ROPE, other=0.0).to(tl.float32)
-    if HW_CAST:  # the hardware's round-to-nearest-even, as torch's cast
-        rope = rope.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    else:  # rounded to nearest-even bfloat16 in the float32 bits (the interpreter's cast truncates)
-        bits = rope.to(tl.int32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-        rope = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
-    tl.store(rope_ptr + t * stride_r + r, rope, mask=r < ROPE)
+    tl.store(rope_ptr + t * stride_r + r, bf16_rne(rope, HW_CAST), mask=r < ROPE)
+
+
+@triton.jit
+def bf16_rne(x, HW_CAST: tl.constexpr):
+    """float32 ``x`` rounded to the nearest-even bfloat16, as torch's cast rounds."""
+    if HW_CAST:  # the hardware's conversion
+        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    # in the float32 bits (the interpreter's cast truncates)
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
 
 
 def _views(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int):

@@ -31,6 +31,8 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.fp8.kv_rows import (
+    _views,
+    bf16_rne,
     kv_fp8_head_bytes,
     kv_fp8_views,
     mla_fp8_group,
@@ -235,30 +237,27 @@ def _mla_rope_store_fp8_kernel(
         # rotated, rounded to the model dtype (the latent the model holds), then to bf16
         r1 = (x1 * c - x2 * s).to(latent_ptr.dtype.element_ty).to(tl.float32)
         r2 = (x2 * c + x1 * s).to(latent_ptr.dtype.element_ty).to(tl.float32)
-        if HW_CAST:
-            b1 = r1.to(tl.bfloat16, fp_downcast_rounding="rtne")
-            b2 = r2.to(tl.bfloat16, fp_downcast_rounding="rtne")
-        else:  # nearest-even bfloat16 in the float32 bits (the interpreter's cast truncates)
-            bits1, bits2 = r1.to(tl.int32, bitcast=True), r2.to(tl.int32, bitcast=True)
-            b1 = ((bits1 + 0x7FFF + ((bits1 >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            b2 = ((bits2 + 0x7FFF + ((bits2 >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-            b1, b2 = b1.to(tl.bfloat16), b2.to(tl.bfloat16)
-        p = tl.arange(0, PAD_BLOCK)
-        zeros = tl.zeros((PAD_BLOCK,), dtype=tl.uint8)
+        b1, b2 = bf16_rne(r1, HW_CAST), bf16_rne(r2, HW_CAST)
         if cached:
-            row = loc * stride_c
-            tl.store(cq_ptr + row + g[:, None] * GROUP_SIZE + k[None, :], q, mask=mask)
-            tl.store(cs_ptr + row // 4 + g, scale, mask=g_ok)
-            tl.store(cr_ptr + row // 2 + i, b1, mask=ok)
-            tl.store(cr_ptr + row // 2 + HALF + i, b2, mask=ok)
-            tl.store(cp_ptr + row + p, zeros, mask=p < PAD)
+            _store_mla_row(cq_ptr, cs_ptr, cr_ptr, cp_ptr, loc * stride_c, q, scale, b1, b2, g, k, mask, g_ok,
+                           i, ok, HALF, GROUP_SIZE, PAD, PAD_BLOCK)
         if WRITE_ROWS:
-            row = t * stride_o
-            tl.store(oq_ptr + row + g[:, None] * GROUP_SIZE + k[None, :], q, mask=mask)
-            tl.store(os_ptr + row // 4 + g, scale, mask=g_ok)
-            tl.store(or_ptr + row // 2 + i, b1, mask=ok)
-            tl.store(or_ptr + row // 2 + HALF + i, b2, mask=ok)
-            tl.store(op_ptr + row + p, zeros, mask=p < PAD)
+            _store_mla_row(oq_ptr, os_ptr, or_ptr, op_ptr, t * stride_o, q, scale, b1, b2, g, k, mask, g_ok,
+                           i, ok, HALF, GROUP_SIZE, PAD, PAD_BLOCK)
+
+
+@triton.jit
+def _store_mla_row(q_ptr, s_ptr, r_ptr, p_ptr, row, q, scale, b1, b2, g, k, mask, g_ok, i, ok,
+                   HALF: tl.constexpr, GROUP_SIZE: tl.constexpr, PAD: tl.constexpr,
+                   PAD_BLOCK: tl.constexpr):
+    """One packed row at byte offset ``row``: e4m3 values, float32 scales, the two bf16
+    RoPE halves, zero padding."""
+    tl.store(q_ptr + row + g[:, None] * GROUP_SIZE + k[None, :], q, mask=mask)
+    tl.store(s_ptr + row // 4 + g, scale, mask=g_ok)
+    tl.store(r_ptr + row // 2 + i, b1, mask=ok)
+    tl.store(r_ptr + row // 2 + HALF + i, b2, mask=ok)
+    p = tl.arange(0, PAD_BLOCK)
+    tl.store(p_ptr + row + p, tl.zeros((PAD_BLOCK,), dtype=tl.uint8), mask=p < PAD)
 
 
 def _check_mla(latent, cos, sin, interleave, cache, locs, rows_out, kv_lora_rank) -> int:
@@ -303,12 +302,10 @@ def _check_mla(latent, cos, sin, interleave, cache, locs, rows_out, kv_lora_rank
     return packed
 
 
-def _row_parts(rows: torch.Tensor, kv_lora_rank: int, packed: int):
-    """A ``[N, stride]`` uint8 tensor's parts as the kernel's pointers."""
-    groups = kv_lora_rank // mla_fp8_group(kv_lora_rank)
-    scales = kv_lora_rank + 4 * groups
-    return (rows[:, :kv_lora_rank].view(torch.float8_e4m3fn), rows[:, kv_lora_rank:scales].view(
-        torch.float32), rows[:, scales:packed].view(torch.bfloat16), rows[:, packed:])
+def _row_parts(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int, packed: int):
+    """A ``[N, stride]`` uint8 tensor's parts as the kernel's pointers: the packed row's
+    three typed views (``kv_rows._views``), then the padding bytes."""
+    return (*_views(rows, kv_lora_rank, rope_dim), rows[:, packed:])
 
 
 def mla_rope_store_fp8_triton(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -320,8 +317,8 @@ def mla_rope_store_fp8_triton(latent: torch.Tensor, cos: torch.Tensor, sin: torc
         return
     half, group = (width - kv_lora_rank) // 2, mla_fp8_group(kv_lora_rank)
     groups, pad = kv_lora_rank // group, cache.shape[1] - packed
-    parts = _row_parts(cache, kv_lora_rank, packed)
-    out = parts if rows_out is None else _row_parts(rows_out, kv_lora_rank, packed)
+    parts = _row_parts(cache, kv_lora_rank, width - kv_lora_rank, packed)
+    out = parts if rows_out is None else _row_parts(rows_out, kv_lora_rank, width - kv_lora_rank, packed)
     _mla_rope_store_fp8_kernel[(num_tokens,)](
         latent, cos, sin, locs, *parts, *out, cache.shape[0],
         latent.stride(0), cos.stride(0), sin.stride(0), cache.stride(0),
