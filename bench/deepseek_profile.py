@@ -49,12 +49,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from bench.deepseek import CONFIGS as DEEPSEEK_CONFIGS  # noqa: E402
 from bench.deepseek import fill_pool  # noqa: E402
+from bench.fp8 import FP8_CONFIG  # noqa: E402  (--fp8: the dummy weights quantized blockwise)
 from bench.prefill import LLAMA3_8B  # noqa: E402
 
 CONFIGS = {**DEEPSEEK_CONFIGS, "llama3_8b": LLAMA3_8B}
-# block-FP8 weights (``--fp8``): the dummy weights quantized as a DeepSeek/-FP8 checkpoint is
-FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": [128, 128]}
 
 OUTSIDE = "outside"
 _LAYER_PREFIX = "lanekv.layer."

@@ -477,15 +477,18 @@ def step_bytes(model: torch.nn.Module, batch: int) -> int:
     return int(total)
 
 
+def model_config(name: str, quant: str) -> dict:
+    """config.json of ``name``'s shapes, with ``quantization_config`` for ``quant == "fp8"``."""
+    return dict(MODELS[name], **({"quantization_config": FP8_CONFIG} if quant == "fp8" else {}))
+
+
 def bench_decode(models: list[str], batches: list[int], context: int, steps: int,
                  device: torch.device) -> list[dict]:
     rate = _copy_rate(device)
     out = []
     for name in models:
         for quant in ("bf16", "fp8"):
-            cfg = dict(MODELS[name])
-            if quant == "fp8":
-                cfg["quantization_config"] = FP8_CONFIG
+            cfg = model_config(name, quant)
             with tempfile.TemporaryDirectory() as d:
                 (Path(d) / "config.json").write_text(json.dumps(cfg))
                 loaded = load_dummy_model(d, dtype=torch.bfloat16, device=device)
@@ -548,9 +551,7 @@ def bench_prefill(models: list[str], tokens: list[int], repeat: int, page_size: 
     for name in models:
         logits = {}
         for quant in ("bf16", "fp8"):
-            cfg = dict(MODELS[name])
-            if quant == "fp8":
-                cfg["quantization_config"] = FP8_CONFIG
+            cfg = model_config(name, quant)
             with tempfile.TemporaryDirectory() as d:
                 (Path(d) / "config.json").write_text(json.dumps(cfg))
                 loaded = load_dummy_model(d, dtype=torch.bfloat16, device=device)
