@@ -62,6 +62,9 @@ from lanekv.kernels.moe.decode import (  # noqa: E402
 )
 from lanekv.kernels.moe.gate import router_logits_ref, router_logits_triton  # noqa: E402
 
+from bench.deepseek import copy_rate  # noqa: E402
+from bench.deepseek_kernels import GRAPH_CALLS, graph_us  # noqa: E402
+
 PARTS = ("gate_up", "down", "router", "mla")
 # experts, top_k, hidden, width, shared slices
 V2_LITE_MOE = (64, 6, 2048, 1408, 2)
@@ -80,12 +83,11 @@ MLA_CANDIDATES = [MLADecodeConfig(block_h=16, block_n=n, num_warps=w, num_stages
     (64, 8, 3, 128), (16, 4, 2, 32), (16, 4, 3, 32), (16, 4, 3, 64))] + [
     MLADecodeConfig(block_h=16, block_n=32, programs_per_sm=1, min_split_keys=k) for k in (64, 128)]
 ROUTERS = {"v2_lite": (64, 2048), "v3": (256, 7168)}
-GRAPH_CALLS = 20
 
 
 class Timer:
-    """Microseconds per call: a CUDA graph of GRAPH_CALLS calls on a GPU (the median of
-    20 replays), the wall clock of one call on a CPU."""
+    """Microseconds per call: ``bench.deepseek_kernels.graph_us`` on a GPU (a CUDA graph of
+    its GRAPH_CALLS calls, the median replay), the wall clock of one call on a CPU."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -95,50 +97,7 @@ class Timer:
             start = time.perf_counter()
             fn()
             return (time.perf_counter() - start) * 1e6
-        fn()
-        torch.cuda.synchronize()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(GRAPH_CALLS):
-                fn()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3 / GRAPH_CALLS)
-        return sorted(times)[len(times) // 2]
-
-
-def copy_gbps(device: torch.device) -> float:
-    """Read rate of a large device copy (read + write bytes counted): the floors' bandwidth."""
-    n = (1 << 30) if device.type == "cuda" else (1 << 24)
-    src = torch.empty(n, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            dst.copy_(src)
-        end.record()
-        end.synchronize()
-        seconds = start.elapsed_time(end) / 1e3 / 5
-    else:
-        start_s = time.perf_counter()
-        dst.copy_(src)
-        seconds = time.perf_counter() - start_s
-    return 2 * n / seconds / 1e9
+        return graph_us(fn)
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -317,7 +276,7 @@ def main() -> int:
         args.contexts = [min(c, 40) for c in args.contexts]
         args.table_positions = min(args.table_positions, 64)
     timer = Timer(cuda)
-    rate = copy_gbps(args.device)
+    rate = copy_rate(args.device) / 1e9
     moe_candidates = MOE_CANDIDATES[:2] if args.tiny else MOE_CANDIDATES
     mla_candidates = MLA_CANDIDATES[:2] if args.tiny else MLA_CANDIDATES
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
