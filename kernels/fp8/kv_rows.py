@@ -112,11 +112,12 @@ def _pack_mla_fp8_kernel(latent_ptr, q_ptr, s_ptr, rope_ptr, stride_l, stride_q,
 def bf16_rne(x, HW_CAST: tl.constexpr):
     """float32 ``x`` rounded to the nearest-even bfloat16, as torch's cast rounds."""
     if HW_CAST:  # the hardware's conversion
-        return x.to(tl.bfloat16, fp_downcast_rounding="rtne")
-    # in the float32 bits (the interpreter's cast truncates)
-    bits = x.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+        y = x.to(tl.bfloat16, fp_downcast_rounding="rtne")
+    else:  # in the float32 bits (the interpreter's cast truncates)
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        y = bits.to(tl.float32, bitcast=True).to(tl.bfloat16)
+    return y
 
 
 def _views(rows: torch.Tensor, kv_lora_rank: int, rope_dim: int):
