@@ -5,12 +5,12 @@ PY := $(VENV)/bin/python
 # The CPU build of torch that lies on the build machines' disk; the GPU machines bring their own.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
-# Test processes (pytest-xdist). Each takes whole files (--dist loadfile), so a module's
-# daemons and checkpoints are started once; the tests pick free ports and name their
-# /dev/shm files by pid, so files on different processes do not meet. CI has 2 cores, but
-# the default is 1: a port a test picks free can be taken by a test on the other process
-# before the picker binds it (the CP ranks' rendezvous port was, once in three runs).
-TEST_JOBS ?= 1
+# Test processes (pytest-xdist), one per CI core. Each takes whole files (--dist loadfile),
+# so a module's daemons and checkpoints are started once. Tests bind port 0 or pick free
+# ports for daemons that must restart on the same one, rank groups meet at a store their
+# starter already holds (runtime/rendezvous.py), and /dev/shm files are named by pid, so
+# the two processes' tests do not meet.
+TEST_JOBS ?= 2
 
 .PHONY: install test test-fast lint bench proto demo tiny-model clean
 

@@ -25,7 +25,7 @@ class EngineConfig:
     pages_per_lane: int = 1024  # physical pages in each rank's pool
     dtype: str = "float32"  # model weights and KV pool
     device: str = "auto"  # "cpu", "cuda" (rank r on cuda:r) or "auto"
-    dist_port: int = 0  # torch.distributed rendezvous port; 0 picks a free one
+    dist_port: int = 0  # the ranks' rendezvous port, held by the launcher; 0: one the OS gives
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     pool_fill: float = 0.0  # initial pool value; tests poison it with NaN

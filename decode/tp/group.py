@@ -15,10 +15,10 @@ the processes.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +41,7 @@ from lanekv.decode.tp.steps import send_stop
 from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.tp import check_tp
 from lanekv.runtime.daemon import how_it_ended
+from lanekv.runtime.rendezvous import host_store
 
 log = logging.getLogger("lanekv.decode.tp")
 START_TIMEOUT_S = 300.0  # every rank joined, loaded and built its pool
@@ -49,12 +50,6 @@ _POLL_S = 0.2
 
 class RankFailed(RuntimeError):
     """A rank of the group died, or a task failed on it; the message names the rank."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def exit_reason(rank: int, proc: mp.process.BaseProcess) -> str:
@@ -68,6 +63,9 @@ class TPGroup:
     def __init__(self, spec: TPSpec, on_death: Callable[[int, str], None] | None = None,
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         check_tp(ModelConfig.from_dir(spec.model_path), spec.tp_size)
+        # Rank 0 holds the rendezvous before any follower starts (runtime/rendezvous.py).
+        self._store = host_store(spec.port, start_timeout_s)
+        spec = dataclasses.replace(spec, port=self._store.port)
         self.spec = spec
         self._on_death = on_death
         ctx = mp.get_context("spawn")
@@ -85,7 +83,7 @@ class TPGroup:
         for proc in self._procs.values():
             proc.start()
         try:
-            device = join_group(spec, 0)
+            device = join_group(spec, 0, self._store)
             self.state, ready = build_rank(spec, 0, device)
             self.ready = [ready, *self._wait_ready(start_timeout_s)]
         except BaseException:

@@ -29,6 +29,7 @@ from lanekv.decode.tp.steps import receive_step
 from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.parallel.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
+from lanekv.runtime.rendezvous import join_store
 
 log = logging.getLogger("lanekv.decode.tp")
 _PARENT_POLL_S = 0.5
@@ -44,7 +45,7 @@ class TPSpec:
     device: str  # "cpu" or "cuda" (rank r takes GPU r)
     num_pages: int
     page_size: int
-    port: int  # the group's rendezvous on 127.0.0.1
+    port: int = 0  # the group's rendezvous on 127.0.0.1, held by rank 0 (0: one the OS gives)
     timeout_s: float = 24 * 3600.0  # a collective's limit: an idle group waits this long for a step
     cpu_threads: int = 0  # 0: the host's cores over the ranks
     # Every rank on cuda:0 over gloo: the multi-rank code on one GPU (NCCL refuses two
@@ -99,15 +100,16 @@ class TaskDone(NamedTuple):
     error: str | None = None  # one line when the task raised
 
 
-def join_group(spec: TPSpec, rank: int) -> torch.device:
-    """Set this process's device and threads and join the group's default process group."""
+def join_group(spec: TPSpec, rank: int, store: dist.Store | None = None) -> torch.device:
+    """Set this process's device and threads and join the group's default process group
+    (through ``store``, rank 0's own, or as a client of the one rank 0 holds on ``spec.port``)."""
     device = spec.device_of(rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(spec.cpu_threads or max(1, (os.cpu_count() or 1) // spec.tp_size))
-    dist.init_process_group(spec.backend,
-                            init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
+    store = store if store is not None else join_store(spec.port)
+    dist.init_process_group(spec.backend, store=store, rank=rank,
                             world_size=spec.tp_size, timeout=timedelta(seconds=spec.timeout_s))
     return device
 

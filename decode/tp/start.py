@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from lanekv.decode.tp.fetch import FetchSetup, TPFetcher
-from lanekv.decode.tp.group import TPGroup, free_port
+from lanekv.decode.tp.group import TPGroup
 from lanekv.decode.tp.rank import TPSpec
 from lanekv.transfer.connector.fetcher import KVFetcher
 from lanekv.transfer.protocol.contract import Agreement
@@ -27,7 +27,7 @@ log = logging.getLogger("lanekv.decode")
 
 def start_group(config: DecodeConfig, on_death: Callable[[int, str], None]) -> TPGroup:
     spec = TPSpec(config.model_path, config.tp_size, config.torch_dtype, config.resolved_device,
-                  config.pool_pages, config.page_size, free_port(), kv_cache_dtype=config.kv_cache_dtype,
+                  config.pool_pages, config.page_size, kv_cache_dtype=config.kv_cache_dtype,
                   index_cache_dtype=config.index_cache_dtype)
     log.info("tp_size=%d: every decode rank fetches its KV heads (%s)", config.tp_size,
              " or ".join(config.transports))

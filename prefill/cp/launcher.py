@@ -60,6 +60,7 @@ from lanekv.prefill.cp.runner import PrefillBatch, RankResult
 from lanekv.prefill.cp.watch import RankWatcher, exit_reason
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.prefill.plan import plan_batch
+from lanekv.runtime.rendezvous import host_store
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import remove_shared_pool
 
@@ -307,7 +308,10 @@ class CPPrefillEngine(PrefillEngine):
         ctx = mp.get_context("spawn")
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]
-        port = config.dist_port or _free_port()
+        # The ranks' rendezvous: held here on a port the OS gives (or the configured one),
+        # so no other process can take it between picking and binding (runtime/rendezvous.py).
+        self._store = host_store(config.dist_port, config.start_timeout_s) if config.cp_size > 1 else None
+        port = self._store.port if self._store is not None else 0
         # The ranks' /dev/shm pools (CPU ranks serving transfers), named here so that
         # the file of a rank that died (SIGKILL) is removed by us (``_remove_pools``).
         self._shared_paths = [shared_pool_path(config, serve_transfer, rank) for rank in range(config.cp_size)]
@@ -498,11 +502,3 @@ class CPPrefillEngine(PrefillEngine):
             if not self._broken:
                 self._broken = reason
             self._cond.notify_all()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

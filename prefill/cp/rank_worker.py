@@ -66,6 +66,7 @@ from lanekv.runtime.advertise import join_host_port
 from lanekv.runtime.gcpause import GcClock, freeze_start_up, thaw
 from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.metrics import Registry
+from lanekv.runtime.rendezvous import join_store
 from lanekv.runtime.rpc_metrics import lanekv_metrics
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.shmfiles import pool_file_name
@@ -238,7 +239,7 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
     if config.cp_size > 1:
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=join_store(port, config.start_timeout_s),
             rank=rank,
             world_size=config.cp_size,
             timeout=timedelta(seconds=config.request_timeout_s),

@@ -12,7 +12,7 @@ from lanekv.decode.colocated import generate_colocated, prefill_into_pool
 from lanekv.decode.config import DecodeConfig
 from lanekv.decode.pool import PagePool, PageTable
 from lanekv.decode.tp.engine import TPDecodeEngine
-from lanekv.decode.tp.group import RankFailed, TPGroup, free_port
+from lanekv.decode.tp.group import RankFailed, TPGroup
 from lanekv.decode.tp.rank import TPSpec
 from lanekv.model.checkpoint import load_model, tensor_files
 from lanekv.model.config import ModelConfig
@@ -121,7 +121,7 @@ def test_tp_size_must_divide_kv_heads(checkpoints) -> None:
     with pytest.raises(ValueError, match=r"^tp_size=4 does not divide num_kv_heads=2$"):
         check_tp(config, 4)
     with pytest.raises(ValueError, match="tp_size=4 does not divide num_kv_heads=2"):
-        TPGroup(TPSpec(str(checkpoints["llama"]), 4, torch.float32, "cpu", NUM_PAGES, PAGE_SIZE, free_port()))
+        TPGroup(TPSpec(str(checkpoints["llama"]), 4, torch.float32, "cpu", NUM_PAGES, PAGE_SIZE))
 
 
 def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens: int,
@@ -138,7 +138,7 @@ def decode_tp(path: Path, tp_size: int, prompts: list[list[int]], max_new_tokens
         tables.append(table)
     saved = tmp_path / f"pool-{tp_size}.pt"
     torch.save(full_pool.tensor, saved)
-    group = TPGroup(TPSpec(str(path), tp_size, torch.float32, device, NUM_PAGES, PAGE_SIZE, free_port(),
+    group = TPGroup(TPSpec(str(path), tp_size, torch.float32, device, NUM_PAGES, PAGE_SIZE,
                            cpu_threads=1, share_gpu=device == "cuda", **pool_dtypes))
     try:
         pool = group.state.pool
@@ -196,7 +196,7 @@ def test_dsa_ranks_select_the_same_keys(checkpoints) -> None:
     """The indexer is whole on every rank and its inputs are the same on every rank,
     so each rank's top-k of the same scores is the same (and the whole model's)."""
     path = checkpoints["deepseek_v32"]
-    group = TPGroup(TPSpec(str(path), 2, torch.float32, "cpu", 8, PAGE_SIZE, free_port(), cpu_threads=1,
+    group = TPGroup(TPSpec(str(path), 2, torch.float32, "cpu", 8, PAGE_SIZE, cpu_threads=1,
                            **DSA_CACHE))
     try:
         picks = group.run_task(IndexerTopK(layer=1, tokens=12, seed=5), 30.0)
@@ -281,7 +281,7 @@ def test_rank_death_is_reported_naming_the_rank(checkpoints) -> None:
         deaths.append((rank, reason))
         died.set()
 
-    group = TPGroup(TPSpec(str(checkpoints["llama"]), 2, torch.float32, "cpu", 8, PAGE_SIZE, free_port(),
+    group = TPGroup(TPSpec(str(checkpoints["llama"]), 2, torch.float32, "cpu", 8, PAGE_SIZE,
                            cpu_threads=1), on_death=on_death)
     try:
         with pytest.raises(RankFailed, match=r"decode rank 1 \(pid \d+\) exited with code 9"):
