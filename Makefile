@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 # Test processes (pytest-xdist), one per CI core. Each takes whole files (--dist loadfile),
 # so a module's daemons and checkpoints are started once. Tests bind port 0 or pick free
 # ports for daemons that must restart on the same one, rank groups meet at a store their
-# starter already holds (runtime/rendezvous.py), and /dev/shm files are named by pid, so
+# starter already holds (model/parallel/rendezvous.py), and /dev/shm files are named by pid, so
 # the two processes' tests do not meet.
 TEST_JOBS ?= 2
 

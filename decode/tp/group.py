@@ -39,9 +39,9 @@ from lanekv.decode.tp.rank import (
 )
 from lanekv.decode.tp.steps import send_stop
 from lanekv.model.config import ModelConfig
+from lanekv.model.parallel.rendezvous import host_store
 from lanekv.model.parallel.tp import check_tp
 from lanekv.runtime.daemon import how_it_ended
-from lanekv.runtime.rendezvous import host_store
 
 log = logging.getLogger("lanekv.decode.tp")
 START_TIMEOUT_S = 300.0  # every rank joined, loaded and built its pool
@@ -63,7 +63,7 @@ class TPGroup:
     def __init__(self, spec: TPSpec, on_death: Callable[[int, str], None] | None = None,
                  start_timeout_s: float = START_TIMEOUT_S) -> None:
         check_tp(ModelConfig.from_dir(spec.model_path), spec.tp_size)
-        # Rank 0 holds the rendezvous before any follower starts (runtime/rendezvous.py).
+        # Rank 0 holds the rendezvous before any follower starts (model/parallel/rendezvous.py).
         self._store = host_store(spec.port, start_timeout_s)
         spec = dataclasses.replace(spec, port=self._store.port)
         self.spec = spec

@@ -28,8 +28,8 @@ from lanekv.decode.pool import PagePool
 from lanekv.decode.tp.steps import receive_step
 from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE
 from lanekv.model.checkpoint import LoadedModel
+from lanekv.model.parallel.rendezvous import join_store
 from lanekv.model.parallel.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
-from lanekv.runtime.rendezvous import join_store
 
 log = logging.getLogger("lanekv.decode.tp")
 _PARENT_POLL_S = 0.5

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from lanekv.model.parallel.rendezvous import host_store
 from lanekv.model.sampling import SamplingParams
 from lanekv.prefill.allocator import LaneAllocator
 from lanekv.prefill.cp.gemm_warmup import GemmWarmUp
@@ -60,7 +61,6 @@ from lanekv.prefill.cp.runner import PrefillBatch, RankResult
 from lanekv.prefill.cp.watch import RankWatcher, exit_reason
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.prefill.plan import plan_batch
-from lanekv.runtime.rendezvous import host_store
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import remove_shared_pool
 
@@ -309,7 +309,7 @@ class CPPrefillEngine(PrefillEngine):
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]
         # The ranks' rendezvous: held here on a port the OS gives (or the configured one),
-        # so no other process can take it between picking and binding (runtime/rendezvous.py).
+        # so no other process can take it between picking and binding (model/parallel/rendezvous.py).
         self._store = host_store(config.dist_port, config.start_timeout_s) if config.cp_size > 1 else None
         port = self._store.port if self._store is not None else 0
         # The ranks' /dev/shm pools (CPU ranks serving transfers), named here so that

@@ -33,6 +33,7 @@ from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.ep import attach_expert_exchange
+from lanekv.model.parallel.rendezvous import join_store
 from lanekv.model.parallel.tp import weight_bytes
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.messages import (
@@ -66,7 +67,6 @@ from lanekv.runtime.advertise import join_host_port
 from lanekv.runtime.gcpause import GcClock, freeze_start_up, thaw
 from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.metrics import Registry
-from lanekv.runtime.rendezvous import join_store
 from lanekv.runtime.rpc_metrics import lanekv_metrics
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.shmfiles import pool_file_name

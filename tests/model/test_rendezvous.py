@@ -4,7 +4,7 @@ import errno
 import socket
 
 import pytest
-from lanekv.runtime.rendezvous import HOST, host_store, join_store
+from lanekv.model.parallel.rendezvous import HOST, host_store, join_store
 
 
 def test_the_port_handed_to_the_ranks_is_already_bound_and_joinable():
