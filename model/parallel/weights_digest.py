@@ -131,9 +131,13 @@ def stamped(files: Sequence[Path], read: Callable[[], T]) -> tuple[T, tuple[File
 def cache_dir() -> Path | None:
     """``$LANEKV_CACHE_DIR`` (empty: no cache), else ``~/.cache/lanekv``."""
     value = os.environ.get(CACHE_ENV)
-    if value is None:
+    if value is not None:
+        return Path(value) if value else None
+    try:
         return Path.home() / ".cache" / "lanekv"
-    return Path(value) if value else None
+    except (RuntimeError, KeyError) as err:  # no HOME and no passwd entry
+        log.warning("no home folder for the weights digest cache (%s); set %s", err, CACHE_ENV)
+        return None
 
 
 def cache_file(folder: Path, root: Path) -> Path:

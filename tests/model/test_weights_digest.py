@@ -143,6 +143,15 @@ def test_an_unwritable_cache_is_a_warning_and_an_empty_one_is_off(checkpoint, ha
     monkeypatch.delenv(wd.CACHE_ENV)
     assert wd.cache_dir() == Path.home() / ".cache" / "lanekv"
 
+    def no_home() -> Path:
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.setattr(Path, "home", no_home)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lanekv.model"):
+        assert wd.cache_dir() is None
+    assert "no home folder" in caplog.text
+
 
 def test_a_rank_handed_a_digest_of_other_files_refuses(checkpoint, hashed, tmp_path) -> None:
     given = checkpoint_digest(checkpoint)
