@@ -5,9 +5,11 @@
 ``DeepseekV32CausalLM`` DeepSeek-V3.2; any
 other architecture is one ``ValueError`` naming it (from ``ModelConfig``).
 
-Each tensor file is read once; the same bytes feed both the weights digest and
-``safetensors.torch.load``, so the digest always describes exactly the weights
-that were loaded (a second read could see a file replaced in between).
+Each tensor file is read once. The weights digest (``model.parallel.weights_digest``)
+comes from the process that computed it for the daemon (a rank's load is handed
+it), else from its cache, else from the same bytes ``safetensors.torch.load`` reads;
+either way the files' stamps before and after the read are the digest's, so it
+describes the weights that were loaded.
 ``transformers`` is never imported here. A loaded model has its q/k/v and
 gate/up projections fused and its MoE experts stacked (``fuse_projections``).
 A block-FP8 checkpoint (``quantization_config``) keeps its e4m3 weights and
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
@@ -27,6 +30,13 @@ import torch
 from lanekv.kernels.fp8.weights import FP8_DTYPE
 from lanekv.model.attention import AnyCausalLM, kind_of
 from lanekv.model.config import ModelConfig
+from lanekv.model.parallel.weights_digest import (
+    WeightsDigest,
+    WeightsHasher,
+    WeightsSource,
+    read_with_digest,
+    weights_digest,
+)
 from lanekv.model.quant.linear import SCALE_SUFFIX, quantize_linears, use_fp8_linears
 from lanekv.model.tokenizer import Tokenizer, load_tokenizer
 from safetensors.torch import load as load_safetensors
@@ -76,19 +86,26 @@ def tensor_files(path: str | Path) -> list[Path]:
     return [path / name for name in names]
 
 
+def checkpoint_digest(path: str | Path) -> WeightsDigest:
+    """The weights digest of the checkpoint at ``path`` (cached, else every tensor byte read)."""
+    return weights_digest(path, tensor_files(path))
+
+
 def read_state_dict(path: str | Path, dtype: torch.dtype, device: torch.device | str,
-                    dtypes: dict[str, torch.dtype] | None = None,
+                    dtypes: dict[str, torch.dtype] | None = None, *, digest: bool = True,
                     ) -> tuple[dict[str, torch.Tensor], str]:
     """All tensors converted to ``dtype`` (or their entry of ``dtypes``) on
-    ``device``, e4m3 weights and their ``weight_scale_inv`` as stored, and the weights digest:
-    sha256 over the tensor files in sorted name order, each as its length
-    (8 bytes, little-endian) then its bytes, so file boundaries count too."""
-    digest = hashlib.sha256()
+    ``device``, e4m3 weights and their ``weight_scale_inv`` as stored, and the weights digest
+    of the bytes read ("" with ``digest=False``): sha256 over the tensor files in sorted
+    name order, each as its length (8 bytes, little-endian) then its bytes, so file
+    boundaries count too (``model.parallel.weights_digest.WeightsHasher``)."""
+    hasher = WeightsHasher() if digest else None
     state: dict[str, torch.Tensor] = {}
     for file in tensor_files(path):
         data = file.read_bytes()
-        digest.update(len(data).to_bytes(8, "little"))
-        digest.update(data)
+        if hasher is not None:
+            hasher.begin_file(len(data))
+            hasher.update(data)
         for name, tensor in load_safetensors(data).items():
             if name in state:
                 raise ValueError(f"tensor {name!r} appears in more than one file (again in {file.name})")
@@ -99,19 +116,22 @@ def read_state_dict(path: str | Path, dtype: torch.dtype, device: torch.device |
                 wanted = tensor.dtype  # block-FP8 weights and their scales stay as stored
             state[name] = tensor.to(device=device, dtype=wanted)
         del data  # one file's bytes in memory at a time
-    return state, digest.hexdigest()
+    return state, "" if hasher is None else hasher.hexdigest()
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> LoadedModel:
+               device: torch.device | str = "cpu", weights: WeightsSource | None = None) -> LoadedModel:
     """Reads ``config.json``, the safetensors weights and, when present,
-    ``tokenizer.json``; the model is in eval mode without gradients."""
+    ``tokenizer.json``; the model is in eval mode without gradients. ``weights``: gives
+    the digest the daemon computed once for its ranks, asked after the read (checked
+    against the files' stamps, never recomputed); None: cached, else hashed from the
+    bytes read."""
     path = Path(path)
     config = ModelConfig.from_dir(path)
     model = build_model(config, dtype=dtype, device="meta")
     expected = model.state_dict()
-    state, digest = read_state_dict(path, dtype, device,
-                                    {name: t.dtype for name, t in expected.items()})
+    read = partial(read_state_dict, path, dtype, device, {name: t.dtype for name, t in expected.items()})
+    state, weights = read_with_digest(path, tensor_files(path), lambda hash_bytes: read(digest=hash_bytes), weights)
     if model.ignores_extra_layers:
         state = {k: v for k, v in state.items() if not _is_extra_layer(k, config.num_layers)}
     if config.tie_word_embeddings:
@@ -135,7 +155,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     model.requires_grad_(False)
     model.fuse_projections()  # q/k/v and gate/up as one GEMM each, MoE experts stacked
     tokenizer = load_tokenizer(path, config.eos_token_ids)
-    return LoadedModel(config=config, model=model, weights_digest=digest, tokenizer=tokenizer)
+    return LoadedModel(config=config, model=model, weights_digest=weights.digest, tokenizer=tokenizer)
 
 
 def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
@@ -166,11 +186,12 @@ def load_dummy_model(path: str | Path, dtype: torch.dtype = torch.bfloat16,
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype, device: torch.device | str,
-                    load_format: str = "safetensors") -> LoadedModel:
-    """``load_model`` or, for ``load_format="dummy"``, ``load_dummy_model`` (seed 0,
-    so a prefill and a decode daemon given the same config.json pair)."""
+                    load_format: str = "safetensors", weights: WeightsSource | None = None) -> LoadedModel:
+    """``load_model`` (handed ``weights``, see there) or, for ``load_format="dummy"``,
+    ``load_dummy_model`` (seed 0, so a prefill and a decode daemon given the same
+    config.json pair; no files, no digest to hand)."""
     if load_format == "dummy":
         return load_dummy_model(path, dtype=dtype, device=device)
     if load_format != "safetensors":
         raise ValueError(f"load_format must be safetensors or dummy, got load_format={load_format!r}")
-    return load_model(path, dtype=dtype, device=device)
+    return load_model(path, dtype=dtype, device=device, weights=weights)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from lanekv.model.attention.rows import (
@@ -15,6 +16,10 @@ from lanekv.model.attention.rows import (
 from lanekv.model.config import ModelConfig
 from lanekv.model.dtypes import DTYPES
 from lanekv.transfer.rank.relay import check_relays
+
+if TYPE_CHECKING:
+    from lanekv.model.checkpoint import LoadedModel
+    from lanekv.model.parallel.weights_digest import WeightsSource
 
 
 @dataclass(frozen=True)
@@ -100,14 +105,18 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
-def load_for(config: EngineConfig, device: torch.device | str, rank: int = 0):
+def load_for(config: EngineConfig, device: torch.device | str, rank: int = 0,
+             weights: WeightsSource | None = None) -> LoadedModel:
     """The model of ``config`` on ``device`` (weights read, or dummy ones made there);
-    with ``ep``, rank ``rank``'s routed experts only (``model.parallel.tp.load_shard``)."""
+    with ``ep``, rank ``rank``'s routed experts only (``model.parallel.tp.load_shard``).
+    ``weights``: gives the weights digest the launcher computed once for every rank,
+    asked after the read (the load checks the files are those it describes and never
+    hashes them); None: the load finds or computes its own (an EP shard carries none)."""
     from lanekv.model.checkpoint import load_checkpoint
 
     if config.ep and config.cp_size > 1:
         from lanekv.model.parallel.tp import TPRank, load_shard
 
         return load_shard(config.model_path, TPRank(0, 1), config.torch_dtype, device,
-                          ep=TPRank(rank, config.cp_size)).loaded
-    return load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format)
+                          ep=TPRank(rank, config.cp_size), weights=weights).loaded
+    return load_checkpoint(config.model_path, config.torch_dtype, device, config.load_format, weights)

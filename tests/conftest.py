@@ -3,14 +3,24 @@
 The Triton interpreter must be switched on before any kernel module is
 imported (``triton.jit`` picks interpreter or compiler at decoration time), so
 this happens here, first. On a CUDA machine the compiled kernels run instead.
+
+The weights digest cache (``model.parallel.weights_digest``) lives in a folder of
+this test process's own, removed at its exit, never in the user's ``~/.cache``;
+the daemons and ranks the tests start inherit it.
 """
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+os.environ["LANEKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="lanekv-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LANEKV_CACHE_DIR"], True)
 
 
 # Tests that start daemons end to end: ``slow`` (``make test-fast`` leaves them out).

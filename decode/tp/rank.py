@@ -27,7 +27,7 @@ from lanekv.decode.cuda.warmup import warm_up_kernels
 from lanekv.decode.pool import PagePool
 from lanekv.decode.tp.steps import receive_step
 from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE
-from lanekv.model.checkpoint import LoadedModel
+from lanekv.model.checkpoint import LoadedModel, checkpoint_digest
 from lanekv.model.parallel.rendezvous import join_store
 from lanekv.model.parallel.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
 
@@ -115,8 +115,10 @@ def join_group(spec: TPSpec, rank: int, store: dist.Store | None = None) -> torc
 
 
 def build_rank(spec: TPSpec, rank: int, device: torch.device) -> tuple[RankState, Ready]:
-    """Load the rank's shard (the digest only on rank 0, which handshakes) and build its pool."""
-    shard = load_shard(spec.model_path, TPRank(rank, spec.tp_size), spec.dtype, device, digest=rank == 0)
+    """Load the rank's shard and build its pool. Only rank 0 handshakes, so only it has
+    the weights digest (computed once, or found in its cache: ``model.parallel.weights_digest``)."""
+    weights = (lambda: checkpoint_digest(spec.model_path)) if rank == 0 else None
+    shard = load_shard(spec.model_path, TPRank(rank, spec.tp_size), spec.dtype, device, weights=weights)
     model = shard.loaded.model
     attach_all_reduce(model, dist.group.WORLD)
     pool = PagePool.for_model(model.config, spec.num_pages, spec.page_size, spec.dtype, device,

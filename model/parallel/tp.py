@@ -29,7 +29,6 @@ Block-FP8 weights are cut with their block scales (``shard_scale_index``).
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -41,6 +40,7 @@ from lanekv.model.attention import kind_of
 from lanekv.model.checkpoint import LoadedModel, build_model, tensor_files
 from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.ep import local_expert_name, shard_experts, shared_expert
+from lanekv.model.parallel.weights_digest import WeightsSource, stamp_files
 from lanekv.model.quant.linear import SCALE_SUFFIX, use_fp8_linears
 from lanekv.model.tokenizer import load_tokenizer
 from safetensors import safe_open
@@ -49,7 +49,6 @@ from torch import nn
 # rows of the weight split (MLA: q_proj or q_b_proj, and kv_b_proj, are head-major)
 _COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "q_b_proj", "kv_b_proj")
 _ROW = ("o_proj", "down_proj")  # columns of the weight split, output all-reduced
-_DIGEST_BLOCK = 1 << 22  # bytes hashed at a time: the digest never holds a file
 
 
 @dataclass(frozen=True)
@@ -145,25 +144,15 @@ class ShardLoad(NamedTuple):
     bytes_read: int  # bytes materialized from the checkpoint's tensors by this rank
 
 
-def weights_digest(path: str | Path) -> str:
-    """The digest ``model.checkpoint.read_state_dict`` gives the same files, streamed:
-    sha256 over each file's length (8 bytes, little-endian) then its bytes."""
-    digest = hashlib.sha256()
-    for file in tensor_files(path):
-        digest.update(file.stat().st_size.to_bytes(8, "little"))
-        with open(file, "rb") as f:
-            while block := f.read(_DIGEST_BLOCK):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", *, digest: bool = True,
+               device: torch.device | str = "cpu", *, weights: WeightsSource | None = None,
                ep: TPRank | None = None) -> ShardLoad:
     """Rank ``tp``'s shard of the checkpoint at ``path``: a model of ``shard_config``
     with its rows and columns read by ``get_slice`` (nothing else of a sharded tensor
-    is read), eval mode, projections fused. ``digest=False`` skips the weights
-    digest (ranks other than the one that handshakes need none). ``ep``: the rank
+    is read), eval mode, projections fused. ``weights``: gives the weights digest the daemon
+    computed once (``model.checkpoint.checkpoint_digest``), asked after the read, checked
+    against the files' stamps before and after it and carried by the shard; None: the
+    shard carries none (ranks that do not handshake need none; a shard never hashes). ``ep``: the rank
     among the ranks sharing routed experts when it is not ``tp`` (prefill EP: the
     attention whole, ``tp`` of size 1, the experts over the CP ranks).
 
@@ -181,6 +170,7 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
         shard_experts(model, experts.rank, experts.size, shared_everywhere=tp.size == 1)
     expected = model.state_dict()
     files = tensor_files(path)
+    before = stamp_files(files)  # the weights digest's files, if one was handed down
     shapes = _tensor_shapes(files)  # a weight's and its scale's may be in different files
     block = None if config.weight_quant is None else config.weight_quant.block
     state: dict[str, torch.Tensor] = {}
@@ -234,7 +224,13 @@ def load_shard(path: str | Path, tp: TPRank, dtype: torch.dtype = torch.float32,
     model.eval()
     model.requires_grad_(False)
     model.fuse_projections()
-    loaded = LoadedModel(config=config, model=model, weights_digest=weights_digest(path) if digest else "",
+    digest = ""
+    if weights is not None:  # the files this rank read are those the digest describes
+        given = weights()
+        given.check(before)
+        given.check(stamp_files(files))
+        digest = given.digest
+    loaded = LoadedModel(config=config, model=model, weights_digest=digest,
                          tokenizer=load_tokenizer(path, config.eos_token_ids))
     return ShardLoad(loaded, nbytes)
 

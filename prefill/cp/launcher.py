@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from lanekv.model.checkpoint import checkpoint_digest
 from lanekv.model.parallel.rendezvous import host_store
 from lanekv.model.sampling import SamplingParams
 from lanekv.prefill.allocator import LaneAllocator
@@ -53,6 +54,7 @@ from lanekv.prefill.cp.messages import (
     Snapshot,
     TileRows,
     WarmGemms,
+    Weights,
     for_each_rank,
 )
 from lanekv.prefill.cp.prompt_logprobs import PromptLogprob, merge_prompt_logprobs
@@ -336,6 +338,12 @@ class CPPrefillEngine(PrefillEngine):
         self._reader = threading.Thread(target=self._read_loop, name="lanekv-cp-reader", daemon=True)
         self._reader.start()
         try:
+            if config.load_format == "safetensors":
+                # Once for every rank, while they load (each rank's load is handed it and
+                # reads nothing for it): model.parallel.weights_digest.
+                weights = Weights(checkpoint_digest(config.model_path))
+                for commands in self._commands:
+                    commands.put(weights)
             ready = self._wait(None, config.start_timeout_s, "start-up")
         except BaseException:
             # The other ranks end first (a failing one logs its traceback as it goes), so the

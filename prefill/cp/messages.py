@@ -4,7 +4,8 @@ Commands go down, one queue per rank, wrapped in a ``Call`` with a sequence
 number; a rank runs them in the order sent. Every rank answers on one shared
 queue: exactly one ``Answer`` or ``Failed`` per ``Call`` (``Shutdown`` gets
 none), one ``Ready`` (or a ``Failed`` without a sequence number) at start-up,
-and events at any time. Every message is plain picklable data: no callables,
+and events at any time. At start-up, before any ``Call``, a rank loading a
+checkpoint gets one ``Weights`` (its weights digest, computed once for all ranks). Every message is plain picklable data: no callables,
 no tensors on a device.
 """
 
@@ -14,10 +15,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from lanekv.model.parallel.weights_digest import WeightsDigest
 from lanekv.prefill.cp.runner import PrefillBatch
 from lanekv.transfer.protocol.contract import Topology
 
 # -- parent -> rank ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Weights:
+    """The checkpoint's weights digest, computed once by the parent while the ranks
+    load (``model.parallel.weights_digest``): the first item of a rank's queue, no answer."""
+
+    digest: WeightsDigest
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.ep import attach_expert_exchange
 from lanekv.model.parallel.rendezvous import join_store
 from lanekv.model.parallel.tp import weight_bytes
+from lanekv.model.parallel.weights_digest import WeightsDigest, WeightsSource
 from lanekv.prefill.cp.gemm_warmup import warm_gemms
 from lanekv.prefill.cp.messages import (
     Answer,
@@ -57,6 +58,7 @@ from lanekv.prefill.cp.messages import (
     Snapshot,
     TileRows,
     WarmGemms,
+    Weights,
 )
 from lanekv.prefill.cp.page_source import RankPageSource
 from lanekv.prefill.cp.runner import PrefillBatch, RankProcess, RankRunner
@@ -179,13 +181,17 @@ def rank_main(
         if serve_transfer is not None:
             reporter = RpcReporter(rank, results)
             serving = _TransferServer(config, rank, TransferServing(*serve_transfer), results, reporter)
-        runner = _start(rank, config, port, shared_path, serving)
+        weights = None
+        if config.load_format == "safetensors":  # the parent computes the digest once for every rank
+            weights = lambda: _await_weights(commands, parent, config.start_timeout_s)  # noqa: E731
+        runner = _start(rank, config, port, shared_path, serving, weights)
         info = describe(runner, config)
         if serving is not None:
             info = serving.described(runner.process, info)
         results.put(Ready(rank, info))
     except Exception as err:  # report start-up failures to the parent, then exit
-        results.put(Failed(rank, None, _reported(rank, err)))
+        if not isinstance(err, _ToldToStop):
+            results.put(Failed(rank, None, _reported(rank, err)))
         if serving is not None:
             serving.close_relays()
         remove_shared_pool(shared_path)
@@ -224,8 +230,30 @@ def rank_main(
         thaw()  # the interpreter's last collections free what FreezeHeap kept
 
 
+class _ToldToStop(Exception):
+    """The parent said Shutdown during start-up (its own start failed): exit, report nothing."""
+
+
+def _await_weights(commands: Any, parent: int, timeout_s: float) -> WeightsDigest:
+    """The weights digest the parent sends once it is computed (the first item of the queue)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            item = commands.get(timeout=_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                raise _ToldToStop("the parent is gone") from None
+            continue
+        if isinstance(item, Weights):
+            return item.digest
+        if isinstance(item, Call) and isinstance(item.command, Shutdown):
+            raise _ToldToStop("Shutdown")
+        raise TypeError(f"the first item of a rank's queue must be Weights, got item={item!r}")
+    raise TimeoutError(f"no weights digest from the parent within start_timeout_s={timeout_s}")
+
+
 def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
-           serving: _TransferServer | None) -> RankRunner:
+           serving: _TransferServer | None, weights: WeightsSource | None = None) -> RankRunner:
     device = torch.device(config.resolved_device, rank) if config.resolved_device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -246,7 +274,7 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
             **({"device_id": device} if device.type == "cuda" else {}),
         )
         group = dist.group.WORLD
-    loaded = load_for(config, device, rank)
+    loaded = load_for(config, device, rank, weights)  # the digest asked after the read: computed meanwhile
     if config.ep and group is not None:  # each MoE layer dispatches its rows to the experts' owners (all-to-all)
         attach_expert_exchange(loaded.model, group)
     clock = GcClock().install()  # this process's collections, timed per prefill

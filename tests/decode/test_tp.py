@@ -86,14 +86,14 @@ def test_each_rank_reads_only_its_shard(checkpoints) -> None:
     total = sum(torch.Size(s).numel() * 4 for s in shapes.values())
     sharded = sum(torch.Size(s).numel() * 4 for n, s in shapes.items()
                   if shard_index(n, s, TPRank(0, 2)) is not None)
-    reads = [load_shard(path, TPRank(rank, 2), digest=False).bytes_read for rank in range(2)]
+    reads = [load_shard(path, TPRank(rank, 2)).bytes_read for rank in range(2)]
     # Each rank: every replicated tensor whole, half of each sharded one.
     assert sharded > 0
     assert reads == [total - sharded // 2] * 2
-    assert load_shard(path, TPRank(0, 1), digest=False).bytes_read == total
+    assert load_shard(path, TPRank(0, 1)).bytes_read == total
     # The two shards' q_proj rows are the whole q_proj, in rank order.
     whole = load_model(path).model.model.layers[0].self_attn.q_proj.weight
-    parts = [load_shard(path, TPRank(r, 2), digest=False).loaded.model.model.layers[0].self_attn.q_proj.weight
+    parts = [load_shard(path, TPRank(r, 2)).loaded.model.model.layers[0].self_attn.q_proj.weight
              for r in range(2)]
     assert torch.equal(torch.cat(parts), whole)
 
@@ -109,7 +109,7 @@ def test_each_rank_reads_only_its_experts(checkpoints) -> None:
     sharded = sum(b for n, b in nbytes.items() if shard_index(n, tuple(sizes[n]), TPRank(0, 2)) is not None)
     rest = sum(nbytes.values()) - sum(experts.values()) - sharded
     for rank in range(2):
-        shard = load_shard(path, TPRank(rank, 2), digest=False)
+        shard = load_shard(path, TPRank(rank, 2))
         mine = sum(b for n, b in experts.items() if int(n.split(".")[5]) // 4 == rank)
         assert shard.bytes_read == rest + sharded // 2 + mine
         moe = shard.loaded.model.model.layers[0].mlp
@@ -221,7 +221,7 @@ def test_each_rank_reads_only_its_fp8_slices_and_scales(checkpoints) -> None:
                 sizes[n] = torch.Size(shapes[n]).numel() * (1 if t.get_dtype() == "F8_E4M3" else 4)
     cut = {n for n in shapes if shard_index(n.replace(".weight_scale_inv", ".weight"), shapes[n], TPRank(0, 2))}
     assert any(n.endswith(".weight_scale_inv") for n in cut) and any(n.endswith(".weight") for n in cut)
-    shards = [load_shard(path, TPRank(rank, 2), digest=False) for rank in range(2)]
+    shards = [load_shard(path, TPRank(rank, 2)) for rank in range(2)]
     assert [s.bytes_read for s in shards] == [sum(sizes.values()) - sum(sizes[n] for n in cut) // 2] * 2
     whole = load_model(path).model.model.layers[0]
     for attr, dim in (("self_attn.k_proj", 0), ("self_attn.o_proj", 1), ("mlp.down_proj", 1)):
@@ -238,7 +238,7 @@ def test_fp8_cut_off_its_blocks_is_refused_naming_the_layer(checkpoints, tmp_pat
     with pytest.raises(ValueError, match=r"^layer 'model\.layers\.0\.self_attn\.k_proj': tp_size=2 cuts its "
                                          r"32 output rows into parts of 16, not whole blocks of "
                                          r"weight_block_size=\[32, 32\]$"):
-        load_shard(path, TPRank(1, 2), digest=False)
+        load_shard(path, TPRank(1, 2))
     # The daemon's config refuses it before any rank starts (the files' headers only).
     with pytest.raises(ValueError, match=r"^layer 'model\.layers\.0\.self_attn\.k_proj': tp_size=2 cuts"):
         DecodeConfig(str(path), "127.0.0.1:1", tp_size=2, device="cpu")
