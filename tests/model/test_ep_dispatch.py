@@ -207,3 +207,49 @@ def test_dispatch_on_cuda_syncs_once_and_equals_the_kernel(tmp_path) -> None:
         torch.testing.assert_close(got, want, rtol=2 * eps, atol=2 * eps * float(want.abs().max()))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("experts", "n_group", "topk_group", "top_k", "size"), [
+    (64, 8, 4, 8, 8),  # DeepSeek-V3's ratios at EP 8 (256 experts in 8 groups, top 8 in the best 4): a group a rank
+    (64, 8, 4, 8, 4),  # the same at EP 4: two groups a rank
+    (8, 4, 2, 3, 3),  # the tests' tiny DeepSeek-V3 (tests/checkpoints.py) at cp 3: 2, 3 and 3 experts
+])
+def test_rows_sent_are_the_distinct_token_rank_pairs(experts: int, n_group: int, topk_group: int, top_k: int,
+                                                     size: int) -> None:
+    """DeepSeek-V3's routing (sigmoid scores, top-k within the best groups: ``moe_route_ref``
+    on random logits) on every rank of an EP group, counted by ``route``, which sizes
+    ``dispatch_combine``'s all-to-alls (the test above records the real ones): each rank
+    sends one row per distinct (token, rank), at most ``topk_group`` a token where each
+    group lies on one rank; the bytes a layer moves between ranks (hidden 7168, bf16)
+    against the per-choice dispatch it replaced."""
+    from lanekv.kernels.moe.route import moe_route_ref
+    from lanekv.model.parallel.dispatch import route
+
+    tokens, row_bytes = 256, 7168 * 2
+    bounds = expert_bounds(experts, size)
+    gen = torch.Generator().manual_seed(7)
+    before = after = rows_off = pairs_off_all = 0
+    for rank in range(size):
+        logits = torch.randn(tokens, experts, generator=gen)
+        _, ids = moe_route_ref(logits, torch.zeros(experts), top_k, n_group, topk_group, "sigmoid", True, 2.5)
+        routes = route(ids, bounds)
+        owner = torch.bucketize(ids, torch.tensor(bounds[1:]), right=True)
+        distinct = {(t, int(o)) for t in range(tokens) for o in owner[t]}
+        rows = [sum(1 for _, o in distinct if o == dest) for dest in range(size)]
+        assert routes.per_slot[:, 0].tolist() == rows  # the rows dispatch_combine sends each rank
+        assert routes.per_slot.sum(1).tolist() == torch.bincount(owner.reshape(-1), minlength=size).tolist()
+        if all(b % (experts // n_group) == 0 for b in bounds):  # whole groups on a rank: topk_group ranks at most
+            assert max(len({int(o) for o in owner[t]}) for t in range(tokens)) <= topk_group
+        off = sum(rows) - rows[rank]  # a rank's own rows stay
+        pairs_off = int((owner != rank).sum())
+        # per-choice: a row each way per pair, [E] int64 counts; dedup: a row and its k slots
+        # (int32 id, float32 weight) out, a partial back, [size, k] int64 counts
+        before += 2 * pairs_off * row_bytes + 8 * (experts - bounds[rank + 1] + bounds[rank])
+        after += off * (row_bytes + 8 * top_k) + off * row_bytes + (size - 1) * 8 * top_k
+        rows_off += off
+        pairs_off_all += pairs_off
+    print(f"\n{experts} experts top-{top_k} (best {topk_group} of {n_group} groups) over {size} ranks, "
+          f"{tokens} tokens a rank: rows off-rank a token {rows_off / (size * tokens):.2f} "
+          f"(per choice {pairs_off_all / (size * tokens):.2f}); "
+          f"MiB a layer {before / 2**20:.1f} -> {after / 2**20:.1f} ({after / before:.2f}x)")
+    assert after < before
