@@ -69,8 +69,7 @@ def route(ids: torch.Tensor, bounds: tuple[int, ...]) -> Routes:
     """Each choice's owner rank and local expert, its place among the token's choices on
     that owner, and the per-rank counts, from ``ids [T, k]`` int64 (device ops only:
     ``bounds`` are compared as Python ints, so nothing is copied to the device)."""
-    size = len(bounds) - 1
-    tokens, top_k = ids.shape
+    size, top_k = len(bounds) - 1, ids.shape[1]
     owner = torch.zeros_like(ids)
     start = torch.zeros_like(ids)
     for r in range(1, size):
