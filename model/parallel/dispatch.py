@@ -24,8 +24,8 @@ Per layer, each rank routes its own tokens, then:
    outputs (``.sum(1)`` over ``[T, k, H]``).
 
 Numerics: where no rank holds two choices of a token, the slots hold exactly the
-per-choice outputs, so the result is bit for bit the per-choice dispatch's and the
-Triton ``moe_experts``'. Where a rank holds several, their float32 sum is rounded once
+per-choice outputs, so the sum is bit for bit the per-choice dispatch's, which adds
+them as the Triton ``moe_experts`` does. Where a rank holds several, their float32 sum is rounded once
 to the model dtype before it crosses (the bf16 bytes are what the dedup saves); the
 difference is within one rounding of that partial (docs/parallelism.md). Every
 order is fixed: the sort keys are unique and each scatter writes distinct rows, so the
