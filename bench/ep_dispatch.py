@@ -1,16 +1,20 @@
 """Prefill EP: one MoE layer's routed experts over N ranks, the all-to-all dispatch
-(``model.parallel.dispatch``) against the all-gather + all-reduce exchange it replaced.
+(``model.parallel.dispatch``: a token once per owner rank) against the all-gather +
+all-reduce exchange it replaced.
 
 GPU (N GPUs, NCCL; DeepSeek-V3's expert shapes, 8k tokens over the ranks):
     python bench/ep_dispatch.py --device cuda --ranks 8 --tokens 8192 --json bench/results/ep_dispatch.json
 CPU (gloo):
-    python bench/ep_dispatch.py --device cpu --ranks 2 --tokens 256 --hidden 256 --inter 128 --experts 16 --top-k 4
+    python bench/ep_dispatch.py --device cpu --ranks 2 --tokens 256 --hidden 256 --inter 128 --experts 16 \
+        --top-k 4 --n-group 4 --topk-group 2
 
-Each rank holds ``tokens / ranks`` random rows and a random top-k over ``--experts``
-(uniform), and ``experts / ranks`` experts. Per way, the median of ``--repeat`` layer
-times after one warm-up (a barrier, then the layer, then the device synchronized;
-the slowest rank's time), and the rows the busiest rank received per layer (the
-exchanged bytes). The gather way: the row counts all-gathered, every rank's rows (padded to the
+Each rank holds ``tokens / ranks`` random rows routed as DeepSeek-V3 routes
+(``moe_route_ref`` on random logits: sigmoid scores, the top-k within the
+``--topk-group`` best of ``--n-group`` groups), and ``experts / ranks`` experts. Per
+way, the median of ``--repeat`` layer times after one warm-up (a barrier, then the
+layer, then the device synchronized; the slowest rank's time), and the rows the
+busiest rank received per layer (the exchanged bytes; for the dispatch also what the
+per-choice dispatch it replaced received, a row per (token, choice)). The gather way: the row counts all-gathered, every rank's rows (padded to the
 largest count) all-gathered, each rank's experts run over all rows (the other ranks'
 choices at weight 0, on its first expert), an all-reduce, each rank keeping its rows.
 Printed: both ways' times and rows, and the two outputs' largest difference.
@@ -32,8 +36,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from lanekv.kernels.moe.experts import moe_experts  # noqa: E402
+from lanekv.kernels.moe.route import moe_route_ref  # noqa: E402
 from lanekv.model.dtypes import DTYPES  # noqa: E402
-from lanekv.model.parallel.dispatch import dispatch_combine  # noqa: E402
+from lanekv.model.parallel.dispatch import dispatch_combine, route  # noqa: E402
 from lanekv.model.parallel.ep import expert_bounds  # noqa: E402
 
 
@@ -101,21 +106,25 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         mine = bounds[rank + 1] - bounds[rank]
         tokens = args.tokens // args.ranks
         x = torch.randn(tokens, args.hidden, generator=gen).to(device, dtype)
-        ids = torch.stack([torch.randperm(args.experts, generator=gen)[:args.top_k] for _ in range(tokens)]).to(device)
-        weights = torch.rand(tokens, args.top_k, generator=gen).to(device)
+        logits = torch.randn(tokens, args.experts, generator=gen)
+        weights, ids = moe_route_ref(logits, torch.zeros(args.experts), args.top_k, args.n_group, args.topk_group,
+                                     "sigmoid", True, 1.0)
+        weights, ids = weights.to(device), ids.to(device)
         w13 = (torch.randn(mine, 2 * args.inter, args.hidden, generator=gen) / args.hidden ** 0.5).to(device, dtype)
         w2 = (torch.randn(mine, args.hidden, args.inter, generator=gen) / args.inter ** 0.5).to(device, dtype)
         a = dispatch_combine(x, weights, ids, w13, w2, bounds, group)
         b, gather_rows = gather_combine(x, weights, ids, w13, w2, bounds, group)
         diff = torch.tensor([float((a.float() - b.float()).abs().max()) if tokens else 0.0], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
-        owner = torch.bucketize(ids.reshape(-1), torch.tensor(bounds[1:], device=device), right=True)
-        sends = torch.bincount(owner, minlength=args.ranks)  # [N]: this rank's pairs per owner
+        per_slot = route(ids, bounds).per_slot  # [N, k]: my tokens with more than s choices on each rank
+        sends = torch.stack((per_slot[:, 0], per_slot.sum(1)))  # [2, N]: rows, and (token, choice) pairs
         matrix = [torch.empty_like(sends) for _ in range(args.ranks)]
         dist.all_gather(matrix, sends, group=group)
-        matrix = torch.stack(matrix).fill_diagonal_(0)  # [source, owner], a rank's own pairs stay
-        # rows in from the other ranks for my experts, then my pairs' outputs back
-        dispatch_rows = int((matrix.sum(0) + matrix.sum(1)).max())
+        own = torch.eye(args.ranks, dtype=torch.bool, device=device)[:, None]  # a rank's own rows stay
+        matrix = torch.stack(matrix).masked_fill(own, 0)  # [source, rows or pairs, owner]
+        # rows in from the other ranks for my experts, then my rows' partials back
+        received = (matrix.sum(0) + matrix.sum(2).T).max(1).values.tolist()
+        dispatch_rows, per_choice_rows = int(received[0]), int(received[1])
         times = {"dispatch": [], "gather": []}
         for _ in range(args.repeat):
             times["dispatch"].append(_time(lambda: dispatch_combine(x, weights, ids, w13, w2, bounds, group),
@@ -126,7 +135,8 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             row_bytes = args.hidden * dtype.itemsize
             result = {way: {"ms_p50": 1e3 * statistics.median(t), "ms_min": 1e3 * min(t), "n": len(t)}
                       for way, t in times.items()}
-            result["dispatch"]["rows_per_rank"] = int(dispatch_rows)
+            result["dispatch"]["rows_per_rank"] = dispatch_rows
+            result["dispatch"]["per_choice_rows_per_rank"] = per_choice_rows
             result["gather"]["rows_per_rank"] = gather_rows
             for way in ("dispatch", "gather"):
                 result[way]["mib_per_rank"] = result[way]["rows_per_rank"] * row_bytes / 2**20
@@ -145,6 +155,8 @@ def main() -> None:
     ap.add_argument("--inter", type=int, default=2048, help="moe_intermediate_size")
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--n-group", type=int, default=8, help="expert groups (DeepSeek-V3: 8)")
+    ap.add_argument("--topk-group", type=int, default=4, help="groups a token's experts come from (V3: 4)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
@@ -165,6 +177,7 @@ def main() -> None:
     for way in ("dispatch", "gather"):
         r = result[way]
         print(f"{way:<10}{r['ms_p50']:>10.2f}{r['ms_min']:>10.2f}{r['rows_per_rank']:>12}{r['mib_per_rank']:>10.1f}")
+    print(f"the per-choice dispatch it replaced: {result['dispatch']['per_choice_rows_per_rank']} rows/rank")
     print(f"outputs' largest difference: {result['max_abs_diff']:.3g}")
     if args.json:
         args.json.write_text(json.dumps(dict(vars(args) | {"json": str(args.json)}, date=time.strftime("%Y-%m-%d"),

@@ -12,10 +12,10 @@ output for the next layer, so the all-reduce is the whole combine: an all-to-all
 dispatch would move rows that are already there (docs/parallelism.md). Shared
 experts run on rank 0 only (the sum adds them once).
 
-The CP prefill's ranks hold different tokens: there each MoE layer dispatches each
-(token, choice) to its expert's owner and combines back by all-to-all
-(``DispatchedExpertShardMoE``, ``model.parallel.dispatch``), and shared experts run
-on every rank over its own rows.
+The CP prefill's ranks hold different tokens: there each MoE layer sends each token
+once to each rank owning one of its choices and combines one row per (token, rank)
+back by all-to-all (``DispatchedExpertShardMoE``, ``model.parallel.dispatch``), and
+shared experts run on every rank over its own rows.
 
 A rank reads only its experts' tensors from the checkpoint (``local_expert_name``
 renames the rank's experts to local indices and skips the rest).
@@ -68,9 +68,9 @@ class ExpertShardMoE(MoE):
 
 class DispatchedExpertShardMoE(ExpertShardMoE):
     """Prefill EP: the CP ranks hold different tokens, so each MoE layer sends each
-    (token, choice) to its expert's owner only and combines the outputs back
-    (``model.parallel.dispatch.dispatch_combine``: counts, rows, experts, rows back);
-    shared experts run locally on a rank's own rows."""
+    token once to each rank owning one of its choices and combines one partial per
+    (token, rank) back (``model.parallel.dispatch.dispatch_combine``: counts, rows,
+    experts, partials back); shared experts run locally on a rank's own rows."""
 
     group: Any
     bounds: tuple[int, ...]  # every rank's first expert, then num_experts
