@@ -198,7 +198,8 @@ def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[d
     in module order, each with the config and the quantization it launches with (the
     down projections take ``silu_mul_quant_fp8``'s output: quantized first). Fused
     projections count once (their parts share the fused weight); experts, which run
-    the grouped MoE kernels, are left out."""
+    the grouped MoE kernels, are left out; MLA's ``kv_b_proj``, which decode reads as
+    a dequantized matrix, is listed all the same."""
     from lanekv.kernels.fp8.gemm import linear_plan
     from lanekv.kernels.fp8.gemm_configs import select_config
     from lanekv.model.quant.linear import Fp8Linear
