@@ -18,7 +18,9 @@ what the engine runs eagerly and captures) after a warm-up:
 
 Prints a table of the first dense layer, the first MoE layer and the outside part
 (kernel names with their counts and total device time), the count per layer, and
-writes everything to ``--json``.
+writes everything to ``--json``; on CUDA also layer 0's kernels in launch order with
+their device times, and with ``--fp8`` the config and the quantization (inside the
+GEMM or first) each of layer 0's FP8 linears launches with at ``--batch`` rows.
 
 GPU:  python bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 --json prof_v2.json
       python bench/deepseek_profile.py --llama3-8b --fp8 --batch 64 --json prof_llama_fp8.json
@@ -145,10 +147,10 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
-    """From a Chrome trace of the profiler: layer -> kernel name -> [count, device us].
-    A device event belongs to the layer whose range holds the host launch with the
-    same correlation id (on the launching thread)."""
+def device_events(trace: dict) -> list[tuple[str, dict]]:
+    """From a Chrome trace of the profiler: ``(layer, event)`` of every device kernel,
+    memcpy and memset, in device order. A device event belongs to the layer whose
+    range holds the host launch with the same correlation id (on the launching thread)."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     ranges = [(e["ts"], e["ts"] + e.get("dur", 0), e.get("tid"), e["name"][len(_LAYER_PREFIX):])
               for e in events if e.get("ph") == "X" and e.get("name", "").startswith(_LAYER_PREFIX)]
@@ -156,10 +158,9 @@ def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
     for e in events:
         if e.get("ph") == "X" and e.get("cat") in _LAUNCH_CATS and "correlation" in e.get("args", {}):
             launch_at[e["args"]["correlation"]] = (e["ts"], e.get("tid"))
-    table: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in _DEVICE_CATS:
-            continue
+    out = []
+    for e in sorted((e for e in events if e.get("ph") == "X" and e.get("cat") in _DEVICE_CATS),
+                    key=lambda e: e["ts"]):
         where = OUTSIDE
         launch = launch_at.get(e.get("args", {}).get("correlation"))
         if launch is not None:
@@ -168,10 +169,65 @@ def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
                 if start <= ts <= end and rtid == tid:
                     where = f"layer {layer}"
                     break
+        out.append((where, e))
+    return out
+
+
+def kernels_by_layer(trace: dict) -> dict[str, dict[str, list[float]]]:
+    """layer -> kernel name -> [count, device us] (``device_events`` summed by name)."""
+    table: dict[str, dict[str, list[float]]] = collections.defaultdict(dict)
+    for where, e in device_events(trace):
         slot = table[where].setdefault(e["name"], [0, 0.0])
         slot[0] += 1
         slot[1] += float(e.get("dur", 0.0))
     return table
+
+
+def kernel_sequence(trace: dict, layer: str) -> list[dict]:
+    """One layer's device events in launch order: name, device us and, where the
+    trace has them, grid, block, registers and shared memory (the FP8 GEMMs share
+    one kernel name; the grid and the shared memory tell their configs apart)."""
+    keys = ("grid", "block", "registers per thread", "shared memory")
+    return [{"name": e["name"], "device_us": float(e.get("dur", 0.0)),
+             **{k: e["args"][k] for k in keys if k in e.get("args", {})}}
+            for where, e in device_events(trace) if where == layer]
+
+
+def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[dict]:
+    """The block-FP8 linears a decoder layer runs through ``fp8_linear`` at ``rows``,
+    in module order, each with the config and the quantization it launches with (the
+    down projections take ``silu_mul_quant_fp8``'s output: quantized first). Fused
+    projections count once (their parts share the fused weight); experts, which run
+    the grouped MoE kernels, are left out; MLA's ``kv_b_proj``, which decode reads as
+    a dequantized matrix, is listed all the same."""
+    from lanekv.kernels.fp8.gemm import linear_plan
+    from lanekv.kernels.fp8.gemm_configs import select_config
+    from lanekv.model.quant.linear import Fp8Linear
+
+    def fused_fp8(mod) -> bool:
+        return (isinstance(getattr(mod, "fp8", None), Fp8Linear)
+                and getattr(mod, "weight_scale_inv", None) is not None)
+
+    fused_storage = {mod.weight.untyped_storage().data_ptr() for mod in layer.modules()
+                     if fused_fp8(mod)}
+    out = []
+    for name, mod in layer.named_modules():
+        weight = getattr(mod, "weight", None)
+        if fused_fp8(mod):
+            block = mod.fp8.block
+        elif (isinstance(mod, Fp8Linear) and ".experts." not in f".{name}." and
+              weight.untyped_storage().data_ptr() not in fused_storage):
+            block = mod.block
+        else:
+            continue
+        n, k = weight.shape
+        if name.endswith("down_proj"):
+            cfg, fused = select_config(rows, n, k, block, device), False
+        else:
+            cfg, fused = linear_plan(rows, n, k, block, device)
+        out.append({"linear": name, "n": n, "k": k, "rows": rows, "config": cfg.name(),
+                    "fused_quant": fused})
+    return out
 
 
 def build(name: str, batch: int, context: int, page_size: int, device: torch.device, model_dir: str,
@@ -253,6 +309,8 @@ def main() -> None:
                                     model_dir, args.table_pages, fp8=args.fp8)
         result["dtype"] = str(dtype).removeprefix("torch.")
         layers = loaded.model.model.layers
+        if args.fp8:
+            result["fp8_plans"] = fp8_plans(layers[0], args.batch, device)
         step()  # compile and warm up
         step()
         if device.type == "cuda":
@@ -265,7 +323,9 @@ def main() -> None:
             marks.remove()
             trace_path = Path(model_dir) / "trace.json"
             prof.export_chrome_trace(str(trace_path))
-            kernels = kernels_by_layer(json.loads(trace_path.read_text()))
+            trace = json.loads(trace_path.read_text())
+            kernels = kernels_by_layer(trace)
+            result["layer0_sequence"] = kernel_sequence(trace, "layer 0")
             result["kernels"] = {w: {n: {"count": c, "device_us": us} for n, (c, us) in t.items()}
                                  for w, t in kernels.items()}
             result["kernels_per_layer"] = summarize(kernels)
@@ -293,6 +353,17 @@ def main() -> None:
         print(f"\n{label} per layer: " + ", ".join(f"{w}: {n}" for w, n in sorted(
             per.items(), key=lambda kv: (kv[0] == OUTSIDE, int(kv[0].split()[-1])
                                          if kv[0] != OUTSIDE else 0))))
+    if "fp8_plans" in result:
+        print(f"\nFP8 linears of layer 0 at {args.batch} rows (config, quantization):")
+        for plan in result["fp8_plans"]:
+            how = "inside the GEMM" if plan["fused_quant"] else "first (own kernel)"
+            print(f"  {plan['linear']:>24} [{plan['n']}, {plan['k']}] {plan['config']:>26} {how}")
+    if "layer0_sequence" in result:
+        print(f"\nlayer 0's device kernels in launch order ({name}, batch {args.batch}):")
+        for event in result["layer0_sequence"]:
+            launch = " ".join(f"{k.split()[0]}={event[k]}" for k in
+                              ("grid", "registers per thread", "shared memory") if k in event)
+            print(f"  {event['device_us']:8.1f} us  {event['name'][:80]}  {launch}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

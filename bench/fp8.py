@@ -3,9 +3,11 @@
 - ``gemm``: on Llama-3-8B's and DeepSeek-V2-Lite's linear shapes, at decode and
   prefill row counts, in one run: our block-FP8 GEMM (``gemm_ms``: the w8a8
   kernel alone with the config ``select_config`` picks, or with ``--sweep`` the
-  fastest correct one of ``candidate_configs``; ``linear_ms``: with the
-  activations' per-token-group quantization, inside the GEMM at <= 64 rows,
-  ``linear_unfused_ms`` the same as two kernels; not in a sweep), against
+  fastest correct one of ``candidate_configs``; ``linear_ms``: with that config,
+  the linear as a model runs it, the activations' per-token-group quantization
+  included, inside the GEMM or first as ``linear_plan`` decides
+  (``linear_fused_quant``); at <= 64 rows both ways, ``linear_fused_ms`` and
+  ``linear_unfused_ms``: the sweep times the GEMM alone), against
   ``torch._scaled_mm`` with row-wise scales (``scaled_mm_row_ms``) and with our
   own block scales (1x128 activations, 128x128 weights: ``scaled_mm_block_ms``,
   through ``torch._scaled_mm`` or ``F.scaled_mm`` with ``ScalingType``, whichever
@@ -73,6 +75,7 @@ from lanekv.kernels.fp8.gemm import (  # noqa: E402
     FUSED_QUANT_MAX_ROWS,
     block_fp8_matmul_triton,
     fp8_linear_triton,
+    linear_plan,
 )
 from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     TABLE_DIR,
@@ -359,12 +362,18 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                     row["gemm_ms"] = time_fn(_rotating([partial(
                         block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16,
                         config=cfg) for w, s in ws]))
-                if not sweep:  # the linear takes the table's config, not the sweep's
-                    row["linear_ms"] = time_fn(_rotating([partial(
-                        fp8_linear_triton, x, w, s, block) for w, s in ws]))
-                    if rows <= FUSED_QUANT_MAX_ROWS:  # what quantizing inside the GEMM saves
-                        row["linear_unfused_ms"] = time_fn(_rotating([partial(
-                            fp8_linear_triton, x, w, s, block, fuse_quant=False) for w, s in ws]))
+                # The linear as a model's step runs it with this config (quantizing inside
+                # the GEMM or first: linear_plan), and at decode rows both ways.
+                row["linear_fused_quant"] = linear_plan(rows, n, k, block, device,
+                                                        config=cfg).fuse_quant
+                ways = ((True, False) if rows <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
+                        else (row["linear_fused_quant"],))
+                for fuse in ways:
+                    row["linear_fused_ms" if fuse else "linear_unfused_ms"] = time_fn(_rotating([
+                        partial(fp8_linear_triton, x, w, s, block, fuse_quant=fuse, config=cfg)
+                        for w, s in ws]))
+                row["linear_ms"] = row["linear_fused_ms" if row["linear_fused_quant"]
+                                       else "linear_unfused_ms"]
                 row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x, w.t())
                                                     for w in bf16s]))
                 a_row = (x.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)
@@ -390,8 +399,9 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 row["vs_bf16"] = row["bf16_ms"] / row["gemm_ms"]
                 row["tflops"] = 2 * rows * n * k / row["gemm_ms"] / 1e9
                 out.append(row)
-                other = (f" sel {_us(row['selected_ms'])}" if sweep  # the un-swept pick's time
-                         else f" lin {_us(row.get('linear_ms'))}")
+                other = (f" sel {_us(row['selected_ms'])}" if sweep else "")  # the un-swept pick
+                other += (f" lin {_us(row['linear_ms'])}"
+                          f"{' fused' if row['linear_fused_quant'] else ''}")
                 print(f"{model:>9} {name:>14} {rows:>5} {cfg.name():>26} gemm {row['gemm_ms']*1e3:8.1f}"
                       f"{other} row {_us(row['scaled_mm_row_ms'])} "
                       f"blk {_us(row['scaled_mm_block_ms'])} bf16 {row['bf16_ms']*1e3:8.1f} us "

@@ -8,8 +8,18 @@ pipeliner keeps in flight (shared memory of ``num_stages`` tiles means the
 loads are pipelined, one tile's worth means they are not). Integer arguments
 are marked 16-divisible as a launch on the benchmark's shapes specializes them.
 
+``k_loop`` is the length in SASS instructions of the k loop (the longest backward
+branch's body): the work each k step issues per warp.
+
+With ``--plan MODEL`` it compiles instead what that model's decode linears run at
+``--rows`` on a device of ``--device-name`` (its committed table, else the
+heuristic; ``linear_plan`` decides whether the GEMM quantizes the activations
+itself; the down projections take ``silu_mul_quant_fp8``'s output), each beside
+the other variant of the same config.
+
     python bench/fp8_gemm_compile.py --rows 2048
     python bench/fp8_gemm_compile.py --rows 1 --quant-a     # the fused decode linear
+    python bench/fp8_gemm_compile.py --plan llama3_8b --rows 1 16 64
 """
 
 from __future__ import annotations
@@ -27,9 +37,14 @@ import lanekv  # noqa: F401  (the package first)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import torch  # noqa: E402
 import triton  # noqa: E402
-from lanekv.kernels.fp8.gemm import _block_fp8_matmul_kernel  # noqa: E402
-from lanekv.kernels.fp8.gemm_configs import GemmConfig, candidate_configs  # noqa: E402
+from lanekv.kernels.fp8.gemm import _block_fp8_matmul_kernel, linear_plan  # noqa: E402
+from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
+    GemmConfig,
+    candidate_configs,
+    config_for_device,
+)
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -61,6 +76,8 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
         cubin.write_bytes(kernel.asm["cubin"])
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
                                capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)],
+                              capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
     tile_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
@@ -70,19 +87,60 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     return dict(config=cfg.name(), shared=kernel.metadata.shared, global_stores=stores,
                 registers=int(regs.group(1)) if regs else None,
                 local_bytes=int(local.group(1)) if local else None,
-                tiles_in_flight=kernel.metadata.shared // tile_bytes)
+                tiles_in_flight=kernel.metadata.shared // tile_bytes, k_loop=k_loop_length(sass))
+
+
+def k_loop_length(sass: str) -> int:
+    """Instructions in the longest loop of a SASS listing (a backward branch's body)."""
+    addrs = [(int(m.group(1), 16), m.group(2))
+             for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    longest = 0
+    for addr, text in addrs:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            start = int(target.group(1), 16)
+            longest = max(longest, sum(1 for a, _ in addrs if start <= a <= addr))
+    return longest
+
+
+def plan(model: str, rows: int, device_name: str, sms: int) -> list[dict]:
+    """Each decode linear of ``model`` at ``rows``: the config and fusion it runs with on
+    ``device_name``, compiled as it runs (``compiled``) and as the other variant."""
+    from bench.fp8 import SHAPES
+
+    out = []
+    for name, n, k in SHAPES[model]:
+        cfg = config_for_device(rows, n, k, (128, 128), device_name, sms)
+        # the down projections' input comes quantized from silu_mul_quant_fp8
+        fused = (not name.endswith("down")
+                 and linear_plan(rows, n, k, (128, 128), torch.device("cpu"), config=cfg).fuse_quant)
+        other = compile_config(cfg, quant_a=not fused) if cfg.block_k == 128 or fused else None
+        out.append(dict(linear=name, n=n, k=k, rows=rows, config=cfg.name(), fused_quant=fused,
+                        compiled=compile_config(cfg, quant_a=fused), other_variant=other))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rows", type=int, default=2048)
+    ap.add_argument("--rows", type=int, nargs="+", default=[2048])
+    ap.add_argument("--plan", default=None, help="a model of bench/fp8.py: its decode linears")
+    ap.add_argument("--device-name", default="NVIDIA H200", help="--plan: whose table")
+    ap.add_argument("--sms", type=int, default=132, help="--plan: SMs, for the heuristic")
     ap.add_argument("--quant-a", action="store_true", help="the variant that quantizes x itself")
     ap.add_argument("--ragged-k", action="store_true", help="K not a multiple of 128")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     out = []
-    for cfg in candidate_configs(args.rows, (128, 128)):
+    if args.plan:
+        for rows in args.rows:
+            for rec in plan(args.plan, rows, args.device_name, args.sms):
+                out.append(rec)
+                print(json.dumps(rec), flush=True)
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+        return
+    for cfg in candidate_configs(args.rows[0], (128, 128)):
         try:
             rec = compile_config(cfg, quant_a=args.quant_a, even_k=not args.ragged_k)
         except Exception as err:  # noqa: BLE001  (reported per config)

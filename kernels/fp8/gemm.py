@@ -10,7 +10,10 @@ accumulated in float32; the reference dequantizes both sides and multiplies in
 float32 (so the two agree to float32 summation order).
 
 ``fp8_linear(x, weight, weight_scale_inv, block, bias=None)`` is what a
-quantized linear calls: on CUDA, ``x`` quantized per token group then the GEMM;
+quantized linear calls: on CUDA, ``x`` quantized per token group then the GEMM,
+or, for decode's few rows in 16-row tiles, the GEMM quantizing ``x`` itself
+(``linear_plan`` decides: every column tile repeats its rows' quantization, which
+costs little in a 16-row tile and dominates the k loop in a 64-row one);
 the reference (CPU) runs ``F.linear`` on the dequantized weight in ``x``'s dtype,
 unquantized activations, so a CPU run equals the same model with the weights
 dequantized.
@@ -34,6 +37,8 @@ from a tuned table or a heuristic: ``gemm_configs.py``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -384,6 +389,32 @@ def _check_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
 
 
 FUSED_QUANT_MAX_ROWS = 64  # decode: quantize inside the GEMM (one launch, no round trip)
+# ... and only in row tiles of at most this many rows: every column tile quantizes its row
+# tile's activations again (N / block_n times over), on the CUDA cores of the GEMM's own
+# warps, one correctly rounded division per element. A 16-row tile on 4 warps quantizes 16
+# values per thread per k step, a 64-row tile 64, and then the quantization is most of the
+# compiled k loop (``bench/fp8_gemm_compile.py --quant-a`` counts its instructions).
+FUSED_QUANT_MAX_BLOCK_M = 16
+
+
+class LinearPlan(NamedTuple):
+    """How ``fp8_linear`` runs a shape: the GEMM's config, and whether the GEMM
+    quantizes the activations itself (else ``per_token_group_quant_fp8`` runs first)."""
+    config: GemmConfig
+    fuse_quant: bool
+
+
+def linear_plan(rows: int, n: int, k: int, block: tuple[int, int], device: torch.device, *,
+                fuse_quant: bool | None = None, config: GemmConfig | None = None) -> LinearPlan:
+    """For ``rows`` of a ``[n, k]`` weight: the config (``config``, else the table's
+    or the heuristic's) and the fusion (``fuse_quant``, else: at most
+    ``FUSED_QUANT_MAX_ROWS`` rows, row tiles of at most ``FUSED_QUANT_MAX_BLOCK_M``,
+    the k step one scale group)."""
+    cfg = config if config is not None else select_config(rows, n, k, tuple(block), device)
+    if fuse_quant is None:
+        fuse_quant = (rows <= FUSED_QUANT_MAX_ROWS and cfg.block_m <= FUSED_QUANT_MAX_BLOCK_M
+                      and cfg.block_k == block[1])
+    return LinearPlan(cfg, fuse_quant)
 
 
 def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -391,17 +422,15 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
                       scale_ue8m0: bool = False, fuse_quant: bool | None = None,
                       config: GemmConfig | None = None) -> torch.Tensor:
     """``x [..., K]``: per-token-group quantization then the w8a8 GEMM. With
-    ``fuse_quant`` (default: at most ``FUSED_QUANT_MAX_ROWS`` rows) the GEMM reads
-    ``x`` itself and quantizes each tile's groups with the quantization kernel's
-    own code, so the result is the same as quantizing first, one launch fewer."""
+    ``fuse_quant`` (default: ``linear_plan``'s rule) the GEMM reads ``x`` itself and
+    quantizes each tile's groups with the quantization kernel's own code, so the
+    result is the same as quantizing first, one launch fewer."""
     _check_linear(x, weight, weight_scale_inv, block)
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[1] > 1 and flat.stride(1) != 1:
         flat = flat.contiguous()
-    cfg = config if config is not None else select_config(
-        flat.shape[0], weight.shape[0], weight.shape[1], tuple(block), x.device)
-    if fuse_quant is None:
-        fuse_quant = flat.shape[0] <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
+    cfg, fuse_quant = linear_plan(flat.shape[0], weight.shape[0], weight.shape[1], block,
+                                  x.device, fuse_quant=fuse_quant, config=config)
     check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
     if fuse_quant:
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):

@@ -248,17 +248,6 @@ def load_table(path: str) -> dict[tuple[int, int, int, int], tuple[tuple[int, Ge
     return {key: tuple(sorted(rows)) for key, rows in table.items()}
 
 
-def table_path(device: torch.device) -> str | None:
-    """The table ``LANEKV_FP8_GEMM_CONFIGS`` names (any device), else the
-    committed one of this CUDA device, if there is one."""
-    env = os.environ.get(TABLE_ENV)
-    if env:
-        return env
-    if device.type != "cuda":
-        return None
-    return _committed_table(torch.cuda.get_device_name(device))
-
-
 @functools.lru_cache(maxsize=8)
 def _committed_table(device_name: str) -> str | None:
     """The committed table of a device, if any (looked up once per device name)."""
@@ -280,14 +269,26 @@ def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConf
     return cfg
 
 
-def select_config(rows: int, n: int, k: int, block: tuple[int, int],
-                  device: torch.device) -> GemmConfig:
-    path = table_path(device)
+def config_for_device(rows: int, n: int, k: int, block: tuple[int, int], device_name: str,
+                      sms: int) -> GemmConfig:
+    """What ``select_config`` picks on a CUDA device of this name and SM count: the
+    table ``LANEKV_FP8_GEMM_CONFIGS`` names, else the device's committed one, else the
+    heuristic (offline tools ask it for a device they do not have)."""
+    path = os.environ.get(TABLE_ENV) or _committed_table(device_name)
     if path is not None:
         cfg = lookup(load_table(path), rows, n, k, block)
         if cfg is not None:
             return cfg
-    if device.type != "cuda":
-        return interpreter_config(block)
-    return default_config(rows, n, k, block,
-                          torch.cuda.get_device_properties(device).multi_processor_count)
+    return default_config(rows, n, k, block, sms)
+
+
+def select_config(rows: int, n: int, k: int, block: tuple[int, int],
+                  device: torch.device) -> GemmConfig:
+    """``config_for_device`` of a CUDA device; on the CPU (the interpreter) the table
+    ``LANEKV_FP8_GEMM_CONFIGS`` names, else small tiles."""
+    if device.type == "cuda":
+        return config_for_device(rows, n, k, block, torch.cuda.get_device_name(device),
+                                 torch.cuda.get_device_properties(device).multi_processor_count)
+    path = os.environ.get(TABLE_ENV)
+    cfg = lookup(load_table(path), rows, n, k, block) if path else None
+    return cfg if cfg is not None else interpreter_config(block)

@@ -3,15 +3,21 @@ bit for bit (interpreted here, compiled in the gpu tests), the GEMMs within floa
 summation-order tolerance, the grouped expert GEMMs captured in a CUDA graph on the GPU."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from lanekv.kernels.fp8 import gemm as gemm_module
 from lanekv.kernels.fp8.experts import moe_experts_fp8_ref, moe_experts_fp8_triton
 from lanekv.kernels.fp8.gemm import (
     block_fp8_matmul_ref,
     block_fp8_matmul_triton,
     fp8_linear_ref,
     fp8_linear_triton,
+    linear_plan,
     silu_mul_fp8_linear_ref,
     silu_mul_fp8_linear_triton,
 )
@@ -21,7 +27,9 @@ from lanekv.kernels.fp8.gemm_configs import (
     GemmConfig,
     candidate_configs,
     config_family,
+    config_for_device,
     default_config,
+    interpreter_config,
     load_table,
     lookup,
     select_config,
@@ -40,6 +48,8 @@ from lanekv.kernels.fp8.weights import (
 )
 
 from tests.markers import GPU_CASE, requires_gpu
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _wide(rows, cols, seed, dtype=torch.float32, device="cpu"):
@@ -284,6 +294,96 @@ def test_fused_quantization_needs_the_k_step_to_be_the_group():
     with pytest.raises(ValueError, match="config.block_k=16 to equal block_k=32"):
         fp8_linear_triton(x, w, w_scale, (32, 32), fuse_quant=True,
                           config=GemmConfig(16, 32, 16))
+
+
+LLAMA3_8B_LINEARS = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096)}
+
+
+@pytest.mark.parametrize("rows,fused", [(1, True), (16, True), (64, False)])
+def test_decode_linears_on_an_h200_fuse_quantization_only_in_16_row_tiles(rows, fused,
+                                                                          monkeypatch):
+    """The H200 table's Llama-3-8B picks: 16-row tiles at 1 and 16 rows quantize inside
+    the GEMM; 64 rows' 64-row tiles quantize first (fused, every one of the 96-224
+    column tiles repeated the rows' quantization: BENCHMARKS.md, issue 33)."""
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    for name, (n, k) in LLAMA3_8B_LINEARS.items():
+        cfg = config_for_device(rows, n, k, (128, 128), "NVIDIA H200", 132)
+        plan = linear_plan(rows, n, k, (128, 128), torch.device("cpu"), config=cfg)
+        assert plan.config == cfg and plan.fuse_quant is fused, (name, cfg.name())
+        assert (cfg.block_m == 16) is fused, (name, cfg.name())
+    # the heuristic's 64-row tile (no table) quantizes first too
+    assert not linear_plan(64, 4096, 4096, (128, 128), torch.device("cpu"),
+                           config=default_config(64, 4096, 4096, (128, 128))).fuse_quant
+
+
+def test_linear_plan_rule_and_explicit_choice():
+    cpu, block = torch.device("cpu"), (128, 128)
+    tile16, tile32 = GemmConfig(16, 64), GemmConfig(32, 64)
+    assert linear_plan(16, 256, 256, block, cpu, config=tile16).fuse_quant
+    assert linear_plan(64, 256, 256, block, cpu, config=tile16).fuse_quant
+    assert not linear_plan(65, 256, 256, block, cpu, config=tile16).fuse_quant  # prefill rows
+    assert not linear_plan(16, 256, 256, block, cpu, config=tile32).fuse_quant
+    assert not linear_plan(16, 256, 256, block, cpu, config=tile16._replace(block_k=64)).fuse_quant
+    assert linear_plan(16, 256, 256, block, cpu, config=tile32, fuse_quant=True).fuse_quant
+    assert not linear_plan(16, 256, 256, block, cpu, config=tile16, fuse_quant=False).fuse_quant
+    assert linear_plan(3, 256, 256, block, cpu).config == interpreter_config(block)  # CPU
+
+
+@pytest.mark.parametrize("block_m,quantizer_runs", [(16, 0), (32, 1)])
+def test_fp8_linear_quantizes_first_in_row_tiles_wider_than_16(block_m, quantizer_runs,
+                                                                monkeypatch):
+    """The default path by the config's row tile: the quantization kernel runs first
+    only for a 32-row tile; both results are the quantize-then-GEMM one, bit for bit."""
+    block = (32, 32)
+    x, w, w_scale, bias = _gemm_inputs(20, 48, 96, block, seed=5)
+    runs = []
+    real = gemm_module.per_token_group_quant_fp8
+
+    def counting(*args, **kwargs):
+        runs.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemm_module, "per_token_group_quant_fp8", counting)
+    cfg = GemmConfig(block_m, 32, 32, 4, 1, 4, 1)
+    out = fp8_linear_triton(x, w, w_scale, block, bias, config=cfg)
+    assert len(runs) == quantizer_runs
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+    assert torch.equal(out, block_fp8_matmul_triton(a, a_scale, w, w_scale, block,
+                                                    torch.float32, bias, config=cfg))
+
+
+_COMPILE_PLAN = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+from bench.fp8_gemm_compile import compile_config
+from lanekv.kernels.fp8.gemm import linear_plan
+from lanekv.kernels.fp8.gemm_configs import config_for_device
+out = []
+for rows in (64, 16):
+    cfg = config_for_device(rows, 6144, 4096, (128, 128), "NVIDIA H200", 132)
+    fused = linear_plan(rows, 6144, 4096, (128, 128), torch.device("cpu"), config=cfg).fuse_quant
+    other = compile_config(cfg, quant_a=not fused) if rows == 64 else None
+    out.append(dict(rows=rows, fused=fused, run=compile_config(cfg, quant_a=fused), other=other))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_decode_qkv_compiles_the_variant_with_the_shorter_k_loop():
+    """Compiled for sm_90 offline, Llama-3-8B's qkv GEMM as an H200 runs it: at 64 rows
+    the pre-quantized variant, whose k loop is the shorter (quantizing a 64-row tile in
+    every column tile made the fused loop the longer); at 16 rows the fused one; neither
+    spills."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", TABLE_ENV)}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_PLAN.format(root=str(ROOT))], env=env,
+                          capture_output=True, text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    at64, at16 = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not at64["fused"] and at16["fused"]
+    assert at64["run"]["k_loop"] < at64["other"]["k_loop"], at64
+    for rec in (at64["run"], at16["run"]):
+        assert rec["local_bytes"] == 0 and rec["k_loop"] > 0, rec
 
 
 @pytest.mark.parametrize("rows,cols,depth,block", GEMM_CASES[:3])
