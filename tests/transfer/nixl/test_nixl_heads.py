@@ -87,7 +87,7 @@ def rank(monkeypatch):
         served = serve(source, epoch="start-1", nixl=export)
         source.set_topology(Topology(1, "in_seq", "page_mod_cp", (f"127.0.0.1:{served.port}",)))
         exports.append((export, served))
-        return export, f"127.0.0.1:{served.port}"
+        return export, f"127.0.0.1:{served.port}", served
 
     yield agreement, pool, start
     for export, served in exports:
@@ -114,7 +114,7 @@ def test_a_head_range_reads_only_those_heads_bytes_in_few_descriptors(rank, head
     agreement, pool, start = rank
     # Room for 2 of the 4 layers per call (a quarter of the region each): two FetchKV calls.
     layer_bytes = 2 * len(PHYSICAL) * PAGE * DIM * 2
-    export, endpoint = start(staging_bytes=4 * 2 * layer_bytes)
+    export, endpoint, _ = start(staging_bytes=4 * 2 * layer_bytes)
     reads = []
     read = agent_module.Agent.read
 
@@ -141,7 +141,7 @@ def test_a_head_range_reads_only_those_heads_bytes_in_few_descriptors(rank, head
 @NEEDS_NIXL
 def test_a_flipped_staged_byte_or_a_full_staging_region_goes_over_grpc(rank, monkeypatch):
     agreement, pool, start = rank
-    export, endpoint = start()
+    export, endpoint, _ = start()
     read, flips = agent_module.Agent.read, []
 
     def flipping(self, remote, memory, pairs, *args):
@@ -177,3 +177,29 @@ def test_a_flipped_staged_byte_or_a_full_staging_region_goes_over_grpc(rank, mon
     assert wait_until(lambda: export._staging.held_bytes == 0)
     export.close()  # the rank stops: its agent (pool and staging registrations) released
     assert export._staging is None and export._agent is None
+
+
+@pytest.mark.timeout(60)
+@NEEDS_NIXL
+def test_a_dead_rank_ends_a_head_range_fetch_unavailable_naming_it(rank):
+    from lanekv.transfer.connector.base import KVFetchError
+
+    agreement, _, start = rank
+    export, endpoint, served = start()
+    fetched, _, _ = _fetch(agreement, endpoint, (0, 1))
+    assert fetched.paths == {0: "nixl"}
+    failures = Registry().counter("failures", "f", ("cause",))
+    fetcher = make_fetcher(("nixl", "grpc"), TransportContext(KVClient(), agreement, failures))
+    dst = torch.zeros((LAYERS, 2, 8 * PAGE, 1, DIM), dtype=torch.bfloat16)
+    job = FetchJob("req", agreement.fingerprint, "start-1", (endpoint,), {0: list(range(5))}, LAYERS, PAGE, dst,
+                   lambda pages: [SLOTS[p] for p in pages], time.monotonic() + 20, heads=(0, 1))
+    nixl = fetcher.transport("nixl")
+    try:
+        assert nixl.claim(job, [0])  # attached: the rank's agent is known here
+        served.server.stop(None).wait()  # the rank dies (its port and its agent)
+        export.close()
+        with pytest.raises(KVFetchError) as caught:
+            fetcher.fetch(job)
+        assert caught.value.code == grpc.StatusCode.UNAVAILABLE and endpoint in str(caught.value)
+    finally:
+        nixl.close()
