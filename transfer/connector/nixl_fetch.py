@@ -9,9 +9,10 @@ Whole rows (tensor parallelism 1, or MLA's latent rows on any rank) are read
 where they lie in the rank's pool (``runs.read_pairs``). A head range (a
 tensor-parallel GQA rank's KV heads, ``FetchJob.heads``) is read from where
 the rank staged it (``KVChunk.nixl_staged``, ``runs.staged_pairs``), in
-windows of layers that each hold at most ``1 / STAGING_SHARE`` of the rank's
-staging region: one FetchKV call per window, ended once its last range is
-read (the rank frees the call's lease then). A rank whose staging is full
+windows of layers that each hold at most ``1 / (STAGING_SHARE * T)`` of the
+rank's staging region (T decode ranks, one head range each, read from it at
+once): one FetchKV call per window, ended once its last range is read (the
+rank frees the call's lease then). A rank whose staging is full
 (RESOURCE_EXHAUSTED) goes to gRPC, counted as ``failures{cause="nixl_staging"}``.
 
 Nothing is marked placed until every range of the rank verified; a rank
@@ -48,9 +49,9 @@ from lanekv.transfer.protocol.descriptors import Descriptor, as_u64
 from lanekv.transfer.protocol.stats import RankStats
 
 log = logging.getLogger("lanekv.transfer")
-# A staged window of layers takes at most this fraction of a rank's staging region, so
-# as many decode ranks (or requests) read from one prefill rank at once.
-STAGING_SHARE = 4
+# A staged window of layers takes at most 1 / (STAGING_SHARE * T) of a rank's staging
+# region: the T ranks of this many decode groups (or requests) read from it at once.
+STAGING_SHARE = 2
 
 
 class NixlPeer(NamedTuple):
@@ -83,11 +84,13 @@ class _SentBack(Exception):
 
 
 def window_layers(peer: NixlPeer, local: PoolRegion, pages: int, page_size: int, num_layers: int) -> int:
-    """Layers per staged FetchKV call of ``pages`` pages; 0 when one layer does not fit the region."""
+    """Layers per staged FetchKV call of ``pages`` pages into ``local`` (a pool of one head range
+    of the rank's rows); 0 when one layer does not fit the region."""
     per_layer = staged_bytes(local, pages, page_size, 1)
     if per_layer > peer.staging_bytes:
         return 0
-    return max(1, min(num_layers, peer.staging_bytes // STAGING_SHARE // per_layer))
+    ranks = max(1, peer.region.row_bytes // local.row_bytes)  # the decode ranks sharing each row: T
+    return max(1, min(num_layers, peer.staging_bytes // (STAGING_SHARE * ranks) // per_layer))
 
 
 class NixlFetch(TransportFetch):

@@ -112,7 +112,7 @@ def _fetch(agreement, endpoint, heads, registry=None):
 @pytest.mark.parametrize("head", [0, 1])
 def test_a_head_range_reads_only_those_heads_bytes_in_few_descriptors(rank, head, monkeypatch):
     agreement, pool, start = rank
-    # Room for 2 of the 4 layers per call (a quarter of the region each): two FetchKV calls.
+    # Room for 2 of the 4 layers per call (1 / (STAGING_SHARE * 2 ranks) of the region each): two calls.
     layer_bytes = 2 * len(PHYSICAL) * PAGE * DIM * 2
     export, endpoint, _ = start(staging_bytes=4 * 2 * layer_bytes)
     reads = []
@@ -134,6 +134,7 @@ def test_a_head_range_reads_only_those_heads_bytes_in_few_descriptors(rank, head
     assert sum(n for pairs in reads for _, _, n in pairs) == fetched.stats.bytes
     # One block per layer, plane and run of destination pages (three runs), never per row.
     assert sum(len(pairs) for pairs in reads) == LAYERS * 2 * 3
+    assert len(reads) == 2  # one sealed range per call: layers [0, 2), then [2, 4)
     assert wait_until(lambda: export._staging.held_bytes == 0)  # every call's lease freed once it ended
 
 
