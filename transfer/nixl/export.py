@@ -14,6 +14,7 @@ reads them in one block per layer and plane (``stage``).
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ import torch
 from lanekv.proto import lanekv_pb2
 from lanekv.transfer.nixl.agent import Agent, memory_kind
 from lanekv.transfer.nixl.staging import DEFAULT_STAGING_BYTES, Lease, StagingArena
+
+log = logging.getLogger("lanekv.transfer")
 
 
 class NixlExport:
@@ -60,9 +63,8 @@ class NixlExport:
                 agent = Agent(name, self._devices)
                 try:
                     addr, nbytes, device = agent.register(self._pool)
-                    staging, staging_addr = None, 0
-                    if self._staging_bytes:
-                        staging = StagingArena(self._staging_bytes, self._pool.device)
+                    staging, staging_addr = self._new_staging(), 0
+                    if staging is not None:
                         staging_addr, _, _ = agent.register(staging.buffer)
                     self._reply = lanekv_pb2.NixlAttachReply(
                         agent_metadata=agent.metadata(), agent_name=name, epoch=self._epoch, pool_addr=addr,
@@ -73,6 +75,18 @@ class NixlExport:
                     raise
                 self._agent, self._staging = agent, staging
             return self._reply
+
+    def _new_staging(self) -> StagingArena | None:
+        """The staging region, on the pool's device; None (whole rows only) when it is not
+        wanted or its memory is not there (the pool stays offered)."""
+        if not self._staging_bytes:
+            return None
+        try:
+            return StagingArena(self._staging_bytes, self._pool.device)
+        except torch.OutOfMemoryError as err:
+            log.warning("rank %d: no NIXL staging region of %d bytes (%s): head ranges go over gRPC",
+                        self._rank, self._staging_bytes, str(err).splitlines()[0])
+            return None
 
     def lease(self, nbytes: int) -> Lease:
         """``nbytes`` of the staging region for one FetchKV call (released when it ends);
