@@ -80,7 +80,11 @@ class NixlLink(Protocol):
 
 
 class _SentBack(Exception):
-    """The rank goes to gRPC (its cause counted); nothing of it is marked placed."""
+    """The rank goes to gRPC (``cause`` counted); nothing of it is marked placed."""
+
+    def __init__(self, cause: str) -> None:
+        super().__init__(cause)
+        self.cause = cause
 
 
 def window_layers(peer: NixlPeer, local: PoolRegion, pages: int, page_size: int, num_layers: int) -> int:
@@ -128,7 +132,7 @@ class NixlFetch(TransportFetch):
         try:
             self._fetch(rank, endpoint)
         except _SentBack as err:
-            self._t.count(str(err))
+            self._t.count(err.cause)
             with self._lock:
                 self._again.add(rank)
         except KVFetchError as err:
@@ -164,6 +168,8 @@ class NixlFetch(TransportFetch):
         if job.heads is not None:
             window = window_layers(self._peers[rank], self._local, len(job.pages[rank]), job.page_size,
                                    job.num_layers)
+            if not window:  # the claim saw room for a layer: the rank was attached again since
+                raise _SentBack("nixl_staging")
         placed: list[Descriptor] = []
         nbytes = 0
         for first in range(0, job.num_layers, window):
