@@ -138,9 +138,6 @@ class DecodeConfig:
         check_tp(model, self.tp_size)  # one line naming tp_size and the value it does not divide
         check_fp8_cuts(self.model_path, self.tp_size)  # block-FP8: each cut on a block boundary
         if self.tp_size > 1:
-            if self.transport == "nixl":
-                raise ValueError(f"transport='nixl' is not supported with tp_size={self.tp_size} (each decode "
-                                 "rank fetches its KV heads, by the fast path or gRPC; NIXL reads whole rows)")
             if self.load_format != "safetensors":
                 raise ValueError(f"load_format={self.load_format!r} is not supported with tp_size={self.tp_size} "
                                  "(each rank reads its shard of the safetensors files)")

@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp-size", type=int, default=None,
                    help="tensor parallelism: decode rank processes, one GPU each (gloo on the CPU); "
                         "must divide the model's KV heads; each rank fetches its KV heads, by the "
-                        "same-host fast path or gRPC (default: 1)")
+                        "same-host fast path, gRPC or NIXL (default: 1)")
     p.add_argument("--fetch-processes", type=int, default=None,
                    help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
                         "(default: 4 with a GPU pool, else 0: threads of the daemon)")

@@ -182,14 +182,16 @@ class FetchRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., descriptors: _Optional[bool] = ..., nixl: _Optional[bool] = ..., head_start: _Optional[int] = ..., head_count: _Optional[int] = ...) -> None: ...
 
 class KVChunk(_message.Message):
-    __slots__ = ("header", "data", "pad")
+    __slots__ = ("header", "data", "pad", "nixl_staged")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     PAD_FIELD_NUMBER: _ClassVar[int]
+    NIXL_STAGED_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     data: bytes
     pad: bytes
-    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ...) -> None: ...
+    nixl_staged: int
+    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., pad: _Optional[bytes] = ..., nixl_staged: _Optional[int] = ...) -> None: ...
 
 class AttachRequest(_message.Message):
     __slots__ = ("fingerprint", "host_id", "transports")
@@ -228,7 +230,7 @@ class NixlAttachRequest(_message.Message):
     def __init__(self, fingerprint: _Optional[str] = ...) -> None: ...
 
 class NixlAttachReply(_message.Message):
-    __slots__ = ("agent_metadata", "agent_name", "epoch", "pool_addr", "pool_bytes", "device_id", "memory")
+    __slots__ = ("agent_metadata", "agent_name", "epoch", "pool_addr", "pool_bytes", "device_id", "memory", "staging_addr", "staging_bytes")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
     AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -236,6 +238,8 @@ class NixlAttachReply(_message.Message):
     POOL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
+    STAGING_ADDR_FIELD_NUMBER: _ClassVar[int]
+    STAGING_BYTES_FIELD_NUMBER: _ClassVar[int]
     agent_metadata: bytes
     agent_name: str
     epoch: str
@@ -243,7 +247,9 @@ class NixlAttachReply(_message.Message):
     pool_bytes: int
     device_id: int
     memory: str
-    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., epoch: _Optional[str] = ..., pool_addr: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory: _Optional[str] = ...) -> None: ...
+    staging_addr: int
+    staging_bytes: int
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., agent_name: _Optional[str] = ..., epoch: _Optional[str] = ..., pool_addr: _Optional[int] = ..., pool_bytes: _Optional[int] = ..., device_id: _Optional[int] = ..., memory: _Optional[str] = ..., staging_addr: _Optional[int] = ..., staging_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("text", "token_ids", "sampling", "max_new_tokens", "stop_token_ids", "request_id", "prompt_logprobs", "has_prompt_logprobs")

@@ -16,7 +16,10 @@ fetcher, the other ranks run ``FetchHeads`` with a fetcher of their own over the
 same transports, at once. Over the same-host fast path each rank maps the
 prefill ranks' pools and copies its heads of each row (a strided copy), checked
 against the rank's digest of exactly those bytes; over gRPC the prefill rank
-sends only those heads. NIXL reads whole rows and is refused with ``tp_size > 1``.
+sends only those heads; over NIXL the prefill rank stages those heads of each
+range in a registered region and each rank reads them in one block per layer and
+plane (``transfer.connector.nixl``), MLA ranks whole rows in place. Each rank's
+transports are its own (a NIXL agent per rank process).
 A failure on a rank keeps its status code and names the rank; a rank that died
 is UNAVAILABLE. ``Fetched.paths`` shows each prefill rank's path to every decode
 rank (``grpc+shm`` when one decode rank fell back to gRPC).

@@ -164,6 +164,10 @@ def follower_main(rank: int, spec: TPSpec, tasks: Any, results: Any) -> None:
         while (inputs := receive_step(group, device)) is not None:
             step_hidden(state.loaded.model, state.pool, *inputs)
     tasks.put(None)
+    fetcher = state.extras.get("fetcher")
+    nixl = None if fetcher is None else fetcher.transport("nixl")
+    if nixl is not None:
+        nixl.close()  # this rank's pool registration and every peer agent
     dist.destroy_process_group()
 
 

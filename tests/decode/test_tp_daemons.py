@@ -1,6 +1,6 @@
 """A decode daemon with tensor parallelism (``tp_size`` rank processes, gloo on the CPU)
 behind a real prefill daemon: greedy tokens equal transformers' for prefill cp 1 and 2,
-each decode rank fetching only its KV heads over gRPC; a rank killed mid-generation
+each decode rank fetching only its KV heads over gRPC or NIXL; a rank killed mid-generation
 ends its requests UNAVAILABLE naming the rank and turns the daemon NOT_SERVING."""
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from tests.checkpoints import (
 )
 from tests.daemons import running_pair
 from tests.fp8_checkpoints import dequantized_copy, quantize_checkpoint
+from tests.transfer.nixl.test_nixl_heads import NEEDS_NIXL
 
 PAGE_SIZE = 4
 MAX_NEW_TOKENS = 8
@@ -143,11 +144,47 @@ def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, 
         assert (stats.free_pages, stats.active_requests) == (stats.total_pages, 0)
 
 
+@NEEDS_NIXL
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("name", "cp_size"), [("llama", 1), ("llama", 2), ("deepseek_v3", 1)])
+def test_tp_decode_over_nixl_equals_transformers(checkpoints, name: str, cp_size: int, monkeypatch) -> None:
+    """``--transport nixl`` with ``tp_size=2`` (UCX over TCP): every prefill rank read through
+    NIXL by both decode ranks, GQA ranks each only their KV head's bytes (staged by the
+    prefill rank), MLA ranks the whole latent rows; transformers' tokens."""
+    monkeypatch.setenv("UCX_TLS", "tcp,self")  # the rank processes inherit it: UCX over TCP only
+    checkpoint = checkpoints[name]
+    mla = name.startswith("deepseek")
+    with running_pair(_engine(checkpoint, cp_size), pool_pages=64, tp_size=2, transport="nixl",
+                      prefix_cache=False) as (prefill, decode):
+        assert decode.config.transports == ("nixl", "grpc")
+        fetch, paths = decode.fetcher.fetch, []
+
+        def recorded(job):
+            fetched = fetch(job)
+            paths.append(dict(fetched.paths))
+            return fetched
+
+        decode.fetcher.fetch = recorded
+        agreement = decode.agreement
+        page_bytes = agreement.kv_planes * agreement.num_layers * PAGE_SIZE * agreement.num_kv_heads \
+            * agreement.head_dim * decode.pool.tensor.element_size()
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            ids = _prompts()[2]  # 30 tokens: 8 pages, 4 on each prefill rank with cp 2
+            tokens, stats = _generate(stub, ids, MAX_NEW_TOKENS)
+        assert tokens == reference(checkpoint)[2]
+        assert paths == [dict.fromkeys(range(cp_size), "nixl")]  # on both decode ranks
+        # GQA: each rank its half of every page (the page's bytes once in all); MLA: whole rows each.
+        assert int(stats["lanekv-transfer-bytes"]) == (2 if mla else 1) * -(-len(ids) // PAGE_SIZE) * page_bytes
+        assert decode.metrics.failures.labels(cause="nixl_digest").value == 0
+
+
 def test_tp_size_not_dividing_kv_heads_is_refused(checkpoint) -> None:
     with pytest.raises(ValueError, match=r"^tp_size=4 does not divide num_kv_heads=2$"):
         DecodeConfig(str(checkpoint), "127.0.0.1:1", tp_size=4, device="cpu")
-    with pytest.raises(ValueError, match=r"transport='nixl' is not supported with tp_size=2"):
-        DecodeConfig(str(checkpoint), "127.0.0.1:1", tp_size=2, device="cpu", transport="nixl")
+    # NIXL reads each rank's heads (staged by the prefill rank) or whole MLA rows: accepted.
+    assert DecodeConfig(str(checkpoint), "127.0.0.1:1", tp_size=2, device="cpu", transport="nixl").transports \
+        == ("nixl", "grpc")
 
 
 @pytest.mark.timeout(180)

@@ -35,7 +35,6 @@ CASES = [
     ("deepseek_v3", {"tp_size": 3}, r"^tp_size=3 does not divide num_experts=8$"),
     ("deepseek_v3", {"tp_size": 8}, r"^tp_size=8 does not divide num_heads=4$"),
     ("llama", {"tp_size": 0}, r"^tp_size=0 must be a positive integer$"),
-    ("llama", {"tp_size": 2, "transport": "nixl"}, r"^transport='nixl' is not supported with tp_size=2 "),
     ("llama", {"tp_size": 2, "load_format": "dummy"}, r"^load_format='dummy' is not supported with tp_size=2 "),
 ]
 
@@ -51,11 +50,13 @@ def test_an_unservable_decode_layout_is_refused_naming_both_values(models, model
 def test_every_layout_the_heads_allow_is_accepted(models) -> None:
     for tp_size in (1, 2, 4):
         for model in ("llama", "deepseek_v3"):  # GQA: 4 KV heads; MLA: 4 query heads share the latent row
-            for transport in ("auto", "grpc"):
+            for transport in ("auto", "grpc", "nixl"):
                 config = DecodeConfig(str(models[model]), "127.0.0.1:1", device="cpu", tp_size=tp_size,
                                       transport=transport)
-                # With tp_size > 1 too, auto tries the same-host fast path first (each rank its heads).
-                assert config.transports == (("fastpath", "grpc") if transport == "auto" else ("grpc",))
+                # With tp_size > 1 too, auto tries the same-host fast path first (each rank its heads), and
+                # nixl reads each rank's heads staged by the prefill rank (GQA) or whole latent rows (MLA).
+                assert config.transports == {"auto": ("fastpath", "grpc"), "grpc": ("grpc",),
+                                             "nixl": ("nixl", "grpc")}[transport]
     # DSA (the indexer replicated on every rank) and FP8 KV rows (each rank its heads' bytes)
     assert DecodeConfig(str(models["deepseek_v32"]), "127.0.0.1:1", device="cpu", tp_size=2).tp_size == 2
     assert DecodeConfig(str(models["llama"]), "127.0.0.1:1", device="cpu", tp_size=2,

@@ -97,7 +97,8 @@ class FetchJob:
     # None (no callable): every layer is written already.
     written: Callable[[float], bool | None] | None = None
     # A tensor-parallel decode rank's KV heads of each row, (first, count); None: whole
-    # rows. The pool holds only these (gRPC and the fast path serve a head range; NIXL not).
+    # rows. The pool holds only these (every transport serves a head range; NIXL through
+    # the prefill rank's staging region).
     heads: tuple[int, int] | None = None
     # Each rank's sender relays (``transfer.rank.relay``), by rank; () or an empty
     # entry: none (an older prefill), its streams go to the rank's endpoint.

@@ -5,6 +5,12 @@ so a page's rows of one layer and plane are one block of ``page_size * row_bytes
 bytes, and consecutive pages that land on consecutive pages are one block too: a
 read of a range takes ``layers * planes * runs`` descriptors, where ``runs`` is
 the number of runs of pages consecutive on both sides (one for a fresh pool).
+
+A head range staged by the rank (``transfer.nixl.staging``) is one block
+``[layers, planes, pages * page_size, head_count, head bytes]`` with the pages
+in the order asked; the decode rank's pool holds only those heads, so a read
+takes ``layers * planes * runs`` descriptors too, the runs now of consecutive
+destination pages alone (``staged_pairs``).
 """
 
 from __future__ import annotations
@@ -52,3 +58,27 @@ def read_pairs(remote: PoolRegion, local: PoolRegion, src: Sequence[int], dst: S
                 lo = local.addr + ((layer * local.planes + plane) * local.rows + d * page_size) * local.row_bytes
                 pairs.append((r, lo, count * block))
     return pairs
+
+
+def staged_pairs(staged_addr: int, local: PoolRegion, dst: Sequence[int], page_size: int, layer_start: int,
+                 layer_end: int) -> list[tuple[int, int, int]]:
+    """(remote address, local address, bytes) of every block of a staged range: layers
+    ``[layer_start, layer_end)`` of ``len(dst)`` pages packed at ``staged_addr`` in the order
+    of ``dst`` (rows of ``local.row_bytes``, the heads the local pool holds) into pages ``dst``."""
+    rows = len(dst) * page_size
+    block = page_size * local.row_bytes
+    pairs = []
+    for s, d, count in page_runs(range(len(dst)), dst):
+        if (d + count) * page_size > local.rows:
+            raise ValueError(f"pages [{d}, {d + count}) lie outside their pool")
+        for i, layer in enumerate(range(layer_start, layer_end)):
+            for plane in range(local.planes):
+                r = staged_addr + ((i * local.planes + plane) * rows + s * page_size) * local.row_bytes
+                lo = local.addr + ((layer * local.planes + plane) * local.rows + d * page_size) * local.row_bytes
+                pairs.append((r, lo, count * block))
+    return pairs
+
+
+def staged_bytes(local: PoolRegion, pages: int, page_size: int, layers: int) -> int:
+    """Bytes of a staged range of ``layers`` layers of ``pages`` pages (the heads ``local`` holds)."""
+    return layers * local.planes * pages * page_size * local.row_bytes

@@ -7,6 +7,9 @@ FetchKV, Release and AttachPool carries the agreement's fingerprint again.
 FetchKV sends each chunk once its layers are written (the prefill may still
 run); with ``descriptors`` it sends where the pages are in the pool shared by
 AttachPool, and their digest, instead of the bytes (``transfer.protocol.descriptors``).
+With ``nixl`` and a head range, each sealed range's heads are packed into a lease
+of the rank's NIXL staging region (``transfer.nixl.staging``) and the seal says
+where; the lease is held until the caller ends the call (it has read them then).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from lanekv.runtime.status import (
 )
 from lanekv.transfer.nixl.agent import NixlUnavailable
 from lanekv.transfer.nixl.export import NixlExport
+from lanekv.transfer.nixl.staging import Lease, StagingFull
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
 from lanekv.transfer.protocol.contract import (
     Agreement,
@@ -64,6 +68,10 @@ MAX_ATTACHED_PEERS = 1024
 # The longest a FetchKV waits for one layer of a prefill that is still running
 # (less when the call's deadline comes first).
 LAYER_WAIT_S = 600.0
+# The longest a staged NIXL FetchKV holds its lease after its last range, waiting for the
+# caller to end the call (less when the call's deadline comes first): a caller that read
+# later than this reads bytes its digest check refuses.
+STAGING_HOLD_S = 60.0
 # Called when a FetchKV stream has sent its last chunk: (request_id, payload bytes, seconds).
 OnFetched = Callable[[str, int, float], None]
 
@@ -135,6 +143,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             span = self._span(request, agreement)
             chunks = [] if request.descriptors else self._plan(request, agreement, span)
             rid, sent_bytes = request.request_id, 0
+            staged = self._staging(context, span, agreement, heads) if request.nixl and heads is not None else None
 
             def alive() -> bool:
                 return context.is_active() and self._holds(rid)
@@ -153,7 +162,13 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
 
             if request.descriptors:
-                yield from self._descriptors(rid, span, ready, exact=request.nixl, heads=heads)
+                try:
+                    yield from self._descriptors(rid, span, ready, exact=request.nixl, heads=heads,
+                                                 lease=None if staged is None else staged[0])
+                except BaseException:
+                    if staged is not None:
+                        staged[0].release()
+                    raise
                 sent_bytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement, heads)
             else:
                 def message(seq: int) -> tuple[bytes, int]:
@@ -175,9 +190,36 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                     sent_bytes += nbytes
             if self._on_fetched is not None:
                 self._on_fetched(rid, sent_bytes, time.perf_counter() - start)
+            if staged is not None:  # the caller reads the last range now: held until it ends the call
+                lease, ended = staged
+                left = context.time_remaining()
+                ended.wait(STAGING_HOLD_S if left is None else min(left, STAGING_HOLD_S))
+                lease.release()
+
+    def _staging(self, context: grpc.ServicerContext, span: _Span, agreement: Agreement,
+                 heads: slice) -> tuple[Lease, threading.Event]:
+        """A lease of the rank's NIXL staging region for the call's head slice, released
+        when the call ends (the event is set then); RESOURCE_EXHAUSTED when it is full."""
+        nbytes = len(span.pages) * (span.layer_end - span.layer_start) * _page_bytes(agreement, heads)
+        try:
+            lease = self._nixl.lease(nbytes)
+        except StagingFull as err:
+            raise Refusal(Code.RESOURCE_EXHAUSTED, f"rank {self._source.rank}: {err}; fetch fewer layers at "
+                          "once or over gRPC") from err
+        except (RuntimeError, ValueError) as err:
+            raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank}: {err}") from err
+        ended = threading.Event()
+
+        def end() -> None:
+            lease.release()
+            ended.set()
+
+        if not context.add_callback(end):  # the call has ended already
+            end()
+        return lease, ended
 
     def _descriptors(self, rid: str, span: _Span, ready: Callable[..., tuple[int, Any]],
-                     exact: bool = False, heads: slice | None = None) -> Iterator[bytes]:
+                     exact: bool = False, heads: slice | None = None, lease: Lease | None = None) -> Iterator[bytes]:
         """Descriptor chunks (the fast path): each covers every layer written since the
         one before, so a finished prefill goes in one and a running one layer by layer.
 
@@ -191,7 +233,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
         ``heads`` (a TP decode rank's KV heads): the descriptors are the same, the
         caller copies only those heads of each row, and the digest covers exactly
-        them (``PageSource.digest``), the bytes that rank receives.
+        them (``PageSource.digest``), the bytes that rank receives. With ``lease``
+        (NIXL and ``heads``) they are packed there before the seal, which says where.
         """
         seq, layer = 0, span.layer_start
         while layer < span.layer_end:
@@ -209,8 +252,13 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             announced = Descriptor(rid, self._source.rank, seq, layer, upto, span.pages, span.physical, None)
             yield frame_chunk(announced.encode(), memoryview(b""))
             digest = self._source.digest(span.physical, layer, upto, after, request_id=rid, heads=heads)
-            self._owned(rid)  # held while the digest read them
-            yield frame_chunk(dataclasses.replace(announced, digest=digest).encode(), memoryview(b""))
+            staged = b""
+            if lease is not None and heads is not None and self._nixl is not None:
+                offset = self._nixl.stage(lease, span.physical, self._contract().agreement.page_size, layer, upto,
+                                          span.layer_start, heads)
+                staged = lanekv_pb2.KVChunk(nixl_staged=offset).SerializeToString()
+            self._owned(rid)  # held while the digest (and the staging) read them
+            yield frame_chunk(dataclasses.replace(announced, digest=digest).encode(), memoryview(b"")) + staged
             seq, layer = seq + 1, upto
 
     def AttachPool(self, request, context):
@@ -397,9 +445,6 @@ def _heads(request: lanekv_pb2.FetchRequest, a: Agreement) -> slice | None:
     has_start, has_count = request.HasField("head_start"), request.HasField("head_count")
     if not has_start and not has_count:
         return None
-    if request.nixl:
-        raise Refusal(Code.INVALID_ARGUMENT, "head_start/head_count are not served with nixl=true "
-                      "(NIXL reads whole rows)")
     start, count = request.head_start, request.head_count
     if not has_count or count < 1 or start + count > a.num_kv_heads:
         raise Refusal(Code.INVALID_ARGUMENT, f"heads [{start}, {start + count}) (head_start={start}, "

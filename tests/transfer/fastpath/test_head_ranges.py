@@ -110,21 +110,23 @@ def test_head_slice_digest_is_the_digest_of_a_pool_of_those_heads(layer_start, l
             == int(want.total()) & ((1 << 64) - 1)
 
 
-def test_heads_with_nixl_or_outside_the_rows_are_refused(rank):
+def test_heads_outside_the_rows_or_with_nixl_before_an_attach_are_refused(rank):
     source, pool, endpoint, agreement, kv = rank
     source.add("req", [(0, 1)])
     FastPath(kv, agreement, transports=[SHM]).pool(endpoint, None, 10)  # attached: descriptors may be asked
     fetch = kv.channel(endpoint).unary_stream(FETCH_METHOD,
                                               request_serializer=lanekv_pb2.FetchRequest.SerializeToString,
                                               response_deserializer=lanekv_pb2.KVChunk.FromString)
-    cases = [({"nixl": True, "head_start": 0, "head_count": 1}, "not served with nixl=true"),
-             ({"head_start": 1, "head_count": 2}, r"heads \[1, 3\).*num_kv_heads=2")]
-    for fields, message in cases:
+    # NIXL serves head ranges (staged: tests/transfer/nixl/test_nixl_heads.py), after a NixlAttach.
+    cases = [({"nixl": True, "head_start": 0, "head_count": 1}, Code.FAILED_PRECONDITION,
+              "nixl=true needs a NixlAttach on rank 0 first"),
+             ({"head_start": 1, "head_count": 2}, Code.INVALID_ARGUMENT, r"heads \[1, 3\).*num_kv_heads=2")]
+    for fields, code, message in cases:
         request = lanekv_pb2.FetchRequest(request_id="req", fingerprint=agreement.fingerprint, descriptors=True,
                                           **fields)
         with pytest.raises(grpc.RpcError) as caught:
             list(fetch(request, timeout=10))
-        assert caught.value.code() == Code.INVALID_ARGUMENT
+        assert caught.value.code() == code
         assert re.search(message, caught.value.details() or ""), caught.value.details()
 
 

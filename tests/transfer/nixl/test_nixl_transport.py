@@ -252,7 +252,8 @@ def test_ucx_error_handling_is_never_none_and_registrations_are_released(monkeyp
     assert "start-1" in reply.agent_name and reply.pool_bytes == pool.numel() * 4 and reply.memory == "DRAM"
     assert export.attach() is reply  # one agent and one registration per start, however many attach
     held = export._agent
-    assert held.registrations == 1
+    assert held.registrations == 2  # the pool and its staging region of head ranges (at most the pool's size)
+    assert reply.staging_bytes == pool.numel() * 4 and reply.staging_addr == export._staging.buffer.data_ptr()
     export.close()  # the rank drains or stops
     assert held.registrations == 0 and not export.attached
     with pytest.raises(RuntimeError, match="closed"):
