@@ -221,7 +221,7 @@ def test_a_range_must_be_announced_then_sealed_as_announced(rank, monkeypatch, s
         "no_digest": [announced, announced],
     }[sequence]
 
-    def descriptors(self, rid, span, ready, exact=False, heads=None):
+    def descriptors(self, rid, span, ready, exact=False, heads=None, lease=None):
         for d in messages:
             yield frame_chunk(d.encode(), memoryview(b""))
 
@@ -244,7 +244,7 @@ def test_a_range_of_the_asked_pages_in_another_order_is_copied_and_checked(rank,
     announced = Descriptor("req", 0, 0, 0, LAYERS, (1, 0), (4, 1), None)
     sealed = dataclasses.replace(announced, digest=source.digest([4, 1], 0, LAYERS))
 
-    def descriptors(self, rid, span, ready, exact=False, heads=None):
+    def descriptors(self, rid, span, ready, exact=False, heads=None, lease=None):
         for d in (announced, sealed):
             yield frame_chunk(d.encode(), memoryview(b""))
 
