@@ -309,7 +309,12 @@ def test_a_full_decode_pool_refuses_without_corrupting_the_running(rig, referenc
     assert late_out.code == Code.DEADLINE_EXCEEDED, late_out
     assert _wait_until(lambda: _settled(rig)), rig.tight.stats()
     after = rig.tight.stats()
-    assert (after.finished - before.finished, after.refused - before.refused) == (1 + len(small), len(big) + 1)
+    assert after.finished - before.finished == 1 + len(small)
+    assert after.refused - before.refused >= len(big)
+    # The late one's client deadline passes while it waits: whether the page wait gives up
+    # first (refused) or gRPC's deadline marks the call abandoned first (cancelled) is a race.
+    ended_late = (after.refused - before.refused) + (after.cancelled - before.cancelled)
+    assert ended_late == len(big) + 1, (before, after)
 
 
 @pytest.mark.timeout(120)
