@@ -11,6 +11,7 @@ greedy tokens are decisive rather than decided by rounding.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -232,3 +233,13 @@ def write_llama_4kv(path: str | Path) -> Path:
     config = LlamaConfig(**{**_COMMON, "num_attention_heads": 8, "num_key_value_heads": 4},
                          head_dim=8, rope_theta=10000.0, tie_word_embeddings=False)
     return _write(path, LlamaForCausalLM, config, 4, None, False)
+
+
+def reference_weights_digest(path: Path) -> str:
+    """The weights digest by its definition, from hashlib: each tensor file's length
+    (8 bytes, little-endian), then its bytes, in file-name order."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        data = file.read_bytes()
+        digest.update(len(data).to_bytes(8, "little") + data)
+    return digest.hexdigest()

@@ -3,7 +3,6 @@ the weights digest and the config checks."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -15,7 +14,13 @@ from lanekv.model.config import ModelConfig
 from lanekv.model.llama import CausalLM, causal_attention
 from safetensors.torch import load_file, save_file
 
-from tests.checkpoints import EOS_TOKEN_ID, VOCAB_SIZE, WRITERS, write_llama
+from tests.checkpoints import (
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    WRITERS,
+    reference_weights_digest,
+    write_llama,
+)
 
 ARCHS = sorted(WRITERS)
 
@@ -154,18 +159,12 @@ def test_tied_embeddings_have_no_head(checkpoint_dirs) -> None:
     assert "lm_head.weight" not in model.state_dict()
 
 
-def _reference_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(path.glob("*.safetensors")):
-        data = file.read_bytes()
-        digest.update(len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()
 
 
 def test_weights_digest_stable_and_sensitive(tmp_path: Path) -> None:
     path = write_llama(tmp_path / "m", max_shard_size="40KB")
     first, second = load_model(path), load_model(path)
-    assert first.weights_digest == second.weights_digest == _reference_digest(path)
+    assert first.weights_digest == second.weights_digest == reference_weights_digest(path)
     file = tensor_files(path)[-1]
     tensors = load_file(file)
     name = sorted(tensors)[0]
@@ -173,7 +172,7 @@ def test_weights_digest_stable_and_sensitive(tmp_path: Path) -> None:
     save_file(tensors, file, metadata={"format": "pt"})
     changed = load_model(path)
     assert changed.weights_digest != first.weights_digest
-    assert changed.weights_digest == _reference_digest(path)
+    assert changed.weights_digest == reference_weights_digest(path)
 
 
 def test_missing_and_unexpected_tensors_are_named(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ cache is a warning, never a failed start; a rank handed a digest of other files 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -15,18 +14,11 @@ from lanekv.model.checkpoint import checkpoint_digest, load_model, tensor_files
 from lanekv.model.parallel import weights_digest as wd
 from lanekv.model.parallel.tp import TPRank, load_shard
 
-from tests.checkpoints import write_llama
+from tests.checkpoints import reference_weights_digest, write_llama
 
 HOUR_NS = 3600 * 10**9
 
 
-def _reference(path: Path) -> str:
-    """Today's definition, from hashlib: each tensor file's length (8 bytes LE), then its bytes."""
-    digest = hashlib.sha256()
-    for file in sorted(path.glob("*.safetensors")):
-        data = file.read_bytes()
-        digest.update(len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()
 
 
 @pytest.fixture()
@@ -59,7 +51,7 @@ def _size(path: Path) -> int:
 
 def test_the_digest_is_todays_definition(checkpoint, hashed, monkeypatch) -> None:
     assert len(tensor_files(checkpoint)) > 1
-    want = _reference(checkpoint)
+    want = reference_weights_digest(checkpoint)
     assert checkpoint_digest(checkpoint).digest == want  # streamed in blocks
     monkeypatch.setenv(wd.CACHE_ENV, "")  # no cache: hashed from the bytes the load reads
     assert load_model(checkpoint).weights_digest == want
@@ -77,7 +69,7 @@ def test_a_second_start_reads_no_tensor_bytes(checkpoint, hashed, tmp_path) -> N
     assert [p.name for p in cache if p.is_file()] == [wd.cache_file(checkpoint, tmp_path / "cache").name]
     assert sorted(checkpoint.iterdir()) == files  # nothing written beside the model
     entry = json.loads(wd.cache_file(checkpoint, tmp_path / "cache").read_text())
-    assert entry["digest"] == first.weights_digest == _reference(checkpoint)
+    assert entry["digest"] == first.weights_digest == reference_weights_digest(checkpoint)
     assert [f[0] for f in entry["files"]] == [str(f.absolute()) for f in tensor_files(checkpoint)]
 
 
@@ -95,7 +87,7 @@ def test_touching_or_rewriting_a_file_recomputes(checkpoint, hashed) -> None:
         f.write(bytes([last[0] ^ 0xFF]))
     hashed.clear()
     changed = checkpoint_digest(checkpoint).digest
-    assert changed != first and changed == _reference(checkpoint)
+    assert changed != first and changed == reference_weights_digest(checkpoint)
     assert sum(hashed) == _size(checkpoint)
     hashed.clear()
     assert checkpoint_digest(checkpoint).digest == changed and hashed == []
@@ -132,7 +124,7 @@ def test_an_unwritable_cache_is_a_warning_and_an_empty_one_is_off(checkpoint, ha
     blocker.write_text("")
     monkeypatch.setenv(wd.CACHE_ENV, str(blocker / "cache"))  # under a file: never a folder
     with caplog.at_level(logging.WARNING, logger="lanekv.model"):
-        assert load_model(checkpoint).weights_digest == _reference(checkpoint)
+        assert load_model(checkpoint).weights_digest == reference_weights_digest(checkpoint)
     assert any("could not be written" in r.getMessage() for r in caplog.records), caplog.text
     monkeypatch.setenv(wd.CACHE_ENV, "")
     assert wd.cache_dir() is None

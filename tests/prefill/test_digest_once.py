@@ -8,7 +8,6 @@ PYTHONPATH, which also says it was loaded, so a rank that hashed would be seen."
 
 from __future__ import annotations
 
-import hashlib
 import os
 import textwrap
 from pathlib import Path
@@ -19,7 +18,7 @@ from lanekv.model.parallel import weights_digest as wd
 from lanekv.prefill.cp.launcher import CPPrefillEngine, PrefillInput
 from lanekv.prefill.engine_config import EngineConfig
 
-from tests.checkpoints import write_llama
+from tests.checkpoints import reference_weights_digest, write_llama
 
 LOG_ENV = "LANEKV_TEST_DIGEST_LOG"
 HOOK = textwrap.dedent(f'''
@@ -42,12 +41,6 @@ HOOK = textwrap.dedent(f'''
 ''')
 
 
-def _reference(path: Path) -> str:
-    digest = hashlib.sha256()
-    for file in sorted(path.glob("*.safetensors")):
-        data = file.read_bytes()
-        digest.update(len(data).to_bytes(8, "little") + data)
-    return digest.hexdigest()
 
 
 def _read_log(log: Path) -> tuple[set[int], dict[int, int]]:
@@ -67,7 +60,7 @@ def _read_log(log: Path) -> tuple[set[int], dict[int, int]]:
 def test_cp3_hashes_the_checkpoint_once_then_never(tmp_path, monkeypatch):
     path = write_llama(tmp_path / "m", max_shard_size="40KB")
     size = sum(f.stat().st_size for f in tensor_files(path))
-    want = _reference(path)
+    want = reference_weights_digest(path)
     hook, log = tmp_path / "hook", tmp_path / "digest.log"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
