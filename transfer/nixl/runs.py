@@ -42,9 +42,10 @@ def page_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, in
 
 
 def read_pairs(remote: PoolRegion, local: PoolRegion, src: Sequence[int], dst: Sequence[int], page_size: int,
-               layer_start: int, layer_end: int) -> list[tuple[int, int, int]]:
+               layer_start: int, layer_end: int, remote_first_layer: int = 0) -> list[tuple[int, int, int]]:
     """(remote address, local address, bytes) of every block of layers ``[layer_start,
-    layer_end)`` of pages ``src`` (remote) going to pages ``dst`` (local)."""
+    layer_end)`` of pages ``src`` (remote) going to pages ``dst`` (local); the remote
+    region's first layer is layer ``remote_first_layer`` (a staged range's first)."""
     if (remote.planes, remote.row_bytes) != (local.planes, local.row_bytes):
         raise ValueError(f"pools differ in planes or row bytes: {remote} and {local}")
     block = page_size * remote.row_bytes
@@ -54,7 +55,8 @@ def read_pairs(remote: PoolRegion, local: PoolRegion, src: Sequence[int], dst: S
             raise ValueError(f"pages [{s}, {s + count}) or [{d}, {d + count}) lie outside their pool")
         for layer in range(layer_start, layer_end):
             for plane in range(remote.planes):
-                r = remote.addr + ((layer * remote.planes + plane) * remote.rows + s * page_size) * remote.row_bytes
+                held = layer - remote_first_layer
+                r = remote.addr + ((held * remote.planes + plane) * remote.rows + s * page_size) * remote.row_bytes
                 lo = local.addr + ((layer * local.planes + plane) * local.rows + d * page_size) * local.row_bytes
                 pairs.append((r, lo, count * block))
     return pairs
@@ -65,18 +67,9 @@ def staged_pairs(staged_addr: int, local: PoolRegion, dst: Sequence[int], page_s
     """(remote address, local address, bytes) of every block of a staged range: layers
     ``[layer_start, layer_end)`` of ``len(dst)`` pages packed at ``staged_addr`` in the order
     of ``dst`` (rows of ``local.row_bytes``, the heads the local pool holds) into pages ``dst``."""
-    rows = len(dst) * page_size
-    block = page_size * local.row_bytes
-    pairs = []
-    for s, d, count in page_runs(range(len(dst)), dst):
-        if (d + count) * page_size > local.rows:
-            raise ValueError(f"pages [{d}, {d + count}) lie outside their pool")
-        for i, layer in enumerate(range(layer_start, layer_end)):
-            for plane in range(local.planes):
-                r = staged_addr + ((i * local.planes + plane) * rows + s * page_size) * local.row_bytes
-                lo = local.addr + ((layer * local.planes + plane) * local.rows + d * page_size) * local.row_bytes
-                pairs.append((r, lo, count * block))
-    return pairs
+    staged = PoolRegion(staged_addr, local.planes, len(dst) * page_size, local.row_bytes)
+    return read_pairs(staged, local, range(len(dst)), dst, page_size, layer_start, layer_end,
+                      remote_first_layer=layer_start)
 
 
 def staged_bytes(local: PoolRegion, pages: int, page_size: int, layers: int) -> int:
