@@ -7,13 +7,16 @@ int32 token positions of each request, ``-1`` padded (``index_topk``'s form, wha
 the pool already.
 
 On CUDA it is one launch of the paged Triton kernel (fp8 rows read as they are
-stored) over the page table's width, writing ``first_topk``'s int64 keys (keys past
-``seq_lens[b]`` score ``-inf`` and are selected only when fewer than ``topk`` keys
-exist, then returned as ``-1``, which ``sparse_mla_decode`` skips), one
-``torch.topk`` and one launch for the positions (``first_topk``: exactly tied
-scores go to the lowest positions, so the set does not depend on the table's
-width, and a captured step, whose table is as wide as the pool allows, selects
-what an eager step over the batch's own width does). No host read, no shape
+stored) over the page table's width, writing float32 scores (keys past ``seq_lens[b]``
+score ``-inf`` and are never selected, so a request with fewer than ``topk`` keys gets
+``-1`` padding, which ``sparse_mla_decode`` skips), then ``radix_topk``: one launch per
+level of 8192 scores, ``first_topk``'s exact set (exactly tied scores go to the lowest
+positions) listed in ascending position order. The order is a function of the set, so
+a captured step, whose table is as wide as the pool allows, selects and attends in the
+order an eager step over the batch's own width does. ``radix_topk`` replaced
+``torch.topk`` over int64 keys here: on an H200 it took 26-81 us against 67-123 us at
+8k-128k positions (BENCHMARKS.md, "DSA decode layer", seventh session), the same set
+every time. No host read, no shape
 that depends on a value: the step can be captured as a CUDA graph. On CPU each request's keys
 are read back and scored as transformers scores a decode step (one query over
 exactly ``seq_len`` keys, ``index_scores``' reference), so a row of exactly
@@ -30,10 +33,11 @@ from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k
 from lanekv.kernels.dsa.indexer import (
     index_scores,
     index_topk,
-    paged_index_keys,
+    paged_index_scores,
     score_key,
     score_keys_ref,
 )
+from lanekv.kernels.dsa.topk import radix_topk
 
 
 def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,
@@ -59,14 +63,12 @@ def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tens
 def select_fixed_width(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,
                        page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                        softmax_scale: float, topk: int, spec: IndexCacheSpec) -> torch.Tensor:
-    """``decode_select``'s CUDA path on any device: the scores over the page table's
-    whole width (``-inf`` past each ``seq_len``), written by the scoring kernel as
-    ``first_topk``'s keys, then their top ``topk`` (``torch.topk`` and one launch
-    for the positions): what ``first_topk(paged_index_scores(...), topk)`` gives,
-    one launch and a float32 round trip fewer."""
-    keys = paged_index_keys(q, weights, index_pool, page_table, seq_lens, page_size,
-                            softmax_scale, spec)
-    return topk_of_keys(keys, topk)
+    """``decode_select``'s CUDA path on any device: the float32 scores over the page
+    table's whole width (``-inf`` past each ``seq_len``), then ``radix_topk``'s
+    positions in ascending order: ``radix_topk(paged_index_scores(...), topk)``."""
+    scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
+                                softmax_scale, spec)
+    return radix_topk(scores, topk)
 
 
 _NEG_INF_ORDER = -2139095041  # score_key's high word of -inf
