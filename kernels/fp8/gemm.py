@@ -21,10 +21,13 @@ dequantized.
 The kernel: each k step is one scale group (``BLOCK_K`` divides ``block_k``;
 128 on real checkpoints), so a step loads one activation scale per row and one
 weight scale per column block (a scalar when the tile lies inside one weight
-scale block), and its fp8 ``tl.dot`` is scaled and added to a float32
-accumulator. The weight stays ``[N, K]`` as stored (K contiguous, which is the
-K-major operand Hopper's fp8 tensor cores take): tiles are loaded along K,
-coalesced. Tiles are handed out grouped by rows (``group_m``) for L2 reuse of
+scale block), and its fp8 ``tl.dot``, started from zero, is scaled and added to
+a float32 accumulator (Hopper's fp8 tensor cores add at reduced precision: one
+step's products at most pass through them). The dot is at least 32 deep, as
+Triton's fp8 dot on sm_90 requires: a narrower scale group (tiny test
+checkpoints) keeps its step and pads the dot with zero columns (masked loads).
+The weight stays ``[N, K]`` as stored (K contiguous, which is the K-major
+operand Hopper's fp8 tensor cores take): tiles are loaded along K, coalesced. Tiles are handed out grouped by rows (``group_m``) for L2 reuse of
 the weight; decode's few rows can split K over more programs (float32 partials
 and one deterministic reduction); TMA descriptors, persistent programs and a
 lagged scaling of the products are switches of the config. Loads index rows and

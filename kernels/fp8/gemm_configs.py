@@ -26,9 +26,12 @@ float32 sum: Hopper's fp8 tensor cores add at reduced precision, so at most one
 step (one scale group) of products passes through their accumulator. A former
 ``fold`` family handed the running sum to the dot as its accumulator (one float32
 tile live instead of two) and so summed all of K at that precision: its error
-against the float32 reference grew with K (BENCHMARKS.md). Promoting it per step
-(``max_num_imprecise_acc``) brings the second tile back, the one thing it was
-for, so it was removed; tables that still name ``fold`` load when it is false.
+against the float32 reference grew with K (BENCHMARKS.md). It was removed, and
+its table entries replaced by the same sweep's fastest other config; tables that
+still name ``fold`` load when it is false. (Promoted per step with
+``max_num_imprecise_acc``, it compiles for sm_90 with a float32 partial per
+tensor-core instruction beside the sum, no longer one tile; whether that is
+still faster than the other families is for a sweep on the device to show.)
 
 The dot tile is at least ``MIN_DOT`` (16 x 16 x 32, Triton's fp8 dot on sm_90
 needs K >= 32): a scale group narrower than 32 (tiny test checkpoints) keeps its
