@@ -593,6 +593,24 @@ def test_gpu_each_config_family_equals_reference(family):
 
 
 @requires_gpu
+@pytest.mark.parametrize("rows", [2, 19])
+def test_gpu_16_wide_scale_groups_equal_the_reference(rows):
+    """Compiled, the TP shard linears of the 16x16-block test checkpoint with the config
+    this GPU picks (k step 16, the dot padded to 32) and a ragged K: the GEMM against
+    the reference, the linear fused and unfused."""
+    block = (16, 16)
+    for cols, depth in [*TP_SHARD_LINEARS, (40, 40)]:
+        x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, device="cuda")
+        a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+        out = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias)
+        ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, block, torch.float32, bias)
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+        fused = fp8_linear_triton(x, w, w_scale, block, bias, fuse_quant=True)
+        unfused = fp8_linear_triton(x, w, w_scale, block, bias, fuse_quant=False)
+        torch.testing.assert_close(fused, unfused, rtol=1e-2, atol=1e-2)
+
+
+@requires_gpu
 @pytest.mark.parametrize("rows", [1, 16, 64])
 @pytest.mark.parametrize("cols,depth", [(4096, 4096), (576, 2048), (2048, 10944)])
 def test_gpu_fused_quant_linear_equals_quantize_then_gemm(rows, cols, depth):
