@@ -43,7 +43,7 @@ files are written after every GEMM shape, so a run cut short keeps what it
 finished; ``--time-budget-s S`` stops cleanly within S seconds of the start (a
 shape starts only while one as slow as the slowest so far still fits; the JSON's
 ``gemm_complete`` says whether every shape ran). A sweep at prefill rows tries
-eight configs per shape (``prefill_candidates``), the likeliest first.
+six configs per shape (``prefill_candidates``), the likeliest first.
 
     python bench/fp8.py --sweep --rows 1 16 64 --write-table      # tune decode rows
     python bench/fp8.py --sweep --rows 2048 --time-budget-s 200 --write-table  # prefill rows

@@ -52,21 +52,28 @@ _DIVISIBLE = ("a_ptr", "as_ptr", "w_ptr", "ws_ptr", "bias_ptr", "out_ptr", "part
               "depth", "stride_a", "stride_as", "stride_w", "stride_ws", "stride_out")
 
 
-def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = True) -> dict:
+def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = True,
+                   block: tuple[int, int] = (128, 128), ints: dict[str, int] | None = None,
+                   ) -> dict:
+    """``cfg`` compiled for sm_90 as ``_launch`` runs it on a checkpoint's scale
+    ``block`` (a padded dot tile takes pointer loads, as the launcher does). ``ints``:
+    a launch's integer arguments; only those divisible by 16 are marked so (default:
+    all of them, as on the benchmark's shapes)."""
+    tma = cfg.tma and cfg.dot_k == cfg.block_k
     a_type = ("*bf16" if quant_a else
-              f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>" if cfg.tma else "*fp8e4nv")
-    w_type = f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>" if cfg.tma else "*fp8e4nv"
+              f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>" if tma else "*fp8e4nv")
+    w_type = f"tensordesc<fp8e4nv[{cfg.block_n}, {cfg.block_k}]>" if tma else "*fp8e4nv"
     sig = dict(a_ptr=a_type, as_ptr="*fp32", w_ptr=w_type, ws_ptr="*fp32", bias_ptr="*fp32",
                out_ptr="*bf16", part_ptr="*fp32", rows="i32", cols="i32", depth="i32",
                stride_a="i32", stride_as="i32", stride_w="i32", stride_ws="i32", stride_out="i32")
-    consts = dict(GROUP_N=128, GROUP_K=128, HAS_BIAS=False, BLOCK_M=cfg.block_m,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  SPLIT_K=cfg.split_k, EVEN_K=even_k, TMA=cfg.tma, LAG=cfg.lag, FOLD=cfg.fold,
+    consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_K=cfg.dot_k, GROUP_M=cfg.group_m,
+                  SPLIT_K=cfg.split_k, EVEN_K=even_k, TMA=tma, LAG=cfg.lag,
                   PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False, HW_CAST=True)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE
-             if not sig[n].startswith("tensordesc")}
+             if not sig[n].startswith("tensordesc") and (ints is None or ints.get(n, 0) % 16 == 0)}
     kernel = triton.compile(ASTSource(_block_fp8_matmul_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
@@ -80,7 +87,7 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
                               capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
-    tile_bytes = (cfg.block_m + cfg.block_n) * cfg.block_k
+    tile_bytes = (cfg.block_m + cfg.block_n) * cfg.dot_k
     # global stores by width: the epilogue should store whole vectors (v4/v2), never
     # one bf16 element per instruction
     stores = dict(Counter(re.findall(r"\bst\.global(?:\.v\d)?\.b\d+", kernel.asm["ptx"])))

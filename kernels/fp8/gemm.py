@@ -21,10 +21,13 @@ dequantized.
 The kernel: each k step is one scale group (``BLOCK_K`` divides ``block_k``;
 128 on real checkpoints), so a step loads one activation scale per row and one
 weight scale per column block (a scalar when the tile lies inside one weight
-scale block), and its fp8 ``tl.dot`` is scaled and added to a float32
-accumulator. The weight stays ``[N, K]`` as stored (K contiguous, which is the
-K-major operand Hopper's fp8 tensor cores take): tiles are loaded along K,
-coalesced. Tiles are handed out grouped by rows (``group_m``) for L2 reuse of
+scale block), and its fp8 ``tl.dot``, started from zero, is scaled and added to
+a float32 accumulator (Hopper's fp8 tensor cores add at reduced precision: one
+step's products at most pass through them). The dot is at least 32 deep, as
+Triton's fp8 dot on sm_90 requires: a narrower scale group (tiny test
+checkpoints) keeps its step and pads the dot with zero columns (masked loads).
+The weight stays ``[N, K]`` as stored (K contiguous, which is the K-major
+operand Hopper's fp8 tensor cores take): tiles are loaded along K, coalesced. Tiles are handed out grouped by rows (``group_m``) for L2 reuse of
 the weight; decode's few rows can split K over more programs (float32 partials
 and one deterministic reduction); TMA descriptors, persistent programs and a
 lagged scaling of the products are switches of the config. Loads index rows and
@@ -64,12 +67,15 @@ def _gemm_tile(
     stride_a, stride_as, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    LAG: tl.constexpr, FOLD: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
+    DOT_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA: tl.constexpr, LAG: tl.constexpr, QUANT_A: tl.constexpr, UE8M0: tl.constexpr,
     HW_CAST: tl.constexpr,
 ):
     """One output tile (or one k slice of it): grouped tile order, one scale per
-    row and per column block for every k step, float32 accumulation."""
+    row and per column block for every k step, float32 accumulation. A k step is
+    ``BLOCK_K`` deep; its dot is ``DOT_K >= BLOCK_K`` deep, the columns past
+    ``BLOCK_K`` loaded as zeros (fp8 dots are at least 32 deep; a 16-wide scale
+    group still takes one step, its scales applied to it alone)."""
     m_tiles = tl.cdiv(rows, BLOCK_M)
     n_tiles = tl.cdiv(cols, BLOCK_N)
     split = tile % SPLIT_K
@@ -89,7 +95,9 @@ def _gemm_tile(
     m_ok, n_ok = m < rows, n < cols
     m_safe = tl.where(m_ok, m, 0).to(tl.int64)  # out-of-range rows/columns reread row 0
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)
-    kk = tl.arange(0, BLOCK_K)
+    kk = tl.arange(0, DOT_K)
+    PAD_K: tl.constexpr = DOT_K > BLOCK_K
+    MASK_K: tl.constexpr = PAD_K or not EVEN_K  # loads along k need a mask
     as_rows = as_ptr + m_safe * stride_as
     # the tile inside one weight scale block: one scalar scale per k step
     SCALAR_WS: tl.constexpr = GROUP_N % BLOCK_N == 0
@@ -106,9 +114,7 @@ def _gemm_tile(
     # (the pipeliner only prefetches the tiles that feed the dot)
     last_group = tl.cdiv(depth, GROUP_K) - 1
     g_first = tl.minimum((k_lo * BLOCK_K) // GROUP_K, last_group)
-    # (fold with per-column weight scales compiles unpipelined with them carried over)
-    PREFETCH_A: tl.constexpr = not QUANT_A and (SCALAR_WS or not FOLD)
-    if PREFETCH_A:
+    if not QUANT_A:
         a_s_next = tl.load(as_rows + g_first)
     if SCALAR_WS:  # (a vector of weight scales carried over the loop stops the pipelining)
         w_s_next = tl.load(ws_tile + g_first)
@@ -117,11 +123,12 @@ def _gemm_tile(
     if LAG:
         prev = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         prev_s = tl.zeros([BLOCK_M], tl.float32)
-    if FOLD:  # acc holds the sum in units of the last step's scales
-        prev_a = tl.full([BLOCK_M], 1.0, tl.float32)  # with a scalar weight scale: both
-        prev_w = tl.full([BLOCK_N], 1.0, tl.float32)
     for ks in range(k_lo, k_hi):
         k0 = ks * BLOCK_K
+        if MASK_K:  # the step's own columns (not the padding), inside the depth
+            k_ok = kk < BLOCK_K
+            if not EVEN_K:
+                k_ok = k_ok & (k0 + kk < depth)
         g_next = tl.minimum((k0 + BLOCK_K) // GROUP_K, last_group)
         if SCALAR_WS:
             w_s = w_s_next
@@ -129,41 +136,32 @@ def _gemm_tile(
         else:
             w_s = tl.load(ws_cols + k0 // GROUP_K)
         if QUANT_A:  # a is the unquantized activation: one scale group per k step
-            k_ok = k0 + kk < depth
-            if EVEN_K:
-                x = tl.load(a_ptrs).to(tl.float32)
-            else:
+            if MASK_K:
                 x = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0).to(tl.float32)
-            a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0, HW_CAST)
-        else:
-            if PREFETCH_A:
-                a_s = a_s_next
-                a_s_next = tl.load(as_rows + g_next)
+                a, a_s = _quantize_tile(x, k_ok[None, :], UE8M0, HW_CAST)
             else:
-                a_s = tl.load(as_rows + k0 // GROUP_K)
+                x = tl.load(a_ptrs).to(tl.float32)
+                a, a_s = _quantize_tile(x, (kk < DOT_K)[None, :], UE8M0, HW_CAST)
+        else:
+            a_s = a_s_next
+            a_s_next = tl.load(as_rows + g_next)
             if TMA:
                 a = a_ptr.load([pid_m * BLOCK_M, k0])
-            elif EVEN_K:
-                a = tl.load(a_ptrs)
+            elif MASK_K:
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             else:
-                a = tl.load(a_ptrs, mask=(k0 + kk < depth)[None, :], other=0.0)
+                a = tl.load(a_ptrs)
         if TMA:
             w = w_ptr.load([pid_n * BLOCK_N, k0]).T
-        elif EVEN_K:
-            w = tl.load(w_ptrs)
+        elif MASK_K:
+            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
         else:
-            w = tl.load(w_ptrs, mask=(k0 + kk < depth)[:, None], other=0.0)
-        if FOLD:  # rescale the sum to this step's units, then the dot adds in place
-            if SCALAR_WS:
-                s_k = a_s * w_s
-                acc = tl.dot(a, w, acc * (prev_a / s_k)[:, None], out_dtype=tl.float32)
-                prev_a = s_k
-            else:
-                acc = tl.dot(a, w, acc * (prev_a / a_s)[:, None] * (prev_w / w_s)[None, :],
-                             out_dtype=tl.float32)
-                prev_a = a_s
-                prev_w = w_s
-        elif LAG:  # issue this step's dot, then scale the previous one's
+            w = tl.load(w_ptrs)
+        # Each step's dot starts from zero and is scaled into the float32 sum: Hopper's fp8
+        # tensor cores add at reduced precision, so no more than one step's products pass
+        # through their accumulator (a running sum handed to the dot as its accumulator
+        # drifts from the reference as K grows: gemm_configs.py, the removed fold family).
+        if LAG:  # issue this step's dot, then scale the previous one's
             d = tl.dot(a, w, out_dtype=tl.float32)
             acc += prev * prev_s[:, None]
             prev = d
@@ -178,11 +176,6 @@ def _gemm_tile(
             a_ptrs += BLOCK_K
     if LAG:
         acc += prev * prev_s[:, None]
-    if FOLD:
-        if SCALAR_WS:
-            acc = acc * prev_a[:, None]
-        else:
-            acc = acc * prev_a[:, None] * prev_w[None, :]
 
     # The stores index by the unclamped rows and columns (masked): the clamped indices
     # hide from the compiler that a row's columns are contiguous, and it then stores one
@@ -205,8 +198,8 @@ def _block_fp8_matmul_kernel(
     stride_a, stride_as, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
-    LAG: tl.constexpr, FOLD: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr,
+    DOT_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    TMA: tl.constexpr, LAG: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr,
     UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -215,13 +208,13 @@ def _block_fp8_matmul_kernel(
         for tile in range(pid, tiles, tl.num_programs(0)):
             _gemm_tile(tile, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                        depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
-                       HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
-                       FOLD, QUANT_A, UE8M0, HW_CAST)
+                       HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_K, GROUP_M, SPLIT_K, EVEN_K, TMA,
+                       LAG, QUANT_A, UE8M0, HW_CAST)
     else:
         _gemm_tile(pid, a_ptr, as_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, rows, cols,
                    depth, stride_a, stride_as, stride_w, stride_ws, stride_out, GROUP_N, GROUP_K,
-                   HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, EVEN_K, TMA, LAG,
-                   FOLD, QUANT_A, UE8M0, HW_CAST)
+                   HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, DOT_K, GROUP_M, SPLIT_K, EVEN_K, TMA,
+                   LAG, QUANT_A, UE8M0, HW_CAST)
 
 
 @triton.jit
@@ -315,7 +308,8 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                          f"block_k={block[1]}")
     split = min(cfg.split_k, triton.cdiv(depth, cfg.block_k))
     tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(cols, cfg.block_n) * split
-    use_tma = cfg.tma and _tma_ok(w) and (quant_a or _tma_ok(a))
+    # (a padded dot tile reads zeros past the step: pointer loads with a mask)
+    use_tma = cfg.tma and cfg.dot_k == cfg.block_k and _tma_ok(w) and (quant_a or _tma_ok(a))
     a_arg, w_arg = a, w
     if use_tma:
         if not quant_a:
@@ -335,9 +329,9 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             cols, depth, a.stride(0), 0 if quant_a else a_scale.stride(0), w.stride(0),
             w_scale.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-            SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma, LAG=cfg.lag, FOLD=cfg.fold,
-            PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0, HW_CAST=hw_cast(),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_K=cfg.dot_k,
+            GROUP_M=cfg.group_m, SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma,
+            LAG=cfg.lag, PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0, HW_CAST=hw_cast(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         if split > 1:

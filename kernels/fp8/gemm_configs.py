@@ -19,24 +19,31 @@ the warps and pipeline stages, and three switches:
   while the CUDA cores scale (it needs the whole tile inside one weight scale
   block: ``block_n`` of the scales divisible by ``block_n`` of the tile; Triton
   3.9, compiling offline for sm_90, still places the wait right after the dot,
-  so the sweep is what shows whether it gains anything);
-- ``fold``: the accumulator holds the sum in units of the current step's
-  scales: each step multiplies it by ``previous scale / this scale`` and the
-  ``tl.dot`` adds into it in place, so no second float32 tile of the dot's
-  result is live beside the accumulator (half the registers: 128x256 tiles on
-  8 warps); the sum is scaled back once at the end. Costs: the running sum
-  goes through the fp8 tensor core's accumulator, whose additions on Hopper
-  keep fewer bits than float32 (the other families promote each 128-deep step
-  into float32), and weight scales must be positive, as quantizers write them.
-  The sweep checks every config's error against the float32 reference.
+  so the sweep is what shows whether it gains anything).
+
+Every family's dot starts each k step from zero and its product is added to the
+float32 sum: Hopper's fp8 tensor cores add at reduced precision, so at most one
+step (one scale group) of products passes through their accumulator. A former
+``fold`` family handed the running sum to the dot as its accumulator (one float32
+tile live instead of two) and so summed all of K at that precision: its error
+against the float32 reference grew with K (BENCHMARKS.md). It was removed, and
+its table entries replaced by the same sweep's fastest other config; tables that
+still name ``fold`` load when it is false. (Promoted per step with
+``max_num_imprecise_acc``, it compiles for sm_90 with a float32 partial per
+tensor-core instruction beside the sum, no longer one tile; whether that is
+still faster than the other families is for a sweep on the device to show.)
+
+The dot tile is at least ``MIN_DOT`` (16 x 16 x 32, Triton's fp8 dot on sm_90
+needs K >= 32): a scale group narrower than 32 (tiny test checkpoints) keeps its
+k step, and ``dot_k`` pads the step's dot with zero columns (masked loads, no TMA).
 
 At >= 256 rows (prefill) the default is the standard Hopper block-FP8 tile,
 64x128x128 on 4 warps with 3 stages and pointer loads (two programs per SM: one
 scales its k step's product while the other's dot runs), and the sweep tries
-eight configs (``prefill_candidates``), that one first.
+six configs (``prefill_candidates``), that one first.
 
 The family of a config (``config_family``) is what the tests run each of under
-the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``fold``.
+the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``.
 
 Tuned tables come from ``bench/fp8.py --sweep``: a JSON file of entries
 ``{"rows", "n", "k", "block", "config"}``. ``select_config`` looks one up for a
@@ -62,7 +69,10 @@ TABLE_ENV = "LANEKV_FP8_GEMM_CONFIGS"
 TABLE_DIR = Path(__file__).resolve().parent / "gemm_tables"
 # A tuned entry serves row counts within this many octaves (factors of 2) of its own.
 MAX_ROW_OCTAVES = 2
-FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "fold")
+FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag")
+# The smallest fp8 dot tile (M, N, K): Triton on sm_90 refuses K < 32 ("Input shapes
+# should have ... K >= 32"); rows and columns below 16 are not tiles this module makes.
+MIN_DOT = (16, 16, 32)
 
 
 class GemmConfig(NamedTuple):
@@ -76,11 +86,16 @@ class GemmConfig(NamedTuple):
     tma: bool = False
     persistent: bool = False
     lag: bool = False
-    fold: bool = False
+
+    @property
+    def dot_k(self) -> int:
+        """Depth of each step's ``tl.dot``: ``block_k``, padded with zero columns to
+        the fp8 dot's minimum."""
+        return max(self.block_k, MIN_DOT[2])
 
     def name(self) -> str:
-        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag),
-                                         ("F", self.fold)) if on)
+        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag))
+                        if on)
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
 
@@ -91,6 +106,10 @@ class GemmConfig(NamedTuple):
     def from_dict(cls, data: dict) -> GemmConfig:
         if not isinstance(data, dict):
             raise ValueError(f"a GEMM config must be an object, got {data!r}")
+        if data.get("fold", False) is not False:  # the removed family (module docstring)
+            raise ValueError(f"fold={data['fold']!r}: the fold family was removed (its sum "
+                             "went through the fp8 tensor core's reduced-precision accumulator)")
+        data = {key: value for key, value in data.items() if key != "fold"}
         unknown = set(data) - set(cls._fields)
         if unknown:
             raise ValueError(f"unknown GEMM config field(s) {sorted(unknown)} in {data!r}")
@@ -113,11 +132,9 @@ def check_config(cfg: GemmConfig) -> GemmConfig:
         value = getattr(cfg, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
             raise ValueError(f"{field} must be an int in [1, 64], got {value!r}")
-    for field in ("tma", "persistent", "lag", "fold"):
+    for field in ("tma", "persistent", "lag"):
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{field} must be a bool, got {getattr(cfg, field)!r}")
-    if cfg.lag and cfg.fold:
-        raise ValueError("lag and fold are two ways to scale the products; a config takes one")
     return cfg
 
 
@@ -125,8 +142,6 @@ def config_family(cfg: GemmConfig) -> str:
     """The one feature a config exercises beyond plain tiles (tests cover each)."""
     if cfg.lag:
         return "lag"
-    if cfg.fold:
-        return "fold"
     if cfg.split_k > 1:
         return "splitk"
     if cfg.persistent:
@@ -187,27 +202,23 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
                 out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 3))
                 out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 5))
                 out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 4, lag=True))
-                out.append(GemmConfig(bm, bn, bk, 8, 1, 4, 4, tma=True, fold=True))
     else:
         out += prefill_candidates(bk)
     return [c for c in out if not c.lag or block[0] % c.block_n == 0]
 
 
 def prefill_candidates(bk: int = 128) -> list[GemmConfig]:
-    """At most eight configs for prefill's many rows, the likeliest winners on
-    Hopper first (a sweep under a time limit tries them in this order): the
-    standard block-FP8 tile, 64x128 on one warpgroup with three stages (small
-    enough that several programs share an SM, so one scales its partial product
-    while another's tensor-core work runs), then 128x128 on two warpgroups,
-    pointer loads or TMA, and one config of each further family (fold's 128x256
-    and 128x128 tiles with one float32 tile live, persistent, lag)."""
+    """Six configs for prefill's many rows, the likeliest winners on Hopper first
+    (a sweep under a time limit tries them in this order): the standard block-FP8
+    tile, 64x128 on one warpgroup with three stages (small enough that several
+    programs share an SM, so one scales its partial product while another's
+    tensor-core work runs), then 128x128 on two warpgroups, pointer loads or TMA,
+    and one config of each further family (persistent, lag)."""
     return [
         GemmConfig(64, 128, bk, 8, 1, 4, 3),
         GemmConfig(128, 128, bk, 8, 1, 8, 3),
         GemmConfig(64, 128, bk, 8, 1, 4, 4, tma=True),
         GemmConfig(128, 128, bk, 8, 1, 8, 4, tma=True),
-        GemmConfig(128, 256, bk, 8, 1, 8, 3, tma=True, fold=True),
-        GemmConfig(128, 128, bk, 8, 1, 4, 3, tma=True, fold=True),
         GemmConfig(128, 128, bk, 8, 1, 8, 4, tma=True, persistent=True),
         GemmConfig(128, 128, bk, 8, 1, 8, 3, tma=True, lag=True),
     ]

@@ -23,6 +23,7 @@ from lanekv.kernels.fp8.gemm import (
 )
 from lanekv.kernels.fp8.gemm_configs import (
     FAMILIES,
+    MIN_DOT,
     TABLE_ENV,
     GemmConfig,
     candidate_configs,
@@ -144,14 +145,59 @@ def test_configs_with_a_k_step_inside_the_scale_group_agree():
                                                          torch.float32), rtol=1e-5, atol=1e-5)
 
 
+# llama_fp8 of tests/decode/test_tp.py at TP 2: 16x16 scale blocks, each rank's linears
+# [N, K]: qkv and down [64, 64], o [64, 32], gate_up [128, 64]; decode's rows and a prompt's
+TP_SHARD_LINEARS = [(64, 64), (64, 32), (128, 64)]
+TINY_BLOCKS = [(16, 16), (16, 32), (32, 16), (128, 128)]
+
+
+@pytest.mark.parametrize("block", TINY_BLOCKS)
+def test_chosen_configs_keep_the_fp8_dot_at_its_minimum_tile(block, monkeypatch):
+    """Whatever picks the config of a tiny shape (the H200's table or heuristic, the
+    interpreter's tiles, the sweep's candidates), its dot is at least 16 x 16 x 32
+    (Triton refuses an fp8 dot with K < 32 on sm_90) and its k step one scale group
+    or inside one: a 16-wide group pads the dot, it never shrinks it."""
+    monkeypatch.delenv(TABLE_ENV, raising=False)
+    assert MIN_DOT == (16, 16, 32)
+    for rows in (1, 2, 5, 16, 17, 19, 32, 33, 40):
+        cands = candidate_configs(rows, block)
+        for cols in (8, 16, 24, 32, 48, 64):
+            for depth in (16, 24, 32, 48, 64, 96, 128):
+                for cfg in (config_for_device(rows, cols, depth, block, "NVIDIA H200", 132),
+                            default_config(rows, cols, depth, block),
+                            select_config(rows, cols, depth, block, torch.device("cpu")), *cands):
+                    dot = (cfg.block_m, cfg.block_n, cfg.dot_k)
+                    assert all(d >= low for d, low in zip(dot, MIN_DOT)), (cfg.name(), dot)
+                    assert block[1] % cfg.block_k == 0 and cfg.dot_k in (cfg.block_k, 32), cfg
+    assert GemmConfig(16, 64, 16).dot_k == 32 and GemmConfig(16, 64, 64).dot_k == 64
+
+
+@pytest.mark.parametrize("rows", [2, 19])
+def test_16_wide_scale_groups_pad_the_dot_and_equal_the_reference(rows):
+    """The TP shard linears of the 16x16-block test checkpoint with the config an H200
+    picks (k step 16, its dot padded to 32 with zero columns), and a ragged K: the GEMM
+    equals the reference, the fused linear equals quantizing first bit for bit."""
+    block = (16, 16)
+    for cols, depth in [*TP_SHARD_LINEARS, (40, 40)]:
+        cfg = config_for_device(rows, cols, depth, block, "NVIDIA H200", 132)
+        assert cfg.block_k == 16 and cfg.dot_k == 32, cfg
+        x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=rows + depth)
+        a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+        out = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias,
+                                      config=cfg)
+        ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, block, torch.float32, bias)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        fused = fp8_linear_triton(x, w, w_scale, block, bias, fuse_quant=True, config=cfg)
+        assert torch.equal(fused, out)
+
+
 # one small config of each family (tiles, TMA, persistent, split-K, lagged scaling)
 FAMILY_CONFIGS = {
     "tiles": GemmConfig(16, 64, 128, 2, 1, 4, 1),
-    "tma": GemmConfig(16, 64, 128, 2, 1, 4, 1, tma=True),
+    "tma": GemmConfig(16, 256, 128, 2, 1, 4, 1, tma=True),  # two weight scale blocks
     "persistent": GemmConfig(16, 32, 128, 2, 1, 4, 1, tma=True, persistent=True),
     "splitk": GemmConfig(16, 64, 128, 2, 3, 4, 1),
     "lag": GemmConfig(16, 64, 128, 2, 1, 4, 1, lag=True),
-    "fold": GemmConfig(16, 256, 128, 2, 1, 4, 1, tma=True, fold=True),  # two weight scale blocks
 }
 ODD_SHAPES = [(1, 128, 256), (5, 384, 384), (33, 128, 384), (33, 384, 256)]
 
@@ -189,7 +235,7 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
     cands = candidate_configs(rows, (128, 128))
     assert len(set(cands)) == len(cands)
     families = {config_family(c) for c in cands}
-    assert {"tiles", "tma", "lag"} <= families and ("fold" in families or rows <= 16)
+    assert {"tiles", "tma", "lag"} <= families
     assert ("splitk" if rows <= 64 else "persistent") in families
     for cfg in cands:
         assert GemmConfig.from_dict(cfg.to_dict()) == cfg
@@ -386,6 +432,48 @@ def test_the_decode_qkv_compiles_the_variant_with_the_shorter_k_loop():
         assert rec["local_bytes"] == 0 and rec["k_loop"] > 0, rec
 
 
+_COMPILE_TP_SHARDS = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+from bench.fp8_gemm_compile import compile_config
+from lanekv.kernels.fp8.gemm import linear_plan
+from lanekv.kernels.fp8.gemm_configs import config_for_device
+block, out, seen = (16, 16), [], set()
+for rows in (2, 19):
+    for n, k in {linears!r}:
+        cfg = config_for_device(rows, n, k, block, "NVIDIA H200", 132)
+        fused = linear_plan(rows, n, k, block, torch.device("cpu"), config=cfg).fuse_quant
+        for quant_a in (fused, not fused):  # as it runs, and the other variant
+            ints = dict(rows=rows, cols=n, depth=k, stride_a=k, stride_w=k, stride_out=n,
+                        stride_as=0 if quant_a else k // 16, stride_ws=k // 16)
+            key = (cfg, quant_a, tuple(v % 16 == 0 for v in ints.values()))
+            if key not in seen:
+                seen.add(key)
+                rec = compile_config(cfg, quant_a=quant_a, block=block, ints=ints)
+                out.append(dict(rec, rows=rows, n=n, k=k, quant_a=quant_a, dot_k=cfg.dot_k,
+                                block_k=cfg.block_k))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_the_16_wide_scale_group_tp_shards_compile_for_sm_90():
+    """Compiled for sm_90 offline, the GEMMs the 16x16-block test checkpoint's TP-2
+    ranks run on an H200 (Triton refused their 16-deep fp8 dots): each config's dot is
+    padded to 32, fused and pre-quantized variants compile, none spills."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", TABLE_ENV)}
+    script = _COMPILE_TP_SHARDS.format(root=str(ROOT), linears=TP_SHARD_LINEARS)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=280, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {r["quant_a"] for r in recs} == {True, False} and {r["rows"] for r in recs} == {2, 19}
+    for rec in recs:
+        assert rec["block_k"] == 16 and rec["dot_k"] == 32, rec
+        assert rec["local_bytes"] == 0 and rec["k_loop"] > 0, rec
+
+
 @pytest.mark.parametrize("rows,cols,depth,block", GEMM_CASES[:3])
 def test_fp8_linear_is_the_gemm_of_the_quantized_activations(rows, cols, depth, block):
     x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=7)
@@ -502,6 +590,24 @@ def test_gpu_each_config_family_equals_reference(family):
             torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
             ran += 1
     assert ran >= 2
+
+
+@requires_gpu
+@pytest.mark.parametrize("rows", [2, 19])
+def test_gpu_16_wide_scale_groups_equal_the_reference(rows):
+    """Compiled, the TP shard linears of the 16x16-block test checkpoint with the config
+    this GPU picks (k step 16, the dot padded to 32) and a ragged K: the GEMM against
+    the reference, the linear fused and unfused."""
+    block = (16, 16)
+    for cols, depth in [*TP_SHARD_LINEARS, (40, 40)]:
+        x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, device="cuda")
+        a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+        out = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias)
+        ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, block, torch.float32, bias)
+        torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+        fused = fp8_linear_triton(x, w, w_scale, block, bias, fuse_quant=True)
+        unfused = fp8_linear_triton(x, w, w_scale, block, bias, fuse_quant=False)
+        torch.testing.assert_close(fused, unfused, rtol=1e-2, atol=1e-2)
 
 
 @requires_gpu
