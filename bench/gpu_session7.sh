@@ -27,8 +27,18 @@ check)
     timeout 120 python3 bench/deepseek.py --v2-lite --batches 1 16 64 --parts decode \
         --json "$OUT/deepseek_v2_lite_decode.json" > "$L/deepseek_v2_lite.log" 2>&1
     echo "v2-lite rc=$?"; tail -8 "$L/deepseek_v2_lite.log" ;;
+fp8b)  # the merged fixes' GPU tests (FP8 GEMM, DSA selection), then part fp8, then V2-Lite's profile
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8.py \
+        tests/kernels/test_fp8_gemm_prefill.py tests/kernels/test_dsa_select.py tests/kernels/test_dsa_topk.py \
+        tests/kernels/test_dsa_pool_layout.py tests/decode/test_decode_graphs.py \
+        "tests/decode/test_tp.py::test_tp_on_one_gpu_equals_one_rank[llama_fp8-2-auto]" > "$L/gpu_tests_fp8b.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_fp8b.log" | cut -c1-180; tail -1 "$L/gpu_tests_fp8b.log"
+    FP8_PROFILE_BATCHES=1 bash "$0" fp8
+    timeout 50 python3 bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 \
+        --json "$OUT/profile_v2_lite_b1.json" > "$L/profile_v2_lite_b1.log" 2>&1
+    echo "profile v2-lite b1 rc=$?"; tail -45 "$L/profile_v2_lite_b1.log" ;;
 fp8)
-    for b in 1 64; do
+    for b in ${FP8_PROFILE_BATCHES:-1 64}; do
         timeout 100 python3 bench/deepseek_profile.py --llama3-8b --fp8 --batch $b --context 1024 \
             --json "$OUT/profile_llama_fp8_b$b.json" > "$L/profile_llama_fp8_b$b.log" 2>&1
         echo "profile fp8 b$b rc=$?"; tail -40 "$L/profile_llama_fp8_b$b.log"
