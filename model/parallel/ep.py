@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lanekv.kernels.fp8.experts import moe_experts_fp8
-from lanekv.kernels.moe.experts import moe_experts
 from lanekv.model.deepseek import MoE
 from lanekv.model.parallel.dispatch import dispatch_combine
 from lanekv.model.quant.linear import StackedFp8Experts
@@ -58,12 +57,9 @@ class ExpertShardMoE(MoE):
         # Another rank's choices go to local expert 0 with weight 0: the same grid on every step.
         ids = torch.where(mine, ids - self.first, torch.zeros_like(ids))
         weights = torch.where(mine, weights, torch.zeros_like(weights))
-        if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
-            fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)  # block-FP8 experts as stored
-            return moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
-                                   scale_ue8m0=fp8.scale_ue8m0)
-        w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
-        return moe_experts(x, w13, w2, weights, ids)
+        # The whole block's kernels for the batch (decode-sized: the sort-free ones), so the
+        # ranks' sum is what one GPU computes (block-FP8: unquantized activations at decode).
+        return self.routed_experts(x, weights, ids)
 
 
 class DispatchedExpertShardMoE(ExpertShardMoE):
