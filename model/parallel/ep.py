@@ -6,11 +6,14 @@ Decode TP (``ExpertShardMoE``): the router stays whole on every rank (its weight
 small), so every rank picks the same top-k for every token. A rank runs its own
 experts' share of the choices (the others weigh 0 on it) and the ranks' partial
 outputs are summed by one all-reduce, the hook ``model.parallel.tp.attach_all_reduce``
-puts on the MoE block. The tokens' hidden rows are on every rank already (attention
-is tensor-parallel and its o_proj all-reduced) and every rank needs every token's
-output for the next layer, so the all-reduce is the whole combine: an all-to-all
-dispatch would move rows that are already there (docs/parallelism.md). Shared
-experts run on rank 0 only (the sum adds them once).
+puts on the MoE block. The share runs the kernels the whole block runs for the batch
+(``MoE.routed_experts``), so the sum is one GPU's output (block-FP8 experts: the
+decode kernels leave the activations unquantized, the grouped GEMMs quantize them).
+The tokens' hidden rows are on every rank already (attention is tensor-parallel and
+its o_proj all-reduced) and every rank needs every token's output for the next
+layer, so the all-reduce is the whole combine: an all-to-all dispatch would move
+rows that are already there (docs/parallelism.md). Shared experts run on rank 0
+only (the sum adds them once).
 
 The CP prefill's ranks hold different tokens: there each MoE layer sends each token
 once to each rank owning one of its choices and combines one row per (token, rank)
