@@ -325,24 +325,36 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
+        if self.w13 is not None and self._decodes(x):  # fused bf16 experts (so a fused shared one)
+            shared = self._shared_weights(self.w13.shape[1] // 2)
+            if shared is not None:  # the shared expert in the same three launches
+                return moe_experts_decode(x, self.w13, self.w2, weights, ids, **shared)
+        routed = self.routed_experts(x, weights, ids)
+        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+
+    def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed output of the choices ``weights``, ``ids [T, k]`` over this block's
+        experts: decode batches on CUDA through the sort-free kernels, larger ones through
+        the grouped GEMMs; block-FP8 experts as stored. A TP rank's share of the experts
+        (``model.parallel.ep.ExpertShardMoE``) runs it too, so a group computes what one GPU
+        does: the FP8 decode kernels keep the activations unquantized, the grouped ones
+        quantize them per token group."""
         if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
             fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)
-            if x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x):
-                # decode batches: each touched expert's e4m3 weights read once, no sort
-                routed = moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
-                                                fp8.block)
-            else:
-                routed = moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
-                                         scale_ue8m0=fp8.scale_ue8m0)
-            return routed if self.shared_experts is None else routed + self.shared_experts(x)
+            if self._decodes(x):  # each touched expert's e4m3 weights read once, no sort
+                return moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
+                                              fp8.block)
+            return moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
+                                   scale_ue8m0=fp8.scale_ue8m0)
         w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
-        if x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x):
-            shared = self._shared_weights(w13.shape[1] // 2)
-            if shared is not None or self.shared_experts is None:
-                return moe_experts_decode(x, w13, w2, weights, ids, **(shared or {}))
-            return moe_experts_decode(x, w13, w2, weights, ids) + self.shared_experts(x)
-        routed = moe_experts(x, w13, w2, weights, ids)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        if self._decodes(x):
+            return moe_experts_decode(x, w13, w2, weights, ids)
+        return moe_experts(x, w13, w2, weights, ids)
+
+    @staticmethod
+    def _decodes(x: torch.Tensor) -> bool:
+        """A decode-sized batch on the kernels' device: the sort-free kernels."""
+        return x.shape[0] <= MOE_DECODE_MAX_TOKENS and use_triton(x)
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -148,11 +148,14 @@ class DSA(MLA):
 
     def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
         """MLA's dense kernel, then the sparse one without and with split partials (the
-        split count of a step depends on its batch size); nothing selected, nothing read."""
+        split count of a step depends on its batch size); nothing selected, nothing read.
+        The query is absorbed, ``[1, H, R + P]`` in the model dtype, whatever the rows
+        hold (an FP8 latent is uint8 bytes of another width)."""
         super().warm_up_decode(config, pool)
         latent = pool.rows.latent(pool.tensor[0, 0, :, 0])
         like = {"device": latent.device}
-        q = torch.zeros((1, config.num_heads, latent.shape[1]), dtype=latent.dtype, **like)
+        q = torch.zeros((1, config.num_heads, config.mla.latent_dim), dtype=pool.rows.value_dtype,
+                        **like)
         table = torch.zeros((1, table_width(pool, config.max_position_embeddings)),
                             dtype=torch.int32, **like)
         selected = torch.full((1, config.dsa.index_topk), -1, dtype=torch.int32, **like)

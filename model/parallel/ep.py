@@ -6,11 +6,14 @@ Decode TP (``ExpertShardMoE``): the router stays whole on every rank (its weight
 small), so every rank picks the same top-k for every token. A rank runs its own
 experts' share of the choices (the others weigh 0 on it) and the ranks' partial
 outputs are summed by one all-reduce, the hook ``model.parallel.tp.attach_all_reduce``
-puts on the MoE block. The tokens' hidden rows are on every rank already (attention
-is tensor-parallel and its o_proj all-reduced) and every rank needs every token's
-output for the next layer, so the all-reduce is the whole combine: an all-to-all
-dispatch would move rows that are already there (docs/parallelism.md). Shared
-experts run on rank 0 only (the sum adds them once).
+puts on the MoE block. The share runs the kernels the whole block runs for the batch
+(``MoE.routed_experts``), so the sum is one GPU's output (block-FP8 experts: the
+decode kernels leave the activations unquantized, the grouped GEMMs quantize them).
+The tokens' hidden rows are on every rank already (attention is tensor-parallel and
+its o_proj all-reduced) and every rank needs every token's output for the next
+layer, so the all-reduce is the whole combine: an all-to-all dispatch would move
+rows that are already there (docs/parallelism.md). Shared experts run on rank 0
+only (the sum adds them once).
 
 The CP prefill's ranks hold different tokens: there each MoE layer sends each token
 once to each rank owning one of its choices and combines one row per (token, rank)
@@ -29,7 +32,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lanekv.kernels.fp8.experts import moe_experts_fp8
-from lanekv.kernels.moe.experts import moe_experts
 from lanekv.model.deepseek import MoE
 from lanekv.model.parallel.dispatch import dispatch_combine
 from lanekv.model.quant.linear import StackedFp8Experts
@@ -58,12 +60,9 @@ class ExpertShardMoE(MoE):
         # Another rank's choices go to local expert 0 with weight 0: the same grid on every step.
         ids = torch.where(mine, ids - self.first, torch.zeros_like(ids))
         weights = torch.where(mine, weights, torch.zeros_like(weights))
-        if self.fp8 is not None or self.w13 is None and StackedFp8Experts.stackable(self.experts):
-            fp8 = self.fp8 or StackedFp8Experts(self.experts, fuse=False)  # block-FP8 experts as stored
-            return moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
-                                   scale_ue8m0=fp8.scale_ue8m0)
-        w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
-        return moe_experts(x, w13, w2, weights, ids)
+        # The whole block's kernels for the batch (decode-sized: the sort-free ones), so the
+        # ranks' sum is what one GPU computes (block-FP8: unquantized activations at decode).
+        return self.routed_experts(x, weights, ids)
 
 
 class DispatchedExpertShardMoE(ExpertShardMoE):

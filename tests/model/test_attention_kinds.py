@@ -26,6 +26,7 @@ import ast
 
 import pytest
 import torch
+from lanekv.decode.pool import PagePool
 from lanekv.model.attention import (
     KINDS,
     DSARows,
@@ -227,3 +228,20 @@ def test_contract_fields_are_the_kinds(configs):
 def test_warm_up_and_prefill_tiles_are_the_kinds(configs):
     assert kind_of(configs["llama"]).prefill_qk_dim(configs["llama"]) == 16
     assert kind_of(configs["v3"]).prefill_qk_dim(configs["v3"]) == configs["v3"].mla.qk_head_dim
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("index_cache_dtype", ["fp8_e4m3", "model"])
+@pytest.mark.parametrize("name", ["v3", "v32"])
+def test_the_latent_kinds_warm_up_on_every_row_format(configs, name, kv_cache_dtype, index_cache_dtype):
+    """``warm_up_decode`` of MLA and DSA (the GQA one asks CUDA for its SM count) runs the
+    kernels' launch checks on the CPU: an FP8 latent pool holds uint8 rows, and the query
+    the warm-up builds is still ``[1, H, R + P]`` in the model dtype (a decode rank of a
+    DSA model over FP8 KV once died in its warm-up on a uint8 query)."""
+    config = configs[name]
+    pool = PagePool.for_model(config, 8, 4, torch.float32, index_cache_dtype=index_cache_dtype,
+                              kv_cache_dtype=kv_cache_dtype)
+    assert (pool.tensor.dtype == torch.uint8) == (kv_cache_dtype == "fp8_e4m3")
+    before = pool.tensor.clone()
+    kind_of(config).warm_up_decode(config, pool)
+    assert torch.equal(pool.tensor, before)  # nothing selected, nothing written
