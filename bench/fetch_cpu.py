@@ -125,7 +125,8 @@ def run_stages(tokens: int, chunk_bytes: int, repeats: int) -> dict:
     for name in (*SENDER, *RECEIVER):
         stages[name] = dict(side="sender" if name in SENDER else "receiver",
                             cpu_s_per_gib=st.cpu[name] / moved * GIB, ns_per_byte=st.cpu[name] / moved * 1e9,
-                            wall_s_per_gib=st.wall[name] / moved * GIB)
+                            wall_s_per_gib=st.wall[name] / moved * GIB,
+                            us_per_chunk=st.cpu[name] / (len(plans) * repeats) * 1e6)
     return dict(bytes=moved, chunks=len(plans) * repeats, stages=stages)
 
 
@@ -192,6 +193,7 @@ def _cpu_server(kind: str, num_pages: int, conn) -> None:
             return asked
 
     keep_freed_buffers()  # as a rank process does
+    torch.set_num_threads(1)
     if kind == "raw":
         _raw_server(Relay())
     else:
@@ -242,6 +244,8 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=float, default=8.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--e2e", action="store_true", help="also one stream over loopback, raw against FetchKV")
+    parser.add_argument("--no-primitives", dest="primitives", action="store_false",
+                        help="skip the GIL table of the primitives")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)  # as in a rank and the decode daemon (one thread per stream's work)
@@ -253,16 +257,18 @@ def main() -> None:
               for name in runs[0]["stages"]}
     print(f"{args.tokens} tokens, {runs[0]['bytes'] / GIB:.2f} GiB in {runs[0]['chunks']} chunks of "
           f"{args.chunk_mib:g} MiB; median of {args.repeats}")
-    print(f"{'side':<9} {'stage':<7} {'CPU s/GiB':>9} {'ns/B':>6} {'wall s/GiB':>10}")
+    print(f"{'side':<9} {'stage':<7} {'CPU s/GiB':>9} {'ns/B':>6} {'wall s/GiB':>10} {'us/chunk':>8}")
     for side in ("sender", "receiver"):
         rows = [(name, s) for name, s in stages.items() if s["side"] == side]
         for name, s in rows:
             print(f"{side:<9} {name:<7} {s['cpu_s_per_gib']:>9.3f} {s['ns_per_byte']:>6.3f} "
-                  f"{s['wall_s_per_gib']:>10.3f}")
+                  f"{s['wall_s_per_gib']:>10.3f} {s['us_per_chunk']:>8.0f}")
         total = sum(s["cpu_s_per_gib"] for _, s in rows)
-        print(f"{side:<9} {'total':<7} {total:>9.3f} {total / GIB * 1e9:>6.3f}")
-    prims = primitives()
-    print(f"\n{'primitive (64 MiB)':<34} {'ns/B':>6} {'free':>5}")
+        chunk_us = sum(s["us_per_chunk"] for _, s in rows)
+        print(f"{side:<9} {'total':<7} {total:>9.3f} {total / GIB * 1e9:>6.3f} {'':>10} {chunk_us:>8.0f}")
+    prims = primitives() if args.primitives else {}
+    if prims:
+        print(f"\n{'primitive (64 MiB)':<34} {'ns/B':>6} {'free':>5}")
     for name, p in prims.items():
         print(f"{name:<34} {p['ns_per_byte']:>6.3f} {p['free']:>5.2f}")
     e2e = run_e2e(args.tokens, chunk_bytes, args.repeats) if args.e2e else []
