@@ -350,7 +350,7 @@ def buffer_address(view: memoryview) -> int:
     (ctypes takes only writable ones; numpy reads the address without a copy)."""
     if not view.c_contiguous:
         raise ValueError("buffer must be contiguous")
-    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] if view.nbytes else 0
 
 
 def join_bytes(parts: Sequence[bytes | memoryview]) -> bytes:
