@@ -12,7 +12,7 @@ bf16, page 64: 128 KiB per token, 4 GiB at 32k tokens) is held by 1 or N
   transport's ceiling in this run;
 - ``fetch``: ``fetch_kv`` with a ``place`` that drops each verified chunk;
 - ``fetch+place``: ``fetch_kv`` placing every chunk by logical page into a
-  destination tensor, as a decode pool would (then every page is checked).
+  destination tensor with the decode daemon's ``place_chunk`` (then every page is checked).
 
 Each mode runs with every count of ``--streams`` per server: raw streams each
 on a channel (a connection) of its own, each carrying a share of the bytes;
@@ -50,6 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lanekv.runtime.status import grpc_options  # noqa: E402
+from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
 from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology  # noqa: E402
 from lanekv.transfer.protocol.wire import WIRE_VERSION  # noqa: E402
@@ -213,12 +214,8 @@ def run_fetch(endpoints: dict[int, str], dest: torch.Tensor | None, chunk_bytes:
               streams: int = 1) -> dict:
     """FetchKV of the request from every server, ``streams`` per server (each a run of its pages)."""
     def place(header, tensor) -> None:
-        if dest is not None:
-            # Whole pages as blocks of page_size * kv_heads * head_dim, as scatter_pages does.
-            layers = dest[header.layer_start : header.layer_end]
-            blocks = layers.view(header.num_layers, 2, -1, PAGE_SIZE * KV_HEADS * HEAD_DIM)
-            pages = torch.as_tensor(header.pages)
-            blocks.index_copy_(2, pages, tensor.view(header.num_layers, 2, len(pages), -1))
+        if dest is not None:  # as the decode daemon places a chunk (one copy per run of pages on a host pool)
+            place_chunk(dest, list(header.pages), tensor, PAGE_SIZE, header.layer_start, header.layer_end)
 
     with KVClient() as client:
         fingerprint = client.handshake(endpoints[0], agreement(), timeout=30).fingerprint

@@ -205,16 +205,25 @@ def test_generate_with_damaged_chunks_equals_a_clean_run(pair, receive_damage, m
     prefill, decode, stub = pair
     free = prefill.engine.allocator.free_counts()
     clean = tokens(stub, generate_request(PROMPT, NEW_TOKENS))
-    # Every scatter into the decode pool copies a payload whose checksum a server computed.
+    # Every copy into the decode pool (a scatter, or one copy per run of pages on a host
+    # pool) copies a payload whose checksum a server computed.
     import lanekv.transfer.connector.placement as placement
 
-    scatter, scattered = placement.scatter_pages, []
+    scatter, runs, scattered = placement.scatter_pages, placement._place_runs, []
 
     def checked_scatter(buf, *args, **kwargs):
         scattered.append(_payload_checksum(buf) in receive_damage["genuine"])
         return scatter(buf, *args, **kwargs)
 
+    def checked_runs(pool, physical, payload, *args):
+        genuine = _payload_checksum(payload) in receive_damage["genuine"]
+        placed = runs(pool, physical, payload, *args)
+        if placed:
+            scattered.append(genuine)
+        return placed
+
     monkeypatch.setattr(placement, "scatter_pages", checked_scatter)
+    monkeypatch.setattr(placement, "_place_runs", checked_runs)
     caplog.set_level(logging.INFO, logger="lanekv.decode")
     receive_damage["every"] = 3
     assert tokens(stub, generate_request(PROMPT, NEW_TOKENS, request_id="damaged")) == clean

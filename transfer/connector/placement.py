@@ -15,6 +15,9 @@ they form up to ``MAX_RUN_COPIES`` runs, else with ``scatter_pages``. Both
 run on the current stream; the copies cost less host time per chunk than a
 kernel launch and its page index (host time a fetch's threads share).
 
+On the host (a CPU pool) the same runs move as one strided torch copy each
+(``_place_runs``); more runs go through ``scatter_pages``.
+
 Pinned buffers come from torch's host allocator, which reuses one only after
 the copy queued from it has run. Later work on the same stream (the decode
 steps) sees the placed pages.
@@ -27,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 from lanekv.kernels.page_copy import scatter_pages
-from lanekv.transfer.fastpath.poolcopy import PlannedCopy
+from lanekv.transfer.fastpath.poolcopy import MAX_RUN_COPIES, PlannedCopy, page_runs
 
 
 def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
@@ -52,5 +55,27 @@ def place_chunk(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tens
             return
         index = torch.tensor(list(physical), dtype=torch.int64).pin_memory().to(pool.device, non_blocking=True)
     else:
+        if _place_runs(pool, physical, payload, page_size, layer_start, layer_end):
+            return
         index = torch.tensor(list(physical), dtype=torch.int64)
     scatter_pages(payload, pool, index, page_size, layer_start, layer_end)
+
+
+def _place_runs(pool: torch.Tensor, physical: Sequence[int], payload: torch.Tensor, page_size: int,
+                layer_start: int, layer_end: int) -> bool:
+    """A host pool: each run of consecutive destination pages as one strided torch copy (it drops
+    the GIL while it copies); False where ``scatter_pages`` must do it (more than
+    ``MAX_RUN_COPIES`` runs, or anything that does not fit, which it then refuses by name)."""
+    layers = layer_end - layer_start
+    if not physical or payload.dim() != 5 or pool.dim() != 5 or payload.dtype != pool.dtype \
+            or tuple(payload.shape) != (layers, *pool.shape[1:2], len(physical) * page_size, *pool.shape[3:]) \
+            or not 0 <= layer_start < layer_end <= pool.shape[0] or len(set(physical)) != len(physical) \
+            or min(physical) < 0 or (max(physical) + 1) * page_size > pool.shape[2]:
+        return False
+    runs = page_runs(range(len(physical)), physical)
+    if len(runs) > MAX_RUN_COPIES:
+        return False
+    for src, dst, count in runs:
+        pool[layer_start:layer_end, :, dst * page_size:(dst + count) * page_size].copy_(
+            payload[:, :, src * page_size:(src + count) * page_size])
+    return True

@@ -21,11 +21,12 @@ import ctypes
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import msgpack
+import numpy as np
 import torch
 import xxhash
 
@@ -207,9 +208,8 @@ class ChunkHeader:
         return numel * kv_dtype(self.dtype).itemsize
 
     def encode(self) -> bytes:
-        fields_ = asdict(self)
-        fields_["pages"] = list(self.pages)
-        return msgpack.packb(fields_, use_bin_type=True)
+        # The fields as they are (``asdict`` would deep-copy the page tuple); msgpack writes a tuple as an array.
+        return msgpack.packb({f.name: getattr(self, f.name) for f in fields(self)}, use_bin_type=True)
 
     @classmethod
     def decode(cls, data: bytes) -> ChunkHeader:
@@ -318,12 +318,15 @@ def frame_chunk(header: bytes, data: bytes | memoryview) -> bytes:
     return join_bytes((prefix, data, bytes([_HEADER_TAG]), _varint(len(header)), header))
 
 
-# Parts of at least this many bytes are copied into a joined message by torch,
-# which releases the GIL while it copies (and splits a large copy over its
-# threads); ``bytes.join`` holds the GIL throughout. A rank's FetchKV builds
-# its next chunks in threads while gRPC sends the current one, and both need
-# the GIL: on H200 hosts the join was the largest cost of a stream.
-_TORCH_COPY_BYTES = 1 << 20
+# Parts of at least this many bytes are copied into a joined message by one
+# ``ctypes.memmove`` each, which drops the GIL while it copies (ctypes releases
+# it around every foreign call); ``bytes.join`` holds the GIL throughout. A
+# rank's FetchKV builds its next chunks in threads while gRPC sends the current
+# one (gRPC's own copy of the message holds the GIL), and several streams of a
+# rank share the process: on H200 hosts the join was the largest cost of a
+# stream. memmove, not a torch copy: one C call, no tensors to make and no
+# dispatch under the GIL per part (bench/fetch_cpu.py: ``frame``).
+_FREE_COPY_BYTES = 64 << 10
 
 
 def _bytes_api() -> tuple[Any, Any] | None:
@@ -342,6 +345,14 @@ def _bytes_api() -> tuple[Any, Any] | None:
 _BYTES_API = _bytes_api()
 
 
+def buffer_address(view: memoryview) -> int:
+    """The address of a contiguous buffer's first byte, read-only buffers (bytes) too
+    (ctypes takes only writable ones; numpy reads the address without a copy)."""
+    if not view.c_contiguous:
+        raise ValueError("buffer must be contiguous")
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0] if view.nbytes else 0
+
+
 def join_bytes(parts: Sequence[bytes | memoryview]) -> bytes:
     """``b"".join(parts)``, with large parts copied outside the GIL.
 
@@ -350,19 +361,18 @@ def join_bytes(parts: Sequence[bytes | memoryview]) -> bytes:
     """
     views = [memoryview(part).cast("B") for part in parts]
     total = sum(view.nbytes for view in views)
-    if _BYTES_API is None or max((view.nbytes for view in views), default=0) < _TORCH_COPY_BYTES:
+    if _BYTES_API is None or max((view.nbytes for view in views), default=0) < _FREE_COPY_BYTES:
         return b"".join(views)
     new, address_of = _BYTES_API
     out = new(None, total)
     address = address_of(out)
-    target = torch.frombuffer((ctypes.c_char * total).from_address(address), dtype=torch.uint8)
     pos = 0
     for view in views:
         n = view.nbytes
-        if n >= _TORCH_COPY_BYTES:
-            target[pos:pos + n].copy_(torch.frombuffer(view, dtype=torch.uint8))
+        if n >= _FREE_COPY_BYTES:
+            ctypes.memmove(address + pos, buffer_address(view), n)
         elif n:
-            ctypes.memmove(address + pos, bytes(view), n)
+            ctypes.memmove(address + pos, view.tobytes(), n)
         pos += n
     return out
 

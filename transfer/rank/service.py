@@ -420,9 +420,10 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
 
 # Chunks built ahead of the one gRPC is sending. Reading pages, hashing and
-# framing a chunk take about as long as sending it, and the read and the hash
-# drop the GIL, so two builders in flight keep the stream fed (one held the
-# stream well below a raw one: BENCHMARKS.md, KV transfer over gRPC).
+# framing a chunk take about as long as sending it, and the read, the hash and
+# the framing copy drop the GIL (gRPC's own copy of the message does not:
+# bench/notes_grpc_fetch_cpu.md), so two builders in flight keep the stream fed
+# (one held the stream well below a raw one: BENCHMARKS.md, KV transfer over gRPC).
 LOOKAHEAD = 3
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanekv.kernels.page_copy import scatter_pages
 from lanekv.transfer.fastpath import devcopy
 from lanekv.transfer.fastpath.devcopy import BlockCopy
 
@@ -61,10 +62,15 @@ def test_block_copies_between_pools_on_gpus(monkeypatch, cross, small_pitch_limi
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda:0", marks=GPU_CASE)])
 @pytest.mark.parametrize("physical", [[5, 6, 7, 2], [1, 3, 5, 7, 9, 0], [4]], ids=["runs", "scattered", "one"])
-def test_place_chunk_puts_each_page_of_a_host_chunk_in_its_place(device, physical):
-    """lanekv.transfer.connector.placement: a few runs of pages go by 2-D copies on a GPU, scattered ones
-    (more than MAX_RUN_COPIES runs) by scatter_pages; the CPU always scatters. Same pool either way."""
+def test_place_chunk_puts_each_page_of_a_host_chunk_in_its_place(monkeypatch, device, physical):
+    """lanekv.transfer.connector.placement: a few runs of pages go by 2-D copies on a GPU and by one
+    torch copy each on the CPU, scattered ones (more than MAX_RUN_COPIES runs) by scatter_pages.
+    Same pool either way."""
+    from lanekv.transfer.connector import placement
     from lanekv.transfer.connector.placement import place_chunk
+
+    scattered = []
+    monkeypatch.setattr(placement, "scatter_pages", lambda *a: (scattered.append(1), scatter_pages(*a)))
 
     ps, layers = 4, (1, 3)
     pool = torch.zeros(4, 2, 10 * ps, 2, 4, device=device)
@@ -74,5 +80,10 @@ def test_place_chunk_puts_each_page_of_a_host_chunk_in_its_place(device, physica
     for i, page in enumerate(physical):
         want[layers[0]:layers[1], :, page * ps:(page + 1) * ps] = payload[:, :, i * ps:(i + 1) * ps]
     assert torch.equal(pool.cpu(), want)
+    assert bool(scattered) == (len(physical) == 6)  # [1, 3, 5, 7, 9, 0]: six runs
     with pytest.raises(ValueError):
         place_chunk(pool, physical + [8], payload, ps, *layers)  # a page more than the payload holds
+    with pytest.raises(ValueError):
+        place_chunk(pool, [page + 6 for page in physical], payload, ps, *layers)  # pages past the pool
+    with pytest.raises(ValueError):
+        place_chunk(pool, physical, payload.to(torch.float64), ps, *layers)  # another dtype

@@ -11,10 +11,12 @@ from lanekv.proto import lanekv_pb2
 from lanekv.transfer.protocol.wire import (
     MAX_HEADER_BYTES,
     ChunkHeader,
+    buffer_address,
     check_ints,
     checksum,
     encode_chunk,
     frame_chunk,
+    join_bytes,
     payload_to_tensor,
     plan_chunks,
     split_chunk,
@@ -98,6 +100,47 @@ def test_framing_is_a_kvchunk_message():
     )
     generated = lanekv_pb2.KVChunk(header=b"h", data=b"payload").SerializeToString()
     assert [bytes(v) for v in split_chunk(generated)] == [b"h", b"payload"]
+
+
+def test_join_bytes_equals_a_plain_join():
+    """Large parts are copied by memmove from their own buffers (read-only bytes, a slice at an
+    offset, a tensor's memory), small ones through bytes: the result is b"".join's, byte for byte."""
+    big = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    message = bytes(big.numpy())
+    parts = [b"\x1a\x03", b"", memoryview(message)[5:(1 << 20) + 5], b"\x00" * 3,
+             memoryview(big.numpy())[17:], bytearray(b"tail"), memoryview(message)[:100]]
+    joined = join_bytes(parts)
+    assert type(joined) is bytes and joined == b"".join(parts)
+    assert join_bytes([b"a", b"bc"]) == b"abc"  # all small: bytes.join itself
+
+
+def test_buffer_address_is_where_the_bytes_are():
+    import ctypes
+
+    data = bytes(range(256)) * 4
+    view = memoryview(data)[100:300]
+    assert ctypes.string_at(buffer_address(view), view.nbytes) == data[100:300]
+    assert ctypes.string_at(buffer_address(memoryview(bytearray(data))), 16) == data[:16]
+    with pytest.raises(ValueError, match="contiguous"):
+        buffer_address(memoryview(bytearray(data))[::2])
+
+
+def test_a_framed_chunk_with_a_flipped_payload_bit_is_refused():
+    """frame_chunk's copy is the bytes the checksum covered: one flipped bit in the framed
+    payload fails verification on the receiver (``spans.StreamCheck``)."""
+    from lanekv.transfer.errors import ChecksumError
+    from lanekv.transfer.grpcfetch.spans import Span, StreamCheck
+
+    pool = random_pool(torch.bfloat16)
+    payload = gather(pool, [6, 2], 4, 0, 3)
+    header, data = encode_chunk("r", 0, 0, 0, [6, 2], payload)
+    message = frame_chunk(header.encode(), data)
+    got_header, got = StreamCheck("r", 0, Span(0, 3, (6, 2))).chunk(message)
+    assert got_header == header and bytes(got) == bytes(data)
+    bad = bytearray(message)
+    bad[message.index(bytes(data)) + len(bytes(data)) // 2] ^= 0x04
+    with pytest.raises(ChecksumError):
+        StreamCheck("r", 0, Span(0, 3, (6, 2))).chunk(bytes(bad))
 
 
 def test_misaligned_payload_is_copied():
