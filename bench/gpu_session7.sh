@@ -27,6 +27,13 @@ check)
     timeout 120 python3 bench/deepseek.py --v2-lite --batches 1 16 64 --parts decode \
         --json "$OUT/deepseek_v2_lite_decode.json" > "$L/deepseek_v2_lite.log" 2>&1
     echo "v2-lite rc=$?"; tail -8 "$L/deepseek_v2_lite.log" ;;
+final)  # the merged TP fixes on one GPU, then gRPC TTFT after the FetchKV CPU cuts
+    timeout 220 python3 -m pytest -q -p no:cacheprovider -m gpu tests/model/test_expert_shards.py \
+        tests/decode/test_tp.py -k "test_tp_on_one_gpu_equals_one_rank or expert" > "$L/gpu_tests_final.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_final.log" | cut -c1-180; tail -1 "$L/gpu_tests_final.log"
+    timeout 200 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --paths grpc fast \
+        --fetch-streams 4 --no-nixl --json "$OUT/ttft_grpc_final_h200.json" > "$L/ttft_grpc_final.log" 2>&1
+    echo "ttft rc=$?"; tail -30 "$L/ttft_grpc_final.log" ;;
 fp8b)  # the merged fixes' GPU tests (FP8 GEMM, DSA selection), then part fp8, then V2-Lite's profile
     timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8.py \
         tests/kernels/test_fp8_gemm_prefill.py tests/kernels/test_dsa_select.py tests/kernels/test_dsa_topk.py \
