@@ -136,3 +136,40 @@ def test_on_a_gpu_a_read_of_an_early_layer_does_not_wait_for_later_ones():
     assert read_s < 0.5
     rows = torch.cat([torch.arange(4) + 4, torch.arange(4) + 12])
     assert torch.equal(payload, pool[0:1, :, rows].cpu())
+
+
+@requires_gpu
+def test_on_a_gpu_a_read_of_a_written_layer_does_not_queue_behind_one_that_waits():
+    """Two fetch streams of one rank: one reads layer 1, which seconds of GPU work still
+    hold back, the other layer 0, already written. Each read has a stream of its own, so
+    the second is back long before the first (one shared stream would queue it behind)."""
+    import threading
+
+    from lanekv.prefill.cp.page_source import RankPageSource
+
+    from tests.reliability.kv_cluster import make_agreement
+
+    agreement = make_agreement(num_layers=2)
+    pool = torch.randn(2, 2, 8 * 4, 2, 8, device="cuda").to(torch.bfloat16)
+    source = RankPageSource(agreement, 0, pool, lambda rid, pages: None)
+    progress = LayerProgress(2, "cuda")
+    source.add("req", [(0, 1), (1, 3)], progress)
+    torch.cuda.synchronize()
+    progress.layer_written(0)
+    torch.cuda._sleep(10_000_000_000)  # about 5 s before layer 1 is written
+    progress.layer_written(1)
+    _, late = source.ready("req", 2, 10.0, lambda: True, exact=True)
+    _, early = source.ready("req", 1, 10.0, lambda: True, exact=True)
+    waiting = threading.Thread(target=source.read, args=([1, 3], 1, 2, late), daemon=True)
+    waiting.start()
+    time.sleep(0.2)  # the late read is queued on its stream first
+    start = time.perf_counter()
+    payload = source.read([1, 3], 0, 1, early)
+    read_s = time.perf_counter() - start
+    still_waiting = waiting.is_alive()
+    torch.cuda.synchronize()
+    waiting.join(timeout=30)
+    assert still_waiting, f"the late read ended before the early one ({read_s:.2f} s): lengthen the sleep"
+    assert read_s < 0.5
+    rows = torch.cat([torch.arange(4) + 4, torch.arange(4) + 12])
+    assert torch.equal(payload, pool[0:1, :, rows].cpu())
