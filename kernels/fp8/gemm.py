@@ -439,12 +439,16 @@ def linear_plan(rows: int, n: int, k: int, block: tuple[int, int], device: torch
     or the heuristic's) and the fusion (``fuse_quant``, else: at most
     ``FUSED_QUANT_MAX_ROWS`` rows, row tiles of at most ``FUSED_QUANT_MAX_BLOCK_M``,
     the k step one scale group). A w8a16 config quantizes nothing: ``fuse_quant`` is
-    False (asking for True with one is refused)."""
+    False. An explicit ``fuse_quant`` asks for quantized activations: a table's or the
+    heuristic's w8a16 pick then runs as its w8a8 twin; with a w8a16 ``config`` it is
+    refused."""
     cfg = config if config is not None else select_config(rows, n, k, tuple(block), device)
+    if cfg.w8a16 and fuse_quant is not None:
+        if config is not None:
+            raise ValueError(f"fuse_quant={fuse_quant} asks for quantized activations but "
+                             f"config {cfg.name()} has w8a16=True (leave fuse_quant None)")
+        cfg = cfg._replace(w8a16=False)
     if cfg.w8a16:
-        if fuse_quant:
-            raise ValueError(f"fuse_quant=True needs a w8a8 config; config {cfg.name()} has "
-                             "w8a16=True (the activations stay unquantized)")
         return LinearPlan(cfg, False)
     if fuse_quant is None:
         fuse_quant = (rows <= FUSED_QUANT_MAX_ROWS and cfg.block_m <= FUSED_QUANT_MAX_BLOCK_M
