@@ -48,8 +48,8 @@ k step, and ``dot_k`` pads the step's dot with zero columns (masked loads, no TM
 At <= 16 rows (decode) the default is w8a16 (16-row tile, 64 columns, k step one
 scale group, split-K to about fill the SMs): the activations stay unquantized, which
 is the reference's own operation, and the k loop has no per-step quantization of
-the activation tile, which made the fused w8a8 decode GEMM up to 1.7x its time on
-pre-quantized activations (issue 33). A tuned table entry still wins.
+the activation tile, which sits on the critical path of the fused w8a8 decode GEMM
+(issue 33, BENCHMARKS.md). A tuned table entry still wins.
 
 At >= 256 rows (prefill) the default is the standard Hopper block-FP8 tile,
 64x128x128 on 4 warps with 3 stages and pointer loads (two programs per SM: one
