@@ -7,7 +7,8 @@
   the linear as a model runs it, the activations' per-token-group quantization
   included, inside the GEMM or first as ``linear_plan`` decides
   (``linear_fused_quant``); at <= 64 rows both ways, ``linear_fused_ms`` and
-  ``linear_unfused_ms``: the sweep times the GEMM alone), against
+  ``linear_unfused_ms``; a w8a16 config quantizes nothing: ``linear_ms`` alone),
+  against
   ``torch._scaled_mm`` with row-wise scales (``scaled_mm_row_ms``) and with our
   own block scales (1x128 activations, 128x128 weights: ``scaled_mm_block_ms``,
   through ``torch._scaled_mm`` or ``F.scaled_mm`` with ``ScalingType``, whichever
@@ -19,7 +20,13 @@
   step; ``--timer graph`` (default) replays the calls in a CUDA graph (the GPU's
   time, as the captured decode step sees it), ``--timer events`` times plain
   launches. Each config's output is checked against the float32 reference
-  (``rel_err``).
+  (``rel_err``; a w8a16 config's against the unquantized activations').
+  At decode rows (<= ``FUSED_QUANT_MAX_ROWS``) the sweep times each candidate as the
+  step runs it: as the linear (``fp8_linear_triton`` with ``linear_plan``'s fusion),
+  so a w8a16 config and a w8a8 one quantizing x itself compete on the same cost
+  (``gemm_ms`` is then the linear's time, ``sweep_timed`` says which was timed,
+  ``family`` which family won); the down projections, whose input
+  ``silu_mul_quant_fp8`` quantizes, are swept as the GEMM on that input (w8a8 only).
 - ``decode``: the decode engine's captured step at batch 1/16/64 with a
   ``--context`` token context, the model's dummy weights bf16 and then quantized
   blockwise (``quantization_config``), against the FP8 weight-read floor: the
@@ -81,6 +88,7 @@ from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     TABLE_DIR,
     GemmConfig,
     candidate_configs,
+    config_family,
     device_slug,
     select_config,
     table_entry,
@@ -198,28 +206,41 @@ def _scaled_mm_block_calls(a, a_scale, ws, ref) -> tuple[list, str, float | None
     return [], " | ".join(errors), None
 
 
-def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block, budget: Budget | None = None,
-                   ) -> tuple[list[dict], dict | None]:
+def _call(cfg: GemmConfig, as_linear: bool, x, a, a_scale, w, s, block):
+    """One run of ``cfg`` as the sweep times it: the linear on ``x`` (its plan's
+    fusion; a w8a16 config reads x unquantized) or the GEMM on the quantized ``a``."""
+    if as_linear:
+        return partial(fp8_linear_triton, x, w, s, block, config=cfg)
+    return partial(block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16, config=cfg)
+
+
+def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block, budget: Budget | None = None, *,
+                   x=None, ref_x=None) -> tuple[list[dict], dict | None]:
     """Every candidate config: compiled, checked against the reference, timed (in the
-    candidates' order; past the budget's deadline the rest are skipped, once one ran)."""
+    candidates' order; past the budget's deadline the rest are skipped, once one ran).
+    With ``x`` (decode rows) each is timed as the linear, a w8a16 config checked
+    against ``ref_x`` (the unquantized activations'); without, the w8a8 GEMM on ``a``."""
     tried, best = [], None
-    limit = 4 * _rel_err(ref.to(torch.bfloat16), ref) + 1e-4  # 4x the output's own rounding
+    as_linear = x is not None
     for cfg in candidate_configs(rows, block):
+        if cfg.w8a16 and not as_linear:
+            continue  # a GEMM on pre-quantized activations is w8a8
         if budget is not None and best is not None and budget.expired():
             tried.append(dict(config=cfg.name(), skipped="time budget spent"))
             continue
-        rec = dict(config=cfg.name())
+        rec = dict(config=cfg.name(), family=config_family(cfg),
+                   timed="linear" if as_linear else "gemm")
+        want = ref_x if cfg.w8a16 else ref
+        limit = 4 * _rel_err(want.to(torch.bfloat16), want) + 1e-4  # 4x the output's rounding
         try:
-            out = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block, torch.bfloat16,
-                                          config=cfg)
+            out = _call(cfg, as_linear, x, a, a_scale, ws[0][0], ws[0][1], block)()
             torch.cuda.synchronize()
-            rec["rel_err"] = _rel_err(out, ref)
+            rec["rel_err"] = _rel_err(out, want)
             if not rec["rel_err"] < limit:
                 rec["error"] = f"relative error {rec['rel_err']:.2e} over {limit:.2e}"
             else:
-                rec["ms"] = time_fn(_rotating([partial(
-                    block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16, config=cfg)
-                    for w, s in ws]))
+                rec["ms"] = time_fn(_rotating([_call(cfg, as_linear, x, a, a_scale, w, s, block)
+                                               for w, s in ws]))
         except Exception as err:  # noqa: BLE001  (a config that fails to compile is recorded)
             rec["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(
                 err) else type(err).__name__
@@ -279,6 +300,10 @@ def _warm_worker(configs: list[dict], shapes: list[tuple[int, int]], rows: int) 
         for raw in configs:
             cfg = GemmConfig(**raw)
             try:
+                if cfg.w8a16:  # only the linear runs it
+                    fp8_linear_triton(x, w, s, (128, 128), config=cfg)
+                    done += 1
+                    continue
                 block_fp8_matmul_triton(a, a_scale, w, s, (128, 128), torch.bfloat16, config=cfg)
                 if rows <= 64 and cfg.block_k == 128:  # the linear's fused quantization
                     fp8_linear_triton(x, w, s, (128, 128), fuse_quant=True, config=cfg)
@@ -338,12 +363,20 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
                 a, a_scale = per_token_group_quant_fp8_triton(x, 128)
                 ref = (a.float() * a_scale.repeat_interleave(128, 1)[:, :k]) @ w_deq.t()
+                ref_x = x.float() @ w_deq.t()  # a w8a16 config's: x unquantized
                 row = dict(model=model, linear=name, n=n, k=k, rows=rows, weight_copies=copies)
+                # the step runs a decode linear as the linear; a down projection's input
+                # comes quantized from silu_mul_quant_fp8, so it runs as the w8a8 GEMM
+                as_linear = rows <= FUSED_QUANT_MAX_ROWS and not name.endswith("down")
                 cfg = select_config(rows, n, k, block, device)
+                if cfg.w8a16 and name.endswith("down"):  # as silu_mul_fp8_linear runs it
+                    cfg = cfg._replace(w8a16=False)
                 best = None
                 if sweep:
+                    row["sweep_timed"] = "linear" if as_linear else "gemm"
                     row["tried"], best = _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block,
-                                                        budget)
+                                                        budget, x=x if as_linear else None,
+                                                        ref_x=ref_x)
                     # what the kernel picks without this sweep, if it was a candidate
                     row["selected_config"] = cfg.name()
                     row["selected_ms"] = next((t["ms"] for t in row["tried"]
@@ -353,8 +386,14 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 row["config"] = cfg.to_dict()
                 row["config_name"] = cfg.name()
                 row["config_source"] = "sweep" if best is not None else "select_config"
+                row["family"] = config_family(cfg)
                 if best is not None:  # timed in the sweep, on the same inputs and timer
                     row["rel_err"], row["gemm_ms"] = best["rel_err"], best["ms"]
+                elif cfg.w8a16:  # no GEMM apart from the linear: the linear's time
+                    row["rel_err"] = _rel_err(fp8_linear_triton(x, ws[0][0], ws[0][1], block,
+                                                                config=cfg), ref_x)
+                    row["gemm_ms"] = time_fn(_rotating([_call(cfg, True, x, a, a_scale, w, s,
+                                                              block) for w, s in ws]))
                 else:
                     got = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block,
                                                   torch.bfloat16, config=cfg)
@@ -366,14 +405,19 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 # the GEMM or first: linear_plan), and at decode rows both ways.
                 row["linear_fused_quant"] = linear_plan(rows, n, k, block, device,
                                                         config=cfg).fuse_quant
-                ways = ((True, False) if rows <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
+                ways = (() if cfg.w8a16 else (True, False)
+                        if rows <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
                         else (row["linear_fused_quant"],))
                 for fuse in ways:
                     row["linear_fused_ms" if fuse else "linear_unfused_ms"] = time_fn(_rotating([
                         partial(fp8_linear_triton, x, w, s, block, fuse_quant=fuse, config=cfg)
                         for w, s in ws]))
-                row["linear_ms"] = row["linear_fused_ms" if row["linear_fused_quant"]
-                                       else "linear_unfused_ms"]
+                if cfg.w8a16:  # nothing quantized, nothing to fuse
+                    row["linear_ms"] = time_fn(_rotating([_call(cfg, True, x, a, a_scale, w, s,
+                                                                block) for w, s in ws]))
+                else:
+                    row["linear_ms"] = row["linear_fused_ms" if row["linear_fused_quant"]
+                                           else "linear_unfused_ms"]
                 row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x, w.t())
                                                     for w in bf16s]))
                 a_row = (x.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)

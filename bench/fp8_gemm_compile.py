@@ -9,7 +9,12 @@ loads are pipelined, one tile's worth means they are not). Integer arguments
 are marked 16-divisible as a launch on the benchmark's shapes specializes them.
 
 ``k_loop`` is the length in SASS instructions of the k loop (the longest backward
-branch's body): the work each k step issues per warp.
+branch's body): the work each k step issues per warp. ``wgmma`` counts the ptx's
+``wgmma.mma_async`` (0: the dot took ``mma.sync``); for a w8a16 config
+(``gemm_w8a16.py``) ``weight_in_registers`` says whether the ttgir's
+``warp_group_dot`` takes the converted weight as its register A operand with no
+``local_store`` of it back to shared memory. ``--w8a16`` compiles only the
+w8a16 candidates.
 
 With ``--plan MODEL`` it compiles instead what that model's decode linears run at
 ``--rows`` on a device of ``--device-name`` (its committed table, else the
@@ -19,6 +24,7 @@ the other variant of the same config.
 
     python bench/fp8_gemm_compile.py --rows 2048
     python bench/fp8_gemm_compile.py --rows 1 --quant-a     # the fused decode linear
+    python bench/fp8_gemm_compile.py --rows 1 --w8a16       # the weight-only-dequant family
     python bench/fp8_gemm_compile.py --plan llama3_8b --rows 1 16 64
 """
 
@@ -45,6 +51,7 @@ from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     candidate_configs,
     config_for_device,
 )
+from lanekv.kernels.fp8.gemm_w8a16 import _w8a16_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
@@ -58,7 +65,10 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     """``cfg`` compiled for sm_90 as ``_launch`` runs it on a checkpoint's scale
     ``block`` (a padded dot tile takes pointer loads, as the launcher does). ``ints``:
     a launch's integer arguments; only those divisible by 16 are marked so (default:
-    all of them, as on the benchmark's shapes)."""
+    all of them, as on the benchmark's shapes). A w8a16 config compiles
+    ``_w8a16_kernel`` on bf16 activations (``quant_a`` does not apply)."""
+    if cfg.w8a16:
+        return _compile_w8a16(cfg, even_k=even_k, block=block, ints=ints)
     tma = cfg.tma and cfg.dot_k == cfg.block_k
     a_type = ("*bf16" if quant_a else
               f"tensordesc<fp8e4nv[{cfg.block_m}, {cfg.block_k}]>" if tma else "*fp8e4nv")
@@ -77,6 +87,38 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     kernel = triton.compile(ASTSource(_block_fp8_matmul_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    return _report(cfg, kernel, (cfg.block_m + cfg.block_n) * cfg.dot_k)
+
+
+def _compile_w8a16(cfg: GemmConfig, *, even_k: bool, block: tuple[int, int],
+                   ints: dict[str, int] | None) -> dict:
+    sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*fp32",
+               out_ptr="*bf16", part_ptr="*fp32", rows="i32", cols="i32", depth="i32",
+               stride_x="i32", stride_w="i32", stride_ws="i32", stride_out="i32")
+    consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, BLOCK_M=cfg.block_m,
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
+                  SPLIT_K=cfg.split_k, EVEN_K=even_k, DOT_PRECISION="tf32")
+    sig.update({name: "constexpr" for name in consts})
+    names = list(sig)
+    renamed = {"x_ptr": "a_ptr", "stride_x": "stride_a"}  # ints use the w8a8 names
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in consts and n != "rows"
+             and (ints is None or ints.get(renamed.get(n, n), 0) % 16 == 0)}
+    kernel = triton.compile(ASTSource(_w8a16_kernel, sig, consts, attrs),
+                            target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    ttgir = kernel.asm["ttgir"]
+    # the converted weight feeds the dot from registers: a warp_group_dot whose A operand
+    # is a dot-operand tensor (not a shared-memory descriptor) and no local_store at all
+    register_a = re.search(r"ttng\.warp_group_dot .*?\} : tensor<[^>]*#ttg\.dot_op<\{opIdx = 0",
+                           ttgir)
+    rec = _report(cfg, kernel, cfg.block_n * cfg.block_k + 2 * cfg.block_m * cfg.block_k)
+    rec["weight_in_registers"] = bool(register_a) and "ttg.local_store" not in ttgir
+    return rec
+
+
+def _report(cfg: GemmConfig, kernel, tile_bytes: int) -> dict:
+    """Shared memory, registers, spills, pipelined tiles, store widths, k loop, wgmma."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -87,14 +129,14 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
                               capture_output=True, text=True, check=True).stdout
     regs = re.search(r"REG:(\d+)", usage)
     local = re.search(r"LOCAL:(\d+)", usage)
-    tile_bytes = (cfg.block_m + cfg.block_n) * cfg.dot_k
     # global stores by width: the epilogue should store whole vectors (v4/v2), never
     # one bf16 element per instruction
     stores = dict(Counter(re.findall(r"\bst\.global(?:\.v\d)?\.b\d+", kernel.asm["ptx"])))
     return dict(config=cfg.name(), shared=kernel.metadata.shared, global_stores=stores,
                 registers=int(regs.group(1)) if regs else None,
                 local_bytes=int(local.group(1)) if local else None,
-                tiles_in_flight=kernel.metadata.shared // tile_bytes, k_loop=k_loop_length(sass))
+                tiles_in_flight=kernel.metadata.shared // tile_bytes, k_loop=k_loop_length(sass),
+                wgmma=len(re.findall(r"wgmma\.mma_async", kernel.asm["ptx"])))
 
 
 def k_loop_length(sass: str) -> int:
@@ -118,10 +160,14 @@ def plan(model: str, rows: int, device_name: str, sms: int) -> list[dict]:
     out = []
     for name, n, k in SHAPES[model]:
         cfg = config_for_device(rows, n, k, (128, 128), device_name, sms)
-        # the down projections' input comes quantized from silu_mul_quant_fp8
+        # the down projections' input comes quantized from silu_mul_quant_fp8 (a w8a16
+        # pick runs there as its w8a8 twin)
+        if name.endswith("down") and cfg.w8a16:
+            cfg = cfg._replace(w8a16=False)
         fused = (not name.endswith("down")
                  and linear_plan(rows, n, k, (128, 128), torch.device("cpu"), config=cfg).fuse_quant)
-        other = compile_config(cfg, quant_a=not fused) if cfg.block_k == 128 or fused else None
+        other = (compile_config(cfg._replace(w8a16=False), quant_a=True) if cfg.w8a16 else
+                 compile_config(cfg, quant_a=not fused) if cfg.block_k == 128 or fused else None)
         out.append(dict(linear=name, n=n, k=k, rows=rows, config=cfg.name(), fused_quant=fused,
                         compiled=compile_config(cfg, quant_a=fused), other_variant=other))
     return out
@@ -136,6 +182,7 @@ def main() -> None:
     ap.add_argument("--sms", type=int, default=132, help="--plan: SMs, for the heuristic")
     ap.add_argument("--quant-a", action="store_true", help="the variant that quantizes x itself")
     ap.add_argument("--ragged-k", action="store_true", help="K not a multiple of 128")
+    ap.add_argument("--w8a16", action="store_true", help="only the w8a16 candidates")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     out = []
@@ -148,6 +195,8 @@ def main() -> None:
             args.json.write_text(json.dumps(out, indent=1))
         return
     for cfg in candidate_configs(args.rows[0], (128, 128)):
+        if args.w8a16 and not cfg.w8a16:
+            continue
         try:
             rec = compile_config(cfg, quant_a=args.quant_a, even_k=not args.ragged_k)
         except Exception as err:  # noqa: BLE001  (reported per config)

@@ -1,6 +1,7 @@
 """bench/fp8.py's GEMM sweep under a time limit: the budget that decides whether one more
 shape fits, the table merged after every shape (swept rows only, the decode rows
-of the file kept), and the option refused when it is not a positive number."""
+of the file kept), the option refused when it is not a positive number, and the
+decode rows' candidates timed as the linear (w8a16 beside w8a8)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import json
 import sys
 
 import pytest
+import torch
 from lanekv.kernels.fp8.gemm_configs import GemmConfig, load_table, lookup
+from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_ref
+from lanekv.kernels.fp8.weights import dequantize_weight_blocks, quantize_weight_blocks
 
 from bench import fp8 as bench_fp8
 
@@ -77,3 +81,37 @@ def test_summary_reports_the_sweep_and_the_untuned_pick(capsys):
     assert "decode rows <= 64: vs best torch FP8 min 1.50 geomean 1.50, 0/1" in out
     assert "prefill rows >= 2048: vs best torch FP8 min 0.40 geomean 0.60, 1/2" in out
     assert "select_config's pick vs best torch FP8 min 0.50 geomean 0.50 (2 shapes)" in out
+
+
+def test_the_sweep_at_decode_rows_times_each_candidate_as_the_linear(monkeypatch):
+    """At decode rows each candidate runs as the step runs it (the linear on unquantized
+    x: the w8a8 config quantizing x itself, the w8a16 one not at all), each checked
+    against its own reference, the family recorded; without x (a down projection,
+    whose input comes quantized) only the w8a8 candidates run, as the GEMM."""
+    block, rows, n, k = (32, 32), 3, 48, 96
+    cands = [GemmConfig(16, 32, 32, 4, 1, 4, 1), GemmConfig(16, 32, 32, 4, 2, 4, 1, w8a16=True)]
+    monkeypatch.setattr(bench_fp8, "candidate_configs", lambda r, b: cands)
+    monkeypatch.setattr(bench_fp8.torch.cuda, "synchronize", lambda: None)
+    outs = []
+
+    def time_fn(run):  # one run of what is timed; each later candidate "faster"
+        outs.append(run())
+        return 10.0 - len(outs)
+
+    gen = torch.Generator().manual_seed(0)
+    w, s = quantize_weight_blocks(torch.randn(n, k, generator=gen) * k ** -0.5, block)
+    x = torch.randn(rows, k, generator=gen)
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+    w_deq = dequantize_weight_blocks(w, s, block)
+    ref = (a.float() * a_scale.repeat_interleave(block[1], 1)[:, :k]) @ w_deq.t()
+    ref_x = x @ w_deq.t()
+    tried, best = bench_fp8._sweep_configs(a, a_scale, [(w, s)], rows, ref, time_fn, block,
+                                           x=x, ref_x=ref_x)
+    assert [(t["family"], t["timed"]) for t in tried] == [("tiles", "linear"),
+                                                          ("w8a16", "linear")]
+    assert all("ms" in t and t["rel_err"] < 1e-5 for t in tried), tried
+    assert best["cfg"] == cands[1] and best["family"] == "w8a16"
+    torch.testing.assert_close(outs[1], ref_x, rtol=1e-5, atol=1e-5)  # x unquantized
+    tried, best = bench_fp8._sweep_configs(a, a_scale, [(w, s)], rows, ref, time_fn, block)
+    assert [(t["config"], t["timed"]) for t in tried] == [(cands[0].name(), "gemm")]
+    assert best["cfg"] == cands[0]

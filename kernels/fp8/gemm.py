@@ -14,6 +14,9 @@ quantized linear calls: on CUDA, ``x`` quantized per token group then the GEMM,
 or, for decode's few rows in 16-row tiles, the GEMM quantizing ``x`` itself
 (``linear_plan`` decides: every column tile repeats its rows' quantization, which
 costs little in a 16-row tile and dominates the k loop in a 64-row one);
+or, with a w8a16 config (the default at <= 16 rows on CUDA: ``gemm_configs.py``),
+no quantization at all: ``gemm_w8a16.py`` reads ``x`` in its own dtype and
+dequantizes each e4m3 weight tile in the kernel;
 the reference (CPU) runs ``F.linear`` on the dequantized weight in ``x``'s dtype,
 unquantized activations, so a CPU run equals the same model with the weights
 dequantized.
@@ -49,6 +52,7 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, on_device, use_triton
 from lanekv.kernels.fp8.gemm_configs import GemmConfig, check_config, select_config
+from lanekv.kernels.fp8.gemm_w8a16 import _w8a16_kernel
 from lanekv.kernels.fp8.quant import (
     _quantize_tile,
     hw_cast,
@@ -286,8 +290,12 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
             bias: torch.Tensor | None, config: GemmConfig | None,
             ue8m0: bool = False) -> torch.Tensor:
-    """``a_scale is None``: ``a`` is unquantized and each tile quantizes its rows'
-    groups on the fly (``_quantize_tile``, the quantization kernel's own code)."""
+    """``a_scale is None``: ``a`` is unquantized and either the config is w8a16 (the
+    weight-only-dequant kernel, ``gemm_w8a16.py``) or each tile quantizes its rows'
+    groups on the fly (``_quantize_tile``, the quantization kernel's own code).
+    Pre-quantized ``a`` with a w8a16 config: refused when the caller named the
+    config; a table's or the heuristic's w8a16 pick runs as its w8a8 twin (same
+    tiles, the switch off), so ``silu_mul_fp8_linear``'s quantized input keeps working."""
     (rows, depth), cols = a.shape, w.shape[0]
     out = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
     if rows == 0 or cols == 0:
@@ -297,16 +305,39 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         return out if bias is None else out.add_(bias)
     cfg = check_config(config) if config is not None else select_config(
         rows, cols, depth, tuple(block), a.device)
+    if a_scale is not None and cfg.w8a16:
+        if config is not None:
+            raise ValueError(f"config.w8a16=True ({cfg.name()}) reads the activations "
+                             "unquantized: block_fp8_matmul takes quantized a and a_scale "
+                             "(run a w8a16 config through fp8_linear)")
+        cfg = cfg._replace(w8a16=False)
     if block[1] % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide block_k={block[1]}")
     if cfg.lag and block[0] % cfg.block_n:
         raise ValueError(f"config.lag needs config.block_n={cfg.block_n} to divide "
                          f"block_n={block[0]}")
+    split = min(cfg.split_k, triton.cdiv(depth, cfg.block_k))
+    part = (torch.empty((split, rows, cols), dtype=torch.float32, device=a.device)
+            if split > 1 else out)
+    bias_arg = bias if bias is not None else w_scale
+    if cfg.w8a16:
+        tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(cols, cfg.block_n) * split
+        with on_device(a.device):
+            _w8a16_kernel[(tiles,)](
+                a, w, w_scale, bias_arg, out, part, rows, cols, depth, a.stride(0), w.stride(0),
+                w_scale.stride(0), out.stride(0),
+                GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                GROUP_M=cfg.group_m, SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0,
+                DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            _reduce_splits(part, bias, bias_arg, out, split)
+        return out
     quant_a = a_scale is None
     if quant_a and cfg.block_k != block[1]:
         raise ValueError(f"quantizing in the GEMM needs config.block_k={cfg.block_k} to equal "
                          f"block_k={block[1]}")
-    split = min(cfg.split_k, triton.cdiv(depth, cfg.block_k))
     tiles = triton.cdiv(rows, cfg.block_m) * triton.cdiv(cols, cfg.block_n) * split
     # (a padded dot tile reads zeros past the step: pointer loads with a mask)
     use_tma = cfg.tma and cfg.dot_k == cfg.block_k and _tma_ok(w) and (quant_a or _tma_ok(a))
@@ -320,9 +351,6 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         sms = (torch.cuda.get_device_properties(a.device).multi_processor_count
                if a.is_cuda else 4)
         programs = min(tiles, sms)
-    part = (torch.empty((split, rows, cols), dtype=torch.float32, device=a.device)
-            if split > 1 else out)
-    bias_arg = bias if bias is not None else w_scale
     with on_device(a.device):
         _block_fp8_matmul_kernel[(programs,)](
             a_arg, w_scale if quant_a else a_scale, w_arg, w_scale, bias_arg, out, part, rows,
@@ -334,13 +362,19 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             LAG=cfg.lag, PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0, HW_CAST=hw_cast(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
-        if split > 1:
-            numel = rows * cols
-            reduce_block = 1024
-            _split_k_reduce_kernel[(triton.cdiv(numel, reduce_block),)](
-                part, bias_arg, out, numel, cols, SPLIT_K=split, HAS_BIAS=bias is not None,
-                BLOCK=reduce_block, num_warps=4)
+        _reduce_splits(part, bias, bias_arg, out, split)
     return out
+
+
+def _reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, bias_arg: torch.Tensor,
+                   out: torch.Tensor, split: int) -> None:
+    """Split-K: ``out = sum(part) + bias`` (nothing to do for one split)."""
+    if split > 1:
+        numel = out.numel()
+        reduce_block = 1024
+        _split_k_reduce_kernel[(triton.cdiv(numel, reduce_block),)](
+            part, bias_arg, out, numel, out.shape[1], SPLIT_K=split, HAS_BIAS=bias is not None,
+            BLOCK=reduce_block, num_warps=4)
 
 
 def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,
@@ -393,7 +427,8 @@ FUSED_QUANT_MAX_BLOCK_M = 16
 
 class LinearPlan(NamedTuple):
     """How ``fp8_linear`` runs a shape: the GEMM's config, and whether the GEMM
-    quantizes the activations itself (else ``per_token_group_quant_fp8`` runs first)."""
+    quantizes the activations itself (else ``per_token_group_quant_fp8`` runs first;
+    neither for a w8a16 config, which reads them unquantized: ``fuse_quant`` False)."""
     config: GemmConfig
     fuse_quant: bool
 
@@ -403,8 +438,18 @@ def linear_plan(rows: int, n: int, k: int, block: tuple[int, int], device: torch
     """For ``rows`` of a ``[n, k]`` weight: the config (``config``, else the table's
     or the heuristic's) and the fusion (``fuse_quant``, else: at most
     ``FUSED_QUANT_MAX_ROWS`` rows, row tiles of at most ``FUSED_QUANT_MAX_BLOCK_M``,
-    the k step one scale group)."""
+    the k step one scale group). A w8a16 config quantizes nothing: ``fuse_quant`` is
+    False. An explicit ``fuse_quant`` asks for quantized activations: a table's or the
+    heuristic's w8a16 pick then runs as its w8a8 twin; with a w8a16 ``config`` it is
+    refused."""
     cfg = config if config is not None else select_config(rows, n, k, tuple(block), device)
+    if cfg.w8a16 and fuse_quant is not None:
+        if config is not None:
+            raise ValueError(f"fuse_quant={fuse_quant} asks for quantized activations but "
+                             f"config {cfg.name()} has w8a16=True (leave fuse_quant None)")
+        cfg = cfg._replace(w8a16=False)
+    if cfg.w8a16:
+        return LinearPlan(cfg, False)
     if fuse_quant is None:
         fuse_quant = (rows <= FUSED_QUANT_MAX_ROWS and cfg.block_m <= FUSED_QUANT_MAX_BLOCK_M
                       and cfg.block_k == block[1])
@@ -418,7 +463,9 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
     """``x [..., K]``: per-token-group quantization then the w8a8 GEMM. With
     ``fuse_quant`` (default: ``linear_plan``'s rule) the GEMM reads ``x`` itself and
     quantizes each tile's groups with the quantization kernel's own code, so the
-    result is the same as quantizing first, one launch fewer."""
+    result is the same as quantizing first, one launch fewer. A w8a16 config (the
+    default at <= 16 rows on CUDA) runs ``x`` unquantized against the dequantized
+    weight tiles: ``fp8_linear_ref``'s operation."""
     _check_linear(x, weight, weight_scale_inv, block)
     flat = x.reshape(-1, x.shape[-1])
     if flat.shape[1] > 1 and flat.stride(1) != 1:
@@ -426,7 +473,7 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
     cfg, fuse_quant = linear_plan(flat.shape[0], weight.shape[0], weight.shape[1], block,
                                   x.device, fuse_quant=fuse_quant, config=config)
     check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
-    if fuse_quant:
+    if fuse_quant or cfg.w8a16:
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
             raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
         out = _launch(flat, None, weight, weight_scale_inv, tuple(block), x.dtype, bias, cfg,

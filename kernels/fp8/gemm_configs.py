@@ -5,7 +5,7 @@ A ``GemmConfig`` names a tile (``block_m x block_n``, k step ``block_k``), the
 order tiles are handed out in (``group_m`` row tiles share each column sweep, so
 a wave of programs reuses the same weight columns from L2), how many programs
 split the k range (``split_k``: partial sums in float32, then one reduction),
-the warps and pipeline stages, and three switches:
+the warps and pipeline stages, and four switches:
 
 - ``tma``: the fp8 tiles of ``a`` and ``w`` come through TMA tensor descriptors
   (Hopper's bulk copies; no masks, out-of-range rows read as zero) instead of
@@ -19,7 +19,15 @@ the warps and pipeline stages, and three switches:
   while the CUDA cores scale (it needs the whole tile inside one weight scale
   block: ``block_n`` of the scales divisible by ``block_n`` of the tile; Triton
   3.9, compiling offline for sm_90, still places the wait right after the dot,
-  so the sweep is what shows whether it gains anything).
+  so the sweep is what shows whether it gains anything);
+- ``w8a16``: weight-only dequantization (``gemm_w8a16.py``): the kernel reads the
+  activations unquantized in their own dtype and converts each e4m3 weight tile to
+  it for a 16-bit tensor-core dot (swap AB, the weight the register operand), the
+  weight scale applied to each step's product; no ``a_scale``, no quantization
+  anywhere. Only ``fp8_linear`` runs it (``block_fp8_matmul`` takes pre-quantized
+  activations); it takes pointer loads (``tma``, ``persistent`` and ``lag`` are
+  w8a8 switches and refused with it); its dot needs no fp8 padding (``dot_k`` is
+  ``block_k``).
 
 Every family's dot starts each k step from zero and its product is added to the
 float32 sum: Hopper's fp8 tensor cores add at reduced precision, so at most one
@@ -37,20 +45,26 @@ The dot tile is at least ``MIN_DOT`` (16 x 16 x 32, Triton's fp8 dot on sm_90
 needs K >= 32): a scale group narrower than 32 (tiny test checkpoints) keeps its
 k step, and ``dot_k`` pads the step's dot with zero columns (masked loads, no TMA).
 
+At <= 16 rows (decode) the default is w8a16 (16-row tile, 64 columns, k step one
+scale group, split-K to about fill the SMs): the activations stay unquantized, which
+is the reference's own operation, and the k loop has no per-step quantization of
+the activation tile, which sits on the critical path of the fused w8a8 decode GEMM
+(issue 33, BENCHMARKS.md). A tuned table entry still wins.
+
 At >= 256 rows (prefill) the default is the standard Hopper block-FP8 tile,
 64x128x128 on 4 warps with 3 stages and pointer loads (two programs per SM: one
 scales its k step's product while the other's dot runs), and the sweep tries
 six configs (``prefill_candidates``), that one first.
 
 The family of a config (``config_family``) is what the tests run each of under
-the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``.
+the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``w8a16``.
 
 Tuned tables come from ``bench/fp8.py --sweep``: a JSON file of entries
 ``{"rows", "n", "k", "block", "config"}``. ``select_config`` looks one up for a
 ``(rows, N, K, block)``: the file named by ``LANEKV_FP8_GEMM_CONFIGS`` if set,
 else ``gemm_tables/<device name>.json`` beside this module if present; among the
 entries of that ``(N, K, block)`` the one whose row count is nearest in log
-scale wins. Shapes no table covers take ``default_config``.
+scale wins; entries without ``w8a16`` load as w8a8. Shapes no table covers take ``default_config``.
 """
 
 from __future__ import annotations
@@ -69,7 +83,7 @@ TABLE_ENV = "LANEKV_FP8_GEMM_CONFIGS"
 TABLE_DIR = Path(__file__).resolve().parent / "gemm_tables"
 # A tuned entry serves row counts within this many octaves (factors of 2) of its own.
 MAX_ROW_OCTAVES = 2
-FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag")
+FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "w8a16")
 # The smallest fp8 dot tile (M, N, K): Triton on sm_90 refuses K < 32 ("Input shapes
 # should have ... K >= 32"); rows and columns below 16 are not tiles this module makes.
 MIN_DOT = (16, 16, 32)
@@ -86,16 +100,17 @@ class GemmConfig(NamedTuple):
     tma: bool = False
     persistent: bool = False
     lag: bool = False
+    w8a16: bool = False
 
     @property
     def dot_k(self) -> int:
         """Depth of each step's ``tl.dot``: ``block_k``, padded with zero columns to
-        the fp8 dot's minimum."""
-        return max(self.block_k, MIN_DOT[2])
+        the fp8 dot's minimum (w8a16's 16-bit dot takes any ``block_k`` >= 16)."""
+        return self.block_k if self.w8a16 else max(self.block_k, MIN_DOT[2])
 
     def name(self) -> str:
-        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag))
-                        if on)
+        flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag),
+                                        ("W", self.w8a16)) if on)
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
 
@@ -132,14 +147,21 @@ def check_config(cfg: GemmConfig) -> GemmConfig:
         value = getattr(cfg, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
             raise ValueError(f"{field} must be an int in [1, 64], got {value!r}")
-    for field in ("tma", "persistent", "lag"):
+    for field in ("tma", "persistent", "lag", "w8a16"):
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{field} must be a bool, got {getattr(cfg, field)!r}")
+    if cfg.w8a16:
+        for field in ("tma", "persistent", "lag"):
+            if getattr(cfg, field):
+                raise ValueError(f"{field}=True is a w8a8 switch; a w8a16 config takes "
+                                 f"pointer loads, one program per tile (got {cfg.name()})")
     return cfg
 
 
 def config_family(cfg: GemmConfig) -> str:
     """The one feature a config exercises beyond plain tiles (tests cover each)."""
+    if cfg.w8a16:
+        return "w8a16"
     if cfg.lag:
         return "lag"
     if cfg.split_k > 1:
@@ -159,14 +181,17 @@ def _split_for(tiles: int, k_steps: int, sms: int) -> int:
 
 def default_config(rows: int, n: int, k: int, block: tuple[int, int], sms: int = 132,
                    ) -> GemmConfig:
-    """The heuristic for shapes no tuned table covers (Hopper-sized defaults)."""
+    """The heuristic for shapes no tuned table covers (Hopper-sized defaults); at
+    <= 16 rows the w8a16 family (module docstring: unquantized activations, the
+    reference's op, and no per-step quantization in the k loop)."""
     block_k = min(block[1], 128)
     k_steps = -(-k // block_k)
     if rows <= 64:  # decode: stream the weight through thin row tiles
         block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
         block_n = 64
         tiles = -(-n // block_n) * -(-rows // block_m)
-        return GemmConfig(block_m, block_n, block_k, 8, _split_for(tiles, k_steps, sms), 4, 4)
+        return GemmConfig(block_m, block_n, block_k, 8, _split_for(tiles, k_steps, sms), 4, 4,
+                          w8a16=rows <= 16)
     if rows < 256:
         return GemmConfig(64, 128, block_k, 8, 1, 4, 4)
     # prefill: the standard Hopper block-FP8 tile (the first of ``prefill_candidates``):
@@ -192,6 +217,12 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
                 out.append(GemmConfig(16, bn, bk, 8, split, 4, 4, tma=True))
         out += [GemmConfig(16, 64, bk, 8, 1, 4, 4, lag=True),
                 GemmConfig(16, 128, bk, 8, 1, 4, 4, lag=True)]
+        # w8a16 (timed as the linear, beside the w8a8 configs quantizing x themselves):
+        # k step one scale group; 32 columns take mma.sync, 64 and 128 wgmma
+        for bn in (32, 64, 128):
+            for split in (1, 2, 4, 8):
+                for stages in (3, 4, 5):
+                    out.append(GemmConfig(16, bn, bk, 8, split, 4, stages, w8a16=True))
     elif rows < 256:
         bms = (32, 64) if rows <= 64 else (64, 128)
         for bm in bms:

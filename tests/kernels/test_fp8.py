@@ -167,7 +167,10 @@ def test_chosen_configs_keep_the_fp8_dot_at_its_minimum_tile(block, monkeypatch)
                             default_config(rows, cols, depth, block),
                             select_config(rows, cols, depth, block, torch.device("cpu")), *cands):
                     dot = (cfg.block_m, cfg.block_n, cfg.dot_k)
-                    assert all(d >= low for d, low in zip(dot, MIN_DOT)), (cfg.name(), dot)
+                    # a w8a16 dot is 16-bit: 16 deep suffices, no padding
+                    low_k = 16 if cfg.w8a16 else MIN_DOT[2]
+                    assert all(d >= low for d, low in zip(dot, (*MIN_DOT[:2], low_k))), (
+                        cfg.name(), dot)
                     assert block[1] % cfg.block_k == 0 and cfg.dot_k in (cfg.block_k, 32), cfg
     assert GemmConfig(16, 64, 16).dot_k == 32 and GemmConfig(16, 64, 64).dot_k == 64
 
@@ -180,8 +183,15 @@ def test_16_wide_scale_groups_pad_the_dot_and_equal_the_reference(rows):
     block = (16, 16)
     for cols, depth in [*TP_SHARD_LINEARS, (40, 40)]:
         cfg = config_for_device(rows, cols, depth, block, "NVIDIA H200", 132)
-        assert cfg.block_k == 16 and cfg.dot_k == 32, cfg
         x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, block, seed=rows + depth)
+        assert cfg.w8a16 is (rows <= 16), cfg  # decode's few rows: the heuristic's w8a16
+        if cfg.w8a16:  # a 16-deep 16-bit dot; then its w8a8 twin (a table could name it)
+            assert cfg.dot_k == 16, cfg
+            torch.testing.assert_close(fp8_linear_triton(x, w, w_scale, block, bias, config=cfg),
+                                       fp8_linear_ref(x, w, w_scale, block, bias),
+                                       rtol=1e-5, atol=1e-5)
+            cfg = cfg._replace(w8a16=False)
+        assert cfg.block_k == 16 and cfg.dot_k == 32, cfg
         a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
         out = block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias,
                                       config=cfg)
@@ -191,14 +201,17 @@ def test_16_wide_scale_groups_pad_the_dot_and_equal_the_reference(rows):
         assert torch.equal(fused, out)
 
 
-# one small config of each family (tiles, TMA, persistent, split-K, lagged scaling)
+# one small config of each family (tiles, TMA, persistent, split-K, lagged scaling, w8a16)
 FAMILY_CONFIGS = {
     "tiles": GemmConfig(16, 64, 128, 2, 1, 4, 1),
     "tma": GemmConfig(16, 256, 128, 2, 1, 4, 1, tma=True),  # two weight scale blocks
     "persistent": GemmConfig(16, 32, 128, 2, 1, 4, 1, tma=True, persistent=True),
     "splitk": GemmConfig(16, 64, 128, 2, 3, 4, 1),
     "lag": GemmConfig(16, 64, 128, 2, 1, 4, 1, lag=True),
+    "w8a16": GemmConfig(16, 64, 128, 2, 1, 4, 1, w8a16=True),
 }
+# every family but w8a16, which quantizes nothing (tests/kernels/test_fp8_w8a16.py)
+W8A8_FAMILIES = [f for f in FAMILIES if f != "w8a16"]
 ODD_SHAPES = [(1, 128, 256), (5, 384, 384), (33, 128, 384), (33, 384, 256)]
 
 
@@ -212,12 +225,21 @@ def test_every_family_has_a_test_config():
 def test_each_config_family_equals_reference_on_odd_sizes(family, rows, cols, depth):
     """Float32 inputs quantized (activations per token group, weights per 128x128 block)."""
     x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, (128, 128), seed=rows * cols + depth)
-    a, a_scale = per_token_group_quant_fp8_ref(x, 128)
-    bias = bias if rows % 2 else None
-    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32, bias,
-                                  config=FAMILY_CONFIGS[family])
-    ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32, bias)
+    out, ref = _family_and_reference(FAMILY_CONFIGS[family], x, w, w_scale, (128, 128),
+                                     bias if rows % 2 else None)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def _family_and_reference(cfg, x, w, w_scale, block, bias=None):
+    """A w8a8 config: the GEMM of the quantized activations and its reference; a w8a16
+    config: the linear of the unquantized ones and ``fp8_linear_ref`` (float32)."""
+    if cfg.w8a16:
+        return (fp8_linear_triton(x, w, w_scale, block, bias, config=cfg),
+                fp8_linear_ref(x, w, w_scale, block, bias))
+    a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
+    return (block_fp8_matmul_triton(a, a_scale, w, w_scale, block, torch.float32, bias,
+                                    config=cfg),
+            block_fp8_matmul_ref(a, a_scale, w, w_scale, block, torch.float32, bias))
 
 
 def test_split_k_over_more_splits_than_k_steps_and_a_ragged_k():
@@ -237,6 +259,7 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
     families = {config_family(c) for c in cands}
     assert {"tiles", "tma", "lag"} <= families
     assert ("splitk" if rows <= 64 else "persistent") in families
+    assert ("w8a16" in families) is (rows <= 16)
     for cfg in cands:
         assert GemmConfig.from_dict(cfg.to_dict()) == cfg
         smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k
@@ -246,13 +269,11 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_sweep_candidate_of_each_family_runs_interpreted(family):
     """The first candidate of the family, at the row count it is tuned for, on a tiny shape."""
-    rows = {"splitk": 1, "persistent": 2048}.get(family, 64)
+    rows = {"splitk": 1, "w8a16": 1, "persistent": 2048}.get(family, 64)
     cfg = next(c for c in candidate_configs(rows, (128, 128)) if config_family(c) == family)
     x, w, w_scale, _ = _gemm_inputs(5, 384, 384, (128, 128), seed=5)
-    a, a_scale = per_token_group_quant_fp8_ref(x, 128)
-    out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32, config=cfg)
-    torch.testing.assert_close(out, block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128),
-                                                         torch.float32), rtol=1e-5, atol=1e-5)
+    out, ref = _family_and_reference(cfg, x, w, w_scale, (128, 128))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_default_config_splits_k_only_for_few_row_tiles():
@@ -310,9 +331,19 @@ def test_config_switches_a_shape_cannot_take_are_refused():
     with pytest.raises(ValueError, match="config.block_k=64 must divide block_k=32"):
         block_fp8_matmul_triton(a, a_scale, w, w_scale, (32, 32), torch.float32,
                                 config=GemmConfig(16, 32, 64))
+    w8a16 = GemmConfig(16, 32, 32, w8a16=True)
+    with pytest.raises(ValueError, match=r"config.w8a16=True \(m16n32k32g8s1w4st3W\) reads"):
+        block_fp8_matmul_triton(a, a_scale, w, w_scale, (32, 32), torch.float32, config=w8a16)
+    with pytest.raises(ValueError, match="fuse_quant=True asks for quantized activations"):
+        fp8_linear_triton(x, w, w_scale, (32, 32), fuse_quant=True, config=w8a16)
+    with pytest.raises(ValueError, match="config.block_k=64 must divide block_k=32"):
+        fp8_linear_triton(x, w, w_scale, (32, 32), config=w8a16._replace(block_k=64))
+    for switch in ("tma", "persistent", "lag"):
+        with pytest.raises(ValueError, match=f"{switch}=True is a w8a8 switch"):
+            GemmConfig.from_dict(dict(w8a16.to_dict(), **{switch: True}))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", W8A8_FAMILIES)
 @pytest.mark.parametrize("rows,cols,depth,block,ue8m0", [
     (1, 128, 256, (128, 128), False), (5, 384, 384, (128, 128), True),
     (33, 96, 200, (32, 32), False), (3, 70, 100, (32, 32), True)])
@@ -373,6 +404,8 @@ def test_linear_plan_rule_and_explicit_choice():
     assert linear_plan(16, 256, 256, block, cpu, config=tile32, fuse_quant=True).fuse_quant
     assert not linear_plan(16, 256, 256, block, cpu, config=tile16, fuse_quant=False).fuse_quant
     assert linear_plan(3, 256, 256, block, cpu).config == interpreter_config(block)  # CPU
+    w8a16 = GemmConfig(16, 64, w8a16=True)  # quantizes nothing: no fusion to plan
+    assert linear_plan(16, 256, 256, block, cpu, config=w8a16) == (w8a16, False)
 
 
 @pytest.mark.parametrize("block_m,quantizer_runs", [(16, 0), (32, 1)])
@@ -444,7 +477,11 @@ for rows in (2, 19):
     for n, k in {linears!r}:
         cfg = config_for_device(rows, n, k, block, "NVIDIA H200", 132)
         fused = linear_plan(rows, n, k, block, torch.device("cpu"), config=cfg).fuse_quant
-        for quant_a in (fused, not fused):  # as it runs, and the other variant
+        # as it runs, and the other variant; a w8a16 pick, then its w8a8 twin both ways
+        twin = cfg._replace(w8a16=False)
+        runs = ([(cfg, False), (twin, True), (twin, False)] if cfg.w8a16 else
+                [(cfg, fused), (cfg, not fused)])
+        for cfg, quant_a in runs:
             ints = dict(rows=rows, cols=n, depth=k, stride_a=k, stride_w=k, stride_out=n,
                         stride_as=0 if quant_a else k // 16, stride_ws=k // 16)
             key = (cfg, quant_a, tuple(v % 16 == 0 for v in ints.values()))
@@ -452,7 +489,7 @@ for rows in (2, 19):
                 seen.add(key)
                 rec = compile_config(cfg, quant_a=quant_a, block=block, ints=ints)
                 out.append(dict(rec, rows=rows, n=n, k=k, quant_a=quant_a, dot_k=cfg.dot_k,
-                                block_k=cfg.block_k))
+                                block_k=cfg.block_k, w8a16=cfg.w8a16))
 print(json.dumps(out))
 """
 
@@ -460,8 +497,9 @@ print(json.dumps(out))
 @pytest.mark.timeout(300)
 def test_the_16_wide_scale_group_tp_shards_compile_for_sm_90():
     """Compiled for sm_90 offline, the GEMMs the 16x16-block test checkpoint's TP-2
-    ranks run on an H200 (Triton refused their 16-deep fp8 dots): each config's dot is
-    padded to 32, fused and pre-quantized variants compile, none spills."""
+    ranks run on an H200 (Triton refused their 16-deep fp8 dots): each w8a8 config's dot
+    is padded to 32, fused and pre-quantized variants compile, the w8a16 picks at 2 rows
+    compile their 16-deep 16-bit dot, none spills."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", TABLE_ENV)}
     script = _COMPILE_TP_SHARDS.format(root=str(ROOT), linears=TP_SHARD_LINEARS)
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
@@ -469,8 +507,9 @@ def test_the_16_wide_scale_group_tp_shards_compile_for_sm_90():
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {r["quant_a"] for r in recs} == {True, False} and {r["rows"] for r in recs} == {2, 19}
+    assert {r["rows"] for r in recs if r["w8a16"]} == {2}
     for rec in recs:
-        assert rec["block_k"] == 16 and rec["dot_k"] == 32, rec
+        assert rec["block_k"] == 16 and rec["dot_k"] == (16 if rec["w8a16"] else 32), rec
         assert rec["local_bytes"] == 0 and rec["k_loop"] > 0, rec
 
 
@@ -581,6 +620,13 @@ def test_gpu_each_config_family_equals_reference(family):
             if not cands:
                 continue
             x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, (128, 128), device="cuda")
+            if cands[0].w8a16:  # the linear on bf16 activations, bf16 out
+                x, bias = x.bfloat16(), bias.bfloat16()
+                out = fp8_linear_triton(x, w, w_scale, (128, 128), bias, config=cands[0])
+                ref = fp8_linear_ref(x.float(), w, w_scale, (128, 128), bias.float())
+                torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+                ran += 1
+                continue
             a, a_scale = per_token_group_quant_fp8_ref(x.bfloat16(), 128)
             ref = block_fp8_matmul_ref(a, a_scale, w, w_scale, (128, 128), torch.float32, bias)
             out = block_fp8_matmul_triton(a, a_scale, w, w_scale, (128, 128), torch.float32,
