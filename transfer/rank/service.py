@@ -232,7 +232,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             self._source.read_into([owned[page] for page in pages], request.layer_start, request.layer_end,
                                    after, out)
             self._owned(rid)  # held throughout the read: the pages were not recycled under it
-            self._relay_staging.staged(slot, nbytes)
+            self._relay_staging.staged(slot, nbytes, rid)
         return lanekv_pb2.StageReply(nbytes=nbytes)
 
     def _staging(self, context: grpc.ServicerContext, span: _Span, agreement: Agreement,

@@ -43,8 +43,8 @@ STAGED_ENV = "LANEKV_RELAY_STAGED"
 # A staged relay's FetchKV (descriptors=true) carries its secret here instead of an AttachPool
 # first: it maps no pool, and the rank knows it as its own relay.
 RELAY_METADATA_KEY = "lanekv-relay"
-# Test hook: the rank flips one bit of every slot it stages, after the read (the relay's
-# digest must catch it before any byte of the range leaves).
+# Test hook: the rank flips one bit of every slot it stages for the request this names,
+# after the read (the relay's digest must catch it before any byte of the range leaves).
 DAMAGE_ENV = "LANEKV_TEST_DAMAGE_STAGING"
 # Slots per relay: a relay's FetchKV call takes two (the rank fills one while the relay
 # sends the other), so two calls of one relay stage at once; a third waits.
@@ -90,7 +90,7 @@ class RankStaging:
         self.areas: list[StagingArea] = []
         self._buffers: dict[str, tuple[StagingArea, torch.Tensor]] = {}  # secret -> its file's bytes, mapped here
         self._pinned: list[int] = []  # data_ptrs registered with CUDA
-        self._damage = os.environ.get(DAMAGE_ENV) == "1"
+        self._damage = os.environ.get(DAMAGE_ENV) or None  # a request id (test hook)
         try:
             for i in range(count):
                 path = directory / pool_file_name(epoch, rank, f"stage{i}_{secrets.token_hex(4)}")
@@ -126,9 +126,9 @@ class RankStaging:
             raise Refusal(Code.INVALID_ARGUMENT, f"slot {slot} is not within [0, {area.slots})")
         return buffer[slot * area.slot_bytes:(slot + 1) * area.slot_bytes]
 
-    def staged(self, slot: torch.Tensor, nbytes: int) -> None:
-        """Called once ``nbytes`` are in ``slot`` (``DAMAGE_ENV``: flip a bit of the last one)."""
-        if self._damage and nbytes:
+    def staged(self, slot: torch.Tensor, nbytes: int, request_id: str) -> None:
+        """Called once ``nbytes`` of ``request_id`` are in ``slot`` (``DAMAGE_ENV``: flip a bit)."""
+        if request_id == self._damage and nbytes:
             slot[nbytes - 1] ^= 0x40
 
     def close(self) -> None:

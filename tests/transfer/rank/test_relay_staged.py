@@ -123,7 +123,7 @@ def test_staged_relays_carry_every_byte_and_the_rank_frames_none(monkeypatch):
 
 
 def test_a_damaged_slot_is_caught_before_a_byte_leaves_and_the_rank_sends_instead(monkeypatch):
-    monkeypatch.setenv(DAMAGE_ENV, "1")  # the rank flips a bit of each slot after its read
+    monkeypatch.setenv(DAMAGE_ENV, "r1")  # the rank flips a bit of each slot of r1 after its read
     with _staged_rank(1) as (source, pool, endpoint, agreement, kv, staging):
         source.add("r1", PAGES)
         with _relays(endpoint, agreement, staging) as served:
@@ -164,12 +164,12 @@ def test_stage_kv_serves_only_its_relays_and_the_pages_they_hold():
 
 @pytest.mark.timeout(90)
 def test_a_staged_relay_killed_mid_stream_falls_back_and_its_files_go():
-    with _staged_rank(2) as (source, pool, endpoint, agreement, kv, staging):
+    with _staged_rank(1) as (source, pool, endpoint, agreement, kv, staging):
         progress = LayerProgress(LAYERS)  # a prefill still running: layer 0 written only
         progress.layer_written(0)
         source.add("r1", PAGES, progress=progress)
         spec = RelaySpec(0, endpoint, agreement.encode(), kv.security, "127.0.0.1", "127.0.0.1", "cpu")
-        relays = RelayProcesses(spec, 2, staging)
+        relays = RelayProcesses(spec, 1, staging)  # both streams go to it
         try:
             dest = torch.zeros(LAYERS, 2, len(PAGES) * PAGE, 2, 8, dtype=pool.dtype)
             box = {}
