@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import os
 import signal
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 import pytest
 import torch
 from lanekv.kernels.page_digest import kv_digest
 from lanekv.proto import lanekv_pb2
+from lanekv.runtime.shmfiles import owner_of
 from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.rank.progress import LayerProgress
@@ -190,6 +193,8 @@ def test_a_staged_relay_killed_mid_stream_falls_back_and_its_files_go():
         finally:
             relays.close()
         assert all(p.poll() is not None for p in relays.processes)
+    # Named as the rank's own (its pid): a SIGKILLed rank's are reclaimed (runtime.shmfiles).
+    assert all(owner_of(Path(area.path).name) == os.getpid() for area in staging.areas)
     assert not any(glob.glob(area.path) for area in staging.areas)  # unlinked by close
 
 
