@@ -95,6 +95,8 @@ def staged_range(slots: StagingSlots, pair: tuple[int, int], descriptor: Descrip
     """The framed chunks ``plans`` of the sealed ``descriptor``, numbered from ``seq``, staged by
     the rank through the slots ``pair``; RangeMismatch when their bytes, as framed, do not sum to
     the seal (nothing of the range may leave then)."""
+    if not plans:
+        return []
     a = agreement
     dtype, rows = kv_dtype(a.kv_dtype), a.page_size * len(descriptor.pages)
     row_bytes = a.num_kv_heads * a.head_dim * dtype.itemsize

@@ -308,6 +308,9 @@ class TensorPageSource:
 
     def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
                   out: torch.Tensor) -> None:
+        if self._pool.is_cuda:  # a subclass reads on streams of its own (RankPageSource)
+            out.copy_(self.read(physical_pages, layer_start, layer_end, after))
+            return
         layers = self._pool[layer_start:layer_end]
         blocks = layers.reshape(layers.shape[0], layers.shape[1], self._num_pages, -1)  # as in read
         index = torch.as_tensor(list(physical_pages), dtype=torch.long)
