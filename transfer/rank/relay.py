@@ -296,7 +296,7 @@ class RelayService:
                     continue
             return False
 
-        seq = 0
+        seq, deadline = 0, None if left_s is None else time.monotonic() + left_s
         try:
             for message in call:
                 header, _ = split_chunk(message)
@@ -310,7 +310,8 @@ class RelayService:
                                     chunk_bytes, layer_start=descriptor.layer_start)
                 try:
                     if pair is not None:
-                        for framed in staged_range(self.staging, pair, descriptor, plans, seq, self.agreement, left_s):
+                        for framed in staged_range(self.staging, pair, descriptor, plans, seq, self.agreement,
+                                                   deadline, stop):
                             if not put(framed):
                                 return
                             seq += 1

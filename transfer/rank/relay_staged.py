@@ -17,6 +17,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from concurrent import futures
 from typing import NamedTuple
 
@@ -91,23 +92,32 @@ class StagingSlots:
 
 
 def staged_range(slots: StagingSlots, pair: tuple[int, int], descriptor: Descriptor, plans: list[ChunkPlan],
-                 seq: int, agreement: Agreement, timeout_s: float | None) -> list[Framed]:
+                 seq: int, agreement: Agreement, deadline: float | None,
+                 stop: threading.Event | None = None) -> list[Framed]:
     """The framed chunks ``plans`` of the sealed ``descriptor``, numbered from ``seq``, staged by
-    the rank through the slots ``pair``; RangeMismatch when their bytes, as framed, do not sum to
-    the seal (nothing of the range may leave then)."""
+    the rank through the slots ``pair`` (each StageKV by ``deadline``, ``time.monotonic()``);
+    RangeMismatch when their bytes, as framed, do not sum to the seal (nothing of the range may
+    leave then). Nothing when ``stop`` is set meanwhile (the caller went away)."""
     if not plans:
         return []
+
+    def stage(slot: int, plan: ChunkPlan) -> torch.Tensor:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return slots.stage(slot, descriptor.request_id, plan, left)
+
     a = agreement
     dtype, rows = kv_dtype(a.kv_dtype), a.page_size * len(descriptor.pages)
     row_bytes = a.num_kv_heads * a.head_dim * dtype.itemsize
     where = {page: i for i, page in enumerate(descriptor.pages)}
     total, out = 0, []
     with futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="relay-stage") as ahead:
-        pending = ahead.submit(slots.stage, pair[0], descriptor.request_id, plans[0], timeout_s)
+        pending = ahead.submit(stage, pair[0], plans[0])
         for i, plan in enumerate(plans):
             staged = pending.result()
+            if stop is not None and stop.is_set():
+                return []
             if i + 1 < len(plans):  # the rank fills the other slot while this one is framed
-                pending = ahead.submit(slots.stage, pair[(i + 1) % 2], descriptor.request_id, plans[i + 1], timeout_s)
+                pending = ahead.submit(stage, pair[(i + 1) % 2], plans[i + 1])
             layers, count = plan.layer_end - plan.layer_start, len(plan.pages)
             part = staged.view(dtype).view(layers, a.kv_planes, count * a.page_size, a.num_kv_heads, a.head_dim)
             chunk, data = encode_chunk(descriptor.request_id, descriptor.rank, seq + i, plan.layer_start,
