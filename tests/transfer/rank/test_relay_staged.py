@@ -23,7 +23,7 @@ from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.relay import RelayProcesses, RelayService, RelaySpec, serve_relay
-from lanekv.transfer.rank.relay_staged import STAGE_METHOD
+from lanekv.transfer.rank.relay_staged import STAGE_METHOD, StagingSlots
 from lanekv.transfer.rank.service import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 from lanekv.transfer.rank.staging import DAMAGE_ENV, STAGED_ENV, RankStaging, staged_mode
@@ -108,6 +108,16 @@ def test_a_cpu_digest_of_runs_sums_to_the_ranks_digest_of_the_range():
                                 (((1 + layer) * 2 + plane) * rows + 3 * PAGE) * words)
                     for layer in range(2) for plane in range(2))
         assert total & ((1 << 64) - 1) == sealed
+
+
+def test_the_relays_two_pass_digest_equals_kv_digest():
+    with _staged_rank(1, slot_bytes=1 << 14) as (_, _, endpoint, _, _, staging):
+        with grpc.insecure_channel(endpoint) as channel:
+            slots = StagingSlots(staging.areas[0], channel)
+            g = torch.Generator().manual_seed(3)
+            for words, position in ((1, 0), (7, 1), (1000, 12345), (4096, (1 << 40) + 3)):
+                run = torch.randint(-2**31, 2**31, (words,), dtype=torch.int64, generator=g).to(torch.int32)
+                assert slots.digest(run.view(torch.uint8), position) == kv_digest(run, position), (words, position)
 
 
 def test_staged_relays_carry_every_byte_and_the_rank_frames_none(monkeypatch):
