@@ -223,6 +223,28 @@ class ReleaseReply(_message.Message):
     pages_freed: int
     def __init__(self, pages_freed: _Optional[int] = ...) -> None: ...
 
+class StageRequest(_message.Message):
+    __slots__ = ("secret", "request_id", "layer_start", "layer_end", "pages", "slot")
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SLOT_FIELD_NUMBER: _ClassVar[int]
+    secret: str
+    request_id: str
+    layer_start: int
+    layer_end: int
+    pages: _containers.RepeatedScalarFieldContainer[int]
+    slot: int
+    def __init__(self, secret: _Optional[str] = ..., request_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ...) -> None: ...
+
+class StageReply(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
 class NixlAttachRequest(_message.Message):
     __slots__ = ("fingerprint",)
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]

@@ -149,6 +149,10 @@ class KVTransferStub:
                 '/lanekv.v1.KVTransfer/NixlAttach',
                 request_serializer=proto_dot_lanekv__pb2.NixlAttachRequest.SerializeToString,
                 response_deserializer=proto_dot_lanekv__pb2.NixlAttachReply.FromString)
+        self.StageKV = channel.unary_unary(
+                '/lanekv.v1.KVTransfer/StageKV',
+                request_serializer=proto_dot_lanekv__pb2.StageRequest.SerializeToString,
+                response_deserializer=proto_dot_lanekv__pb2.StageReply.FromString)
 
 
 class KVTransferServicer:
@@ -188,6 +192,14 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StageKV(self, request, context):
+        """Staged sender relays (transfer/rank/staging.py): one of this rank's own relays asks it
+        to read pages of a request it holds into a slot of that relay's staging file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -215,6 +227,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.NixlAttach,
                     request_deserializer=proto_dot_lanekv__pb2.NixlAttachRequest.FromString,
                     response_serializer=proto_dot_lanekv__pb2.NixlAttachReply.SerializeToString,
+            ),
+            'StageKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.StageKV,
+                    request_deserializer=proto_dot_lanekv__pb2.StageRequest.FromString,
+                    response_serializer=proto_dot_lanekv__pb2.StageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,32 @@ class KVTransfer:
             '/lanekv.v1.KVTransfer/NixlAttach',
             proto_dot_lanekv__pb2.NixlAttachRequest.SerializeToString,
             proto_dot_lanekv__pb2.NixlAttachReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata)
+
+    @staticmethod
+    def StageKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/lanekv.v1.KVTransfer/StageKV',
+            proto_dot_lanekv__pb2.StageRequest.SerializeToString,
+            proto_dot_lanekv__pb2.StageReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -21,7 +21,8 @@ from typing import NamedTuple
 log = logging.getLogger(__name__)
 
 SHM_DIR = Path("/dev/shm")
-# lanekv-<epoch>-rank<r>-<pid>-<id> (a rank's pool), lanekv-receiver-<pid>-<random> (a ring).
+# lanekv-<epoch>-rank<r>-<pid>-<id> (a rank's pool, or a staged relay's file: <id> = stage<i>_<hex>),
+# lanekv-receiver-<pid>-<random> (a ring).
 _OWNED = re.compile(r"lanekv-(?:[0-9a-f]+-rank\d+|receiver)-(\d+)-[A-Za-z0-9_]+\Z")
 
 

@@ -126,6 +126,19 @@ class RankPageSource(TensorPageSource):
             stream.synchronize()  # this read's work only: the stream is its own
             return host
 
+    def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
+                  out: torch.Tensor) -> None:
+        """``read`` into ``out`` (a staged relay's slot, page-locked by ``cudaHostRegister``): the
+        gather on a read stream of its own, then one device-to-host DMA straight into the slot."""
+        if self._streams is None:
+            return super().read_into(physical_pages, layer_start, layer_end, after, out)
+        with self._on_stream(after) as stream:
+            pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self.pool.device, non_blocking=True)
+            gathered = gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
+            out.copy_(gathered, non_blocking=True)
+            stream.synchronize()  # this read's work only: the stream is its own
+        return None
+
     def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
                      after: Any = None, *, heads: slice | None = None) -> int:
         if self._streams is None:

@@ -84,6 +84,7 @@ from lanekv.transfer.protocol.descriptors import (
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.relay import RelayProcesses, RelaySpec
 from lanekv.transfer.rank.service import Served, serve
+from lanekv.transfer.rank.staging import RankStaging, staged_mode
 
 # A test hook: ``<layer>:<seconds>`` makes every prefill sleep once that layer is written.
 SLOW_LAYER_ENV = "LANEKV_SLOW_LAYER"
@@ -93,7 +94,7 @@ _POLL_S = 1.0
 _STOP_GRACE_S = 1.0
 # What a rank's server answers; RpcMetricsInterceptor counts unknown methods as 'unknown'.
 _RANK_METHODS = (
-    *((TRANSFER_SERVICE, method) for method in ("Handshake", "FetchKV", "Release", "AttachPool")),
+    *((TRANSFER_SERVICE, method) for method in ("Handshake", "FetchKV", "Release", "AttachPool", "StageKV")),
     ("grpc.health.v1.Health", "Check"),
     ("grpc.health.v1.Health", "Watch"),
     ("unknown", "unknown"),
@@ -194,6 +195,7 @@ def rank_main(
             results.put(Failed(rank, None, _reported(rank, err)))
         if serving is not None:
             serving.close_relays()
+            serving.close_staging()
         remove_shared_pool(shared_path)
         return
     try:
@@ -222,6 +224,8 @@ def rank_main(
         served = runner.process.transfer_server
         if served is not None:
             served.stop(_STOP_GRACE_S)
+        if serving is not None:
+            serving.close_staging()  # after the server: no StageKV writes into them any more
         if serving is not None and serving.nixl is not None:
             serving.nixl.close()  # the pool's registration, after the last FetchKV ended
         if dist.is_initialized():
@@ -418,6 +422,7 @@ class _TransferServer:
         self._agreement: Agreement | None = None
         self.nixl: NixlExport | None = None  # the pool offered over NIXL, once started
         self.relays: RelayProcesses | None = None  # its sender relays, once started
+        self.staging: RankStaging | None = None  # its staged relays' files (transfer.rank.staging)
 
     def start(self, model_config: ModelConfig, weights_digest: str, pool: torch.Tensor,
               shared_path: Path | None) -> tuple[RankPageSource, Served]:
@@ -438,23 +443,41 @@ class _TransferServer:
         source = RankPageSource(agreement, rank, pool, on_release, shared_path)
         port = where.port_base + rank if where.port_base else 0
         self.nixl = NixlExport(pool, rank, where.epoch)  # NIXL is loaded at the first NixlAttach
-        server = serve(source, where.host, port, security=where.security,
-                       interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
-                       nixl=self.nixl)
-        if config.fetch_relays and (pool.is_cuda or shared_path is not None):  # relays map the pool
+        # Relays stage (the rank reads into their files) on a GPU, else map the pool (in /dev/shm).
+        staged = bool(config.fetch_relays) and staged_mode(pool.is_cuda)
+        if staged:
+            try:
+                self.staging = RankStaging(where.epoch or uuid.uuid4().hex, rank, config.fetch_relays, pool.device)
+            except OSError as err:  # no room under /dev/shm: the relays map the pool instead
+                logging.getLogger("lanekv.prefill").warning("rank %d: relays map the pool, not staged: %s", rank, err)
+                staged = False
+        try:
+            server = serve(source, where.host, port, security=where.security,
+                           interceptors=[self._reporter.interceptor()], on_fetched=on_fetched, epoch=where.epoch,
+                           nixl=self.nixl, relay_staging=self.staging)
+        except BaseException:
+            self.close_staging()
+            raise
+        if config.fetch_relays and (staged or pool.is_cuda or shared_path is not None):
             try:
                 advertise = where.advertise or where.host
                 self.relays = RelayProcesses(RelaySpec(
                     rank, join_host_port(advertise, server.port), agreement.encode(), where.security,
-                    where.host, advertise, str(pool.device)), config.fetch_relays)
+                    where.host, advertise, str(pool.device)), config.fetch_relays, self.staging)
             except BaseException:
                 server.stop(0)
+                self.close_staging()
                 raise
         return source, server
 
     def close_relays(self) -> None:
         if self.relays is not None:
             self.relays.close()
+
+    def close_staging(self) -> None:
+        """Unpin and unlink the staged relays' files (once no StageKV can be in flight)."""
+        if self.staging is not None:
+            self.staging.close()
 
     def described(self, process: RankProcess, info: RankInfo) -> RankInfo:
         """``info`` with the server's endpoint and the agreement it serves."""

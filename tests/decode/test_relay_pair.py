@@ -108,3 +108,46 @@ def test_the_relays_a_reply_names_are_checked():
     assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
     with pytest.raises(Refusal, match="relay 'h:0' of rank 1: not 'host:port'"):
         relays_of(reply(["h:3"], ["h:0"]))
+
+
+@pytest.mark.timeout(240)
+def test_staged_relays_carry_the_kv_and_a_damaged_slot_falls_back_to_the_rank(tmp_path, monkeypatch, capfd):
+    # Staged relays forced on CPU ranks (a GPU's default): each rank reads into its relays'
+    # /dev/shm slots; the damaged request's slots fail the relays' digests, the rank sends.
+    from lanekv.transfer.rank.staging import DAMAGE_ENV, STAGED_ENV
+
+    checkpoint = write_llama(tmp_path / "llama", num_layers=2)
+    expected = hf_greedy(checkpoint, [PROMPT], 5)[0]
+    tag = uuid.uuid4().hex
+    monkeypatch.setenv(TAG_ENV, tag)
+    monkeypatch.setenv(STAGED_ENV, "1")
+    monkeypatch.setenv(DAMAGE_ENV, "damaged")
+    lock, fetched = threading.Lock(), []
+    fetch = grpcfetch_client.KVClient.fetch
+
+    def recorded_fetch(self, *args, **kw):
+        stats = fetch(self, *args, **kw)
+        with lock:
+            fetched.append(stats)
+        return stats
+
+    monkeypatch.setattr(grpcfetch_client.KVClient, "fetch", recorded_fetch)
+    engine = EngineConfig(str(checkpoint), cp_size=1, page_size=4, pages_per_lane=32, start_timeout_s=120,
+                          fetch_relays=2)
+    with running_pair(engine, transport="grpc", fetch_streams=2, fetch_chunk_bytes=2048) as (prefill, decode):
+        epoch = prefill.epoch
+        assert len(list(SHM_DIR.glob(f"lanekv-{epoch}-rank0-*-stage*"))) == 2  # one staging file per relay
+        with grpc.insecure_channel(decode.endpoint) as channel:
+            stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
+            for rid in ("relayed", "damaged"):
+                request = lanekv_pb2.GenerateRequest(token_ids=lanekv_pb2.TokenIds(ids=PROMPT), max_new_tokens=5,
+                                                     request_id=rid)
+                tokens = [t for reply in stub.Generate(request, timeout=120) for t in reply.token_ids]
+                assert tokens == expected, rid
+    relayed, damaged = [s for s in fetched if s.bytes]
+    assert relayed.retries == 0 and damaged.retries >= 1  # the damaged streams went on at the rank
+    sent = [(m[2], int(m[3])) for m in RELAY_LOG.finditer(capfd.readouterr().err)]
+    assert sum(n for rid, n in sent if rid == "relayed") == relayed.bytes  # the relays carried every byte
+    assert not [n for rid, n in sent if rid == "damaged"]  # no relay finished a damaged stream
+    assert not _relay_pids(tag)
+    assert not list(SHM_DIR.glob(f"lanekv-{epoch}-*"))  # pools and staging files are gone

@@ -45,7 +45,8 @@ def test_reclaim_removes_only_files_of_dead_owners(tmp_path: Path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         stale = [pool_file_name("0a1b2c", 0, "deadbeef", pid=dead), pool_file_name("0a1b2c", 1, "cafe0123", pid=dead),
-                 receiver_prefix(dead) + "x_8kq2"]
+                 receiver_prefix(dead) + "x_8kq2",
+                 pool_file_name("0a1b2c", 0, "stage1_0badf00d", pid=dead)]  # a staged relay's (transfer.rank.staging)
         live = [pool_file_name("ffee", 0, "01234567", pid=sleeper.pid), receiver_prefix(sleeper.pid) + "abc",
                 pool_file_name("ffee", 1, "01234567")]  # ours
         other = ["lanekv-notes", f"something-{dead}-else", f"lanekv-{dead}", "lanekv-receiver-start"]
@@ -53,7 +54,7 @@ def test_reclaim_removes_only_files_of_dead_owners(tmp_path: Path):
             (tmp_path / name).write_bytes(b"\0" * 4096)
         reclaimed = reclaim_stale(tmp_path)
         assert sorted(path.name for path in reclaimed.paths) == sorted(stale)
-        assert reclaimed.bytes == 3 * 4096
+        assert reclaimed.bytes == 4 * 4096
         assert sorted(os.listdir(tmp_path)) == sorted(live + other)
         assert reclaim_stale(tmp_path).paths == ()  # nothing more to do
     finally:

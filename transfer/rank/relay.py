@@ -74,6 +74,13 @@ from lanekv.transfer.protocol.wire import (
     plan_chunks,
     split_chunk,
 )
+from lanekv.transfer.rank.relay_staged import (
+    RangeMismatch,
+    StagingSlots,
+    check_staged_rows,
+    staged_range,
+)
+from lanekv.transfer.rank.staging import RELAY_METADATA_KEY, RankStaging, StagingArea
 
 Code = grpc.StatusCode
 log = logging.getLogger("lanekv.transfer")
@@ -84,6 +91,8 @@ MAX_RELAYS = 8  # per rank: more than a rank's streams could use
 LOOKAHEAD = 3
 # How long a rank waits for a relay it started to say its port.
 START_TIMEOUT_S = 60.0
+# The longest a staged call waits for two slots of its relay (other calls hold them).
+SLOT_WAIT_S = 30.0
 _END = object()
 
 
@@ -92,10 +101,6 @@ def check_relays(relays: object) -> int:
     if isinstance(relays, bool) or not isinstance(relays, int) or not 0 <= relays <= MAX_RELAYS:
         raise ValueError(f"fetch_relays must be an integer in [0, {MAX_RELAYS}], got fetch_relays={relays!r}")
     return relays
-
-
-class RangeMismatch(Exception):
-    """The bytes read from the mapped pool are not what the rank digested."""
 
 
 def range_payload(pool: torch.Tensor, descriptor: Descriptor, page_size: int) -> torch.Tensor:
@@ -136,11 +141,17 @@ class RelayService:
     """FetchKV of one rank's pages, sent from this process (see the module's docstring)."""
 
     def __init__(self, rank: int, rank_endpoint: str, agreement: Agreement,
-                 security: SecurityConfig | None = None, *, default_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 security: SecurityConfig | None = None, *, default_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 staging: StagingArea | None = None) -> None:
         self.rank, self.rank_endpoint, self.agreement = rank, rank_endpoint, agreement
         self.security = SecurityConfig() if security is None else security
         self._default_chunk_bytes = default_chunk_bytes
         self._channel = open_channel(rank_endpoint, self.security, grpc_options())
+        # Staged (``relay_staged``): the rank reads into this file's slots; no pool is mapped here.
+        self.staging: StagingSlots | None = None
+        if staging is not None:
+            check_staged_rows(agreement)
+            self.staging = StagingSlots(staging, self._channel)
         self._pool: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._attach_lock = threading.Lock()
@@ -203,7 +214,7 @@ class RelayService:
 
     def _fetch(self, request: lanekv_pb2.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         start = time.perf_counter()
-        pool = self._mapped()
+        pool = self._mapped() if self.staging is None else None
         if request.descriptors or request.nixl:
             raise Refusal(Code.INVALID_ARGUMENT, f"a relay sends bytes: descriptors={request.descriptors} "
                           f"nixl={request.nixl} go to rank {self.rank} at {self.rank_endpoint}")
@@ -216,10 +227,15 @@ class RelayService:
         if not page_bytes <= chunk_bytes <= MAX_CHUNK_BYTES_LIMIT:
             raise Refusal(Code.INVALID_ARGUMENT, f"max_chunk_bytes {chunk_bytes} is not within [{page_bytes} "
                           f"(one page of one layer), {MAX_CHUNK_BYTES_LIMIT}]")
+        if self.staging is not None and chunk_bytes > self.staging.area.slot_bytes:
+            raise Refusal(Code.UNAVAILABLE, f"chunks of {chunk_bytes} bytes do not fit the {self.staging.area.slot_bytes}"
+                          f"-byte slots of relay of rank {self.rank}: fetch them from the rank at {self.rank_endpoint}")
         upstream = lanekv_pb2.FetchRequest()
         upstream.CopyFrom(request)
         upstream.descriptors = True
         metadata = [(k, v) for k, v in context.invocation_metadata() or () if k == EPOCH_METADATA_KEY]
+        if self.staging is not None:  # no AttachPool: the rank knows its staged relays by their secret
+            metadata.append((RELAY_METADATA_KEY, self.staging.area.secret))
         left = context.time_remaining()
         call = self._channel.unary_stream(FETCH_METHOD, request_serializer=lanekv_pb2.FetchRequest.SerializeToString)(
             upstream, timeout=left, metadata=metadata)
@@ -227,7 +243,7 @@ class RelayService:
         out: queue.Queue = queue.Queue(maxsize=LOOKAHEAD)
         stop = threading.Event()
         worker = threading.Thread(target=self._produce, args=(call, request.request_id, chunk_bytes, page_bytes,
-                                                               pool, out, stop),
+                                                               pool, out, stop, context.time_remaining()),
                                   name=f"relay-rank{self.rank}", daemon=True)
         worker.start()
         nbytes = chunks = 0
@@ -250,9 +266,26 @@ class RelayService:
         log.info("relay of rank %d: request %r: %d bytes in %d chunks in %.3f s", self.rank,
                  request.request_id, nbytes, chunks, time.perf_counter() - start)
 
-    def _produce(self, call: Any, rid: str, chunk_bytes: int, page_bytes: int, pool: torch.Tensor,
-                 out: queue.Queue, stop: threading.Event) -> None:
-        """Turn the rank's descriptors into framed chunks on ``out``; then ``_END`` or a ``Refusal``."""
+    def _produce(self, call: Any, rid: str, chunk_bytes: int, page_bytes: int, pool: torch.Tensor | None,
+                 out: queue.Queue, stop: threading.Event, left_s: float | None) -> None:
+        """Turn the rank's descriptors into framed chunks on ``out``; then ``_END`` or a ``Refusal``.
+        Staged: the rank reads each chunk into one of the two slots this call takes."""
+        pair = None
+        if self.staging is not None:
+            pair = self.staging.take(SLOT_WAIT_S if left_s is None else min(left_s, SLOT_WAIT_S))
+            if pair is None:
+                out.put(Refusal(Code.UNAVAILABLE, f"relay of rank {self.rank}: no staging slot came free; "
+                                f"fetch from the rank at {self.rank_endpoint}"))
+                return
+        try:
+            self._produce_chunks(call, rid, chunk_bytes, page_bytes, pool, pair, out, stop, left_s)
+        finally:
+            if pair is not None:
+                self.staging.give(pair)
+
+    def _produce_chunks(self, call: Any, rid: str, chunk_bytes: int, page_bytes: int, pool: torch.Tensor | None,
+                        pair: tuple[int, int] | None, out: queue.Queue, stop: threading.Event,
+                        left_s: float | None) -> None:
 
         def put(item: Any) -> bool:
             while not stop.is_set():
@@ -263,7 +296,7 @@ class RelayService:
                     continue
             return False
 
-        seq = 0
+        seq, deadline = 0, None if left_s is None else time.monotonic() + left_s
         try:
             for message in call:
                 header, _ = split_chunk(message)
@@ -273,7 +306,16 @@ class RelayService:
                 if descriptor.rank != self.rank or descriptor.request_id != rid:
                     raise Refusal(Code.INTERNAL, f"rank {self.rank} sent a descriptor of rank {descriptor.rank}, "
                                   f"request {descriptor.request_id!r:.80}")
+                plans = plan_chunks(descriptor.layer_end - descriptor.layer_start, descriptor.pages, page_bytes,
+                                    chunk_bytes, layer_start=descriptor.layer_start)
                 try:
+                    if pair is not None:
+                        for framed in staged_range(self.staging, pair, descriptor, plans, seq, self.agreement,
+                                                   deadline, stop):
+                            if not put(framed):
+                                return
+                            seq += 1
+                        continue
                     payload = range_payload(pool, descriptor, self.agreement.page_size)
                 except RangeMismatch as err:
                     log.error("relay of rank %d: request %r: %s", self.rank, rid, err)
@@ -281,8 +323,6 @@ class RelayService:
                                   f"the rank at {self.rank_endpoint}") from err
                 ps = self.agreement.page_size
                 where = {page: i for i, page in enumerate(descriptor.pages)}
-                plans = plan_chunks(descriptor.layer_end - descriptor.layer_start, descriptor.pages, page_bytes,
-                                    chunk_bytes, layer_start=descriptor.layer_start)
                 for plan in plans:
                     first = where[plan.pages[0]]
                     part = payload[plan.layer_start - descriptor.layer_start:plan.layer_end - descriptor.layer_start,
@@ -339,6 +379,7 @@ class RelaySpec(NamedTuple):
     host: str  # the relay's bind address
     advertise: str  # the host its endpoint names for peers
     device: str  # the rank's device ("cpu", "cuda:0")
+    staging: StagingArea | None = None  # staged (``relay_staged``): the file the rank reads into; None: mapped
 
 
 class RelayProcesses:
@@ -350,8 +391,10 @@ class RelayProcesses:
     ``close`` terminates them (then kills); each also exits when its parent does.
     """
 
-    def __init__(self, spec: RelaySpec, count: int) -> None:
+    def __init__(self, spec: RelaySpec, count: int, staging: RankStaging | None = None) -> None:
         check_relays(count)
+        if staging is not None and len(staging.areas) != count:
+            raise ValueError(f"{len(staging.areas)} staging files for {count} relays")
         self.processes: list[subprocess.Popen] = []
         self.endpoints: list[str] = []
         try:
@@ -360,7 +403,8 @@ class RelayProcesses:
                 proc = subprocess.Popen([sys.executable, "-m", "lanekv.transfer.rank.relay_main"],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
                 self.processes.append(proc)
-                proc.stdin.write(pickle.dumps(spec))
+                mine = spec if staging is None else spec._replace(staging=staging.areas[i])
+                proc.stdin.write(pickle.dumps(mine))
                 proc.stdin.close()
             for i, proc in enumerate(self.processes):
                 port = _read_port(proc, spec.rank, i)
@@ -402,4 +446,5 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-__all__ = ["RelayProcesses", "RelayService", "RelaySpec", "check_relays", "range_payload", "serve_relay"]
+__all__ = ["RangeMismatch", "RelayProcesses", "RelayService", "RelaySpec", "check_relays", "range_payload",
+           "serve_relay"]

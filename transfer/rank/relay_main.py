@@ -1,7 +1,8 @@
 """A relay process (``python -m lanekv.transfer.rank.relay_main``; see ``transfer.rank.relay``).
 
 Reads its ``RelaySpec`` pickled on stdin (from the rank that started it: one
-process, one owner), maps the rank's pool, binds a free port, writes
+process, one owner), maps the rank's pool (mapped) or its staging file (staged:
+no CUDA in this process, ``relay_staged``), binds a free port, writes
 ``port <n>`` on stdout and serves until SIGTERM/SIGINT or until its parent
 exits (the kernel's parent-death signal where there is one, and a poll of the
 parent's pid either way), so a rank never leaves a relay behind.
@@ -23,6 +24,7 @@ from lanekv.transfer.rank.relay import RelayService, RelaySpec, serve_relay
 
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
+STAGED_THREADS = 2
 
 
 def _die_with_parent() -> None:
@@ -42,12 +44,14 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     if os.getppid() != parent:
         return 0
-    torch.set_num_threads(1)
-    if spec.device.startswith("cuda"):
+    # Staged, the relay digests on the CPU (a few passes over each byte): two threads for that.
+    torch.set_num_threads(1 if spec.staging is None else STAGED_THREADS)
+    if spec.device.startswith("cuda") and spec.staging is None:  # a staged relay never touches CUDA
         torch.cuda.set_device(torch.device(spec.device))
-    service = RelayService(spec.rank, spec.rank_endpoint, Agreement.decode(spec.agreement), spec.security)
     try:
-        served = serve_relay(service, spec.host)  # the pool is mapped at the first fetch
+        service = RelayService(spec.rank, spec.rank_endpoint, Agreement.decode(spec.agreement), spec.security,
+                               staging=spec.staging)
+        served = serve_relay(service, spec.host)  # a mapped relay maps the pool at the first fetch
     except Exception as err:  # noqa: BLE001 - the rank reads our stdout and reports the failure
         logging.getLogger("lanekv.transfer").error("relay of rank %d failed to start: %s", spec.rank, err)
         return 1
@@ -56,7 +60,8 @@ def main() -> int:
                                               spec.rank, served.port, os.getpid())
     sys.stdout.write(f"port {served.port}\n")
     sys.stdout.flush()
-    threading.Thread(target=service.attach_when_served, args=(stop,), name="relay-attach", daemon=True).start()
+    if service.staging is None:
+        threading.Thread(target=service.attach_when_served, args=(stop,), name="relay-attach", daemon=True).start()
     while not stop.wait(PARENT_POLL_S):
         if os.getppid() != parent:
             break

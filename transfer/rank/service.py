@@ -1,4 +1,4 @@
-"""The gRPC KVTransfer service: handshake, streamed FetchKV, Release, AttachPool.
+"""The gRPC KVTransfer service: handshake, streamed FetchKV, Release, AttachPool, StageKV.
 
 One server per prefill CP rank serves the pages that rank owns, read through
 a ``PageSource`` (``transfer.rank.sources``). Nothing moves unless the caller's
@@ -60,6 +60,7 @@ from lanekv.transfer.protocol.wire import (
 )
 from lanekv.transfer.rank.progress import PrefillFailed
 from lanekv.transfer.rank.sources import PageSource
+from lanekv.transfer.rank.staging import RELAY_METADATA_KEY, RankStaging
 
 Code = grpc.StatusCode
 T = TypeVar("T")
@@ -96,6 +97,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         epoch: str | None = None,
         layer_wait_s: float = LAYER_WAIT_S,
         nixl: NixlExport | None = None,
+        relay_staging: RankStaging | None = None,
     ) -> None:
         # The contract is read from the source at every call: the topology may
         # be completed after the server starts (endpoints are known only once
@@ -107,6 +109,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
         self._epoch = epoch
         self._layer_wait_s = layer_wait_s
         self._nixl = nixl  # the pool offered over NIXL (NixlAttach), or None
+        self._relay_staging = relay_staging  # the staged relays' files (StageKV), or None
         self._attached: OrderedDict[str, None] = OrderedDict()  # peer hosts that called AttachPool
         self._attached_lock = threading.Lock()
 
@@ -149,17 +152,7 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 return context.is_active() and self._holds(rid)
 
             def ready(layer_end: int, exact: bool = False) -> tuple[int, Any]:
-                """Wait until layers < layer_end are written (the prefill may still run)."""
-                left = context.time_remaining()
-                wait_s = self._layer_wait_s if left is None else min(left, self._layer_wait_s)
-                try:
-                    return self._source.ready(rid, layer_end, wait_s, alive, exact=exact)
-                except KeyError as err:
-                    raise Refusal(Code.NOT_FOUND, _key_message(rid, err)) from err
-                except PrefillFailed as err:
-                    raise Refusal(Code.ABORTED, f"request {rid!r}: the prefill did not write its KV: {err}") from err
-                except TimeoutError as err:
-                    raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
+                return self._ready(context, rid, layer_end, alive, exact)
 
             if request.descriptors:
                 try:
@@ -195,6 +188,52 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
                 left = context.time_remaining()
                 ended.wait(STAGING_HOLD_S if left is None else min(left, STAGING_HOLD_S))
                 lease.release()
+
+    def _ready(self, context: grpc.ServicerContext, rid: str, layer_end: int, alive: Callable[[], bool],
+               exact: bool = False) -> tuple[int, Any]:
+        """Wait until layers < layer_end are written (the prefill may still run)."""
+        left = context.time_remaining()
+        wait_s = self._layer_wait_s if left is None else min(left, self._layer_wait_s)
+        try:
+            return self._source.ready(rid, layer_end, wait_s, alive, exact=exact)
+        except KeyError as err:
+            raise Refusal(Code.NOT_FOUND, _key_message(rid, err)) from err
+        except PrefillFailed as err:
+            raise Refusal(Code.ABORTED, f"request {rid!r}: the prefill did not write its KV: {err}") from err
+        except TimeoutError as err:
+            raise Refusal(Code.DEADLINE_EXCEEDED, f"request {rid!r}: {err}") from err
+
+    def StageKV(self, request, context):
+        """A staged relay's read (``transfer.rank.staging``): layers of pages this rank holds for
+        the request, read on its own (read stream, DMA) into a slot of that relay's file."""
+        with refusals(context):
+            if self._relay_staging is None:
+                raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank} has no staged relays")
+            slot = self._relay_staging.slot(request.secret, request.slot)
+            agreement, rid = self._contract().agreement, request.request_id
+            owned = dict(self._owned(rid))
+            if not 0 <= request.layer_start < request.layer_end <= agreement.num_layers:
+                raise Refusal(Code.INVALID_ARGUMENT, f"layer range [{request.layer_start}, {request.layer_end}) "
+                              f"is not within [0, {agreement.num_layers})")
+            pages = list(request.pages)
+            foreign = [page for page in pages if page not in owned]
+            if not pages or foreign or len(set(pages)) != len(pages):
+                raise Refusal(Code.INVALID_ARGUMENT, f"pages {pages[:16]} are not distinct pages of request "
+                              f"{rid!r:.80} on rank {self._source.rank}")
+            layers = request.layer_end - request.layer_start
+            nbytes = len(pages) * layers * _page_bytes(agreement)
+            if nbytes > slot.numel():
+                raise Refusal(Code.INVALID_ARGUMENT, f"{nbytes} bytes do not fit a slot of {slot.numel()}")
+            _, after = self._ready(context, rid, request.layer_end, lambda: context.is_active() and self._holds(rid),
+                                   exact=True)
+            shape = (layers, agreement.kv_planes, len(pages) * agreement.page_size, agreement.num_kv_heads,
+                     agreement.head_dim)
+            out = slot[:nbytes].view(kv_dtype(agreement.kv_dtype)).view(shape)
+            self._source.read_into([owned[page] for page in pages], request.layer_start, request.layer_end,
+                                   after, out)
+            self._owned(rid)  # held throughout the read: the pages were not recycled under it
+            self._relay_staging.staged(slot, nbytes, rid)
+        return lanekv_pb2.StageReply(nbytes=nbytes)
 
     def _staging(self, context: grpc.ServicerContext, span: _Span, agreement: Agreement,
                  heads: slice) -> tuple[Lease, threading.Event]:
@@ -356,7 +395,11 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             raise Refusal(Code.NOT_FOUND, _unknown_message(request_id))
 
     def _check_attached(self, context: grpc.ServicerContext) -> None:
-        """Descriptors are for a same-host peer that attached the pool first."""
+        """Descriptors are for a same-host peer that attached the pool first, or a staged relay of ours."""
+        if self._relay_staging is not None and any(
+                key == RELAY_METADATA_KEY and self._relay_staging.knows(value)
+                for key, value in context.invocation_metadata() or ()):
+            return
         with self._attached_lock:
             attached = peer_host(context.peer() or "") in self._attached
         if not attached:
@@ -518,6 +561,11 @@ def add_transfer_service(server: grpc.Server, service: KVTransferService) -> Non
             request_deserializer=lanekv_pb2.NixlAttachRequest.FromString,
             response_serializer=lanekv_pb2.NixlAttachReply.SerializeToString,
         ),
+        "StageKV": grpc.unary_unary_rpc_method_handler(
+            service.StageKV,
+            request_deserializer=lanekv_pb2.StageRequest.FromString,
+            response_serializer=lanekv_pb2.StageReply.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers(
         (grpc.method_handlers_generic_handler(TRANSFER_SERVICE, handlers),)
@@ -546,18 +594,21 @@ def serve(
     on_fetched: OnFetched | None = None,
     epoch: str | None = None,
     nixl: NixlExport | None = None,
+    relay_staging: RankStaging | None = None,
 ) -> Served:
     """Start a KVTransfer server (plus the gRPC health service); port 0 picks a free port.
 
     Each open FetchKV stream holds one of ``max_workers`` threads. ``security``
     sets TLS and the token (``runtime.security``; None: plaintext, no token); ``interceptors`` go
     outside the token check (metrics); ``epoch`` names this start of the
-    prefill daemon (see ``EPOCH_METADATA_KEY``; None: no check). Raises ``OSError`` naming
+    prefill daemon (see ``EPOCH_METADATA_KEY``; None: no check); ``relay_staging``: the files of
+    the rank's staged relays, which StageKV fills. Raises ``OSError`` naming
     ``host:port`` when the port cannot be bound.
     """
     security = SecurityConfig() if security is None else security
     server = make_server(security, max_workers, interceptors=interceptors)
-    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch, nixl=nixl))
+    add_transfer_service(server, KVTransferService(source, on_fetched=on_fetched, epoch=epoch, nixl=nixl,
+                                                   relay_staging=relay_staging))
     checker = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(checker, server)
     bound = bind(server, host, port, security)

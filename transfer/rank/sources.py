@@ -60,6 +60,12 @@ class PageSource(Protocol):
         """CPU tensor ``[layer_end - layer_start, kv_planes, len(physical_pages) * page_size, kv_heads, head_dim]``."""
         ...
 
+    def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
+                  out: torch.Tensor) -> None:
+        """``read`` into ``out``, a contiguous CPU tensor of ``read``'s shape and dtype (a staged
+        relay's slot: ``transfer.rank.staging``); returns once the bytes are there."""
+        ...
+
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
                *, request_id: str | None = None, heads: slice | None = None) -> int:
         """The digest of a descriptor of these pages of ``request_id``: ``page_digest`` of the pages'
@@ -103,6 +109,10 @@ class ContractOnlySource:
 
     def read(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
              after: Any = None) -> torch.Tensor:
+        raise KeyError(self._why)
+
+    def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
+                  out: torch.Tensor) -> None:
         raise KeyError(self._why)
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
@@ -295,6 +305,16 @@ class TensorPageSource:
         blocks = layers.reshape(num_layers, planes, self._num_pages, -1)
         picked = blocks.index_select(2, torch.as_tensor(list(physical_pages), dtype=torch.long))
         return picked.view(num_layers, planes, -1, kv_heads, head_dim)
+
+    def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
+                  out: torch.Tensor) -> None:
+        if self._pool.is_cuda:  # a subclass reads on streams of its own (RankPageSource)
+            out.copy_(self.read(physical_pages, layer_start, layer_end, after))
+            return
+        layers = self._pool[layer_start:layer_end]
+        blocks = layers.reshape(layers.shape[0], layers.shape[1], self._num_pages, -1)  # as in read
+        index = torch.as_tensor(list(physical_pages), dtype=torch.long)
+        torch.index_select(blocks, 2, index, out=out.view(blocks.shape[0], blocks.shape[1], len(index), -1))
 
     def release(self, request_id: str) -> int:
         with self._lock:
