@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One H200, eighth session (2026-12-03). Each part fits one device call of at most 10
+# minutes; logs go into one archive per part under $OUT (the device returns at most 8
+# files), JSON files one by one, the short tables to stdout.
+# Usage (repository root, the carried wheels installed): bash bench/gpu_session8.sh PART
+#   a: the GPU tests of this session's kernels and read streams; issue 33: the decode-row
+#      GEMM sweep with the w8a16 family (table written under $OUT), the FP8 decode step
+#      with that table, the batch-1 profile; issue 36: TTFT over gRPC from the rank's
+#      own streams and through 4 staged sender relays, beside colocated and the fast path.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+part=${1:-a}
+L=/tmp/lanekv_logs; mkdir -p "$L"
+trap 'tar -C "$L" -czf "$OUT/logs_$part.tgz" .' EXIT
+case "$part" in
+a)
+    timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8.py \
+        tests/kernels/test_fp8_w8a16.py tests/transfer/grpcfetch/test_layerwise.py \
+        tests/transfer/rank/test_relay_staged.py \
+        ${EXTRA_TESTS:-} > "$L/gpu_tests_a.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_a.log" | cut -c1-180; tail -1 "$L/gpu_tests_a.log"
+    timeout 150 python3 bench/fp8.py --only gemm --sweep --rows 1 16 --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_decode_h200.json" > "$L/fp8_sweep_decode.log" 2>&1
+    echo "sweep rc=$?"; grep -E "^(llama|v2_lite)" "$L/fp8_sweep_decode.log" | cut -c1-150
+    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 120 python3 bench/fp8.py --only decode \
+        --batches 1 16 64 --json "$OUT/fp8_decode_h200.json" > "$L/fp8_decode.log" 2>&1
+    echo "fp8 decode rc=$?"; tail -12 "$L/fp8_decode.log"
+    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 60 python3 bench/deepseek_profile.py \
+        --llama3-8b --fp8 --batch 1 --context 1024 > "$L/profile_llama_fp8_b1.log" 2>&1
+    echo "profile rc=$?"; grep -A16 "device kernels, layer 1" "$L/profile_llama_fp8_b1.log"
+    timeout 150 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
+        --paths grpc fast --fetch-streams 4 --fetch-relays 4 --json "$OUT/ttft_relays_staged_h200.json" \
+        > "$L/ttft_relays_staged.log" 2>&1
+    echo "ttft rc=$?"; tail -24 "$L/ttft_relays_staged.log" ;;
+esac
