@@ -108,15 +108,29 @@ def load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, ok, r, p, stride_lr,
                      KV_FP8: tl.constexpr, dtype: tl.constexpr):
     """Latent rows ``rows [N]`` (int64) -> (``[N, BLOCK_R]`` values, ``[N, BLOCK_P]`` RoPE
     part) in ``dtype``; masked rows read 0. FP8 rows are dequantized as they load:
-    ``(e4m3 -> float32) * scale``, rounded once to ``dtype`` (``unpack_mla_fp8_rows``)."""
+    ``(e4m3 -> float32) * scale``, rounded once to ``dtype`` (``unpack_mla_fp8_rows``).
+
+    A row's scales load once per group (``[N, BLOCK_R / GROUP]``) and broadcast over the
+    group, where the rank fills ``BLOCK_R`` (a power of two: V3's 512 is 4 groups of 128);
+    an odd rank (the tiny test checkpoints') loads one scale per value instead."""
     r_ok = r < RANK
     p_ok = p < RANK + ROPE
     if KV_FP8:
+        BLOCK_N: tl.constexpr = rows.shape[0]
+        BLOCK_R: tl.constexpr = r.shape[0]
         q8 = tl.load(latent_ptr + rows[:, None] * stride_lr + r[None, :],
                      mask=ok[:, None] & r_ok[None, :], other=0.0)
-        sc = tl.load(scale_ptr + rows[:, None] * stride_sr + r[None, :] // GROUP,
-                     mask=ok[:, None] & r_ok[None, :], other=0.0)
-        kv = (q8.to(tl.float32) * sc).to(dtype)
+        if RANK == BLOCK_R and BLOCK_R % GROUP == 0:
+            NUM_GROUPS: tl.constexpr = BLOCK_R // GROUP
+            g = tl.arange(0, NUM_GROUPS)
+            sc = tl.load(scale_ptr + rows[:, None] * stride_sr + g[None, :], mask=ok[:, None],
+                         other=0.0)  # [N, NUM_GROUPS]
+            kv = tl.reshape(q8.to(tl.float32), [BLOCK_N, NUM_GROUPS, GROUP]) * sc[:, :, None]
+            kv = tl.reshape(kv, [BLOCK_N, BLOCK_R]).to(dtype)
+        else:
+            sc = tl.load(scale_ptr + rows[:, None] * stride_sr + r[None, :] // GROUP,
+                         mask=ok[:, None] & r_ok[None, :], other=0.0)
+            kv = (q8.to(tl.float32) * sc).to(dtype)
         k_pe = tl.load(rope_ptr + rows[:, None] * stride_pr + (p - RANK)[None, :],
                        mask=ok[:, None] & p_ok[None, :], other=0.0).to(dtype)
     else:
@@ -431,9 +445,13 @@ def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.
     # Columns of the latent cut over programs too, so that a long context's many partials
     # (264 splits x 2 KiB per head at batch 1) stream through several SMs per head.
     block_r = min(128, max(16, triton.next_power_of_2(rank))) if part_o.is_cuda else 16
+    # Up to 32 splits a loop step: each step's loads wait on the one before, and the
+    # sparse kernel at batch 1 writes 32-64 splits ([32, 128] float32 is 32 registers a
+    # thread at 4 warps).
+    block_s = min(32, max(8, triton.next_power_of_2(splits)))
     _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
         part_o, part_lse, out, lens, heads, splits, max_kv_len, out.stride(0), out.stride(1),
-        RANK=rank, BLOCK_R=block_r, BLOCK_S=8,
+        RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
         HAS_LENS=busy is not None, SPLIT_KEYS=split_keys, BLOCK_N=block_n,
     )
 

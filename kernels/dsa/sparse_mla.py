@@ -56,7 +56,7 @@ MAX_ROPE_DIM = 256
 
 
 class SparseDecodeConfig(NamedTuple):
-    """Launch knobs of the sparse decode kernel (bench/kernels_dsa.py sweeps them)."""
+    """Launch knobs of the sparse decode kernel (bench/sparse_mla_sweep.py sweeps them)."""
 
     block_h: int = 64  # query heads per program (at most the head count's power of two)
     block_n: int = 32  # selected rows per loop step
@@ -65,7 +65,15 @@ class SparseDecodeConfig(NamedTuple):
     # Auto split count: about this many programs per SM, never fewer than
     # min_split_rows selected slots per split (each split writes a partial).
     programs_per_sm: int = 1
-    min_split_rows: int = 128
+    min_split_rows: int = 64
+
+
+class SparseDecodeGrid(NamedTuple):
+    """The launch grid a batch gets: ``(head_blocks, batch, num_splits)`` programs."""
+
+    block_h: int
+    head_blocks: int
+    num_splits: int
 
 
 def choose_sparse_splits(programs: int, topk: int, num_sms: int,
@@ -74,7 +82,19 @@ def choose_sparse_splits(programs: int, topk: int, num_sms: int,
     if programs == 0 or topk <= 0:
         return 1
     wanted = triton.cdiv(num_sms * config.programs_per_sm, programs)
-    return max(1, min(wanted, triton.cdiv(topk, config.min_split_rows)))
+    return max(1, min(wanted, triton.cdiv(topk, max(1, config.min_split_rows))))
+
+
+def sparse_decode_grid(batch: int, heads: int, topk: int, num_sms: int,
+                       config: SparseDecodeConfig, num_splits: int | None = None
+                       ) -> SparseDecodeGrid:
+    """Head block, head blocks and splits of a launch (``num_splits`` None: chosen from the
+    shapes alone, so a captured step keeps its grid)."""
+    block_h = max(16, min(triton.next_power_of_2(config.block_h), triton.next_power_of_2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    if num_splits is None:
+        num_splits = choose_sparse_splits(batch * head_blocks, topk, num_sms, config)
+    return SparseDecodeGrid(block_h, head_blocks, num_splits)
 
 
 @triton.jit(do_not_specialize=["stride_tb"])
@@ -109,12 +129,22 @@ def _sparse_mla_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # The next block's slots and page ids load one iteration ahead, so a block's latent
+    # loads wait on one memory trip, not on the slots', then the page table's, then theirs.
+    n_next = start + tl.arange(0, BLOCK_N)
+    idx_next = tl.load(idx_ptr + b * stride_ib + n_next, mask=n_next < end, other=-1)
+    if PAGED:
+        page_next = tl.load(table_ptr + b * stride_tb + idx_next // PAGE_SIZE,
+                            mask=idx_next >= 0, other=0)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b * stride_ib + n, mask=n < end, other=-1)
+        idx = idx_next
         sel = idx >= 0
+        n_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_ptr + b * stride_ib + n_next, mask=n_next < end, other=-1)
         if PAGED:
-            page = tl.load(table_ptr + b * stride_tb + idx // PAGE_SIZE, mask=sel, other=0)
+            page = page_next
+            page_next = tl.load(table_ptr + b * stride_tb + idx_next // PAGE_SIZE,
+                                mask=idx_next >= 0, other=0)
             row = page.to(tl.int64) * PAGE_SIZE + idx % PAGE_SIZE
         else:
             row = idx.to(tl.int64)
@@ -254,12 +284,10 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
         return out
     cfg = config or SparseDecodeConfig()
     rope = width - kv_lora_rank
-    block_h = max(16, min(triton.next_power_of_2(cfg.block_h), triton.next_power_of_2(heads)))
-    head_blocks, topk = triton.cdiv(heads, block_h), indices.shape[1]
-    if num_splits is None:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.is_cuda else 1)  # the interpreter runs programs one by one
-        num_splits = choose_sparse_splits(rows * head_blocks, topk, num_sms, cfg)
+    num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 1)  # the interpreter runs programs one by one
+    block_h, head_blocks, num_splits = sparse_decode_grid(rows, heads, indices.shape[1], num_sms,
+                                                          cfg, num_splits)
     write_partial = num_splits > 1
     if write_partial:
         part_o = torch.empty((rows, heads, num_splits, kv_lora_rank), dtype=torch.float32,
@@ -271,7 +299,7 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
     values, scales, rope_part, strides, group = latent_views(latent, kv_lora_rank, rope)
     _sparse_mla_kernel[(head_blocks, rows, num_splits)](
         q, values, scales, rope_part, indices, table, out, part_o, part_lse,
-        softmax_scale * _LOG2E, heads, topk,
+        softmax_scale * _LOG2E, heads, indices.shape[1],
         q.stride(0), q.stride(1), *strides, indices.stride(0), table.stride(0),
         out.stride(0), out.stride(1), GROUP=group, KV_FP8=latent.dtype == torch.uint8,
         RANK=kv_lora_rank, ROPE=rope, PAGED=paged, PAGE_SIZE=page_size,
