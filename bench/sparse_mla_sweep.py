@@ -49,7 +49,7 @@ from lanekv.kernels.dsa.sparse_mla import (
     sparse_mla_decode_triton,
 )
 from lanekv.kernels.fp8.kv_rows import mla_fp8_row_bytes, pack_mla_fp8_rows
-from lanekv.kernels.mla_decode import merge_mla_partials
+from lanekv.kernels.mla_decode import merge_mla_partials, row_stride_args
 
 HEADS, RANK, ROPE, PAGE, TOPK, INDEX_DIM = 128, 512, 64, 64, 2048, 128
 H200_SMS = 132
@@ -71,14 +71,18 @@ def parse_config(text: str) -> SparseDecodeConfig:
         raise argparse.ArgumentTypeError(
             f"config {text!r}: want default or six positive ints block_h,block_n,num_warps,"
             "num_stages,min_split_rows,programs_per_sm")
-    cfg = SparseDecodeConfig(*(int(p) for p in parts))
+    block_h, block_n, warps, stages, min_rows, per_sm = (int(p) for p in parts)
+    cfg = SparseDecodeConfig(block_h=block_h, block_n=block_n, num_warps=warps,
+                             num_stages=stages, min_split_rows=min_rows, programs_per_sm=per_sm)
     if cfg.block_n < 16 or cfg.block_n & (cfg.block_n - 1):
         raise argparse.ArgumentTypeError(f"config {text!r}: block_n must be a power of two >= 16")
     return cfg
 
 
 def label(cfg: SparseDecodeConfig) -> str:
-    return ",".join(str(v) for v in cfg)
+    """``parse_config``'s form (its field order, not the NamedTuple's)."""
+    return ",".join(str(v) for v in (cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages,
+                                     cfg.min_split_rows, cfg.programs_per_sm))
 
 
 def row_bytes(kv: str) -> int:
@@ -160,8 +164,10 @@ def best_rows(rows: list[dict]) -> list[dict]:
             for k, r in best.items()]
 
 
-def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2) -> dict:
-    """``cfg`` compiled for sm_90 offline on the V3.2 shapes in the pool plane's layout."""
+def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2, align: bool = True
+                 ) -> dict:
+    """``cfg`` compiled for sm_90 offline on the V3.2 shapes in the pool plane's layout
+    (``align`` False: without the row strides' alignment hints, as before them)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -178,12 +184,16 @@ def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2) -> dict:
     # the plane's row strides in elements: 800-byte FP8 rows, 1296-byte bf16 ones
     strides = dict(stride_lr=800, stride_sr=200, stride_pr=400) if fp8 else dict(
         stride_lr=648, stride_sr=648, stride_pr=648)
+    divided, aligns = row_stride_args((strides["stride_lr"], strides["stride_sr"],
+                                       strides["stride_pr"]))
+    if not align:  # as before the hints: the strides whole, no known factor
+        divided, aligns = tuple(strides.values()), {k: 1 for k in aligns}
     ints = dict(num_heads=HEADS, topk=TOPK, stride_qb=HEADS * (RANK + ROPE),
                 stride_qh=RANK + ROPE, stride_ib=TOPK, stride_ob=HEADS * RANK, stride_oh=RANK,
-                **strides)
+                **dict(zip(strides, divided)))
     consts = dict(RANK=RANK, ROPE=ROPE, PAGED=True, PAGE_SIZE=PAGE, BLOCK_H=block_h,
                   BLOCK_R=RANK, BLOCK_P=ROPE, BLOCK_N=cfg.block_n, WRITE_PARTIAL=part,
-                  DOT_PRECISION="tf32", GROUP=128 if fp8 else 1, KV_FP8=fp8)
+                  DOT_PRECISION="tf32", GROUP=128 if fp8 else 1, KV_FP8=fp8, **aligns)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     aligned = [n for n in names if n.endswith("_ptr")] + [n for n, v in ints.items() if v % 16 == 0]

@@ -140,6 +140,22 @@ def load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, ok, r, p, stride_lr,
     return kv, k_pe
 
 
+def stride_align(stride: int) -> int:
+    """The largest power of two up to 16 dividing a row stride (in elements). The kernels
+    hint it (``tl.multiple_of``): Triton marks only ints divisible by 16, so rows of a DSA
+    pool plane (648 bf16 values apart, 16-byte aligned) would load one value at a time."""
+    return min(16, stride & -stride) if stride > 0 else 16
+
+
+def row_stride_args(strides: tuple[int, int, int]) -> tuple[tuple[int, int, int], dict]:
+    """``latent_views``' row strides as the kernels take them: each divided by its
+    ``stride_align``, which goes as the constexpr ``ALIGN_LR/SR/PR`` (the kernel multiplies
+    back; ``tl.multiple_of`` on a scalar argument is dropped)."""
+    aligns = [stride_align(s) for s in strides]
+    divided = tuple(s // a for s, a in zip(strides, aligns))
+    return divided, dict(ALIGN_LR=aligns[0], ALIGN_SR=aligns[1], ALIGN_PR=aligns[2])
+
+
 def latent_views(latent_cache: torch.Tensor, kv_lora_rank: int, rope_dim: int):
     """What the kernels read of a latent cache: (values, scales, RoPE part) and their row
     strides, and the group size; plain rows are the one tensor thrice (group 1)."""
@@ -169,8 +185,14 @@ def _paged_mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    KV_FP8: tl.constexpr, SPLIT_KEYS: tl.constexpr, ALIGN_LR: tl.constexpr,
+    ALIGN_SR: tl.constexpr, ALIGN_PR: tl.constexpr,
 ):
+    # The row strides come divided by their known factors (stride_align), so that the
+    # compiler sees the factors and loads the latent rows in whole 16-byte vectors.
+    stride_lr = stride_lr * ALIGN_LR
+    stride_sr = stride_sr * ALIGN_SR
+    stride_pr = stride_pr * ALIGN_PR
     # Head blocks vary fastest, so the programs sharing a request's latent tiles run together.
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -413,16 +435,18 @@ def paged_mla_decode_attention_triton(
     # whole key blocks, so that a busy split's keys start on a block
     split_keys = triton.cdiv(max(1, cfg.min_split_keys), cfg.block_n) * cfg.block_n
     values, scales, rope_part, strides, group = latent_views(latent_cache, kv_lora_rank, rope)
+    row_strides, aligns = row_stride_args(strides)
     _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
         q, values, scales, rope_part, page_table, seq_lens, part_o, part_lse, out,
         softmax_scale * _LOG2E, max_kv_len, heads,
-        q.stride(0), q.stride(1), *strides, page_table.stride(0),
+        q.stride(0), q.stride(1), *row_strides, page_table.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
         KV_FP8=latent_cache.dtype == torch.uint8, SPLIT_KEYS=split_keys,
+        **aligns,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if write_partial:

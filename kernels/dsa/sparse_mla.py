@@ -47,6 +47,7 @@ from lanekv.kernels.mla_decode import (
     latent_views,
     load_latent_rows,
     merge_mla_partials,
+    row_stride_args,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -106,8 +107,14 @@ def _sparse_mla_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ALIGN_LR: tl.constexpr, ALIGN_SR: tl.constexpr,
+    ALIGN_PR: tl.constexpr,
 ):
+    # The row strides come divided by their known factors (stride_align), so that the
+    # compiler sees them: a DSA plane's 648-value bf16 rows load in 16-byte vectors.
+    stride_lr = stride_lr * ALIGN_LR
+    stride_sr = stride_sr * ALIGN_SR
+    stride_pr = stride_pr * ALIGN_PR
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -297,11 +304,13 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
         part_o = part_lse = out  # unused
     table = page_table if paged else indices  # unused when not paged
     values, scales, rope_part, strides, group = latent_views(latent, kv_lora_rank, rope)
+    row_strides, aligns = row_stride_args(strides)
     _sparse_mla_kernel[(head_blocks, rows, num_splits)](
         q, values, scales, rope_part, indices, table, out, part_o, part_lse,
         softmax_scale * _LOG2E, heads, indices.shape[1],
-        q.stride(0), q.stride(1), *strides, indices.stride(0), table.stride(0),
+        q.stride(0), q.stride(1), *row_strides, indices.stride(0), table.stride(0),
         out.stride(0), out.stride(1), GROUP=group, KV_FP8=latent.dtype == torch.uint8,
+        **aligns,
         RANK=kv_lora_rank, ROPE=rope, PAGED=paged, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=cfg.block_n,

@@ -152,8 +152,9 @@ def test_auto_splits_match_reference(rows_kind, dtype, rank, rope, heads, topk):
     positions, pages = width * page_size, batch * width
     if rows_kind == "fp8":
         cache = _fp8_rows(pages * page_size, rank, rope, gen)
-    else:
-        cache = torch.randn(pages * page_size, rank + rope, generator=gen).to(dtype)
+    else:  # rows 6 values apart from the next: a stride of no power of two past 2
+        cache = torch.randn(pages * page_size, rank + rope + 6, generator=gen).to(dtype)
+        cache = cache[:, : rank + rope]
     table = torch.randperm(pages, generator=gen).view(batch, width).int()
     idx = _selection(batch, positions, topk, gen)  # request 1 half padded, request 2 none
     q = (torch.randn(batch, heads, rank + rope, generator=gen) * 0.1).to(dtype)
