@@ -28,6 +28,11 @@ written by its stage-1 program straight to ``out`` (no partial) and the merge le
 it alone, so at short contexts stage 2 is a launch that exits.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
+
+Latent row strides reach the kernels divided by their largest power-of-two factor up
+to 16 (``row_stride_args``), which goes as a constexpr: Triton marks only ints divisible
+by 16, and a DSA pool plane's bf16 rows are 648 values apart, which it otherwise loads
+one value at a time.
 """
 
 from __future__ import annotations

@@ -23,13 +23,19 @@ Decode splits each request's ``K`` selected slots over ``num_splits`` programs p
 block of heads (flash-decoding): at batch 1 a DeepSeek-V3.2 layer has only two head
 blocks, so without splits two SMs of 132 would do the work. Each split writes its
 float32 partial output and log2-sum-exp, and ``kernels.mla_decode.merge_mla_partials``
-combines them. The split count depends only on shapes (``choose_sparse_splits``), so a
-captured step keeps its grid.
+combines them. The split count depends only on shapes (``sparse_decode_grid``), so a
+captured step keeps its grid. A split takes at least ``min_split_rows`` slots (64: two
+loop steps; at batch 1, 32 splits of 2048 slots), because each split costs a float32
+partial of ``H x R`` (256 KiB at V3.2's 128 x 512) written and merged, against 72 KiB of
+bf16 rows it reads. The next block's slots and page ids load one step ahead, so a
+step's rows wait on one memory trip, not three. ``bench/sparse_mla_sweep.py`` times the
+launch knobs (``SparseDecodeConfig``) on V3.2 shapes.
 
 ``sparse_mla_decode`` also reads FP8 latent rows (a uint8 ``latent_cache``, the
 latent part of each row the FP8 MLA row of ``kernels/fp8/kv_rows.py``): the
-kernel dequantizes the rows it loads as ``paged_mla_decode_attention`` does, and
-the reference dequantizes the selected rows (``dequantized_latent``).
+kernel dequantizes the rows it loads as ``paged_mla_decode_attention`` does
+(``load_latent_rows``: a row's scales load once per group of 128 values, not once per
+value), and the reference dequantizes the selected rows (``dequantized_latent``).
 """
 
 from __future__ import annotations
