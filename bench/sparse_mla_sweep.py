@@ -18,8 +18,8 @@ of ``--kv``, batch of ``--batches``, context of ``--contexts`` and launch config
 
 Prints the table and each case's fastest config; ``--json`` writes the rows.
 ``--compile`` needs no GPU: each config compiled for sm_90 offline (bf16 and FP8 rows),
-with its registers, spilled bytes, shared memory and global loads by width (an FP8
-row's scales load 4 a row, not one per value: few ``ld.global.b32``).
+with its registers, spilled bytes, shared memory, global loads by width and ``cp.async``
+copies by size (16-byte vectors for the rows; an FP8 row's scales 4 a row, not one a value).
 
     python -m bench.sparse_mla_sweep --json bench/results/sparse_mla_sweep_h200.json
     python -m bench.sparse_mla_sweep --compile
@@ -54,11 +54,10 @@ from lanekv.kernels.mla_decode import merge_mla_partials, row_stride_args
 HEADS, RANK, ROPE, PAGE, TOPK, INDEX_DIM = 128, 512, 64, 64, 2048, 128
 H200_SMS = 132
 CHUNK = 1 << 18  # rows filled per step
-CONFIGS = (
-    "default", "64,32,8,2,128,1", "64,32,8,2,32,1", "64,32,4,2,64,1", "64,64,8,2,64,1",
-    "64,16,4,2,32,1", "64,32,8,3,64,1", "64,32,8,1,64,1", "64,32,8,2,64,2", "32,32,4,2,64,1",
-    "32,32,8,2,64,1", "32,32,4,2,128,1", "16,32,4,2,128,1", "16,32,4,2,256,1",
-    "128,32,8,2,32,1",
+CONFIGS = (  # default: 32,32,0,2,64,1; 128-head blocks need 256 KiB of shared memory
+    "default", "64,32,8,2,64,1", "64,32,8,2,128,1", "64,32,8,2,32,1", "64,32,4,2,64,1",
+    "64,64,8,2,64,1", "64,32,8,3,64,1", "32,32,8,2,32,1", "32,32,8,2,128,1", "32,32,4,2,64,1",
+    "32,32,8,3,64,1", "16,32,4,2,128,1",
 )
 
 
@@ -209,11 +208,18 @@ def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2, align: b
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
                                capture_output=True, text=True, check=True).stdout
     regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-    loads = Counter(re.findall(r"\bld\.global(?:\.\w+)*?(?:\.v\d)?\.[bfus]\d+", kernel.asm["ptx"]))
+    ptx = kernel.asm["ptx"]
+    loads = Counter(re.findall(r"\bld\.global(?:\.\w+)*?(?:\.v\d)?\.[bfus]\d+", ptx))
+    # pipelined loads are cp.async into shared memory: by bytes a copy (16 = whole vectors;
+    # 4 = one float32, the FP8 scales)
+    copies = Counter(int(n, 16) for n in re.findall(
+        r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (0x[0-9a-f]+)", ptx))
     return {"kv": kv, "config": label(cfg), "warps": warps, "partials": part,
             "registers": int(regs.group(1)) if regs else None,
             "local_bytes": int(local.group(1)) if local else None,
-            "shared": kernel.metadata.shared, "global_loads": dict(sorted(loads.items()))}
+            "shared": kernel.metadata.shared,
+            "ld_global": " ".join(f"{k[len('ld.global.'):]}:{v}" for k, v in sorted(loads.items())),
+            "cp_async_bytes": " ".join(f"{k}B:{v}" for k, v in sorted(copies.items()))}
 
 
 def main() -> int:

@@ -25,7 +25,8 @@ blocks, so without splits two SMs of 132 would do the work. Each split writes it
 float32 partial output and log2-sum-exp, and ``kernels.mla_decode.merge_mla_partials``
 combines them. The split count depends only on shapes (``sparse_decode_grid``), so a
 captured step keeps its grid. A split takes at least ``min_split_rows`` slots (64: two
-loop steps; at batch 1, 32 splits of 2048 slots), because each split costs a float32
+loop steps; at batch 1, 32 splits of 2048 slots for each of four 32-head blocks: 128
+programs on 132 SMs), because each split costs a float32
 partial of ``H x R`` (256 KiB at V3.2's 128 x 512) written and merged, against 72 KiB of
 bf16 rows it reads. The next block's slots and page ids load one step ahead, so a
 step's rows wait on one memory trip, not three. ``bench/sparse_mla_sweep.py`` times the
@@ -65,7 +66,10 @@ MAX_ROPE_DIM = 256
 class SparseDecodeConfig(NamedTuple):
     """Launch knobs of the sparse decode kernel (bench/sparse_mla_sweep.py sweeps them)."""
 
-    block_h: int = 64  # query heads per program (at most the head count's power of two)
+    # Query heads per program (at most the head count's power of two). 32: four head
+    # blocks of V3.2's 128 heads, 128 programs at batch 1 for the same partials as two
+    # blocks of 64; 183 registers, 75 KiB of shared memory at 8 warps (64: 255, 147 KiB).
+    block_h: int = 32
     block_n: int = 32  # selected rows per loop step
     num_warps: int = 0  # 0: 8 for a latent wider than 256, else 4
     num_stages: int = 2
