@@ -474,10 +474,10 @@ def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.
     # Columns of the latent cut over programs too, so that a long context's many partials
     # (264 splits x 2 KiB per head at batch 1) stream through several SMs per head.
     block_r = min(128, max(16, triton.next_power_of_2(rank))) if part_o.is_cuda else 16
-    # Up to 32 splits a loop step: each step's loads wait on the one before, and the
-    # sparse kernel at batch 1 writes 32-64 splits ([32, 128] float32 is 32 registers a
-    # thread at 4 warps).
-    block_s = min(32, max(8, triton.next_power_of_2(splits)))
+    # 32 splits a loop step on the GPU: each step's loads wait on the one before, and the
+    # sparse kernel at batch 1 writes 32 ([32, 128] float32 is 32 registers a thread at 4
+    # warps). Fixed, not by split count: a warm-up's split count compiles the step's merge.
+    block_s = 32 if part_o.is_cuda else 8
     _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
         part_o, part_lse, out, lens, heads, splits, max_kv_len, out.stride(0), out.stride(1),
         RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,

@@ -202,7 +202,7 @@ def test_busy_splits_cover_every_key_once():
                     assert 2 * per > split_keys
 
 
-@pytest.mark.parametrize("splits", [5, 37])  # one loop step of 8 splits; two of 32
+@pytest.mark.parametrize("splits", [5, 37])  # one loop step of 8 splits (interpreted); five
 def test_merge_without_lengths_takes_every_split(splits):
     """The sparse kernel's merge (no lengths): every split, -inf lse for an empty one, and
     a single split copied through; all empty gives zeros."""
