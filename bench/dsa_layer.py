@@ -22,7 +22,8 @@ context, pages shuffled over the pool), the new token of each request:
   warps, checked equal to its reference first (``radix_same``);
 - ``launches_*``: the GPU operations one eager call launches (torch.profiler): the
   step's top-k, ``radix_topk``, and the two chains;
-- ``sparse_us``: the sparse MLA decode over the selected rows (auto splits);
+- ``sparse_us``: the sparse MLA decode over the selected rows (auto splits; its launch
+  configs: ``bench/sparse_mla_sweep.py``);
 - ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` then the sparse decode
   captured as one graph (the layer's DSA attention as the decode step runs it);
   ``dsa_radix_us``: the same chain with the float scores and ``radix_topk`` in place

@@ -28,6 +28,11 @@ written by its stage-1 program straight to ``out`` (no partial) and the merge le
 it alone, so at short contexts stage 2 is a launch that exits.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
+
+Latent row strides reach the kernels divided by their largest power-of-two factor up
+to 16 (``row_stride_args``), which goes as a constexpr: Triton marks only ints divisible
+by 16, and a DSA pool plane's bf16 rows are 648 values apart, which it otherwise loads
+one value at a time.
 """
 
 from __future__ import annotations
@@ -108,15 +113,29 @@ def load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, ok, r, p, stride_lr,
                      KV_FP8: tl.constexpr, dtype: tl.constexpr):
     """Latent rows ``rows [N]`` (int64) -> (``[N, BLOCK_R]`` values, ``[N, BLOCK_P]`` RoPE
     part) in ``dtype``; masked rows read 0. FP8 rows are dequantized as they load:
-    ``(e4m3 -> float32) * scale``, rounded once to ``dtype`` (``unpack_mla_fp8_rows``)."""
+    ``(e4m3 -> float32) * scale``, rounded once to ``dtype`` (``unpack_mla_fp8_rows``).
+
+    A row's scales load once per group (``[N, BLOCK_R / GROUP]``) and broadcast over the
+    group, where the rank fills ``BLOCK_R`` (a power of two: V3's 512 is 4 groups of 128);
+    an odd rank (the tiny test checkpoints') loads one scale per value instead."""
     r_ok = r < RANK
     p_ok = p < RANK + ROPE
     if KV_FP8:
+        BLOCK_N: tl.constexpr = rows.shape[0]
+        BLOCK_R: tl.constexpr = r.shape[0]
         q8 = tl.load(latent_ptr + rows[:, None] * stride_lr + r[None, :],
                      mask=ok[:, None] & r_ok[None, :], other=0.0)
-        sc = tl.load(scale_ptr + rows[:, None] * stride_sr + r[None, :] // GROUP,
-                     mask=ok[:, None] & r_ok[None, :], other=0.0)
-        kv = (q8.to(tl.float32) * sc).to(dtype)
+        if RANK == BLOCK_R and BLOCK_R % GROUP == 0:
+            NUM_GROUPS: tl.constexpr = BLOCK_R // GROUP
+            g = tl.arange(0, NUM_GROUPS)
+            sc = tl.load(scale_ptr + rows[:, None] * stride_sr + g[None, :], mask=ok[:, None],
+                         other=0.0)  # [N, NUM_GROUPS]
+            kv = tl.reshape(q8.to(tl.float32), [BLOCK_N, NUM_GROUPS, GROUP]) * sc[:, :, None]
+            kv = tl.reshape(kv, [BLOCK_N, BLOCK_R]).to(dtype)
+        else:
+            sc = tl.load(scale_ptr + rows[:, None] * stride_sr + r[None, :] // GROUP,
+                         mask=ok[:, None] & r_ok[None, :], other=0.0)
+            kv = (q8.to(tl.float32) * sc).to(dtype)
         k_pe = tl.load(rope_ptr + rows[:, None] * stride_pr + (p - RANK)[None, :],
                        mask=ok[:, None] & p_ok[None, :], other=0.0).to(dtype)
     else:
@@ -124,6 +143,22 @@ def load_latent_rows(latent_ptr, scale_ptr, rope_ptr, rows, ok, r, p, stride_lr,
         kv = tl.load(row + r[None, :], mask=ok[:, None] & r_ok[None, :], other=0.0)
         k_pe = tl.load(row + p[None, :], mask=ok[:, None] & p_ok[None, :], other=0.0)
     return kv, k_pe
+
+
+def stride_align(stride: int) -> int:
+    """The largest power of two up to 16 dividing a row stride (in elements). The kernels
+    hint it (``tl.multiple_of``): Triton marks only ints divisible by 16, so rows of a DSA
+    pool plane (648 bf16 values apart, 16-byte aligned) would load one value at a time."""
+    return min(16, stride & -stride) if stride > 0 else 16
+
+
+def row_stride_args(strides: tuple[int, int, int]) -> tuple[tuple[int, int, int], dict]:
+    """``latent_views``' row strides as the kernels take them: each divided by its
+    ``stride_align``, which goes as the constexpr ``ALIGN_LR/SR/PR`` (the kernel multiplies
+    back; ``tl.multiple_of`` on a scalar argument is dropped)."""
+    aligns = [stride_align(s) for s in strides]
+    divided = tuple(s // a for s, a in zip(strides, aligns))
+    return divided, dict(ALIGN_LR=aligns[0], ALIGN_SR=aligns[1], ALIGN_PR=aligns[2])
 
 
 def latent_views(latent_cache: torch.Tensor, kv_lora_rank: int, rope_dim: int):
@@ -155,8 +190,14 @@ def _paged_mla_decode_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr, SPLIT_KEYS: tl.constexpr,
+    KV_FP8: tl.constexpr, SPLIT_KEYS: tl.constexpr, ALIGN_LR: tl.constexpr,
+    ALIGN_SR: tl.constexpr, ALIGN_PR: tl.constexpr,
 ):
+    # The row strides come divided by their known factors (stride_align), so that the
+    # compiler sees the factors and loads the latent rows in whole 16-byte vectors.
+    stride_lr = stride_lr * ALIGN_LR
+    stride_sr = stride_sr * ALIGN_SR
+    stride_pr = stride_pr * ALIGN_PR
     # Head blocks vary fastest, so the programs sharing a request's latent tiles run together.
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
@@ -399,16 +440,18 @@ def paged_mla_decode_attention_triton(
     # whole key blocks, so that a busy split's keys start on a block
     split_keys = triton.cdiv(max(1, cfg.min_split_keys), cfg.block_n) * cfg.block_n
     values, scales, rope_part, strides, group = latent_views(latent_cache, kv_lora_rank, rope)
+    row_strides, aligns = row_stride_args(strides)
     _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
         q, values, scales, rope_part, page_table, seq_lens, part_o, part_lse, out,
         softmax_scale * _LOG2E, max_kv_len, heads,
-        q.stride(0), q.stride(1), *strides, page_table.stride(0),
+        q.stride(0), q.stride(1), *row_strides, page_table.stride(0),
         out.stride(0), out.stride(1),
         RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
         BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
         KV_FP8=latent_cache.dtype == torch.uint8, SPLIT_KEYS=split_keys,
+        **aligns,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if write_partial:
@@ -431,9 +474,13 @@ def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.
     # Columns of the latent cut over programs too, so that a long context's many partials
     # (264 splits x 2 KiB per head at batch 1) stream through several SMs per head.
     block_r = min(128, max(16, triton.next_power_of_2(rank))) if part_o.is_cuda else 16
+    # 32 splits a loop step on the GPU: each step's loads wait on the one before, and the
+    # sparse kernel at batch 1 writes 32 ([32, 128] float32 is 32 registers a thread at 4
+    # warps). Fixed, not by split count: a warm-up's split count compiles the step's merge.
+    block_s = 32 if part_o.is_cuda else 8
     _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
         part_o, part_lse, out, lens, heads, splits, max_kv_len, out.stride(0), out.stride(1),
-        RANK=rank, BLOCK_R=block_r, BLOCK_S=8,
+        RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
         HAS_LENS=busy is not None, SPLIT_KEYS=split_keys, BLOCK_N=block_n,
     )
 

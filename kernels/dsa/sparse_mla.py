@@ -23,13 +23,20 @@ Decode splits each request's ``K`` selected slots over ``num_splits`` programs p
 block of heads (flash-decoding): at batch 1 a DeepSeek-V3.2 layer has only two head
 blocks, so without splits two SMs of 132 would do the work. Each split writes its
 float32 partial output and log2-sum-exp, and ``kernels.mla_decode.merge_mla_partials``
-combines them. The split count depends only on shapes (``choose_sparse_splits``), so a
-captured step keeps its grid.
+combines them. The split count depends only on shapes (``sparse_decode_grid``), so a
+captured step keeps its grid. A split takes at least ``min_split_rows`` slots (64: two
+loop steps; at batch 1, 32 splits of 2048 slots for each of four 32-head blocks: 128
+programs on 132 SMs), because each split costs a float32
+partial of ``H x R`` (256 KiB at V3.2's 128 x 512) written and merged, against 72 KiB of
+bf16 rows it reads. The next block's slots and page ids load one step ahead, so a
+step's rows wait on one memory trip, not three. ``bench/sparse_mla_sweep.py`` times the
+launch knobs (``SparseDecodeConfig``) on V3.2 shapes.
 
 ``sparse_mla_decode`` also reads FP8 latent rows (a uint8 ``latent_cache``, the
 latent part of each row the FP8 MLA row of ``kernels/fp8/kv_rows.py``): the
-kernel dequantizes the rows it loads as ``paged_mla_decode_attention`` does, and
-the reference dequantizes the selected rows (``dequantized_latent``).
+kernel dequantizes the rows it loads as ``paged_mla_decode_attention`` does
+(``load_latent_rows``: a row's scales load once per group of 128 values, not once per
+value), and the reference dequantizes the selected rows (``dequantized_latent``).
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from lanekv.kernels.mla_decode import (
     latent_views,
     load_latent_rows,
     merge_mla_partials,
+    row_stride_args,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,16 +64,27 @@ MAX_ROPE_DIM = 256
 
 
 class SparseDecodeConfig(NamedTuple):
-    """Launch knobs of the sparse decode kernel (bench/kernels_dsa.py sweeps them)."""
+    """Launch knobs of the sparse decode kernel (bench/sparse_mla_sweep.py sweeps them)."""
 
-    block_h: int = 64  # query heads per program (at most the head count's power of two)
+    # Query heads per program (at most the head count's power of two). 32: four head
+    # blocks of V3.2's 128 heads, 128 programs at batch 1 for the same partials as two
+    # blocks of 64; 183 registers, 75 KiB of shared memory at 8 warps (64: 255, 147 KiB).
+    block_h: int = 32
     block_n: int = 32  # selected rows per loop step
     num_warps: int = 0  # 0: 8 for a latent wider than 256, else 4
     num_stages: int = 2
     # Auto split count: about this many programs per SM, never fewer than
     # min_split_rows selected slots per split (each split writes a partial).
     programs_per_sm: int = 1
-    min_split_rows: int = 128
+    min_split_rows: int = 64
+
+
+class SparseDecodeGrid(NamedTuple):
+    """The launch grid a batch gets: ``(head_blocks, batch, num_splits)`` programs."""
+
+    block_h: int
+    head_blocks: int
+    num_splits: int
 
 
 def choose_sparse_splits(programs: int, topk: int, num_sms: int,
@@ -74,7 +93,19 @@ def choose_sparse_splits(programs: int, topk: int, num_sms: int,
     if programs == 0 or topk <= 0:
         return 1
     wanted = triton.cdiv(num_sms * config.programs_per_sm, programs)
-    return max(1, min(wanted, triton.cdiv(topk, config.min_split_rows)))
+    return max(1, min(wanted, triton.cdiv(topk, max(1, config.min_split_rows))))
+
+
+def sparse_decode_grid(batch: int, heads: int, topk: int, num_sms: int,
+                       config: SparseDecodeConfig, num_splits: int | None = None
+                       ) -> SparseDecodeGrid:
+    """Head block, head blocks and splits of a launch (``num_splits`` None: chosen from the
+    shapes alone, so a captured step keeps its grid)."""
+    block_h = max(16, min(triton.next_power_of_2(config.block_h), triton.next_power_of_2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    if num_splits is None:
+        num_splits = choose_sparse_splits(batch * head_blocks, topk, num_sms, config)
+    return SparseDecodeGrid(block_h, head_blocks, num_splits)
 
 
 @triton.jit(do_not_specialize=["stride_tb"])
@@ -86,8 +117,14 @@ def _sparse_mla_kernel(
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, ALIGN_LR: tl.constexpr, ALIGN_SR: tl.constexpr,
+    ALIGN_PR: tl.constexpr,
 ):
+    # The row strides come divided by their known factors (stride_align), so that the
+    # compiler sees them: a DSA plane's 648-value bf16 rows load in 16-byte vectors.
+    stride_lr = stride_lr * ALIGN_LR
+    stride_sr = stride_sr * ALIGN_SR
+    stride_pr = stride_pr * ALIGN_PR
     head_block = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
@@ -109,12 +146,22 @@ def _sparse_mla_kernel(
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_R], tl.float32)
+    # The next block's slots and page ids load one iteration ahead, so a block's latent
+    # loads wait on one memory trip, not on the slots', then the page table's, then theirs.
+    n_next = start + tl.arange(0, BLOCK_N)
+    idx_next = tl.load(idx_ptr + b * stride_ib + n_next, mask=n_next < end, other=-1)
+    if PAGED:
+        page_next = tl.load(table_ptr + b * stride_tb + idx_next // PAGE_SIZE,
+                            mask=idx_next >= 0, other=0)
     for n0 in range(start, end, BLOCK_N):
-        n = n0 + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b * stride_ib + n, mask=n < end, other=-1)
+        idx = idx_next
         sel = idx >= 0
+        n_next = n0 + BLOCK_N + tl.arange(0, BLOCK_N)
+        idx_next = tl.load(idx_ptr + b * stride_ib + n_next, mask=n_next < end, other=-1)
         if PAGED:
-            page = tl.load(table_ptr + b * stride_tb + idx // PAGE_SIZE, mask=sel, other=0)
+            page = page_next
+            page_next = tl.load(table_ptr + b * stride_tb + idx_next // PAGE_SIZE,
+                                mask=idx_next >= 0, other=0)
             row = page.to(tl.int64) * PAGE_SIZE + idx % PAGE_SIZE
         else:
             row = idx.to(tl.int64)
@@ -254,12 +301,10 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
         return out
     cfg = config or SparseDecodeConfig()
     rope = width - kv_lora_rank
-    block_h = max(16, min(triton.next_power_of_2(cfg.block_h), triton.next_power_of_2(heads)))
-    head_blocks, topk = triton.cdiv(heads, block_h), indices.shape[1]
-    if num_splits is None:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.is_cuda else 1)  # the interpreter runs programs one by one
-        num_splits = choose_sparse_splits(rows * head_blocks, topk, num_sms, cfg)
+    num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 1)  # the interpreter runs programs one by one
+    block_h, head_blocks, num_splits = sparse_decode_grid(rows, heads, indices.shape[1], num_sms,
+                                                          cfg, num_splits)
     write_partial = num_splits > 1
     if write_partial:
         part_o = torch.empty((rows, heads, num_splits, kv_lora_rank), dtype=torch.float32,
@@ -269,11 +314,13 @@ def _launch(q, latent, indices, page_table, page_size, softmax_scale, kv_lora_ra
         part_o = part_lse = out  # unused
     table = page_table if paged else indices  # unused when not paged
     values, scales, rope_part, strides, group = latent_views(latent, kv_lora_rank, rope)
+    row_strides, aligns = row_stride_args(strides)
     _sparse_mla_kernel[(head_blocks, rows, num_splits)](
         q, values, scales, rope_part, indices, table, out, part_o, part_lse,
-        softmax_scale * _LOG2E, heads, topk,
-        q.stride(0), q.stride(1), *strides, indices.stride(0), table.stride(0),
+        softmax_scale * _LOG2E, heads, indices.shape[1],
+        q.stride(0), q.stride(1), *row_strides, indices.stride(0), table.stride(0),
         out.stride(0), out.stride(1), GROUP=group, KV_FP8=latent.dtype == torch.uint8,
+        **aligns,
         RANK=kv_lora_rank, ROPE=rope, PAGED=paged, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_R=max(16, triton.next_power_of_2(kv_lora_rank)),
         BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))), BLOCK_N=cfg.block_n,

@@ -126,7 +126,8 @@ def _mla_cache(rows, rank, rope, seed, pad=0):
 
 
 @pytest.mark.parametrize("lens,heads,rank,rope,page_size,splits,pad", [
-    ([6, 11], 4, 32, 8, 4, 1, 0), ([19], 3, 48, 16, 8, 2, 12), ([0, 3], 2, 32, 8, 4, 1, 0)])
+    ([6, 11], 4, 32, 8, 4, 1, 0), ([19], 3, 48, 16, 8, 2, 12), ([0, 3], 2, 32, 8, 4, 1, 0),
+    ([21], 2, 256, 16, 8, 3, 16)])  # 256: two groups, scales loaded once per row and group
 def test_paged_mla_decode_reads_fp8_rows(lens, heads, rank, rope, page_size, splits, pad):
     table, num_pages, seq_lens = _paged(lens, page_size, 7, 4)
     cache = _mla_cache(num_pages * page_size, rank, rope, 8, pad)

@@ -25,6 +25,8 @@ from lanekv.kernels.mla_decode import (
     paged_mla_decode_attention,
     paged_mla_decode_attention_ref,
     paged_mla_decode_attention_triton,
+    row_stride_args,
+    stride_align,
 )
 
 from tests.markers import requires_gpu
@@ -179,6 +181,13 @@ def test_choose_mla_splits_fills_the_gpu():
     assert choose_mla_splits(0, 100, 132, cfg) == 1
 
 
+def test_row_strides_go_divided_by_their_power_of_two():
+    # a DSA plane's bf16 rows (648 values), its FP8 rows' scales (200 floats), odd strides
+    assert [stride_align(s) for s in (648, 800, 200, 576, 13, 6, 0)] == [8, 16, 8, 16, 1, 2, 16]
+    assert row_stride_args((648, 200, 13)) == ((81, 25, 13),
+                                              {"ALIGN_LR": 8, "ALIGN_SR": 8, "ALIGN_PR": 1})
+
+
 def test_busy_splits_cover_every_key_once():
     """A request's busy splits: at most num_splits, none empty, together every key once,
     each more than half split_keys keys (whole blocks) unless num_splits caps their count."""
@@ -193,12 +202,13 @@ def test_busy_splits_cover_every_key_once():
                     assert 2 * per > split_keys
 
 
-def test_merge_without_lengths_takes_every_split():
+@pytest.mark.parametrize("splits", [5, 37])  # one loop step of 8 splits (interpreted); five
+def test_merge_without_lengths_takes_every_split(splits):
     """The sparse kernel's merge (no lengths): every split, -inf lse for an empty one, and
     a single split copied through; all empty gives zeros."""
     gen = torch.Generator().manual_seed(6)
-    part_o = torch.randn(2, 3, 5, 20, generator=gen)
-    lse = torch.randn(2, 3, 5, generator=gen)
+    part_o = torch.randn(2, 3, splits, 20, generator=gen)
+    lse = torch.randn(2, 3, splits, generator=gen)
     lse[0, :, 1] = float("-inf")
     lse[1, 2] = float("-inf")
     out = torch.full((2, 3, 20), float("nan"))

@@ -5,6 +5,7 @@ import torch
 from lanekv.kernels.dsa.sparse_mla import (
     SparseDecodeConfig,
     choose_sparse_splits,
+    sparse_decode_grid,
     sparse_mla_decode,
     sparse_mla_decode_ref,
     sparse_mla_decode_triton,
@@ -12,6 +13,7 @@ from lanekv.kernels.dsa.sparse_mla import (
     sparse_mla_prefill_ref,
     sparse_mla_prefill_triton,
 )
+from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows_ref
 
 from tests.markers import requires_gpu
 
@@ -114,11 +116,58 @@ def test_split_decode_matches_reference(splits, topk, heads):
 
 def test_split_count_fills_the_device():
     cfg = SparseDecodeConfig()
-    # V3.2 at batch 1: 2 head blocks; top 2048 in runs of at least 128 slots.
-    assert choose_sparse_splits(2, 2048, 132, cfg) == 16
+    # V3.2 at batch 1: 2 head blocks; top 2048 in runs of at least 64 slots (two blocks).
+    assert choose_sparse_splits(2, 2048, 132, cfg) == 32
+    assert choose_sparse_splits(32, 2048, 132, cfg) == 5  # batch 16
     assert choose_sparse_splits(128, 2048, 132, cfg) == 2
     assert choose_sparse_splits(256, 2048, 132, cfg) == 1
-    assert choose_sparse_splits(2, 100, 132, cfg) == 1
+    assert choose_sparse_splits(2, 100, 132, cfg) == 2
+    # one block a split, two programs an SM: 32-head blocks at batch 1 give 64 splits
+    small = SparseDecodeConfig(block_h=32, min_split_rows=32, programs_per_sm=2)
+    assert sparse_decode_grid(1, 128, 2048, 132, small) == (32, 4, 64)
+    # the grid is the shapes' alone, and a head block never outgrows the heads
+    assert sparse_decode_grid(3, 20, 9, 132, cfg) == (32, 1, 1)
+    assert sparse_decode_grid(1, 128, 2048, 132, cfg, num_splits=7).num_splits == 7
+
+
+def _fp8_rows(rows, rank, rope, gen):
+    """FP8 latent rows of values over four decades (the groups' scales differ)."""
+    x = torch.randn(rows, rank + rope, generator=gen) * torch.logspace(-2, 2, rank + rope)[
+        torch.randperm(rank + rope, generator=gen)]
+    return pack_mla_fp8_rows_ref(x, rank)
+
+
+@pytest.mark.parametrize("rows_kind,dtype,rank,rope,heads,topk", [
+    ("plain", torch.float32, 24, 8, 3, 53),
+    ("plain", torch.float16, 32, 16, 20, 70),
+    ("fp8", torch.float32, 48, 16, 3, 41),  # 3 groups of 16, rank not a power of two
+    ("fp8", torch.float32, 256, 16, 2, 70),  # 2 groups of 128: scales once per row and group
+    ("fp8", torch.float16, 32, 8, 5, 37),  # 1 group
+])
+def test_auto_splits_match_reference(rows_kind, dtype, rank, rope, heads, topk):
+    """The split count the config picks (many one-block splits, more than a request's
+    blocks: splits without rows), -1 padding, a request with no row, odd sizes."""
+    gen = torch.Generator().manual_seed(rank + topk)
+    page_size, batch, width = 4, 3, 25
+    positions, pages = width * page_size, batch * width
+    if rows_kind == "fp8":
+        cache = _fp8_rows(pages * page_size, rank, rope, gen)
+    else:  # rows 6 values apart from the next: a stride of no power of two past 2
+        cache = torch.randn(pages * page_size, rank + rope + 6, generator=gen).to(dtype)
+        cache = cache[:, : rank + rope]
+    table = torch.randperm(pages, generator=gen).view(batch, width).int()
+    idx = _selection(batch, positions, topk, gen)  # request 1 half padded, request 2 none
+    q = (torch.randn(batch, heads, rank + rope, generator=gen) * 0.1).to(dtype)
+    cfg = SparseDecodeConfig(block_h=16, block_n=16, min_split_rows=16, programs_per_sm=16)
+    splits = sparse_decode_grid(batch, heads, topk, 1, cfg).num_splits
+    assert splits == min(-(-16 // (batch * -(-heads // 16))), -(-topk // 16)) and splits > 1
+    want = sparse_mla_decode_ref(q, cache, table, idx, page_size, 0.3, rank)
+    got = sparse_mla_decode_triton(q, cache, table, idx, page_size, 0.3, rank, config=cfg,
+                                   out=torch.full_like(want, float("nan")))
+    # FP8 rows' values reach ~100; float32 sums in another order differ by ~1e-6 of that
+    tol = 3e-3 if dtype == torch.float16 else 1e-4 if rows_kind == "fp8" else 2e-5
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert (got[2] == 0).all()
 
 
 def test_arguments_are_refused_by_name():
