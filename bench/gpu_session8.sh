@@ -5,7 +5,8 @@
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session8.sh PART
 #   a: the GPU tests of this session's kernels and read streams; issue 33: the decode-row
 #      GEMM sweep with the w8a16 family (table written under $OUT), the FP8 decode step
-#      with that table, the batch-1 profile; issue 36: TTFT over gRPC from the rank's
+#      with that table, the batch-1 profile; issue 37: the DSA sparse kernel's configs;
+#      issue 36: TTFT over gRPC from the rank's
 #      own streams and through 4 staged sender relays, beside colocated and the fast path.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -14,12 +15,12 @@ L=/tmp/lanekv_logs; mkdir -p "$L"
 trap 'tar -C "$L" -czf "$OUT/logs_$part.tgz" .' EXIT
 case "$part" in
 a)
-    timeout 110 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8.py \
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8.py \
         tests/kernels/test_fp8_w8a16.py tests/transfer/grpcfetch/test_layerwise.py \
-        tests/transfer/rank/test_relay_staged.py \
+        tests/transfer/rank/test_relay_staged.py tests/kernels/test_sparse_mla.py tests/kernels/test_mla_decode.py \
         ${EXTRA_TESTS:-} > "$L/gpu_tests_a.log" 2>&1
     echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_a.log" | cut -c1-180; tail -1 "$L/gpu_tests_a.log"
-    timeout 150 python3 bench/fp8.py --only gemm --sweep --rows 1 16 --write-table "$OUT/nvidia_h200.json" \
+    timeout 130 python3 bench/fp8.py --only gemm --sweep --rows 1 16 --write-table "$OUT/nvidia_h200.json" \
         --json "$OUT/gemm_sweep_decode_h200.json" > "$L/fp8_sweep_decode.log" 2>&1
     echo "sweep rc=$?"; grep -E "^(llama|v2_lite)" "$L/fp8_sweep_decode.log" | cut -c1-150
     LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 120 python3 bench/fp8.py --only decode \
@@ -28,6 +29,9 @@ a)
     LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 60 python3 bench/deepseek_profile.py \
         --llama3-8b --fp8 --batch 1 --context 1024 > "$L/profile_llama_fp8_b1.log" 2>&1
     echo "profile rc=$?"; grep -A16 "device kernels, layer 1" "$L/profile_llama_fp8_b1.log"
+    timeout 150 python3 -m bench.sparse_mla_sweep --configs default 64,32,8,2,128,1 64,32,8,2,32,1 \
+        32,32,8,2,32,1 32,32,4,2,64,1 --json "$OUT/sparse_mla_sweep_h200.json" > "$L/sparse_mla_sweep.log" 2>&1
+    echo "sparse sweep rc=$?"; tail -30 "$L/sparse_mla_sweep.log"
     timeout 150 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
         --paths grpc fast --fetch-streams 4 --fetch-relays 4 --json "$OUT/ttft_relays_staged_h200.json" \
         > "$L/ttft_relays_staged.log" 2>&1
