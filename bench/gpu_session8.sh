@@ -5,9 +5,9 @@
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session8.sh PART
 #   a: the GPU tests of this session's kernels and read streams; issue 33: the decode-row
 #      GEMM sweep with the w8a16 family (table written under $OUT), the FP8 decode step
-#      with that table, the batch-1 profile; issue 37: the DSA sparse kernel's configs;
-#      issue 36: TTFT over gRPC from the rank's
-#      own streams and through 4 staged sender relays, beside colocated and the fast path.
+#      with that table, the batch-1 profile; issue 37: the DSA sparse kernel's configs.
+#   b: issue 36: TTFT over gRPC from the rank's own streams and through 4 staged sender
+#      relays, beside colocated and the fast path.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part=${1:-a}
@@ -31,7 +31,8 @@ a)
     echo "profile rc=$?"; grep -A16 "device kernels, layer 1" "$L/profile_llama_fp8_b1.log"
     timeout 150 python3 -m bench.sparse_mla_sweep --configs default 64,32,8,2,128,1 64,32,8,2,32,1 \
         32,32,8,2,32,1 32,32,4,2,64,1 --json "$OUT/sparse_mla_sweep_h200.json" > "$L/sparse_mla_sweep.log" 2>&1
-    echo "sparse sweep rc=$?"; tail -30 "$L/sparse_mla_sweep.log"
+    echo "sparse sweep rc=$?"; tail -30 "$L/sparse_mla_sweep.log" ;;
+b)
     timeout 150 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
         --paths grpc fast --fetch-streams 4 --fetch-relays 4 --json "$OUT/ttft_relays_staged_h200.json" \
         > "$L/ttft_relays_staged.log" 2>&1
