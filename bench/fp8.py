@@ -7,9 +7,9 @@
   the linear as a model runs it, the activations' per-token-group quantization
   included, inside the GEMM or first as ``linear_plan`` decides
   (``linear_fused_quant``); at <= 64 rows both ways, ``linear_fused_ms`` and
-  ``linear_unfused_ms``; a w8a16 config quantizes nothing: ``linear_ms`` alone),
-  against
-  ``torch._scaled_mm`` with row-wise scales (``scaled_mm_row_ms``) and with our
+  ``linear_unfused_ms``, and a swept decode row whose winner ran faster quantizing
+  first records ``quant_first`` in its config (``record_quant_first``); a w8a16
+  config quantizes nothing: ``linear_ms`` alone), against ``torch._scaled_mm`` with row-wise scales (``scaled_mm_row_ms``) and with our
   own block scales (1x128 activations, 128x128 weights: ``scaled_mm_block_ms``,
   through ``torch._scaled_mm`` or ``F.scaled_mm`` with ``ScalingType``, whichever
   this torch runs; ``None`` with the reason otherwise, or when its result
@@ -418,6 +418,8 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 else:
                     row["linear_ms"] = row["linear_fused_ms" if row["linear_fused_quant"]
                                            else "linear_unfused_ms"]
+                if sweep and as_linear and record_quant_first(row):
+                    cfg = GemmConfig(**row["config"])
                 row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x, w.t())
                                                     for w in bf16s]))
                 a_row = (x.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)
@@ -480,6 +482,19 @@ def _summary(rows: list[dict]) -> None:
             geo = math.exp(sum(math.log(v) for v in sel) / len(sel))
             print(f"{label}: select_config's pick vs best torch FP8 min {min(sel):.2f} "
                   f"geomean {geo:.2f} ({len(sel)} shapes)", flush=True)
+
+
+def record_quant_first(row: dict) -> bool:
+    """A swept decode row whose w8a8 winner ran faster quantizing ``x`` first than inside
+    the GEMM: its config takes ``quant_first`` (the table then makes the linear quantize
+    first) and ``linear_ms`` the faster time. True if it changed the row."""
+    fused, unfused = row.get("linear_fused_ms"), row.get("linear_unfused_ms")
+    if row["config"].get("w8a16") or fused is None or unfused is None or unfused >= fused:
+        return False
+    row["config"] = {**row["config"], "quant_first": True}
+    row["config_name"] = GemmConfig(**row["config"]).name()
+    row["linear_fused_quant"], row["linear_ms"] = False, unfused
+    return True
 
 
 def write_table(path: Path, rows: list[dict], device_name: str) -> None:

@@ -438,7 +438,8 @@ def linear_plan(rows: int, n: int, k: int, block: tuple[int, int], device: torch
     """For ``rows`` of a ``[n, k]`` weight: the config (``config``, else the table's
     or the heuristic's) and the fusion (``fuse_quant``, else: at most
     ``FUSED_QUANT_MAX_ROWS`` rows, row tiles of at most ``FUSED_QUANT_MAX_BLOCK_M``,
-    the k step one scale group). A w8a16 config quantizes nothing: ``fuse_quant`` is
+    the k step one scale group, unless the config says ``quant_first``: the sweep timed
+    the quantization kernel then the GEMM faster for that shape). A w8a16 config quantizes nothing: ``fuse_quant`` is
     False. An explicit ``fuse_quant`` asks for quantized activations: a table's or the
     heuristic's w8a16 pick then runs as its w8a8 twin; with a w8a16 ``config`` it is
     refused."""
@@ -452,7 +453,7 @@ def linear_plan(rows: int, n: int, k: int, block: tuple[int, int], device: torch
         return LinearPlan(cfg, False)
     if fuse_quant is None:
         fuse_quant = (rows <= FUSED_QUANT_MAX_ROWS and cfg.block_m <= FUSED_QUANT_MAX_BLOCK_M
-                      and cfg.block_k == block[1])
+                      and cfg.block_k == block[1] and not cfg.quant_first)
     return LinearPlan(cfg, fuse_quant)
 
 

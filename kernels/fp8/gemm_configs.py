@@ -101,6 +101,10 @@ class GemmConfig(NamedTuple):
     persistent: bool = False
     lag: bool = False
     w8a16: bool = False
+    # The linear quantizes x with the quantization kernel first (a w8a8 config at decode
+    # rows where the sweep timed that faster than quantizing inside the GEMM); the GEMM
+    # itself does not read it.
+    quant_first: bool = False
 
     @property
     def dot_k(self) -> int:
@@ -110,7 +114,8 @@ class GemmConfig(NamedTuple):
 
     def name(self) -> str:
         flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag),
-                                        ("W", self.w8a16)) if on)
+                                        ("W", self.w8a16), ("Q", self.quant_first))
+                        if on)
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
 
@@ -147,13 +152,13 @@ def check_config(cfg: GemmConfig) -> GemmConfig:
         value = getattr(cfg, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
             raise ValueError(f"{field} must be an int in [1, 64], got {value!r}")
-    for field in ("tma", "persistent", "lag", "w8a16"):
+    for field in ("tma", "persistent", "lag", "w8a16", "quant_first"):
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{field} must be a bool, got {getattr(cfg, field)!r}")
     if cfg.w8a16:
-        for field in ("tma", "persistent", "lag"):
+        for field in ("tma", "persistent", "lag", "quant_first"):
             if getattr(cfg, field):
-                raise ValueError(f"{field}=True is a w8a8 switch; a w8a16 config takes "
+                raise ValueError(f"{field}=True is a w8a8 switch; a w8a16 config quantizes nothing and takes "
                                  f"pointer loads, one program per tile (got {cfg.name()})")
     return cfg
 
