@@ -24,9 +24,10 @@ block of heads (flash-decoding): at batch 1 a DeepSeek-V3.2 layer has only two h
 blocks, so without splits two SMs of 132 would do the work. Each split writes its
 float32 partial output and log2-sum-exp, and ``kernels.mla_decode.merge_mla_partials``
 combines them. The split count depends only on shapes (``sparse_decode_grid``), so a
-captured step keeps its grid. A split takes at least ``min_split_rows`` slots (64: two
-loop steps; at batch 1, 32 splits of 2048 slots for each of four 32-head blocks: 128
-programs on 132 SMs), because each split costs a float32
+captured step keeps its grid. A split takes at least ``min_split_rows`` slots (32: one
+loop step; at batch 1, 64 splits of 2048 slots for each of two 64-head blocks: 128
+programs on 132 SMs; the H200 sweep chose it, ``SparseDecodeConfig``), because each
+split costs a float32
 partial of ``H x R`` (256 KiB at V3.2's 128 x 512) written and merged, against 72 KiB of
 bf16 rows it reads. The next block's slots and page ids load one step ahead, so a
 step's rows wait on one memory trip, not three. ``bench/sparse_mla_sweep.py`` times the
@@ -66,17 +67,21 @@ MAX_ROPE_DIM = 256
 class SparseDecodeConfig(NamedTuple):
     """Launch knobs of the sparse decode kernel (bench/sparse_mla_sweep.py sweeps them)."""
 
-    # Query heads per program (at most the head count's power of two). 32: four head
-    # blocks of V3.2's 128 heads, 128 programs at batch 1 for the same partials as two
-    # blocks of 64; 183 registers, 75 KiB of shared memory at 8 warps (64: 255, 147 KiB).
-    block_h: int = 32
-    block_n: int = 32  # selected rows per loop step
-    num_warps: int = 0  # 0: 8 for a latent wider than 256, else 4
+    # Query heads per program (at most the head count's power of two), selected rows per
+    # loop step, warps (0: 8 for a latent wider than 256, else 4), pipeline stages. The
+    # H200 sweep of 2026-12-03 (bench/results/session8_h200/sparse_mla_sweep_h200.json,
+    # V3.2 shapes): 64-head blocks on 8 warps with splits of at least 32 rows were the
+    # fastest or within 10% of it in every case (batch 1 and 16, bf16 and FP8 rows,
+    # 8k-128k): 19.3 / 20.1 us at batch 1 (bf16 / FP8), 138 / 156 us at batch 16, where
+    # 32-head blocks took 17.6 / 27.7 and 206 / 371.
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
     num_stages: int = 2
     # Auto split count: about this many programs per SM, never fewer than
     # min_split_rows selected slots per split (each split writes a partial).
     programs_per_sm: int = 1
-    min_split_rows: int = 64
+    min_split_rows: int = 32
 
 
 class SparseDecodeGrid(NamedTuple):
