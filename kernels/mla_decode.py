@@ -549,14 +549,17 @@ def paged_mla_decode_partials(
     page_size: int,
     softmax_scale: float,
     kv_lora_rank: int,
+    *,
+    num_splits: int | None = None,
 ) -> MLAPartials:
     """``paged_mla_decode_attention`` before the merge: stage 1 (Triton), or the
     reference's finished output as ``MLAPartials`` without partials."""
     if use_triton(q):
         return paged_mla_decode_stage1(q, latent_cache, page_table, seq_lens, page_size,
-                                       softmax_scale, kv_lora_rank)
-    return MLAPartials(paged_mla_decode_attention_ref(q, latent_cache, page_table, seq_lens,
-                                                      page_size, softmax_scale, kv_lora_rank))
+                                       softmax_scale, kv_lora_rank, num_splits=num_splits)
+    return MLAPartials(paged_mla_decode_attention_ref(
+        q, latent_cache, page_table, seq_lens, page_size, softmax_scale, kv_lora_rank,
+        num_splits=num_splits))
 
 
 # ---- the absorbed form's projections: q_nope into the latent space, the output out of it ----
