@@ -124,9 +124,9 @@ def _check_args(parts: MLAPartials, w_v: torch.Tensor) -> None:
     busy = parts.busy
     if not isinstance(busy, tuple) or len(busy) != 4 or not isinstance(busy[0], torch.Tensor) \
             or busy[0].shape != (batch,) or busy[0].dtype != torch.int32 \
-            or not all(isinstance(x, int) and x > 0 for x in busy[1:]):
-        raise ValueError(f"parts.busy must be (seq_lens [{batch}] int32, max_kv_len, split_keys, "
-                         f"block_n) with positive ints, got {busy!r:.120}")
+            or not all(isinstance(x, int) and x >= low for x, low in zip(busy[1:], (0, 1, 1))):
+        raise ValueError(f"parts.busy must be (seq_lens [{batch}] int32, max_kv_len >= 0, "
+                         f"split_keys > 0, block_n > 0), got {busy!r:.120}")
     check_same_device(out=out, w_v=w_v, part_o=part_o, part_lse=part_lse, seq_lens=busy[0])
 
 
