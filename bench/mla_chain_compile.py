@@ -93,9 +93,8 @@ def expand_partials() -> dict:
                **_ints("num_tokens", "num_heads", "num_splits", "max_kv_len", "split_keys",
                        "stride_dt", "stride_dh", "stride_wh", "stride_wv", "stride_yt",
                        "stride_yh"))
-    consts = dict(RANK=RANK, V_DIM=V_DIM, KEY_BLOCK=32, BLOCK_T=16, BLOCK_R=128, BLOCK_V=16,
-                  DOT_PRECISION="tf32")
-    return compile_kernel(_expand_partials_kernel, sig, consts, 4)
+    consts = dict(RANK=RANK, V_DIM=V_DIM, KEY_BLOCK=32, BLOCK_S=32, BLOCK_R=RANK, BLOCK_V=16)
+    return compile_kernel(_expand_partials_kernel, sig, consts, 8)
 
 
 def main() -> None:

@@ -5,17 +5,23 @@ latent output ``[B, H, R]`` (``merge_mla_partials``), then that output through
 kv_b_proj's V part ``w_v [H, V, R]`` (``mla_expand_output``). Here the expansion
 reads stage 1's ``MLAPartials`` directly: each program (head, block of V columns)
 merges the latent columns it multiplies as it loads them, softmax-weighted by the
-busy splits' log2-sum-exps, so the merge is no launch of its own (at batch 1 on
-the H200 the merge was a 3.5 us kernel and a graph node). A request whose keys
+busy splits' log2-sum-exps, so the merge is no launch (nor graph node) of its own.
+A request whose keys
 fit one split reads stage 1's direct output instead. Without partials (one split)
 the plain expansion runs, reading ``out`` as before.
 
-Every program of a head merges the head's whole latent: the partials (``S x R``
-float32 per head) are reread once per block of V columns, from L2 (they were just
-written). The merged row is rounded to the model dtype before the product, as the
-standalone merge rounds its output, so the two paths differ only in the float32
-sum's order. Shapes alone fix the grid and the compile-time arguments (lengths
-are read on the device): capturable in a CUDA graph at any batch.
+A program (head, 16 V columns) reads its columns of ``w_v`` once, then for each
+token loads a chunk of busy splits across the whole latent row in one go (32 splits
+x 512 float32 over 8 warps: a 1k-token request at batch 1 is two chunks), merges
+them with a running maximum and multiplies the merged row by its columns: a few
+memory round trips per token, where a loop over splits and column blocks would
+wait on one per (split, block). Tokens run one after another, so only batches of up
+to ``FUSED_MERGE_MAX_TOKENS`` take it (shape-only, as a CUDA graph needs); larger
+ones merge with the standalone kernel, then expand. Every program of a head merges
+the head's whole latent: the partials are reread once per block of V columns, from
+L2 (they were just written). The merged row is rounded to the model dtype before the
+product, as the standalone merge rounds its output, so the two paths differ only in
+the float32 sums' order. Lengths are read on the device: capturable at any batch.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.mla_decode import (
-    MAX_PROJECTION_TOKENS,
     MLAPartials,
     _busy_splits,
     busy_splits_ref,
@@ -35,6 +40,11 @@ from lanekv.kernels.mla_decode import (
     mla_expand_output_triton,
 )
 
+# Tokens run one after another in a program (each a few memory round trips: its length,
+# its partials, the product), so larger decode batches take the standalone merge, whose
+# grid spreads (head, request, columns) over the SMs, then the tiled expansion.
+FUSED_MERGE_MAX_TOKENS = 8
+
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "max_kv_len", "split_keys"])
 def _expand_partials_kernel(
@@ -42,52 +52,47 @@ def _expand_partials_kernel(
     num_tokens, num_heads, num_splits, max_kv_len, split_keys,
     stride_dt, stride_dh, stride_wh, stride_wv, stride_yt, stride_yh,
     RANK: tl.constexpr, V_DIM: tl.constexpr, KEY_BLOCK: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V_DIM
-    for t0 in range(0, num_tokens, BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
-        t_ok = t < num_tokens
-        seq_len = tl.minimum(tl.load(lens_ptr + t, mask=t_ok, other=0), max_kv_len)
+    r = tl.arange(0, BLOCK_R)  # the whole latent row: one load per chunk of splits
+    r_ok = r < RANK
+    s = tl.arange(0, BLOCK_S)
+    # [BLOCK_R, BLOCK_V]: this program's columns of the head's V part, read once
+    w = tl.load(w_ptr + h * stride_wh + v[None, :] * stride_wv + r[:, None],
+                mask=r_ok[:, None] & v_ok[None, :], other=0.0).to(tl.float32)
+    for t in range(0, num_tokens):
+        seq_len = tl.minimum(tl.load(lens_ptr + t), max_kv_len)
         used, _ = _busy_splits(seq_len, num_splits, split_keys, KEY_BLOCK)
-        merged = t_ok & (used > 1)  # else stage 1 wrote the output directly
-        used = tl.where(merged, used, 0)
-        first = (t * num_heads + h) * num_splits  # [BLOCK_T] the token's first split
-        most = tl.max(used, 0)
-        # The weights' maximum and sum over each token's busy splits (each has keys:
-        # a finite lse), computed once for all the latent columns.
-        top = tl.full([BLOCK_T], float("-inf"), tl.float32)
-        for s in range(0, most):
-            top = tl.maximum(top, tl.load(part_lse_ptr + first + s, mask=s < used,
-                                          other=float("-inf")))
-        top = tl.where(merged, top, 0.0)
-        total = tl.zeros([BLOCK_T], tl.float32)
-        for s in range(0, most):
-            total += tl.exp2(tl.load(part_lse_ptr + first + s, mask=s < used,
-                                     other=float("-inf")) - top)
-        norm = tl.where(merged, total, 1.0)
-        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
-        for r0 in range(0, RANK, BLOCK_R):
-            r = r0 + tl.arange(0, BLOCK_R)
-            r_ok = r < RANK
-            # [BLOCK_T, BLOCK_R]: the direct output, or the weighted sum of the partials
-            a = tl.load(direct_ptr + t[:, None] * stride_dt + h * stride_dh + r[None, :],
-                        mask=(t_ok & ~merged)[:, None] & r_ok[None, :], other=0.0).to(tl.float32)
-            for s in range(0, most):
-                weight = tl.exp2(tl.load(part_lse_ptr + first + s, mask=s < used,
-                                         other=float("-inf")) - top)  # 0 past a token's splits
-                o = tl.load(part_o_ptr + (first + s)[:, None] * RANK + r[None, :],
-                            mask=(s < used)[:, None] & r_ok[None, :], other=0.0)
-                a += weight[:, None] * o
-            a = (a / norm[:, None]).to(w_ptr.dtype.element_ty)
-            w = tl.load(w_ptr + h * stride_wh + v[None, :] * stride_wv + r[:, None],
-                        mask=r_ok[:, None] & v_ok[None, :], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
-        tl.store(out_ptr + t[:, None] * stride_yt + h * stride_yh + v[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=t_ok[:, None] & v_ok[None, :])
+        if used > 1:
+            # The busy splits merged chunk by chunk with a running maximum (every busy
+            # split has keys, so each chunk's maximum is finite).
+            first = (t * num_heads + h) * num_splits
+            top = tl.full([], float("-inf"), tl.float32)
+            total = tl.zeros([], tl.float32)
+            a = tl.zeros([BLOCK_R], tl.float32)
+            for s0 in range(0, used, BLOCK_S):
+                s_ok = s0 + s < used
+                lse = tl.load(part_lse_ptr + first + s0 + s, mask=s_ok, other=float("-inf"))
+                o = tl.load(part_o_ptr + (first + s0 + s)[:, None] * RANK + r[None, :],
+                            mask=s_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_S, BLOCK_R]
+                new_top = tl.maximum(top, tl.max(lse, 0))
+                keep = tl.exp2(top - new_top)
+                weight = tl.exp2(lse - new_top)  # 0 past the busy splits
+                a = a * keep + tl.sum(weight[:, None] * o, 0)
+                total = total * keep + tl.sum(weight, 0)
+                top = new_top
+            a = a / total
+        else:  # stage 1 wrote this request's output (zeros for an empty one)
+            a = tl.load(direct_ptr + t * stride_dt + h * stride_dh + r, mask=r_ok,
+                        other=0.0).to(tl.float32)
+        # rounded to the model dtype as the standalone merge's output is
+        a = a.to(w_ptr.dtype.element_ty).to(tl.float32)
+        y = tl.sum(a[:, None] * w, 0)  # [BLOCK_V]
+        tl.store(out_ptr + t * stride_yt + h * stride_yh + v, y.to(out_ptr.dtype.element_ty),
+                 mask=v_ok)
 
 
 def _check_args(parts: MLAPartials, w_v: torch.Tensor) -> None:
@@ -140,17 +145,16 @@ def mla_expand_partials_triton(parts: MLAPartials, w_v: torch.Tensor) -> torch.T
     out = direct.new_empty((tokens, heads, v_dim))
     if out.numel() == 0:
         return out
-    # mla_expand_output's tiles: 32 columns per program, 16 where that leaves SMs idle
-    block_v = 32 if direct.is_cuda and heads * triton.cdiv(v_dim, 32) >= 128 else 16
-    _expand_partials_kernel[(heads, triton.cdiv(v_dim, block_v))](
+    block_r = max(16, triton.next_power_of_2(rank))
+    _expand_partials_kernel[(heads, triton.cdiv(v_dim, 16))](
         direct, parts.part_o, parts.part_lse, lens, w_v, out,
         tokens, heads, parts.part_o.shape[2], max_kv_len, split_keys,
         direct.stride(0), direct.stride(1), w_v.stride(0), w_v.stride(1),
         out.stride(0), out.stride(1),
-        RANK=rank, V_DIM=v_dim, KEY_BLOCK=key_block, BLOCK_T=16,
-        BLOCK_R=128 if direct.is_cuda else 16, BLOCK_V=block_v,
-        DOT_PRECISION="ieee" if direct.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        RANK=rank, V_DIM=v_dim, KEY_BLOCK=key_block,
+        # a chunk of splits x the whole row in one load: 16k float32 over 8 warps
+        BLOCK_S=max(2, min(32, 16384 // block_r)), BLOCK_R=block_r, BLOCK_V=16,
+        num_warps=8,
     )
     return out
 
@@ -182,10 +186,10 @@ def mla_expand_partials_ref(parts: MLAPartials, w_v: torch.Tensor) -> torch.Tens
 def mla_expand_partials(parts: MLAPartials, w_v: torch.Tensor) -> torch.Tensor:
     """Stage 1's ``parts`` merged and through kv_b_proj's V part ``w_v [H, V, R]`` ->
     ``[B, H, V]``, contiguous: one launch for a decode batch of up to
-    ``MAX_PROJECTION_TOKENS``; larger ones merge (``merge_mla_partials``), then expand."""
+    ``FUSED_MERGE_MAX_TOKENS``; larger ones merge (``merge_mla_partials``), then expand."""
     if not use_triton(parts.out):
         return mla_expand_partials_ref(parts, w_v)
-    if parts.part_o is not None and parts.out.shape[0] > MAX_PROJECTION_TOKENS:
+    if parts.part_o is not None and parts.out.shape[0] > FUSED_MERGE_MAX_TOKENS:
         merge_mla_partials(parts.part_o, parts.part_lse, parts.out, busy=parts.busy)
         return mla_expand_output(parts.out, w_v)
     return mla_expand_partials_triton(parts, w_v)

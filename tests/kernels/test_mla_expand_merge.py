@@ -18,6 +18,7 @@ from lanekv.kernels.mla_decode import (
     paged_mla_decode_stage1,
 )
 from lanekv.kernels.mla_expand_merge import (
+    FUSED_MERGE_MAX_TOKENS,
     merged_latent_ref,
     mla_expand_partials,
     mla_expand_partials_ref,
@@ -56,6 +57,7 @@ def poisoned_stage1(heads, page_size, lens, dtype, num_splits, cfg, *, rank=RANK
     (5, 4, [70], 3, 16, 16, 9),  # one request capped at 3 splits, 9 columns (one block)
     (17, 5, [37, 0], 2, 16, 40, 36),  # two head blocks' heads, columns past two blocks
     (4, 2, [9, 33], 1, 16, 16, 16),  # one split: no partials, the plain expansion
+    (2, 16, [3, 600], 40, 16, 16, 16),  # 38 busy splits: two chunks of 32
 ])
 def test_expansion_merges_the_partials(dtype, tol, heads, page_size, lens, num_splits, block_n,
                                        split_keys, v_dim):
@@ -88,6 +90,20 @@ def test_the_fused_merge_equals_the_standalone_one():
     merge_mla_partials(parts.part_o, parts.part_lse, merged, busy=parts.busy)
     torch.testing.assert_close(merged_latent_ref(parts), merged, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(fused, mla_expand_output_triton(merged, w_v), rtol=1e-5, atol=1e-5)
+
+
+def test_larger_batches_take_the_standalone_merge(monkeypatch):
+    """Over ``FUSED_MERGE_MAX_TOKENS`` requests the dispatcher merges with
+    ``merge_mla_partials`` (which writes the merged rows into ``parts.out``), then expands."""
+    monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
+    cfg = MLADecodeConfig(block_n=16, min_split_keys=16)
+    lens = [20 + 7 * i for i in range(FUSED_MERGE_MAX_TOKENS + 1)]
+    parts, o_latent = poisoned_stage1(2, 8, lens, torch.float32, 3, cfg, seed=4)
+    w_v = torch.randn(2, 16, RANK, generator=torch.Generator().manual_seed(2))
+    want = mla_expand_partials_ref(parts, w_v)
+    got = mla_expand_partials(parts, w_v)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(parts.out, o_latent, rtol=1e-5, atol=1e-5)  # merged in place
 
 
 def test_without_triton_the_dispatcher_takes_the_reference(monkeypatch):
