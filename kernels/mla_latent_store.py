@@ -68,48 +68,54 @@ def _mla_rope_norm_store_kernel(
     else:
         first, second = i, HALF + i
 
-    # The queries' RoPE parts, [BLOCK_H, HALF_BLOCK], in place.
+    # Every load first (the queries' RoPE parts, the row, its loc), so that they wait
+    # on one memory trip together, not one after another.
     h = tl.arange(0, BLOCK_H)
     q_mask = (h < num_heads)[:, None] & ok[None, :]
-    q_row = q_ptr + t * stride_qt + h[:, None] * stride_qh
+    q_row = q_ptr + t * stride_qt + h[:, None] * stride_qh  # [BLOCK_H, HALF_BLOCK]
     x1 = tl.load(q_row + first[None, :], mask=q_mask, other=0.0).to(tl.float32)
     x2 = tl.load(q_row + second[None, :], mask=q_mask, other=0.0).to(tl.float32)
-    tl.debug_barrier()  # every pair read before any is overwritten
+    loc = tl.load(locs_ptr + t)
+    kv_row = kv_ptr + t * stride_kt
+    k1 = tl.load(kv_row + RANK + first, mask=ok, other=0.0).to(tl.float32)
+    k2 = tl.load(kv_row + RANK + second, mask=ok, other=0.0).to(tl.float32)
+    if KV_FP8:  # the latent as the packing's [groups, group size] tile
+        g = tl.arange(0, GROUPS_BLOCK)
+        k = tl.arange(0, GROUP_SIZE)
+        g_ok = g < GROUPS
+        col = g[:, None] * GROUP_SIZE + k[None, :]
+        mask = g_ok[:, None] & (k < GROUP_SIZE)[None, :]
+    else:
+        col = tl.arange(0, BLOCK_R)
+        mask = col < RANK
+    x = tl.load(kv_row + col, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
+
+    tl.debug_barrier()  # every query pair read before any is overwritten (in place)
     tl.store(q_row + i[None, :], (x1 * c[None, :] - x2 * s[None, :]).to(dtype), mask=q_mask)
     tl.store(q_row + HALF + i[None, :], (x2 * c[None, :] + x1 * s[None, :]).to(dtype),
              mask=q_mask)
 
-    loc = tl.load(locs_ptr + t)
     if (loc >= 0) & (loc < num_rows):
-        kv_row = kv_ptr + t * stride_kt
         # the shared key's RoPE part, rotated and rounded to the model dtype
-        k1 = tl.load(kv_row + RANK + first, mask=ok, other=0.0).to(tl.float32)
-        k2 = tl.load(kv_row + RANK + second, mask=ok, other=0.0).to(tl.float32)
         r1 = (k1 * c - k2 * s).to(dtype)
         r2 = (k2 * c + k1 * s).to(dtype)
+        # add_rmsnorm's ops: float32 statistics, rounded before the weight
         if KV_FP8:
-            g = tl.arange(0, GROUPS_BLOCK)
-            k = tl.arange(0, GROUP_SIZE)
-            g_ok = g < GROUPS
-            col = g[:, None] * GROUP_SIZE + k[None, :]  # [GROUPS_BLOCK, GROUP_SIZE]
-            mask = g_ok[:, None] & (k < GROUP_SIZE)[None, :]
-            x = tl.load(kv_row + col, mask=mask, other=0.0).to(tl.float32)
             inv = 1.0 / tl.sqrt(tl.sum(tl.sum(x * x, 1), 0) / RANK + eps)
-            w = tl.load(w_ptr + col, mask=mask, other=0.0).to(tl.float32)
-            normed = ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-            q8, scale = _quantize_tile(normed, (k < GROUP_SIZE)[None, :], False, HW_CAST)
+        else:
+            inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / RANK + eps)
+        normed = ((x * inv).to(dtype).to(tl.float32) * w).to(dtype)
+        if KV_FP8:
+            q8, scale = _quantize_tile(normed.to(tl.float32), (k < GROUP_SIZE)[None, :], False,
+                                       HW_CAST)
             b1 = bf16_rne(r1.to(tl.float32), HW_CAST)
             b2 = bf16_rne(r2.to(tl.float32), HW_CAST)
             _store_mla_row(cq_ptr, cs_ptr, cr_ptr, cp_ptr, loc * stride_c, q8, scale, b1, b2, g, k,
                            mask, g_ok, i, ok, HALF, GROUP_SIZE, PAD, PAD_BLOCK)
         else:
-            r = tl.arange(0, BLOCK_R)
-            r_ok = r < RANK
-            x = tl.load(kv_row + r, mask=r_ok, other=0.0).to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / RANK + eps)
-            w = tl.load(w_ptr + r, mask=r_ok, other=0.0).to(tl.float32)
             dst = c_ptr + loc * stride_c
-            tl.store(dst + r, ((x * inv).to(dtype).to(tl.float32) * w).to(dtype), mask=r_ok)
+            tl.store(dst + col, normed, mask=mask)
             tl.store(dst + RANK + i, r1, mask=ok)
             tl.store(dst + RANK + HALF + i, r2, mask=ok)
 
