@@ -29,7 +29,7 @@ keys fit one split is written by its stage-1 program straight to ``out`` (no par
 and the merge leaves it alone, so at short contexts stage 2 is a launch that exits.
 ``paged_mla_decode_stage1`` stops before stage 2 (``MLAPartials``): the model's decode
 merges the partials in the prologue of the output's expansion instead
-(``kernels/mla_expand_merge.py``), one launch fewer.
+(``kernels/mla_expand_merge.py``, small batches), one launch fewer.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
 """
