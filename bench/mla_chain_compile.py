@@ -25,9 +25,9 @@ import lanekv  # noqa: F401  (the package first)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
+from lanekv.kernels.mla.expand_merge import _expand_partials_kernel  # noqa: E402
+from lanekv.kernels.mla.latent_store import _mla_rope_norm_store_kernel  # noqa: E402
 from lanekv.kernels.mla_decode import _paged_mla_decode_kernel  # noqa: E402
-from lanekv.kernels.mla_expand_merge import _expand_partials_kernel  # noqa: E402
-from lanekv.kernels.mla_latent_store import _mla_rope_norm_store_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

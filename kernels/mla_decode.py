@@ -29,7 +29,7 @@ keys fit one split is written by its stage-1 program straight to ``out`` (no par
 and the merge leaves it alone, so at short contexts stage 2 is a launch that exits.
 ``paged_mla_decode_stage1`` stops before stage 2 (``MLAPartials``): the model's decode
 merges the partials in the prologue of the output's expansion instead
-(``kernels/mla_expand_merge.py``, small batches), one launch fewer.
+(``kernels/mla/expand_merge.py``, small batches), one launch fewer.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
 """
@@ -385,7 +385,7 @@ class MLAPartials(NamedTuple):
     """Stage 1's result. ``out [B, H, R]`` holds the output of every request whose keys
     fit one split (of all of them without partials); with ``part_o [B, H, S, R]`` float32
     and ``part_lse [B, H, S]`` the others' busy splits' partials, still to be merged
-    (``merge_mla_partials``, or the expansion's prologue: ``kernels/mla_expand_merge.py``).
+    (``merge_mla_partials``, or the expansion's prologue: ``kernels/mla/expand_merge.py``).
     ``busy = (seq_lens, max_kv_len, split_keys, block_n)`` says which splits are busy."""
 
     out: torch.Tensor

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
+from lanekv.kernels.mla.expand_merge import mla_expand_partials
 from lanekv.kernels.mla_decode import MLAPartials, mla_absorb_query, mla_expand_output
-from lanekv.kernels.mla_expand_merge import mla_expand_partials
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, TOKEN_BUCKETS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts, prefill_tile_min_pairs
 from lanekv.kernels.moe.gate import router_logits
@@ -67,7 +67,7 @@ class RawLatentFn:
     """An MLA callback that takes the projection as the GEMMs leave it: ``fn(layer, q,
     kv_a, cos, sin)`` with q's RoPE part unrotated and ``kv_a [T, R + P]`` before
     kv_a_layernorm and RoPE (``MLAAttention.project_unrotated``). The paged decode's
-    callbacks: one launch rotates, norms and stores (``kernels/mla_latent_store.py``)."""
+    callbacks: one launch rotates, norms and stores (``kernels/mla/latent_store.py``)."""
 
     fn: Callable[..., torch.Tensor]
 
@@ -212,7 +212,7 @@ class MLAAttention(nn.Module):
 
     def expand_partials(self, parts: MLAPartials) -> torch.Tensor:
         """A split decode's stage-1 output (``paged_mla_decode_partials``), merged as it
-        is expanded -> ``[T, H, v_head_dim]`` (``kernels/mla_expand_merge.py``)."""
+        is expanded -> ``[T, H, v_head_dim]`` (``kernels/mla/expand_merge.py``)."""
         return mla_expand_partials(parts, self._kv_b()[1])
 
 

@@ -7,6 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanekv.kernels.mla.expand_merge import (
+    FUSED_MERGE_MAX_TOKENS,
+    merged_latent_ref,
+    mla_expand_partials,
+    mla_expand_partials_ref,
+    mla_expand_partials_triton,
+)
 from lanekv.kernels.mla_decode import (
     MLADecodeConfig,
     MLAPartials,
@@ -16,13 +23,6 @@ from lanekv.kernels.mla_decode import (
     mla_expand_output_triton,
     paged_mla_decode_attention_ref,
     paged_mla_decode_stage1,
-)
-from lanekv.kernels.mla_expand_merge import (
-    FUSED_MERGE_MAX_TOKENS,
-    merged_latent_ref,
-    mla_expand_partials,
-    mla_expand_partials_ref,
-    mla_expand_partials_triton,
 )
 
 from tests.kernels.test_mla_decode import RANK, make_problem

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lanekv.kernels.fp8.kv_rows import mla_fp8_row_bytes, mla_fp8_row_stride, unpack_mla_fp8_rows
-from lanekv.kernels.mla_latent_store import (
+from lanekv.kernels.mla.latent_store import (
     mla_rope_norm_store,
     mla_rope_norm_store_ref,
     mla_rope_norm_store_triton,
