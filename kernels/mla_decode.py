@@ -20,12 +20,16 @@ graphs fixes ``num_splits`` and the page table's width.
 
 A captured step's ``num_splits`` is sized for the longest context its page table
 allows (264 splits at batch 1 on an H200), so each request uses only as many of
-them as its own length fills with ``min_split_keys`` keys each (``busy_splits_ref``,
-computed alike on the device by both stages): a 1k-token request at batch 1 runs
-17 programs of 64 keys, the other programs exit at once and write nothing, and the
-merge reads only the busy splits' partials. A request whose keys fit one split is
-written by its stage-1 program straight to ``out`` (no partial) and the merge leaves
-it alone, so at short contexts stage 2 is a launch that exits.
+them as its own length fills with ``split_keys`` keys each (``busy_splits_ref``,
+computed alike on the device by both stages; ``choose_split_keys`` picks it from
+shapes: one 32-key block at small batches, ``min_split_keys`` otherwise): a 1k-token
+request at batch 1 runs 33 programs of 32 keys, the other programs exit at once and
+write nothing, and the merge reads only the busy splits' partials. A request whose
+keys fit one split is written by its stage-1 program straight to ``out`` (no partial)
+and the merge leaves it alone, so at short contexts stage 2 is a launch that exits.
+``paged_mla_decode_stage1`` stops before stage 2 (``MLAPartials``): the model's decode
+merges the partials in the prologue of the output's expansion instead
+(``kernels/mla/expand_merge.py``, small batches), one launch fewer.
 On CPU the lengths and the page ids they reach are range-checked; on CUDA the
 kernel clamps lengths to the page table's width and trusts the page ids.
 
@@ -70,6 +74,9 @@ class MLADecodeConfig(NamedTuple):
     # device a request uses only the splits its own length fills this much.
     programs_per_sm: int = 2
     min_split_keys: int = 64
+    # Keys per split where (head block, request) programs are few (``choose_split_keys``);
+    # 0: min_split_keys at every batch.
+    few_programs_split_keys: int = 32
 
 
 def default_mla_config(heads: int) -> MLADecodeConfig:
@@ -81,12 +88,27 @@ def default_mla_config(heads: int) -> MLADecodeConfig:
     return MLADecodeConfig()
 
 
-def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLADecodeConfig) -> int:
-    """Splits per (head block, request) so that stage 1 has enough programs."""
+def choose_split_keys(programs: int, num_sms: int, config: MLADecodeConfig) -> int:
+    """Fewest keys a busy split takes, from shapes alone, rounded up to whole key blocks.
+    Few (head block, request) programs (at most ``num_sms / 16``: batch 1 to 8 at 16 heads
+    on an H200) take ``few_programs_split_keys`` (one 32-key block), so that a short
+    context still spreads over many SMs (a 1k-token request at batch 1: 33 programs, not
+    17; the merge costs no launch where the expansion does it); more programs take
+    ``min_split_keys``, which keeps about ``programs_per_sm`` per SM at 1k tokens."""
+    few = config.few_programs_split_keys > 0 and 0 < programs * 16 <= num_sms
+    keys = config.few_programs_split_keys if few else config.min_split_keys
+    return triton.cdiv(max(1, keys), config.block_n) * config.block_n
+
+
+def choose_mla_splits(programs: int, max_kv_len: int, num_sms: int, config: MLADecodeConfig, *,
+                      split_keys: int | None = None) -> int:
+    """Splits per (head block, request) so that stage 1 has enough programs; a split never
+    gets fewer than ``split_keys`` keys (``config.min_split_keys`` when None)."""
     if programs == 0 or max_kv_len <= 0:
         return 1
+    keys = config.min_split_keys if split_keys is None else split_keys
     wanted = triton.cdiv(num_sms * config.programs_per_sm, programs)
-    return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
+    return max(1, min(wanted, triton.cdiv(max_kv_len, keys)))
 
 
 def busy_splits_ref(seq_len: int, num_splits: int, split_keys: int, block_n: int) -> tuple[int, int]:
@@ -100,9 +122,9 @@ def busy_splits_ref(seq_len: int, num_splits: int, split_keys: int, block_n: int
 
 
 @triton.jit
-def _busy_splits(seq_len, num_splits, SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _busy_splits(seq_len, num_splits, split_keys, BLOCK_N: tl.constexpr):
     """(busy splits, keys per split) of one request: ``busy_splits_ref`` on the device."""
-    used = tl.minimum(tl.maximum(tl.cdiv(seq_len, SPLIT_KEYS), 1), num_splits)
+    used = tl.minimum(tl.maximum(tl.cdiv(seq_len, split_keys), 1), num_splits)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, used), BLOCK_N), 1) * BLOCK_N
     return tl.cdiv(seq_len, per_split), per_split
 
@@ -182,16 +204,16 @@ def dequantized_latent(latent_cache: torch.Tensor, rows: torch.Tensor, kv_lora_r
     return unpack_mla_fp8_rows(latent_cache[rows][:, :width], kv_lora_rank, rope_dim, dtype)
 
 
-@triton.jit(do_not_specialize=["max_kv_len", "stride_tb"])
+@triton.jit(do_not_specialize=["max_kv_len", "stride_tb", "split_keys"])
 def _paged_mla_decode_kernel(
     q_ptr, latent_ptr, scale_ptr, rope_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr,
-    out_ptr, scale_log2, max_kv_len, num_heads,
+    out_ptr, scale_log2, max_kv_len, num_heads, split_keys,
     stride_qb, stride_qh, stride_lr, stride_sr, stride_pr, stride_tb, stride_ob, stride_oh,
     RANK: tl.constexpr, ROPE: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
-    KV_FP8: tl.constexpr, SPLIT_KEYS: tl.constexpr, ALIGN_LR: tl.constexpr,
-    ALIGN_SR: tl.constexpr, ALIGN_PR: tl.constexpr,
+    KV_FP8: tl.constexpr, ALIGN_LR: tl.constexpr, ALIGN_SR: tl.constexpr,
+    ALIGN_PR: tl.constexpr,
 ):
     # The row strides come divided by their known factors (stride_align), so that the
     # compiler sees the factors and loads the latent rows in whole 16-byte vectors.
@@ -204,10 +226,10 @@ def _paged_mla_decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
-    # A request takes only the splits its length fills with SPLIT_KEYS keys each, in
+    # A request takes only the splits its length fills with split_keys keys each, in
     # whole key blocks (a captured grid is sized for the longest context); the others
     # exit here and write nothing. Split 0 always runs (zeros for an empty request).
-    busy, split_len = _busy_splits(seq_len, num_splits, SPLIT_KEYS, BLOCK_N)
+    busy, split_len = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
     if (split > 0) & (split >= busy):
         return
     start = split * split_len
@@ -272,19 +294,19 @@ def _paged_mla_decode_kernel(
     tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask & direct[:, None])
 
 
-@triton.jit(do_not_specialize=["num_splits", "max_kv_len"])
+@triton.jit(do_not_specialize=["num_splits", "max_kv_len", "split_keys"])
 def _mla_decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, num_heads, num_splits, max_kv_len,
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, num_heads, num_splits, max_kv_len, split_keys,
     stride_ob, stride_oh,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LENS: tl.constexpr,
-    SPLIT_KEYS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     first = (b * num_heads + h) * num_splits
     if HAS_LENS:  # the dense kernel's partials: only its busy splits wrote any
         seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
-        used, _ = _busy_splits(seq_len, num_splits, SPLIT_KEYS, BLOCK_N)
+        used, _ = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
         fewest = 2  # one busy split: stage 1 wrote the output
     else:  # every split wrote its lse (-inf: no keys, its o unwritten)
         used = num_splits
@@ -400,6 +422,78 @@ def check_latent_cache(latent_cache: torch.Tensor, q: torch.Tensor, kv_lora_rank
                          f"{tuple(latent_cache.shape)}")
 
 
+class MLAPartials(NamedTuple):
+    """Stage 1's result. ``out [B, H, R]`` holds the output of every request whose keys
+    fit one split (of all of them without partials); with ``part_o [B, H, S, R]`` float32
+    and ``part_lse [B, H, S]`` the others' busy splits' partials, still to be merged
+    (``merge_mla_partials``, or the expansion's prologue: ``kernels/mla/expand_merge.py``).
+    ``busy = (seq_lens, max_kv_len, split_keys, block_n)`` says which splits are busy."""
+
+    out: torch.Tensor
+    part_o: torch.Tensor | None = None
+    part_lse: torch.Tensor | None = None
+    busy: tuple[torch.Tensor, int, int, int] | None = None
+
+
+def paged_mla_decode_stage1(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: MLADecodeConfig | None = None,
+) -> MLAPartials:
+    """Stage 1 alone (Triton): the direct outputs and the partials left to merge."""
+    out = _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
+                      kv_lora_rank, out, num_splits)
+    batch, heads, width = q.shape
+    cfg = config or default_mla_config(heads)
+    if out.numel() == 0:
+        return MLAPartials(out)
+    rope = width - kv_lora_rank
+    block_h = max(16, min(triton.next_power_of_2(cfg.block_h), triton.next_power_of_2(heads)))
+    head_blocks = triton.cdiv(heads, block_h)
+    max_kv_len = page_table.shape[1] * page_size
+    num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 1)  # the interpreter runs programs one by one
+    # whole key blocks, so that a busy split's keys start on a block
+    split_keys = choose_split_keys(batch * head_blocks, num_sms, cfg)
+    if num_splits is None:
+        num_splits = choose_mla_splits(batch * head_blocks, max_kv_len, num_sms, cfg,
+                                       split_keys=split_keys)
+    # Splits are whole key blocks; a request uses those its length fills (module doc).
+    write_partial = num_splits > 1
+    if write_partial:
+        part_o = torch.empty((batch, heads, num_splits, kv_lora_rank), dtype=torch.float32,
+                             device=q.device)
+        part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_o = part_lse = out  # unused
+    block_r = max(16, triton.next_power_of_2(kv_lora_rank))
+    values, scales, rope_part, strides, group = latent_views(latent_cache, kv_lora_rank, rope)
+    row_strides, aligns = row_stride_args(strides)
+    _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
+        q, values, scales, rope_part, page_table, seq_lens, part_o, part_lse, out,
+        softmax_scale * _LOG2E, max_kv_len, heads, split_keys,
+        q.stride(0), q.stride(1), *row_strides, page_table.stride(0),
+        out.stride(0), out.stride(1),
+        RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
+        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
+        BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
+        KV_FP8=latent_cache.dtype == torch.uint8, **aligns,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not write_partial:
+        return MLAPartials(out)
+    return MLAPartials(out, part_o, part_lse, (seq_lens, max_kv_len, split_keys, cfg.block_n))
+
+
 def paged_mla_decode_attention_triton(
     q: torch.Tensor,
     latent_cache: torch.Tensor,
@@ -414,50 +508,12 @@ def paged_mla_decode_attention_triton(
     config: MLADecodeConfig | None = None,
 ) -> torch.Tensor:
     """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them)."""
-    out = _check_args(q, latent_cache, page_table, seq_lens, page_size, softmax_scale,
-                      kv_lora_rank, out, num_splits)
-    batch, heads, width = q.shape
-    cfg = config or default_mla_config(heads)
-    if out.numel() == 0:
-        return out
-    rope = width - kv_lora_rank
-    block_h = max(16, min(triton.next_power_of_2(cfg.block_h), triton.next_power_of_2(heads)))
-    head_blocks = triton.cdiv(heads, block_h)
-    max_kv_len = page_table.shape[1] * page_size
-    if num_splits is None:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.is_cuda else 1)  # the interpreter runs programs one by one
-        num_splits = choose_mla_splits(batch * head_blocks, max_kv_len, num_sms, cfg)
-    # Splits are whole key blocks; a request uses those its length fills (module doc).
-    write_partial = num_splits > 1
-    if write_partial:
-        part_o = torch.empty((batch, heads, num_splits, kv_lora_rank), dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_o = part_lse = out  # unused
-    block_r = max(16, triton.next_power_of_2(kv_lora_rank))
-    # whole key blocks, so that a busy split's keys start on a block
-    split_keys = triton.cdiv(max(1, cfg.min_split_keys), cfg.block_n) * cfg.block_n
-    values, scales, rope_part, strides, group = latent_views(latent_cache, kv_lora_rank, rope)
-    row_strides, aligns = row_stride_args(strides)
-    _paged_mla_decode_kernel[(head_blocks, batch, num_splits)](
-        q, values, scales, rope_part, page_table, seq_lens, part_o, part_lse, out,
-        softmax_scale * _LOG2E, max_kv_len, heads,
-        q.stride(0), q.stride(1), *row_strides, page_table.stride(0),
-        out.stride(0), out.stride(1),
-        RANK=kv_lora_rank, ROPE=rope, PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(rope)),
-        BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
-        KV_FP8=latent_cache.dtype == torch.uint8, SPLIT_KEYS=split_keys,
-        **aligns,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if write_partial:
-        merge_mla_partials(part_o, part_lse, out,
-                           busy=(seq_lens, max_kv_len, split_keys, cfg.block_n))
-    return out
+    parts = paged_mla_decode_stage1(q, latent_cache, page_table, seq_lens, page_size,
+                                    softmax_scale, kv_lora_rank, out=out, num_splits=num_splits,
+                                    config=config)
+    if parts.part_o is not None:
+        merge_mla_partials(parts.part_o, parts.part_lse, parts.out, busy=parts.busy)
+    return parts.out
 
 
 def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, *,
@@ -479,9 +535,9 @@ def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.
     # warps). Fixed, not by split count: a warm-up's split count compiles the step's merge.
     block_s = 32 if part_o.is_cuda else 8
     _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
-        part_o, part_lse, out, lens, heads, splits, max_kv_len, out.stride(0), out.stride(1),
-        RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
-        HAS_LENS=busy is not None, SPLIT_KEYS=split_keys, BLOCK_N=block_n,
+        part_o, part_lse, out, lens, heads, splits, max_kv_len, split_keys, out.stride(0),
+        out.stride(1), RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
+        HAS_LENS=busy is not None, BLOCK_N=block_n,
     )
 
 
@@ -529,6 +585,27 @@ def paged_mla_decode_attention(
     run = paged_mla_decode_attention_triton if use_triton(q) else paged_mla_decode_attention_ref
     return run(q, latent_cache, page_table, seq_lens, page_size, softmax_scale, kv_lora_rank,
                out=out, num_splits=num_splits)
+
+
+def paged_mla_decode_partials(
+    q: torch.Tensor,
+    latent_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_size: int,
+    softmax_scale: float,
+    kv_lora_rank: int,
+    *,
+    num_splits: int | None = None,
+) -> MLAPartials:
+    """``paged_mla_decode_attention`` before the merge: stage 1 (Triton), or the
+    reference's finished output as ``MLAPartials`` without partials."""
+    if use_triton(q):
+        return paged_mla_decode_stage1(q, latent_cache, page_table, seq_lens, page_size,
+                                       softmax_scale, kv_lora_rank, num_splits=num_splits)
+    return MLAPartials(paged_mla_decode_attention_ref(
+        q, latent_cache, page_table, seq_lens, page_size, softmax_scale, kv_lora_rank,
+        num_splits=num_splits))
 
 
 # ---- the absorbed form's projections: q_nope into the latent space, the output out of it ----

@@ -14,7 +14,9 @@ K and V) or works in the latent space through ``absorb_query`` and
 ``expand_output``. With ``rope_in_attention=True`` (FP8 latent rows, whose store
 rotates the key: ``kernels/fp8/rope_store.py``) the latent's RoPE part comes before
 RoPE and the callback also gets ``cos, sin [T, qk_rope_head_dim / 2]``:
-``attention(layer, q, latent, cos, sin)``. Ops and their order follow transformers (RMSNorm and the
+``attention(layer, q, latent, cos, sin)``. A ``RawLatentFn`` callback (the paged decode's)
+gets the projection before any RoPE or kv_a_layernorm and does them itself, fused with
+the latent's store. Ops and their order follow transformers (RMSNorm and the
 router in float32, YaRN frequencies and cos/sin scaling as it computes them),
 so float32 logits agree with it. The router's choice after its GEMM is one launch
 (``kernels.moe.route``). Routed experts run as grouped GEMMs over the (token, choice)
@@ -29,6 +31,7 @@ as in ``model.llama``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -36,7 +39,8 @@ import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
-from lanekv.kernels.mla_decode import mla_absorb_query, mla_expand_output
+from lanekv.kernels.mla.expand_merge import mla_expand_partials
+from lanekv.kernels.mla_decode import MLAPartials, mla_absorb_query, mla_expand_output
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, TOKEN_BUCKETS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts, prefill_tile_min_pairs
 from lanekv.kernels.moe.gate import router_logits
@@ -56,6 +60,20 @@ _LORA_NORM_EPS = 1e-6
 # On the H200 the sort-free path led up to 16 tokens (V2-Lite: 53 against 79 us at 1, even at
 # 16) and trailed at 64 (398 against 350 us; bench/results/session4_h200/deepseek_kernels.json).
 MOE_DECODE_MAX_TOKENS = min(16, MAX_DECODE_TOKENS)
+
+
+@dataclass(frozen=True)
+class RawLatentFn:
+    """An MLA callback that takes the projection as the GEMMs leave it: ``fn(layer, q,
+    kv_a, cos, sin)`` with q's RoPE part unrotated and ``kv_a [T, R + P]`` before
+    kv_a_layernorm and RoPE (``MLAAttention.project_unrotated``). The paged decode's
+    callbacks: one launch rotates, norms and stores (``kernels/mla/latent_store.py``)."""
+
+    fn: Callable[..., torch.Tensor]
+
+    def __call__(self, layer: int, q: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> torch.Tensor:
+        return self.fn(layer, q, kv_a, cos, sin)
 
 
 class MLAProjection(NamedTuple):
@@ -115,10 +133,9 @@ class MLAAttention(nn.Module):
         if (first.bias is None) == (kv_a.bias is None):
             self.q_kv_a.fuse(first, kv_a)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                rope_latent: bool = True) -> MLAProjection:
-        """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it);
-        ``rope_latent=False`` leaves the latent's RoPE part unrotated."""
+    def project_unrotated(self, x: torch.Tensor) -> MLAProjection:
+        """``x [T, hidden]`` -> the projection as the GEMMs leave it: q_pe before RoPE and
+        the latent row before kv_a_layernorm and RoPE (``RawLatentFn``'s arguments)."""
         mla, num_tokens = self.mla, x.shape[0]
         if self.q_kv_a.fused:  # q (a strided view of the fused output) and kv_a in one GEMM
             q_part, kv_a = self.q_kv_a(x).split(
@@ -130,7 +147,14 @@ class MLAAttention(nn.Module):
         else:
             q_lora = self.q_a_layernorm.fused(q_part)[0]
             q = self.q_b_proj(q_lora)
-        q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
+        return MLAProjection(q.view(num_tokens, self.num_heads, mla.qk_head_dim), kv_a, q_lora)
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                rope_latent: bool = True) -> MLAProjection:
+        """``x [T, hidden]`` -> the queries, the latent rows and q_lora (None without it);
+        ``rope_latent=False`` leaves the latent's RoPE part unrotated."""
+        mla = self.mla
+        q, kv_a, q_lora = self.project_unrotated(x)
         compressed, k_pe = kv_a.split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
         # q_pe and k_pe rotated in place (both are fresh GEMM outputs), one launch
         mla_rope(q[..., mla.qk_nope_head_dim:], k_pe if rope_latent else None, cos, sin,
@@ -142,6 +166,9 @@ class MLAAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 attention: MLAAttentionFn, rope_in_attention: bool = False) -> torch.Tensor:
+        if isinstance(attention, RawLatentFn):  # the callback rotates, norms and stores
+            proj = self.project_unrotated(x)
+            return self.output(attention(self.layer_index, proj.q, proj.latent, cos, sin))
         if rope_in_attention:  # the callback rotates the latent's key as it stores it
             proj = self.project(x, cos, sin, rope_latent=False)
             return self.output(attention(self.layer_index, proj.q, proj.latent, cos, sin))
@@ -182,6 +209,11 @@ class MLAAttention(nn.Module):
     def expand_output(self, o_latent: torch.Tensor) -> torch.Tensor:
         """Attention output in the latent space ``[T, H, R]`` -> ``[T, H, v_head_dim]``."""
         return mla_expand_output(o_latent, self._kv_b()[1])
+
+    def expand_partials(self, parts: MLAPartials) -> torch.Tensor:
+        """A split decode's stage-1 output (``paged_mla_decode_partials``), merged as it
+        is expanded -> ``[T, H, v_head_dim]`` (``kernels/mla/expand_merge.py``)."""
+        return mla_expand_partials(parts, self._kv_b()[1])
 
 
 class SwiGLU(nn.Module):

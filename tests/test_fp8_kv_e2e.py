@@ -220,12 +220,15 @@ def test_a_model_dtype_decode_refuses_an_fp8_prefill_by_field(checkpoints):
 def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoints, single, name,
                                                                         monkeypatch):
     """The same run with the FP8 kernels interpreted (the rest on the references): RoPE,
-    packing and store fused (GQA, MLA), the packing of DSA's latent, and the decode kernels
-    dequantizing the rows as they load them."""
+    packing and store fused (GQA, MLA; MLA's decode step with the kv_a norm too), the packing
+    of DSA's latent, the decode kernels dequantizing the rows as they load them, and MLA's
+    split partials merged in the output's expansion."""
     from lanekv.kernels import decode_attention, mla_decode
     from lanekv.kernels.backend import interpreter_enabled
     from lanekv.kernels.dsa import sparse_mla
     from lanekv.kernels.fp8 import kv_rows, rope_store
+    from lanekv.kernels.mla import expand_merge, latent_store
+    from lanekv.model import deepseek
     from lanekv.model.attention import dsa, gqa, mla, rows
 
     if not interpreter_enabled():
@@ -237,7 +240,9 @@ def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoi
             (gqa, "rope_store_kv_fp8", rope_store.rope_store_kv_fp8_triton),
             (mla, "mla_rope_store_fp8", rope_store.mla_rope_store_fp8_triton),
             (gqa, "paged_decode_attention", decode_attention.paged_decode_attention_triton),
-            (mla, "paged_mla_decode_attention", mla_decode.paged_mla_decode_attention_triton),
+            (mla, "mla_rope_norm_store", latent_store.mla_rope_norm_store_triton),
+            (mla, "paged_mla_decode_partials", mla_decode.paged_mla_decode_stage1),
+            (deepseek, "mla_expand_partials", expand_merge.mla_expand_partials_triton),
             (dsa, "sparse_mla_decode", sparse_mla.sparse_mla_decode_triton)):
         monkeypatch.setattr(module, name_, kernel)
     # one rank: the interpreter is not thread-safe (rank threads would interpret at once)

@@ -7,9 +7,12 @@ KV, then the RoPE'd shared key, ``qk_rope_head_dim``). RoPE runs in the model.
   stores its own and decompresses the request's rows into per-head K and V
   (``MLAAttention.decompress``) for ``cp_prefill_attention`` (qk 192 / v 128
   for V3, unpadded: ``mla_prefill_attention``).
-- Paged decode: the latent row stored in the pool's one plane, q_nope absorbed
-  through kv_b_proj's K part, ``paged_mla_decode_attention`` in the latent
-  space, the output mapped back through the V part.
+- Paged decode (a ``RawLatentFn``: the projection before RoPE and kv_a_layernorm):
+  one launch rotates q_pe, norms and rotates the latent row and stores it in the
+  pool's one plane (``mla_rope_norm_store``), q_nope is absorbed through kv_b_proj's
+  K part, ``paged_mla_decode_partials`` attends in the latent space and the
+  expansion through the V part merges its split partials as it loads them
+  (``MLAAttention.expand_partials``): no launch of its own for the merge.
 - Colocated: the latent stored, then decompressed for plain causal attention.
 
 FP8 KV (``FP8MLARows``, FlashMLA's 656-byte row): the model hands the callbacks the
@@ -28,7 +31,9 @@ from typing import Any
 
 import torch
 from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8
-from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.mla.expand_merge import mla_expand_partials
+from lanekv.kernels.mla.latent_store import mla_rope_norm_store
+from lanekv.kernels.mla_decode import paged_mla_decode_attention, paged_mla_decode_partials
 from lanekv.kernels.prefill_attention import cp_prefill_attention
 from lanekv.kernels.prefill_attention_ref import AttnSegments
 from lanekv.kernels.store_kv import store_kv
@@ -51,7 +56,7 @@ from lanekv.model.attention.rows import (
     check_kv_cache_dtype,
 )
 from lanekv.model.config import ModelConfig
-from lanekv.model.deepseek import DeepseekCausalLM
+from lanekv.model.deepseek import DeepseekCausalLM, RawLatentFn
 from lanekv.model.llama import causal_attention
 
 
@@ -111,32 +116,22 @@ class MLA(AttentionKind):
 
     def paged_decode(self, model: AnyCausalLM, pool: Pool, step: DecodeStep) -> AttentionFn:
         page_size, scale, tensor = pool.page_size, model.config.softmax_scale, pool.tensor
-        rank, rows = model.config.mla.kv_lora_rank, pool.rows
-        interleave = model.config.mla.rope_interleave
+        mla_config, rows = model.config.mla, pool.rows
+        rank, nope = mla_config.kv_lora_rank, mla_config.qk_nope_head_dim
 
-        def fp8_attention(layer: int, q: torch.Tensor, latent: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor) -> torch.Tensor:
-            mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, row bytes]
-            # RoPE, quantize, store: the kernel below dequantizes on load
-            mla_rope_store_fp8(latent, cos, sin, interleave, plane[:, 0], step.locs, rank)
-            o_latent = paged_mla_decode_attention(
-                mla.absorb_query(q), rows.latent(plane[:, 0]), step.page_table, step.seq_lens,
+        def attention(layer: int, q: torch.Tensor, kv_a: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+            mla, plane = model.mla_layer(layer), tensor[layer, 0, :, 0]  # [rows, R + P or bytes]
+            norm = mla.kv_a_layernorm
+            # q_pe's RoPE, the latent's norm and RoPE, its store (FP8 rows: quantized), one launch
+            mla_rope_norm_store(q[..., nope:], kv_a, norm.weight, norm.eps, cos, sin,
+                                mla_config.rope_interleave, plane, step.locs, rank)
+            parts = paged_mla_decode_partials(  # FP8 rows: the kernel dequantizes on load
+                mla.absorb_query(q), rows.latent(plane), step.page_table, step.seq_lens,
                 page_size, scale, rank)
-            return mla.expand_output(o_latent)
+            return mla.expand_partials(parts)  # the splits merged in the expansion's prologue
 
-        if isinstance(rows, FP8MLARows):
-            return LatentRopeFn(fp8_attention)
-
-        def attention(layer: int, q: torch.Tensor, latent: torch.Tensor) -> torch.Tensor:
-            mla, plane = model.mla_layer(layer), tensor[layer, 0]  # [rows, 1, R + P]
-            new = rows.encode(latent[:, None, :])  # FP8 rows: the kernel dequantizes on load
-            store_kv(new, new, plane, plane, step.locs)  # one plane: "K" and "V" are the row
-            o_latent = paged_mla_decode_attention(
-                mla.absorb_query(q), rows.latent(plane[:, 0]), step.page_table, step.seq_lens,
-                page_size, scale, rank)
-            return mla.expand_output(o_latent)
-
-        return attention
+        return RawLatentFn(attention)
 
     def colocated(self, model: AnyCausalLM, pool: Pool, locs: torch.Tensor) -> AttentionFn:
         scale, tensor, layout = model.config.softmax_scale, pool.tensor, pool.rows
@@ -166,17 +161,30 @@ class MLA(AttentionKind):
 
     def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
         """The latent-space kernel's split count decides only whether partials are
-        written: one split and two."""
+        written: one split and two, each merged alone (batches over
+        ``MAX_PROJECTION_TOKENS``) and in the expansion. A latent store to no row."""
+        mla = config.mla
         latent = pool.rows.latent(pool.tensor[0, 0, :, 0])  # a DSA row is wider than its latent
         width = table_width(pool, config.max_position_embeddings)
-        like = {"device": latent.device}
-        q = torch.zeros((1, config.num_heads, config.mla.latent_dim), dtype=pool.rows.value_dtype,
-                        **like)
+        dtype, like = pool.rows.value_dtype, {"device": latent.device}
+        q = torch.zeros((1, config.num_heads, mla.latent_dim), dtype=dtype, **like)
         table = torch.zeros((1, width), dtype=torch.int32, **like)
         lens = torch.zeros(1, dtype=torch.int32, **like)
+        w_v = torch.zeros((config.num_heads, mla.v_head_dim, mla.kv_lora_rank), dtype=dtype,
+                          **like)
         for splits in (1, 2):  # without and with partials and their merge
             paged_mla_decode_attention(q, latent, table, lens, pool.page_size, 1.0,
-                                       config.mla.kv_lora_rank, num_splits=splits)
+                                       mla.kv_lora_rank, num_splits=splits)
+            mla_expand_partials(paged_mla_decode_partials(
+                q, latent, table, lens, pool.page_size, 1.0, mla.kv_lora_rank, num_splits=splits),
+                w_v)
+        if self.name != "mla":  # only MLA's own decode stores through it (DSA: store_kv)
+            return
+        q_full = torch.zeros((1, config.num_heads, mla.qk_head_dim), dtype=dtype, **like)
+        half = torch.zeros((1, mla.qk_rope_head_dim // 2), dtype=torch.float32, **like)
+        mla_rope_norm_store(q_full[..., mla.qk_nope_head_dim:], q[:, 0], w_v[0, 0], 1e-6, half,
+                            half, mla.rope_interleave, pool.tensor[0, 0, :, 0],
+                            torch.full((1,), -1, dtype=torch.int64, **like), mla.kv_lora_rank)
 
 
 def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -16,6 +16,7 @@ from lanekv.kernels.mla_decode import (
     MLADecodeConfig,
     busy_splits_ref,
     choose_mla_splits,
+    choose_split_keys,
     default_mla_config,
     merge_mla_partials,
     mla_absorb_query_ref,
@@ -172,9 +173,24 @@ def test_wide_head_blocks():
     assert rel_err(got, naive_mla(p, 4, 0.3, RANK)) < 1e-5
 
 
+def test_split_keys_are_one_key_block_where_programs_are_few():
+    """Batch 1 to 8 at 16 heads on 132 SMs split a context into 32-key blocks (a 1k-token
+    request: 33 busy programs), more programs take min_split_keys, rounded to key blocks."""
+    cfg = MLADecodeConfig()
+    assert [choose_split_keys(n, 132, cfg) for n in (1, 8, 9, 64, 0)] == [32, 32, 64, 64, 64]
+    assert busy_splits_ref(1025, choose_mla_splits(1, 1 << 16, 132, cfg, split_keys=32), 32,
+                           32)[0] == 33
+    assert choose_split_keys(1, 132, cfg._replace(few_programs_split_keys=0)) == 64
+    assert choose_split_keys(1, 132, MLADecodeConfig(block_n=16, min_split_keys=40)) == 32
+    assert choose_split_keys(3, 132, MLADecodeConfig(block_n=16, min_split_keys=40)) == 32
+    assert choose_split_keys(9, 132, MLADecodeConfig(block_n=16, min_split_keys=40)) == 48
+    assert choose_split_keys(1, 1, cfg) == 64  # the interpreter's one "SM"
+
+
 def test_choose_mla_splits_fills_the_gpu():
     cfg = MLADecodeConfig()
     assert choose_mla_splits(1, 1 << 20, 132, cfg) == 2 * 132  # one request, one head block
+    assert choose_mla_splits(1, 4096, 132, cfg, split_keys=32) == 128  # never fewer keys
     assert choose_mla_splits(1, 8192, 132, cfg) == 8192 // cfg.min_split_keys
     assert choose_mla_splits(1, 512, 132, cfg) == 512 // cfg.min_split_keys  # never fewer keys
     assert choose_mla_splits(64 * 8, 8192, 132, cfg) == 1
