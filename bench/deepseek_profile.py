@@ -356,7 +356,8 @@ def main() -> None:
     if "fp8_plans" in result:
         print(f"\nFP8 linears of layer 0 at {args.batch} rows (config, quantization):")
         for plan in result["fp8_plans"]:
-            how = "inside the GEMM" if plan["fused_quant"] else "first (own kernel)"
+            how = ("none (w8a16)" if plan["config"].endswith("W") else "inside the GEMM"
+                   if plan["fused_quant"] else "first (own kernel)")
             print(f"  {plan['linear']:>24} [{plan['n']}, {plan['k']}] {plan['config']:>26} {how}")
     if "layer0_sequence" in result:
         print(f"\nlayer 0's device kernels in launch order ({name}, batch {args.batch}):")
