@@ -9,6 +9,9 @@
 #   c: issue 37 after the merges: GPU tests of the MLA chain kernels, the V2-Lite decode
 #      step and batch-1 profile, the DSA layer against dense MLA; issue 33: the FP8 decode
 #      step with the committed table (w8a16 and quant_first entries).
+#   d: parts c and b in one call, trimmed to fit (the device was scarce): GPU tests,
+#      V2-Lite step, FP8 step, DSA layer at 8k and 128k, TTFT through staged relays, then
+#      the V2-Lite profile if time is left.
 #   b: issue 36: TTFT over gRPC from the rank's own streams and through 4 staged sender
 #      relays, beside colocated and the fast path.
 set -u
@@ -52,6 +55,24 @@ c)
     echo "fp8 decode rc=$?"; tail -12 "$L/fp8_decode_table.log"
     timeout 160 python3 bench/dsa_layer.py --json "$OUT/dsa_layer_h200.json" > "$L/dsa_layer.log" 2>&1
     echo "dsa layer rc=$?"; tail -16 "$L/dsa_layer.log" ;;
+d)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_mla_expand_merge.py \
+        tests/kernels/test_mla_latent_store.py tests/kernels/test_mla_decode.py tests/kernels/test_sparse_mla.py \
+        tests/decode/test_no_compile.py > "$L/gpu_tests_d.log" 2>&1
+    echo "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_d.log" | cut -c1-180; tail -1 "$L/gpu_tests_d.log"
+    timeout 90 python3 bench/deepseek.py --v2-lite --batches 1 16 64 --parts decode \
+        --json "$OUT/deepseek_v2_lite_decode.json" > "$L/deepseek_v2_lite.log" 2>&1
+    echo "v2-lite rc=$?"; tail -6 "$L/deepseek_v2_lite.log"
+    timeout 100 python3 bench/fp8.py --only decode --batches 1 16 64 \
+        --json "$OUT/fp8_decode_table_h200.json" > "$L/fp8_decode_table.log" 2>&1
+    echo "fp8 decode rc=$?"; tail -12 "$L/fp8_decode_table.log"
+    timeout 100 python3 bench/dsa_layer.py --contexts 8192 131072 --json "$OUT/dsa_layer_h200.json" \
+        > "$L/dsa_layer.log" 2>&1
+    echo "dsa layer rc=$?"; tail -12 "$L/dsa_layer.log"
+    bash "$0" b
+    timeout 40 python3 bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 \
+        --json "$OUT/profile_v2_lite_b1.json" > "$L/profile_v2_lite_b1.log" 2>&1
+    echo "profile v2-lite b1 rc=$?"; grep -A18 "device kernels, layer 1 " "$L/profile_v2_lite_b1.log" ;;
 b)
     timeout 150 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
         --paths grpc fast --fetch-streams 4 --fetch-relays 4 --json "$OUT/ttft_relays_staged_h200.json" \
