@@ -59,6 +59,7 @@ from lanekv.kernels.fp8.quant import (
     per_token_group_quant_fp8,
     silu_mul_quant_fp8,
 )
+from lanekv.kernels.fp8.tile_order import tile_coords
 from lanekv.kernels.fp8.weights import FP8_DTYPE, dequantize_weight_blocks, scale_shape
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -80,19 +81,8 @@ def _gemm_tile(
     ``BLOCK_K`` deep; its dot is ``DOT_K >= BLOCK_K`` deep, the columns past
     ``BLOCK_K`` loaded as zeros (fp8 dots are at least 32 deep; a 16-wide scale
     group still takes one step, its scales applied to it alone)."""
-    m_tiles = tl.cdiv(rows, BLOCK_M)
-    n_tiles = tl.cdiv(cols, BLOCK_N)
-    split = tile % SPLIT_K
-    mn = tile // SPLIT_K
-    width = GROUP_M * n_tiles
-    first_m = (mn // width) * GROUP_M
-    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (mn % width) % group_rows
-    pid_n = (mn % width) // group_rows
-    k_steps = tl.cdiv(depth, BLOCK_K)
-    per_split = tl.cdiv(k_steps, SPLIT_K)
-    k_lo = split * per_split
-    k_hi = tl.minimum(k_lo + per_split, k_steps)
+    pid_m, pid_n, split, k_lo, k_hi = tile_coords(tile, rows, cols, depth, BLOCK_M, BLOCK_N,
+                                                  BLOCK_K, GROUP_M, SPLIT_K)
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

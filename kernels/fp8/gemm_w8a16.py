@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from lanekv.kernels.fp8.tile_order import tile_coords
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -47,19 +48,8 @@ def _w8a16_kernel(
     kernel. Rows and columns are loaded clamped into range (no masks along them) and
     stored unclamped, masked (the compiler then sees a row's columns contiguous)."""
     tile = tl.program_id(0)
-    m_tiles = tl.cdiv(rows, BLOCK_M)
-    n_tiles = tl.cdiv(cols, BLOCK_N)
-    split = tile % SPLIT_K
-    mn = tile // SPLIT_K
-    width = GROUP_M * n_tiles
-    first_m = (mn // width) * GROUP_M
-    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
-    pid_m = first_m + (mn % width) % group_rows
-    pid_n = (mn % width) // group_rows
-    k_steps = tl.cdiv(depth, BLOCK_K)
-    per_split = tl.cdiv(k_steps, SPLIT_K)
-    k_lo = split * per_split
-    k_hi = tl.minimum(k_lo + per_split, k_steps)
+    pid_m, pid_n, split, k_lo, k_hi = tile_coords(tile, rows, cols, depth, BLOCK_M, BLOCK_N,
+                                                  BLOCK_K, GROUP_M, SPLIT_K)
 
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
