@@ -59,10 +59,10 @@ class RMSNorm(nn.Module):
 
 def unset_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype,
                     device: torch.device | str) -> nn.Embedding:
-    """An ``nn.Embedding`` whose weight is left unset (the loader assigns the checkpoint's).
-    ``nn.Embedding``'s own ``normal_`` initialisation would, on the meta device every
-    loader builds on, import ``torch._dynamo`` (about 2 s of CPU) in each daemon and rank
-    process for values thrown away."""
+    """An ``nn.Embedding`` whose weight is left unset (the loader assigns the checkpoint's;
+    ``load_dummy_model`` draws its own). ``nn.Embedding``'s ``normal_`` initialisation, on
+    the meta device every loader builds on, imports ``torch._dynamo``: seconds of CPU in
+    each daemon and rank process for values thrown away."""
     weight = torch.empty(vocab_size, hidden_size, dtype=dtype, device=device)
     return nn.Embedding(vocab_size, hidden_size, _weight=weight)
 
