@@ -7,7 +7,8 @@ serving transfers registers a batch's pages (``Registered``) before it
 prefills, and reports releases, finished fetches and its call counts as
 events. It exits on ``Shutdown`` or once its parent is gone, stopping its
 transfer server and removing its /dev/shm pool (mappings held elsewhere stay
-valid).
+valid); a rank process then ends without the interpreter's finalization
+(``rank_process_main``), which would only free memory the OS takes back.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 import uuid
@@ -228,6 +230,31 @@ def rank_main(
             dist.destroy_process_group()
         remove_shared_pool(shared_path)  # mappings a decode daemon holds stay valid
         thaw()  # the interpreter's last collections free what FreezeHeap kept
+
+
+def rank_process_main(
+    rank: int,
+    config: EngineConfig,
+    port: int,
+    commands: Any,
+    results: Any,
+    serve_transfer: TransferServing | tuple[str, int] | None = None,
+    shared_path: Path | None = None,
+) -> None:
+    """``rank_main`` as the whole life of a rank process (the launcher's target). Once it
+    returns (transfer server stopped, relays gone, pool file removed), the process ends at
+    once: what it put on ``results`` flushed, then logging and the standard streams, then
+    ``os._exit(0)``. The interpreter's finalization is left out: it frees every object of
+    torch, Triton and gRPC one by one (what FreezeHeap froze too, thawed so that nanobind
+    reports no leak), the longest part of a daemon's stop, for memory the OS takes back
+    anyway. An exception still ends the process the usual way (its traceback, exit code 1)."""
+    rank_main(rank, config, port, commands, results, serve_transfer, shared_path)
+    results.close()
+    results.join_thread()  # the feeder thread has handed the parent everything put
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 class _ToldToStop(Exception):
