@@ -19,14 +19,13 @@ import math
 import os
 import queue
 import signal
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 import torch
@@ -68,7 +67,7 @@ from lanekv.prefill.cp.tile_rows import tile_switch_rows
 from lanekv.prefill.engine_config import EngineConfig, load_for
 from lanekv.prefill.layout import OwnerLaneLayout
 from lanekv.runtime.advertise import join_host_port
-from lanekv.runtime.gcpause import GcClock, freeze_start_up, thaw
+from lanekv.runtime.gcpause import GcClock, exit_at_once, freeze_start_up, thaw
 from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.metrics import Registry
 from lanekv.runtime.rpc_metrics import lanekv_metrics
@@ -240,21 +239,13 @@ def rank_process_main(
     results: Any,
     serve_transfer: TransferServing | tuple[str, int] | None = None,
     shared_path: Path | None = None,
-) -> None:
-    """``rank_main`` as the whole life of a rank process (the launcher's target). Once it
-    returns (transfer server stopped, relays gone, pool file removed), the process ends at
-    once: what it put on ``results`` flushed, then logging and the standard streams, then
-    ``os._exit(0)``. The interpreter's finalization is left out: it frees every object of
-    torch, Triton and gRPC one by one (what FreezeHeap froze too, thawed so that nanobind
-    reports no leak), the longest part of a daemon's stop, for memory the OS takes back
-    anyway. An exception still ends the process the usual way (its traceback, exit code 1)."""
+) -> NoReturn:
+    """``rank_main`` as the whole life of a rank process (the launcher's target): once it
+    returns (transfer server stopped, relays gone, pool file removed), the process ends
+    without the interpreter's finalization (``runtime.gcpause.exit_at_once``). An exception
+    still ends it the usual way (its traceback, exit code 1)."""
     rank_main(rank, config, port, commands, results, serve_transfer, shared_path)
-    results.close()
-    results.join_thread()  # the feeder thread has handed the parent everything put
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    os._exit(0)
+    exit_at_once(results)
 
 
 class _ToldToStop(Exception):
