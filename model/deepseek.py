@@ -47,7 +47,14 @@ from lanekv.kernels.moe.gate import router_logits
 from lanekv.kernels.moe.route import moe_route
 from lanekv.kernels.rope_store import mla_rope
 from lanekv.model.config import ModelConfig
-from lanekv.model.llama import MODEL_DTYPES, FusedLinear, RMSNorm, causal_attention, silu_mul_down
+from lanekv.model.llama import (
+    MODEL_DTYPES,
+    FusedLinear,
+    RMSNorm,
+    causal_attention,
+    silu_mul_down,
+    unset_embedding,
+)
 from lanekv.model.mla_config import MoEConfig, yarn_inv_freq
 from lanekv.model.quant.linear import Fp8Linear, StackedFp8Experts, dense_weight
 from torch import nn
@@ -413,8 +420,7 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekStack(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = unset_embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             DeepseekDecoderLayer(config, i, dtype, device) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype, device)

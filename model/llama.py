@@ -57,6 +57,16 @@ class RMSNorm(nn.Module):
         return add_rmsnorm(x, residual, self.weight, self.eps, out=out)
 
 
+def unset_embedding(vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                    device: torch.device | str) -> nn.Embedding:
+    """An ``nn.Embedding`` whose weight is left unset (the loader assigns the checkpoint's;
+    ``load_dummy_model`` draws its own). ``nn.Embedding``'s ``normal_`` initialisation, on
+    the meta device every loader builds on, imports ``torch._dynamo``: seconds of CPU in
+    each daemon and rank process for values thrown away."""
+    weight = torch.empty(vocab_size, hidden_size, dtype=dtype, device=device)
+    return nn.Embedding(vocab_size, hidden_size, _weight=weight)
+
+
 def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
     """``[head_dim // 2]`` float32 inverse frequencies, llama3 scaling included,
     computed with the same float32 ops as transformers."""
@@ -271,8 +281,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype,
-                                         device=device)
+        self.embed_tokens = unset_embedding(config.vocab_size, config.hidden_size, dtype, device)
         self.layers = nn.ModuleList(
             DecoderLayer(config, i, dtype, device) for i in range(config.num_layers)
         )

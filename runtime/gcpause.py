@@ -9,6 +9,9 @@ generation, so later collections walk only what serving made; it is called
 once the daemon is warm, before it reports SERVING, and undone (``thaw``)
 before the process exits, so the interpreter's last collections free it
 (Triton's nanobind bindings report at exit every object nobody freed).
+A worker process (a prefill CP rank, a decode TP rank) skips those last
+collections altogether: ``exit_at_once`` ends it once its work is cleaned up,
+since freeing a torch process's heap object by object is most of its stop.
 ``frozen`` does both around a daemon's serving; ``paused`` keeps the collector
 out of a block (CUDA graph capture). ``GcClock`` adds up the
 time spent in collections (``gc.callbacks``), for the timings a daemon reports.
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 
 def freeze_start_up() -> int:
@@ -35,6 +41,22 @@ def freeze_start_up() -> int:
 def thaw() -> None:
     """Undo ``freeze_start_up``: everything frozen is collected as usual again."""
     gc.unfreeze()
+
+
+def exit_at_once(*queues: Any) -> NoReturn:
+    """End this worker process now, without the interpreter's finalization: what it put on
+    ``queues`` (every multiprocessing queue it put to: one left mid-write keeps the queue's
+    write lock, and the other side's next put waits for ever) handed over first, then
+    logging and the standard streams flushed, then ``os._exit(0)``. For a process whose cleanup is done (servers
+    stopped, files removed): finalization would only free, one object at a time, memory
+    the OS takes back anyway (and, for a heap left frozen, have nanobind report leaks)."""
+    for q in queues:
+        q.close()
+        q.join_thread()  # the feeder thread has written everything put
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from lanekv.model.attention.rows import DEFAULT_INDEX_CACHE_DTYPE
 from lanekv.model.checkpoint import LoadedModel, checkpoint_digest
 from lanekv.model.parallel.rendezvous import join_store
 from lanekv.model.parallel.tp import TPRank, attach_all_reduce, load_shard, weight_bytes
+from lanekv.runtime.gcpause import exit_at_once
 
 log = logging.getLogger("lanekv.decode.tp")
 _PARENT_POLL_S = 0.5
@@ -169,6 +170,10 @@ def follower_main(rank: int, spec: TPSpec, tasks: Any, results: Any) -> None:
     if nixl is not None:
         nixl.close()  # this rank's pool registration and every peer agent
     dist.destroy_process_group()
+    # No interpreter finalization (runtime.gcpause); both queues this rank put to are flushed
+    # first: a process gone mid-write holds the queue's write lock, and rank 0's own put
+    # to ``tasks`` (its STOP) would then wait for it for ever.
+    exit_at_once(results, tasks)
 
 
 def _answer(state: RankState, seq: int, task: RankTask, results: Any) -> None:

@@ -58,7 +58,7 @@ from lanekv.prefill.cp.messages import (
     for_each_rank,
 )
 from lanekv.prefill.cp.prompt_logprobs import PromptLogprob, merge_prompt_logprobs
-from lanekv.prefill.cp.rank_worker import TransferServing, rank_main, shared_pool_path
+from lanekv.prefill.cp.rank_worker import TransferServing, rank_process_main, shared_pool_path
 from lanekv.prefill.cp.runner import PrefillBatch, RankResult
 from lanekv.prefill.cp.watch import RankWatcher, exit_reason
 from lanekv.prefill.engine_config import EngineConfig
@@ -319,7 +319,7 @@ class CPPrefillEngine(PrefillEngine):
         self._shared_paths = [shared_pool_path(config, serve_transfer, rank) for rank in range(config.cp_size)]
         self._procs = [
             ctx.Process(
-                target=rank_main,
+                target=rank_process_main,
                 args=(rank, config, port, self._commands[rank], self._results, serve_transfer,
                       self._shared_paths[rank]),
                 name=f"lanekv-cp-rank{rank}",

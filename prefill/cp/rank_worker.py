@@ -7,7 +7,8 @@ serving transfers registers a batch's pages (``Registered``) before it
 prefills, and reports releases, finished fetches and its call counts as
 events. It exits on ``Shutdown`` or once its parent is gone, stopping its
 transfer server and removing its /dev/shm pool (mappings held elsewhere stay
-valid).
+valid); a rank process then ends without the interpreter's finalization
+(``rank_process_main``), which would only free memory the OS takes back.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import grpc
 import torch
@@ -66,7 +67,7 @@ from lanekv.prefill.cp.tile_rows import tile_switch_rows
 from lanekv.prefill.engine_config import EngineConfig, load_for
 from lanekv.prefill.layout import OwnerLaneLayout
 from lanekv.runtime.advertise import join_host_port
-from lanekv.runtime.gcpause import GcClock, freeze_start_up, thaw
+from lanekv.runtime.gcpause import GcClock, exit_at_once, freeze_start_up, thaw
 from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.runtime.metrics import Registry
 from lanekv.runtime.rpc_metrics import lanekv_metrics
@@ -232,6 +233,23 @@ def rank_main(
             dist.destroy_process_group()
         remove_shared_pool(shared_path)  # mappings a decode daemon holds stay valid
         thaw()  # the interpreter's last collections free what FreezeHeap kept
+
+
+def rank_process_main(
+    rank: int,
+    config: EngineConfig,
+    port: int,
+    commands: Any,
+    results: Any,
+    serve_transfer: TransferServing | tuple[str, int] | None = None,
+    shared_path: Path | None = None,
+) -> NoReturn:
+    """``rank_main`` as the whole life of a rank process (the launcher's target): once it
+    returns (transfer server stopped, relays gone, pool file removed), the process ends
+    without the interpreter's finalization (``runtime.gcpause.exit_at_once``). An exception
+    still ends it the usual way (its traceback, exit code 1)."""
+    rank_main(rank, config, port, commands, results, serve_transfer, shared_path)
+    exit_at_once(results)
 
 
 class _ToldToStop(Exception):

@@ -73,6 +73,20 @@ def reference(checkpoint) -> list[list[int]]:
     return outs
 
 
+@pytest.fixture(scope="module")
+def references():
+    """``reference`` per checkpoint, computed once for the module's cases that share it
+    (llama: four, deepseek_v3: two)."""
+    known: dict[str, list[list[int]]] = {}
+
+    def of(checkpoint) -> list[list[int]]:
+        if str(checkpoint) not in known:
+            known[str(checkpoint)] = reference(checkpoint)
+        return known[str(checkpoint)]
+
+    return of
+
+
 def _engine(checkpoint, cp_size: int, **fields) -> EngineConfig:
     """The prefill's config; ``fields`` (kv_cache_dtype, index_cache_dtype) the decode daemon takes too."""
     return EngineConfig(str(checkpoint), cp_size=cp_size, page_size=PAGE_SIZE, pages_per_lane=64,
@@ -107,7 +121,7 @@ FP8 = "fp8_e4m3"
                          [("llama", 1, 2, {}), ("llama", 2, 2, {}), ("llama4", 2, 4, {}), ("deepseek_v3", 2, 2, {}),
                           ("deepseek_v32", 2, 2, {"index_cache_dtype": "model"}), ("llama_fp8", 2, 2, {}),
                           ("llama", 2, 2, {"kv_cache_dtype": FP8}), ("deepseek_v32", 1, 2, {"kv_cache_dtype": FP8})])
-def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, cp_size: int, tp_size: int,
+def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, references, name: str, cp_size: int, tp_size: int,
                                                         fields: dict) -> None:
     """Transformers' tokens (on the dequantized weights for block-FP8), or with FP8 KV
     the single-process FP8-KV run's: every pairing fetches each rank's heads (GQA;
@@ -132,7 +146,7 @@ def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, 
         agreement = decode.agreement
         page_bytes = agreement.kv_planes * agreement.num_layers * PAGE_SIZE * agreement.num_kv_heads \
             * agreement.head_dim * decode.pool.tensor.element_size()
-        want = _single_fp8_kv(checkpoint) if "kv_cache_dtype" in fields else reference(
+        want = _single_fp8_kv(checkpoint) if "kv_cache_dtype" in fields else references(
             checkpoints.get(f"{name}-dequantized", checkpoint))
         for ids, expected, (tokens, stats) in zip(_prompts(), want, results):
             assert tokens == expected, f"prompt of {len(ids)} tokens"
@@ -147,7 +161,8 @@ def test_tp_decode_after_cp_prefill_equals_transformers(checkpoints, name: str, 
 @NEEDS_NIXL
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(("name", "cp_size"), [("llama", 1), ("llama", 2), ("deepseek_v3", 1)])
-def test_tp_decode_over_nixl_equals_transformers(checkpoints, name: str, cp_size: int, monkeypatch) -> None:
+def test_tp_decode_over_nixl_equals_transformers(checkpoints, references, name: str, cp_size: int,
+                                                 monkeypatch) -> None:
     """``--transport nixl`` with ``tp_size=2`` (UCX over TCP): every prefill rank read through
     NIXL by both decode ranks, GQA ranks each only their KV head's bytes (staged by the
     prefill rank), MLA ranks the whole latent rows; transformers' tokens."""
@@ -172,7 +187,7 @@ def test_tp_decode_over_nixl_equals_transformers(checkpoints, name: str, cp_size
             stub = lanekv_pb2_grpc.DecodeServiceStub(channel)
             ids = _prompts()[2]  # 30 tokens: 8 pages, 4 on each prefill rank with cp 2
             tokens, stats = _generate(stub, ids, MAX_NEW_TOKENS)
-        assert tokens == reference(checkpoint)[2]
+        assert tokens == references(checkpoint)[2]
         assert paths == [dict.fromkeys(range(cp_size), "nixl")]  # on both decode ranks
         # GQA: each rank its half of every page (the page's bytes once in all); MLA: whole rows each.
         assert int(stats["lanekv-transfer-bytes"]) == (2 if mla else 1) * -(-len(ids) // PAGE_SIZE) * page_bytes
