@@ -47,6 +47,12 @@ def compile_kernel(fn, sig: dict[str, str], consts: dict, num_warps: int, num_st
              if t.startswith("*")}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages, **options))
+    registers, local_bytes = resource_usage(kernel)
+    return dict(shared=kernel.metadata.shared, registers=registers, local_bytes=local_bytes)
+
+
+def resource_usage(kernel) -> tuple[int | None, int | None]:
+    """A compiled kernel's registers per thread and local (spill) bytes, from cuobjdump."""
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
@@ -54,8 +60,7 @@ def compile_kernel(fn, sig: dict[str, str], consts: dict, num_warps: int, num_st
         usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
                                capture_output=True, text=True, check=True).stdout
     regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-    return dict(shared=kernel.metadata.shared, registers=int(regs.group(1)) if regs else None,
-                local_bytes=int(local.group(1)) if local else None)
+    return (int(regs.group(1)) if regs else None, int(local.group(1)) if local else None)
 
 
 def rope_norm_store(fp8: bool) -> dict:

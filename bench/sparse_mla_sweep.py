@@ -31,9 +31,7 @@ import argparse
 import datetime
 import json
 import re
-import subprocess
 import sys
-import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -170,6 +168,8 @@ def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2, align: b
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    from bench.mla_chain_compile import resource_usage
+
     fp8 = kv == "fp8"
     block_h = sparse_decode_grid(1, HEADS, TOPK, H200_SMS, cfg).block_h
     part = num_splits > 1
@@ -201,13 +201,7 @@ def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2, align: b
     kernel = triton.compile(ASTSource(_sparse_mla_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=warps, num_stages=cfg.num_stages))
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout
-    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    registers, local_bytes = resource_usage(kernel)
     ptx = kernel.asm["ptx"]
     loads = Counter(re.findall(r"\bld\.global(?:\.\w+)*?(?:\.v\d)?\.[bfus]\d+", ptx))
     # pipelined loads are cp.async into shared memory: by bytes a copy (16 = whole vectors;
@@ -215,8 +209,7 @@ def compile_sm90(cfg: SparseDecodeConfig, kv: str, num_splits: int = 2, align: b
     copies = Counter(int(n, 16) for n in re.findall(
         r"cp\.async\.c[ag]\.shared\.global \[[^\]]*\], \[[^\]]*\], (0x[0-9a-f]+)", ptx))
     return {"kv": kv, "config": label(cfg), "warps": warps, "partials": part,
-            "registers": int(regs.group(1)) if regs else None,
-            "local_bytes": int(local.group(1)) if local else None,
+            "registers": registers, "local_bytes": local_bytes,
             "shared": kernel.metadata.shared,
             "ld_global": " ".join(f"{k[len('ld.global.'):]}:{v}" for k, v in sorted(loads.items())),
             "cp_async_bytes": " ".join(f"{k}B:{v}" for k, v in sorted(copies.items()))}
