@@ -179,6 +179,23 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     return run(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out)
 
 
+@triton.jit
+def rope_lanes(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF: tl.constexpr,
+               BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr):
+    """Token ``t``'s RoPE lanes: ``i`` (``BLOCK`` of them, ``ok`` below ``HALF``), its cos
+    and sin, and where each rotated pair's two members sit in a row (adjacent when
+    ``INTERLEAVE``, else ``HALF`` apart). Shared by every RoPE kernel."""
+    i = tl.arange(0, BLOCK)
+    ok = i < HALF
+    c = tl.load(cos_ptr + t * stride_ct + i, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + t * stride_st + i, mask=ok, other=0.0)
+    if INTERLEAVE:
+        first, second = 2 * i, 2 * i + 1
+    else:
+        first, second = i, HALF + i
+    return i, ok, c, s, first, second
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _mla_rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, num_tokens, num_heads,
@@ -187,18 +204,12 @@ def _mla_rope_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    i = tl.arange(0, BLOCK)
-    ok = i < HALF
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + t * stride_st + i, mask=ok, other=0.0)
+    i, ok, c, s, first, second = rope_lanes(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF,
+                                            BLOCK, INTERLEAVE)
     if head < num_heads:
         row = q_ptr + t * stride_qt + head * stride_qh
     else:  # the last program of a token rotates its shared key
         row = k_ptr + t * stride_kt
-    if INTERLEAVE:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, HALF + i
     x1 = tl.load(row + first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(row + second, mask=ok, other=0.0).to(tl.float32)
     # Both members are loaded before either store: in place is safe.

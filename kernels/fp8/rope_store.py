@@ -41,7 +41,7 @@ from lanekv.kernels.fp8.kv_rows import (
     pack_mla_fp8_rows_ref,
 )
 from lanekv.kernels.fp8.quant import _quantize_tile, hw_cast
-from lanekv.kernels.rope_store import rope_pairs, rotate_half
+from lanekv.kernels.rope_store import rope_lanes, rope_pairs, rotate_half
 from lanekv.kernels.store_kv import store_kv_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -223,14 +223,8 @@ def _mla_rope_store_fp8_kernel(
         x = tl.load(latent_ptr + t * stride_l + g[:, None] * GROUP_SIZE + k[None, :], mask=mask,
                     other=0.0).to(tl.float32)
         q, scale = _quantize_tile(x, (k < GROUP_SIZE)[None, :], False, HW_CAST)
-        i = tl.arange(0, HALF_BLOCK)
-        ok = i < HALF
-        c = tl.load(cos_ptr + t * stride_ct + i, mask=ok, other=0.0)
-        s = tl.load(sin_ptr + t * stride_st + i, mask=ok, other=0.0)
-        if INTERLEAVE:
-            first, second = 2 * i, 2 * i + 1
-        else:
-            first, second = i, HALF + i
+        i, ok, c, s, first, second = rope_lanes(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF,
+                                                HALF_BLOCK, INTERLEAVE)
         rope = latent_ptr + t * stride_l + RANK
         x1 = tl.load(rope + first, mask=ok, other=0.0).to(tl.float32)
         x2 = tl.load(rope + second, mask=ok, other=0.0).to(tl.float32)

@@ -40,7 +40,7 @@ from lanekv.kernels.fp8.rope_store import (
     mla_rope_store_fp8_ref,
 )
 from lanekv.kernels.rmsnorm import add_rmsnorm_ref
-from lanekv.kernels.rope_store import mla_rope_ref, rope_pairs
+from lanekv.kernels.rope_store import mla_rope_ref, rope_lanes, rope_pairs
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -59,14 +59,8 @@ def _mla_rope_norm_store_kernel(
     whose row stride ``stride_c`` is in bytes."""
     t = tl.program_id(0).to(tl.int64)
     dtype = kv_ptr.dtype.element_ty
-    i = tl.arange(0, HALF_BLOCK)
-    ok = i < HALF
-    c = tl.load(cos_ptr + t * stride_ct + i, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + t * stride_st + i, mask=ok, other=0.0)
-    if INTERLEAVE:
-        first, second = 2 * i, 2 * i + 1
-    else:
-        first, second = i, HALF + i
+    i, ok, c, s, first, second = rope_lanes(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF,
+                                            HALF_BLOCK, INTERLEAVE)
 
     # Every load first (the queries' RoPE parts, the row, its loc), so that they wait
     # on one memory trip together, not one after another.
