@@ -115,7 +115,8 @@ def test_the_relays_two_pass_digest_equals_kv_digest():
         with grpc.insecure_channel(endpoint) as channel:
             slots = StagingSlots(staging.areas[0], channel)
             g = torch.Generator().manual_seed(3)
-            for words, position in ((1, 0), (7, 1), (1000, 12345), (4096, (1 << 40) + 3)):
+            for words, position in ((1, 0), (7, 1), (1000, 12345), (4096, (1 << 40) + 3), (3 * 1024 + 5, 9),
+                                    (1024, (1 << 62) + 1)):
                 run = torch.randint(-2**31, 2**31, (words,), dtype=torch.int64, generator=g).to(torch.int32)
                 assert slots.digest(run.view(torch.uint8), position) == kv_digest(run, position), (words, position)
 
