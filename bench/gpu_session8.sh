@@ -74,7 +74,7 @@ d)
         --json "$OUT/profile_v2_lite_b1.json" > "$L/profile_v2_lite_b1.log" 2>&1
     echo "profile v2-lite b1 rc=$?"; grep -A18 "device kernels, layer 1 " "$L/profile_v2_lite_b1.log" ;;
 b)
-    timeout 150 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
+    timeout ${TTFT_S:-150} python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
         --paths grpc fast --fetch-streams 4 --fetch-relays 4 --json "$OUT/ttft_relays_staged_h200.json" \
         > "$L/ttft_relays_staged.log" 2>&1
     echo "ttft rc=$?"; tail -24 "$L/ttft_relays_staged.log" ;;
