@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One H200: programmatic dependent launch (kernels/pdl.py, LANEKV_PDL) checked and measured.
+# One H200: programmatic dependent launch (kernels/pdl/, LANEKV_PDL) checked and measured.
 # Usage (repository root): bash bench/gpu_pdl.sh PART
 #   a: the GPU test of graph-replayed decode steps with PDL on against off, the converted
 #      kernels' GPU tests with LANEKV_PDL=1, the Llama-3-8B-shaped decode step off/on.

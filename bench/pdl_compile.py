@@ -175,7 +175,8 @@ def main() -> None:
     bad = [r for r in rows if not (r["use_pdl"] is True and r["launch_pdl"] is True and r["wait"]
                                    and r["launch_dependents"]) or r.get("wait_when_off")
            or r.get("launch_dependents_when_off")]
-    print(f"{len(rows)} launches of {len({r['kernel'] for r in rows})} kernels, {len(bad)} missing PDL")
+    print(f"triton {triton.__version__}, sm_90: {len(rows)} launches of "
+          f"{len({r['kernel'] for r in rows})} kernels, {len(bad)} missing PDL")
     sys.exit(1 if bad else 0)
 
 
