@@ -12,9 +12,12 @@ same shapes with a static cache under ``torch.compile(mode="reduce-overhead")``
 Both are timed alike (``bench.stats.time_steps``): CUDA events around
 ``--steps`` back-to-back steps, the median of ``--runs`` runs.
 Also prints where the host time of one eager step goes (torch profiler).
+``--pdl both`` times every batch with the kernels' programmatic dependent launch off,
+then on (``kernels.pdl``; each row says which, and why where it could not be on).
 
     python bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 --json out.json
     python bench/decode_step.py --tiny --batches 1 16
+    python bench/decode_step.py --llama3-8b --batches 1 16 --pdl both
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
 from lanekv.model.sampling import SamplingParams  # noqa: E402
 
+from bench.pdl_flag import add_pdl_flag, pdl_env, pdl_label, pdl_modes  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY  # noqa: E402
 from bench.stats import step_weight_bytes, time_steps  # noqa: E402
 
@@ -54,6 +58,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", type=int, default=5, help="timed runs of --steps steps; the median is reported")
     ap.add_argument("--json", type=Path, default=None)
+    add_pdl_flag(ap)
     ap.add_argument("--hf-batches", type=int, nargs="*", default=None,
                     help="batches to time transformers compiled at (default: those <= 16); "
                          "none given: skip it")
@@ -70,23 +75,9 @@ def main() -> None:
     pool.tensor.normal_()
     rows = []
     for batch in args.batches:
-        row = dict(batch=batch, context=args.context)
-        for mode in ("eager", "graph") if device.type == "cuda" else ("eager",):
-            engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
-                                  graph_sizes=(batch,) if mode == "graph" else ())
-            if mode == "graph":
-                t0 = time.perf_counter()
-                graphs = engine.capture_graphs()
-                row["graph_capture_s"] = time.perf_counter() - t0
-                row["graph_memory_mib"] = graphs.memory_bytes / 2**20
-            timing = _time_steps(engine, pool, batch, args, device)
-            key = "step_ms" if mode == "graph" or device.type != "cuda" else "eager_step_ms"
-            row[key], row[f"{key}_runs"] = timing.ms, timing.runs_ms
-            if mode == "eager" and batch == min(args.batches):
-                _profile(engine, pool, batch, args, device)
-            del engine
-        row["tokens_per_s"] = batch / (row["step_ms"] / 1e3)
-        rows.append(row)
+        for pdl in pdl_modes(args.pdl):  # each engine built, captured and timed in its setting
+            with pdl_env(pdl):
+                rows.append(_time_batch(loaded, pool, batch, pdl, args, device))
     # the ceiling: reading what a step reads once, at the device's read rate (half a copy's traffic)
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     read_gbps = None
@@ -124,15 +115,17 @@ def main() -> None:
     for r in rows:
         r["hf_compiled_step_ms"] = hf.get(r["batch"])
     print(f"\ndecode step, {'Llama-3-8B shapes' if args.llama3_8b else 'tiny'}, context {args.context}, {device}")
-    print(f"{'batch':>5} {'step ms':>8} {'eager ms':>9} {'hf compiled':>11} {'tok/s':>9} {'floor ms':>9} "
-          f"{'step/floor':>10}")
+    print(f"{'batch':>5} {'pdl':>4} {'step ms':>8} {'eager ms':>9} {'hf compiled':>11} {'tok/s':>9} "
+          f"{'floor ms':>9} {'step/floor':>10}")
     nan = float("nan")
     for r in rows:
         eager, hfc = r.get("eager_step_ms"), r["hf_compiled_step_ms"]
-        print(f"{r['batch']:>5} {r['step_ms']:>8.2f} {eager or nan:>9.2f} "
+        print(f"{r['batch']:>5} {'on' if r['pdl'] else 'off':>4} {r['step_ms']:>8.2f} {eager or nan:>9.2f} "
               f"{hfc or nan:>11.2f} {r['tokens_per_s']:>9,.0f} {r['weight_read_floor_ms'] or nan:>9.2f} "
               f"{r['step_over_floor'] or nan:>10.2f}")
     print(f"every step time: {timing_note} (ours and transformers' alike)")
+    for status in dict.fromkeys(r["pdl_status"] for r in rows):
+        print(f"PDL {status}")
     if read_gbps:
         print(f"floor: the weight bytes a step reads (embedding: the rows it looks up) at the device read "
               f"rate, {read_gbps:.0f} GB/s")
@@ -164,6 +157,26 @@ def _profile(engine: DecodeEngine, pool: PagePool, batch: int, args, device) -> 
     print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15))
     while engine.has_work:
         engine.step()
+
+
+def _time_batch(loaded, pool: PagePool, batch: int, pdl: bool, args, device: torch.device) -> dict:
+    row = dict(batch=batch, context=args.context, pdl=pdl, pdl_status=pdl_label(device, pdl))
+    for mode in ("eager", "graph") if device.type == "cuda" else ("eager",):
+        engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
+                              graph_sizes=(batch,) if mode == "graph" else ())
+        if mode == "graph":
+            t0 = time.perf_counter()
+            graphs = engine.capture_graphs()
+            row["graph_capture_s"] = time.perf_counter() - t0
+            row["graph_memory_mib"] = graphs.memory_bytes / 2**20
+        timing = _time_steps(engine, pool, batch, args, device)
+        key = "step_ms" if mode == "graph" or device.type != "cuda" else "eager_step_ms"
+        row[key], row[f"{key}_runs"] = timing.ms, timing.runs_ms
+        if mode == "eager" and batch == min(args.batches) and pdl == pdl_modes(args.pdl)[0]:
+            _profile(engine, pool, batch, args, device)
+        del engine
+    row["tokens_per_s"] = batch / (row["step_ms"] / 1e3)
+    return row
 
 
 def hf_compiled_steps(cfg_json: dict, dtype: torch.dtype, device: torch.device,

@@ -23,7 +23,9 @@ GPU:  python bench/deepseek.py --v2-lite --tokens 8192 32768 --batches 1 16 64 -
       python bench/deepseek.py --v32 --batches 1 16 64 --context 32768 --json out.json
 CPU:  python bench/deepseek.py --tiny --tokens 64 256 --batches 1 4   (checks the script)
       python bench/deepseek.py --tiny-v32 --context 40 --batches 1 4
-``--parts decode`` (any of prefill, attention, decode, transfer) runs only those.
+``--parts decode`` (any of prefill, attention, decode, transfer) runs only those;
+``--pdl both`` times each decode batch with the kernels' programmatic dependent launch
+off, then on (``kernels.pdl``).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 from lanekv.transfer.fastpath.poolcopy import copy_pages  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
+from bench.pdl_flag import add_pdl_flag, pdl_env, pdl_label, pdl_modes  # noqa: E402
 from bench.stats import step_weight_bytes as shared_step_weight_bytes  # noqa: E402
 from bench.stats import time_steps  # noqa: E402
 
@@ -233,17 +236,20 @@ def bench_decode(loaded, batches: list[int], args) -> list[dict]:
     topk = config.dsa.index_topk if config.dsa is not None else 0
     rate = copy_rate(args.device)
     rows = []
-    for batch in batches:
-        engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
-                              graph_sizes=() if args.eager else (batch,))
-        t0 = time.perf_counter()
-        graphs = engine.capture_graphs()  # None on the CPU (or eager): eager steps
-        capture_s = time.perf_counter() - t0
-        for i in range(batch):
-            engine.add(f"r{i}", PageTable.allocate(pool, args.context), 11 + i, SamplingParams(),
-                       args.steps * (args.runs + 1) + 4)
-        engine.step()  # admit
-        timing = time_steps(engine.step, args.steps, args.runs, args.device)
+    for batch, pdl in ((b, p) for b in batches for p in pdl_modes(args.pdl)):
+        with pdl_env(pdl):  # the engine built, captured and timed in this setting
+            engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
+                                  graph_sizes=() if args.eager else (batch,))
+            t0 = time.perf_counter()
+            graphs = engine.capture_graphs()  # None on the CPU (or eager): eager steps
+            capture_s = time.perf_counter() - t0
+            for i in range(batch):
+                engine.add(f"r{i}", PageTable.allocate(pool, args.context), 11 + i,
+                           SamplingParams(), args.steps * (args.runs + 1) + 4)
+            engine.step()  # admit
+            timing = time_steps(engine.step, args.steps, args.runs, args.device)
+            while engine.has_work:
+                engine.step()
         step = timing.ms / 1e3
         weights = step_weight_bytes(loaded.model, batch)
         kv = step_kv_bytes(pool, batch, args.context, topk)
@@ -256,9 +262,8 @@ def bench_decode(loaded, batches: list[int], args) -> list[dict]:
                      f"{args.steps} back-to-back steps, {timing.clock}",
                      "graph_page_table_width": graphs.max_pages if graphs is not None else 0,
                      "cuda_graph": graphs is not None,
-                     "capture_s": capture_s if graphs is not None else 0.0})
-        while engine.has_work:
-            engine.step()
+                     "capture_s": capture_s if graphs is not None else 0.0,
+                     "pdl": pdl, "pdl_status": pdl_label(args.device, pdl)})
     return rows
 
 
@@ -304,6 +309,7 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", choices=PARTS, default=None,
                     help="default: all, or decode only for the V3.2 shapes")
     ap.add_argument("--eager", action="store_true", help="decode steps without CUDA graphs")
+    add_pdl_flag(ap)
     args = ap.parse_args()
     args.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = next(n for n in CONFIGS if getattr(args, n))
@@ -348,13 +354,15 @@ def main() -> None:
     if "decode" in result:
         print(f"decode at {args.context} tokens per request ({config.num_layers} layers)")
         print("| batch | step ms | tok/s | weight GB | KV read GB | weight-read floor ms | "
-              "+ KV floor ms | floor / step | graph |")
-        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+              "+ KV floor ms | floor / step | graph | pdl |")
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
         for d in result["decode"]:
             print(f"| {d['batch']} | {d['step_ms']:.2f} | {d['tokens_per_s']:.0f} | "
                   f"{d['weight_bytes'] / 1e9:.2f} | {d['kv_read_bytes'] / 1e9:.3f} | "
                   f"{d['weight_floor_ms']:.2f} | {d['read_floor_ms']:.2f} | "
-                  f"{d['of_read_floor']:.2f} | {d['cuda_graph']} |")
+                  f"{d['of_read_floor']:.2f} | {d['cuda_graph']} | {'on' if d['pdl'] else 'off'} |")
+        for status in dict.fromkeys(d["pdl_status"] for d in result["decode"]):
+            print(f"PDL {status}")
         if result["decode"]:
             print(f"step ms: {result['decode'][0]['timing']}; weight bytes count the embedding rows "
                   "a step looks up, not the table")

@@ -56,6 +56,7 @@ six configs per shape (``prefill_candidates``), the likeliest first.
     python bench/fp8.py --sweep --rows 2048 --time-budget-s 200 --write-table  # prefill rows
     python bench/fp8.py --only gemm                               # the tuned GEMM vs torch
     python bench/fp8.py --only decode
+    python bench/fp8.py --only decode --pdl both                  # PDL off, then on, per step
     python bench/fp8.py --only prefill                            # FP8 vs bf16 prefill tok/s
 """
 
@@ -105,6 +106,7 @@ from lanekv.prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 
 from bench.deepseek import V2_LITE  # noqa: E402
+from bench.pdl_flag import add_pdl_flag, pdl_env, pdl_label, pdl_modes  # noqa: E402
 from bench.prefill import LLAMA3_8B  # noqa: E402
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
@@ -552,7 +554,9 @@ def model_config(name: str, quant: str) -> dict:
 
 
 def bench_decode(models: list[str], batches: list[int], context: int, steps: int,
-                 device: torch.device) -> list[dict]:
+                 device: torch.device, pdl: tuple[bool, ...] = (False,)) -> list[dict]:
+    """Each step timed once per setting of ``pdl`` (``bench.pdl_flag``): its engine built,
+    captured and timed with the switch so."""
     rate = _copy_rate(device)
     out = []
     for name in models:
@@ -566,39 +570,47 @@ def bench_decode(models: list[str], batches: list[int], context: int, steps: int
             pool = PagePool.for_model(loaded.config, max(batches) * per_req + 8, page_size,
                                       torch.bfloat16, device)
             pool.tensor.normal_()
-            for batch in batches:
-                engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
-                                      graph_sizes=(batch,))
-                engine.capture_graphs()
-                for i in range(batch):
-                    engine.add(f"r{i}", PageTable.allocate(pool, context), 11 + i,
-                               SamplingParams(), steps + 4)
-                engine.step()
-                engine.step()
-                torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                torch.cuda.synchronize(device)
-                step_ms = (time.perf_counter() - t0) / steps * 1e3
-                while engine.has_work:
-                    engine.step()
+            for batch, pdl_on in ((b, p) for b in batches for p in pdl):
+                with pdl_env(pdl_on):
+                    step_ms = _decode_step_ms(loaded, pool, batch, context, steps, device)
                 floor_ms = step_bytes(loaded.model, batch) / rate * 1e3
                 row = dict(model=name, weights=quant, batch=batch, context=context,
+                           pdl=pdl_on, pdl_status=pdl_label(device, pdl_on),
                            step_ms=step_ms, weight_read_floor_ms=floor_ms,
                            vs_floor=step_ms / floor_ms)
                 out.append(row)
                 print(f"{name:>9} {quant:>4} batch {batch:>3}: step {step_ms:.3f} ms, floor "
-                      f"{floor_ms:.3f} ms ({step_ms / floor_ms:.2f}x)", flush=True)
-                del engine
+                      f"{floor_ms:.3f} ms ({step_ms / floor_ms:.2f}x); PDL {row['pdl_status']}",
+                      flush=True)
             del pool, loaded
             torch.cuda.empty_cache()
     for row in out:
         if row["weights"] == "fp8":
             bf16 = next(r for r in out if r["model"] == row["model"] and r["weights"] == "bf16"
-                        and r["batch"] == row["batch"])
+                        and r["batch"] == row["batch"] and r["pdl"] == row["pdl"])
             row["vs_bf16_step"] = row["step_ms"] / bf16["step_ms"]
     return out
+
+
+def _decode_step_ms(loaded, pool: PagePool, batch: int, context: int, steps: int,
+                    device: torch.device) -> float:
+    """A captured step of ``batch`` requests of ``context`` tokens, ms per step."""
+    engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
+                          graph_sizes=(batch,))
+    engine.capture_graphs()
+    for i in range(batch):
+        engine.add(f"r{i}", PageTable.allocate(pool, context), 11 + i, SamplingParams(), steps + 4)
+    engine.step()
+    engine.step()
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize(device)
+    step_ms = (time.perf_counter() - t0) / steps * 1e3
+    while engine.has_work:
+        engine.step()
+    return step_ms
 
 
 def _prefill_once(engine, ids: list[int], device: torch.device) -> tuple[float, torch.Tensor]:
@@ -722,6 +734,7 @@ def main() -> None:
     ap.add_argument("--prefill-models", nargs="+", default=["v2_lite", "llama3_8b"],
                     choices=list(MODELS))
     ap.add_argument("--page-size", type=int, default=64, help="prefill: the KV page size")
+    add_pdl_flag(ap)
     ap.add_argument("--json", type=Path, default=None,
                     help="result file (default: a new timestamped file in bench/results/fp8/)")
     args = ap.parse_args()
@@ -772,7 +785,7 @@ def main() -> None:
         args.only = "gemm"
     if args.only in (None, "decode"):
         result["decode"] = bench_decode(args.models, args.batches, args.context, args.steps,
-                                        device)
+                                        device, pdl_modes(args.pdl))
         out_path.write_text(json.dumps(result, indent=2))
     if args.only in (None, "prefill"):
         result["prefill"] = bench_prefill(args.prefill_models, args.prefill_tokens,

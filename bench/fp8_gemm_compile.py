@@ -79,7 +79,8 @@ def compile_config(cfg: GemmConfig, *, quant_a: bool = False, even_k: bool = Tru
     consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_K=cfg.dot_k, GROUP_M=cfg.group_m,
                   SPLIT_K=cfg.split_k, EVEN_K=even_k, TMA=tma, LAG=cfg.lag,
-                  PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False, HW_CAST=True)
+                  PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=False, HW_CAST=True,
+                  USE_PDL=False)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in _DIVISIBLE
@@ -97,7 +98,7 @@ def _compile_w8a16(cfg: GemmConfig, *, even_k: bool, block: tuple[int, int],
                stride_x="i32", stride_w="i32", stride_ws="i32", stride_out="i32")
     consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-                  SPLIT_K=cfg.split_k, EVEN_K=even_k, DOT_PRECISION="tf32")
+                  SPLIT_K=cfg.split_k, EVEN_K=even_k, DOT_PRECISION="tf32", USE_PDL=False)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     renamed = {"x_ptr": "a_ptr", "stride_x": "stride_a"}  # ints use the w8a8 names

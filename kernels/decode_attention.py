@@ -39,6 +39,7 @@ import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.fp8.kv_rows import dequantize_kv_fp8_rows, kv_fp8_head_bytes, kv_fp8_views
 from lanekv.kernels.kv_layout import check_page_table
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -79,7 +80,10 @@ def _paged_decode_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,7 +158,10 @@ def _paged_decode_attention_kernel(
 def _paged_decode_merge_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
@@ -290,13 +297,13 @@ def paged_decode_attention_triton(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
         WRITE_PARTIAL=write_partial, IEEE_DOT=q.dtype == torch.float32, KV_FP8=fp8,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     if write_partial:
         _paged_decode_merge_kernel[(batch, q_heads)](
             part_o, part_lse, out, q_heads, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)),
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl_args(q),
         )
     return out
 

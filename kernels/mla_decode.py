@@ -55,6 +55,7 @@ from lanekv.kernels.fp8.kv_rows import (
     unpack_mla_fp8_rows,
 )
 from lanekv.kernels.kv_layout import check_page_table
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -214,7 +215,10 @@ def _paged_mla_decode_kernel(
     WRITE_PARTIAL: tl.constexpr, DOT_PRECISION: tl.constexpr, GROUP: tl.constexpr,
     KV_FP8: tl.constexpr, ALIGN_LR: tl.constexpr, ALIGN_SR: tl.constexpr,
     ALIGN_PR: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     # The row strides come divided by their known factors (stride_align), so that the
     # compiler sees the factors and loads the latent rows in whole 16-byte vectors.
     stride_lr = stride_lr * ALIGN_LR
@@ -300,7 +304,10 @@ def _mla_decode_merge_kernel(
     stride_ob, stride_oh,
     RANK: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, HAS_LENS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     h = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     first = (b * num_heads + h) * num_splits
@@ -487,7 +494,7 @@ def paged_mla_decode_stage1(
         BLOCK_N=cfg.block_n, WRITE_PARTIAL=write_partial,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", GROUP=group,
         KV_FP8=latent_cache.dtype == torch.uint8, **aligns,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     if not write_partial:
         return MLAPartials(out)
@@ -537,7 +544,7 @@ def merge_mla_partials(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.
     _mla_decode_merge_kernel[(heads, batch, triton.cdiv(rank, block_r))](
         part_o, part_lse, out, lens, heads, splits, max_kv_len, split_keys, out.stride(0),
         out.stride(1), RANK=rank, BLOCK_R=block_r, BLOCK_S=block_s,
-        HAS_LENS=busy is not None, BLOCK_N=block_n,
+        HAS_LENS=busy is not None, BLOCK_N=block_n, **pdl_args(out),
     )
 
 
@@ -622,7 +629,10 @@ def _absorb_query_kernel(
     NOPE: tl.constexpr, RANK: tl.constexpr, ROPE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     h = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < RANK
@@ -658,7 +668,10 @@ def _expand_output_kernel(
     RANK: tl.constexpr, V_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     h = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V_DIM
@@ -726,7 +739,7 @@ def mla_absorb_query_triton(q: torch.Tensor, w_k: torch.Tensor) -> torch.Tensor:
         NOPE=nope, RANK=rank, ROPE=rope, BLOCK_T=16, BLOCK_D=64 if q.is_cuda else 16,
         BLOCK_R=block_r, BLOCK_P=max(16, triton.next_power_of_2(max(rope, 1))),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
-        num_stages=2,
+        num_stages=2, **pdl_args(q),
     )
     return out
 
@@ -760,7 +773,7 @@ def mla_expand_output_triton(o_latent: torch.Tensor, w_v: torch.Tensor) -> torch
         out.stride(0), out.stride(1),
         RANK=rank, V_DIM=v_dim, BLOCK_T=16, BLOCK_R=128 if o_latent.is_cuda else 16,
         BLOCK_V=block_v, DOT_PRECISION="ieee" if o_latent.dtype == torch.float32 else "tf32",
-        num_warps=4, num_stages=2,
+        num_warps=4, num_stages=2, **pdl_args(o_latent),
     )
     return out
 

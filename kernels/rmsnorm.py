@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -32,7 +33,10 @@ def _add_rmsnorm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, num_rows, n_cols, eps,
     stride_x, stride_res, stride_out, stride_sum,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     col = tl.arange(0, BLOCK)
     ok = col < n_cols
@@ -98,7 +102,7 @@ def add_rmsnorm_triton(x: torch.Tensor, residual: torch.Tensor | None, weight: t
         x, res, weight, out, summed, x.shape[0], x.shape[1], float(eps),
         x.stride(0), res.stride(0), out.stride(0), summed.stride(0),
         HAS_RESIDUAL=residual is not None, BLOCK=block,
-        num_warps=max(1, min(16, block // 256)),
+        num_warps=max(1, min(16, block // 256)), **pdl_args(x),
     )
     return out, summed
 

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from lanekv.kernels.store_kv import store_kv_ref
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -44,7 +45,10 @@ def _rope_store_kv_kernel(
     stride_kcr, stride_kch, stride_vcr, stride_vch, stride_qot, stride_qoh,
     stride_ot, stride_op, stride_oh,
     NUM_Q_HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, WRITE_KV: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -144,7 +148,7 @@ def rope_store_kv_triton(q, k, v, cos, sin, k_cache, v_cache, locs, kv_out=None)
         v_cache.stride(0), v_cache.stride(1), out.stride(0), out.stride(1),
         *((0, 0, 0) if kv_out is None else (kv_out.stride(0), kv_out.stride(1), kv_out.stride(2))),
         NUM_Q_HEADS=num_q_heads, HALF=half, BLOCK=triton.next_power_of_2(half), WRITE_KV=kv_out is not None,
-        num_warps=1,
+        num_warps=1, **pdl_args(q),
     )
     return out
 
@@ -201,7 +205,10 @@ def _mla_rope_kernel(
     q_ptr, k_ptr, cos_ptr, sin_ptr, num_tokens, num_heads,
     stride_qt, stride_qh, stride_kt, stride_ct, stride_st,
     HALF: tl.constexpr, BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     i, ok, c, s, first, second = rope_lanes(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF,
@@ -255,7 +262,7 @@ def mla_rope_triton(q_pe: torch.Tensor, k_pe: torch.Tensor | None, cos: torch.Te
         q_pe.stride(0), q_pe.stride(1), 0 if k_pe is None else k_pe.stride(0), cos.stride(0),
         sin.stride(0),
         HALF=half, BLOCK=max(2, triton.next_power_of_2(half)), INTERLEAVE=bool(interleave),
-        num_warps=1,
+        num_warps=1, **pdl_args(q_pe),
     )
 
 

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.kv_layout import CopyConfig, as_word_rows, word_bytes_for
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
@@ -27,7 +28,10 @@ def _store_kv_kernel(
     num_tokens, num_rows, row_words,
     stride_k, stride_v, stride_kc, stride_vc,
     BLOCK_ROWS: tl.constexpr, BLOCK_WORDS: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     pid_t = tl.program_id(0)
     pid_w = tl.program_id(1)
     tok = pid_t.to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
@@ -99,6 +103,7 @@ def store_kv_triton(
         k.shape[0], k_cache.shape[0], row_words,
         kw.stride(0), vw.stride(0), kcw.stride(0), vcw.stride(0),
         BLOCK_ROWS=cfg.block_rows, BLOCK_WORDS=cfg.block_words, num_warps=cfg.num_warps,
+        **pdl_args(k),
     )
 
 

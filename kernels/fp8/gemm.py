@@ -61,6 +61,7 @@ from lanekv.kernels.fp8.quant import (
 )
 from lanekv.kernels.fp8.tile_order import tile_coords
 from lanekv.kernels.fp8.weights import FP8_DTYPE, dequantize_weight_blocks, scale_shape
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 _OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -195,7 +196,10 @@ def _block_fp8_matmul_kernel(
     DOT_K: tl.constexpr, GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     TMA: tl.constexpr, LAG: tl.constexpr, PERSISTENT: tl.constexpr, QUANT_A: tl.constexpr,
     UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     pid = tl.program_id(0)
     if PERSISTENT:  # one program per SM walks the tiles
         tiles = tl.cdiv(rows, BLOCK_M) * tl.cdiv(cols, BLOCK_N) * SPLIT_K
@@ -213,8 +217,11 @@ def _block_fp8_matmul_kernel(
 
 @triton.jit
 def _split_k_reduce_kernel(part_ptr, bias_ptr, out_ptr, numel, cols,
-                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                           SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr,
+                           USE_PDL: tl.constexpr = False):
     """``out = sum(partials) + bias`` in float32, then cast (split order fixed: deterministic)."""
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < numel
     acc = tl.zeros([BLOCK], tl.float32)
@@ -320,7 +327,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0,
                 DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
             )
             _reduce_splits(part, bias, bias_arg, out, split)
         return out
@@ -350,7 +357,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_K=cfg.dot_k,
             GROUP_M=cfg.group_m, SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0, TMA=use_tma,
             LAG=cfg.lag, PERSISTENT=cfg.persistent, QUANT_A=quant_a, UE8M0=ue8m0, HW_CAST=hw_cast(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
         )
         _reduce_splits(part, bias, bias_arg, out, split)
     return out
@@ -364,7 +371,7 @@ def _reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, bias_arg: torc
         reduce_block = 1024
         _split_k_reduce_kernel[(triton.cdiv(numel, reduce_block),)](
             part, bias_arg, out, numel, out.shape[1], SPLIT_K=split, HAS_BIAS=bias is not None,
-            BLOCK=reduce_block, num_warps=4)
+            BLOCK=reduce_block, num_warps=4, **pdl_args(part))
 
 
 def block_fp8_matmul_triton(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor,

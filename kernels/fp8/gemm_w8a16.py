@@ -33,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from lanekv.kernels.fp8.tile_order import tile_coords
+from lanekv.kernels.pdl import pdl_launch_dependents, pdl_wait
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -43,10 +44,13 @@ def _w8a16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """One output tile (or one k slice of it), tiles in the grouped order of the w8a8
     kernel. Rows and columns are loaded clamped into range (no masks along them) and
     stored unclamped, masked (the compiler then sees a row's columns contiguous)."""
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     tile = tl.program_id(0)
     pid_m, pid_n, split, k_lo, k_hi = tile_coords(tile, rows, cols, depth, BLOCK_M, BLOCK_N,
                                                   BLOCK_K, GROUP_M, SPLIT_K)

@@ -30,6 +30,7 @@ from lanekv.kernels.moe.decode import (
     launch_decode_down,
     launch_decode_gate_up,
 )
+from lanekv.kernels.pdl import pdl_args
 
 
 def fp8_decode_tiles(x: torch.Tensor, active: int, inter: int, hidden: int,
@@ -67,6 +68,7 @@ def moe_experts_fp8_decode_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch
     combine = min(1024, max(16, triton.next_power_of_2(hidden)))
     _decode_combine_kernel[(tokens, triton.cdiv(hidden, combine))](
         y, out, tokens, hidden, y.stride(0), out.stride(0), TOP_K=top_k, SHARED=0, BLOCK=combine,
+        **pdl_args(y),
     )
     return out
 

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import interpreter_enabled, use_triton
 from lanekv.kernels.fp8.weights import FP8_DTYPE, FP8_MAX
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 AMAX_FLOOR = 1e-10  # an all-zero group still gets a finite, positive scale
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -72,7 +73,10 @@ def _round_e4m3(x):
 def _per_token_group_quant_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     r_ok = r < rows
@@ -89,7 +93,10 @@ def _per_token_group_quant_kernel(
 def _silu_mul_quant_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
     GROUP: tl.constexpr, BLOCK_R: tl.constexpr, UE8M0: tl.constexpr, HW_CAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     k = tl.program_id(1) * GROUP + tl.arange(0, GROUP)
     r_ok = r < rows
@@ -140,7 +147,8 @@ def per_token_group_quant_fp8_triton(x: torch.Tensor, group_size: int, *,
         block_r = _block_rows(rows)
         _per_token_group_quant_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
             x, q, s, rows, cols, x.stride(0), q.stride(0), s.stride(0),
-            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, HW_CAST=hw_cast(), num_warps=4)
+            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, HW_CAST=hw_cast(), num_warps=4,
+            **pdl_args(x))
     return q, s
 
 
@@ -187,7 +195,8 @@ def silu_mul_quant_fp8_triton(gate_up: torch.Tensor, group_size: int, *,
         block_r = _block_rows(rows)
         _silu_mul_quant_kernel[(triton.cdiv(rows, block_r), s.shape[1])](
             gate_up, q, s, rows, inter, gate_up.stride(0), q.stride(0), s.stride(0),
-            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, HW_CAST=hw_cast(), num_warps=4)
+            GROUP=group_size, BLOCK_R=block_r, UE8M0=scale_ue8m0, HW_CAST=hw_cast(), num_warps=4,
+            **pdl_args(gate_up))
     return q, s
 
 

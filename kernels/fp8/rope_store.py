@@ -41,6 +41,7 @@ from lanekv.kernels.fp8.kv_rows import (
     pack_mla_fp8_rows_ref,
 )
 from lanekv.kernels.fp8.quant import _quantize_tile, hw_cast
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from lanekv.kernels.rope_store import rope_lanes, rope_pairs, rotate_half
 from lanekv.kernels.store_kv import store_kv_ref
 
@@ -58,7 +59,10 @@ def _rope_store_kv_fp8_kernel(
     stride_qot, stride_qoh, stride_oqt, stride_oqp, stride_oqh, stride_ost, stride_osp, stride_osh,
     NUM_Q_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
     WRITE_KV: tl.constexpr, HW_CAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = HEAD_DIM // 2
@@ -168,6 +172,7 @@ def rope_store_kv_fp8_triton(q, k, v, cos, sin, k_cache, v_cache, locs,
         *o_strides,
         NUM_Q_HEADS=num_q_heads, HEAD_DIM=head_dim, BLOCK=triton.next_power_of_2(head_dim),
         WRITE_KV=kv_out is not None, HW_CAST=hw_cast(), num_warps=1, enable_fp_fusion=False,
+        **pdl_args(q),
     )
     return out
 
@@ -209,9 +214,12 @@ def _mla_rope_store_fp8_kernel(
     GROUPS_BLOCK: tl.constexpr, GROUP_SIZE: tl.constexpr, PAD: tl.constexpr,
     PAD_BLOCK: tl.constexpr, INTERLEAVE: tl.constexpr, WRITE_ROWS: tl.constexpr,
     HW_CAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """Strides are a row's, in bytes; the pointers are the row's parts (e4m3 values,
     float32 scales, bf16 RoPE values, padding bytes) of the cache and of ``rows_out``."""
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     loc = tl.load(locs_ptr + t)
     cached = (loc >= 0) & (loc < num_rows)
@@ -321,6 +329,7 @@ def mla_rope_store_fp8_triton(latent: torch.Tensor, cos: torch.Tensor, sin: torc
         GROUPS=groups, GROUPS_BLOCK=triton.next_power_of_2(groups), GROUP_SIZE=group,
         PAD=pad, PAD_BLOCK=max(2, triton.next_power_of_2(pad)), INTERLEAVE=interleave,
         WRITE_ROWS=rows_out is not None, HW_CAST=hw_cast(), num_warps=4, enable_fp_fusion=False,
+        **pdl_args(latent),
     )
 
 

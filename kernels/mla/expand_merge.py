@@ -39,6 +39,7 @@ from lanekv.kernels.mla_decode import (
     mla_expand_output_ref,
     mla_expand_output_triton,
 )
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 # Tokens run one after another in a program (each a few memory round trips: its length,
 # its partials, the product), so larger decode batches take the standalone merge, whose
@@ -53,7 +54,10 @@ def _expand_partials_kernel(
     stride_dt, stride_dh, stride_wh, stride_wv, stride_yt, stride_yh,
     RANK: tl.constexpr, V_DIM: tl.constexpr, KEY_BLOCK: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     h = tl.program_id(0).to(tl.int64)
     v = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < V_DIM
@@ -154,7 +158,7 @@ def mla_expand_partials_triton(parts: MLAPartials, w_v: torch.Tensor) -> torch.T
         RANK=rank, V_DIM=v_dim, KEY_BLOCK=key_block,
         # a chunk of splits x the whole row in one load: 16k float32 over 8 warps
         BLOCK_S=max(2, min(32, 16384 // block_r)), BLOCK_R=block_r, BLOCK_V=16,
-        num_warps=8,
+        num_warps=8, **pdl_args(w_v),
     )
     return out
 

@@ -39,6 +39,7 @@ from lanekv.kernels.fp8.rope_store import (
     _store_mla_row,
     mla_rope_store_fp8_ref,
 )
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 from lanekv.kernels.rmsnorm import add_rmsnorm_ref
 from lanekv.kernels.rope_store import mla_rope_ref, rope_lanes, rope_pairs
 
@@ -54,9 +55,12 @@ def _mla_rope_norm_store_kernel(
     BLOCK_H: tl.constexpr, GROUPS: tl.constexpr, GROUPS_BLOCK: tl.constexpr,
     GROUP_SIZE: tl.constexpr, PAD: tl.constexpr, PAD_BLOCK: tl.constexpr,
     INTERLEAVE: tl.constexpr, KV_FP8: tl.constexpr, HW_CAST: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     """``c_ptr`` is the plain cache; ``cq..cp`` the FP8 rows' parts (``_row_parts``),
     whose row stride ``stride_c`` is in bytes."""
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     dtype = kv_ptr.dtype.element_ty
     i, ok, c, s, first, second = rope_lanes(cos_ptr, sin_ptr, t, stride_ct, stride_st, HALF,
@@ -198,6 +202,7 @@ def mla_rope_norm_store_triton(q_pe: torch.Tensor, kv_a: torch.Tensor, norm_weig
         GROUPS=groups, GROUPS_BLOCK=triton.next_power_of_2(groups), GROUP_SIZE=group,
         PAD=pad, PAD_BLOCK=max(2, triton.next_power_of_2(max(pad, 1))), INTERLEAVE=interleave,
         KV_FP8=kv_fp8, HW_CAST=hw_cast(), num_warps=4, enable_fp_fusion=False,
+        **pdl_args(q_pe),
     )
 
 

@@ -53,6 +53,7 @@ import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.moe.experts import _check_args
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 # The most tokens the decode kernels take (larger batches take the sorted grouped GEMMs
 # of kernels/moe/experts.py). Each program scans the ids in one block of
@@ -195,7 +196,10 @@ def _decode_gate_up_kernel(
     TOP_K: tl.constexpr, SHARED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
     pid, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
     if runs == 0:
@@ -249,7 +253,10 @@ def _decode_down_kernel(
     TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     ids = _load_ids(ids_ptr, num_tokens, TOP_K, P_BLOCK)
     pid, runs = _expert_of_slot(ids, tl.program_id(0), num_tokens, num_experts, TOP_K, P_BLOCK)
     if runs == 0:
@@ -292,7 +299,10 @@ def _decode_down_kernel(
 def _decode_combine_kernel(
     y_ptr, out_ptr, num_tokens, hidden, stride_yt, stride_ot,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_ok = n < hidden
@@ -368,7 +378,7 @@ def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
         h.stride(0), TOP_K=top_k, SHARED=shared, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
         W_FP8=scales is not None, GROUP_N=block[0], GROUP_K=block[1],
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x),
     )
     return h
 
@@ -392,7 +402,7 @@ def launch_decode_down(x: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, ids: 
         y.stride(0), TOP_K=top_k, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
         W_FP8=scales is not None, GROUP_N=block[0], GROUP_K=block[1],
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x),
     )
     return y
 
@@ -420,7 +430,7 @@ def moe_experts_decode_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     block = min(1024, max(16, triton.next_power_of_2(hidden)))
     _decode_combine_kernel[(tokens, triton.cdiv(hidden, block))](
         y, out, tokens, hidden, y.stride(0), out.stride(0),
-        TOP_K=top_k, SHARED=shared, BLOCK=block,
+        TOP_K=top_k, SHARED=shared, BLOCK=block, **pdl_args(y),
     )
     return out
 

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # The most tokens the Triton kernel takes (decode batches); more take cuBLAS.
@@ -30,7 +31,10 @@ MAX_GATE_TOKENS = 64
 def _router_logits_kernel(
     x_ptr, w_ptr, out_ptr, num_tokens, hidden, stride_xt, stride_we, stride_ot,
     BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     e = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_ok = t < num_tokens
@@ -74,6 +78,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     _router_logits_kernel[(experts, triton.cdiv(tokens, block_t))](
         x, weight, out, tokens, hidden, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_T=block_t, BLOCK_K=block_k, num_warps=8 if block_k >= 2048 else 4,
+        **pdl_args(x),
     )
     return out
 

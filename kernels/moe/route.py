@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -39,7 +40,10 @@ def _route_kernel(
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, TOPK_GROUP: tl.constexpr,
     TOP_K: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr,
     G_BLOCK: tl.constexpr, S_BLOCK: tl.constexpr, K_BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     g = tl.arange(0, G_BLOCK)[:, None]
     i = tl.arange(0, S_BLOCK)[None, :]
@@ -147,7 +151,7 @@ def moe_route_triton(logits: torch.Tensor, correction_bias: torch.Tensor | None,
         G_BLOCK=max(2, triton.next_power_of_2(n_group)),
         S_BLOCK=max(2, triton.next_power_of_2(group_size)),
         K_BLOCK=max(2, triton.next_power_of_2(top_k)),
-        num_warps=4 if experts >= 128 else 1,
+        num_warps=4 if experts >= 128 else 1, **pdl_args(logits),
     )
     return weights, ids
 
