@@ -203,3 +203,21 @@ def test_the_guard_sees_host_reads() -> None:
             read()
     with NoHostSync():
         assert t[torch.tensor([0, 2])].shape == (2,)  # integer gathers are fine
+
+
+def test_the_capturable_exchange_needs_the_forwards_rows_per_rank() -> None:
+    """The prefill runner sets ``capacity`` around each forward; a capturable layer run
+    outside it fails in one line (before any collective), and the value does not outlive it."""
+    from lanekv.model.parallel.ep import ExpertExchange
+
+    exchange = ExpertExchange(group=None, capturable=True)
+    x, weights, ids, w13, w2 = _inputs({"size": 1, "tokens": (3,), "top_k": 2, "draw": "random"}, 0,
+                                       torch.float32, 0)
+    with pytest.raises(ValueError, match="runs inside ExpertExchange.rows_per_rank.*capacity=None"):
+        exchange.dispatch(x, weights, ids, w13, w2, (0, EXPERTS))
+    with exchange.rows_per_rank(4):
+        assert exchange.capacity == 4
+    assert exchange.capacity is None
+    with pytest.raises(ValueError, match="capacity must be an int >= 0, got capacity=-1"):
+        with exchange.rows_per_rank(-1):
+            pass
