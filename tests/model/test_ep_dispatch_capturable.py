@@ -20,6 +20,8 @@ from lanekv.model.parallel.dispatch_capturable import dispatch_combine_capturabl
 from lanekv.model.parallel.ep import expert_bounds, expert_span
 from torch.overrides import TorchFunctionMode
 
+from tests.markers import requires_gpu
+
 HIDDEN, INTER, EXPERTS = 16, 8, 7
 Tensor = torch.Tensor
 # reads a tensor's values on the host, or gives a shape decided by them
@@ -221,3 +223,57 @@ def test_the_capturable_exchange_needs_the_forwards_rows_per_rank() -> None:
     with pytest.raises(ValueError, match="capacity must be an int >= 0, got capacity=-1"):
         with exchange.rows_per_rank(-1):
             pass
+
+
+@requires_gpu
+@pytest.mark.timeout(120)
+def test_capturable_on_cuda_never_syncs_and_replays_in_a_graph(tmp_path) -> None:
+    """One GPU, one NCCL rank (NCCL refuses two on one GPU), the Triton experts: the layer
+    equals the sized dispatch bit for bit, raises no synchronizing-op warning, and captured
+    in a CUDA graph replays other tokens with other routing into the sized dispatch's output."""
+    import warnings
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    try:
+        gen = torch.Generator().manual_seed(6)
+        tokens, experts, top_k, hidden, inter = 256, 16, 4, 128, 64
+
+        def draw():
+            ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+            return (torch.randn(tokens, hidden, generator=gen).to("cuda", torch.bfloat16),
+                    torch.rand(tokens, top_k, generator=gen).cuda(), ids.cuda())
+
+        w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) / 8).to("cuda", torch.bfloat16)
+        w2 = (torch.randn(experts, hidden, inter, generator=gen) / 6).to("cuda", torch.bfloat16)
+        bounds, group = expert_bounds(experts, 1), dist.group.WORLD
+        x, weights, ids = draw()
+
+        def layer() -> torch.Tensor:
+            return dispatch_combine_capturable(x, weights, ids, w13, w2, bounds, group, tokens)
+
+        assert torch.equal(layer(), dispatch_combine(x, weights, ids, w13, w2, bounds, group))
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                layer()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert not [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = layer()
+        for new, held in zip(draw(), (x, weights, ids)):
+            held.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, dispatch_combine(x, weights, ids, w13, w2, bounds, group))
+    finally:
+        dist.destroy_process_group()
