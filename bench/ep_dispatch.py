@@ -1,9 +1,13 @@
 """Prefill EP: one MoE layer's routed experts over N ranks, the all-to-all dispatch
-(``model.parallel.dispatch``: a token once per owner rank) against the all-gather +
-all-reduce exchange it replaced.
+(``model.parallel.dispatch``: a token once per owner rank, split sizes read on the
+host) against its capturable twin (``model.parallel.dispatch_capturable``: fixed
+``[N, capacity]`` padded all-to-alls, no host read; on CUDA with NCCL also replayed as
+a captured CUDA graph) and the all-gather + all-reduce exchange it replaced.
 
 GPU (N GPUs, NCCL; DeepSeek-V3's expert shapes, 8k tokens over the ranks):
     python bench/ep_dispatch.py --device cuda --ranks 8 --tokens 8192 --json bench/results/ep_dispatch.json
+One GPU (one NCCL rank; or several gloo ranks sharing it, --backend gloo):
+    python bench/ep_dispatch.py --device cuda --ranks 1 --tokens 512
 CPU (gloo):
     python bench/ep_dispatch.py --device cpu --ranks 2 --tokens 256 --hidden 256 --inter 128 --experts 16 \
         --top-k 4 --n-group 4 --topk-group 2
@@ -17,7 +21,10 @@ busiest rank received per layer (the exchanged bytes; for the dispatch also what
 per-choice dispatch it replaced received, a row per (token, choice)). The gather way: the row counts all-gathered, every rank's rows (padded to the
 largest count) all-gathered, each rank's experts run over all rows (the other ranks'
 choices at weight 0, on its first expert), an all-reduce, each rank keeping its rows.
-Printed: both ways' times and rows, and the two outputs' largest difference.
+The capturable way sends ``capacity = tokens / ranks`` rows to every rank and gets as
+many partials back (its rows per rank: ``2 (N - 1) capacity``); its output is compared
+bit for bit with the dispatch's (equal unless the grouped GEMMs took other tiles, see
+the module doc). Printed: every way's times and rows, and the outputs' largest differences.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from lanekv.kernels.moe.experts import moe_experts  # noqa: E402
 from lanekv.kernels.moe.route import moe_route_ref  # noqa: E402
 from lanekv.model.dtypes import DTYPES  # noqa: E402
 from lanekv.model.parallel.dispatch import dispatch_combine, route  # noqa: E402
+from lanekv.model.parallel.dispatch_capturable import dispatch_combine_capturable  # noqa: E402
 from lanekv.model.parallel.ep import expert_bounds  # noqa: E402
 
 
@@ -90,14 +98,32 @@ def _time(fn, device: torch.device, group) -> float:
     return float(elapsed)
 
 
+def _graph(fn, device: torch.device) -> tuple[torch.cuda.CUDAGraph | None, str]:
+    """``fn`` captured in a CUDA graph (after it ran eagerly), or None and why not."""
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            fn()  # warm on the side stream, as torch.cuda.graphs' docs ask
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        torch.cuda.synchronize(device)
+        return graph, ""
+    except RuntimeError as err:  # a capture the backend refuses: reported, not fatal
+        return None, str(err).splitlines()[0][:200]
+
+
 def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
-    device = torch.device("cuda", rank) if args.device == "cuda" else torch.device("cpu")
+    nccl = args.device == "cuda" and args.backend == "nccl"
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(max(1, args.threads))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"file://{store}",
-                            rank=rank, world_size=args.ranks, **({"device_id": device} if device.type == "cuda" else {}))
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{store}",
+                            rank=rank, world_size=args.ranks, **({"device_id": device} if nccl else {}))
     group = dist.group.WORLD
     try:
         dtype = DTYPES[args.dtype]
@@ -114,8 +140,20 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         w2 = (torch.randn(mine, args.hidden, args.inter, generator=gen) / args.inter ** 0.5).to(device, dtype)
         a = dispatch_combine(x, weights, ids, w13, w2, bounds, group)
         b, gather_rows = gather_combine(x, weights, ids, w13, w2, bounds, group)
-        diff = torch.tensor([float((a.float() - b.float()).abs().max()) if tokens else 0.0], device=device)
+
+        def capturable() -> torch.Tensor:
+            return dispatch_combine_capturable(x, weights, ids, w13, w2, bounds, group, tokens)
+
+        c = capturable()
+        diff = torch.tensor([float((a.float() - b.float()).abs().max()) if tokens else 0.0,
+                             float((a.float() - c.float()).abs().max()) if tokens else 0.0,
+                             float(not torch.equal(a, c))], device=device)
         dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
+        graph, why = _graph(capturable, device) if nccl else (None, "eager only: needs CUDA and NCCL")
+        captured = torch.tensor([float(graph is not None)], device=device)
+        dist.all_reduce(captured, op=dist.ReduceOp.MIN, group=group)  # every rank replays, or none
+        if not captured.item():
+            graph = None
         per_slot = route(ids, bounds).per_slot  # [N, k]: my tokens with more than s choices on each rank
         sends = torch.stack((per_slot[:, 0], per_slot.sum(1)))  # [2, N]: rows, and (token, choice) pairs
         matrix = [torch.empty_like(sends) for _ in range(args.ranks)]
@@ -125,10 +163,13 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
         # rows in from the other ranks for my experts, then my rows' partials back
         received = (matrix.sum(0) + matrix.sum(2).T).max(1).values.tolist()
         dispatch_rows, per_choice_rows = int(received[0]), int(received[1])
-        times = {"dispatch": [], "gather": []}
+        times = {way: [] for way in WAYS if way != "graph" or graph is not None}
         for _ in range(args.repeat):
             times["dispatch"].append(_time(lambda: dispatch_combine(x, weights, ids, w13, w2, bounds, group),
                                            device, group))
+            times["capturable"].append(_time(capturable, device, group))
+            if graph is not None:
+                times["graph"].append(_time(graph.replay, device, group))
             times["gather"].append(_time(lambda: gather_combine(x, weights, ids, w13, w2, bounds, group),
                                          device, group))
         if rank == 0:
@@ -138,12 +179,21 @@ def _rank(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
             result["dispatch"]["rows_per_rank"] = dispatch_rows
             result["dispatch"]["per_choice_rows_per_rank"] = per_choice_rows
             result["gather"]["rows_per_rank"] = gather_rows
-            for way in ("dispatch", "gather"):
+            result["capturable"]["rows_per_rank"] = 2 * (args.ranks - 1) * tokens  # capacity rows each way
+            if graph is not None:
+                result["graph"]["rows_per_rank"] = result["capturable"]["rows_per_rank"]
+            for way in result:
                 result[way]["mib_per_rank"] = result[way]["rows_per_rank"] * row_bytes / 2**20
-            result["max_abs_diff"] = float(diff)
+            result["max_abs_diff"] = float(diff[0])
+            result["capturable_max_abs_diff"] = float(diff[1])
+            result["capturable_bit_equal"] = not diff[2].item()
+            result["graph_note"] = why
             Path(out).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+WAYS = ("dispatch", "capturable", "graph", "gather")
 
 
 def main() -> None:
@@ -160,11 +210,13 @@ def main() -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per CPU rank")
+    ap.add_argument("--backend", choices=("nccl", "gloo"), default="nccl",
+                    help="CUDA: NCCL (a GPU per rank; the graph way) or gloo (ranks may share GPUs)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     if args.ranks < 1 or args.experts < args.ranks:
         raise SystemExit(f"--ranks={args.ranks} needs 1 <= ranks <= --experts={args.experts}")
-    if args.device == "cuda" and torch.cuda.device_count() < args.ranks:
+    if args.device == "cuda" and args.backend == "nccl" and torch.cuda.device_count() < args.ranks:
         raise SystemExit(f"--ranks={args.ranks} needs one GPU each, {torch.cuda.device_count()} visible")
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
@@ -174,11 +226,14 @@ def main() -> None:
     print(f"{args.ranks} ranks, {args.tokens} tokens, hidden {args.hidden}, inter {args.inter}, "
           f"{args.experts} experts, top-{args.top_k}, {args.dtype} on {args.device}")
     print(f"{'way':<10}{'ms p50':>10}{'ms min':>10}{'rows/rank':>12}{'MiB/rank':>10}")
-    for way in ("dispatch", "gather"):
+    for way in (w for w in WAYS if w in result):
         r = result[way]
         print(f"{way:<10}{r['ms_p50']:>10.2f}{r['ms_min']:>10.2f}{r['rows_per_rank']:>12}{r['mib_per_rank']:>10.1f}")
+    if result["graph_note"]:
+        print(f"graph: {result['graph_note']}")
     print(f"the per-choice dispatch it replaced: {result['dispatch']['per_choice_rows_per_rank']} rows/rank")
-    print(f"outputs' largest difference: {result['max_abs_diff']:.3g}")
+    print(f"outputs' largest difference: gather {result['max_abs_diff']:.3g}, capturable "
+          f"{result['capturable_max_abs_diff']:.3g} (bit-equal: {result['capturable_bit_equal']})")
     if args.json:
         args.json.write_text(json.dumps(dict(vars(args) | {"json": str(args.json)}, date=time.strftime("%Y-%m-%d"),
                                              **result), indent=1))

@@ -33,7 +33,7 @@ from lanekv.decode.daemon import STOP_GRACE_S
 from lanekv.http.config import FrontConfig
 from lanekv.model.dtypes import DTYPES
 from lanekv.prefill.daemon import DaemonConfig
-from lanekv.prefill.engine_config import EngineConfig
+from lanekv.prefill.engine_config import EP_DISPATCHES, EngineConfig
 from lanekv.runtime.security import add_security_args
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -173,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", action="store_true",
                    help="expert parallelism: a MoE model's routed experts sharded over the CP ranks, each "
                         "rank reading only its experts (docs/parallelism.md)")
+    p.add_argument("--ep-dispatch", choices=EP_DISPATCHES, default=_default(EngineConfig, "ep_dispatch"),
+                   help="with --ep, how a MoE layer exchanges rows: sized (the rows each rank needs, split "
+                        "sizes read on the host once a layer) or capturable (a fixed padded buffer, no host "
+                        "sync, up to cp_size / D times the bytes; docs/parallelism.md)")
     add_sizing_args(p, _default(EngineConfig, "pages_per_lane"), "in each rank's pool")
     p.add_argument("--host", default=dd("host"), help="bind address (default loopback)")
     p.add_argument("--advertise-host", default=None,

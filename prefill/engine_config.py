@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from lanekv.model.parallel.weights_digest import WeightsSource
 
 
+EP_DISPATCHES = ("sized", "capturable")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
@@ -49,6 +52,12 @@ class EngineConfig:
     # Expert parallelism: the routed experts sharded over the CP ranks (each reads only
     # its experts; every MoE layer exchanges rows: model.parallel.ep, docs/parallelism.md).
     ep: bool = False
+    # How an EP MoE layer exchanges rows (EP_DISPATCHES): "sized" sends exactly the rows
+    # each rank needs, split sizes read on the host once a layer; "capturable" sends a
+    # fixed [cp_size, max rows per rank] padded buffer with no host sync, so a layer can
+    # be captured in a CUDA graph, for up to cp_size / D times the bytes
+    # (model.parallel.dispatch_capturable, docs/parallelism.md).
+    ep_dispatch: str = "sized"
     # Sender relays per rank (``transfer.rank.relay``): processes that send the rank's
     # FetchKV bytes outside its GIL. 0 (CPU and GPU): each relay on a GPU holds a CUDA
     # context and runs its reads on the rank's GPU, and what it buys is measured by
@@ -75,6 +84,11 @@ class EngineConfig:
         check_index_cache_dtype(self.index_cache_dtype)
         check_kv_cache_dtype(self.kv_cache_dtype)
         check_relays(self.fetch_relays)
+        if self.ep_dispatch not in EP_DISPATCHES:
+            raise ValueError(f"ep_dispatch must be one of {', '.join(EP_DISPATCHES)}, got "
+                             f"ep_dispatch={self.ep_dispatch!r}")
+        if self.ep_dispatch != "sized" and not self.ep:
+            raise ValueError(f"ep_dispatch={self.ep_dispatch!r} needs ep=True")
         # An architecture or a config field the model code cannot run is one line
         # naming it, here at start-up (not a traceback from a rank or a loader).
         model = ModelConfig.from_dir(self.model_path)

@@ -76,6 +76,7 @@ def main(args: argparse.Namespace) -> int:
             load_format=args.load_format, index_cache_dtype=args.index_cache_dtype,
             kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
             graph_max_rows=args.graph_max_rows, ep=getattr(args, "ep", False),
+            ep_dispatch=getattr(args, "ep_dispatch", "sized"),
             fetch_relays=getattr(args, "fetch_relays", 0),
         )
         config = DaemonConfig(host=args.host, port=args.port, transfer_port_base=args.transfer_port_base,

@@ -17,6 +17,15 @@ on the device and exits if its slot is past the last block. Each selected
 expert's weights are read once per row block (once per step at decode sizes),
 so the step can be captured in a CUDA graph. The torch reference (CPU) loops
 over the experts that got tokens, sized on the host.
+
+An id of -1 is a choice that is not there (the capturable EP dispatch's padding,
+``model.parallel.dispatch_capturable``): the sort puts it after every real pair and
+the per-expert offsets leave it out, so no GEMM row computes it and the real pairs'
+blocks are those of the same batch without it (the same bits); its programs of the
+shape-fixed grid exit at once. The reference adds nothing for it; the Triton paths
+(and the block-FP8 kernels, which share the sort) leave its per-pair row unwritten,
+so a token with a -1 choice is defined only there: callers pass such pairs one a
+token (k = 1) and discard those rows.
 """
 
 from __future__ import annotations
@@ -185,20 +194,21 @@ def _check_args(x, w13, w2, weights, ids) -> None:
         raise ValueError(f"weights must be a float32 tensor of shape {tuple(ids.shape)}, got "
                          f"{getattr(weights, 'shape', weights)} {getattr(weights, 'dtype', '')}")
     check_same_device(x=x, w13=w13, w2=w2, weights=weights, ids=ids)
-    if not ids.is_cuda and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= experts):
-        bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+    if not ids.is_cuda and ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= experts):
+        bad = int(ids.min()) if int(ids.min()) < -1 else int(ids.max())
         raise ValueError(f"ids holds expert {bad}, outside the {experts} experts of w13")
 
 
 def _sort_pairs(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The (token, choice) pairs grouped by expert (stable) and each expert's first
-    row among them, ``[E + 1]`` int32: device ops only."""
-    flat = ids.reshape(-1)
+    row among them, ``[E + 1]`` int32: device ops only. Pairs of id -1 sort last and
+    are in no expert's rows (``offsets[E]`` counts the real pairs)."""
+    flat = torch.where(ids.reshape(-1) < 0, num_experts, ids.reshape(-1))
     order = torch.sort(flat, stable=True)[1]
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)  # [E]: the skipped
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=ids.device)
-    torch.cumsum(counts, 0, out=offsets[1:])
+    torch.cumsum(counts[:num_experts], 0, out=offsets[1:])
     return order, offsets
 
 
@@ -238,12 +248,14 @@ def moe_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 def moe_experts_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Plain torch: the pairs sorted by expert, one GEMM pair per expert that got
-    tokens (sized on the host), the weighted outputs added back per token."""
+    tokens (sized on the host), the weighted outputs added back per token (pairs of
+    id -1 sort last and add nothing)."""
     _check_args(x, w13, w2, weights, ids)
-    top_k, inter = ids.shape[1], w13.shape[1] // 2
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    top_k, inter, experts = ids.shape[1], w13.shape[1] // 2, w13.shape[0]
+    flat = torch.where(ids.reshape(-1) < 0, experts, ids.reshape(-1))
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert, skipped last
+    counts = torch.bincount(flat, minlength=experts + 1)[:experts].tolist()
+    order = order[:sum(counts)]
     tokens = order // top_k
     rows = x[tokens]
     out_rows = torch.empty_like(rows)

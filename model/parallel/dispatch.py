@@ -33,7 +33,8 @@ result does not depend on scheduling.
 
 The same ops run on gloo (CPU) and NCCL. Capture: the counts' exchange has a fixed
 shape and captures; the rows' exchange takes split sizes read on the host, so a layer
-does not capture as a whole (docs/parallelism.md).
+does not capture as a whole. ``model.parallel.dispatch_capturable`` is its twin with
+fixed padded shapes and no host read, the same bits for more bytes (docs/parallelism.md).
 """
 
 from __future__ import annotations

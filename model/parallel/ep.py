@@ -18,7 +18,11 @@ only (the sum adds them once).
 The CP prefill's ranks hold different tokens: there each MoE layer sends each token
 once to each rank owning one of its choices and combines one row per (token, rank)
 back by all-to-all (``DispatchedExpertShardMoE``, ``model.parallel.dispatch``), and
-shared experts run on every rank over its own rows.
+shared experts run on every rank over its own rows. ``ExpertExchange`` (one per model,
+shared by its blocks) picks the exchange: the sized one (split sizes read on the host
+once a layer, the default) or the capturable one (``model.parallel.dispatch_capturable``:
+shapes fixed by the forward's rows per rank, which the prefill runner sets around each
+forward with ``ExpertExchange.rows_per_rank``).
 
 A rank reads only its experts' tensors from the checkpoint (``local_expert_name``
 renames the rank's experts to local indices and skips the rest).
@@ -27,13 +31,17 @@ renames the rank's experts to local indices and skips the rest).
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.model.deepseek import MoE
-from lanekv.model.parallel.dispatch import dispatch_combine
+from lanekv.model.parallel.dispatch import Experts, dispatch_combine
+from lanekv.model.parallel.dispatch_capturable import dispatch_combine_capturable
 from lanekv.model.quant.linear import StackedFp8Experts
 from torch import nn
 
@@ -65,13 +73,48 @@ class ExpertShardMoE(MoE):
         return self.routed_experts(x, weights, ids)
 
 
+@dataclass
+class ExpertExchange:
+    """How one model's dispatched MoE blocks exchange rows over ``group``: ``capturable``
+    takes ``dispatch_combine_capturable`` with ``capacity`` rows per rank, which holds
+    only inside ``rows_per_rank`` (one forward; None outside, and a capturable layer
+    run outside it fails), else the sized ``dispatch_combine``."""
+
+    group: Any
+    capturable: bool = False
+    capacity: int | None = None
+    blocks: int = 0  # the MoE blocks that share it
+
+    @contextmanager
+    def rows_per_rank(self, capacity: int) -> Iterator[None]:
+        """The forward inside runs with ``capacity``: the most rows any rank of the
+        group holds (the same on every rank: the prefill's ``BatchPlan.max_rank_len``)."""
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0, got capacity={capacity!r}")
+        self.capacity = capacity
+        try:
+            yield
+        finally:
+            self.capacity = None
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                 w2: torch.Tensor, bounds: tuple[int, ...], run: Experts | None = None) -> torch.Tensor:
+        if not self.capturable:
+            return dispatch_combine(x, weights, ids, w13, w2, bounds, self.group, run)
+        if self.capacity is None:
+            raise ValueError("the capturable EP dispatch runs inside ExpertExchange.rows_per_rank "
+                             "(the forward's rows per rank), got capacity=None")
+        return dispatch_combine_capturable(x, weights, ids, w13, w2, bounds, self.group, self.capacity, run)
+
+
 class DispatchedExpertShardMoE(ExpertShardMoE):
     """Prefill EP: the CP ranks hold different tokens, so each MoE layer sends each
     token once to each rank owning one of its choices and combines one partial per
     (token, rank) back (``model.parallel.dispatch.dispatch_combine``: counts, rows,
-    experts, partials back); shared experts run locally on a rank's own rows."""
+    experts, partials back; or its capturable twin, as ``exchange`` says); shared
+    experts run locally on a rank's own rows."""
 
-    group: Any
+    exchange: ExpertExchange
     bounds: tuple[int, ...]  # every rank's first expert, then num_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,10 +126,10 @@ class DispatchedExpertShardMoE(ExpertShardMoE):
                 return moe_experts_fp8(rows, fp8.w13, fp8.s13, fp8.w2, fp8.s2, row_weights, local_ids,
                                        fp8.block, scale_ue8m0=fp8.scale_ue8m0)
 
-            routed = dispatch_combine(x, weights, ids, fp8.w13, fp8.w2, self.bounds, self.group, run)
+            routed = self.exchange.dispatch(x, weights, ids, fp8.w13, fp8.w2, self.bounds, run)
         else:
             w13, w2 = (self.w13, self.w2) if self.w13 is not None else self._stacked()
-            routed = dispatch_combine(x, weights, ids, w13, w2, self.bounds, self.group)
+            routed = self.exchange.dispatch(x, weights, ids, w13, w2, self.bounds)
         return routed if self.shared_experts is None else routed + self.shared_experts(x)
 
 
@@ -121,18 +164,19 @@ def shard_experts(model: nn.Module, rank: int, size: int, *, shared_everywhere: 
     return cut
 
 
-def attach_expert_exchange(model: nn.Module, group: Any) -> int:
+def attach_expert_exchange(model: nn.Module, group: Any, *, capturable: bool = False) -> ExpertExchange:
     """Prefill EP: every expert-sharded MoE block of ``model`` dispatches its rows over
-    ``group`` (``DispatchedExpertShardMoE``); the number of blocks."""
-    count = 0
+    ``group`` (``DispatchedExpertShardMoE``), by the sized or the capturable exchange;
+    the exchange they share (``blocks`` counts them)."""
+    exchange = ExpertExchange(group, capturable=capturable)
     size = dist.get_world_size(group)
     for layer in model.model.layers:
         if isinstance(layer.mlp, ExpertShardMoE):
             layer.mlp.__class__ = DispatchedExpertShardMoE
-            layer.mlp.group = group
+            layer.mlp.exchange = exchange
             layer.mlp.bounds = expert_bounds(layer.mlp.gate.moe.num_experts, size)
-            count += 1
-    return count
+            exchange.blocks += 1
+    return exchange
 
 
 def local_expert_name(name: str, rank: int, size: int, num_experts: int) -> str | None:

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.checkpoint import LoadedModel
 from lanekv.model.config import ModelConfig
-from lanekv.model.parallel.ep import attach_expert_exchange
+from lanekv.model.parallel.ep import ExpertExchange, attach_expert_exchange
 from lanekv.model.parallel.rendezvous import join_store
 from lanekv.model.parallel.tp import weight_bytes
 from lanekv.model.parallel.weights_digest import WeightsDigest, WeightsSource
@@ -297,18 +297,22 @@ def _start(rank: int, config: EngineConfig, port: int, shared_path: Path | None,
         )
         group = dist.group.WORLD
     loaded = load_for(config, device, rank, weights)  # the digest asked after the read: computed meanwhile
+    exchange = None
     if config.ep and group is not None:  # each MoE layer dispatches its rows to the experts' owners (all-to-all)
-        attach_expert_exchange(loaded.model, group)
+        exchange = attach_expert_exchange(loaded.model, group, capturable=config.ep_dispatch == "capturable")
     clock = GcClock().install()  # this process's collections, timed per prefill
-    return build_runner(loaded, config, rank, group, shared_path, gc_clock=clock, serving=serving)
+    return build_runner(loaded, config, rank, group, shared_path, gc_clock=clock, serving=serving,
+                        exchange=exchange)
 
 
 def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: Any,
                  shared_path: Path | None = None, *, gc_clock: GcClock | None = None,
-                 serving: _TransferServer | None = None) -> RankRunner:
+                 serving: _TransferServer | None = None, exchange: ExpertExchange | None = None,
+                 ) -> RankRunner:
     """A rank's runner: the loaded model and a fresh owner-lane pool on its device
     (a CPU pool in the /dev/shm file ``shared_path`` when given), with its process state
-    built once (``RankProcess``): ``serving`` starts the KVTransfer server over the pool."""
+    built once (``RankProcess``): ``serving`` starts the KVTransfer server over the pool;
+    ``exchange``: its MoE layers' EP exchange, told each forward's rows per rank."""
     cfg = loaded.config
     device = next(loaded.model.parameters()).device
     layout = pool_rows(cfg, config.torch_dtype, config.index_cache_dtype, config.kv_cache_dtype)
@@ -331,7 +335,7 @@ def build_runner(loaded: LoadedModel, config: EngineConfig, rank: int, group: An
         nbytes / 2**20, config.pages_per_lane)
     return RankRunner(
         loaded.model, pool, cp_rank=rank, cp_size=config.cp_size, page_size=config.page_size, group=group,
-        rows=layout, process=process,
+        rows=layout, process=process, exchange=exchange,
     )
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -39,6 +40,7 @@ from lanekv.prefill.plan import BatchPlan, plan_batch
 from lanekv.runtime.gcpause import GcClock
 
 if TYPE_CHECKING:
+    from lanekv.model.parallel.ep import ExpertExchange
     from lanekv.prefill.cp.page_source import RankPageSource
     from lanekv.transfer.rank.service import Served
 
@@ -118,6 +120,7 @@ class RankRunner:
         group: dist.ProcessGroup | ThreadGroup | None = None,
         rows: RowLayout | None = None,  # the pool's rows; None: the kind's in the pool's dtype
         process: RankProcess | None = None,  # what the rank's process holds beside (None: nothing)
+        exchange: ExpertExchange | None = None,  # prefill EP: told each forward's rows per rank
     ) -> None:
         kind = kind_of(model.config)
         rows = kind.rows(model.config, pool.dtype) if rows is None else rows
@@ -138,6 +141,7 @@ class RankRunner:
         self.softmax_scale = cfg.softmax_scale
         self.device = pool.device
         self.process = RankProcess() if process is None else process
+        self.exchange = exchange
         self.graphs: PrefillGraphs | None = None  # captured at warm-up (``capture_graphs``)
 
     def capture_graphs(self, max_rows: int) -> GraphCapture:
@@ -165,10 +169,13 @@ class RankRunner:
         input_ids = torch.where(ix.input_index >= 0, flat_ids[ix.input_index.clamp(min=0)], 0)
         gather = _Gather(self, ix)
         attention = self.kind.cp_prefill(self.model, gather.batch(batch, on_layer))
-        if self.graphs is not None and self.graphs.size_for(input_ids.numel()) is not None:
-            hidden = self.graphs.forward(input_ids, ix.positions, attention)
-        else:
-            hidden = self.kind.forward(self.model, input_ids, ix.positions, attention)
+        # EP: the capturable exchange's fixed shapes come from the largest rank's rows
+        rows_per_rank = nullcontext() if self.exchange is None else self.exchange.rows_per_rank(plan.max_rank_len)
+        with rows_per_rank:
+            if self.graphs is not None and self.graphs.size_for(input_ids.numel()) is not None:
+                hidden = self.graphs.forward(input_ids, ix.positions, attention)
+            else:
+                hidden = self.kind.forward(self.model, input_ids, ix.positions, attention)
         queued = time.perf_counter() - start
 
         outputs = []

@@ -63,6 +63,26 @@ def test_skewed_routing_and_empty_batch():
     assert moe_experts_ref(*empty).shape == (0, 16)
 
 
+@pytest.mark.parametrize("impl", [moe_experts_ref, moe_experts_triton])
+def test_skipped_pairs_leave_the_real_ones_bit_for_bit(impl):
+    """Pairs of id -1 (the capturable EP dispatch's padding, one pair a row) sort last and
+    join no expert's rows: every real pair's output has the bits of the same batch without
+    them; the reference adds nothing for them, and a token of k > 1 with one -1 choice
+    sums its other choices."""
+    x, w13, w2, weights, ids = _inputs(30, 1, 5, 24, 20, torch.float32, seed=4)
+    skipped = torch.arange(30) % 3 == 1
+    ids = torch.where(skipped[:, None], -1, ids)
+    keep = ~skipped
+    got = impl(x, w13, w2, weights, ids)
+    assert torch.equal(got[keep], impl(x[keep], w13, w2, weights[keep], ids[keep]))
+    if impl is moe_experts_ref:
+        assert not got[skipped].any()
+    pairs = _inputs(6, 2, 5, 24, 20, torch.float32, seed=5)
+    pairs[4][:, 1] = -1
+    want = moe_experts_ref(pairs[0], pairs[1], pairs[2], pairs[3][:, :1], pairs[4][:, :1])
+    assert torch.equal(moe_experts_ref(*pairs), want)
+
+
 def test_explicit_tiles_and_dispatcher(monkeypatch: pytest.MonkeyPatch):
     args = _inputs(9, 2, 4, 24, 40, torch.float32, seed=9)
     want = moe_experts_ref(*args)
@@ -80,6 +100,7 @@ def test_explicit_tiles_and_dispatcher(monkeypatch: pytest.MonkeyPatch):
     ({"w2": torch.zeros(4, 16, 16, dtype=torch.float16)}, "w2.dtype"),
     ({"ids": torch.zeros(4, 2, dtype=torch.int32)}, "ids must be an int64"),
     ({"ids": torch.full((4, 2), 4)}, "ids holds expert 4"),
+    ({"ids": torch.full((4, 2), -2)}, "ids holds expert -2"),
     ({"weights": torch.zeros(4, 3)}, "weights must be"),
 ])
 @pytest.mark.parametrize("impl", [moe_experts_ref, moe_experts_triton])

@@ -99,6 +99,15 @@ def test_vllm_names_parse():
             parser.parse_args(["decode", "--model", "m", "--prefill", "h:1", "--gpu-memory-utilization", bad])
 
 
+def test_ep_dispatch_flag():
+    parser = build_parser()
+    base = ["prefill", "--model", "m", "--cp-size", "2", "--ep"]
+    assert parser.parse_args(base).ep_dispatch == "sized"
+    assert parser.parse_args([*base, "--ep-dispatch", "capturable"]).ep_dispatch == "capturable"
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--ep-dispatch", "padded"])
+
+
 def test_parse_bytes():
     assert parse_bytes("8GiB") == 8 << 30
     assert parse_bytes("8G") == 8 * 10**9 and parse_bytes("8gb") == 8 * 10**9

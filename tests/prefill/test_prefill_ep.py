@@ -37,18 +37,18 @@ def checkpoints(tmp_path_factory):
     return out
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(lengths: tuple[int, ...] = (6, 21)) -> list[list[int]]:
     gen = torch.Generator().manual_seed(3)
-    return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in (6, 21)]
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _reference(path) -> list[list[int]]:
+def _reference(path, lengths: tuple[int, ...] = (6, 21)) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32).eval()
     outs = []
     with torch.inference_mode():
-        for ids in _prompts():
+        for ids in _prompts(lengths):
             x = torch.tensor([ids])
             out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                               max_new_tokens=MAX_NEW_TOKENS, pad_token_id=EOS_TOKEN_ID)
@@ -90,22 +90,31 @@ def test_ep_needs_a_moe_model_and_an_expert_per_rank(checkpoints, tmp_path) -> N
         EngineConfig(str(write_llama(tmp_path / "llama")), cp_size=2, ep=True, device="cpu")
     with pytest.raises(ValueError, match=r"cp_size=9 is more ranks than num_experts=8"):
         EngineConfig(str(checkpoints["qwen3moe"]), cp_size=9, ep=True, device="cpu")
+    with pytest.raises(ValueError, match=r"ep_dispatch must be one of sized, capturable, got ep_dispatch='fixed'"):
+        EngineConfig(str(checkpoints["qwen3moe"]), cp_size=2, ep=True, ep_dispatch="fixed", device="cpu")
+    with pytest.raises(ValueError, match=r"ep_dispatch='capturable' needs ep=True"):
+        EngineConfig(str(checkpoints["qwen3moe"]), cp_size=2, ep_dispatch="capturable", device="cpu")
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize(("name", "cp_size", "tp_size"), [
-    ("qwen3moe", 2, 1), ("qwen3moe", 3, 1), ("deepseek_v3", 2, 2), ("deepseek_v3", 3, 1),
-    ("deepseek_v3_fp8", 2, 2), ("deepseek_v32", 2, 2)])
-def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, cp_size: int, tp_size: int) -> None:
+@pytest.mark.parametrize(("name", "cp_size", "tp_size", "dispatch"), [
+    ("qwen3moe", 2, 1, "sized"), ("qwen3moe", 3, 1, "sized"), ("deepseek_v3", 2, 2, "sized"),
+    ("deepseek_v3", 3, 1, "sized"), ("deepseek_v3_fp8", 2, 2, "sized"), ("deepseek_v32", 2, 2, "sized"),
+    ("deepseek_v3", 3, 1, "capturable")])
+def test_ep_prefill_feeds_decode_equal_to_transformers(checkpoints, name: str, cp_size: int, tp_size: int,
+                                                       dispatch: str) -> None:
     """Each MoE layer dispatches its (token, choice) rows to the experts' owners by
-    all-to-all (cp 3: 8 experts split 2, 3, 3). Block-FP8: EP prefill ranks read their
+    all-to-all (cp 3: 8 experts split 2, 3, 3), with split sizes read on the host
+    (``sized``) or with fixed padded shapes and no host read (``capturable``; a 17-token
+    prompt, 5 pages, gives the ranks unequal rows, padded to the largest). Block-FP8: EP prefill ranks read their
     experts' e4m3 weights and scales, the decode ranks their slices of the attention
     (transformers runs the weights dequantized). DeepSeek-V3.2: the index keys in the
     model dtype, as transformers keeps them."""
     path = checkpoints[name]
     cache = {"index_cache_dtype": "model"} if name == "deepseek_v32" else {}
-    engine = EngineConfig(str(path), cp_size=cp_size, ep=True, page_size=PAGE_SIZE, pages_per_lane=32,
-                          start_timeout_s=120, cpu_threads=1, **cache)
+    engine = EngineConfig(str(path), cp_size=cp_size, ep=True, ep_dispatch=dispatch, page_size=PAGE_SIZE,
+                          pages_per_lane=32, start_timeout_s=120, cpu_threads=1, **cache)
+    lengths = (6, 21, 17) if dispatch == "capturable" else (6, 21)
     with running_pair(engine, pool_pages=64, tp_size=tp_size, transport="grpc") as (_, decode):
-        got = generate_concurrently(decode.endpoint, _prompts(), MAX_NEW_TOKENS)
-    assert got == _reference(checkpoints.get(f"{name}-dequantized", path))
+        got = generate_concurrently(decode.endpoint, _prompts(lengths), MAX_NEW_TOKENS)
+    assert got == _reference(checkpoints.get(f"{name}-dequantized", path), lengths)
