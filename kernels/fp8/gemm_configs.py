@@ -266,18 +266,20 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
 
 
 def gemv_candidates(bk: int = 128) -> list[GemmConfig]:
-    """The gemv family's sweep candidates (1 to ``GEMV_MAX_ROWS`` rows): 16 to 64 columns
-    per program, split-K 1 to 8, a k step of the scale group or half of it, and pipelined
-    (stages 3, 4) or not (stage 1: latency hidden by more resident programs)."""
+    """The gemv family's sweep candidates (1 to ``GEMV_MAX_ROWS`` rows): 16 to 128 columns
+    per program, split-K 1 to 16, 2 to 8 warps, a k step of the scale group (and half of
+    it for two). One stage: Triton 3.9 does not pipeline a k loop without a dot (compiled
+    offline for sm_90, stages 1 to 4 give the same kernel), so the bytes in flight come
+    from the tile's width and the programs resident per SM (``bench/fp8_gemm_compile.py
+    --gemv``)."""
     out = []
-    for bn in (16, 32, 64):
-        for split in (1, 2, 4, 8):
-            for warps, stages in ((4, 1), (4, 3), (4, 4), (8, 3)):
-                out.append(GemmConfig(16, bn, bk, 1, split, warps, stages, gemv=True))
+    for bn in (16, 32, 64, 128):
+        for split in (1, 2, 4, 8, 16):
+            for warps in (2, 4, 8):
+                out.append(GemmConfig(16, bn, bk, 1, split, warps, 1, gemv=True))
     if bk >= 64:
-        for bn in (32, 64):
-            for split in (2, 4):
-                out.append(GemmConfig(16, bn, bk // 2, 1, split, 4, 4, gemv=True))
+        for bn in (64, 128):
+            out.append(GemmConfig(16, bn, bk // 2, 1, 4, 4, 1, gemv=True))
     return out
 
 
