@@ -23,8 +23,8 @@ with SiLU-and-multiply fused into the activation load (the down projection).
 With ``--plan MODEL`` it compiles instead what that model's decode linears run at
 ``--rows`` on a device of ``--device-name`` (its committed table, else the
 heuristic; ``linear_plan`` decides whether the GEMM quantizes the activations
-itself; the down projections take ``silu_mul_quant_fp8``'s output), each beside
-the other variant of the same config.
+itself; a w8a8 down projection takes ``silu_mul_quant_fp8``'s output, a w8a16 or gemv
+one fuses the SiLU), each beside the other variant of the same config.
 
     python bench/fp8_gemm_compile.py --rows 2048
     python bench/fp8_gemm_compile.py --rows 1 --quant-a     # the fused decode linear
@@ -202,16 +202,19 @@ def plan(model: str, rows: int, device_name: str, sms: int) -> list[dict]:
     out = []
     for name, n, k in SHAPES[model]:
         cfg = config_for_device(rows, n, k, (128, 128), device_name, sms)
-        # the down projections' input comes quantized from silu_mul_quant_fp8 (a w8a16
-        # pick runs there as its w8a8 twin)
-        if name.endswith("down") and cfg.w8a16:
-            cfg = cfg._replace(w8a16=False)
-        fused = (not name.endswith("down")
+        # a down projection: w8a16 and gemv fuse the SiLU into their activation load, w8a8
+        # takes silu_mul_quant_fp8's output
+        down, unquantized = name.endswith("down"), cfg.w8a16 or cfg.gemv
+        fused = (not down and not unquantized
                  and linear_plan(rows, n, k, (128, 128), torch.device("cpu"), config=cfg).fuse_quant)
-        other = (compile_config(cfg._replace(w8a16=False), quant_a=True) if cfg.w8a16 else
+        twin = cfg._replace(w8a16=False, gemv=False)
+        other = (compile_config(twin, quant_a=True) if unquantized else
                  compile_config(cfg, quant_a=not fused) if cfg.block_k == 128 or fused else None)
         out.append(dict(linear=name, n=n, k=k, rows=rows, config=cfg.name(), fused_quant=fused,
-                        compiled=compile_config(cfg, quant_a=fused), other_variant=other))
+                        fused_silu=down and unquantized,
+                        compiled=compile_config(cfg, quant_a=fused, rows=rows,
+                                                silu=down and unquantized),
+                        other_variant=other))
     return out
 
 

@@ -273,7 +273,7 @@ def gemv_candidates(bk: int = 128) -> list[GemmConfig]:
     from the tile's width and the programs resident per SM (``bench/fp8_gemm_compile.py
     --gemv``)."""
     out = []
-    for bn in (16, 32, 64, 128):
+    for bn in (64, 128, 32, 16):  # the widest tiles first: the most bytes in flight a thread
         for split in (1, 2, 4, 8, 16):
             for warps in (2, 4, 8):
                 out.append(GemmConfig(16, bn, bk, 1, split, warps, 1, gemv=True))

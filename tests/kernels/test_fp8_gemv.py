@@ -277,13 +277,13 @@ import json, sys
 sys.path.insert(0, {root!r})
 from bench.fp8_gemm_compile import compile_config
 from lanekv.kernels.fp8.gemm_configs import GemmConfig, gemv_candidates
-out = []
 cands = gemv_candidates()
-for cfg in (cands[0], cands[-3], GemmConfig(16, 64, 128, 1, 4, 4, 1, gemv=True), cands[-1]):
-    for rows in (1, 4):
-        for silu in (False, True):
-            out.append(compile_config(cfg, rows=rows, silu=silu))
-out.append(compile_config(cands[0], rows=2, even_k=False))
+narrow = next(c for c in cands if c.block_n == 16)
+half_step = cands[-1]  # a k step of half the scale group
+out = [compile_config(cands[0], rows=1), compile_config(cands[0], rows=1, silu=True),
+       compile_config(narrow, rows=4), compile_config(cands[5], rows=4, silu=True),
+       compile_config(half_step, rows=2, silu=True),
+       compile_config(cands[0], rows=3, even_k=False)]
 w8a16 = GemmConfig(16, 64, 128, 8, 4, 4, 3, w8a16=True)
 out.append(dict(compile_config(w8a16, silu=True), silu=True))
 print(json.dumps(out))
@@ -292,10 +292,11 @@ print(json.dumps(out))
 
 @pytest.mark.timeout(600)
 def test_gemv_and_the_fused_silu_down_compile_for_sm_90_without_spills():
-    """Offline for sm_90: the gemv family at 1 and 4 rows, 16 to 128 columns, with and
-    without the fused SiLU, loads the weight in 16-byte vectors (a ragged K's unaligned
-    rows excepted) on the CUDA cores (no wgmma) and spills nothing; the fused w8a16 down
-    projection keeps its wgmma and spills nothing."""
+    """Offline for sm_90: the gemv family at 1 to 4 rows, 16 to 128 columns, with and
+    without the fused SiLU, loads the weight in 16-byte vectors (a K that is not
+    16-divisible, whose rows are not 16-byte aligned, excepted) on the CUDA cores (no
+    wgmma) and spills nothing; the fused w8a16 down projection keeps its wgmma and
+    spills nothing."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", TABLE_ENV)}
     proc = subprocess.run([sys.executable, "-c", _COMPILE.format(root=str(ROOT))], env=env,
                           capture_output=True, text=True, timeout=580, cwd=ROOT)
@@ -304,8 +305,8 @@ def test_gemv_and_the_fused_silu_down_compile_for_sm_90_without_spills():
     for rec in recs:
         assert rec["local_bytes"] == 0 and rec["k_loop"] > 0, rec
     gemv = [r for r in recs if r["config"].endswith("V")]
-    assert {(r["rows"], r["silu"]) for r in gemv} >= {(1, False), (1, True), (4, False),
-                                                      (4, True)}
+    assert {(r["rows"], r["silu"]) for r in gemv} == {(1, False), (1, True), (4, False),
+                                                      (4, True), (2, True), (3, False)}
     for rec in gemv[:-1]:
         assert rec["weight_vector_bytes"] == 16 and rec["wgmma"] == 0 and rec["ffma"] > 0, rec
     assert recs[-1]["wgmma"] > 0 and recs[-1]["silu"], recs[-1]
@@ -339,5 +340,6 @@ def test_gpu_gemv_and_the_fused_silu_down_equal_the_reference(rows):
             unfused = silu_mul_fp8_linear_triton(gate_up, w, w_scale, block, bias, config=cfg,
                                                  fuse_silu=False)
             assert torch.equal(fused, unfused), cfg.name()
+            # the float32 reference does not round silu(gate) * up to bf16: near, by norm
             ref = silu_mul_fp8_linear_ref(gate_up.float(), w, w_scale, block, bias.float())
-            torch.testing.assert_close(fused.float(), ref, rtol=2e-2, atol=2e-2)
+            assert (fused.float() - ref).norm() <= 1e-2 * ref.norm(), cfg.name()
