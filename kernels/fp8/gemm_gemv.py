@@ -27,6 +27,14 @@ computed in registers with ``quant.silu_mul_tile`` (rounded to x's dtype as
 ``silu_mul`` rounds it), so the result is bit for bit that of ``silu_mul`` then
 this GEMV, one launch fewer.
 
+Compiled offline for sm_90 (``bench/fp8_gemm_compile.py --gemv``, Triton 3.9): the
+weight comes in 16-byte vector loads, the k loop is loads, conversions, FFMAs and the
+K reduction's shuffles (no tensor-core instruction), and nothing spills from 16 to 128
+columns, 2 to 8 warps, 1 to 4 rows, with or without the fused SiLU. Triton does not
+software-pipeline a k loop without a dot (stages 1 to 4 compile to the same kernel):
+the bytes in flight per thread are one tile's (``BLOCK_N * BLOCK_K / threads``), and
+more come from more resident programs (``SPLIT_K``), which is what the sweep tunes.
+
 Which shapes run it is the tuned table's choice (``gemm_configs.py``); ``fp8_linear``
 and ``silu_mul_fp8_linear`` (``gemm.py``) call ``gemv_linear`` when the config says
 ``gemv``.
