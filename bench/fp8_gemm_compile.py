@@ -136,7 +136,8 @@ def _compile_gemv(cfg: GemmConfig, *, rows: int, silu: bool, even_k: bool,
                out_ptr="*bf16", part_ptr="*fp32", cols="i32", depth="i32", stride_x="i32",
                stride_w="i32", stride_ws="i32", stride_out="i32")
     consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, ROWS=rows,
-                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU=silu)
+                  BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU=silu,
+                  PREFETCH=cfg.num_stages > 1)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     renamed = {"x_ptr": "a_ptr", "stride_x": "stride_a"}

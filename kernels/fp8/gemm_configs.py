@@ -267,16 +267,16 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
 
 def gemv_candidates(bk: int = 128) -> list[GemmConfig]:
     """The gemv family's sweep candidates (1 to ``GEMV_MAX_ROWS`` rows): 16 to 128 columns
-    per program, split-K 1 to 16, 2 to 8 warps, a k step of the scale group (and half of
-    it for two). One stage: Triton 3.9 does not pipeline a k loop without a dot (compiled
-    offline for sm_90, stages 1 to 4 give the same kernel), so the bytes in flight come
-    from the tile's width and the programs resident per SM (``bench/fp8_gemm_compile.py
-    --gemv``)."""
+    per program (the widest first: the most bytes in flight a thread), split-K 1 to 16,
+    2 to 8 warps, one stage or two (the next scale group's tile prefetched into registers:
+    Triton does not pipeline a k loop without a dot), a k step of the scale group (and
+    half of it for two configs, which cannot prefetch)."""
     out = []
-    for bn in (64, 128, 32, 16):  # the widest tiles first: the most bytes in flight a thread
+    for bn in (64, 128, 32, 16):
         for split in (1, 2, 4, 8, 16):
             for warps in (2, 4, 8):
-                out.append(GemmConfig(16, bn, bk, 1, split, warps, 1, gemv=True))
+                for stages in (1, 2):
+                    out.append(GemmConfig(16, bn, bk, 1, split, warps, stages, gemv=True))
     if bk >= 64:
         for bn in (64, 128):
             out.append(GemmConfig(16, bn, bk // 2, 1, 4, 4, 1, gemv=True))

@@ -17,7 +17,9 @@ same program: the weight is read once), sums over K into a float32 ``[BLOCK_N]``
 per row, and adds that sum times the group's weight scale (a scalar when the tile
 lies inside one scale block, else one per column) to the row's float32 total. Only
 the last, ragged scale group of a K that is not a multiple of ``GROUP_K`` masks its
-loads; the others load unmasked vectors. Split-K writes float32 partials ``[SPLIT_K,
+loads; the others load unmasked vectors. With ``num_stages > 1`` (``PREFETCH``; the
+k step then one scale group) the next group's weight tile is loaded before this
+group's FMAs run, a register double buffer, so two tiles a program are in flight. Split-K writes float32 partials ``[SPLIT_K,
 M, N]`` that ``_gemv_reduce_kernel`` adds in split order with the bias (deterministic,
 no atomics), as the tensor-core GEMMs' reduction does.
 
@@ -31,9 +33,12 @@ Compiled offline for sm_90 (``bench/fp8_gemm_compile.py --gemv``, Triton 3.9): t
 weight comes in 16-byte vector loads, the k loop is loads, conversions, FFMAs and the
 K reduction's shuffles (no tensor-core instruction), and nothing spills from 16 to 128
 columns, 2 to 8 warps, 1 to 4 rows, with or without the fused SiLU. Triton does not
-software-pipeline a k loop without a dot (stages 1 to 4 compile to the same kernel):
-the bytes in flight per thread are one tile's (``BLOCK_N * BLOCK_K / threads``), and
-more come from more resident programs (``SPLIT_K``), which is what the sweep tunes.
+software-pipeline a k loop without a dot (with the prefetch off, stages 1 to 4 compile
+to the same kernel), hence the prefetch by hand: the bytes in flight per thread are
+one or two tiles' (``BLOCK_N * BLOCK_K / threads`` each), and more come from more
+resident programs (``SPLIT_K``). The carried e4m3 tile is not free: held across the
+loop's back edge its bytes are permuted apart and together again (PRMT), which makes
+the k loop longer and takes more registers; the sweep times that trade.
 
 Which shapes run it is the tuned table's choice (``gemm_configs.py``); ``fp8_linear``
 and ``silu_mul_fp8_linear`` (``gemm.py``) call ``gemv_linear`` when the config says
@@ -70,11 +75,32 @@ def _x_chunk(row_ptr, k, k_ok, depth, SILU: tl.constexpr, MASK: tl.constexpr):
 
 
 @triton.jit
+def _tile_sums(w, x_ptr, stride_x, k, k_ok, depth, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+               SILU: tl.constexpr, MASK: tl.constexpr):
+    """Each row's ``[BLOCK_N]`` float32 sum over K of the float32 weight tile ``w
+    [BLOCK_N, BLOCK_K]`` at ``k`` times the row's x there (rows past ``ROWS``: zeros,
+    never used)."""
+    s0 = tl.sum(w * _x_chunk(x_ptr, k, k_ok, depth, SILU, MASK)[None, :], axis=1)
+    s1 = tl.zeros([BLOCK_N], tl.float32)
+    s2 = tl.zeros([BLOCK_N], tl.float32)
+    s3 = tl.zeros([BLOCK_N], tl.float32)
+    if ROWS > 1:
+        s1 = tl.sum(w * _x_chunk(x_ptr + stride_x, k, k_ok, depth, SILU, MASK)[None, :], axis=1)
+    if ROWS > 2:
+        s2 = tl.sum(w * _x_chunk(x_ptr + 2 * stride_x, k, k_ok, depth, SILU, MASK)[None, :],
+                    axis=1)
+    if ROWS > 3:
+        s3 = tl.sum(w * _x_chunk(x_ptr + 3 * stride_x, k, k_ok, depth, SILU, MASK)[None, :],
+                    axis=1)
+    return s0, s1, s2, s3
+
+
+@triton.jit
 def _group_sums(x_ptr, stride_x, w_rows, k0, depth, ROWS: tl.constexpr, GROUP_K: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SILU: tl.constexpr,
                 MASK: tl.constexpr):
     """Each row's ``[BLOCK_N]`` float32 sum of weight times x over the scale group at
-    ``k0`` (rows past ``ROWS`` stay zero and are never used)."""
+    ``k0``, in ``GROUP_K // BLOCK_K`` tiles."""
     kk = tl.arange(0, BLOCK_K)
     s0 = tl.zeros([BLOCK_N], tl.float32)
     s1 = tl.zeros([BLOCK_N], tl.float32)
@@ -87,17 +113,12 @@ def _group_sums(x_ptr, stride_x, w_rows, k0, depth, ROWS: tl.constexpr, GROUP_K:
             w = tl.load(w_rows[:, None] + k[None, :], mask=k_ok[None, :], other=0.0)
         else:
             w = tl.load(w_rows[:, None] + k[None, :])
-        w = w.to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        s0 += tl.sum(w * _x_chunk(x_ptr, k, k_ok, depth, SILU, MASK)[None, :], axis=1)
-        if ROWS > 1:
-            s1 += tl.sum(w * _x_chunk(x_ptr + stride_x, k, k_ok, depth, SILU, MASK)[None, :],
-                         axis=1)
-        if ROWS > 2:
-            s2 += tl.sum(w * _x_chunk(x_ptr + 2 * stride_x, k, k_ok, depth, SILU, MASK)[None, :],
-                         axis=1)
-        if ROWS > 3:
-            s3 += tl.sum(w * _x_chunk(x_ptr + 3 * stride_x, k, k_ok, depth, SILU, MASK)[None, :],
-                         axis=1)
+        t0, t1, t2, t3 = _tile_sums(w.to(tl.float32), x_ptr, stride_x, k, k_ok, depth, ROWS,
+                                    BLOCK_N, SILU, MASK)
+        s0 += t0
+        s1 += t1
+        s2 += t2
+        s3 += t3
     return s0, s1, s2, s3
 
 
@@ -118,6 +139,7 @@ def _gemv_kernel(
     stride_x, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """``BLOCK_N`` columns of every row over one k slice of whole scale groups."""
     _, pid_n, split, g_lo, g_hi = tile_coords(tl.program_id(0), ROWS, cols, depth, ROWS,
@@ -136,9 +158,24 @@ def _gemv_kernel(
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
     full = depth // GROUP_K  # scale groups wholly inside K: unmasked loads
-    for g in range(g_lo, tl.minimum(g_hi, full)):
-        s0, s1, s2, s3 = _group_sums(x_ptr, stride_x, w_rows, g * GROUP_K, depth, ROWS, GROUP_K,
-                                     BLOCK_N, BLOCK_K, SILU, False)
+    g_end = tl.minimum(g_hi, full)
+    if PREFETCH:  # the first group's tile; then each step loads the next one's first
+        kk = tl.arange(0, BLOCK_K)
+        # (a splatted scalar condition: uniform along K, the loads stay 16-byte vectors)
+        none = tl.zeros([BLOCK_K], tl.int32)
+        w_next = tl.load(w_rows[:, None] + (g_lo * GROUP_K + kk)[None, :],
+                         mask=(none + g_lo < g_end)[None, :], other=0.0)
+    for g in range(g_lo, g_end):
+        if PREFETCH:  # one tile a group (BLOCK_K == GROUP_K): a register double buffer
+            w = w_next.to(tl.float32)
+            w_next = tl.load(w_rows[:, None] + ((g + 1) * GROUP_K + kk)[None, :],
+                             mask=(none + g + 1 < g_end)[None, :], other=0.0)
+            k = g * GROUP_K + kk
+            s0, s1, s2, s3 = _tile_sums(w, x_ptr, stride_x, k, k < depth, depth, ROWS, BLOCK_N,
+                                        SILU, False)
+        else:
+            s0, s1, s2, s3 = _group_sums(x_ptr, stride_x, w_rows, g * GROUP_K, depth, ROWS,
+                                         GROUP_K, BLOCK_N, BLOCK_K, SILU, False)
         if SCALAR_WS:
             w_s = tl.load(ws_row + g)
         else:
@@ -219,6 +256,10 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
                          f"{weight_scale_inv.dtype} {tuple(weight_scale_inv.shape)}")
     if block[1] % config.block_k:
         raise ValueError(f"config.block_k={config.block_k} must divide block_k={block[1]}")
+    if config.num_stages > 1 and config.block_k != block[1]:
+        raise ValueError(f"config.num_stages={config.num_stages} prefetches the next scale "
+                         f"group's tile: it needs config.block_k={config.block_k} to equal "
+                         f"block_k={block[1]}")
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
         raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
@@ -249,7 +290,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
             weight.stride(0), weight_scale_inv.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None, ROWS=rows,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, SILU=silu,
-            num_warps=config.num_warps, num_stages=config.num_stages,
+            PREFETCH=config.num_stages > 1, num_warps=config.num_warps, num_stages=config.num_stages,
         )
         if split > 1:
             reduce_block = min(1024, triton.next_power_of_2(cols))

@@ -57,8 +57,8 @@ def _inputs(rows, cols, depth, block, dtype, seed, device="cpu", gate_up=False):
     return [t.to(device) for t in (x, w, w_scale, bias)]
 
 
-def _gemv(block_n, block_k, split, warps=4):
-    return GemmConfig(16, block_n, block_k, 1, split, warps, 1, gemv=True)
+def _gemv(block_n, block_k, split, warps=4, stages=1):
+    return GemmConfig(16, block_n, block_k, 1, split, warps, stages, gemv=True)
 
 
 # N off the tile; K with a tail inside a scale group (200 = 3 * 64 + 8, 257 = 2 * 128 + 1,
@@ -72,15 +72,26 @@ GEMV_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", range(len(GEMV_CASES)))
-@pytest.mark.parametrize("rows,split", [(1, 1), (2, 3), (3, 16), (4, 1), (4, 3)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gemv_linear_equals_the_reference(case, rows, split, dtype):
+F32, F16 = torch.float32, torch.float16
+
+
+# (case, rows, split, stages, dtype): every case at 1 to 4 rows between them, split-K 1,
+# 3 and 16 (more splits than groups), with and without the prefetch, both dtypes
+@pytest.mark.parametrize("case,rows,split,stages,dtype", [
+    (0, 1, 1, 1, F32), (0, 4, 3, 1, F16), (0, 2, 16, 1, F32), (0, 3, 1, 1, F16),
+    (1, 1, 3, 2, F16), (1, 2, 1, 2, F32), (1, 4, 16, 1, F32), (1, 3, 3, 2, F16),
+    (2, 1, 16, 2, F32), (2, 4, 1, 2, F16), (2, 3, 3, 1, F32),
+    (3, 2, 3, 1, F16), (3, 4, 1, 1, F32), (3, 1, 16, 1, F16),
+])
+def test_gemv_linear_equals_the_reference(case, rows, split, stages, dtype):
     """float32: to float32 summation order; float16: near the float32 reference of the
-    same float16 inputs (the kernel sums exact products in float32 and rounds once)."""
+    same float16 inputs (the kernel sums exact products in float32 and rounds once).
+    Two stages prefetch the next group's tile (a k step of one group only)."""
     cols, depth, block, block_n, block_k = GEMV_CASES[case]
     x, w, w_scale, bias = _inputs(rows, cols, depth, block, dtype, seed=rows + cols + split)
-    cfg = _gemv(block_n, block_k, split)
+    if block_k != block[1]:
+        stages = 1
+    cfg = _gemv(block_n, block_k, split, stages=stages)
     for b in (None, bias):
         out = fp8_linear_triton(x, w, w_scale, block, b, config=cfg)
         assert out.dtype == dtype and out.shape == (rows, cols)
@@ -110,8 +121,8 @@ def test_gemv_reads_the_weight_once_for_all_rows_and_quantizes_nothing(monkeypat
 W8A16_DOWN = GemmConfig(16, 32, 32, 4, 2, 4, 1, w8a16=True)
 
 
-@pytest.mark.parametrize("cfg,rows", [(_gemv(32, 32, 1), 1), (_gemv(16, 16, 3), 4),
-                                      (_gemv(64, 32, 2), 3), (W8A16_DOWN, 1),
+@pytest.mark.parametrize("cfg,rows", [(_gemv(32, 32, 1), 1), (_gemv(32, 16, 2), 4),
+                                      (_gemv(64, 32, 2, stages=2), 3), (W8A16_DOWN, 1),
                                       (W8A16_DOWN, 7)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_silu_down_is_bit_identical_to_silu_mul_then_the_linear(cfg, rows, dtype,
@@ -146,9 +157,9 @@ def test_fused_silu_down_is_bit_identical_to_silu_mul_then_the_linear(cfg, rows,
                                                   config=cfg)[0], fused)
 
 
-@pytest.mark.parametrize("rows,inter,dtype", [(1, 16, torch.float32), (3, 100, torch.float16),
-                                              (5, 1500, torch.float32)])
-def test_silu_mul_is_the_product_silu_mul_quant_quantizes(rows, inter, dtype):
+@pytest.mark.parametrize("rows,inter,group,dtype", [(1, 16, 16, F32), (3, 100, 32, F16),
+                                                    (5, 1500, 128, F32)])
+def test_silu_mul_is_the_product_silu_mul_quant_quantizes(rows, inter, group, dtype):
     """``silu_mul`` writes what ``silu_mul_quant_fp8`` quantizes (one jit definition of
     the rounding): quantizing its output is bit for bit the fused quantization; against
     torch's ops it differs by at most the kernel's exp ulp before the rounding."""
@@ -156,8 +167,8 @@ def test_silu_mul_is_the_product_silu_mul_quant_quantizes(rows, inter, dtype):
     gate_up = (torch.randn(rows, 2 * inter, generator=gen) * 3).to(dtype)
     h = silu_mul_triton(gate_up)
     assert h.dtype == dtype and h.shape == (rows, inter)
-    q, s = silu_mul_quant_fp8_triton(gate_up, 16)
-    q2, s2 = per_token_group_quant_fp8_triton(h, 16)
+    q, s = silu_mul_quant_fp8_triton(gate_up, group)
+    q2, s2 = per_token_group_quant_fp8_triton(h, group)
     assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
     ref = silu_mul_ref(gate_up)
     eps = torch.finfo(dtype).eps
@@ -177,6 +188,9 @@ def test_gemv_refusals_name_the_field_and_value():
         silu_mul_fp8_linear_triton(torch.cat([x, x], 1), w, w_scale, block, config=cfg)
     with pytest.raises(ValueError, match="config.block_k=64 must divide block_k=32"):
         fp8_linear_triton(x[:2], w, w_scale, block, config=cfg._replace(block_k=64))
+    with pytest.raises(ValueError, match="config.num_stages=2 prefetches the next scale group's "
+                                         "tile: it needs config.block_k=16 to equal block_k=32"):
+        fp8_linear_triton(x[:2], w, w_scale, block, config=_gemv(32, 16, 1, stages=2))
     with pytest.raises(ValueError, match="fuse_quant=True asks for quantized activations but "
                                          r"config m16n32k32g1s1w4st1V has gemv=True"):
         fp8_linear_triton(x[:2], w, w_scale, block, fuse_quant=True, config=cfg)
@@ -280,10 +294,11 @@ from lanekv.kernels.fp8.gemm_configs import GemmConfig, gemv_candidates
 cands = gemv_candidates()
 narrow = next(c for c in cands if c.block_n == 16)
 half_step = cands[-1]  # a k step of half the scale group
-out = [compile_config(cands[0], rows=1), compile_config(cands[0], rows=1, silu=True),
+prefetch = next(c for c in cands if c.num_stages == 2)
+out = [compile_config(prefetch, rows=1), compile_config(prefetch, rows=1, silu=True),
        compile_config(narrow, rows=4), compile_config(cands[5], rows=4, silu=True),
        compile_config(half_step, rows=2, silu=True),
-       compile_config(cands[0], rows=3, even_k=False)]
+       compile_config(prefetch, rows=3, even_k=False)]
 w8a16 = GemmConfig(16, 64, 128, 8, 4, 4, 3, w8a16=True)
 out.append(dict(compile_config(w8a16, silu=True), silu=True))
 print(json.dumps(out))
@@ -293,7 +308,7 @@ print(json.dumps(out))
 @pytest.mark.timeout(600)
 def test_gemv_and_the_fused_silu_down_compile_for_sm_90_without_spills():
     """Offline for sm_90: the gemv family at 1 to 4 rows, 16 to 128 columns, with and
-    without the fused SiLU, loads the weight in 16-byte vectors (a K that is not
+    without the fused SiLU and the prefetch, loads the weight in 16-byte vectors (a K that is not
     16-divisible, whose rows are not 16-byte aligned, excepted) on the CUDA cores (no
     wgmma) and spills nothing; the fused w8a16 down projection keeps its wgmma and
     spills nothing."""
