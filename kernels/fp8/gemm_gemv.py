@@ -159,17 +159,17 @@ def _gemv_kernel(
     acc3 = tl.zeros([BLOCK_N], tl.float32)
     full = depth // GROUP_K  # scale groups wholly inside K: unmasked loads
     g_end = tl.minimum(g_hi, full)
-    if PREFETCH:  # the first group's tile; then each step loads the next one's first
+    if PREFETCH:  # the slice's first tile here; each step then loads the next group's
         kk = tl.arange(0, BLOCK_K)
         # (a splatted scalar condition: uniform along K, the loads stay 16-byte vectors)
-        none = tl.zeros([BLOCK_K], tl.int32)
+        zero_k = tl.zeros([BLOCK_K], tl.int32)
         w_next = tl.load(w_rows[:, None] + (g_lo * GROUP_K + kk)[None, :],
-                         mask=(none + g_lo < g_end)[None, :], other=0.0)
+                         mask=(zero_k + g_lo < g_end)[None, :], other=0.0)
     for g in range(g_lo, g_end):
         if PREFETCH:  # one tile a group (BLOCK_K == GROUP_K): a register double buffer
             w = w_next.to(tl.float32)
             w_next = tl.load(w_rows[:, None] + ((g + 1) * GROUP_K + kk)[None, :],
-                             mask=(none + g + 1 < g_end)[None, :], other=0.0)
+                             mask=(zero_k + g + 1 < g_end)[None, :], other=0.0)
             k = g * GROUP_K + kk
             s0, s1, s2, s3 = _tile_sums(w, x_ptr, stride_x, k, k < depth, depth, ROWS, BLOCK_N,
                                         SILU, False)
