@@ -195,8 +195,10 @@ def kernel_sequence(trace: dict, layer: str) -> list[dict]:
 
 def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[dict]:
     """The block-FP8 linears a decoder layer runs through ``fp8_linear`` at ``rows``,
-    in module order, each with the config and the quantization it launches with (the
-    down projections take ``silu_mul_quant_fp8``'s output: quantized first). Fused
+    in module order, each with the config and the quantization it launches with (a
+    down projection with a w8a8 config takes ``silu_mul_quant_fp8``'s output, quantized
+    first; with a w8a16 or gemv one it computes the SiLU product in its activation load:
+    ``fused_silu``). Fused
     projections count once (their parts share the fused weight); experts, which run
     the grouped MoE kernels, are left out; MLA's ``kv_b_proj``, which decode reads as
     a dequantized matrix, is listed all the same."""
@@ -221,12 +223,13 @@ def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[d
         else:
             continue
         n, k = weight.shape
-        if name.endswith("down_proj"):
+        down = name.endswith("down_proj")
+        if down:
             cfg, fused = select_config(rows, n, k, block, device), False
         else:
             cfg, fused = linear_plan(rows, n, k, block, device)
         out.append({"linear": name, "n": n, "k": k, "rows": rows, "config": cfg.name(),
-                    "fused_quant": fused})
+                    "fused_quant": fused, "fused_silu": down and (cfg.w8a16 or cfg.gemv)})
     return out
 
 

@@ -25,8 +25,11 @@
   step runs it: as the linear (``fp8_linear_triton`` with ``linear_plan``'s fusion),
   so a w8a16 config and a w8a8 one quantizing x itself compete on the same cost
   (``gemm_ms`` is then the linear's time, ``sweep_timed`` says which was timed,
-  ``family`` which family won); the down projections, whose input
-  ``silu_mul_quant_fp8`` quantizes, are swept as the GEMM on that input (w8a8 only).
+  ``family`` which family won); the down projections are timed as the step runs them
+  too, ``silu_mul_fp8_linear`` on a gate/up output ``[rows, 2K]`` (``silu_down``): a
+  w8a8 config after ``silu_mul_quant_fp8``, a w8a16 or gemv config with SiLU-and-multiply
+  fused into its activation load (checked against ``silu_mul``'s product, unquantized).
+  From 4 rows down the gemv family (``gemm_gemv.py``, the CUDA-core GEMV) competes too.
 - ``decode``: the decode engine's captured step at batch 1/16/64 with a
   ``--context`` token context, the model's dummy weights bf16 and then quantized
   blockwise (``quantization_config``), against the FP8 weight-read floor: the
@@ -84,6 +87,7 @@ from lanekv.kernels.fp8.gemm import (  # noqa: E402
     block_fp8_matmul_triton,
     fp8_linear_triton,
     linear_plan,
+    silu_mul_fp8_linear_triton,
 )
 from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     TABLE_DIR,
@@ -94,7 +98,11 @@ from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     select_config,
     table_entry,
 )
-from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_triton  # noqa: E402
+from lanekv.kernels.fp8.quant import (  # noqa: E402
+    per_token_group_quant_fp8_triton,
+    silu_mul_quant_fp8_triton,
+    silu_mul_triton,
+)
 from lanekv.kernels.fp8.weights import (  # noqa: E402
     dequantize_weight_blocks,
     quantize_weight_blocks,
@@ -208,41 +216,46 @@ def _scaled_mm_block_calls(a, a_scale, ws, ref) -> tuple[list, str, float | None
     return [], " | ".join(errors), None
 
 
-def _call(cfg: GemmConfig, as_linear: bool, x, a, a_scale, w, s, block):
+def _call(cfg: GemmConfig, as_linear: bool, x, a, a_scale, w, s, block, silu: bool = False):
     """One run of ``cfg`` as the sweep times it: the linear on ``x`` (its plan's
-    fusion; a w8a16 config reads x unquantized) or the GEMM on the quantized ``a``."""
+    fusion; a w8a16 or gemv config reads x unquantized; ``silu``: ``x`` is a gate/up
+    output and the down projection ``silu_mul_fp8_linear``) or the GEMM on the quantized
+    ``a``."""
+    if as_linear and silu:
+        return partial(silu_mul_fp8_linear_triton, x, w, s, block, config=cfg)
     if as_linear:
         return partial(fp8_linear_triton, x, w, s, block, config=cfg)
     return partial(block_fp8_matmul_triton, a, a_scale, w, s, block, torch.bfloat16, config=cfg)
 
 
 def _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block, budget: Budget | None = None, *,
-                   x=None, ref_x=None) -> tuple[list[dict], dict | None]:
+                   x=None, ref_x=None, silu: bool = False) -> tuple[list[dict], dict | None]:
     """Every candidate config: compiled, checked against the reference, timed (in the
     candidates' order; past the budget's deadline the rest are skipped, once one ran).
     With ``x`` (decode rows) each is timed as the linear, a w8a16 config checked
-    against ``ref_x`` (the unquantized activations'); without, the w8a8 GEMM on ``a``."""
+    against ``ref_x`` (the unquantized activations'); without, the w8a8 GEMM on ``a``.
+    ``silu``: ``x`` is a gate/up output, each timed as ``silu_mul_fp8_linear``."""
     tried, best = [], None
     as_linear = x is not None
     for cfg in candidate_configs(rows, block):
-        if cfg.w8a16 and not as_linear:
+        if (cfg.w8a16 or cfg.gemv) and not as_linear:
             continue  # a GEMM on pre-quantized activations is w8a8
         if budget is not None and best is not None and budget.expired():
             tried.append(dict(config=cfg.name(), skipped="time budget spent"))
             continue
         rec = dict(config=cfg.name(), family=config_family(cfg),
                    timed="linear" if as_linear else "gemm")
-        want = ref_x if cfg.w8a16 else ref
+        want = ref_x if cfg.w8a16 or cfg.gemv else ref
         limit = 4 * _rel_err(want.to(torch.bfloat16), want) + 1e-4  # 4x the output's rounding
         try:
-            out = _call(cfg, as_linear, x, a, a_scale, ws[0][0], ws[0][1], block)()
+            out = _call(cfg, as_linear, x, a, a_scale, ws[0][0], ws[0][1], block, silu)()
             torch.cuda.synchronize()
             rec["rel_err"] = _rel_err(out, want)
             if not rec["rel_err"] < limit:
                 rec["error"] = f"relative error {rec['rel_err']:.2e} over {limit:.2e}"
             else:
-                rec["ms"] = time_fn(_rotating([_call(cfg, as_linear, x, a, a_scale, w, s, block)
-                                               for w, s in ws]))
+                rec["ms"] = time_fn(_rotating([_call(cfg, as_linear, x, a, a_scale, w, s, block,
+                                                     silu) for w, s in ws]))
         except Exception as err:  # noqa: BLE001  (a config that fails to compile is recorded)
             rec["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(
                 err) else type(err).__name__
@@ -302,8 +315,10 @@ def _warm_worker(configs: list[dict], shapes: list[tuple[int, int]], rows: int) 
         for raw in configs:
             cfg = GemmConfig(**raw)
             try:
-                if cfg.w8a16:  # only the linear runs it
+                if cfg.w8a16 or cfg.gemv:  # only the linear runs it, and the SiLU down
                     fp8_linear_triton(x, w, s, (128, 128), config=cfg)
+                    gate_up = torch.randn(rows, 2 * k, device=device, dtype=torch.bfloat16)
+                    silu_mul_fp8_linear_triton(gate_up, w, s, (128, 128), config=cfg)
                     done += 1
                     continue
                 block_fp8_matmul_triton(a, a_scale, w, s, (128, 128), torch.bfloat16, config=cfg)
@@ -362,23 +377,30 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
             w_rows = [((w.float() / w_row_scale.t()).to(torch.float8_e4m3fn)) for w in bf16s]
             w_deq = dequantize_weight_blocks(ws[0][0], ws[0][1], block)
             for rows in rows_list:
-                x = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
-                a, a_scale = per_token_group_quant_fp8_triton(x, 128)
+                # the step runs a decode linear as the linear, a down projection as
+                # silu_mul_fp8_linear on the gate/up output (x then is [rows, 2K], x_lin
+                # the product the projection multiplies)
+                as_linear = rows <= FUSED_QUANT_MAX_ROWS
+                silu = as_linear and name.endswith("down")
+                if silu:
+                    x = torch.randn(rows, 2 * k, device=device, dtype=torch.bfloat16)
+                    a, a_scale = silu_mul_quant_fp8_triton(x, 128)
+                    x_lin = silu_mul_triton(x)
+                else:
+                    x = x_lin = torch.randn(rows, k, device=device, dtype=torch.bfloat16)
+                    a, a_scale = per_token_group_quant_fp8_triton(x, 128)
                 ref = (a.float() * a_scale.repeat_interleave(128, 1)[:, :k]) @ w_deq.t()
-                ref_x = x.float() @ w_deq.t()  # a w8a16 config's: x unquantized
-                row = dict(model=model, linear=name, n=n, k=k, rows=rows, weight_copies=copies)
-                # the step runs a decode linear as the linear; a down projection's input
-                # comes quantized from silu_mul_quant_fp8, so it runs as the w8a8 GEMM
-                as_linear = rows <= FUSED_QUANT_MAX_ROWS and not name.endswith("down")
+                ref_x = x_lin.float() @ w_deq.t()  # a w8a16 or gemv config's: unquantized
+                row = dict(model=model, linear=name, n=n, k=k, rows=rows, weight_copies=copies,
+                           silu_down=silu)
                 cfg = select_config(rows, n, k, block, device)
-                if cfg.w8a16 and name.endswith("down"):  # as silu_mul_fp8_linear runs it
-                    cfg = cfg._replace(w8a16=False)
                 best = None
                 if sweep:
-                    row["sweep_timed"] = "linear" if as_linear else "gemm"
+                    row["sweep_timed"] = ("silu_down" if silu else "linear" if as_linear
+                                          else "gemm")
                     row["tried"], best = _sweep_configs(a, a_scale, ws, rows, ref, time_fn, block,
                                                         budget, x=x if as_linear else None,
-                                                        ref_x=ref_x)
+                                                        ref_x=ref_x, silu=silu)
                     # what the kernel picks without this sweep, if it was a candidate
                     row["selected_config"] = cfg.name()
                     row["selected_ms"] = next((t["ms"] for t in row["tried"]
@@ -391,11 +413,12 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                 row["family"] = config_family(cfg)
                 if best is not None:  # timed in the sweep, on the same inputs and timer
                     row["rel_err"], row["gemm_ms"] = best["rel_err"], best["ms"]
-                elif cfg.w8a16:  # no GEMM apart from the linear: the linear's time
-                    row["rel_err"] = _rel_err(fp8_linear_triton(x, ws[0][0], ws[0][1], block,
-                                                                config=cfg), ref_x)
+                elif cfg.w8a16 or cfg.gemv or silu:  # the linear's time (no GEMM apart)
+                    want = ref_x if cfg.w8a16 or cfg.gemv else ref
+                    row["rel_err"] = _rel_err(_call(cfg, True, x, a, a_scale, ws[0][0], ws[0][1],
+                                                    block, silu)(), want)
                     row["gemm_ms"] = time_fn(_rotating([_call(cfg, True, x, a, a_scale, w, s,
-                                                              block) for w, s in ws]))
+                                                              block, silu) for w, s in ws]))
                 else:
                     got = block_fp8_matmul_triton(a, a_scale, ws[0][0], ws[0][1], block,
                                                   torch.bfloat16, config=cfg)
@@ -405,16 +428,19 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                         config=cfg) for w, s in ws]))
                 # The linear as a model's step runs it with this config (quantizing inside
                 # the GEMM or first: linear_plan), and at decode rows both ways.
-                row["linear_fused_quant"] = linear_plan(rows, n, k, block, device,
-                                                        config=cfg).fuse_quant
-                ways = (() if cfg.w8a16 else (True, False)
+                row["linear_fused_quant"] = not silu and linear_plan(rows, n, k, block, device,
+                                                                     config=cfg).fuse_quant
+                unquantized = cfg.w8a16 or cfg.gemv
+                ways = (() if unquantized or silu else (True, False)
                         if rows <= FUSED_QUANT_MAX_ROWS and cfg.block_k == block[1]
                         else (row["linear_fused_quant"],))
                 for fuse in ways:
                     row["linear_fused_ms" if fuse else "linear_unfused_ms"] = time_fn(_rotating([
                         partial(fp8_linear_triton, x, w, s, block, fuse_quant=fuse, config=cfg)
                         for w, s in ws]))
-                if cfg.w8a16:  # nothing quantized, nothing to fuse
+                if silu:  # the down projection as the step runs it: timed above
+                    row["linear_ms"] = row["gemm_ms"]
+                elif unquantized:  # nothing quantized, nothing to fuse
                     row["linear_ms"] = time_fn(_rotating([_call(cfg, True, x, a, a_scale, w, s,
                                                                 block) for w, s in ws]))
                 else:
@@ -422,10 +448,10 @@ def bench_gemm(rows_list: list[int], models: list[str], device: torch.device, *,
                                            else "linear_unfused_ms"]
                 if sweep and as_linear and record_quant_first(row):
                     cfg = GemmConfig(**row["config"])
-                row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x, w.t())
+                row["bf16_ms"] = time_fn(_rotating([partial(torch.matmul, x_lin, w.t())
                                                     for w in bf16s]))
-                a_row = (x.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)
-                a8 = (x.float() / a_row).to(torch.float8_e4m3fn)
+                a_row = (x_lin.float().abs().amax(1, keepdim=True).clamp(min=1e-10) / 448)
+                a8 = (x_lin.float() / a_row).to(torch.float8_e4m3fn)
                 try:
                     row["scaled_mm_row_ms"] = time_fn(_rotating([partial(
                         torch._scaled_mm, a8, w.t(), scale_a=a_row, scale_b=w_row_scale,

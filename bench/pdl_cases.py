@@ -19,7 +19,8 @@ from lanekv.kernels.fp8.gemm import fp8_linear_triton
 from lanekv.kernels.fp8.gemm_configs import GemmConfig
 from lanekv.kernels.fp8.kv_rows import kv_fp8_head_bytes, mla_fp8_row_stride
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode_triton
-from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_triton, silu_mul_quant_fp8_triton
+from lanekv.kernels.fp8.gemm_gemv import gemv_linear
+from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_triton, silu_mul_quant_fp8_triton, silu_mul_triton
 from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8_triton, rope_store_kv_fp8_triton
 from lanekv.kernels.fp8.weights import quantize_weight_blocks
 from lanekv.kernels.mla.expand_merge import mla_expand_partials_triton
@@ -155,6 +156,16 @@ def fp8_gemm_w8a16(dtype: torch.dtype) -> Outputs:
     return (fp8_linear_triton(_randn(g, 3, 64, dtype=dtype), w, s, BLOCK, config=config),)
 
 
+def fp8_gemv_silu(dtype: torch.dtype) -> Outputs:
+    """The gemv family over two k splits and their reduction, the SiLU product fused in;
+    and the plain SiLU-and-multiply kernel."""
+    g = _gen()
+    w, s = _fp8_weight(g, 32, 64)
+    gate_up = _randn(g, 3, 128, dtype=dtype)
+    config = GemmConfig(16, 16, 16, split_k=2, num_stages=1, gemv=True)
+    return gemv_linear(gate_up, w, s, BLOCK, None, config, silu=True), silu_mul_triton(gate_up)
+
+
 def _routing(gen: torch.Generator, tokens: int, top_k: int, experts: int):
     ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
     return torch.rand(tokens, top_k, generator=gen), ids
@@ -233,6 +244,6 @@ CASES: dict[str, Callable[[torch.dtype], Outputs]] = {
     fn.__name__: fn for fn in (
         add_rmsnorm, rope_store_kv, mla_rope, store_kv, rope_store_kv_fp8, mla_rope_store_fp8,
         paged_decode_attention, paged_decode_attention_fp8, quant, fp8_gemm_split_k,
-        fp8_gemm_w8a16, moe_decode, moe_decode_fp8, moe_gate_route, mla_rope_norm_store,
+        fp8_gemm_w8a16, fp8_gemv_silu, moe_decode, moe_decode_fp8, moe_gate_route, mla_rope_norm_store,
         mla_rope_norm_store_fp8, mla_decode, mla_decode_expand, mla_absorb)
 }

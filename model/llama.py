@@ -157,7 +157,8 @@ class FusedLinear(nn.Module):
 
 def silu_mul_down(down_proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """``down_proj(silu(gate) * up)`` for ``gate_up [T, 2I]``; a block-FP8 down
-    projection quantizes the product as it computes it."""
+    projection computes the product itself (quantized in one pass for a w8a8 GEMM, in
+    the GEMM's activation load for a w8a16 or gemv one: ``silu_mul_fp8_linear``)."""
     if isinstance(down_proj, Fp8Linear):
         return down_proj.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

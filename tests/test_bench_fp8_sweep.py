@@ -1,7 +1,8 @@
 """bench/fp8.py's GEMM sweep under a time limit: the budget that decides whether one more
 shape fits, the table merged after every shape (swept rows only, the decode rows
 of the file kept), the option refused when it is not a positive number, and the
-decode rows' candidates timed as the linear (w8a16 beside w8a8)."""
+decode rows' candidates timed as the linear (w8a16 and gemv beside w8a8), the down
+projections' as ``silu_mul_fp8_linear`` on a gate/up output."""
 
 from __future__ import annotations
 
@@ -11,7 +12,11 @@ import sys
 import pytest
 import torch
 from lanekv.kernels.fp8.gemm_configs import GemmConfig, load_table, lookup
-from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_ref
+from lanekv.kernels.fp8.quant import (
+    per_token_group_quant_fp8_ref,
+    silu_mul_quant_fp8_ref,
+    silu_mul_triton,
+)
 from lanekv.kernels.fp8.weights import dequantize_weight_blocks, quantize_weight_blocks
 
 from bench import fp8 as bench_fp8
@@ -115,3 +120,31 @@ def test_the_sweep_at_decode_rows_times_each_candidate_as_the_linear(monkeypatch
     tried, best = bench_fp8._sweep_configs(a, a_scale, [(w, s)], rows, ref, time_fn, block)
     assert [(t["config"], t["timed"]) for t in tried] == [(cands[0].name(), "gemm")]
     assert best["cfg"] == cands[0]
+
+
+def test_the_sweep_times_a_down_projection_as_the_step_runs_it(monkeypatch):
+    """A down projection at decode rows: every candidate runs ``silu_mul_fp8_linear`` on
+    the gate/up output, w8a8 quantizing the product first (checked against the quantized
+    product's reference), w8a16 and gemv fusing the SiLU (checked against ``silu_mul``'s
+    product unquantized)."""
+    block, rows, n, k = (32, 32), 2, 48, 96
+    cands = [GemmConfig(16, 32, 32, 4, 1, 4, 1), GemmConfig(16, 32, 32, 4, 2, 4, 1, w8a16=True),
+             GemmConfig(16, 32, 32, 1, 2, 4, 1, gemv=True)]
+    monkeypatch.setattr(bench_fp8, "candidate_configs", lambda r, b: cands)
+    monkeypatch.setattr(bench_fp8.torch.cuda, "synchronize", lambda: None)
+    calls = []
+    real = bench_fp8.silu_mul_fp8_linear_triton
+    monkeypatch.setattr(bench_fp8, "silu_mul_fp8_linear_triton",
+                        lambda *a, **kw: calls.append(kw["config"]) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(1)
+    w, s = quantize_weight_blocks(torch.randn(n, k, generator=gen) * k ** -0.5, block)
+    gate_up = torch.randn(rows, 2 * k, generator=gen)
+    a, a_scale = silu_mul_quant_fp8_ref(gate_up, block[1])
+    w_deq = dequantize_weight_blocks(w, s, block)
+    ref = (a.float() * a_scale.repeat_interleave(block[1], 1)[:, :k]) @ w_deq.t()
+    ref_x = silu_mul_triton(gate_up) @ w_deq.t()
+    tried, best = bench_fp8._sweep_configs(a, a_scale, [(w, s)], rows, ref, lambda run: 1.0,
+                                           block, x=gate_up, ref_x=ref_x, silu=True)
+    assert [t["family"] for t in tried] == ["tiles", "w8a16", "gemv"]
+    assert all("ms" in t and t["rel_err"] < 1e-5 for t in tried), tried
+    assert calls == cands and best["cfg"] == cands[0]

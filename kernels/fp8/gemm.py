@@ -16,7 +16,9 @@ or, for decode's few rows in 16-row tiles, the GEMM quantizing ``x`` itself
 costs little in a 16-row tile and dominates the k loop in a 64-row one);
 or, with a w8a16 config (the default at <= 16 rows on CUDA: ``gemm_configs.py``),
 no quantization at all: ``gemm_w8a16.py`` reads ``x`` in its own dtype and
-dequantizes each e4m3 weight tile in the kernel;
+dequantizes each e4m3 weight tile in the kernel; or, with a gemv config (1 to 4
+rows, a tuned table's pick), the CUDA-core split-K GEMV of ``gemm_gemv.py``, x
+unquantized as well;
 the reference (CPU) runs ``F.linear`` on the dequantized weight in ``x``'s dtype,
 unquantized activations, so a CPU run equals the same model with the weights
 dequantized.
@@ -40,6 +42,13 @@ vectors (with the clamped indices it stored bf16 one element per instruction;
 the first prefill sweep's times fit a fixed ~30 us per wave of 128x128 tiles
 on top of the k loop). The config comes
 from a tuned table or a heuristic: ``gemm_configs.py``.
+
+``silu_mul_fp8_linear(gate_up, ...)`` (a gated MLP's down projection): with a w8a8
+config ``silu_mul_quant_fp8`` quantizes ``silu(gate) * up`` and the GEMM follows; with
+a w8a16 or gemv config (the unquantized families) the GEMM reads ``gate_up`` itself and
+computes the product in registers, rounded as ``silu_mul`` rounds it: bit for bit the
+result of ``silu_mul`` then ``fp8_linear``, one launch fewer (``fuse_silu=False`` runs
+that unfused pair).
 """
 
 from __future__ import annotations
@@ -51,13 +60,20 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, on_device, use_triton
-from lanekv.kernels.fp8.gemm_configs import GemmConfig, check_config, select_config
+from lanekv.kernels.fp8.gemm_configs import (
+    GEMV_MAX_ROWS,
+    GemmConfig,
+    check_config,
+    select_config,
+)
+from lanekv.kernels.fp8.gemm_gemv import gemv_linear
 from lanekv.kernels.fp8.gemm_w8a16 import _w8a16_kernel
 from lanekv.kernels.fp8.quant import (
     _quantize_tile,
     hw_cast,
     per_token_group_quant_fp8,
     silu_mul_quant_fp8,
+    silu_mul_triton,
 )
 from lanekv.kernels.fp8.tile_order import tile_coords
 from lanekv.kernels.fp8.weights import FP8_DTYPE, dequantize_weight_blocks, scale_shape
@@ -286,14 +302,17 @@ def _tma_ok(t: torch.Tensor) -> bool:
 def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
             w_scale: torch.Tensor, block: tuple[int, int], out_dtype: torch.dtype,
             bias: torch.Tensor | None, config: GemmConfig | None,
-            ue8m0: bool = False) -> torch.Tensor:
+            ue8m0: bool = False, silu: bool = False) -> torch.Tensor:
     """``a_scale is None``: ``a`` is unquantized and either the config is w8a16 (the
     weight-only-dequant kernel, ``gemm_w8a16.py``) or each tile quantizes its rows'
     groups on the fly (``_quantize_tile``, the quantization kernel's own code).
     Pre-quantized ``a`` with a w8a16 config: refused when the caller named the
     config; a table's or the heuristic's w8a16 pick runs as its w8a8 twin (same
-    tiles, the switch off), so ``silu_mul_fp8_linear``'s quantized input keeps working."""
-    (rows, depth), cols = a.shape, w.shape[0]
+    tiles, the switch off), so ``silu_mul_fp8_linear``'s quantized input keeps working.
+    The same for a gemv config (it runs through ``gemm_gemv.gemv_linear``, not here).
+    ``silu`` (w8a16 only): ``a`` is ``gate_up [M, 2K]`` and the kernel multiplies
+    ``silu(gate) * up``."""
+    rows, cols, depth = a.shape[0], w.shape[0], w.shape[1]
     out = torch.empty((rows, cols), dtype=out_dtype, device=a.device)
     if rows == 0 or cols == 0:
         return out
@@ -302,12 +321,17 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
         return out if bias is None else out.add_(bias)
     cfg = check_config(config) if config is not None else select_config(
         rows, cols, depth, tuple(block), a.device)
-    if a_scale is not None and cfg.w8a16:
+    if a_scale is not None and (cfg.w8a16 or cfg.gemv):
+        family = "gemv" if cfg.gemv else "w8a16"
         if config is not None:
-            raise ValueError(f"config.w8a16=True ({cfg.name()}) reads the activations "
+            raise ValueError(f"config.{family}=True ({cfg.name()}) reads the activations "
                              "unquantized: block_fp8_matmul takes quantized a and a_scale "
-                             "(run a w8a16 config through fp8_linear)")
-        cfg = cfg._replace(w8a16=False)
+                             f"(run a {family} config through fp8_linear)")
+        cfg = cfg._replace(w8a16=False, gemv=False)
+    if cfg.gemv:
+        raise ValueError(f"config.gemv=True ({cfg.name()}) runs through gemm_gemv.gemv_linear")
+    if silu and not cfg.w8a16:
+        raise ValueError(f"silu=True needs a w8a16 config, got {cfg.name()}")
     if block[1] % cfg.block_k:
         raise ValueError(f"config.block_k={cfg.block_k} must divide block_k={block[1]}")
     if cfg.lag and block[0] % cfg.block_n:
@@ -326,7 +350,7 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor | None, w: torch.Tensor,
                 GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None,
                 BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                 GROUP_M=cfg.group_m, SPLIT_K=split, EVEN_K=depth % cfg.block_k == 0,
-                DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+                DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32", SILU=silu,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
             )
             _reduce_splits(part, bias, bias_arg, out, split)
@@ -436,17 +460,22 @@ def linear_plan(rows: int, n: int, k: int, block: tuple[int, int], device: torch
     or the heuristic's) and the fusion (``fuse_quant``, else: at most
     ``FUSED_QUANT_MAX_ROWS`` rows, row tiles of at most ``FUSED_QUANT_MAX_BLOCK_M``,
     the k step one scale group, unless the config says ``quant_first``: the sweep timed
-    the quantization kernel then the GEMM faster for that shape). A w8a16 config quantizes nothing: ``fuse_quant`` is
-    False. An explicit ``fuse_quant`` asks for quantized activations: a table's or the
-    heuristic's w8a16 pick then runs as its w8a8 twin; with a w8a16 ``config`` it is
-    refused."""
+    the quantization kernel then the GEMM faster for that shape). A w8a16 or gemv config
+    quantizes nothing: ``fuse_quant`` is False. An explicit ``fuse_quant`` asks for
+    quantized activations: a table's or the heuristic's w8a16 or gemv pick then runs as
+    its w8a8 twin; with such a ``config`` it is refused, as is a gemv ``config`` for more
+    than ``GEMV_MAX_ROWS`` rows."""
     cfg = config if config is not None else select_config(rows, n, k, tuple(block), device)
-    if cfg.w8a16 and fuse_quant is not None:
+    if (cfg.w8a16 or cfg.gemv) and fuse_quant is not None:
         if config is not None:
+            family = "gemv" if cfg.gemv else "w8a16"
             raise ValueError(f"fuse_quant={fuse_quant} asks for quantized activations but "
-                             f"config {cfg.name()} has w8a16=True (leave fuse_quant None)")
-        cfg = cfg._replace(w8a16=False)
-    if cfg.w8a16:
+                             f"config {cfg.name()} has {family}=True (leave fuse_quant None)")
+        cfg = cfg._replace(w8a16=False, gemv=False)
+    if cfg.gemv and rows > GEMV_MAX_ROWS:
+        raise ValueError(f"rows={rows}: config.gemv=True ({cfg.name()}) takes at most "
+                         f"{GEMV_MAX_ROWS} rows")
+    if cfg.w8a16 or cfg.gemv:
         return LinearPlan(cfg, False)
     if fuse_quant is None:
         fuse_quant = (rows <= FUSED_QUANT_MAX_ROWS and cfg.block_m <= FUSED_QUANT_MAX_BLOCK_M
@@ -471,7 +500,9 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: t
     cfg, fuse_quant = linear_plan(flat.shape[0], weight.shape[0], weight.shape[1], block,
                                   x.device, fuse_quant=fuse_quant, config=config)
     check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
-    if fuse_quant or cfg.w8a16:
+    if cfg.gemv:
+        out = gemv_linear(flat, weight, weight_scale_inv, tuple(block), bias, cfg)
+    elif fuse_quant or cfg.w8a16:
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
             raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
         out = _launch(flat, None, weight, weight_scale_inv, tuple(block), x.dtype, bias, cfg,
@@ -506,19 +537,50 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Te
 def silu_mul_fp8_linear_triton(gate_up: torch.Tensor, weight: torch.Tensor,
                                weight_scale_inv: torch.Tensor, block: tuple[int, int],
                                bias: torch.Tensor | None = None, *,
-                               scale_ue8m0: bool = False) -> torch.Tensor:
-    """A down projection of ``silu(gate) * up``: the product quantized in one pass
-    over ``gate_up [T, 2I]`` (``silu_mul_quant_fp8``), then the GEMM."""
+                               scale_ue8m0: bool = False, config: GemmConfig | None = None,
+                               fuse_silu: bool | None = None) -> torch.Tensor:
+    """A down projection of ``silu(gate) * up`` for ``gate_up [..., 2I]``. The config
+    (``config``, else the table's or the heuristic's for these rows) decides: w8a8:
+    the product quantized in one pass over ``gate_up`` (``silu_mul_quant_fp8``), then
+    the GEMM; w8a16 or gemv: the GEMM reads ``gate_up`` and computes the product in
+    registers (``fuse_silu`` None or True), or ``silu_mul`` writes it first
+    (``fuse_silu=False``), the same result bit for bit."""
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [..., 2 * I], got {tuple(getattr(gate_up, 'shape', ()))}")
     _check_linear(gate_up[..., : gate_up.shape[-1] // 2], weight, weight_scale_inv, block)
-    a, a_scale = silu_mul_quant_fp8(gate_up, block[1], scale_ue8m0=scale_ue8m0)
-    return block_fp8_matmul_triton(a, a_scale, weight, weight_scale_inv, block, gate_up.dtype,
-                                   bias)
+    flat = gate_up.reshape(-1, gate_up.shape[-1])
+    if flat.shape[1] > 1 and flat.stride(1) != 1:
+        flat = flat.contiguous()
+    rows, (cols, inter) = flat.shape[0], weight.shape
+    cfg = check_config(config) if config is not None else select_config(
+        rows, cols, inter, tuple(block), gate_up.device)
+    if cfg.w8a16 or cfg.gemv:
+        if fuse_silu is False:
+            out = fp8_linear_triton(silu_mul_triton(flat), weight, weight_scale_inv, block, bias,
+                                    config=cfg)
+        else:
+            check_same_device(gate_up=gate_up, weight=weight, weight_scale_inv=weight_scale_inv,
+                              bias=bias)
+            if bias is not None and (bias.dim() != 1 or bias.shape[0] != cols):
+                raise ValueError(f"bias must be [{cols}], got {tuple(bias.shape)}")
+            out = (gemv_linear(flat, weight, weight_scale_inv, tuple(block), bias, cfg, silu=True)
+                   if cfg.gemv else _launch(flat, None, weight, weight_scale_inv, tuple(block),
+                                            gate_up.dtype, bias, cfg, silu=True))
+        return out.view(*gate_up.shape[:-1], cols)
+    if fuse_silu:
+        raise ValueError(f"fuse_silu=True needs a w8a16 or gemv config, got {cfg.name()} (w8a8 "
+                         "quantizes the product with silu_mul_quant_fp8)")
+    a, a_scale = silu_mul_quant_fp8(flat, block[1], scale_ue8m0=scale_ue8m0)
+    out = block_fp8_matmul_triton(a, a_scale, weight, weight_scale_inv, block, gate_up.dtype,
+                                  bias, config=cfg)
+    return out.view(*gate_up.shape[:-1], cols)
 
 
 def silu_mul_fp8_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor,
                             weight_scale_inv: torch.Tensor, block: tuple[int, int],
                             bias: torch.Tensor | None = None, *,
-                            scale_ue8m0: bool = False) -> torch.Tensor:
+                            scale_ue8m0: bool = False, config: GemmConfig | None = None,
+                            fuse_silu: bool | None = None) -> torch.Tensor:
     gate, up = gate_up.chunk(2, dim=-1)
     return fp8_linear_ref(F.silu(gate) * up, weight, weight_scale_inv, block, bias)
 
@@ -526,6 +588,8 @@ def silu_mul_fp8_linear_ref(gate_up: torch.Tensor, weight: torch.Tensor,
 def silu_mul_fp8_linear(gate_up: torch.Tensor, weight: torch.Tensor,
                         weight_scale_inv: torch.Tensor, block: tuple[int, int],
                         bias: torch.Tensor | None = None, *,
-                        scale_ue8m0: bool = False) -> torch.Tensor:
+                        scale_ue8m0: bool = False, config: GemmConfig | None = None,
+                        fuse_silu: bool | None = None) -> torch.Tensor:
     run = silu_mul_fp8_linear_triton if use_triton(gate_up) else silu_mul_fp8_linear_ref
-    return run(gate_up, weight, weight_scale_inv, block, bias, scale_ue8m0=scale_ue8m0)
+    return run(gate_up, weight, weight_scale_inv, block, bias, scale_ue8m0=scale_ue8m0,
+               config=config, fuse_silu=fuse_silu)

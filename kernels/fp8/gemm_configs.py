@@ -45,11 +45,18 @@ The dot tile is at least ``MIN_DOT`` (16 x 16 x 32, Triton's fp8 dot on sm_90
 needs K >= 32): a scale group narrower than 32 (tiny test checkpoints) keeps its
 k step, and ``dot_k`` pads the step's dot with zero columns (masked loads, no TMA).
 
+Where the down projection's config is w8a16 or gemv, ``silu_mul_fp8_linear`` reads the
+gate/up GEMM's output itself and computes ``silu(gate) * up`` in registers, rounded to
+its dtype as ``silu_mul`` rounds it (bit for bit the unfused result; one launch fewer
+per layer); a w8a8 config still quantizes the product with ``silu_mul_quant_fp8``.
+
 At <= 16 rows (decode) the default is w8a16 (16-row tile, 64 columns, k step one
 scale group, split-K to about fill the SMs): the activations stay unquantized, which
 is the reference's own operation, and the k loop has no per-step quantization of
 the activation tile, which sits on the critical path of the fused w8a8 decode GEMM
-(issue 33, BENCHMARKS.md). A tuned table entry still wins.
+(issue 33, BENCHMARKS.md). A tuned table entry still wins. The heuristic never picks
+gemv: it runs where ``bench/fp8.py --sweep`` timed it fastest for a shape, as the step
+runs it (the down projection with its SiLU fused), and a table entry names it.
 
 At >= 256 rows (prefill) the default is the standard Hopper block-FP8 tile,
 64x128x128 on 4 warps with 3 stages and pointer loads (two programs per SM: one
@@ -57,14 +64,15 @@ scales its k step's product while the other's dot runs), and the sweep tries
 six configs (``prefill_candidates``), that one first.
 
 The family of a config (``config_family``) is what the tests run each of under
-the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``w8a16``.
+the interpreter: ``tiles``, ``tma``, ``persistent``, ``splitk``, ``lag``, ``w8a16``, ``gemv``.
 
 Tuned tables come from ``bench/fp8.py --sweep``: a JSON file of entries
 ``{"rows", "n", "k", "block", "config"}``. ``select_config`` looks one up for a
 ``(rows, N, K, block)``: the file named by ``LANEKV_FP8_GEMM_CONFIGS`` if set,
 else ``gemm_tables/<device name>.json`` beside this module if present; among the
 entries of that ``(N, K, block)`` the one whose row count is nearest in log
-scale wins; entries without ``w8a16`` load as w8a8. Shapes no table covers take ``default_config``.
+scale wins; entries without ``w8a16`` or ``gemv`` load as w8a8; a gemv entry is not used for more
+than ``GEMV_MAX_ROWS`` rows (the heuristic decides there). Shapes no table covers take ``default_config``.
 """
 
 from __future__ import annotations
@@ -83,7 +91,9 @@ TABLE_ENV = "LANEKV_FP8_GEMM_CONFIGS"
 TABLE_DIR = Path(__file__).resolve().parent / "gemm_tables"
 # A tuned entry serves row counts within this many octaves (factors of 2) of its own.
 MAX_ROW_OCTAVES = 2
-FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "w8a16")
+FAMILIES = ("tiles", "tma", "persistent", "splitk", "lag", "w8a16", "gemv")
+# The gemv family holds every row of x in one program (a [block_n] float32 sum per row).
+GEMV_MAX_ROWS = 4
 # The smallest fp8 dot tile (M, N, K): Triton on sm_90 refuses K < 32 ("Input shapes
 # should have ... K >= 32"); rows and columns below 16 are not tiles this module makes.
 MIN_DOT = (16, 16, 32)
@@ -105,16 +115,19 @@ class GemmConfig(NamedTuple):
     # rows where the sweep timed that faster than quantizing inside the GEMM); the GEMM
     # itself does not read it.
     quant_first: bool = False
+    # The CUDA-core split-K GEMV of 1 to GEMV_MAX_ROWS rows (gemm_gemv.py): x unquantized,
+    # no tensor cores; block_m is unused by it (its w8a8 twin's row tile).
+    gemv: bool = False
 
     @property
     def dot_k(self) -> int:
         """Depth of each step's ``tl.dot``: ``block_k``, padded with zero columns to
         the fp8 dot's minimum (w8a16's 16-bit dot takes any ``block_k`` >= 16)."""
-        return self.block_k if self.w8a16 else max(self.block_k, MIN_DOT[2])
+        return self.block_k if self.w8a16 or self.gemv else max(self.block_k, MIN_DOT[2])
 
     def name(self) -> str:
         flags = "".join(f for f, on in (("T", self.tma), ("P", self.persistent), ("L", self.lag),
-                                        ("W", self.w8a16), ("Q", self.quant_first))
+                                        ("W", self.w8a16), ("Q", self.quant_first), ("V", self.gemv))
                         if on)
         return (f"m{self.block_m}n{self.block_n}k{self.block_k}g{self.group_m}s{self.split_k}"
                 f"w{self.num_warps}st{self.num_stages}{flags}")
@@ -152,7 +165,7 @@ def check_config(cfg: GemmConfig) -> GemmConfig:
         value = getattr(cfg, field)
         if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 64:
             raise ValueError(f"{field} must be an int in [1, 64], got {value!r}")
-    for field in ("tma", "persistent", "lag", "w8a16", "quant_first"):
+    for field in ("tma", "persistent", "lag", "w8a16", "quant_first", "gemv"):
         if not isinstance(getattr(cfg, field), bool):
             raise ValueError(f"{field} must be a bool, got {getattr(cfg, field)!r}")
     if cfg.w8a16:
@@ -160,11 +173,18 @@ def check_config(cfg: GemmConfig) -> GemmConfig:
             if getattr(cfg, field):
                 raise ValueError(f"{field}=True is a w8a8 switch; a w8a16 config quantizes nothing and takes "
                                  f"pointer loads, one program per tile (got {cfg.name()})")
+    if cfg.gemv:
+        for field in ("tma", "persistent", "lag", "quant_first", "w8a16"):
+            if getattr(cfg, field):
+                raise ValueError(f"{field}=True cannot go with gemv=True: a gemv config reads x "
+                                 f"unquantized with pointer loads on the CUDA cores (got {cfg.name()})")
     return cfg
 
 
 def config_family(cfg: GemmConfig) -> str:
     """The one feature a config exercises beyond plain tiles (tests cover each)."""
+    if cfg.gemv:
+        return "gemv"
     if cfg.w8a16:
         return "w8a16"
     if cfg.lag:
@@ -228,6 +248,8 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
             for split in (1, 2, 4, 8):
                 for stages in (3, 4, 5):
                     out.append(GemmConfig(16, bn, bk, 8, split, 4, stages, w8a16=True))
+        if rows <= GEMV_MAX_ROWS:
+            out += gemv_candidates(bk)
     elif rows < 256:
         bms = (32, 64) if rows <= 64 else (64, 128)
         for bm in bms:
@@ -241,6 +263,24 @@ def candidate_configs(rows: int, block: tuple[int, int]) -> list[GemmConfig]:
     else:
         out += prefill_candidates(bk)
     return [c for c in out if not c.lag or block[0] % c.block_n == 0]
+
+
+def gemv_candidates(bk: int = 128) -> list[GemmConfig]:
+    """The gemv family's sweep candidates (1 to ``GEMV_MAX_ROWS`` rows): 16 to 128 columns
+    per program (the widest first: the most bytes in flight a thread), split-K 1 to 16,
+    2 to 8 warps, one stage or two (the next scale group's tile prefetched into registers:
+    Triton does not pipeline a k loop without a dot), a k step of the scale group (and
+    half of it for two configs, which cannot prefetch)."""
+    out = []
+    for bn in (64, 128, 32, 16):
+        for split in (1, 2, 4, 8, 16):
+            for warps in (2, 4, 8):
+                for stages in (1, 2):
+                    out.append(GemmConfig(16, bn, bk, 1, split, warps, stages, gemv=True))
+    if bk >= 64:
+        for bn in (64, 128):
+            out.append(GemmConfig(16, bn, bk // 2, 1, 4, 4, 1, gemv=True))
+    return out
 
 
 def prefill_candidates(bk: int = 128) -> list[GemmConfig]:
@@ -308,6 +348,10 @@ def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConf
         return None
     target = math.log2(max(rows, 1))
     # nearest row count in log scale; on a tie the larger (its tiles cover these rows)
+    if rows > GEMV_MAX_ROWS:  # a gemv entry takes no more rows than its kernel holds
+        tuned = tuple(rc for rc in tuned if not rc[1].gemv)
+        if not tuned:
+            return None
     near_rows, cfg = min(tuned, key=lambda rc: (abs(math.log2(max(rc[0], 1)) - target), -rc[0]))
     # A config tuned for decode's few rows says nothing about a prefill's thousands (and
     # the reverse): beyond a factor of 4 the default's heuristics decide.

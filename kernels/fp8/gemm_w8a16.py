@@ -24,6 +24,11 @@ pipelined through shared memory as B; the ptx has ``wgmma.mma_async``. Unswapped
 (``x [16, BLOCK_K] @ w^T``) the 16-row M is below wgmma's 64 and Triton emits
 ``mma.sync`` for it. ``BLOCK_N = 32`` (swapped) also takes ``mma.sync``.
 
+``SILU`` (the down projection of a gated MLP): ``x`` is the gate/up GEMM's output
+``[M, 2K]`` (gate half, then up half) and each x tile is ``silu(gate) * up`` computed
+in registers (``quant.silu_mul_tile``: rounded to x's dtype as ``silu_mul`` rounds it,
+so the result is bit for bit that of ``silu_mul`` then this GEMM, one launch fewer).
+
 Split-K writes float32 partials ``[SPLIT_K, M, N]`` that gemm.py's reduction adds
 (with the bias) in a fixed order. The launcher (gemm.py ``_launch``) checks layouts.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from lanekv.kernels.fp8.quant import silu_mul_tile
 from lanekv.kernels.fp8.tile_order import tile_coords
 from lanekv.kernels.pdl import pdl_launch_dependents, pdl_wait
 
@@ -43,7 +49,7 @@ def _w8a16_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SILU: tl.constexpr = False,
     USE_PDL: tl.constexpr = False,
 ):
     """One output tile (or one k slice of it), tiles in the grouped order of the w8a8
@@ -81,10 +87,14 @@ def _w8a16_kernel(
         if EVEN_K:
             w = tl.load(w_ptrs)
             xt = tl.load(x_ptrs)
+            if SILU:  # x_ptrs point at gate; up is depth values further on
+                xt = silu_mul_tile(xt, tl.load(x_ptrs + depth))
         else:
             k_ok = k0 + kk < depth
             w = tl.load(w_ptrs, mask=k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_ok[:, None], other=0.0)
+            if SILU:
+                xt = silu_mul_tile(xt, tl.load(x_ptrs + depth, mask=k_ok[:, None], other=0.0))
         # the converted weight is the dot's A operand (registers); one scale group per dot
         acc += tl.dot(w.to(dtype), xt, out_dtype=tl.float32, input_precision=DOT_PRECISION) * w_s
         w_ptrs += BLOCK_K

@@ -19,6 +19,10 @@ subnormals is exactly the kind of trick a compiler may contract or reorder.
 ``silu(gate) * up`` (each rounded to the input dtype, as the unfused torch ops
 round them) without writing the product: the input of a quantized down
 projection, one read of the gate/up GEMM's output instead of three passes.
+``silu_mul(gate_up)`` writes that product unquantized (the input of a w8a16 or gemv
+down projection that does not fuse it); ``silu_mul_tile`` is the one jit definition
+of its rounding, which the fused down projections (``gemm_w8a16.py``,
+``gemm_gemv.py``) compute in registers, bit for bit as this kernel writes it.
 """
 
 from __future__ import annotations
@@ -89,6 +93,29 @@ def _per_token_group_quant_kernel(
     tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=r_ok)
 
 
+@triton.jit
+def silu_mul_tile(gate, up):
+    """``silu(gate) * up`` in ``gate``'s dtype: the SiLU rounded to it (as ``F.silu``),
+    then the product of the rounded SiLU and ``up`` rounded to it (as torch's multiply)."""
+    dtype = gate.dtype
+    g32 = gate.to(tl.float32)
+    act = (g32 / (1.0 + tl.exp(-g32))).to(dtype)
+    return (act.to(tl.float32) * up.to(tl.float32)).to(dtype)
+
+
+@triton.jit(do_not_specialize=["rows", "cols"])
+def _silu_mul_kernel(x_ptr, out_ptr, rows, cols, stride_x, stride_out, BLOCK: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
+    r = tl.program_id(0).to(tl.int64)
+    k = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = k < cols
+    gate = tl.load(x_ptr + r * stride_x + k, mask=ok, other=0.0)
+    up = tl.load(x_ptr + r * stride_x + cols + k, mask=ok, other=0.0)
+    tl.store(out_ptr + r * stride_out + k, silu_mul_tile(gate, up), mask=ok)
+
+
 @triton.jit(do_not_specialize=["rows", "cols"])
 def _silu_mul_quant_kernel(
     x_ptr, q_ptr, s_ptr, rows, cols, stride_x, stride_q, stride_s,
@@ -103,12 +130,9 @@ def _silu_mul_quant_kernel(
     k_ok = (k < cols)[None, :]
     mask = r_ok[:, None] & k_ok
     r64 = r.to(tl.int64)
-    dtype = x_ptr.dtype.element_ty
     gate = tl.load(x_ptr + r64[:, None] * stride_x + k[None, :], mask=mask, other=0.0)
     up = tl.load(x_ptr + r64[:, None] * stride_x + cols + k[None, :], mask=mask, other=0.0)
-    g32 = gate.to(tl.float32)
-    act = (g32 / (1.0 + tl.exp(-g32))).to(dtype)  # F.silu rounds to the input dtype
-    h = (act.to(tl.float32) * up.to(tl.float32)).to(dtype).to(tl.float32)
+    h = silu_mul_tile(gate, up).to(tl.float32)  # rounded as the unfused torch ops round it
     q, scale = _quantize_tile(h, k_ok, UE8M0, HW_CAST)
     tl.store(q_ptr + r64[:, None] * stride_q + k[None, :], q, mask=mask)
     tl.store(s_ptr + r64 * stride_s + tl.program_id(1), scale, mask=r_ok)
@@ -211,3 +235,37 @@ def silu_mul_quant_fp8(gate_up: torch.Tensor, group_size: int, *, scale_ue8m0: b
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     run = silu_mul_quant_fp8_triton if use_triton(gate_up) else silu_mul_quant_fp8_ref
     return run(gate_up, group_size, scale_ue8m0=scale_ue8m0)
+
+
+def _check_silu_mul(gate_up: torch.Tensor) -> None:
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be a 2-D tensor [M, 2 * I], got "
+                         f"{tuple(getattr(gate_up, 'shape', ()))}")
+    if gate_up.dtype not in _DTYPES:
+        raise ValueError(f"gate_up.dtype must be one of {_DTYPES}, got {gate_up.dtype}")
+    if gate_up.shape[1] > 1 and gate_up.stride(1) != 1:
+        raise ValueError(f"gate_up must be dense along its last dim, got strides {gate_up.stride()}")
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up [M, I]`` in ``gate_up``'s dtype (``silu_mul_tile``'s rounding)."""
+    _check_silu_mul(gate_up)
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((rows, inter), dtype=gate_up.dtype, device=gate_up.device)
+    if rows and inter:
+        block = min(1024, triton.next_power_of_2(inter))
+        _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+            gate_up, out, rows, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4,
+            **pdl_args(gate_up))
+    return out
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    _check_silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    run = silu_mul_triton if use_triton(gate_up) else silu_mul_ref
+    return run(gate_up)

@@ -60,8 +60,9 @@ class Fp8Linear(nn.Module):
                           scale_ue8m0=self.quant.scale_ue8m0)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``self(silu(gate) * up)`` for ``gate_up [T, 2 * in]``, the product
-        quantized in one pass on CUDA."""
+        """``self(silu(gate) * up)`` for ``gate_up [T, 2 * in]``. On CUDA the selected
+        config decides: w8a8 quantizes the product in one pass, w8a16 and gemv (decode's
+        few rows) compute it inside the GEMM's activation load (one launch fewer)."""
         return silu_mul_fp8_linear(gate_up, self.weight, self.weight_scale_inv, self.block,
                                    self.bias, scale_ue8m0=self.quant.scale_ue8m0)
 

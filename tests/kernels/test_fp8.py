@@ -23,6 +23,7 @@ from lanekv.kernels.fp8.gemm import (
 )
 from lanekv.kernels.fp8.gemm_configs import (
     FAMILIES,
+    GEMV_MAX_ROWS,
     MIN_DOT,
     TABLE_ENV,
     GemmConfig,
@@ -166,6 +167,9 @@ def test_chosen_configs_keep_the_fp8_dot_at_its_minimum_tile(block, monkeypatch)
                 for cfg in (config_for_device(rows, cols, depth, block, "NVIDIA H200", 132),
                             default_config(rows, cols, depth, block),
                             select_config(rows, cols, depth, block, torch.device("cpu")), *cands):
+                    if cfg.gemv:  # the CUDA-core GEMV: no dot; its k step inside a group
+                        assert block[1] % cfg.block_k == 0 and cfg.dot_k == cfg.block_k, cfg
+                        continue
                     dot = (cfg.block_m, cfg.block_n, cfg.dot_k)
                     # a w8a16 dot is 16-bit: 16 deep suffices, no padding
                     low_k = 16 if cfg.w8a16 else MIN_DOT[2]
@@ -201,7 +205,8 @@ def test_16_wide_scale_groups_pad_the_dot_and_equal_the_reference(rows):
         assert torch.equal(fused, out)
 
 
-# one small config of each family (tiles, TMA, persistent, split-K, lagged scaling, w8a16)
+# one small config of each family (tiles, TMA, persistent, split-K, lagged scaling, w8a16,
+# gemv)
 FAMILY_CONFIGS = {
     "tiles": GemmConfig(16, 64, 128, 2, 1, 4, 1),
     "tma": GemmConfig(16, 256, 128, 2, 1, 4, 1, tma=True),  # two weight scale blocks
@@ -209,9 +214,11 @@ FAMILY_CONFIGS = {
     "splitk": GemmConfig(16, 64, 128, 2, 3, 4, 1),
     "lag": GemmConfig(16, 64, 128, 2, 1, 4, 1, lag=True),
     "w8a16": GemmConfig(16, 64, 128, 2, 1, 4, 1, w8a16=True),
+    "gemv": GemmConfig(16, 64, 128, 1, 2, 4, 1, gemv=True),
 }
-# every family but w8a16, which quantizes nothing (tests/kernels/test_fp8_w8a16.py)
-W8A8_FAMILIES = [f for f in FAMILIES if f != "w8a16"]
+# every family but w8a16 and gemv, which quantize nothing (tests/kernels/test_fp8_w8a16.py,
+# test_fp8_gemv.py)
+W8A8_FAMILIES = [f for f in FAMILIES if f not in ("w8a16", "gemv")]
 ODD_SHAPES = [(1, 128, 256), (5, 384, 384), (33, 128, 384), (33, 384, 256)]
 
 
@@ -232,8 +239,11 @@ def test_each_config_family_equals_reference_on_odd_sizes(family, rows, cols, de
 
 def _family_and_reference(cfg, x, w, w_scale, block, bias=None):
     """A w8a8 config: the GEMM of the quantized activations and its reference; a w8a16
-    config: the linear of the unquantized ones and ``fp8_linear_ref`` (float32)."""
-    if cfg.w8a16:
+    or gemv config: the linear of the unquantized ones and ``fp8_linear_ref`` (float32;
+    gemv on the first ``GEMV_MAX_ROWS`` rows, all it takes)."""
+    if cfg.gemv:
+        x = x[:GEMV_MAX_ROWS]
+    if cfg.w8a16 or cfg.gemv:
         return (fp8_linear_triton(x, w, w_scale, block, bias, config=cfg),
                 fp8_linear_ref(x, w, w_scale, block, bias))
     a, a_scale = per_token_group_quant_fp8_ref(x, block[1])
@@ -260,6 +270,7 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
     assert {"tiles", "tma", "lag"} <= families
     assert ("splitk" if rows <= 64 else "persistent") in families
     assert ("w8a16" in families) is (rows <= 16)
+    assert ("gemv" in families) is (rows <= GEMV_MAX_ROWS)
     for cfg in cands:
         assert GemmConfig.from_dict(cfg.to_dict()) == cfg
         smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k
@@ -269,7 +280,7 @@ def test_sweep_candidates_are_valid_and_cover_the_families(rows):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_sweep_candidate_of_each_family_runs_interpreted(family):
     """The first candidate of the family, at the row count it is tuned for, on a tiny shape."""
-    rows = {"splitk": 1, "w8a16": 1, "persistent": 2048}.get(family, 64)
+    rows = {"splitk": 1, "w8a16": 1, "gemv": 1, "persistent": 2048}.get(family, 64)
     cfg = next(c for c in candidate_configs(rows, (128, 128)) if config_family(c) == family)
     x, w, w_scale, _ = _gemm_inputs(5, 384, 384, (128, 128), seed=5)
     out, ref = _family_and_reference(cfg, x, w, w_scale, (128, 128))
@@ -628,7 +639,7 @@ def test_gpu_each_config_family_equals_reference(family):
             if not cands:
                 continue
             x, w, w_scale, bias = _gemm_inputs(rows, cols, depth, (128, 128), device="cuda")
-            if cands[0].w8a16:  # the linear on bf16 activations, bf16 out
+            if cands[0].w8a16 or cands[0].gemv:  # the linear on bf16 activations, bf16 out
                 x, bias = x.bfloat16(), bias.bfloat16()
                 out = fp8_linear_triton(x, w, w_scale, (128, 128), bias, config=cands[0])
                 ref = fp8_linear_ref(x.float(), w, w_scale, (128, 128), bias.float())

@@ -48,8 +48,8 @@ def test_prefill_candidates_are_few_start_with_the_default_and_cover_the_familie
     assert cands == prefill_candidates(128) and 1 <= len(cands) <= 8
     assert len(set(cands)) == len(cands)
     assert cands[0] == default_config(rows, 4096, 4096, (128, 128))
-    # split-K and w8a16 are decode rows' families
-    assert {config_family(c) for c in cands} == set(FAMILIES) - {"splitk", "w8a16"}
+    # split-K, w8a16 and gemv are decode rows' families
+    assert {config_family(c) for c in cands} == set(FAMILIES) - {"splitk", "w8a16", "gemv"}
     for cfg in cands:
         assert GemmConfig.from_dict(cfg.to_dict()) == cfg
         smem = cfg.num_stages * (cfg.block_m + cfg.block_n) * cfg.block_k
