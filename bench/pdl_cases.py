@@ -17,10 +17,14 @@ import torch
 from lanekv.kernels.decode_attention import DecodeConfig, paged_decode_attention_triton
 from lanekv.kernels.fp8.gemm import fp8_linear_triton
 from lanekv.kernels.fp8.gemm_configs import GemmConfig
+from lanekv.kernels.fp8.gemm_gemv import gemv_linear
 from lanekv.kernels.fp8.kv_rows import kv_fp8_head_bytes, mla_fp8_row_stride
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode_triton
-from lanekv.kernels.fp8.gemm_gemv import gemv_linear
-from lanekv.kernels.fp8.quant import per_token_group_quant_fp8_triton, silu_mul_quant_fp8_triton, silu_mul_triton
+from lanekv.kernels.fp8.quant import (
+    per_token_group_quant_fp8_triton,
+    silu_mul_quant_fp8_triton,
+    silu_mul_triton,
+)
 from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8_triton, rope_store_kv_fp8_triton
 from lanekv.kernels.fp8.weights import quantize_weight_blocks
 from lanekv.kernels.mla.expand_merge import mla_expand_partials_triton
