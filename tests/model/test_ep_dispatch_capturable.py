@@ -2,7 +2,7 @@
 over gloo ranks: bit for bit the sized dispatch's output (``model.parallel.dispatch``) over
 random routings at 1, 2 and 3 ranks (a rank with no tokens, a rank receiving nothing, every
 token on one rank, unequal token counts, k = 1 and k > 1, the batched experts as the model
-runs them and the interpreted Triton ones), and no host sync inside the call: run under a
+runs them and, at 2 ranks, the interpreted Triton ones), and no host sync inside the call: run under a
 ``TorchFunctionMode`` that raises on every op that reads a tensor on the host or makes a
 shape from its values (the sized dispatch, which reads its split sizes, trips it)."""
 
@@ -121,9 +121,10 @@ def _rank(rank: int, size: int, store: str, out: str) -> None:
         equal = []
         for seed, case in enumerate(c for c in _routings() if c["size"] == size):
             # the batched torch experts in bf16 and float32 on alternate routings; the interpreted
-            # Triton ones (float16) on one routing of each size, the one with k = 3
+            # Triton ones (float16) on one routing at 2 ranks, the one with k = 3 (slow under the
+            # interpreter; tests/kernels/test_moe.py covers their -1 pairs at every size)
             for dtype, kernels in ((torch.bfloat16 if seed % 2 else torch.float32, "torch"),
-                                   *([(torch.float16, "triton")] if seed == 2 else [])):
+                                   *([(torch.float16, "triton")] if seed == 2 and size == 2 else [])):
                 os.environ["LANEKV_CPU_KERNELS"] = kernels
                 x, weights, ids, w13, w2 = _inputs(case, rank, dtype, seed)
                 want = dispatch_combine(x, weights, ids, w13, w2, bounds, group)
@@ -186,7 +187,8 @@ def test_capturable_equals_sized_bit_for_bit(ranks, size: int) -> None:
     results = ranks(size)
     unequal = [(rank, *r[:3]) for rank, res in enumerate(results) for r in res["equal"] if not r[3]]
     assert not unequal
-    assert len(results[0]["equal"]) == len([c for c in _routings() if c["size"] == size]) + 1
+    triton_runs = 1 if size == 2 else 0  # the interpreted kernels' routing
+    assert len(results[0]["equal"]) == len([c for c in _routings() if c["size"] == size]) + triton_runs
 
 
 @pytest.mark.timeout(90)
