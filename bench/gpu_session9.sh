@@ -11,13 +11,13 @@ L=/tmp/lanekv_logs; mkdir -p "$L"
 trap 'tar -C "$L" -czf "$OUT/logs_s9_$part.tgz" .' EXIT
 case "$part" in
 a)
-    timeout 45 python3 bench/fp8.py --only decode --models llama3_8b --batches 1 --pdl both \
+    timeout 55 python3 bench/fp8.py --only decode --models llama3_8b --batches 1 --pdl both \
         --json "$OUT/fp8_decode_pdl_h200.json" > "$L/fp8_decode_pdl.log" 2>&1
     echo "fp8 decode rc=$?"; grep -E "batch" "$L/fp8_decode_pdl.log"
-    timeout 35 python3 bench/deepseek.py --v2-lite --parts decode --batches 1 --pdl both \
+    timeout 40 python3 bench/deepseek.py --v2-lite --parts decode --batches 1 --pdl both \
         --json "$OUT/deepseek_pdl_h200.json" > "$L/deepseek_pdl.log" 2>&1
     echo "v2-lite rc=$?"; grep -E "^\| [0-9]|PDL|pdl" "$L/deepseek_pdl.log" | head -8
-    timeout 70 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_pdl_decode.py \
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_pdl_decode.py \
         > "$L/gpu_pdl_decode.log" 2>&1
     echo "pdl decode test rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_pdl_decode.log" | cut -c1-200; tail -1 "$L/gpu_pdl_decode.log" ;;
 esac
