@@ -95,6 +95,19 @@ def exchange_counts(per_slot: torch.Tensor, group: Any) -> Splits:
     return Splits([row[0] for row in sent], [row[0] for row in got], [sum(col) for col in zip(*got)])
 
 
+def check_layer_args(weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                     bounds: tuple[int, ...], group: Any) -> tuple[int, int]:
+    """The group's size and this rank, once ``bounds`` give this rank its ``w13`` experts and
+    ``weights`` are float32 of ``ids``' shape (one-line ValueErrors otherwise)."""
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if len(bounds) != size + 1 or w13.shape[0] != bounds[rank + 1] - bounds[rank]:
+        raise ValueError(f"bounds={bounds} do not give rank {rank} of {size} its {w13.shape[0]} experts")
+    if weights.dtype != torch.float32 or weights.shape != ids.shape:
+        raise ValueError(f"weights must be float32 of ids' shape {tuple(ids.shape)}, got "
+                         f"{weights.dtype} {tuple(weights.shape)}")
+    return size, rank
+
+
 def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
                      w2: torch.Tensor, bounds: tuple[int, ...], group: Any, run: Experts | None = None,
                      ) -> torch.Tensor:
@@ -105,12 +118,7 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     ``run(rows, weights, local_ids)``, if given, runs this rank's experts on the (row,
     choice) pairs it received instead of ``moe_experts`` over ``w13``/``w2`` (block-FP8
     experts as stored; ``w13`` then only gives the count of local experts)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(bounds) != size + 1 or w13.shape[0] != bounds[rank + 1] - bounds[rank]:
-        raise ValueError(f"bounds={bounds} do not give rank {rank} of {size} its {w13.shape[0]} experts")
-    if weights.dtype != torch.float32 or weights.shape != ids.shape:
-        raise ValueError(f"weights must be float32 of ids' shape {tuple(ids.shape)}, got "
-                         f"{weights.dtype} {tuple(weights.shape)}")
+    size, rank = check_layer_args(weights, ids, w13, bounds, group)
     tokens, top_k = ids.shape
     hidden = x.shape[1]
     routes = route(ids, bounds)

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lanekv.kernels.moe.experts import moe_experts
-from lanekv.model.parallel.dispatch import Experts, route
+from lanekv.model.parallel.dispatch import Experts, check_layer_args, route
 
 
 def dispatch_combine_capturable(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
@@ -64,12 +64,7 @@ def dispatch_combine_capturable(x: torch.Tensor, weights: torch.Tensor, ids: tor
     same ``capacity``. Only tensors and ints fixed before the call decide the work:
     no host read, no data-dependent shape. ``run`` as ``dispatch_combine``'s, and it
     must skip pairs of id -1 (``moe_experts`` and the block-FP8 kernels do)."""
-    size, rank = dist.get_world_size(group), dist.get_rank(group)
-    if len(bounds) != size + 1 or w13.shape[0] != bounds[rank + 1] - bounds[rank]:
-        raise ValueError(f"bounds={bounds} do not give rank {rank} of {size} its {w13.shape[0]} experts")
-    if weights.dtype != torch.float32 or weights.shape != ids.shape:
-        raise ValueError(f"weights must be float32 of ids' shape {tuple(ids.shape)}, got "
-                         f"{weights.dtype} {tuple(weights.shape)}")
+    size, rank = check_layer_args(weights, ids, w13, bounds, group)
     tokens, top_k = ids.shape
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < tokens:
         raise ValueError(f"capacity must be an int >= this rank's {tokens} tokens, got capacity={capacity!r}")
