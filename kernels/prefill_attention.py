@@ -279,7 +279,7 @@ def _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
 
 @triton.jit(do_not_specialize=["num_segments", "stride_pt"])  # vary per batch
 def _cp_prefill_attention_kernel(
-    Q, K, V, O, LSE, k_desc, k_tail_desc, v_desc,
+    Q, K, V, O, LSE, k_desc, k_tail_desc, v_desc, q_desc, q_tail_desc,
     seg_q_start, seg_q_len, seg_q_pos, seg_kv_start, num_segments, page_table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh, stride_pt,
@@ -303,12 +303,17 @@ def _cp_prefill_attention_kernel(
     offs_s = tl.arange(0, SEG_BLOCK)
     lens = tl.load(seg_q_len + offs_s, mask=offs_s < num_segments, other=0)
     n_blocks = (tl.maximum(lens, 0) + BLOCK_M - 1) // BLOCK_M
-    ends = tl.cumsum(n_blocks, 0)  # slot of the block after each segment's last
+    if WARP_SPEC:
+        # The same prefix sum as a masked [S, S] sum: a scan op stops Triton 3.6's Hopper
+        # warp specialization pass (it fails the compile), a reduction does not.
+        ends = tl.sum(tl.where(offs_s[None, :] <= offs_s[:, None], n_blocks[None, :], 0), 1)
+    else:
+        ends = tl.cumsum(n_blocks, 0)  # slot of the block after each segment's last
     seg = tl.sum((ends <= slot).to(tl.int32), 0)  # empty segments are skipped over
     live = seg < num_segments
     if WARP_SPEC:
         # Triton's warp specialization takes structured control flow only: a slot past
-        # the last block runs both key loops zero times and stores nothing.
+        # the last block runs its key loop zero times and stores nothing.
         seg = tl.minimum(seg, num_segments - 1)
     else:
         if not live:
@@ -333,12 +338,22 @@ def _cp_prefill_attention_kernel(
     row_ok = offs_m < q_len
     pos_m = q_pos + offs_m
     q_rows = (q_start + offs_m).to(tl.int64)
-    q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh
-    q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d < QK_DIM)[None, :],
-                other=0.0)  # [BLOCK_M, QK_HEAD]
-    q_tail = tl.load(q_ptrs + offs_t[None, :],
-                     mask=row_ok[:, None] & (offs_t < QK_DIM)[None, :] & HAS_TAIL,
-                     other=0.0)  # [BLOCK_M, QK_TAIL]
+    if WARP_SPEC:
+        # Through TMA as well (the Hopper pass splits loads it can hand to a producer
+        # warpgroup; pointer loads of q stop it). Rows past the segment are other rows of
+        # q (or zeros past its end): their results are never stored.
+        q_row = q_start + m_block * BLOCK_M
+        q = q_desc.load([q_row, head * stride_qh])  # [BLOCK_M, QK_HEAD]
+        q_tail = q  # unread without a tail
+        if HAS_TAIL:
+            q_tail = q_tail_desc.load([q_row, head * stride_qh + QK_HEAD])  # [BLOCK_M, QK_TAIL]
+    else:
+        q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh
+        q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d < QK_DIM)[None, :],
+                    other=0.0)  # [BLOCK_M, QK_HEAD]
+        q_tail = tl.load(q_ptrs + offs_t[None, :],
+                         mask=row_ok[:, None] & (offs_t < QK_DIM)[None, :] & HAS_TAIL,
+                         other=0.0)  # [BLOCK_M, QK_TAIL]
     K += kv_head * stride_kh
     V += kv_head * stride_vh
 
@@ -356,7 +371,20 @@ def _cp_prefill_attention_kernel(
     # [rows, heads * stride] view the descriptors were made over.
     k_col = kv_head * stride_kh
     v_col = kv_head * stride_vh
-    if OVERLAP:
+    if WARP_SPEC:
+        # One loop over every visible key block, each masked: Triton's Hopper warp
+        # specialization (3.6) takes a single loop without branches, and with num_warps=4
+        # and BLOCK_M=128 makes one TMA producer warpgroup and two consumer warpgroups of
+        # 64 rows each that meet only at the load barriers (FlashAttention-3's layout). The
+        # last block reads up to BLOCK_N - 1 rows past the request's visible keys: other
+        # rows of k/v (finite data, weighted by exact zeros) or TMA's zeros past the end.
+        for start_n in tl.range(0, kv_end, BLOCK_N, warp_specialize=True):
+            qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col,
+                             QK_HEAD, HAS_TAIL, DOT_PRECISION)
+            v = v_desc.load([kv_start + start_n, v_col])
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, start_n + offs_n, qk_scale,
+                                          True, DOT_PRECISION, EXP_BF16, INTERPRET)
+    elif OVERLAP:
         # Block j's softmax runs while block j + 1's scores are being computed.
         if full_end > 0:
             if TMA:
@@ -391,7 +419,7 @@ def _cp_prefill_attention_kernel(
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, offs_n, qk_scale,
                                           False, DOT_PRECISION, EXP_BF16, INTERPRET)
     else:
-        for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=WARP_SPEC):
+        for start_n in range(0, full_end, BLOCK_N):
             pos_n = start_n + offs_n
             if TMA:
                 qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col,
@@ -404,17 +432,18 @@ def _cp_prefill_attention_kernel(
                 v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
             acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
                                           False, DOT_PRECISION, EXP_BF16, INTERPRET)
-    for start_n in range(full_end, kv_end, BLOCK_N):
-        # Clamp past-the-end positions to the last key: an in-bounds load
-        # whose score the causal mask drops for every stored row.
-        pos_n = start_n + offs_n
-        rows = _key_rows(tl.minimum(pos_n, kv_end - 1), kv_start, page_table, stride_pt,
-                         PAGED, PAGE_SIZE)
-        qk = _scores(q, q_tail, K, rows, offs_d, offs_t, stride_kt, QK_DIM, EVEN_HEAD, HAS_TAIL,
-                     EVEN_TAIL, DOT_PRECISION)
-        v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
-        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
-                                      True, DOT_PRECISION, EXP_BF16, INTERPRET)
+    if not WARP_SPEC:  # the diagonal blocks (the warp-specialized loop took them)
+        for start_n in range(full_end, kv_end, BLOCK_N):
+            # Clamp past-the-end positions to the last key: an in-bounds load
+            # whose score the causal mask drops for every stored row.
+            pos_n = start_n + offs_n
+            rows = _key_rows(tl.minimum(pos_n, kv_end - 1), kv_start, page_table, stride_pt,
+                             PAGED, PAGE_SIZE)
+            qk = _scores(q, q_tail, K, rows, offs_d, offs_t, stride_kt, QK_DIM, EVEN_HEAD, HAS_TAIL,
+                         EVEN_TAIL, DOT_PRECISION)
+            v = _load_cols(V, rows, stride_vt, offs_v, V_DIM, EVEN_V)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
+                                          True, DOT_PRECISION, EXP_BF16, INTERPRET)
 
     if WARP_SPEC:
         l_i = tl.where(live, l_i, 1.0)  # a slot past the last block saw no key: no 0 / 0
@@ -461,10 +490,26 @@ def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tens
             raise ValueError(f"config.tma=True needs the qk dim to split exactly into powers of two "
                              f"and a power-of-two v dim, got qk {q.shape[2]} "
                              f"({split.qk_head} + {split.qk_tail}) and v {v.shape[2]}")
-        for name, t in (("k", k), ("v", v)):
+        for name, t in (("k", k), ("v", v)) + ((("q", q),) if config.warp_specialize else ()):
             if not _row_view_ok(t):
                 raise ValueError(f"config.tma=True needs {name} with a unit last stride and 16-byte "
                                  f"aligned base and rows, got strides {tuple(t.stride())}")
+
+
+def kernel_constexprs(config: AttnLaunchConfig, *, heads: int, kv_heads: int, qk_dim: int, v_dim: int,
+                      paged: bool, page_size: int, store_lse: bool, num_segments: int, float32: bool,
+                      interpret: bool) -> dict:
+    """The kernel's compile-time arguments for one launch (the launcher and the offline
+    sm_90 compile, ``bench/mla_prefill_compile.py``, take them from here)."""
+    split = head_dim_split(qk_dim, v_dim)
+    return dict(
+        GROUP=heads // kv_heads, PAGED=paged, PAGE_SIZE=page_size if paged else 1,
+        STORE_LSE=store_lse, QK_DIM=qk_dim, V_DIM=v_dim, QK_HEAD=split.qk_head,
+        QK_TAIL=split.qk_tail, V_BLOCK=split.v_block, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, SEG_BLOCK=max(2, triton.next_power_of_2(num_segments)),
+        DOT_PRECISION="ieee" if float32 else "tf32", TMA=config.tma, OVERLAP=config.overlap,
+        HEADS_FAST=config.heads_fast, WARP_SPEC=config.warp_specialize, EXP_BF16=config.exp_bf16,
+        INTERPRET=interpret)
 
 
 def launch_cp_prefill_attention(
@@ -496,6 +541,14 @@ def launch_cp_prefill_attention(
     lse_arg = lse if lse is not None else out  # unread without STORE_LSE
     split = head_dim_split(q.shape[2], v.shape[2])
     k_desc = k_tail_desc = v_desc = k  # unread without TMA
+    q_desc = q_tail_desc = q  # unread without warp specialization
+    if config.warp_specialize:
+        q_width = (q.shape[1] - 1) * q.stride(1) + q.shape[2]
+        q_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1],
+                                  [config.block_m, split.qk_head])
+        if split.qk_tail:
+            q_tail_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1],
+                                           [config.block_m, split.qk_tail])
     if config.tma:
         k_width = (k.shape[1] - 1) * k.stride(1) + k.shape[2]
         v_width = (v.shape[1] - 1) * v.stride(1) + v.shape[2]
@@ -509,31 +562,17 @@ def launch_cp_prefill_attention(
     grid = (q.shape[1], num_slots) if config.heads_fast else (num_slots, q.shape[1])
     with on_device(q.device):
         return _cp_prefill_attention_kernel[grid](
-            q, k, v, out, lse_arg, k_desc, k_tail_desc, v_desc, *seg, num_segments, table,
+            q, k, v, out, lse_arg, k_desc, k_tail_desc, v_desc, q_desc, q_tail_desc, *seg,
+            num_segments, table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,
             table.stride(0) if page_table is not None else 0,
             softmax_scale * _LOG2E,
-            GROUP=q.shape[1] // k.shape[1],
-            PAGED=page_table is not None,
-            PAGE_SIZE=page_size if page_table is not None else 1,
-            STORE_LSE=lse is not None,
-            QK_DIM=q.shape[2],
-            V_DIM=v.shape[2],
-            QK_HEAD=split.qk_head,
-            QK_TAIL=split.qk_tail,
-            V_BLOCK=split.v_block,
-            BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n,
-            SEG_BLOCK=max(2, triton.next_power_of_2(num_segments)),
-            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            TMA=config.tma,
-            OVERLAP=config.overlap,
-            HEADS_FAST=config.heads_fast,
-            WARP_SPEC=config.warp_specialize,
-            EXP_BF16=config.exp_bf16,
-            INTERPRET=interpreter_enabled(),
+            **kernel_constexprs(config, heads=q.shape[1], kv_heads=k.shape[1], qk_dim=q.shape[2],
+                                v_dim=v.shape[2], paged=page_table is not None, page_size=page_size,
+                                store_lse=lse is not None, num_segments=num_segments,
+                                float32=q.dtype == torch.float32, interpret=interpreter_enabled()),
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
