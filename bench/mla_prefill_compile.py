@@ -3,7 +3,8 @@
 Each config of ``MLA_PREFILL_VARIANTS`` (or ``--configs``) is compiled for ``sm_90`` as the
 sweep's timed call launches it (128 heads, qk 192 = 128 + 64, v 128, bf16, contiguous K/V,
 one segment, no log-sum-exp) and reported: shared memory, registers and local (spill) bytes
-per thread (cuobjdump, as ``bench/mla_chain_compile.py`` reads them), whether the loop was
+per thread (cuobjdump, as ``bench/mla_chain_compile.py`` reads them), ptxas's spill stores,
+whether the loop was
 warp-specialized (a ``ttg.warp_specialize`` region in the TTGIR, with its partitions' warp
 counts), the ``wgmma`` waits in the PTX, and ptxas's own warnings when it serializes the
 wgmma pipeline (C7514/C7515, from re-assembling the PTX with ``-v``).
@@ -72,16 +73,21 @@ def signature(config: AttnLaunchConfig) -> tuple[dict, dict, dict]:
     return sig, consts, attrs
 
 
-def ptxas_warnings(ptx: str) -> list[str]:
-    """ptxas's wgmma serialization warnings (C7514/C7515) for this PTX, one line each."""
+def ptxas_report(ptx: str) -> dict:
+    """Re-assemble the PTX with ``ptxas -v``: spill stores (bytes; cuobjdump's LOCAL misses
+    spills inside a warp-specialized kernel's setmaxnreg regions) and the wgmma
+    serialization warnings (C7514/C7515), one line each."""
     ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "k.ptx"
         src.write_text(ptx)
         run = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(src), "-o", str(Path(tmp) / "k.o")],
                              capture_output=True, text=True)
-    lines = (run.stdout + run.stderr).splitlines()
-    return sorted({re.sub(r"^.*?\(C75", "(C75", ln).strip()[:200] for ln in lines if "C751" in ln})
+    text = run.stdout + run.stderr
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    warnings = sorted({re.sub(r"^.*?\(C75", "(C75", ln).strip()[:160] for ln in text.splitlines()
+                       if "C751" in ln})
+    return dict(spill_stores=int(spills.group(1)) if spills else None, ptxas=warnings)
 
 
 def compile_config(config: AttnLaunchConfig) -> dict:
@@ -95,10 +101,9 @@ def compile_config(config: AttnLaunchConfig) -> dict:
     return dict(config=config.label, shared=kernel.metadata.shared, registers=regs,
                 local_bytes=local, warp_specialized="ttg.warp_specialize" in ttgir,
                 partition_warps=[int(w) for w in ws],
-                setmaxnreg=len(re.findall(r"setmaxnreg", ptx)),
+                setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-                wgmma_waits=len(re.findall(r"wgmma\.wait_group", ptx)),
-                ptxas=ptxas_warnings(ptx))
+                wgmma_waits=len(re.findall(r"wgmma\.wait_group", ptx)), **ptxas_report(ptx))
 
 
 def main() -> int:

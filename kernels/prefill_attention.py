@@ -45,12 +45,16 @@ __all__ = [
     "AttnSegments",
     "AttnLaunchConfig",
     "LAUNCH_SWITCHES",
+    "MLA_PREFILL_DEFAULT",
+    "MLA_PREFILL_FALLBACK",
+    "MLA_PREFILL_SWEEP",
     "MLA_PREFILL_VARIANTS",
     "check_launch_config",
     "cp_prefill_attention",
     "cp_prefill_attention_ref",
     "cp_prefill_attention_triton",
     "head_dim_split",
+    "runnable_config",
 ]
 
 _LOG2E = 1.4426950408889634
@@ -72,8 +76,15 @@ class AttnLaunchConfig(NamedTuple):
       overlap, left to the compiler to make asynchronous).
     - ``heads_fast``: heads on the grid's fast axis (every head's longest query block
       first) instead of one head's query blocks, longest first, then the next head's.
-    - ``warp_specialize``: the unmasked loop asks Triton for warp specialization
-      (``tl.range(..., warp_specialize=True)``); needs ``tma`` and not ``overlap``.
+    - ``warp_specialize``: one loop over every visible key block, each masked, q and K/V
+      through TMA, asking Triton for warp specialization (``tl.range(...,
+      warp_specialize=True)``); needs ``tma`` and not ``overlap``, and q's rows aligned as
+      K's. Triton 3.6's Hopper pass takes only this form (one loop, no branch in it, no
+      scan before it); at ``num_warps=4`` and ``block_m=128`` it makes a TMA producer
+      warpgroup and two consumer warpgroups of 64 rows (384 threads, ``num_warps`` per
+      group), at 8 warps it leaves the loop as it is. The last block reads up to
+      ``block_n - 1`` rows of k/v past the request's visible keys (TMA's zeros past the
+      tensor's end): p weights them by exact zeros, so those rows must hold finite values.
     - ``exp_bf16``: the softmax's powers of two in bfloat16, two per special-function
       instruction (``ex2.approx.ftz.bf16x2``, sm_90 and later) instead of one float32 each;
       p feeds a bfloat16 product anyway, and the row sums add the same rounded p (float32
@@ -97,17 +108,38 @@ class AttnLaunchConfig(NamedTuple):
         return ",".join(str(x) for x in self[:4]) + ("+" + "+".join(flags) if flags else "")
 
 
-# The configs bench/mla_prefill_sweep.py times for MLA prefill (qk 192 = 128 + 64, v 128,
-# bf16) on the H200. Shared memory per pipeline stage is BLOCK_N * (192 + 128) * 2 bytes
+# MLA prefill (qk 192 = 128 + 64, v 128, bf16, 64+ heads) runs MLA_PREFILL_DEFAULT: the one
+# place a sweep's winner is promoted to. Where these tensors cannot take the default's
+# switches (tma or warp_specialize on paged or unaligned K/V), MLA_PREFILL_FALLBACK runs.
+MLA_PREFILL_DEFAULT = AttnLaunchConfig(128, 128, 8, 2)
+MLA_PREFILL_FALLBACK = AttnLaunchConfig(128, 128, 8, 2)
+
+# What bench/mla_prefill_sweep.py times by default (about 150 s of device time at 8k and
+# 32k): the default, Triton 3.6's Hopper warp specialization in FlashAttention-3's layout
+# (num_warps=4 per group: one TMA producer warpgroup and two 64-row consumer warpgroups,
+# 384 threads; consumers get 232 registers by setmaxnreg) at the tiles whose sm_90 compile
+# does not spill (bench/mla_prefill_compile.py; 256x64 spills 796 bytes and is left out),
+# and the 8-warp TMA loop, never timed before.
+MLA_PREFILL_SWEEP = (
+    AttnLaunchConfig(128, 128, 8, 2),
+    AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True),  # 229,648 B shared
+    AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True, exp_bf16=True),
+    AttnLaunchConfig(128, 64, 4, 2, tma=True, warp_specialize=True),
+    AttnLaunchConfig(128, 64, 4, 3, tma=True, warp_specialize=True),
+    AttnLaunchConfig(128, 64, 4, 4, tma=True, warp_specialize=True),
+    AttnLaunchConfig(128, 64, 4, 3, tma=True, warp_specialize=True, exp_bf16=True),
+    AttnLaunchConfig(128, 128, 8, 2, tma=True),
+)
+
+# Every config the interpreter tests cover and --configs may name: the sweep's and the
+# earlier ones (on the H200 the last full run timed 128,128,8,2 at 468 / 495 TFLOP/s at
+# 8k / 32k, +exp_bf16 451 / 473, 128,64,8,4+exp_bf16 401 / 429). Shared memory per pipeline stage is BLOCK_N * (192 + 128) * 2 bytes
 # of K and V, plus BLOCK_M * 192 * 2 of q once; 227 KB per block: 128x128 takes
 # 2 * 80 + 48 = 208 KB at 2 stages and would need 288 at 3; 128x64 takes
 # 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4; 64x64 takes 2 * 40 + 24 = 104
 # at 2 (two blocks per SM). TMA adds about 1 KB of barriers.
-MLA_PREFILL_VARIANTS = (
-    AttnLaunchConfig(128, 128, 8, 2),  # the default for qk 192 with 64+ heads
-    AttnLaunchConfig(128, 128, 8, 2, tma=True),
+MLA_PREFILL_VARIANTS = MLA_PREFILL_SWEEP + (
     AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True),
-    AttnLaunchConfig(128, 128, 8, 2, tma=True, warp_specialize=True),
     AttnLaunchConfig(128, 128, 8, 2, heads_fast=True),
     AttnLaunchConfig(128, 128, 8, 2, exp_bf16=True),
     AttnLaunchConfig(128, 128, 8, 2, tma=True, exp_bf16=True),
@@ -155,8 +187,9 @@ def default_config(q: torch.Tensor) -> AttnLaunchConfig:
         if q.shape[1] >= 64:
             # H200, DeepSeek-V3 qk 192 / v 128 with 128 heads at 8k and 32k: 128x128 (8 warps,
             # 2 stages) led eight tile configs, 468/478 TFLOP/s against 64x64's 397 at 32k
-            # (bench/deepseek_kernels.py, BENCHMARKS.md).
-            return AttnLaunchConfig(block_m=128, block_n=128, num_warps=8, num_stages=2)
+            # (bench/deepseek_kernels.py, BENCHMARKS.md); bench/mla_prefill_sweep.py picks
+            # among the variants since.
+            return MLA_PREFILL_DEFAULT
         # H200, DeepSeek-V2-Lite's 16 heads, 16k causal: 64x64 led 128x64 and 64x32 (BENCHMARKS.md).
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     if q.shape[0] < big_tile_min_rows(q.shape[1], q.shape[2], q.dtype, q.device):
@@ -255,8 +288,13 @@ def _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
 
     log2(e) is folded into ``qk_scale`` (> 0, so the row max commutes with the
     scaling): off the diagonal the scores are scaled and shifted in one FMA;
-    normalization waits until the end of the row."""
-    if MASKED:
+    normalization waits until the end of the row. ``MASKED``: 0 (False) none, 1 (True)
+    the causal mask on the scaled scores, 2 the mask on the raw scores and then the same
+    FMA as unmasked blocks (one select more per score than none, where 1 takes a
+    multiply and a subtract apart: the warp-specialized loop masks every block)."""
+    if MASKED == 2:
+        qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk, float("-inf"))
+    if MASKED == 1:
         qk = tl.where(pos_n[None, :] <= pos_m[:, None], qk * qk_scale, float("-inf"))
         # Every row saw at least key 0 by its first block, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -382,8 +420,9 @@ def _cp_prefill_attention_kernel(
             qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col,
                              QK_HEAD, HAS_TAIL, DOT_PRECISION)
             v = v_desc.load([kv_start + start_n, v_col])
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m, start_n + offs_n, qk_scale,
-                                          True, DOT_PRECISION, EXP_BF16, INTERPRET)
+            # (pos_m - start_n against offs_n: the same mask, one subtract per row)
+            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m - start_n, offs_n, qk_scale,
+                                          2, DOT_PRECISION, EXP_BF16, INTERPRET)
     elif OVERLAP:
         # Block j's softmax runs while block j + 1's scores are being computed.
         if full_end > 0:
@@ -496,6 +535,19 @@ def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tens
                                  f"aligned base and rows, got strides {tuple(t.stride())}")
 
 
+def runnable_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    page_table: torch.Tensor | None) -> AttnLaunchConfig:
+    """``config``, or MLA_PREFILL_FALLBACK where these tensors cannot take its switches
+    (TMA on paged K/V, a qk dim that does not split exactly, unaligned rows)."""
+    if not (config.tma or config.warp_specialize):
+        return config
+    try:
+        check_launch_config(config, q, k, v, page_table)
+    except ValueError:
+        return MLA_PREFILL_FALLBACK
+    return config
+
+
 def kernel_constexprs(config: AttnLaunchConfig, *, heads: int, kv_heads: int, qk_dim: int, v_dim: int,
                       paged: bool, page_size: int, store_lse: bool, num_segments: int, float32: bool,
                       interpret: bool) -> dict:
@@ -601,8 +653,9 @@ def cp_prefill_attention_triton(
     lse = None
     if return_lse:
         lse = lse_out if lse_out is not None else q.new_empty(q.shape[:2], dtype=torch.float32)
+    config = runnable_config(default_config(q), q, k, v, page_table)
     launch_cp_prefill_attention(q, k, v, segments, float(softmax_scale), page_table, page_size,
-                                out, lse, default_config(q))
+                                out, lse, config)
     return AttnOutput(out, lse) if return_lse else out
 
 
