@@ -57,7 +57,7 @@ def signature(config: AttnLaunchConfig) -> tuple[dict, dict, dict]:
     bn = config.block_n
     descs = ((f"tensordesc<bf16[{bn}, 128]>", f"tensordesc<bf16[{bn}, 64]>",
               f"tensordesc<bf16[{bn}, 128]>") if config.tma else ("*bf16",) * 3)
-    bm = config.block_m
+    bm = config.block_m // 2  # q by halves
     q_descs = ((f"tensordesc<bf16[{bm}, 128]>", f"tensordesc<bf16[{bm}, 64]>")
                if config.warp_specialize else ("*bf16",) * 2)
     sig = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*bf16", k_desc=descs[0],

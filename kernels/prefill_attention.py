@@ -315,6 +315,81 @@ def _softmax_step(acc, l_i, m_i, qk, v, pos_m, pos_n, qk_scale,
     return acc, l_i, m_new
 
 
+@triton.jit
+def _store_rows(O, LSE, acc, l_i, m_i, rows, ok, head, offs_v, stride_ot, stride_oh, stride_lt,
+                stride_lh, V_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+    """Normalize and store the output rows ``rows`` (where ``ok``) of one head, and their
+    log-sum-exp (natural log) with STORE_LSE."""
+    rows = rows.to(tl.int64)
+    acc = acc / l_i[:, None]
+    tl.store(O + rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
+             acc.to(O.dtype.element_ty), mask=ok[:, None] & (offs_v < V_DIM)[None, :])
+    if STORE_LSE:
+        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log
+        tl.store(LSE + rows * stride_lt + head * stride_lh, lse, mask=ok)
+
+
+@triton.jit
+def _ws_half(q, q_tail, k, k_tail, v, acc, l_i, m_i, lim, offs_n, qk_scale,
+             HAS_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr,
+             INTERPRET: tl.constexpr):
+    """One 64-row half's scores against a key block read once for both halves, masked
+    (``lim``: each row's last visible key, relative to the block), and its softmax step."""
+    qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)
+    if HAS_TAIL:
+        qk = tl.dot(q_tail, k_tail.T, qk, input_precision=DOT_PRECISION)
+    return _softmax_step(acc, l_i, m_i, qk, v, lim, offs_n, qk_scale, 2, DOT_PRECISION,
+                         EXP_BF16, INTERPRET)
+
+
+@triton.jit
+def _ws_key_loop(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, q_row, q_col, kv_start, k_col,
+                 v_col, kv_end, first_pos, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 QK_HEAD: tl.constexpr, HAS_TAIL: tl.constexpr, V_BLOCK: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """The warp-specialized form: the query block as two 64-row halves (q rows from
+    ``q_row``, positions from ``first_pos``), one loop over every visible key block, each masked.
+
+    Triton 3.6's Hopper pass takes this shape only: one loop, no branch in it, no scan
+    before it, every load in it through TMA. Its own split of a 128-row block into two
+    consumer groups copies q through a 128-row TMA box into 64-row buffers (Triton 3.9
+    rejects that IR), so the halves are written out here, each with its own descriptor
+    loads and softmax state: a TMA producer warpgroup and one consumer warpgroup per
+    half (FlashAttention-3's layout), meeting only at the load barriers. Rows past the
+    segment read other rows of q (TMA's zeros past its end) and are never stored; the
+    last key block reads up to BLOCK_N - 1 rows of k/v past the visible keys, weighted
+    by exact zeros, so those rows must be finite."""
+    HALF: tl.constexpr = BLOCK_M // 2
+    q0 = q_desc.load([q_row, q_col])  # [HALF, QK_HEAD]
+    q1 = q_desc.load([q_row + HALF, q_col])
+    q0_tail = q0  # unread without a tail
+    q1_tail = q1
+    if HAS_TAIL:
+        q0_tail = q_tail_desc.load([q_row, q_col + QK_HEAD])  # [HALF, QK_TAIL]
+        q1_tail = q_tail_desc.load([q_row + HALF, q_col + QK_HEAD])
+    pos0 = first_pos + tl.arange(0, HALF)
+    pos1 = pos0 + HALF
+    offs_n = tl.arange(0, BLOCK_N)
+    m0 = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    m1 = tl.full([HALF], float("-inf"), dtype=tl.float32)
+    l0 = tl.zeros([HALF], dtype=tl.float32)
+    l1 = tl.zeros([HALF], dtype=tl.float32)
+    acc0 = tl.zeros([HALF, V_BLOCK], dtype=tl.float32)
+    acc1 = tl.zeros([HALF, V_BLOCK], dtype=tl.float32)
+    for start_n in tl.range(0, kv_end, BLOCK_N, warp_specialize=True):
+        row = kv_start + start_n
+        k = k_desc.load([row, k_col])  # [BLOCK_N, QK_HEAD]
+        k_tail = k
+        if HAS_TAIL:
+            k_tail = k_tail_desc.load([row, k_col + QK_HEAD])  # [BLOCK_N, QK_TAIL]
+        v = v_desc.load([row, v_col])  # [BLOCK_N, V_BLOCK]
+        acc0, l0, m0 = _ws_half(q0, q0_tail, k, k_tail, v, acc0, l0, m0, pos0 - start_n, offs_n,
+                                qk_scale, HAS_TAIL, DOT_PRECISION, EXP_BF16, INTERPRET)
+        acc1, l1, m1 = _ws_half(q1, q1_tail, k, k_tail, v, acc1, l1, m1, pos1 - start_n, offs_n,
+                                qk_scale, HAS_TAIL, DOT_PRECISION, EXP_BF16, INTERPRET)
+    return acc0, l0, m0, acc1, l1, m1
+
+
 @triton.jit(do_not_specialize=["num_segments", "stride_pt"])  # vary per batch
 def _cp_prefill_attention_kernel(
     Q, K, V, O, LSE, k_desc, k_tail_desc, v_desc, q_desc, q_tail_desc,
@@ -376,16 +451,7 @@ def _cp_prefill_attention_kernel(
     row_ok = offs_m < q_len
     pos_m = q_pos + offs_m
     q_rows = (q_start + offs_m).to(tl.int64)
-    if WARP_SPEC:
-        # Through TMA as well (the Hopper pass splits loads it can hand to a producer
-        # warpgroup; pointer loads of q stop it). Rows past the segment are other rows of
-        # q (or zeros past its end): their results are never stored.
-        q_row = q_start + m_block * BLOCK_M
-        q = q_desc.load([q_row, head * stride_qh])  # [BLOCK_M, QK_HEAD]
-        q_tail = q  # unread without a tail
-        if HAS_TAIL:
-            q_tail = q_tail_desc.load([q_row, head * stride_qh + QK_HEAD])  # [BLOCK_M, QK_TAIL]
-    else:
+    if not WARP_SPEC:  # (the warp-specialized loop loads q by halves, through TMA)
         q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh
         q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d < QK_DIM)[None, :],
                     other=0.0)  # [BLOCK_M, QK_HEAD]
@@ -410,19 +476,10 @@ def _cp_prefill_attention_kernel(
     k_col = kv_head * stride_kh
     v_col = kv_head * stride_vh
     if WARP_SPEC:
-        # One loop over every visible key block, each masked: Triton's Hopper warp
-        # specialization (3.6) takes a single loop without branches, and with num_warps=4
-        # and BLOCK_M=128 makes one TMA producer warpgroup and two consumer warpgroups of
-        # 64 rows each that meet only at the load barriers (FlashAttention-3's layout). The
-        # last block reads up to BLOCK_N - 1 rows past the request's visible keys: other
-        # rows of k/v (finite data, weighted by exact zeros) or TMA's zeros past the end.
-        for start_n in tl.range(0, kv_end, BLOCK_N, warp_specialize=True):
-            qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col,
-                             QK_HEAD, HAS_TAIL, DOT_PRECISION)
-            v = v_desc.load([kv_start + start_n, v_col])
-            # (pos_m - start_n against offs_n: the same mask, one subtract per row)
-            acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m - start_n, offs_n, qk_scale,
-                                          2, DOT_PRECISION, EXP_BF16, INTERPRET)
+        acc0, l0, m0, acc1, l1, m1 = _ws_key_loop(
+            q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, q_start + m_block * BLOCK_M,
+            head * stride_qh, kv_start, k_col, v_col, kv_end, first_pos, qk_scale, BLOCK_M, BLOCK_N,
+            QK_HEAD, HAS_TAIL, V_BLOCK, DOT_PRECISION, EXP_BF16, INTERPRET)
     elif OVERLAP:
         # Block j's softmax runs while block j + 1's scores are being computed.
         if full_end > 0:
@@ -485,13 +542,19 @@ def _cp_prefill_attention_kernel(
                                           True, DOT_PRECISION, EXP_BF16, INTERPRET)
 
     if WARP_SPEC:
-        l_i = tl.where(live, l_i, 1.0)  # a slot past the last block saw no key: no 0 / 0
-    acc = acc / l_i[:, None]
-    tl.store(O + q_rows[:, None] * stride_ot + head * stride_oh + offs_v[None, :],
-             acc.to(O.dtype.element_ty), mask=row_ok[:, None] & (offs_v < V_DIM)[None, :])
-    if STORE_LSE:
-        lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log
-        tl.store(LSE + q_rows * stride_lt + head * stride_lh, lse, mask=row_ok)
+        # each half stores its own rows; a slot past the last block saw no key (l = 0)
+        # and stores nothing (q_len = 0)
+        HALF: tl.constexpr = BLOCK_M // 2
+        in_block = m_block * BLOCK_M + tl.arange(0, HALF)  # half 0's rows in the segment
+        _store_rows(O, LSE, acc0, tl.where(live, l0, 1.0), m0, q_start + in_block,
+                    in_block < q_len, head, offs_v, stride_ot, stride_oh, stride_lt, stride_lh,
+                    V_DIM, STORE_LSE)
+        _store_rows(O, LSE, acc1, tl.where(live, l1, 1.0), m1, q_start + HALF + in_block,
+                    HALF + in_block < q_len, head, offs_v, stride_ot, stride_oh, stride_lt,
+                    stride_lh, V_DIM, STORE_LSE)
+    else:
+        _store_rows(O, LSE, acc, l_i, m_i, q_rows, row_ok, head, offs_v, stride_ot, stride_oh,
+                    stride_lt, stride_lh, V_DIM, STORE_LSE)
 
 
 _MAX_GRID_Y = 65535
@@ -521,6 +584,9 @@ def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tens
     if config.warp_specialize and (config.overlap or not config.tma):
         raise ValueError("config.warp_specialize=True needs tma=True and overlap=False, got "
                          f"tma={config.tma}, overlap={config.overlap}")
+    if config.warp_specialize and config.block_m < 32:
+        raise ValueError("config.warp_specialize=True splits block_m into two halves of 16 rows or "
+                         f"more, got block_m {config.block_m}")
     if config.tma:
         split = head_dim_split(q.shape[2], v.shape[2])
         if page_table is not None:
@@ -596,11 +662,11 @@ def launch_cp_prefill_attention(
     q_desc = q_tail_desc = q  # unread without warp specialization
     if config.warp_specialize:
         q_width = (q.shape[1] - 1) * q.stride(1) + q.shape[2]
-        q_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1],
-                                  [config.block_m, split.qk_head])
+        half = config.block_m // 2  # the kernel loads q by 64-row halves (_ws_key_loop)
+        q_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1], [half, split.qk_head])
         if split.qk_tail:
             q_tail_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1],
-                                           [config.block_m, split.qk_tail])
+                                           [half, split.qk_tail])
     if config.tma:
         k_width = (k.shape[1] - 1) * k.stride(1) + k.shape[2]
         v_width = (v.shape[1] - 1) * v.stride(1) + v.shape[2]
