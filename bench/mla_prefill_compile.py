@@ -57,13 +57,10 @@ def signature(config: AttnLaunchConfig) -> tuple[dict, dict, dict]:
     bn = config.block_n
     descs = ((f"tensordesc<bf16[{bn}, 128]>", f"tensordesc<bf16[{bn}, 64]>",
               f"tensordesc<bf16[{bn}, 128]>") if config.tma else ("*bf16",) * 3)
-    bm = config.block_m // 2  # q by halves
-    q_descs = ((f"tensordesc<bf16[{bm}, 128]>", f"tensordesc<bf16[{bm}, 64]>")
-               if config.warp_specialize else ("*bf16",) * 2)
     sig = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*bf16", k_desc=descs[0],
-               k_tail_desc=descs[1], v_desc=descs[2], q_desc=q_descs[0], q_tail_desc=q_descs[1],
-               seg_q_start="*i32", seg_q_len="*i32",
-               seg_q_pos="*i32", seg_kv_start="*i32", num_segments="i32", page_table="*i32",
+               k_tail_desc=descs[1], v_desc=descs[2], seg_q_start="*i32", seg_q_len="*i32",
+               seg_q_pos="*i32", seg_kv_start="*i32", num_segments="i32", q_rows="i32",
+               page_table="*i32",
                **{name: "i32" for name in _STRIDES}, qk_scale="fp32")
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
@@ -90,6 +87,27 @@ def ptxas_report(ptx: str) -> dict:
     return dict(spill_stores=int(spills.group(1)) if spills else None, ptxas=warnings)
 
 
+def schedule(ptx: str) -> str:
+    """The PTX's order of tensor-core work and exponentials, compressed: ``W8`` eight
+    wgmma in a row, ``w0`` a wgmma.wait_group 0, ``ex2`` a run of exponentials, ``|`` a
+    basic block's label (loops show as repeated spans)."""
+    out: list[str] = []
+    for line in ptx.splitlines():
+        t = line.strip()
+        if t.startswith("wgmma.mma_async"):
+            if out and out[-1].startswith("W"):
+                out[-1] = f"W{int(out[-1][1:]) + 1}"
+            else:
+                out.append("W1")
+        elif t.startswith("wgmma.wait_group"):
+            out.append("w" + t.split()[-1].rstrip(";"))
+        elif t.startswith("ex2.approx") and (not out or out[-1] != "ex2"):
+            out.append("ex2")
+        elif re.match(r"^\$L__BB\d+_\d+:", t) and (not out or out[-1] != "|"):
+            out.append("|")
+    return " ".join(out)
+
+
 def compile_config(config: AttnLaunchConfig) -> dict:
     sig, consts, attrs = signature(config)
     kernel = triton.compile(ASTSource(_cp_prefill_attention_kernel, sig, consts, attrs),
@@ -103,7 +121,8 @@ def compile_config(config: AttnLaunchConfig) -> dict:
                 partition_warps=[int(w) for w in ws],
                 setmaxnreg=sorted({int(x) for x in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 wgmma=len(re.findall(r"wgmma\.mma_async", ptx)),
-                wgmma_waits=len(re.findall(r"wgmma\.wait_group", ptx)), **ptxas_report(ptx))
+                wgmma_waits=len(re.findall(r"wgmma\.wait_group", ptx)), **ptxas_report(ptx),
+                schedule=schedule(ptx))
 
 
 def main() -> int:

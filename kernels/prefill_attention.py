@@ -330,70 +330,55 @@ def _store_rows(O, LSE, acc, l_i, m_i, rows, ok, head, offs_v, stride_ot, stride
 
 
 @triton.jit
-def _ws_half(q, q_tail, k, k_tail, v, acc, l_i, m_i, lim, offs_n, qk_scale,
-             HAS_TAIL: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr,
-             INTERPRET: tl.constexpr):
-    """One 64-row half's scores against a key block read once for both halves, masked
-    (``lim``: each row's last visible key, relative to the block), and its softmax step."""
-    qk = tl.dot(q, k.T, input_precision=DOT_PRECISION)
-    if HAS_TAIL:
-        qk = tl.dot(q_tail, k_tail.T, qk, input_precision=DOT_PRECISION)
-    return _softmax_step(acc, l_i, m_i, qk, v, lim, offs_n, qk_scale, 2, DOT_PRECISION,
-                         EXP_BF16, INTERPRET)
-
-
-@triton.jit
-def _ws_key_loop(q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, q_row, q_col, kv_start, k_col,
-                 v_col, kv_end, first_pos, qk_scale, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 QK_HEAD: tl.constexpr, HAS_TAIL: tl.constexpr, V_BLOCK: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr, INTERPRET: tl.constexpr):
-    """The warp-specialized form: the query block as two 64-row halves (q rows from
-    ``q_row``, positions from ``first_pos``), one loop over every visible key block, each masked.
+def _ws_key_loop(Q, q_rows, stride_qt, stride_qh, num_heads, head, q_row, k_desc, k_tail_desc,
+                 v_desc, kv_start, k_col, v_col, kv_end, first_pos, qk_scale,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, QK_DIM: tl.constexpr,
+                 QK_HEAD: tl.constexpr, QK_TAIL: tl.constexpr, HAS_TAIL: tl.constexpr,
+                 V_BLOCK: tl.constexpr, DOT_PRECISION: tl.constexpr, EXP_BF16: tl.constexpr,
+                 INTERPRET: tl.constexpr):
+    """The warp-specialized form: the query block's rows from ``q_row`` (positions from
+    ``first_pos``) against every visible key block in one loop, each block masked.
 
     Triton 3.6's Hopper pass takes this shape only: one loop, no branch in it, no scan
-    before it, every load in it through TMA. Its own split of a 128-row block into two
-    consumer groups copies q through a 128-row TMA box into 64-row buffers (Triton 3.9
-    rejects that IR), so the halves are written out here, each with its own descriptor
-    loads and softmax state: a TMA producer warpgroup and one consumer warpgroup per
-    half (FlashAttention-3's layout), meeting only at the load barriers. Rows past the
-    segment read other rows of q (TMA's zeros past its end) and are never stored; the
-    last key block reads up to BLOCK_N - 1 rows of k/v past the visible keys, weighted
-    by exact zeros, so those rows must be finite."""
-    HALF: tl.constexpr = BLOCK_M // 2
-    q0 = q_desc.load([q_row, q_col])  # [HALF, QK_HEAD]
-    q1 = q_desc.load([q_row + HALF, q_col])
-    q0_tail = q0  # unread without a tail
-    q1_tail = q1
+    before it, its loads through TMA. At num_warps=4 and BLOCK_M=128 it gives the loads to
+    a producer warpgroup and splits every product along the rows between two consumer
+    warpgroups of 64 (FlashAttention-3's layout), which meet only at the load barriers.
+    q comes through descriptors made here, which the split halves along with the loads
+    (a host descriptor keeps its 128-row box against 64-row buffers: Triton 3.9 rejects
+    that IR and 3.6 builds it; 64-row halves written out by hand are not split but run
+    whole in both consumer warpgroups). They need ``triton.set_allocator`` (the
+    launcher's ``_ensure_tma_scratch``). Rows past the segment read other rows of q
+    (zeros past its end) and are never stored; the last key block reads up to
+    BLOCK_N - 1 rows of k/v past the visible keys, weighted by exact zeros, so those
+    rows must be finite."""
+    width = (num_heads - 1) * stride_qh + QK_DIM  # q as [rows, heads' columns]
+    q_desc = tl.make_tensor_descriptor(Q, shape=[q_rows, width], strides=[stride_qt, 1],
+                                       block_shape=[BLOCK_M, QK_HEAD])
+    q = q_desc.load([q_row, head * stride_qh])  # [BLOCK_M, QK_HEAD]
+    q_tail = q  # unread without a tail
     if HAS_TAIL:
-        q0_tail = q_tail_desc.load([q_row, q_col + QK_HEAD])  # [HALF, QK_TAIL]
-        q1_tail = q_tail_desc.load([q_row + HALF, q_col + QK_HEAD])
-    pos0 = first_pos + tl.arange(0, HALF)
-    pos1 = pos0 + HALF
+        q_tail_desc = tl.make_tensor_descriptor(Q, shape=[q_rows, width], strides=[stride_qt, 1],
+                                                block_shape=[BLOCK_M, QK_TAIL])
+        q_tail = q_tail_desc.load([q_row, head * stride_qh + QK_HEAD])  # [BLOCK_M, QK_TAIL]
+    pos_m = first_pos + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
-    m0 = tl.full([HALF], float("-inf"), dtype=tl.float32)
-    m1 = tl.full([HALF], float("-inf"), dtype=tl.float32)
-    l0 = tl.zeros([HALF], dtype=tl.float32)
-    l1 = tl.zeros([HALF], dtype=tl.float32)
-    acc0 = tl.zeros([HALF, V_BLOCK], dtype=tl.float32)
-    acc1 = tl.zeros([HALF, V_BLOCK], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_BLOCK], dtype=tl.float32)
     for start_n in tl.range(0, kv_end, BLOCK_N, warp_specialize=True):
-        row = kv_start + start_n
-        k = k_desc.load([row, k_col])  # [BLOCK_N, QK_HEAD]
-        k_tail = k
-        if HAS_TAIL:
-            k_tail = k_tail_desc.load([row, k_col + QK_HEAD])  # [BLOCK_N, QK_TAIL]
-        v = v_desc.load([row, v_col])  # [BLOCK_N, V_BLOCK]
-        acc0, l0, m0 = _ws_half(q0, q0_tail, k, k_tail, v, acc0, l0, m0, pos0 - start_n, offs_n,
-                                qk_scale, HAS_TAIL, DOT_PRECISION, EXP_BF16, INTERPRET)
-        acc1, l1, m1 = _ws_half(q1, q1_tail, k, k_tail, v, acc1, l1, m1, pos1 - start_n, offs_n,
-                                qk_scale, HAS_TAIL, DOT_PRECISION, EXP_BF16, INTERPRET)
-    return acc0, l0, m0, acc1, l1, m1
+        qk = _scores_tma(q, q_tail, k_desc, k_tail_desc, kv_start + start_n, k_col, QK_HEAD,
+                         HAS_TAIL, DOT_PRECISION)
+        v = v_desc.load([kv_start + start_n, v_col])
+        # (pos_m - start_n against offs_n: the causal mask, one subtract per row)
+        acc, l_i, m_i = _softmax_step(acc, l_i, m_i, qk, v, pos_m - start_n, offs_n, qk_scale, 2,
+                                      DOT_PRECISION, EXP_BF16, INTERPRET)
+    return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["num_segments", "stride_pt"])  # vary per batch
+@triton.jit(do_not_specialize=["num_segments", "q_rows", "stride_pt"])  # vary per batch
 def _cp_prefill_attention_kernel(
-    Q, K, V, O, LSE, k_desc, k_tail_desc, v_desc, q_desc, q_tail_desc,
-    seg_q_start, seg_q_len, seg_q_pos, seg_kv_start, num_segments, page_table,
+    Q, K, V, O, LSE, k_desc, k_tail_desc, v_desc,
+    seg_q_start, seg_q_len, seg_q_pos, seg_kv_start, num_segments, q_rows, page_table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_ot, stride_oh, stride_lt, stride_lh, stride_pt,
     qk_scale,
@@ -450,9 +435,9 @@ def _cp_prefill_attention_kernel(
     EVEN_V: tl.constexpr = V_BLOCK == V_DIM
     row_ok = offs_m < q_len
     pos_m = q_pos + offs_m
-    q_rows = (q_start + offs_m).to(tl.int64)
-    if not WARP_SPEC:  # (the warp-specialized loop loads q by halves, through TMA)
-        q_ptrs = Q + q_rows[:, None] * stride_qt + head * stride_qh
+    out_rows = (q_start + offs_m).to(tl.int64)
+    if not WARP_SPEC:  # (the warp-specialized loop loads q through TMA)
+        q_ptrs = Q + out_rows[:, None] * stride_qt + head * stride_qh
         q = tl.load(q_ptrs + offs_d[None, :], mask=row_ok[:, None] & (offs_d < QK_DIM)[None, :],
                     other=0.0)  # [BLOCK_M, QK_HEAD]
         q_tail = tl.load(q_ptrs + offs_t[None, :],
@@ -476,10 +461,11 @@ def _cp_prefill_attention_kernel(
     k_col = kv_head * stride_kh
     v_col = kv_head * stride_vh
     if WARP_SPEC:
-        acc0, l0, m0, acc1, l1, m1 = _ws_key_loop(
-            q_desc, q_tail_desc, k_desc, k_tail_desc, v_desc, q_start + m_block * BLOCK_M,
-            head * stride_qh, kv_start, k_col, v_col, kv_end, first_pos, qk_scale, BLOCK_M, BLOCK_N,
-            QK_HEAD, HAS_TAIL, V_BLOCK, DOT_PRECISION, EXP_BF16, INTERPRET)
+        num_heads = tl.num_programs(0) if HEADS_FAST else tl.num_programs(1)
+        acc, l_i, m_i = _ws_key_loop(
+            Q, q_rows, stride_qt, stride_qh, num_heads, head, q_start + m_block * BLOCK_M, k_desc,
+            k_tail_desc, v_desc, kv_start, k_col, v_col, kv_end, first_pos, qk_scale, BLOCK_M,
+            BLOCK_N, QK_DIM, QK_HEAD, QK_TAIL, HAS_TAIL, V_BLOCK, DOT_PRECISION, EXP_BF16, INTERPRET)
     elif OVERLAP:
         # Block j's softmax runs while block j + 1's scores are being computed.
         if full_end > 0:
@@ -542,19 +528,9 @@ def _cp_prefill_attention_kernel(
                                           True, DOT_PRECISION, EXP_BF16, INTERPRET)
 
     if WARP_SPEC:
-        # each half stores its own rows; a slot past the last block saw no key (l = 0)
-        # and stores nothing (q_len = 0)
-        HALF: tl.constexpr = BLOCK_M // 2
-        in_block = m_block * BLOCK_M + tl.arange(0, HALF)  # half 0's rows in the segment
-        _store_rows(O, LSE, acc0, tl.where(live, l0, 1.0), m0, q_start + in_block,
-                    in_block < q_len, head, offs_v, stride_ot, stride_oh, stride_lt, stride_lh,
-                    V_DIM, STORE_LSE)
-        _store_rows(O, LSE, acc1, tl.where(live, l1, 1.0), m1, q_start + HALF + in_block,
-                    HALF + in_block < q_len, head, offs_v, stride_ot, stride_oh, stride_lt,
-                    stride_lh, V_DIM, STORE_LSE)
-    else:
-        _store_rows(O, LSE, acc, l_i, m_i, q_rows, row_ok, head, offs_v, stride_ot, stride_oh,
-                    stride_lt, stride_lh, V_DIM, STORE_LSE)
+        l_i = tl.where(live, l_i, 1.0)  # a slot past the last block saw no key: no 0 / 0
+    _store_rows(O, LSE, acc, l_i, m_i, out_rows, row_ok, head, offs_v, stride_ot, stride_oh,
+                stride_lt, stride_lh, V_DIM, STORE_LSE)
 
 
 _MAX_GRID_Y = 65535
@@ -584,9 +560,6 @@ def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tens
     if config.warp_specialize and (config.overlap or not config.tma):
         raise ValueError("config.warp_specialize=True needs tma=True and overlap=False, got "
                          f"tma={config.tma}, overlap={config.overlap}")
-    if config.warp_specialize and config.block_m < 32:
-        raise ValueError("config.warp_specialize=True splits block_m into two halves of 16 rows or "
-                         f"more, got block_m {config.block_m}")
     if config.tma:
         split = head_dim_split(q.shape[2], v.shape[2])
         if page_table is not None:
@@ -599,6 +572,20 @@ def check_launch_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tens
             if not _row_view_ok(t):
                 raise ValueError(f"config.tma=True needs {name} with a unit last stride and 16-byte "
                                  f"aligned base and rows, got strides {tuple(t.stride())}")
+
+
+def _tma_scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")  # 128-byte aligned blocks
+
+
+def _ensure_tma_scratch() -> None:
+    """Descriptors made inside a kernel (the warp-specialized q) live in global scratch
+    that Triton takes from ``triton.set_allocator``: a torch allocation unless the
+    caller set one (Triton's default refuses to launch)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_tma_scratch)
 
 
 def runnable_config(config: AttnLaunchConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -659,14 +646,8 @@ def launch_cp_prefill_attention(
     lse_arg = lse if lse is not None else out  # unread without STORE_LSE
     split = head_dim_split(q.shape[2], v.shape[2])
     k_desc = k_tail_desc = v_desc = k  # unread without TMA
-    q_desc = q_tail_desc = q  # unread without warp specialization
-    if config.warp_specialize:
-        q_width = (q.shape[1] - 1) * q.stride(1) + q.shape[2]
-        half = config.block_m // 2  # the kernel loads q by 64-row halves (_ws_key_loop)
-        q_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1], [half, split.qk_head])
-        if split.qk_tail:
-            q_tail_desc = TensorDescriptor(q, [q.shape[0], q_width], [q.stride(0), 1],
-                                           [half, split.qk_tail])
+    if config.warp_specialize and not interpreter_enabled():
+        _ensure_tma_scratch()
     if config.tma:
         k_width = (k.shape[1] - 1) * k.stride(1) + k.shape[2]
         v_width = (v.shape[1] - 1) * v.stride(1) + v.shape[2]
@@ -680,8 +661,7 @@ def launch_cp_prefill_attention(
     grid = (q.shape[1], num_slots) if config.heads_fast else (num_slots, q.shape[1])
     with on_device(q.device):
         return _cp_prefill_attention_kernel[grid](
-            q, k, v, out, lse_arg, k_desc, k_tail_desc, v_desc, q_desc, q_tail_desc, *seg,
-            num_segments, table,
+            q, k, v, out, lse_arg, k_desc, k_tail_desc, v_desc, *seg, num_segments, q.shape[0], table,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             out.stride(0), out.stride(1),
             lse.stride(0) if lse is not None else 0, lse.stride(1) if lse is not None else 0,

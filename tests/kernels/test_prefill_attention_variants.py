@@ -42,8 +42,6 @@ def _switch_id(switch) -> str:
 
 
 def _config(block_m: int, block_n: int, switch) -> AttnLaunchConfig:
-    if "warp_specialize" in switch:  # two halves of 16 rows or more
-        block_m = max(block_m, 32)
     return AttnLaunchConfig(block_m, block_n, 4, 1, **{name: True for name in switch})
 
 
