@@ -427,6 +427,27 @@ def precompile(jobs: list[str], heads: int, processes: int, timeout_s: float,
     return records
 
 
+def drop_failed_compiles(jobs: list[str], records: list[dict], tokens: list[int],
+                         ) -> tuple[list[str], list[dict]]:
+    """The jobs worth timing after the parallel compile, and an error row per length for
+    each kernel job it failed: an error, a wrong answer on the reference check, or no
+    record at all (its worker died or ran out of time: a hang is not met twice)."""
+    seen = {rec["config"]: rec for rec in records}
+    keep, refused = [], []
+    for job in jobs:
+        kind, name = job.split(":", 1)
+        rec = seen.get(parse_config(name).label) if kind == "kernel" else {"ref_ok": True}
+        why = ("no result from the parallel compile" if rec is None else
+               rec.get("error") or (None if rec.get("ref_ok") else
+                                    f"wrong on the reference check (ref_err {rec.get('ref_err')})"))
+        if why is None:
+            keep.append(job)
+        else:
+            refused += [{"tokens": n, "kind": "kernel", "config": parse_config(name).label,
+                         "form": "v 128", "error": f"precompile: {why}"} for n in tokens]
+    return keep, refused
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per length: each backend's fastest form, the fastest SDPA, and every kernel row against it."""
     summary = {}
@@ -499,16 +520,19 @@ def main() -> int:
             "heads": args.heads, "qk_dim": QK_DIM, "v_dim": V_DIM}
 
     started = time.monotonic()
+    refused: list[dict] = []
     if args.precompile > 0:
         head["precompile"] = precompile(jobs, args.heads, args.precompile, min(args.job_timeout, 120.0))
         for rec in head["precompile"]:
             print(f"  compiled {rec['config']} in {rec['s']} s"
                   + (f": {rec['error']}" if "error" in rec else ""), file=sys.stderr, flush=True)
+        jobs, refused = drop_failed_compiles(jobs, head["precompile"], args.tokens)
 
     def save(rows: list[dict]) -> None:  # after every row, so a cut-off run keeps its rows
         if args.json:
-            args.json.write_text(json.dumps(dict(head, rows=rows), indent=2))
-    rows = run_jobs(jobs, args.tokens, args.heads, job_timeout_s=args.job_timeout, on_row=save)
+            args.json.write_text(json.dumps(dict(head, rows=refused + rows), indent=2))
+    rows = refused + run_jobs(jobs, args.tokens, args.heads, job_timeout_s=args.job_timeout,
+                              on_row=save)
     summary = summarize(rows)
     result = dict(head, rows=rows, summary=summary)
     print_table("sdpa", [r for r in rows if r["kind"] != "kernel"],

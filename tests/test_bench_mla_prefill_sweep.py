@@ -201,3 +201,22 @@ def test_worker_precompile_dry_run_on_cpu(capsys):
     assert [r["config"] for r in records] == ["32,16,4,1+tma+warp_specialize", "16,16,4,1+tma+overlap"]
     for r in records:
         assert r["ref_ok"] and "error" not in r and r["ref_err"] < 1e-5, r
+
+
+def test_failed_compiles_are_not_timed():
+    from bench.mla_prefill_sweep import drop_failed_compiles
+
+    jobs = ["sdpa:cudnn", "kernel:128,128,8,2", "kernel:128,64,4,3+tma+warp_specialize",
+            "kernel:128,128,4,2+tma+warp_specialize", "kernel:64,64,4,2"]
+    records = [{"config": "128,128,8,2", "ref_ok": True, "ref_err": 2e-3},
+               {"config": "128,64,4,3+tma+warp_specialize", "ref_ok": False, "ref_err": 0.7},
+               {"config": "64,64,4,2", "error": "OutOfResources: shared memory"}]
+    keep, refused = drop_failed_compiles(jobs, records, [8192, 32768])
+    assert keep == ["sdpa:cudnn", "kernel:128,128,8,2"]
+    why = {(r["tokens"], r["config"]): r["error"] for r in refused}
+    assert len(why) == 6 and all(r["kind"] == "kernel" and "ms" not in r for r in refused)
+    assert why[(8192, "128,64,4,3+tma+warp_specialize")].startswith("precompile: wrong on the reference")
+    assert why[(32768, "128,128,4,2+tma+warp_specialize")] == "precompile: no result from the parallel compile"
+    assert why[(8192, "64,64,4,2")] == "precompile: OutOfResources: shared memory"
+    summary = summarize(refused)  # error rows rank nowhere
+    assert summary["8192"]["best_kernel"] is None
