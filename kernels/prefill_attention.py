@@ -6,6 +6,13 @@ softmax in base 2. Key blocks every row of the query block may see run in an
 unmasked loop; only the diagonal blocks pay for the causal mask. K/V are read
 either contiguously or through a page table (any ``page_size >= 1``).
 
+A launch config (``AttnLaunchConfig``) picks the tile and variant switches; MLA prefill
+runs ``MLA_PREFILL_DEFAULT`` (the one place a measured winner is promoted to), the sweep
+``bench/mla_prefill_sweep.py`` times ``MLA_PREFILL_SWEEP`` against SDPA, and
+``bench/mla_prefill_compile.py`` compiles any config for sm_90 offline. The
+``warp_specialize`` variant is FlashAttention-3's layout through Triton 3.6's Hopper
+warp specialization (a TMA producer warpgroup, two 64-row consumer warpgroups).
+
 Launch without a host sync and without helper kernels: the grid is an upper
 bound (``cdiv(Tq, BLOCK_M) + S`` slots cover any set of disjoint segments) and
 each program finds its (segment, query block) itself from a cumulative sum of
@@ -78,13 +85,15 @@ class AttnLaunchConfig(NamedTuple):
       first) instead of one head's query blocks, longest first, then the next head's.
     - ``warp_specialize``: one loop over every visible key block, each masked, q and K/V
       through TMA, asking Triton for warp specialization (``tl.range(...,
-      warp_specialize=True)``); needs ``tma`` and not ``overlap``, and q's rows aligned as
-      K's. Triton 3.6's Hopper pass takes only this form (one loop, no branch in it, no
-      scan before it); at ``num_warps=4`` and ``block_m=128`` it makes a TMA producer
-      warpgroup and two consumer warpgroups of 64 rows (384 threads, ``num_warps`` per
-      group), at 8 warps it leaves the loop as it is. The last block reads up to
-      ``block_n - 1`` rows of k/v past the request's visible keys (TMA's zeros past the
-      tensor's end): p weights them by exact zeros, so those rows must hold finite values.
+      warp_specialize=True)``, ``_ws_key_loop``); needs ``tma`` and not ``overlap``, and
+      q's rows aligned as K's. Triton 3.6's Hopper pass takes only this form (one loop, no
+      branch in it, no scan before it); at ``num_warps=4`` and ``block_m=128`` it makes a
+      TMA producer warpgroup and two consumer warpgroups of 64 rows (384 threads,
+      ``num_warps`` per group), at 8 warps it leaves the loop as it is. q's descriptors
+      are made in the kernel (Triton's scratch allocator; the launcher sets a torch one
+      where none is set). The last block reads up to ``block_n - 1`` rows of k/v past the
+      request's visible keys (TMA's zeros past the tensor's end): p weights them by exact
+      zeros, so those rows must hold finite values.
     - ``exp_bf16``: the softmax's powers of two in bfloat16, two per special-function
       instruction (``ex2.approx.ftz.bf16x2``, sm_90 and later) instead of one float32 each;
       p feeds a bfloat16 product anyway, and the row sums add the same rounded p (float32
@@ -118,11 +127,11 @@ MLA_PREFILL_FALLBACK = AttnLaunchConfig(128, 128, 8, 2)
 # 32k): the default, Triton 3.6's Hopper warp specialization in FlashAttention-3's layout
 # (num_warps=4 per group: one TMA producer warpgroup and two 64-row consumer warpgroups,
 # 384 threads; consumers get 232 registers by setmaxnreg) at the tiles whose sm_90 compile
-# does not spill (bench/mla_prefill_compile.py; 256x64 spills 796 bytes and is left out),
+# does not spill (bench/mla_prefill_compile.py; 256x64 spills 908 bytes and is left out),
 # and the 8-warp TMA loop, never timed before.
 MLA_PREFILL_SWEEP = (
     AttnLaunchConfig(128, 128, 8, 2),
-    AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True),  # 229,648 B shared
+    AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True),  # 229,776 B shared
     AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True, exp_bf16=True),
     AttnLaunchConfig(128, 64, 4, 2, tma=True, warp_specialize=True),
     AttnLaunchConfig(128, 64, 4, 3, tma=True, warp_specialize=True),
