@@ -9,7 +9,12 @@ DeepSeek's dims (qk 192 = 128 + 64, v 128, bf16) against the torch reference.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -273,3 +278,29 @@ def test_gpu_variant_bf16_deepseek_dims(config: AttnLaunchConfig) -> None:
     assert out[~cov].isnan().all() and not out[cov].isnan().any()
     assert _rel(out[cov], want.out[cov]) < 1e-2
     torch.testing.assert_close(lse[cov], want.lse[cov], atol=2e-2, rtol=2e-2)
+
+
+_COMPILE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from bench.mla_prefill_compile import compile_config
+from bench.mla_prefill_sweep import parse_config
+print(json.dumps(compile_config(parse_config("128,128,4,2+tma+warp_specialize"))))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_warp_specialized_variant_compiles_specialized_for_sm90():
+    """Compiled offline for sm_90 (Triton's own toolchain): the one-loop form is split into a
+    TMA producer warpgroup and two consumer warpgroups with registers moved to the
+    consumers, without spilling (a scan, a second loop or a pointer load of q silently or
+    loudly undoes that; Triton 3.9's verifier also checks each TMA copy against its box)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE.format(root=str(root))], env=env,
+                          capture_output=True, text=True, timeout=280, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["warp_specialized"] and rec["partition_warps"] == [4, 4], rec
+    assert 232 in rec["setmaxnreg"] and rec["local_bytes"] == 0, rec
+    assert rec["shared"] <= 232448, rec  # the H200's 227 KB per block
