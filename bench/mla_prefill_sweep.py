@@ -498,8 +498,10 @@ def main() -> int:
     ap.add_argument("--backends", nargs="*", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--job-timeout", type=float, default=240.0,
-                    help="seconds a job may print nothing (compile included) before its worker is "
-                         "killed; the parallel compile gets at most 120 s in all")
+                    help="seconds a job may print nothing (compile included) before its worker is killed")
+    ap.add_argument("--precompile-timeout", type=float, default=90.0,
+                    help="seconds the parallel compile may take in all; configs it has not "
+                         "finished by then are recorded and not timed")
     ap.add_argument("--precompile", type=int, default=8,
                     help="worker processes compiling the kernel configs first (0: compile as timed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -522,7 +524,7 @@ def main() -> int:
     started = time.monotonic()
     refused: list[dict] = []
     if args.precompile > 0:
-        head["precompile"] = precompile(jobs, args.heads, args.precompile, min(args.job_timeout, 120.0))
+        head["precompile"] = precompile(jobs, args.heads, args.precompile, args.precompile_timeout)
         for rec in head["precompile"]:
             print(f"  compiled {rec['config']} in {rec['s']} s"
                   + (f": {rec['error']}" if "error" in rec else ""), file=sys.stderr, flush=True)
