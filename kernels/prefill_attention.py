@@ -140,13 +140,13 @@ MLA_PREFILL_SWEEP = (
     AttnLaunchConfig(128, 128, 8, 2, tma=True),
 )
 
-# Every config the interpreter tests cover and --configs may name: the sweep's and the
-# earlier ones (on the H200 the last full run timed 128,128,8,2 at 468 / 495 TFLOP/s at
-# 8k / 32k, +exp_bf16 451 / 473, 128,64,8,4+exp_bf16 401 / 429). Shared memory per pipeline stage is BLOCK_N * (192 + 128) * 2 bytes
-# of K and V, plus BLOCK_M * 192 * 2 of q once; 227 KB per block: 128x128 takes
-# 2 * 80 + 48 = 208 KB at 2 stages and would need 288 at 3; 128x64 takes
-# 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4; 64x64 takes 2 * 40 + 24 = 104
-# at 2 (two blocks per SM). TMA adds about 1 KB of barriers.
+# Every config the interpreter tests cover: the sweep's and the earlier ones (the last
+# device run timed three of them, the default ahead; BENCHMARKS.md). Shared memory per
+# pipeline stage is BLOCK_N * (192 + 128) * 2 bytes of K and V, plus BLOCK_M * 192 * 2 of
+# q once; 227 KB per block: 128x128 takes 2 * 80 + 48 = 208 KB at 2 stages and would need
+# 288 at 3; 128x64 takes 3 * 40 + 48 = 168 at 3 stages and 4 * 40 + 48 = 208 at 4; 64x64
+# takes 2 * 40 + 24 = 104 at 2 (two blocks per SM). TMA adds about 1 KB of barriers, the
+# warp-specialized loop its producer's buffers (bench/mla_prefill_compile.py).
 MLA_PREFILL_VARIANTS = MLA_PREFILL_SWEEP + (
     AttnLaunchConfig(128, 128, 8, 2, tma=True, overlap=True),
     AttnLaunchConfig(128, 128, 8, 2, heads_fast=True),
