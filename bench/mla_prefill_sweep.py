@@ -31,7 +31,8 @@ Compiles first, in parallel (``--precompile`` worker processes, default 8): each
 its share of the kernel configs by running the reference check and one small launch of
 the timed call's specialization (1,024 tokens), so Triton's disk cache holds every kernel
 before the timing worker starts and compile time is paid once, on many cores. A config
-that fails there fails the same way when timed, where it is recorded.
+that fails there (a compile error, a wrong reference check, no result within
+``--precompile-timeout``: a hang) is recorded at each length and not timed.
 
     python bench/mla_prefill_sweep.py --json bench/results/mla_prefill_sweep_h200.json  # ~150 s
     python bench/mla_prefill_sweep.py --tokens 8192 --configs 128,128,8,2 128,64,8,4+tma+overlap
