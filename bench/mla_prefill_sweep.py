@@ -7,8 +7,9 @@ v 128, causal, bf16, one sequence of each ``--tokens`` (default 8k and 32k). Row
   (``--backends``: cuDNN and FlashAttention where the device's torch has them), v as is
   (128) and v zero-padded to 192 (what backends that want one head dim need; the extra
   columns are cut off). Each backend's figure is its fastest form that ran.
-- ``kernel``: ``launch_cp_prefill_attention`` with each config of ``MLA_PREFILL_VARIANTS``
-  (``kernels/prefill_attention.py``; ``--configs`` to pick others, written
+- ``kernel``: ``launch_cp_prefill_attention`` with each config of ``MLA_PREFILL_SWEEP``
+  (``kernels/prefill_attention.py``; ``--configs`` to pick others, any of
+  ``MLA_PREFILL_VARIANTS`` or new ones, written
   ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize][+exp_bf16]``).
 
 FLOPs count the causal work at v 128: ``2 * H * (192 + 128) * N * (N + 1) / 2``, the same
@@ -26,7 +27,14 @@ and the sweep goes on in a fresh worker; the JSON is rewritten after every row. 
 median of CUDA-event-timed calls after two warm-up calls (about one second of calls per row).
 Each kernel row also records the compiled kernel's registers, spills and shared memory.
 
-    python bench/mla_prefill_sweep.py --json bench/results/mla_prefill_sweep_h200.json
+Compiles first, in parallel (``--precompile`` worker processes, default 8): each compiles
+its share of the kernel configs by running the reference check and one small launch of
+the timed call's specialization (1,024 tokens), so Triton's disk cache holds every kernel
+before the timing worker starts and compile time is paid once, on many cores. A config
+that fails there (a compile error, a wrong reference check, no result within
+``--precompile-timeout``: a hang) is recorded at each length and not timed.
+
+    python bench/mla_prefill_sweep.py --json bench/results/mla_prefill_sweep_h200.json  # ~150 s
     python bench/mla_prefill_sweep.py --tokens 8192 --configs 128,128,8,2 128,64,8,4+tma+overlap
 """
 
@@ -51,7 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 from lanekv.kernels.prefill_attention import (  # noqa: E402
     LAUNCH_SWITCHES,
-    MLA_PREFILL_VARIANTS,
+    MLA_PREFILL_SWEEP,
     AttnLaunchConfig,
     AttnSegments,
     cp_prefill_attention_ref,
@@ -276,10 +284,42 @@ def _context_alive(env: Env) -> bool:
     return True
 
 
+PRECOMPILE_TOKENS = 1024  # a multiple of 16, as 8k and 32k: the same specialization
+
+
+def _precompile(jobs: list[str], heads: int, env: Env, tokens: int) -> int:
+    """Compile each kernel job's two specializations (the check's three segments, the
+    timed call's one) by launching them on ``tokens`` tokens; ``COMPILED {...}`` per job."""
+    tensors = _inputs(tokens, heads, env)
+    for job in jobs:
+        config = parse_config(job.split(":", 1)[1])
+        t0 = time.perf_counter()
+        rec = {"config": config.label}
+        try:
+            rec.update(_check_small(config, heads, env))
+            q, k, v = tensors
+            seg = AttnSegments(*(torch.tensor([x], dtype=torch.int32, device=env.device)
+                                 for x in (0, tokens, 0, 0)))
+            out = torch.empty(tokens, heads, V_DIM, dtype=env.dtype, device=env.device)
+            rec.update(_compiled_facts(launch_cp_prefill_attention(q, k, v, seg, QK_DIM**-0.5, None,
+                                                                   0, out, None, config)))
+            if env.device == "cuda":
+                torch.cuda.synchronize()
+        except Exception as exc:  # noqa: BLE001 - recorded; the timed run meets it again
+            rec["error"] = _one_line(exc)
+        rec["s"] = round(time.perf_counter() - t0, 1)
+        print("COMPILED " + json.dumps(rec), flush=True)
+    return 0
+
+
 def worker(spec: dict) -> int:
     """Run spec["jobs"] at each of spec["tokens"] except the [tokens, job] pairs in
-    spec["skip"], printing ``START [n, job]`` before each and ``ROW {...}`` per result."""
+    spec["skip"], printing ``START [n, job]`` before each and ``ROW {...}`` per result.
+    With spec["precompile"], only compile the kernel jobs (``_precompile``)."""
     heads, env = spec["heads"], _env(spec)
+    if spec.get("precompile"):
+        return _precompile([j for j in spec["jobs"] if j.startswith("kernel:")], heads, env,
+                           spec.get("precompile_tokens", PRECOMPILE_TOKENS))
     checked: dict = {}
     for n in spec["tokens"]:
         todo = [job for job in spec["jobs"] if [n, job] not in spec["skip"]]
@@ -367,6 +407,48 @@ def run_jobs(jobs: list[str], tokens: list[int], heads: int,
         # else: the worker left after a job broke its CUDA context; a fresh one goes on
 
 
+def precompile(jobs: list[str], heads: int, processes: int, timeout_s: float,
+               worker_argv: tuple[str, ...] = (sys.executable, __file__, "--worker")) -> list[dict]:
+    """Compile the kernel jobs in up to ``processes`` concurrent workers (round-robin
+    shares); their ``COMPILED`` records. A worker past ``timeout_s`` is killed."""
+    kernel_jobs = [j for j in jobs if j.startswith("kernel:")]
+    shares = [kernel_jobs[i::processes] for i in range(max(1, processes))]
+    procs = [subprocess.Popen([*worker_argv, json.dumps({"jobs": share, "tokens": [], "heads": heads,
+                                                          "skip": [], "precompile": True})],
+                              stdout=subprocess.PIPE, text=True) for share in shares if share]
+    deadline = time.monotonic() + timeout_s
+    records = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        records += [json.loads(x[9:]) for x in out.splitlines() if x.startswith("COMPILED ")]
+    return records
+
+
+def drop_failed_compiles(jobs: list[str], records: list[dict], tokens: list[int],
+                         ) -> tuple[list[str], list[dict]]:
+    """The jobs worth timing after the parallel compile, and an error row per length for
+    each kernel job it failed: an error, a wrong answer on the reference check, or no
+    record at all (its worker died or ran out of time: a hang is not met twice)."""
+    seen = {rec["config"]: rec for rec in records}
+    keep, refused = [], []
+    for job in jobs:
+        kind, name = job.split(":", 1)
+        rec = seen.get(parse_config(name).label) if kind == "kernel" else {"ref_ok": True}
+        why = ("no result from the parallel compile" if rec is None else
+               rec.get("error") or (None if rec.get("ref_ok") else
+                                    f"wrong on the reference check (ref_err {rec.get('ref_err')})"))
+        if why is None:
+            keep.append(job)
+        else:
+            refused += [{"tokens": n, "kind": "kernel", "config": parse_config(name).label,
+                         "form": "v 128", "error": f"precompile: {why}"} for n in tokens]
+    return keep, refused
+
+
 def summarize(rows: list[dict]) -> dict:
     """Per length: each backend's fastest form, the fastest SDPA, and every kernel row against it."""
     summary = {}
@@ -413,11 +495,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
     ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--configs", type=parse_config, nargs="+", default=list(MLA_PREFILL_VARIANTS))
+    ap.add_argument("--configs", type=parse_config, nargs="+", default=list(MLA_PREFILL_SWEEP))
     ap.add_argument("--backends", nargs="*", choices=BACKENDS, default=list(BACKENDS))
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--job-timeout", type=float, default=240.0,
                     help="seconds a job may print nothing (compile included) before its worker is killed")
+    ap.add_argument("--precompile-timeout", type=float, default=90.0,
+                    help="seconds the parallel compile may take in all; configs it has not "
+                         "finished by then are recorded and not timed")
+    ap.add_argument("--precompile", type=int, default=8,
+                    help="worker processes compiling the kernel configs first (0: compile as timed)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker is not None:
@@ -435,10 +522,20 @@ def main() -> int:
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "heads": args.heads, "qk_dim": QK_DIM, "v_dim": V_DIM}
 
+    started = time.monotonic()
+    refused: list[dict] = []
+    if args.precompile > 0:
+        head["precompile"] = precompile(jobs, args.heads, args.precompile, args.precompile_timeout)
+        for rec in head["precompile"]:
+            print(f"  compiled {rec['config']} in {rec['s']} s"
+                  + (f": {rec['error']}" if "error" in rec else ""), file=sys.stderr, flush=True)
+        jobs, refused = drop_failed_compiles(jobs, head["precompile"], args.tokens)
+
     def save(rows: list[dict]) -> None:  # after every row, so a cut-off run keeps its rows
         if args.json:
-            args.json.write_text(json.dumps(dict(head, rows=rows), indent=2))
-    rows = run_jobs(jobs, args.tokens, args.heads, job_timeout_s=args.job_timeout, on_row=save)
+            args.json.write_text(json.dumps(dict(head, rows=refused + rows), indent=2))
+    rows = refused + run_jobs(jobs, args.tokens, args.heads, job_timeout_s=args.job_timeout,
+                              on_row=save)
     summary = summarize(rows)
     result = dict(head, rows=rows, summary=summary)
     print_table("sdpa", [r for r in rows if r["kind"] != "kernel"],
@@ -453,6 +550,8 @@ def main() -> int:
               f"{s['best_kernel_tflops'] or 0:.0f} TFLOP/s, "
               f"{'-' if ratio is None else f'{ratio:.3f}'}x the fastest SDPA ({s['best_sdpa']}); "
               f"target >= {TARGET}x: {'met' if s['meets_target'] else 'not met'}")
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    print(f"wall time {result['wall_s']} s")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -154,3 +154,69 @@ def test_run_jobs_kills_a_hung_worker_and_saves_each_row(tmp_path):
         {"tokens": 8192, "kind": "kernel", "config": "kernel:128,64,8,3", "ms": 1.0, "ok": True},
     ]
     assert saved == [1, 2]
+
+
+COMPILING_WORKER = textwrap.dedent("""
+    import json, sys, time
+    spec = json.loads(sys.argv[-1])
+    assert spec["precompile"] and spec["tokens"] == []
+    for job in spec["jobs"]:
+        assert job.startswith("kernel:")
+        if job == "kernel:64,64,4,2":
+            time.sleep(60)  # a compile that never ends
+        if job == "kernel:128,64,4,3":
+            time.sleep(0.5)  # the first worker is still busy when the second one hangs
+        print("COMPILED " + json.dumps({"config": job[7:], "s": 0.1}), flush=True)
+""")
+
+
+def test_precompile_shares_the_kernel_jobs_and_kills_a_slow_worker(tmp_path):
+    from bench.mla_prefill_sweep import precompile
+
+    script = tmp_path / "worker.py"
+    script.write_text(COMPILING_WORKER)
+    jobs = ["sdpa:cudnn", "kernel:128,128,8,2", "kernel:64,64,4,2", "kernel:128,64,4,3",
+            "kernel:128,128,4,2+tma+warp_specialize"]
+    records = precompile(jobs, 128, 2, 3.0, worker_argv=(sys.executable, str(script)))
+    # shares [0, 2] and [1, 3] of the kernel jobs: the second worker hangs on its first
+    # job and is killed at the deadline; the first worker's records come back
+    assert sorted(r["config"] for r in records) == ["128,128,8,2", "128,64,4,3"]
+
+
+def test_worker_precompile_dry_run_on_cpu(capsys):
+    import json
+
+    from lanekv.kernels.backend import interpreter_enabled
+
+    from bench.mla_prefill_sweep import worker
+
+    if not interpreter_enabled():
+        pytest.skip("the dry run launches the kernel on CPU tensors, which needs TRITON_INTERPRET=1")
+    jobs = ["sdpa:flash", "kernel:32,16,4,1+tma+warp_specialize", "kernel:16,16,4,1+tma+overlap"]
+    spec = {"jobs": jobs, "tokens": [], "heads": 2, "skip": [], "precompile": True,
+            "precompile_tokens": 40, "device": "cpu", "dtype": "float32", "check_kv": [40, 23]}
+    assert worker(spec) == 0
+    lines = capsys.readouterr().out.splitlines()
+    records = [json.loads(x[9:]) for x in lines if x.startswith("COMPILED ")]
+    assert [r["config"] for r in records] == ["32,16,4,1+tma+warp_specialize", "16,16,4,1+tma+overlap"]
+    for r in records:
+        assert r["ref_ok"] and "error" not in r and r["ref_err"] < 1e-5, r
+
+
+def test_failed_compiles_are_not_timed():
+    from bench.mla_prefill_sweep import drop_failed_compiles
+
+    jobs = ["sdpa:cudnn", "kernel:128,128,8,2", "kernel:128,64,4,3+tma+warp_specialize",
+            "kernel:128,128,4,2+tma+warp_specialize", "kernel:64,64,4,2"]
+    records = [{"config": "128,128,8,2", "ref_ok": True, "ref_err": 2e-3},
+               {"config": "128,64,4,3+tma+warp_specialize", "ref_ok": False, "ref_err": 0.7},
+               {"config": "64,64,4,2", "error": "OutOfResources: shared memory"}]
+    keep, refused = drop_failed_compiles(jobs, records, [8192, 32768])
+    assert keep == ["sdpa:cudnn", "kernel:128,128,8,2"]
+    why = {(r["tokens"], r["config"]): r["error"] for r in refused}
+    assert len(why) == 6 and all(r["kind"] == "kernel" and "ms" not in r for r in refused)
+    assert why[(8192, "128,64,4,3+tma+warp_specialize")].startswith("precompile: wrong on the reference")
+    assert why[(32768, "128,128,4,2+tma+warp_specialize")] == "precompile: no result from the parallel compile"
+    assert why[(8192, "64,64,4,2")] == "precompile: OutOfResources: shared memory"
+    summary = summarize(refused)  # error rows rank nowhere
+    assert summary["8192"]["best_kernel"] is None

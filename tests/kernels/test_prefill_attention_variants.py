@@ -9,13 +9,21 @@ DeepSeek's dims (qk 192 = 128 + 64, v 128, bf16) against the torch reference.
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from lanekv.kernels import prefill_attention
 from lanekv.kernels.prefill_attention import (
     LAUNCH_SWITCHES,
+    MLA_PREFILL_DEFAULT,
+    MLA_PREFILL_FALLBACK,
+    MLA_PREFILL_SWEEP,
     MLA_PREFILL_VARIANTS,
     AttnLaunchConfig,
     cp_prefill_attention_ref,
@@ -82,6 +90,10 @@ def test_the_sweep_covers_each_switch() -> None:
     for field in LAUNCH_SWITCHES:
         assert any(getattr(c, field) for c in MLA_PREFILL_VARIANTS), field
     assert AttnLaunchConfig(128, 128, 8, 2) in MLA_PREFILL_VARIANTS  # the measured default
+    # the sweep times the default beside its candidates; every candidate is tested here
+    assert MLA_PREFILL_DEFAULT in MLA_PREFILL_SWEEP
+    assert set(MLA_PREFILL_SWEEP) <= set(MLA_PREFILL_VARIANTS)
+    assert not (MLA_PREFILL_FALLBACK.tma or MLA_PREFILL_FALLBACK.warp_specialize)
     labels = [c.label for c in MLA_PREFILL_VARIANTS]
     assert len(set(labels)) == len(labels)
     assert AttnLaunchConfig(128, 64, 8, 4, tma=True, overlap=True).label == "128,64,8,4+tma+overlap"
@@ -188,6 +200,55 @@ def test_tma_refuses_unaligned_rows() -> None:
                                     poisoned_out(batch), None, AttnLaunchConfig(16, 16, 4, 1, tma=True))
 
 
+@pytest.mark.parametrize("block_m,block_n", [(32, 16), (16, 32)])
+def test_warp_specialized_loop_weights_rows_past_the_visible_keys_by_zero(block_m, block_n) -> None:
+    # The one-loop form reads whole key blocks past each request's visible keys (the next
+    # request's rows, the gaps between requests, TMA's zeros past the end): huge finite
+    # values there must not reach any stored row. One segment longer than the tiles ends
+    # off a block boundary; empty slots past the last block store nothing.
+    requests = [(45, [(0, 45)]), (19, [(2, 17)]), (37, [(30, 7)])]
+    batch = make_batch(requests, hq=2, hkv=2, head_dim=48, v_head_dim=32, dtype=torch.float32,
+                       seed=block_m)
+    visible = torch.zeros(batch.k.shape[0], dtype=torch.bool)
+    for kv_start, q_pos, q_len in zip(batch.segments.kv_start.tolist(), batch.segments.q_pos.tolist(),
+                                      batch.segments.q_len.tolist(), strict=True):
+        visible[kv_start : kv_start + q_pos + q_len] = True
+    k, v = batch.k.clone(), batch.v.clone()
+    k[~visible], v[~visible] = 3e4, -5e4  # every row no stored query may see
+    batch = batch._replace(k=k, v=v)
+    out, lse = _launch(batch, 0.2, AttnLaunchConfig(block_m, block_n, 4, 1, tma=True,
+                                                    warp_specialize=True))
+    _check_against_ref(batch, out, lse, 0.2)
+    check_against_naive(batch, out, lse, 0.2)
+
+
+def test_warp_specialized_launch_sets_a_scratch_allocator_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Descriptors made in the kernel need Triton's scratch allocator; a caller's own stays.
+    import triton
+    from triton.runtime import _allocation
+
+    seen = []
+    monkeypatch.setattr(triton, "set_allocator", seen.append)
+    monkeypatch.setattr(_allocation, "_allocator", _allocation.ContextVar("a", default=_allocation._NULL_ALLOCATOR))
+    prefill_attention._ensure_tma_scratch()
+    assert seen == [prefill_attention._tma_scratch]
+    _allocation._allocator.set(print)  # the caller's allocator
+    prefill_attention._ensure_tma_scratch()
+    assert seen == [prefill_attention._tma_scratch]
+
+
+def test_default_falls_back_where_its_switches_cannot_run() -> None:
+    ws = AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True)
+    contig = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=48, v_head_dim=32, dtype=torch.float32)
+    paged = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=48, v_head_dim=32, dtype=torch.float32,
+                       page_size=3)
+    masked = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=40, v_head_dim=32, dtype=torch.float32)
+    for b, want in ((contig, ws), (paged, MLA_PREFILL_FALLBACK), (masked, MLA_PREFILL_FALLBACK)):
+        assert prefill_attention.runnable_config(ws, b.q, b.k, b.v, b.page_table) == want
+    plain = AttnLaunchConfig(128, 128, 8, 2)
+    assert prefill_attention.runnable_config(plain, paged.q, paged.k, paged.v, paged.page_table) == plain
+
+
 def test_heads_fast_refuses_a_grid_past_the_y_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(prefill_attention, "_MAX_GRID_Y", 4)
     batch = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=32, v_head_dim=16, dtype=torch.float32)
@@ -217,3 +278,29 @@ def test_gpu_variant_bf16_deepseek_dims(config: AttnLaunchConfig) -> None:
     assert out[~cov].isnan().all() and not out[cov].isnan().any()
     assert _rel(out[cov], want.out[cov]) < 1e-2
     torch.testing.assert_close(lse[cov], want.lse[cov], atol=2e-2, rtol=2e-2)
+
+
+_COMPILE = """
+import json, sys
+sys.path.insert(0, {root!r})
+from bench.mla_prefill_compile import compile_config
+from bench.mla_prefill_sweep import parse_config
+print(json.dumps(compile_config(parse_config("128,128,4,2+tma+warp_specialize"))))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_warp_specialized_variant_compiles_specialized_for_sm90():
+    """Compiled offline for sm_90 (Triton's own toolchain): the one-loop form is split into a
+    TMA producer warpgroup and two consumer warpgroups with registers moved to the
+    consumers, without spilling (a scan, a second loop or a pointer load of q silently or
+    loudly undoes that; Triton 3.9's verifier also checks each TMA copy against its box)."""
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE.format(root=str(root))], env=env,
+                          capture_output=True, text=True, timeout=280, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rec["warp_specialized"] and rec["partition_warps"] == [4, 4], rec
+    assert 232 in rec["setmaxnreg"] and rec["local_bytes"] == 0, rec
+    assert rec["shared"] <= 232448, rec  # the H200's 227 KB per block
