@@ -57,8 +57,8 @@ class DigitTopkConfig(NamedTuple):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DigitTopkConfig.{name} must be a positive int, got {v!r}")
-        if self.block & (self.block - 1) or self.block < 256:
-            raise ValueError(f"DigitTopkConfig.block must be a power of two >= 256, got {self.block}")
+        if self.block & (self.block - 1) or self.block < 16:
+            raise ValueError(f"DigitTopkConfig.block must be a power of two >= 16, got {self.block}")
 
 
 def digit_topk_programs(rows: int, cols: int, num_sms: int, config: DigitTopkConfig) -> int:
