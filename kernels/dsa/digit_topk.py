@@ -69,9 +69,8 @@ def digit_topk_programs(rows: int, cols: int, num_sms: int, config: DigitTopkCon
 
 
 @triton.jit
-def _patterns(src_ptr, t, n_cols):
+def _patterns(x):
     """Each score's monotonic 32-bit pattern (as int64 in [0, 2**32)) and finiteness."""
-    x = tl.load(src_ptr + t, mask=t < n_cols, other=float("-inf"))
     bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0
     order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-monotonic in the float
     return order.to(tl.int64) + 2147483648, x != float("-inf")
@@ -86,7 +85,8 @@ def _span_histogram(src_ptr, start, stop, n_cols, prefix, SHIFT: tl.constexpr,
     hist = tl.zeros([256], tl.int32)
     above = tl.zeros([], tl.int32)
     for s in range(start, stop, BLOCK):
-        u, valid = _patterns(src_ptr, s + i, n_cols)
+        x = tl.load(src_ptr + s + i, mask=s + i < n_cols, other=float("-inf"))
+        u, valid = _patterns(x)
         high = u >> (SHIFT + 8)
         hist += tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256,
                              mask=valid & (high == prefix))
@@ -123,7 +123,8 @@ def _span_select(src_ptr, out_ptr, start, stop, n_cols, thr, ties, tie_base, slo
     """Writes the span's selected positions from ``slot`` on; returns the slot after."""
     i = tl.arange(0, BLOCK)
     for s in range(start, stop, BLOCK):
-        u, valid = _patterns(src_ptr, s + i, n_cols)
+        x = tl.load(src_ptr + s + i, mask=s + i < n_cols, other=float("-inf"))
+        u, valid = _patterns(x)
         eq = (valid & (u == thr)).to(tl.int32)
         rank = tie_base + tl.cumsum(eq, 0) - eq  # among the row's ties
         sel = ((valid & (u > thr)) | ((eq != 0) & (rank < ties))).to(tl.int32)
