@@ -343,7 +343,7 @@ def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size:
                               softmax_scale: float, spec: IndexCacheSpec, *,
                               config: IndexScoreConfig | None = None) -> torch.Tensor:
     """Triton launcher; ``config`` (bench sweeps) picks the key block, the programs
-    per SM and the pipelining, ``None`` the defaults."""
+    per SM and the pipelining, ``None`` the shape's (``default_index_score_config``)."""
     return _launch_paged(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec,
                          config, keys=False)
 
