@@ -177,6 +177,7 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
         return sparse_mla_decode_triton(qa, latent, table, sel, PAGE, ascale, RANK)
 
     nbytes = batch * context * spec.row_bytes
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     score_us = graph_us(lambda: paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale,
                                                         spec))
     float_score_us = graph_us(score)
@@ -216,10 +217,8 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
            "radix_topk_us": graph_us(lambda: radix_topk_triton(scores, TOPK)),
            "radix_topk_w8_us": graph_us(lambda: radix_topk_triton(scores, TOPK, num_warps=8)),
            "digit_topk_us": graph_us(lambda: digit_topk_triton(scores, TOPK)),
-           "topk_method": topk_method(batch, context, TOPK),
-           "digit_programs": digit_topk_programs(
-               batch, context, torch.cuda.get_device_properties(DEV).multi_processor_count,
-               DigitTopkConfig()),
+           "topk_method": topk_method(batch, context, num_sms),
+           "digit_programs": digit_topk_programs(batch, context, num_sms, DigitTopkConfig()),
            "radix_topk_wide_us": graph_us(lambda: radix_topk_triton(wide_scores, TOPK)),
            "digit_topk_wide_us": graph_us(lambda: digit_topk_triton(wide_scores, TOPK)),
            "radix_same": radix_same, "digit_same": digit_same, "keys_same": keys_same,
@@ -273,8 +272,8 @@ def main() -> int:
     ap.add_argument("--score-configs", type=_config, nargs="*", default=[
         _config(c) for c in ("32,4,4,3", "64,2,4,3", "64,8,4,3", "128,4,8,3", "64,4,4,2")])
     ap.add_argument("--topk-configs", type=_topk_config, nargs="*", default=[
-        _topk_config(c) for c in ("1024,4096,1,64,4", "2048,2048,2,64,8", "2048,8192,1,64,8",
-                                  "4096,4096,1,64,16", "2048,1048576,1,1,8")])
+        _topk_config(c) for c in ("1024,1024,1,32,4", "2048,4096,1,32,8", "2048,2048,2,32,8",
+                                  "4096,4096,1,16,16", "2048,2048,1,1,8")])
     ap.add_argument("--bandwidth", type=float, default=0.0,
                     help="GB/s for the index floor (default: the measured copy rate)")
     ap.add_argument("--graph-positions", type=int, default=163840,

@@ -40,16 +40,16 @@ from lanekv.kernels.backend import use_triton
 from lanekv.kernels.dsa.topk import _check, radix_topk_ref, radix_topk_triton
 
 DIGITS = tl.constexpr(4)  # 8-bit digits of the 32-bit pattern
-HIST_ROWS = tl.constexpr(16)  # programs' histograms summed per step (bounds the registers)
+HIST_ROWS = tl.constexpr(32)  # programs' histograms summed per step (bounds the registers)
 
 
 class DigitTopkConfig(NamedTuple):
     """Launch knobs of ``digit_topk_triton``; bench/dsa_layer.py times them."""
 
     block: int = 2048  # scores a program holds per loop step
-    min_span: int = 4096  # fewest scores a program of a split row covers
+    min_span: int = 2048  # fewest scores a program of a split row covers
     programs_per_sm: int = 1  # programs over the whole batch per SM (split rows only)
-    max_programs: int = 64  # most programs per row
+    max_programs: int = 32  # most programs per row (one load of their histograms)
     num_warps: int = 8
 
     def check(self) -> None:
@@ -61,11 +61,27 @@ class DigitTopkConfig(NamedTuple):
             raise ValueError(f"DigitTopkConfig.block must be a power of two >= 16, got {self.block}")
 
 
-def digit_topk_programs(rows: int, cols: int, num_sms: int, config: DigitTopkConfig) -> int:
-    """Programs per row: enough over the batch to give each SM ``programs_per_sm``,
-    each covering at least ``min_span`` scores, at most ``max_programs``."""
+class DigitSplit(NamedTuple):
+    """How a row is split: ``programs`` spans of ``span`` scores (whole blocks)."""
+
+    programs: int
+    span: int
+
+
+def digit_topk_split(rows: int, cols: int, num_sms: int, config: DigitTopkConfig) -> DigitSplit:
+    """Enough programs over the batch to give each SM ``programs_per_sm``, each covering
+    at least ``min_span`` scores and whole blocks, at most ``max_programs`` a row, and
+    no program left without a block. A function of the shapes only."""
     want = triton.cdiv(num_sms * config.programs_per_sm, max(rows, 1))
-    return max(1, min(want, triton.cdiv(cols, config.min_span), config.max_programs))
+    progs = max(1, min(want, triton.cdiv(cols, config.min_span), config.max_programs))
+    blocks = max(1, triton.cdiv(cols, config.block))
+    per_program = triton.cdiv(blocks, progs)
+    return DigitSplit(triton.cdiv(blocks, per_program), per_program * config.block)
+
+
+def digit_topk_programs(rows: int, cols: int, num_sms: int, config: DigitTopkConfig) -> int:
+    """Programs per row (``digit_topk_split``'s)."""
+    return digit_topk_split(rows, cols, num_sms, config).programs
 
 
 @triton.jit
@@ -242,15 +258,11 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
         return out
     if cols == 0:
         return out.fill_(-1)
-    num_sms = (torch.cuda.get_device_properties(scores.device).multi_processor_count
-               if scores.is_cuda else 1)
-    progs = digit_topk_programs(rows, cols, num_sms, cfg)
+    progs, span = digit_topk_split(rows, cols, _num_sms(scores.device), cfg)
     if progs == 1:
         _digit_topk_row_kernel[(rows,)](scores, out, cols, topk, scores.stride(0), out.stride(0),
                                         BLOCK=cfg.block, num_warps=cfg.num_warps)
         return out
-    blocks = triton.cdiv(triton.cdiv(cols, cfg.block), progs)
-    span = blocks * cfg.block  # whole blocks a program, so spans never share one
     dev = scores.device
     hist = torch.empty((DIGITS.value, rows, progs, 256), dtype=torch.int32, device=dev)
     above = torch.empty((rows, progs), dtype=torch.int32, device=dev)
@@ -265,14 +277,24 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
     return out
 
 
-def topk_method(rows: int, cols: int, topk: int) -> str:
-    """``"digit"`` or ``"radix"``: the faster exact kernel at these shapes."""
-    return "digit"
+def topk_method(rows: int, cols: int, num_sms: int) -> str:
+    """``"digit"`` where ``digit_topk`` splits a row over several programs (small
+    batches: the SMs ``radix_topk`` leaves idle), else ``"radix"``: one program a row
+    runs the digit passes one block after another, no shorter a chain than
+    ``radix_topk``'s 16 counting passes over a chunk held in registers."""
+    return "digit" if digit_topk_programs(rows, cols, num_sms, DigitTopkConfig()) > 1 else "radix"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one by one
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def exact_topk_triton(scores: torch.Tensor, topk: int) -> torch.Tensor:
     """The kernel ``topk_method`` picks for ``scores``' shape."""
-    if topk_method(scores.shape[0], scores.shape[1], topk) == "radix":
+    _check(scores, topk, None)
+    if topk_method(scores.shape[0], scores.shape[1], _num_sms(scores.device)) == "radix":
         return radix_topk_triton(scores, topk)
     return digit_topk_triton(scores, topk)
 

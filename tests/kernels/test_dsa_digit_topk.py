@@ -1,13 +1,14 @@
 """digit_topk: radix_topk's exact output (first_topk's set in ascending position order,
 ``-1`` padded) by 8-bit digit passes over a row split across programs, against
 radix_topk_ref under the interpreter on tiny odd shapes (one program a row, and split
-rows with several blocks a program and empty spans), and on the GPU at V3.2's sizes."""
+rows with several blocks a program), and on the GPU at V3.2's sizes."""
 
 import pytest
 import torch
 from lanekv.kernels.dsa.digit_topk import (
     DigitTopkConfig,
     digit_topk_programs,
+    digit_topk_split,
     digit_topk_triton,
     exact_topk,
     exact_topk_triton,
@@ -35,8 +36,8 @@ def _scores(gen, rows, cols):
     (37, None, (1, 7, 40)),  # one program a row (rows shorter than k too)
     (301, DigitTopkConfig(block=256, min_span=16, programs_per_sm=64, max_programs=2),
      (100,)),  # two programs of one block each, the second short
-    (500, SPLIT, (5,)),  # three programs of two blocks, the last span empty
-    (500, SPLIT, (499,)),
+    (700, SPLIT, (5,)),  # three programs of two blocks, the last one's second short
+    (700, SPLIT, (699,)),
 ])
 def test_kernel_equals_reference(cols, config, ks):
     gen = torch.Generator().manual_seed(cols)
@@ -62,12 +63,13 @@ def test_split_and_single_agree_on_wide_rows_and_ties():
 
 def test_programs_chooser_and_arguments():
     cfg = DigitTopkConfig()
-    assert digit_topk_programs(1, 8192, 132, cfg) == 2
-    assert digit_topk_programs(1, 131072, 132, cfg) == 32
-    assert digit_topk_programs(16, 131072, 132, cfg) == 9
-    assert digit_topk_programs(64, 163840, 132, cfg) == 3
+    assert digit_topk_split(1, 8192, 132, cfg) == (4, 2048)  # batch 1: one block a program
+    assert digit_topk_split(1, 131072, 132, cfg) == (32, 4096)  # at most 32 a row
+    assert digit_topk_split(1, 163840, 132, cfg) == (27, 6144)  # none left without a block
+    assert digit_topk_split(16, 131072, 132, cfg) == (8, 16384)
     assert digit_topk_programs(200, 8192, 132, cfg) == 1
-    assert topk_method(1, 8192, 2048) in ("digit", "radix")
+    assert topk_method(1, 8192, 132) == topk_method(16, 131072, 132) == "digit"
+    assert topk_method(200, 8192, 132) == topk_method(1, 2048, 132) == "radix"
     s = torch.randn(3, 50)
     assert torch.equal(exact_topk(s, 9), radix_topk_ref(s, 9))  # CPU dispatch: the reference
     assert torch.equal(exact_topk_triton(s, 9), radix_topk_ref(s, 9))
