@@ -27,6 +27,13 @@ a CUDA graph; no host read.
 If a row has fewer finite scores than ``topk``, no digit reaches the count and the
 search settles on the lowest pattern with more ties to take than there are: every
 finite score is selected.
+
+TensorRT-LLM's indexer top-k (11/11/10-bit digits) and SGLang's fast_topk (an 8-bit
+first pass, then candidates in shared memory) search digits the same way in one CTA a
+row; a Triton program has no such scratch, so here a row is split instead. The chooser
+(``topk_method``) takes this kernel only where it splits a row: with one program a row
+its passes run block after block, no shorter a chain than ``radix_topk``'s. That rule
+and the split's knobs are reasoned, not yet measured: bench/gpu_dsa_topk.sh times them.
 """
 
 from __future__ import annotations
