@@ -270,7 +270,7 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--score-configs", type=_config, nargs="*", default=[
-        _config(c) for c in ("32,4,4,3", "64,2,4,3", "64,8,4,3", "128,4,8,3", "64,4,4,2")])
+        _config(c) for c in ("64,4,4,3", "32,4,4,3", "64,2,4,3", "128,4,8,3", "64,4,4,2")])
     ap.add_argument("--topk-configs", type=_topk_config, nargs="*", default=[
         _topk_config(c) for c in ("1024,1024,1,32,4", "2048,4096,1,32,8", "2048,2048,2,32,8",
                                   "4096,4096,1,16,16", "2048,2048,1,1,8")])
