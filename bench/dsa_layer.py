@@ -19,13 +19,18 @@ context, pages shuffled over the pool), the new token of each request:
   alone, sorted and not (what the int64 keys and the sorted output cost);
   ``radix_topk_us`` / ``radix_topk_w8_us``: ``kernels/dsa/topk.py``'s ``radix_topk``
   (the same set in position order, one to three launches of our own) at 16 and 8
-  warps, checked equal to its reference first (``radix_same``);
+  warps, checked equal to its reference first (``radix_same``); ``digit_topk_us``:
+  ``kernels/dsa/digit_topk.py``'s ``digit_topk`` (the same output: 8-bit digit passes,
+  the row split over ``digit_programs`` programs; ``digit_same``), ``topk_method`` the
+  kernel ``exact_topk`` (the decode step's) takes at the shape, ``digit_topk_wide_us``
+  / ``radix_topk_wide_us`` both over the wide table's scores (below);
 - ``launches_*``: the GPU operations one eager call launches (torch.profiler): the
-  step's top-k, ``radix_topk``, and the two chains;
+  keys' top-k, ``radix_topk``, ``digit_topk``, and the two chains;
 - ``sparse_us``: the sparse MLA decode over the selected rows (auto splits; its launch
   configs: ``bench/sparse_mla_sweep.py``);
-- ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` then the sparse decode
-  captured as one graph (the layer's DSA attention as the decode step runs it);
+- ``sum_us``: the three parts; ``dsa_us``: ``decode_select`` (the float scores, then
+  ``exact_topk``) then the sparse decode captured as one graph (the layer's DSA
+  attention as the decode step runs it);
   ``dsa_radix_us``: the same chain with the float scores and ``radix_topk`` in place
   of the keys and ``torch.topk`` (``radix_over_dense`` against the dense kernel);
 - ``dense_us``: the paged dense MLA decode kernel over all ``context`` rows;
@@ -38,7 +43,8 @@ each request's pages are page 0, never read): what the step pays under CUDA grap
 where the scores and the top-k run over the table's whole width.
 
 ``--score-configs`` (block_n,programs_per_sm,warps,stages) times the scoring kernel
-under each launch config too (table ``score_sweep``). Every timing is a CUDA graph
+under each launch config too (table ``score_sweep``), ``--topk-configs``
+(block,min_span,programs_per_sm,max_programs,warps) ``digit_topk`` (table ``topk_sweep``). Every timing is a CUDA graph
 of 20 calls replayed (the median of ``triton.testing.do_bench``, divided by 20), as
 bench/deepseek_kernels.py times its kernels. Before timing, the scores are checked
 against ``paged_index_scores_ref`` (``score_rel_err``), the selection against the
@@ -59,6 +65,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from lanekv.kernels.dsa.digit_topk import (  # noqa: E402
+    DigitTopkConfig,
+    digit_topk_programs,
+    digit_topk_triton,
+    topk_method,
+)
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, store_index_k_triton  # noqa: E402
 from lanekv.kernels.dsa.indexer import (  # noqa: E402
     IndexScoreConfig,
@@ -83,6 +95,10 @@ DEV, DT = "cuda", torch.bfloat16  # a CPU smoke run of the code swaps these (and
 
 def _config(text: str) -> IndexScoreConfig:
     return IndexScoreConfig(*(int(v) for v in text.split(",")))
+
+
+def _topk_config(text: str) -> DigitTopkConfig:
+    return DigitTopkConfig(*(int(v) for v in text.split(",")))
 
 
 def _plane(kv: str, rows: int, gen: torch.Generator) -> tuple[DSARowLayout, torch.Tensor]:
@@ -122,8 +138,8 @@ def _overlap(got: torch.Tensor, want: torch.Tensor) -> float:
     return sum(fracs) / len(fracs)
 
 
-def _case(kv: str, batch: int, context: int, rate: float, configs, gen,
-          graph_positions: int) -> tuple[dict, list]:
+def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs, gen,
+          graph_positions: int) -> tuple[dict, list, list]:
     pages = context // PAGE
     lay, plane = _plane(kv, batch * context, gen)
     latent, index = lay.latent(plane), lay.index_rows(plane)
@@ -152,13 +168,16 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen,
 
     keys = paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale, spec)
     keys_same = bool(torch.equal(topk_of_keys(keys, TOPK), chosen))
-    radix_same = bool(torch.equal(radix_topk_triton(scores, TOPK), radix_topk_ref(scores, TOPK)))
+    want_sel = radix_topk_ref(scores, TOPK)
+    radix_same = bool(torch.equal(radix_topk_triton(scores, TOPK), want_sel))
+    digit_same = bool(torch.equal(digit_topk_triton(scores, TOPK), want_sel))
 
     def dsa_radix():
         sel = radix_topk_triton(score(), TOPK)
         return sparse_mla_decode_triton(qa, latent, table, sel, PAGE, ascale, RANK)
 
     nbytes = batch * context * spec.row_bytes
+    num_sms = torch.cuda.get_device_properties(DEV).multi_processor_count
     score_us = graph_us(lambda: paged_index_keys_triton(qi, w, index, table, lens, PAGE, iscale,
                                                         spec))
     float_score_us = graph_us(score)
@@ -183,6 +202,8 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen,
                                         ascale, RANK)
 
     wide_same = bool(torch.equal(dsa_wide(), dsa()))
+    wide_scores = paged_index_scores_triton(qi, w, index, wide, lens, PAGE, iscale, spec)
+    wide_same = wide_same and bool(torch.equal(digit_topk_triton(wide_scores, TOPK), want_sel))
     dense_wide_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, wide, lens, PAGE,
                                                                 ascale, RANK))
     dsa_wide_us, dsa_radix_wide_us = graph_us(dsa_wide), graph_us(dsa_radix_wide)
@@ -195,9 +216,15 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen,
            "torch_topk_unsorted_us": graph_us(lambda: scores.topk(TOPK, dim=-1, sorted=False)),
            "radix_topk_us": graph_us(lambda: radix_topk_triton(scores, TOPK)),
            "radix_topk_w8_us": graph_us(lambda: radix_topk_triton(scores, TOPK, num_warps=8)),
-           "radix_same": radix_same, "keys_same": keys_same,
+           "digit_topk_us": graph_us(lambda: digit_topk_triton(scores, TOPK)),
+           "topk_method": topk_method(batch, context, num_sms),
+           "digit_programs": digit_topk_programs(batch, context, num_sms, DigitTopkConfig()),
+           "radix_topk_wide_us": graph_us(lambda: radix_topk_triton(wide_scores, TOPK)),
+           "digit_topk_wide_us": graph_us(lambda: digit_topk_triton(wide_scores, TOPK)),
+           "radix_same": radix_same, "digit_same": digit_same, "keys_same": keys_same,
            "launches_topk": kernel_count(lambda: topk_of_keys(keys, TOPK)),
            "launches_radix": kernel_count(lambda: radix_topk_triton(scores, TOPK)),
+           "launches_digit": kernel_count(lambda: digit_topk_triton(scores, TOPK)),
            "launches_dsa": kernel_count(dsa), "launches_dsa_radix": kernel_count(dsa_radix),
            "sparse_us": sparse_us, "sum_us": score_us + topk_us + sparse_us, "dsa_us": dsa_us,
            "dense_us": dense_us, "dsa_over_dense": dsa_us / dense_us, "target": target,
@@ -219,9 +246,20 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, gen,
             continue
         sweep.append(dict(key, score_us=us, index_gbps=nbytes / us / 1e3,
                           of_default=us / float_score_us, max_abs_diff=err))
+    topk_sweep = []
+    for tcfg in topk_configs:
+        key = {"kv": kv, "batch": batch, "context": context, "config": ",".join(map(str, tcfg))}
+        try:
+            same = bool(torch.equal(digit_topk_triton(scores, TOPK, config=tcfg), want_sel))
+            us = graph_us(lambda tcfg=tcfg: digit_topk_triton(scores, TOPK, config=tcfg))
+        except Exception as exc:  # a config that does not fit: recorded, not fatal
+            topk_sweep.append(dict(key, error=type(exc).__name__))
+            continue
+        topk_sweep.append(dict(key, topk_us=us, of_default=us / row["digit_topk_us"],
+                               of_radix=us / row["radix_topk_us"], same=same))
     del plane
     torch.cuda.empty_cache()
-    return row, sweep
+    return row, sweep, topk_sweep
 
 
 def main() -> int:
@@ -232,7 +270,10 @@ def main() -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--score-configs", type=_config, nargs="*", default=[
-        _config(c) for c in ("32,4,4,3", "64,2,4,3", "64,8,4,3", "128,4,8,3", "64,4,4,2")])
+        _config(c) for c in ("64,4,4,3", "32,4,4,3", "64,2,4,3", "128,4,8,3", "64,4,4,2")])
+    ap.add_argument("--topk-configs", type=_topk_config, nargs="*", default=[
+        _topk_config(c) for c in ("1024,1024,1,32,4", "2048,4096,1,32,8", "2048,2048,2,32,8",
+                                  "4096,4096,1,16,16", "2048,2048,1,1,8")])
     ap.add_argument("--bandwidth", type=float, default=0.0,
                     help="GB/s for the index floor (default: the measured copy rate)")
     ap.add_argument("--graph-positions", type=int, default=163840,
@@ -252,14 +293,15 @@ def main() -> int:
               "floor_gbps": rate, "graph_calls": GRAPH_CALLS,
               "shapes": {"heads": HEADS, "kv_lora_rank": RANK, "rope": ROPE, "page": PAGE,
                          "topk": TOPK, "index_heads": INDEX_HEADS, "index_dim": INDEX_DIM},
-              "layer": [], "score_sweep": []}
+              "layer": [], "score_sweep": [], "topk_sweep": []}
     for kv in args.kv:
         for batch in args.batches:
             for context in args.contexts:
-                row, sweep = _case(kv, batch, context, rate, args.score_configs, gen,
-                                   args.graph_positions)
+                row, sweep, topk_sweep = _case(kv, batch, context, rate, args.score_configs,
+                                               args.topk_configs, gen, args.graph_positions)
                 result["layer"].append(row)
                 result["score_sweep"] += sweep
+                result["topk_sweep"] += topk_sweep
                 print(f"{kv} b{batch} {context}: dsa {row['dsa_us']:.1f} us, dense "
                       f"{row['dense_us']:.1f} us ({row['dsa_over_dense']:.2f}x); with radix_topk "
                       f"{row['radix_over_dense']:.2f}x; at the graph's width "
@@ -269,6 +311,7 @@ def main() -> int:
                     args.json.write_text(json.dumps(result, indent=2))
     print_rows("DSA decode attention per layer", result["layer"])
     print_rows("index scoring launch configs", result["score_sweep"])
+    print_rows("digit_topk launch configs", result["topk_sweep"])
     print(f"\nindex floor at {rate:.0f} GB/s; timed as CUDA graphs of {GRAPH_CALLS} calls")
     return 0
 

@@ -74,12 +74,31 @@ def _index_scores_kernel(
 
 
 class IndexScoreConfig(NamedTuple):
-    """Launch knobs of the paged (decode) index scoring kernel; bench/dsa_layer.py sweeps them."""
+    """Launch knobs of the paged (decode) index scoring kernel; bench/dsa_layer.py sweeps
+    them. The defaults are the small-step config of ``default_index_score_config``."""
 
-    block_n: int = 64  # keys per loop step of a program
+    block_n: int = 32  # keys per loop step of a program
     programs_per_sm: int = 4  # programs launched per SM over the whole batch (at most one per block)
     num_warps: int = 4
     num_stages: int = 3
+
+
+# From the sweep of bench/dsa_layer.py on an H200 (V3.2 shapes, bf16 and fp8 rows): 32-key
+# blocks with 3 stages were the fastest or tied at every measured step up to 128k keys
+# in the batch (batch 1 at 8k and 128k, batch 16 at 8k), while at 2M keys (batch 16 at
+# 128k) 64-key blocks with 2 stages were faster still. No config won everywhere, so the
+# rule is by shape: the batch's keys (batch * table width) at or above LARGE_STEP_KEYS
+# take the large-step config; the boundary lies between the measured 128k and 2M.
+LARGE_STEP_KEYS = 1 << 20
+LARGE_STEP_CONFIG = IndexScoreConfig(block_n=64, programs_per_sm=4, num_warps=4, num_stages=2)
+
+
+def default_index_score_config(batch: int, max_len: int) -> IndexScoreConfig:
+    """The scoring kernel's launch config for ``batch`` requests over a table of
+    ``max_len`` positions (a function of shapes only, so a captured step keeps it)."""
+    if batch * max_len >= LARGE_STEP_KEYS:
+        return LARGE_STEP_CONFIG
+    return IndexScoreConfig()
 
 
 def index_score_programs(batch: int, max_len: int, num_sms: int,
@@ -292,8 +311,8 @@ def _launch_paged(q, weights, pool, page_table, seq_lens, page_size, softmax_sca
     _check_paged_args(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec)
     if config is not None and not isinstance(config, IndexScoreConfig):
         raise ValueError(f"config must be an IndexScoreConfig or None, got {config!r:.80}")
-    cfg = config or IndexScoreConfig()
     max_len = page_table.shape[1] * page_size
+    cfg = config or default_index_score_config(q.shape[0], max_len)
     if max_len >= 1 << 32:
         raise ValueError(f"page_table spans {max_len} positions, 2**32 or more")
     out = torch.empty((q.shape[0], max_len), dtype=torch.int64 if keys else torch.float32,
@@ -324,7 +343,7 @@ def paged_index_scores_triton(q, weights, pool, page_table, seq_lens, page_size:
                               softmax_scale: float, spec: IndexCacheSpec, *,
                               config: IndexScoreConfig | None = None) -> torch.Tensor:
     """Triton launcher; ``config`` (bench sweeps) picks the key block, the programs
-    per SM and the pipelining, ``None`` the defaults."""
+    per SM and the pipelining, ``None`` the shape's (``default_index_score_config``)."""
     return _launch_paged(q, weights, pool, page_table, seq_lens, page_size, softmax_scale, spec,
                          config, keys=False)
 

@@ -9,9 +9,10 @@ the pool already.
 On CUDA it is one launch of the paged Triton kernel (fp8 rows read as they are
 stored) over the page table's width, writing float32 scores (keys past ``seq_lens[b]``
 score ``-inf`` and are never selected, so a request with fewer than ``topk`` keys gets
-``-1`` padding, which ``sparse_mla_decode`` skips), then ``radix_topk``: one launch per
-level of 8192 scores, ``first_topk``'s exact set (exactly tied scores go to the lowest
-positions) listed in ascending position order. The order is a function of the set, so
+``-1`` padding, which ``sparse_mla_decode`` skips), then ``exact_topk``
+(``kernels/dsa/digit_topk.py``: 8-bit digit passes over a row split across the SMs, or
+``radix_topk``, by shape), ``first_topk``'s exact set (exactly tied scores go to the
+lowest positions) listed in ascending position order. The order is a function of the set, so
 a captured step, whose table is as wide as the pool allows, selects and attends in the
 order an eager step over the batch's own width does. ``radix_topk`` replaced
 ``torch.topk`` over int64 keys here: on an H200 it took 26-81 us against 67-123 us at
@@ -29,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import use_triton
+from lanekv.kernels.dsa.digit_topk import exact_topk
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k
 from lanekv.kernels.dsa.indexer import (
     index_scores,
@@ -37,7 +39,6 @@ from lanekv.kernels.dsa.indexer import (
     score_key,
     score_keys_ref,
 )
-from lanekv.kernels.dsa.topk import radix_topk
 
 
 def decode_select(q: torch.Tensor, weights: torch.Tensor, index_pool: torch.Tensor,
@@ -64,11 +65,11 @@ def select_fixed_width(q: torch.Tensor, weights: torch.Tensor, index_pool: torch
                        page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int,
                        softmax_scale: float, topk: int, spec: IndexCacheSpec) -> torch.Tensor:
     """``decode_select``'s CUDA path on any device: the float32 scores over the page
-    table's whole width (``-inf`` past each ``seq_len``), then ``radix_topk``'s
-    positions in ascending order: ``radix_topk(paged_index_scores(...), topk)``."""
+    table's whole width (``-inf`` past each ``seq_len``), then ``exact_topk``'s
+    positions in ascending order: ``exact_topk(paged_index_scores(...), topk)``."""
     scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
                                 softmax_scale, spec)
-    return radix_topk(scores, topk)
+    return exact_topk(scores, topk)
 
 
 _NEG_INF_ORDER = -2139095041  # score_key's high word of -inf

@@ -17,7 +17,9 @@ again in position order, so the tie rule holds across levels. One launch at 8k
 scores, two at 32k, three at 128k (chunk 8192, top 2048), each independent of
 the values, so the selection can be captured in a CUDA graph.
 
-The reference sorts ``first_topk_ref``'s positions.
+The reference sorts ``first_topk_ref``'s positions. ``kernels/dsa/digit_topk.py``
+gives the same output with the row split over many programs (the small batches' top-k);
+its ``exact_topk`` chooses between the two by shape.
 """
 
 from __future__ import annotations

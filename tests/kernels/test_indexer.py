@@ -4,7 +4,9 @@ import pytest
 import torch
 from lanekv.kernels.dsa.index_cache import IndexCacheSpec, read_index_k_ref, store_index_k_ref
 from lanekv.kernels.dsa.indexer import (
+    LARGE_STEP_CONFIG,
     IndexScoreConfig,
+    default_index_score_config,
     index_score_programs,
     index_scores,
     index_scores_ref,
@@ -116,6 +118,15 @@ def test_paged_index_scores_spread_over_programs_match_reference(cache_dtype):
         torch.testing.assert_close(got[fin], ref[fin], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="config must be an IndexScoreConfig"):
         paged_index_scores_triton(q, w, pool, table, lens, page, 0.3, spec, config=(16, 1))
+
+
+def test_default_scoring_config_by_shape():
+    small = IndexScoreConfig(block_n=32, programs_per_sm=4, num_warps=4, num_stages=3)
+    assert default_index_score_config(1, 8192) == small
+    assert default_index_score_config(1, 131072) == small
+    assert default_index_score_config(16, 8192) == small
+    assert default_index_score_config(16, 131072) == LARGE_STEP_CONFIG
+    assert LARGE_STEP_CONFIG == IndexScoreConfig(64, 4, 4, 2)
 
 
 def test_topk_takes_all_visible_keys_when_fewer_and_pads():

@@ -1,0 +1,311 @@
+"""Exact top-k of index scores by 8-bit digit histograms, a row split over many programs.
+
+``digit_topk_triton(scores [N, T] float32, topk) -> [N, topk] int32`` gives exactly
+``radix_topk``'s output (``kernels/dsa/topk.py``): the ``topk`` largest finite scores'
+positions (ties at the cut to the lowest positions, ``-0.0`` as ``0.0``, ``-inf``
+never selected) in ascending position order, ``-1`` padded. ``exact_topk`` is the
+decode selection's entry: it takes this kernel or ``radix_topk`` by shape only.
+
+Why: ``radix_topk`` cuts the row into chunks of 8192 and searches each chunk's
+threshold two bits a pass, 16 dependent block reductions in ONE program per chunk,
+so a batch-1 step keeps one SM busy. Here the threshold (the ``topk``-th largest
+score's monotonic 32-bit pattern ``u``) is found 8 bits a pass, 4 passes: pass ``d``
+histograms digit ``d`` of the scores whose higher digits equal the prefix found so
+far (``tl.histogram``, 256 bins), and the prefix grows by the highest digit whose
+count from the top reaches the keys still to take. A row is split over ``P``
+programs (a function of the shapes and the SM count); each pass is one launch in
+which every program writes its span's histogram (no atomics: the sums are
+deterministic and need no zeroed buffer), and the next launch sums the ``P``
+histograms, so every program derives the same prefix (program 0 stores it for the
+pass after). The last launch selects: each program takes its span's scores above
+the threshold and, of those equal to it, the ones whose rank among the row's ties
+is below the ties still to take, written at offsets summed from the earlier spans'
+counts: ascending position order, ``first_topk``'s tie rule. Five launches for any
+values (one, all passes in one program, when ``P`` is 1), so it can be captured in
+a CUDA graph; no host read.
+
+If a row has fewer finite scores than ``topk``, no digit reaches the count and the
+search settles on the lowest pattern with more ties to take than there are: every
+finite score is selected.
+
+TensorRT-LLM's indexer top-k (11/11/10-bit digits) and SGLang's fast_topk (an 8-bit
+first pass, then candidates in shared memory) search digits the same way in one CTA a
+row; a Triton program has no such scratch, so here a row is split instead. The chooser
+(``topk_method``) takes this kernel only where it splits a row: with one program a row
+its passes run block after block, no shorter a chain than ``radix_topk``'s. That rule
+and the split's knobs are reasoned, not yet measured: bench/gpu_dsa_topk.sh times them.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+from lanekv.kernels.backend import use_triton
+from lanekv.kernels.dsa.topk import _check, radix_topk_ref, radix_topk_triton
+
+DIGITS = tl.constexpr(4)  # 8-bit digits of the 32-bit pattern
+HIST_ROWS = tl.constexpr(32)  # programs' histograms summed per step (bounds the registers)
+
+
+class DigitTopkConfig(NamedTuple):
+    """Launch knobs of ``digit_topk_triton``; bench/dsa_layer.py times them."""
+
+    block: int = 2048  # scores a program holds per loop step
+    min_span: int = 2048  # fewest scores a program of a split row covers
+    programs_per_sm: int = 1  # programs over the whole batch per SM (split rows only)
+    max_programs: int = 32  # most programs per row (one load of their histograms)
+    num_warps: int = 8
+
+    def check(self) -> None:
+        for name in ("block", "min_span", "programs_per_sm", "max_programs", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DigitTopkConfig.{name} must be a positive int, got {v!r}")
+        if self.block & (self.block - 1) or self.block < 16:
+            raise ValueError(f"DigitTopkConfig.block must be a power of two >= 16, got {self.block}")
+
+
+class DigitSplit(NamedTuple):
+    """How a row is split: ``programs`` spans of ``span`` scores (whole blocks)."""
+
+    programs: int
+    span: int
+
+
+def digit_topk_split(rows: int, cols: int, num_sms: int, config: DigitTopkConfig) -> DigitSplit:
+    """Enough programs over the batch to give each SM ``programs_per_sm``, each covering
+    at least ``min_span`` scores and whole blocks, at most ``max_programs`` a row, and
+    no program left without a block. A function of the shapes only."""
+    want = triton.cdiv(num_sms * config.programs_per_sm, max(rows, 1))
+    progs = max(1, min(want, triton.cdiv(cols, config.min_span), config.max_programs))
+    blocks = max(1, triton.cdiv(cols, config.block))
+    per_program = triton.cdiv(blocks, progs)
+    return DigitSplit(triton.cdiv(blocks, per_program), per_program * config.block)
+
+
+def digit_topk_programs(rows: int, cols: int, num_sms: int, config: DigitTopkConfig) -> int:
+    """Programs per row (``digit_topk_split``'s)."""
+    return digit_topk_split(rows, cols, num_sms, config).programs
+
+
+@triton.jit
+def _patterns(x):
+    """Each score's monotonic 32-bit pattern (as int64 in [0, 2**32)) and finiteness."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)  # + 0.0 turns -0.0 into 0.0
+    order = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # signed-monotonic in the float
+    return order.to(tl.int64) + 2147483648, x != float("-inf")
+
+
+@triton.jit
+def _span_histogram(src_ptr, start, stop, n_cols, prefix, SHIFT: tl.constexpr,
+                    BLOCK: tl.constexpr):
+    """[256] counts of digit ``u >> SHIFT & 255`` over the span's finite scores whose
+    higher bits equal ``prefix``, and the count of those whose higher bits exceed it."""
+    i = tl.arange(0, BLOCK)
+    hist = tl.zeros([256], tl.int32)
+    above = tl.zeros([], tl.int32)
+    for s in range(start, stop, BLOCK):
+        x = tl.load(src_ptr + s + i, mask=s + i < n_cols, other=float("-inf"))
+        u, valid = _patterns(x)
+        high = u >> (SHIFT + 8)
+        hist += tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256,
+                             mask=valid & (high == prefix))
+        above += tl.sum((valid & (high > prefix)).to(tl.int32), 0)
+    return hist, above
+
+
+@triton.jit
+def _next_prefix(hist, prefix, need):
+    """The prefix one digit longer and the keys still to take at it: the highest digit
+    whose count from the top reaches ``need`` (digit 0 if none does)."""
+    j = tl.arange(0, 256)
+    from_top = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # count of digits >= j
+    digit = tl.maximum(tl.sum((from_top >= need).to(tl.int32), 0) - 1, 0)
+    return prefix * 256 + digit, need - tl.sum(tl.where(j > digit, hist, 0), 0)
+
+
+@triton.jit
+def _summed(hist_ptr, n_progs):
+    """The sum of ``n_progs`` programs' [256] histograms stored row after row."""
+    j = tl.arange(0, 256)
+    q = tl.arange(0, HIST_ROWS)
+    total = tl.zeros([256], tl.int32)
+    for q0 in range(0, n_progs, HIST_ROWS):
+        h = tl.load(hist_ptr + (q0 + q)[:, None] * 256 + j[None, :],
+                    mask=(q0 + q < n_progs)[:, None], other=0)
+        total += tl.sum(h, 0)
+    return total
+
+
+@triton.jit
+def _span_select(src_ptr, out_ptr, start, stop, n_cols, thr, ties, tie_base, slot,
+                 BLOCK: tl.constexpr):
+    """Writes the span's selected positions from ``slot`` on; returns the slot after."""
+    i = tl.arange(0, BLOCK)
+    for s in range(start, stop, BLOCK):
+        x = tl.load(src_ptr + s + i, mask=s + i < n_cols, other=float("-inf"))
+        u, valid = _patterns(x)
+        eq = (valid & (u == thr)).to(tl.int32)
+        rank = tie_base + tl.cumsum(eq, 0) - eq  # among the row's ties
+        sel = ((valid & (u > thr)) | ((eq != 0) & (rank < ties))).to(tl.int32)
+        tl.store(out_ptr + slot + tl.cumsum(sel, 0) - sel, s + i, mask=sel != 0)
+        tie_base += tl.sum(eq, 0)
+        slot += tl.sum(sel, 0)
+    return slot
+
+
+@triton.jit
+def _pad(out_ptr, first, topk, BLOCK: tl.constexpr):
+    i = tl.arange(0, BLOCK)
+    for s in range(0, topk, BLOCK):
+        tl.store(out_ptr + s + i, tl.full([BLOCK], -1, tl.int32), mask=(s + i >= first)
+                 & (s + i < topk))
+
+
+@triton.jit(do_not_specialize=["n_cols", "topk", "stride_s", "stride_o"])
+def _digit_topk_row_kernel(src_ptr, out_ptr, n_cols, topk, stride_s, stride_o,
+                           BLOCK: tl.constexpr):
+    """One program per row: the four passes and the selection in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    src = src_ptr + row * stride_s
+    prefix = tl.zeros([], tl.int64)
+    need = topk + tl.zeros([], tl.int32)
+    for d in tl.static_range(DIGITS):
+        hist, _ = _span_histogram(src, 0, n_cols, n_cols, prefix, 24 - 8 * d, BLOCK)
+        prefix, need = _next_prefix(hist, prefix, need)
+    out = out_ptr + row * stride_o
+    zero = tl.zeros([], tl.int32)
+    count = _span_select(src, out, 0, n_cols, n_cols, prefix, need, zero, zero, BLOCK)
+    _pad(out, count, topk, BLOCK)
+
+
+@triton.jit(do_not_specialize=["n_cols", "topk", "span", "stride_s", "stride_o"])
+def _digit_pass_kernel(src_ptr, hist_ptr, above_ptr, state_ptr, n_cols, topk, span,
+                       stride_s, DIGIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Pass ``DIGIT`` of a split row: the prefix from the last pass's histograms, then
+    this span's histogram of the next digit (and, at the last digit, its count above)."""
+    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    n_progs = tl.num_programs(1)
+    rows = tl.num_programs(0)
+    if DIGIT == 0:
+        prefix = tl.zeros([], tl.int64)
+        need = topk + tl.zeros([], tl.int32)
+    else:
+        state = state_ptr + (row * DIGITS + DIGIT - 1) * 2
+        last = _summed(hist_ptr + ((DIGIT - 1) * rows + row) * n_progs * 256, n_progs)
+        if DIGIT == 1:
+            prefix, need = _next_prefix(last, tl.zeros([], tl.int64), topk + tl.zeros([],
+                                                                                     tl.int32))
+        else:
+            prefix, need = _next_prefix(last, tl.load(state), tl.load(state + 1).to(tl.int32))
+        if pid == 0:  # the pass after reads it (a later launch, so it is visible)
+            tl.store(state + 2, prefix)
+            tl.store(state + 3, need.to(tl.int64))
+    start = pid * span
+    hist, above = _span_histogram(src_ptr + row * stride_s, start, tl.minimum(start + span, n_cols),
+                                  n_cols, prefix, 24 - 8 * DIGIT, BLOCK)
+    tl.store(hist_ptr + ((DIGIT * rows + row) * n_progs + pid) * 256 + tl.arange(0, 256), hist)
+    if DIGIT == DIGITS - 1:
+        tl.store(above_ptr + row * n_progs + pid, above)
+
+
+@triton.jit(do_not_specialize=["n_cols", "topk", "span", "stride_s", "stride_o"])
+def _digit_select_kernel(src_ptr, hist_ptr, above_ptr, state_ptr, out_ptr, n_cols, topk, span,
+                         stride_s, stride_o, BLOCK: tl.constexpr):
+    """The selection of a split row: the threshold from the last digit's histograms, this
+    span's output offset from the earlier spans' counts above it and ties at it."""
+    row = tl.program_id(0).to(tl.int64)
+    pid = tl.program_id(1)
+    n_progs = tl.num_programs(1)
+    hists = hist_ptr + ((DIGITS - 1) * tl.num_programs(0) + row) * n_progs * 256
+    state = state_ptr + (row * DIGITS + DIGITS - 1) * 2
+    thr, ties = _next_prefix(_summed(hists, n_progs), tl.load(state),
+                             tl.load(state + 1).to(tl.int32))
+    digit = thr & 255
+    j = tl.arange(0, 256)
+    q = tl.arange(0, HIST_ROWS)
+    gt_before = tl.zeros([], tl.int32)
+    eq_before = tl.zeros([], tl.int32)
+    gt_all = tl.zeros([], tl.int32)
+    eq_all = tl.zeros([], tl.int32)
+    for q0 in range(0, n_progs, HIST_ROWS):
+        ok = q0 + q < n_progs
+        h = tl.load(hists + (q0 + q)[:, None] * 256 + j[None, :], mask=ok[:, None], other=0)
+        gt = tl.load(above_ptr + row * n_progs + q0 + q, mask=ok, other=0)
+        gt += tl.sum(tl.where(j[None, :] > digit, h, 0), 1)
+        eq = tl.sum(tl.where(j[None, :] == digit, h, 0), 1)
+        gt_before += tl.sum(tl.where(q0 + q < pid, gt, 0), 0)
+        eq_before += tl.sum(tl.where(q0 + q < pid, eq, 0), 0)
+        gt_all += tl.sum(gt, 0)
+        eq_all += tl.sum(eq, 0)
+    out = out_ptr + row * stride_o
+    start = pid * span
+    _span_select(src_ptr + row * stride_s, out, start, tl.minimum(start + span, n_cols), n_cols,
+                 thr, ties, eq_before, gt_before + tl.minimum(eq_before, ties), BLOCK)
+    if pid == 0:
+        _pad(out, gt_all + tl.minimum(eq_all, ties), topk, BLOCK)
+
+
+def digit_topk_triton(scores: torch.Tensor, topk: int, *,
+                      config: DigitTopkConfig | None = None) -> torch.Tensor:
+    """Triton launcher: ``radix_topk``'s output; ``config`` (tests, bench) sets the
+    block, the split and the warps, ``None`` the defaults."""
+    _check(scores, topk, None)
+    if config is not None and not isinstance(config, DigitTopkConfig):
+        raise ValueError(f"config must be a DigitTopkConfig or None, got {config!r:.80}")
+    cfg = config or DigitTopkConfig()
+    cfg.check()
+    rows, cols = scores.shape
+    out = torch.empty((rows, topk), dtype=torch.int32, device=scores.device)
+    if rows == 0:
+        return out
+    if cols == 0:
+        return out.fill_(-1)
+    progs, span = digit_topk_split(rows, cols, _num_sms(scores.device), cfg)
+    if progs == 1:
+        _digit_topk_row_kernel[(rows,)](scores, out, cols, topk, scores.stride(0), out.stride(0),
+                                        BLOCK=cfg.block, num_warps=cfg.num_warps)
+        return out
+    dev = scores.device
+    hist = torch.empty((DIGITS.value, rows, progs, 256), dtype=torch.int32, device=dev)
+    above = torch.empty((rows, progs), dtype=torch.int32, device=dev)
+    state = torch.empty((rows, DIGITS.value, 2), dtype=torch.int64, device=dev)
+    for digit in range(DIGITS.value):
+        _digit_pass_kernel[(rows, progs)](scores, hist, above, state, cols, topk, span,
+                                          scores.stride(0), DIGIT=digit, BLOCK=cfg.block,
+                                          num_warps=cfg.num_warps)
+    _digit_select_kernel[(rows, progs)](scores, hist, above, state, out, cols, topk, span,
+                                        scores.stride(0), out.stride(0), BLOCK=cfg.block,
+                                        num_warps=cfg.num_warps)
+    return out
+
+
+def topk_method(rows: int, cols: int, num_sms: int) -> str:
+    """``"digit"`` where ``digit_topk`` splits a row over several programs (small
+    batches: the SMs ``radix_topk`` leaves idle), else ``"radix"``: one program a row
+    runs the digit passes one block after another, no shorter a chain than
+    ``radix_topk``'s 16 counting passes over a chunk held in registers."""
+    return "digit" if digit_topk_programs(rows, cols, num_sms, DigitTopkConfig()) > 1 else "radix"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one by one
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def exact_topk_triton(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The kernel ``topk_method`` picks for ``scores``' shape."""
+    _check(scores, topk, None)
+    if topk_method(scores.shape[0], scores.shape[1], _num_sms(scores.device)) == "radix":
+        return radix_topk_triton(scores, topk)
+    return digit_topk_triton(scores, topk)
+
+
+def exact_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
+    """The positions of each row's ``topk`` largest finite scores, ascending, ``-1`` padded."""
+    return (exact_topk_triton if use_triton(scores) else radix_topk_ref)(scores, topk)

@@ -1,0 +1,106 @@
+"""digit_topk: radix_topk's exact output (first_topk's set in ascending position order,
+``-1`` padded) by 8-bit digit passes over a row split across programs, against
+radix_topk_ref under the interpreter on tiny odd shapes (one program a row, and split
+rows with several blocks a program), and on the GPU at V3.2's sizes."""
+
+import pytest
+import torch
+from lanekv.kernels.dsa.digit_topk import (
+    DigitTopkConfig,
+    digit_topk_programs,
+    digit_topk_split,
+    digit_topk_triton,
+    exact_topk,
+    exact_topk_triton,
+    topk_method,
+)
+from lanekv.kernels.dsa.topk import radix_topk_ref, radix_topk_triton
+
+from tests.markers import requires_gpu
+
+SPLIT = DigitTopkConfig(block=128, min_span=128, programs_per_sm=64, max_programs=3)
+
+
+def _scores(gen, rows, cols):
+    s = torch.randn(rows, cols, generator=gen)
+    s[0, 11:] = float("-inf")  # fewer finite scores than some k: all kept, -1 padded
+    s[1, ::3] = 0.0  # exact ties at 0, cut inside them for several k
+    s[1, 1::7] = -0.0  # ties with 0.0
+    s[2] = 1.5  # a row of ties: the lowest positions
+    s[3] = float("-inf")  # nothing to select
+    s[4] = s[4].round()  # few distinct values: ties at every digit's cut
+    return s
+
+
+@pytest.mark.parametrize("cols,config,ks", [
+    (37, None, (1, 7, 40)),  # one program a row (rows shorter than k too)
+    (301, DigitTopkConfig(block=256, min_span=16, programs_per_sm=64, max_programs=2),
+     (100,)),  # two programs of one block each, the second short
+    (700, SPLIT, (5,)),  # three programs of two blocks, the last one's second short
+    (700, SPLIT, (699,)),
+])
+def test_kernel_equals_reference(cols, config, ks):
+    gen = torch.Generator().manual_seed(cols)
+    s = _scores(gen, 5, cols)
+    for k in ks:
+        got = digit_topk_triton(s, k, config=config)
+        assert got.dtype == torch.int32 and got.shape == (5, k)
+        assert torch.equal(got, radix_topk_ref(s, k)), (cols, k, config)
+
+
+def test_split_and_single_agree_on_wide_rows_and_ties():
+    gen = torch.Generator().manual_seed(7)
+    s = torch.full((2, 380), float("-inf"))
+    s[0, :90] = torch.randn(90, generator=gen)  # a short request in a wide table
+    s[1, :350] = torch.randint(-3, 4, (350,), generator=gen).float()  # ties at the cut
+    s[1, 5] = float("inf")
+    for k in (13,):
+        want = radix_topk_ref(s, k)
+        assert torch.equal(digit_topk_triton(s, k, config=SPLIT), want)
+        assert torch.equal(digit_topk_triton(s, k, config=SPLIT._replace(max_programs=1)), want)
+        assert torch.equal(radix_topk_triton(s, k, chunk=256), want)  # as radix_topk selects
+
+
+def test_programs_chooser_and_arguments():
+    cfg = DigitTopkConfig()
+    assert digit_topk_split(1, 8192, 132, cfg) == (4, 2048)  # batch 1: one block a program
+    assert digit_topk_split(1, 131072, 132, cfg) == (32, 4096)  # at most 32 a row
+    assert digit_topk_split(1, 163840, 132, cfg) == (27, 6144)  # none left without a block
+    assert digit_topk_split(16, 131072, 132, cfg) == (8, 16384)
+    assert digit_topk_programs(200, 8192, 132, cfg) == 1
+    assert topk_method(1, 8192, 132) == topk_method(16, 131072, 132) == "digit"
+    assert topk_method(200, 8192, 132) == topk_method(1, 2048, 132) == "radix"
+    s = torch.randn(3, 50)
+    assert torch.equal(exact_topk(s, 9), radix_topk_ref(s, 9))  # CPU dispatch: the reference
+    assert torch.equal(exact_topk_triton(s, 9), radix_topk_ref(s, 9))
+    assert digit_topk_triton(torch.empty(0, 5), 3).shape == (0, 3)
+    assert digit_topk_triton(torch.empty(2, 0), 3).tolist() == [[-1] * 3] * 2
+    with pytest.raises(ValueError, match="topk must be a positive int"):
+        digit_topk_triton(torch.zeros(2, 3), 0)
+    with pytest.raises(ValueError, match="config must be a DigitTopkConfig"):
+        digit_topk_triton(torch.zeros(2, 3), 2, config=(256, 16, 1, 1, 4))
+    with pytest.raises(ValueError, match="DigitTopkConfig.block must be a power of two"):
+        digit_topk_triton(torch.zeros(2, 3), 2, config=DigitTopkConfig(block=300))
+    with pytest.raises(ValueError, match="DigitTopkConfig.min_span must be a positive int"):
+        digit_topk_triton(torch.zeros(2, 3), 2, config=DigitTopkConfig(min_span=0))
+    with pytest.raises(ValueError, match="scores must be dense"):
+        digit_topk_triton(torch.zeros(3, 4).t(), 2)
+
+
+@requires_gpu
+def test_gpu_equals_reference_at_v32_sizes():
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, cols in ((1, 8192), (1, 131072), (3, 20000), (16, 32768), (16, 131072),
+                       (2, 163840), (64, 8192)):
+        s = torch.randn(rows, cols, device="cuda", generator=gen)
+        s[0, cols // 2 :] = float("-inf")  # a request at half the table's width
+        s[-1, ::5] = 0.0  # many exact ties
+        if rows > 2:
+            s[1] = s[1].round()  # few distinct values: ties at every digit's cut
+        for k in (2048, 100, 1):
+            want = radix_topk_ref(s, k)
+            for cfg in (None, DigitTopkConfig(block=1024, num_warps=4),
+                        DigitTopkConfig(min_span=1 << 20)):
+                got = digit_topk_triton(s, k, config=cfg)
+                assert torch.equal(got, want), (rows, cols, k, cfg)
+            assert torch.equal(exact_topk(s, k), want), (rows, cols, k)
