@@ -5,7 +5,7 @@
 # promoted scoring configs and digit_topk's launch configs (table topk_sweep) beside
 # radix_topk and torch.topk. Logs and JSON under $OUT.
 set -u
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 LANEKV_DSA_TOPK=${LANEKV_DSA_TOPK:-auto}  # the DSA totals through the shape rule
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_dsa_digit_topk.py \
     tests/kernels/test_dsa_topk.py tests/kernels/test_dsa_select.py 2>&1 \
     | tee "$OUT/pytest.log" | tail -8

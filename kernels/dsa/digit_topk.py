@@ -31,13 +31,15 @@ finite score is selected.
 TensorRT-LLM's indexer top-k (11/11/10-bit digits) and SGLang's fast_topk (an 8-bit
 first pass, then candidates in shared memory) search digits the same way in one CTA a
 row; a Triton program has no such scratch, so here a row is split instead. The chooser
-(``topk_method``) takes this kernel only where it splits a row: with one program a row
-its passes run block after block, no shorter a chain than ``radix_topk``'s. That rule
-and the split's knobs are reasoned, not yet measured: bench/gpu_dsa_topk.sh times them.
+(``topk_method``, with ``LANEKV_DSA_TOPK=auto``) takes this kernel only where it splits a
+row: with one program a row its passes run block after block, no shorter a chain than
+``radix_topk``'s. That rule and the split's knobs are reasoned, not yet measured:
+bench/gpu_dsa_topk.sh times them, and until it has, ``radix_topk`` stays the default.
 """
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -284,12 +286,23 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
     return out
 
 
+TOPK_ENV = "LANEKV_DSA_TOPK"  # radix (the default until a GPU has timed digit_topk), digit or auto
+
+
 def topk_method(rows: int, cols: int, num_sms: int) -> str:
-    """``"digit"`` where ``digit_topk`` splits a row over several programs (small
-    batches: the SMs ``radix_topk`` leaves idle), else ``"radix"``: one program a row
-    runs the digit passes one block after another, no shorter a chain than
-    ``radix_topk``'s 16 counting passes over a chunk held in registers."""
-    return "digit" if digit_topk_programs(rows, cols, num_sms, DigitTopkConfig()) > 1 else "radix"
+    """The kernel for ``[rows, cols]`` scores: ``LANEKV_DSA_TOPK``, ``radix`` when unset.
+    ``auto`` takes ``"digit"`` where ``digit_topk`` splits a row over several programs
+    (small batches: the SMs ``radix_topk`` leaves idle), else ``"radix"``: one program a
+    row runs the digit passes one block after another, no shorter a chain than
+    ``radix_topk``'s 16 counting passes over a chunk held in registers. ``digit`` forces it.
+    The default stays ``radix`` until bench/gpu_dsa_topk.sh has run the new kernel on a
+    GPU (its histograms are tested under the interpreter and compiled for sm_90 only)."""
+    choice = os.environ.get(TOPK_ENV, "radix")
+    if choice not in ("radix", "digit", "auto"):
+        raise ValueError(f"{TOPK_ENV} must be radix, digit or auto, got {choice!r}")
+    if choice == "auto":
+        return "digit" if digit_topk_programs(rows, cols, num_sms, DigitTopkConfig()) > 1 else "radix"
+    return choice
 
 
 def _num_sms(device: torch.device) -> int:

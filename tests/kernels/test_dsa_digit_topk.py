@@ -6,6 +6,7 @@ rows with several blocks a program), and on the GPU at V3.2's sizes."""
 import pytest
 import torch
 from lanekv.kernels.dsa.digit_topk import (
+    TOPK_ENV,
     DigitTopkConfig,
     digit_topk_programs,
     digit_topk_split,
@@ -61,13 +62,21 @@ def test_split_and_single_agree_on_wide_rows_and_ties():
         assert torch.equal(radix_topk_triton(s, k, chunk=256), want)  # as radix_topk selects
 
 
-def test_programs_chooser_and_arguments():
+def test_programs_chooser_and_arguments(monkeypatch):
     cfg = DigitTopkConfig()
     assert digit_topk_split(1, 8192, 132, cfg) == (4, 2048)  # batch 1: one block a program
     assert digit_topk_split(1, 131072, 132, cfg) == (32, 4096)  # at most 32 a row
     assert digit_topk_split(1, 163840, 132, cfg) == (27, 6144)  # none left without a block
     assert digit_topk_split(16, 131072, 132, cfg) == (8, 16384)
     assert digit_topk_programs(200, 8192, 132, cfg) == 1
+    monkeypatch.delenv(TOPK_ENV, raising=False)
+    assert topk_method(1, 8192, 132) == topk_method(200, 8192, 132) == "radix"  # until measured
+    monkeypatch.setenv(TOPK_ENV, "digit")
+    assert topk_method(200, 8192, 132) == "digit"
+    monkeypatch.setenv(TOPK_ENV, "fast")
+    with pytest.raises(ValueError, match="LANEKV_DSA_TOPK must be radix, digit or auto, got 'fast'"):
+        topk_method(1, 8192, 132)
+    monkeypatch.setenv(TOPK_ENV, "auto")
     assert topk_method(1, 8192, 132) == topk_method(16, 131072, 132) == "digit"
     assert topk_method(200, 8192, 132) == topk_method(1, 2048, 132) == "radix"
     s = torch.randn(3, 50)
