@@ -138,7 +138,7 @@ def _compile_gemv(cfg: GemmConfig, *, rows: int, silu: bool, even_k: bool,
                stride_w="i32", stride_ws="i32", stride_out="i32")
     consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, ROWS=rows,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU=silu,
-                  PREFETCH=cfg.num_stages > 1)
+                  PREFETCH=cfg.num_stages > 1, USE_PDL=False)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     renamed = {"x_ptr": "a_ptr", "stride_x": "stride_a"}
