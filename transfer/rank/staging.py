@@ -28,6 +28,7 @@ import hmac
 import logging
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +45,8 @@ STAGED_ENV = "LANEKV_RELAY_STAGED"
 # first: it maps no pool, and the rank knows it as its own relay.
 RELAY_METADATA_KEY = "lanekv-relay"
 # Test hook: the rank flips one bit of every slot it stages for the request this names,
-# after the read (the relay's digest must catch it before any byte of the range leaves).
+# after the read and its seal (the relay must catch it before any byte of the chunk leaves);
+# "<request id>@<k>" flips only the k-th (from 0) staging of that request on this rank.
 DAMAGE_ENV = "LANEKV_TEST_DAMAGE_STAGING"
 # Slots per relay: a relay's FetchKV call takes two (the rank fills one while the relay
 # sends the other), so two calls of one relay stage at once; a third waits.
@@ -90,7 +92,9 @@ class RankStaging:
         self.areas: list[StagingArea] = []
         self._buffers: dict[str, tuple[StagingArea, torch.Tensor]] = {}  # secret -> its file's bytes, mapped here
         self._pinned: list[int] = []  # data_ptrs registered with CUDA
-        self._damage = os.environ.get(DAMAGE_ENV) or None  # a request id (test hook)
+        self._damage = _damage_spec(os.environ.get(DAMAGE_ENV, ""))  # (request id, k or None): test hook
+        self._damage_count = 0  # stagings of that request so far
+        self._damage_lock = threading.Lock()
         try:
             for i in range(count):
                 path = directory / pool_file_name(epoch, rank, f"stage{i}_{secrets.token_hex(4)}")
@@ -128,7 +132,11 @@ class RankStaging:
 
     def staged(self, slot: torch.Tensor, nbytes: int, request_id: str) -> None:
         """Called once ``nbytes`` of ``request_id`` are in ``slot`` (``DAMAGE_ENV``: flip a bit)."""
-        if request_id == self._damage and nbytes:
+        if self._damage is None or request_id != self._damage[0] or not nbytes:
+            return
+        with self._damage_lock:
+            index, self._damage_count = self._damage_count, self._damage_count + 1
+        if self._damage[1] in (None, index):
             slot[nbytes - 1] ^= 0x40
 
     def close(self) -> None:
@@ -141,6 +149,14 @@ class RankStaging:
         self._buffers.clear()
         for area in self.areas:
             remove_shared_pool(Path(area.path))
+
+
+def _damage_spec(value: str) -> tuple[str, int | None] | None:
+    """``DAMAGE_ENV``'s value as (request id, the staging to damage or None for all)."""
+    if not value:
+        return None
+    rid, at, k = value.rpartition("@")
+    return (rid, int(k)) if at and k.isdigit() else (value, None)
 
 
 def _register(buffer: torch.Tensor) -> None:
