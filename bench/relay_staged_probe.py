@@ -13,17 +13,20 @@ Rows:
 
 - ``rank_sN``: N FetchKV streams straight from the rank (threads of the rank's process);
 - ``relay_sN``: N streams, one per relay process;
-- ``inproc_s1`` (``--profile``): one relay in this process (``RelayService``) with
-  every per-chunk stage of its producer timed (``time.perf_counter`` spans: the StageKV
-  round trip, ``encode_chunk`` (header + XXH3), ``frame_chunk`` (the copy into the
-  message), the digest or seal check) and cProfile's top functions of that thread.
+- ``inproc_s1`` (``--profile``): one relay in this process (``RelayService``), each
+  per-chunk stage of its producer timed (``time.perf_counter`` spans, and
+  ``time.thread_time``, the CPU of the calling thread): the StageKV round trip,
+  ``encode_chunk`` (header + XXH3), ``frame_chunk`` (the copy into the message), the
+  check of the bytes as framed; and cProfile's top functions of that thread.
 
-GB/s is the payload over the wall time of the whole pull (each row after one warm-up
-pull, whose range seals the rank keeps: see ``_numpy_range_seal``); ``steady`` counts
-from each stream's first chunk, and ``first chunk`` is how long that took. On a CPU pool the rank's
-read is ``index_select`` into the slot on the rank's CPU: on a machine of few cores
-the rank, the relays and this client share them (run it where they do not, and
-repeat: medians are printed).
+``relays CPU s/GB``: CPU seconds all relay processes spent per GB moved (/proc): what
+one relay moves on one core's worth of work is its inverse. ``rank CPU s/GB``: the
+same for the rank process (on a CPU pool its gather and seal run on its CPU; a rank
+with a GPU pool does them on the GPU). GB/s is the payload over the wall time of the
+whole pull (each row after one warm-up pull, whose range seals the rank keeps: see
+``_numpy_range_seal``); ``steady`` counts from each stream's first chunk, and ``first
+chunk`` is how long that took. On a machine of few cores the rank, the relays and this
+client share them: repeat, and read the CPU columns before the GB/s ones.
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def _rank(args: argparse.Namespace, relays: int, conn) -> None:
         if relays:
             spec = RelaySpec(0, endpoint, agreement.encode(), SecurityConfig(), "127.0.0.1", "127.0.0.1", "cpu")
             procs = RelayProcesses(spec, relays, staging)
-        conn.send((endpoint, agreement.fingerprint, pages, [] if procs is None else procs.endpoints, staging.areas))
+        conn.send((endpoint, agreement.fingerprint, pages, [] if procs is None else procs.endpoints, staging.areas,
+                   [] if procs is None else [p.pid for p in procs.processes]))
         conn.recv()  # told to stop
     finally:
         if procs is not None:
@@ -159,6 +163,15 @@ def _pull(endpoints: list[str], fingerprint: str, pages: int, layers: int, chunk
             "first_chunk_s": statistics.median(r["first"] - r["start"] for r in results)}
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes (all their threads) so far, from /proc."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
 class _Spans:
     """Per-chunk stage times of the in-process relay: wraps the functions its producer calls."""
 
@@ -177,12 +190,13 @@ class _Spans:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
                 with self._lock:
                     self.times[label].append(time.perf_counter() - start)
+                    self.times[f"{label} (cpu)"].append(time.thread_time() - cpu)
 
         setattr(owner, name, staticmethod(timed) if isinstance(owner.__dict__.get(name), staticmethod) else timed)
 
@@ -249,13 +263,21 @@ def main() -> None:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank, args=(args, relays, child), daemon=True)
         proc.start()
-        endpoint, fingerprint, pages, relay_endpoints, _ = parent.recv()
+        endpoint, fingerprint, pages, relay_endpoints, _, relay_pids = parent.recv()
         chunk = args.chunk_mib << 20
         try:
             for name, endpoints in ((f"rank_s{relays}", [endpoint] * relays), (f"relay_s{relays}", relay_endpoints)):
                 _pull(endpoints, fingerprint, pages, args.layers, chunk)  # warm-up: the rank's seals
-                runs = [_pull(endpoints, fingerprint, pages, args.layers, chunk) for _ in range(args.repeats)]
+                runs = []
+                for _ in range(args.repeats):
+                    before = {"rank": _cpu_s([proc.pid]), "relays": _cpu_s(relay_pids)}
+                    runs.append(_pull(endpoints, fingerprint, pages, args.layers, chunk))
+                    for who, was in before.items():
+                        spent = _cpu_s([proc.pid] if who == "rank" else relay_pids) - was
+                        runs[-1][f"{who}_cpu_s_per_gb"] = spent / (runs[-1]["bytes"] / 1e9)
                 rows.append({"row": name, "streams": relays, "runs": runs,
+                             "rank_cpu_s_per_gb": statistics.median(r["rank_cpu_s_per_gb"] for r in runs),
+                             "relays_cpu_s_per_gb": statistics.median(r["relays_cpu_s_per_gb"] for r in runs),
                              "gbps": statistics.median(r["gbps"] for r in runs),
                              "steady_gbps": statistics.median(r["per_stream_steady_gbps"] for r in runs),
                              "first_chunk_s": statistics.median(r["first_chunk_s"] for r in runs)})
@@ -266,7 +288,7 @@ def main() -> None:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_rank, args=(args, 0, child), daemon=True)
         proc.start()
-        endpoint, fingerprint, pages, _, areas = parent.recv()
+        endpoint, fingerprint, pages, _, areas, _ = parent.recv()
         try:
             agreement = make_agreement(num_layers=args.layers, num_kv_heads=args.heads, head_dim=args.dim,
                                        kv_dtype="bfloat16", page_size=args.page)
@@ -284,10 +306,13 @@ def main() -> None:
     print(f"staged relays, CPU pool {args.layers} layers x {args.tokens} tokens x {args.heads} x {args.dim} bf16 "
           f"({gib:.2f} GiB), pages of {args.page}, {args.chunk_mib} MiB chunks, {os.cpu_count()} cores; "
           f"median of {args.repeats}")
-    print(f"{'row':>10} {'streams':>7} {'GB/s':>7} {'steady/stream':>13} {'first chunk ms':>14}")
+    print(f"{'row':>10} {'streams':>7} {'GB/s':>7} {'steady/stream':>13} {'first chunk ms':>14} "
+          f"{'rank CPU s/GB':>13} {'relays CPU s/GB':>15}")
     for row in rows:
+        cpu = "".join(f" {row[k]:>{w}.2f}" if k in row else f" {'-':>{w}}"
+                      for k, w in (("rank_cpu_s_per_gb", 13), ("relays_cpu_s_per_gb", 15)))
         print(f"{row['row']:>10} {row['streams']:>7} {row['gbps']:>7.2f} {row['steady_gbps']:>13.2f} "
-              f"{1e3 * row['first_chunk_s']:>14.1f}")
+              f"{1e3 * row['first_chunk_s']:>14.1f}{cpu}")
     for row in rows:
         if "stages_ms" in row:
             print(f"{row['row']} per-chunk stages (ms, median; count; total s):")
