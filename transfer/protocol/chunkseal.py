@@ -24,28 +24,63 @@ from lanekv.kernels.page_digest import DIGEST_WEIGHT
 
 U64 = (1 << 64) - 1
 ROW_WORDS = 1024  # even: a column's words all sit at places of one parity
+ROW_BYTES = 8 * ROW_WORDS
 _WEIGHT = DIGEST_WEIGHT & U64
 _COLUMNS = np.arange(ROW_WORDS, dtype=np.uint64)
+
+
+class SealSum:
+    """The seal of ``nbytes`` bytes taken block by block, in order: each block a whole number of
+    rows (``ROW_BYTES``) but the last. A relay sums each block of a chunk right after copying it
+    into the message, while it is in the CPU's cache, instead of reading the message twice more."""
+
+    def __init__(self, nbytes: int) -> None:
+        rows = nbytes // ROW_BYTES
+        self.nbytes, self.seen = nbytes, 0
+        self._columns = np.zeros(ROW_WORDS, dtype=np.uint64)
+        self._block_columns = np.empty(ROW_WORDS, dtype=np.uint64)
+        self._row_sums = np.empty(rows, dtype=np.uint64)
+        self._tail = 0  # sum_j j * q[j] + the even places' words, of the words after the last whole row
+
+    def add(self, block: bytes | memoryview | np.ndarray) -> None:
+        raw = np.frombuffer(block, dtype=np.uint8) if not isinstance(block, np.ndarray) else block.reshape(-1).view(np.uint8)
+        if self.seen % ROW_BYTES or self.seen + raw.size > self.nbytes:
+            raise ValueError(f"a block of {raw.size} bytes at {self.seen} does not follow whole rows within "
+                             f"{self.nbytes} bytes")
+        rows = raw.size // ROW_BYTES
+        if rows:
+            first = self.seen // ROW_BYTES
+            body = raw[:rows * ROW_BYTES].view(np.uint64).reshape(rows, ROW_WORDS)
+            body.sum(0, out=self._block_columns)
+            self._columns += self._block_columns
+            body.sum(1, out=self._row_sums[first:first + rows])
+        rest = raw[rows * ROW_BYTES:]
+        if rest.size:  # the last words: few, summed one by one
+            whole = rest.size - rest.size % 8
+            words = [int(w) for w in rest[:whole].view(np.uint64)]
+            if whole < rest.size:  # the last partial word, zero-padded
+                words.append(int.from_bytes(rest[whole:].tobytes(), "little"))
+            at = (self.seen + rows * ROW_BYTES) // 8
+            self._tail += sum(((at + i) * _WEIGHT | 1) * w for i, w in enumerate(words))
+        self.seen += raw.size
+
+    def value(self) -> int:
+        """The seal, once all ``nbytes`` were added (ValueError otherwise)."""
+        if self.seen != self.nbytes:
+            raise ValueError(f"{self.seen} of {self.nbytes} bytes were added")
+        rows = self._row_sums.size
+        # sum_j j * q[j] over the whole rows, j = r * ROW_WORDS + c; their even places' words
+        weighted = ROW_WORDS * int(self._row_sums @ np.arange(rows, dtype=np.uint64)) + int(self._columns @ _COLUMNS)
+        even = int(self._columns[0::2].sum(dtype=np.uint64))
+        return (_WEIGHT * weighted + even + self._tail) & U64
 
 
 def seal_bytes(data: bytes | memoryview | np.ndarray) -> int:
     """The seal of a byte buffer (see the module docstring), on the CPU."""
     raw = np.frombuffer(data, dtype=np.uint8) if not isinstance(data, np.ndarray) else data.reshape(-1).view(np.uint8)
-    whole = raw.size - raw.size % 8
-    words = raw[:whole].view(np.uint64)
-    rows = words.size // ROW_WORDS
-    body = words[:rows * ROW_WORDS].reshape(rows, ROW_WORDS)
-    tail = words[rows * ROW_WORDS:]
-    if whole < raw.size:  # the last partial word, zero-padded
-        tail = np.append(tail, np.uint64(int.from_bytes(raw[whole:].tobytes(), "little")))
-    columns = body.sum(0, dtype=np.uint64)  # [ROW_WORDS]
-    row_sums = body.sum(1, dtype=np.uint64)  # [rows]
-    at = np.arange(rows * ROW_WORDS, rows * ROW_WORDS + tail.size, dtype=np.uint64)
-    # sum_j j * q[j], j = r * ROW_WORDS + c for the body, then the tail's places
-    weighted = (ROW_WORDS * int(row_sums @ np.arange(rows, dtype=np.uint64)) + int(columns @ _COLUMNS)
-                + int(tail @ at))
-    even = int(columns[0::2].sum(dtype=np.uint64)) + int(tail[0::2].sum(dtype=np.uint64))  # rows*ROW_WORDS is even
-    return (_WEIGHT * weighted + even) & U64
+    total = SealSum(raw.size)
+    total.add(raw)
+    return total.value()
 
 
 def seal_tensor(payload: torch.Tensor) -> torch.Tensor:
@@ -71,4 +106,4 @@ def seal(payload: torch.Tensor) -> int:
     return int(seal_tensor(payload).item()) & U64
 
 
-__all__ = ["seal", "seal_bytes", "seal_tensor"]
+__all__ = ["ROW_BYTES", "SealSum", "seal", "seal_bytes", "seal_tensor"]

@@ -10,10 +10,12 @@ the pages). Each chunk is framed (``encode_chunk``, ``frame_chunk``: the same se
 numbers and checksums) and leaves only if its payload, as framed, has that seal: a
 slot damaged between the rank's read and the framing ends the stream
 (``RangeMismatch``) before any byte of that chunk leaves, while the chunks before it,
-each checked the same way, are on their way already. The check is two passes of
-native uint64 sums over the chunk (the range's ``kv_digest`` took a widening per word
-and could only be checked once the whole range was framed: the first byte of a range
-waited for its last, and a relay held the whole range in memory).
+each checked the same way, are on their way already. The check is native uint64
+column and row sums of each 256 KiB block of the payload right after its copy into
+the message (``SealSum``, ``frame_chunk(each_block=)``), read from the CPU's cache
+(the range's ``kv_digest`` took a widening per word, and could only be checked once
+the whole range was framed: a range's first byte waited for its last, and a relay
+held the whole range in memory).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import grpc
 import torch
 from lanekv.proto import lanekv_pb2
 from lanekv.runtime.status import TRANSFER_SERVICE
-from lanekv.transfer.protocol.chunkseal import seal_bytes
+from lanekv.transfer.protocol.chunkseal import SealSum
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.descriptors import Descriptor
 from lanekv.transfer.protocol.wire import (
@@ -38,7 +40,6 @@ from lanekv.transfer.protocol.wire import (
     encode_chunk,
     frame_chunk,
     kv_dtype,
-    split_chunk,
 )
 from lanekv.transfer.rank.staging import StagingArea
 
@@ -133,9 +134,11 @@ def staged_chunks(slots: StagingSlots, pair: tuple[int, int], descriptor: Descri
                                                     a.head_dim)
                 chunk, data = encode_chunk(descriptor.request_id, descriptor.rank, seq + i, plan.layer_start,
                                            plan.pages, part)
-                message = frame_chunk(chunk.encode(), data)  # the one copy out of the slot
-                _, sent = split_chunk(message)  # the payload exactly as it leaves
-                got = seal_bytes(sent)
+                # The one copy out of the slot; each block of the payload is summed as copied (in
+                # cache), from the message: the bytes exactly as they leave.
+                sealed = SealSum(chunk.nbytes)
+                message = frame_chunk(chunk.encode(), data, each_block=sealed.add)
+                got = sealed.value()
                 if got != staged.seal:
                     raise RangeMismatch(
                         f"chunk seq {seq + i} (layers [{plan.layer_start}, {plan.layer_end}) of pages "

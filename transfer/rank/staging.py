@@ -4,9 +4,10 @@ A mapped relay (``relay.py``) reads the rank's pool itself, so on a GPU each rel
 is a CUDA context of its own whose gather and digest kernels time-slice the GPU
 with the rank's prefill. A staged relay never touches CUDA: it asks its rank
 (``KVTransfer.StageKV``) to read a sealed range's chunk into a slot of a /dev/shm
-file the rank made for that relay, and then digests, frames and sends the bytes
-on the CPU (``relay_staged.py``). Per byte the rank does a gather on one of its
-read streams and a device-to-host DMA into the slot (pinned with
+file the rank made for that relay, and then frames the bytes, checks them against
+the rank's seal of the chunk and sends them, on the CPU (``relay_staged.py``). Per
+byte the rank does a gather on one of its read streams, the chunk's seal there
+(``protocol.chunkseal``) and a device-to-host DMA into the slot (pinned with
 ``cudaHostRegister``), holding no GIL while the bytes move.
 
 - ``RankStaging`` makes one file per relay (``SLOTS`` slots of ``SLOT_BYTES``),
@@ -17,7 +18,7 @@ read streams and a device-to-host DMA into the slot (pinned with
 - ``StageKV`` (``service.py``) stages only for a known secret (which a staged relay's
   FetchKV also presents, ``RELAY_METADATA_KEY``, in place of an AttachPool), only pages of the
   request the rank still holds (checked again after the read, as FetchKV does),
-  and answers once the bytes are in the slot.
+  and answers once the bytes are in the slot, with their seal.
 - ``staged_mode``: staged for a GPU pool, mapped for a CPU pool (already in /dev/shm,
   no CUDA involved); ``LANEKV_RELAY_STAGED=1``/``0`` forces either (tests stage a CPU pool).
 """

@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 from lanekv.kernels.page_digest import DIGEST_WEIGHT
-from lanekv.transfer.protocol.chunkseal import ROW_WORDS, U64, seal, seal_bytes, seal_tensor
+from lanekv.transfer.protocol.chunkseal import (
+    ROW_BYTES,
+    ROW_WORDS,
+    U64,
+    SealSum,
+    seal,
+    seal_bytes,
+    seal_tensor,
+)
+from lanekv.transfer.protocol.wire import WATCH_BLOCK_BYTES, frame_chunk, split_chunk
 
 
 def _definition(data: bytes) -> int:
@@ -48,3 +57,25 @@ def test_a_flipped_bit_and_swapped_words_and_rows_change_it():
 def test_a_strided_tensor_is_refused():
     with pytest.raises(ValueError, match="contiguous"):
         seal(torch.zeros(4, 4)[:, ::2])
+
+
+@pytest.mark.parametrize("nbytes", [12, ROW_BYTES + 4, WATCH_BLOCK_BYTES, 2 * WATCH_BLOCK_BYTES + ROW_BYTES + 20])
+def test_the_seal_summed_block_by_block_as_a_message_is_framed_is_the_payloads(nbytes):
+    # How a relay takes it: frame_chunk hands each block of the payload, as copied, to SealSum.
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    total, blocks = SealSum(nbytes), []
+    message = frame_chunk(b"header", memoryview(data.numpy()), each_block=lambda b: (blocks.append(b.size),
+                                                                                      total.add(b)))
+    header, payload = split_chunk(message)
+    assert bytes(header) == b"header" and bytes(payload) == data.numpy().tobytes()
+    assert total.value() == seal_bytes(data.numpy().tobytes()) == _definition(data.numpy().tobytes())
+    assert sum(blocks) == nbytes and all(size == WATCH_BLOCK_BYTES for size in blocks[:-1])
+
+
+def test_seal_sum_refuses_blocks_that_do_not_follow_whole_rows():
+    total = SealSum(3 * ROW_BYTES)
+    total.add(b"\0" * (ROW_BYTES + 8))
+    with pytest.raises(ValueError, match="whole rows"):
+        total.add(b"\0" * ROW_BYTES)
+    with pytest.raises(ValueError, match="were added"):
+        total.value()
