@@ -16,8 +16,9 @@ Rows:
 - ``inproc_s1`` (``--profile``): one relay in this process (``RelayService``), each
   per-chunk stage of its producer timed (``time.perf_counter`` spans, and
   ``time.thread_time``, the CPU of the calling thread): the StageKV round trip,
-  ``encode_chunk`` (header + XXH3), ``frame_chunk`` (the copy into the message), the
-  check of the bytes as framed; and cProfile's top functions of that thread.
+  ``encode_chunk`` (header + XXH3), ``frame_chunk`` (the copy into the message; with
+  per-block seals, ``SealSum``, also their sums), the check of the bytes as framed where
+  it is a pass of its own; and cProfile's top functions of that thread.
 
 ``relays CPU s/GB``: CPU seconds all relay processes spent per GB moved (/proc): what
 one relay moves on one core's worth of work is its inverse. ``rank CPU s/GB``: the
