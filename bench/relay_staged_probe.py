@@ -2,6 +2,7 @@
 
     python bench/relay_staged_probe.py [--relays 1 2 4] [--tokens 4096] [--repeats 3]
         [--profile] [--json out.json]
+    python bench/relay_staged_probe.py --stages   # a relay's CPU work per chunk, alone
 
 The rank runs in a process of its own (a CPU pool of Llama-3-8B shapes by default:
 32 layers x ``--tokens`` x 8 heads x 128, bfloat16, pages of 64; staged relays forced
@@ -240,6 +241,72 @@ def _inproc(rank: tuple, args: argparse.Namespace) -> dict:
     return result
 
 
+def _old_run_digest(run, position: int) -> int:
+    """A relay's check before chunk seals (``StagingSlots.digest``, commit fbf360f): ``kv_digest``
+    of one (layer, plane) run on numpy, int32 words widened to int64 in two passes."""
+    import numpy as np
+    from lanekv.kernels.page_digest import DIGEST_WEIGHT
+
+    row = 1024
+    words = run.view(np.int32)
+    rows = words.size // row
+    body, tail = words[:rows * row].reshape(rows, row), words[rows * row:].astype(np.int64)
+    columns = body.sum(0, dtype=np.int64)
+    firsts = body.sum(1, dtype=np.int64) @ np.arange(0, rows * row, row, dtype=np.int64)
+    at = np.arange(rows * row, words.size, dtype=np.int64)
+    weighted = int(columns @ np.arange(row, dtype=np.int64)) + int(firsts) + int(tail @ at)
+    total = int(columns.sum()) + int(tail.sum())
+    even = int(columns[position % 2::2].sum()) + int(tail[position % 2::2].sum())
+    return (DIGEST_WEIGHT * (position * total + weighted) + even) & ((1 << 64) - 1)
+
+
+def stages(args: argparse.Namespace, repeats: int = 30) -> dict[str, float]:
+    """The relay's CPU work per chunk on one thread, no rank and no gRPC: ``time.thread_time``
+    medians (ms) of each way to frame and check one chunk of ``--chunk-mib`` from a slot."""
+    import numpy as np
+    import torch
+    from lanekv.transfer.protocol.chunkseal import SealSum, seal_bytes
+    from lanekv.transfer.protocol.wire import encode_chunk, frame_chunk, split_chunk
+
+    nbytes = args.chunk_mib << 20
+    slot = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    rows = nbytes // (2 * args.heads * args.dim * 2)
+    part = slot.view(torch.bfloat16).view(1, 2, rows, args.heads, args.dim)
+    pages = tuple(range(rows // args.page))
+    chunk, data = encode_chunk("r", 0, 0, 0, pages, part)
+    header = chunk.encode()
+
+    def before() -> None:  # frame, then the range digest's two runs of the chunk, widened
+        message = frame_chunk(header, data)
+        runs = np.frombuffer(split_chunk(message)[1], dtype=np.uint8).reshape(2, -1)
+        for plane in range(2):
+            _old_run_digest(runs[plane], 12345 + plane)
+
+    def after() -> None:  # frame, each block summed as copied
+        total = SealSum(nbytes)
+        frame_chunk(header, data, each_block=total.add)
+        total.value()
+
+    work = {
+        "encode_xxh3": lambda: encode_chunk("r", 0, 0, 0, pages, part),
+        "frame_copy": lambda: frame_chunk(header, data),
+        "range_digest_runs (before)": lambda: [_old_run_digest(r, 1) for r in slot.numpy().reshape(2, -1)],
+        "seal_two_passes": lambda: seal_bytes(slot.numpy()),
+        "frame + range digest (before)": before,
+        "frame + blocked seal (after)": after,
+    }
+    out = {}
+    for name, fn in work.items():
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            fn()
+            times.append(time.thread_time() - start)
+        out[name] = 1e3 * statistics.median(times)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--relays", type=int, nargs="+", default=[1, 2, 4])
@@ -252,8 +319,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank-threads", type=int, default=1, help="torch threads of the rank process")
     parser.add_argument("--profile", action="store_true", help="also one relay in this process, stages timed")
+    parser.add_argument("--stages", action="store_true", help="only the relay's CPU work per chunk, one thread")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
+    if args.stages:
+        from lanekv.runtime.hostmem import keep_freed_buffers
+
+        keep_freed_buffers()  # as a relay process does
+        table = stages(args)
+        print(f"a relay's CPU work per {args.chunk_mib} MiB chunk, one thread (thread CPU time, median of 30):")
+        for name, ms in table.items():
+            print(f"  {name:>30} {ms:7.2f} ms  {(args.chunk_mib << 20) / ms / 1e6:6.2f} GB/s")
+        if args.json is not None:
+            args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
+                                             "stages_ms": table}, indent=1))
+        return
     from lanekv.runtime.hostmem import keep_freed_buffers
 
     from tests.reliability.kv_cluster import make_agreement
