@@ -240,10 +240,12 @@ class StageRequest(_message.Message):
     def __init__(self, secret: _Optional[str] = ..., request_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., pages: _Optional[_Iterable[int]] = ..., slot: _Optional[int] = ...) -> None: ...
 
 class StageReply(_message.Message):
-    __slots__ = ("nbytes",)
+    __slots__ = ("nbytes", "seal")
     NBYTES_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     nbytes: int
-    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+    seal: int
+    def __init__(self, nbytes: _Optional[int] = ..., seal: _Optional[int] = ...) -> None: ...
 
 class NixlAttachRequest(_message.Message):
     __slots__ = ("fingerprint",)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from lanekv.kernels.page_copy import gather_pages
 from lanekv.runtime.status import DEFAULT_CHUNK_BYTES
+from lanekv.transfer.protocol.chunkseal import U64, seal_tensor
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.rank.sources import TensorPageSource
 
@@ -127,17 +128,19 @@ class RankPageSource(TensorPageSource):
             return host
 
     def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor) -> int:
         """``read`` into ``out`` (a staged relay's slot, page-locked by ``cudaHostRegister``): the
-        gather on a read stream of its own, then one device-to-host DMA straight into the slot."""
+        gather on a read stream of its own, its chunk seal there (a few microseconds of the GPU's,
+        none of the relay's CPU), then one device-to-host DMA straight into the slot."""
         if self._streams is None:
             return super().read_into(physical_pages, layer_start, layer_end, after, out)
         with self._on_stream(after) as stream:
             pages = torch.as_tensor(list(physical_pages), dtype=torch.int64).to(self.pool.device, non_blocking=True)
             gathered = gather_pages(self.pool, pages, self._page_size, layer_start, layer_end)
+            sealed = seal_tensor(gathered)
             out.copy_(gathered, non_blocking=True)
             stream.synchronize()  # this read's work only: the stream is its own
-        return None
+            return int(sealed.item()) & U64  # done on this stream already: no wait
 
     def fresh_digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int,
                      after: Any = None, *, heads: slice | None = None) -> int:

@@ -74,12 +74,7 @@ from lanekv.transfer.protocol.wire import (
     plan_chunks,
     split_chunk,
 )
-from lanekv.transfer.rank.relay_staged import (
-    RangeMismatch,
-    StagingSlots,
-    check_staged_rows,
-    staged_range,
-)
+from lanekv.transfer.rank.relay_staged import RangeMismatch, StagingSlots, staged_chunks
 from lanekv.transfer.rank.staging import RELAY_METADATA_KEY, RankStaging, StagingArea
 
 Code = grpc.StatusCode
@@ -150,7 +145,6 @@ class RelayService:
         # Staged (``relay_staged``): the rank reads into this file's slots; no pool is mapped here.
         self.staging: StagingSlots | None = None
         if staging is not None:
-            check_staged_rows(agreement)
             self.staging = StagingSlots(staging, self._channel)
         self._pool: torch.Tensor | None = None
         self._lock = threading.Lock()
@@ -309,9 +303,9 @@ class RelayService:
                 plans = plan_chunks(descriptor.layer_end - descriptor.layer_start, descriptor.pages, page_bytes,
                                     chunk_bytes, layer_start=descriptor.layer_start)
                 try:
-                    if pair is not None:
-                        for framed in staged_range(self.staging, pair, descriptor, plans, seq, self.agreement,
-                                                   deadline, stop):
+                    if pair is not None:  # each chunk goes as soon as it has the rank's seal
+                        for framed in staged_chunks(self.staging, pair, descriptor, plans, seq, self.agreement,
+                                                    deadline, stop):
                             if not put(framed):
                                 return
                             seq += 1

@@ -19,12 +19,12 @@ import sys
 import threading
 
 import torch
+from lanekv.runtime.hostmem import keep_freed_buffers
 from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.rank.relay import RelayService, RelaySpec, serve_relay
 
 PR_SET_PDEATHSIG = 1
 PARENT_POLL_S = 0.5
-STAGED_THREADS = 2
 
 
 def _die_with_parent() -> None:
@@ -44,8 +44,10 @@ def main() -> int:
         signal.signal(sig, lambda *_: stop.set())
     if os.getppid() != parent:
         return 0
-    # Staged, the relay digests on the CPU (a few passes over each byte): two threads for that.
-    torch.set_num_threads(1 if spec.staging is None else STAGED_THREADS)
+    # One torch thread: a staged relay's CPU work (the seal check, numpy's) is single-threaded, and
+    # four relays of a rank with a thread per core each would only contend on the host's cores.
+    torch.set_num_threads(1)
+    keep_freed_buffers()  # a multi-MiB message per chunk: reuse freed ones, do not fault in fresh pages
     if spec.device.startswith("cuda") and spec.staging is None:  # a staged relay never touches CUDA
         torch.cuda.set_device(torch.device(spec.device))
     try:

@@ -205,7 +205,8 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
 
     def StageKV(self, request, context):
         """A staged relay's read (``transfer.rank.staging``): layers of pages this rank holds for
-        the request, read on its own (read stream, DMA) into a slot of that relay's file."""
+        the request, read on its own (read stream, DMA) into a slot of that relay's file, and
+        their chunk seal (``protocol.chunkseal``), taken as they were read."""
         with refusals(context):
             if self._relay_staging is None:
                 raise Refusal(Code.FAILED_PRECONDITION, f"rank {self._source.rank} has no staged relays")
@@ -229,11 +230,11 @@ class KVTransferService(lanekv_pb2_grpc.KVTransferServicer):
             shape = (layers, agreement.kv_planes, len(pages) * agreement.page_size, agreement.num_kv_heads,
                      agreement.head_dim)
             out = slot[:nbytes].view(kv_dtype(agreement.kv_dtype)).view(shape)
-            self._source.read_into([owned[page] for page in pages], request.layer_start, request.layer_end,
-                                   after, out)
+            sealed = self._source.read_into([owned[page] for page in pages], request.layer_start,
+                                            request.layer_end, after, out)
             self._owned(rid)  # held throughout the read: the pages were not recycled under it
             self._relay_staging.staged(slot, nbytes, rid)
-        return lanekv_pb2.StageReply(nbytes=nbytes)
+        return lanekv_pb2.StageReply(nbytes=nbytes, seal=sealed)
 
     def _staging(self, context: grpc.ServicerContext, span: _Span, agreement: Agreement,
                  heads: slice) -> tuple[Lease, threading.Event]:

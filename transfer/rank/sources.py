@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 from lanekv.kernels.page_digest import PageDigest, head_slice_digest, page_digest
+from lanekv.transfer.protocol.chunkseal import U64, seal, seal_tensor
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
 from lanekv.transfer.protocol.descriptors import PoolHandle, as_u64, share_pool
 from lanekv.transfer.protocol.wire import kv_dtype
@@ -61,9 +62,10 @@ class PageSource(Protocol):
         ...
 
     def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor) -> int:
         """``read`` into ``out``, a contiguous CPU tensor of ``read``'s shape and dtype (a staged
-        relay's slot: ``transfer.rank.staging``); returns once the bytes are there."""
+        relay's slot: ``transfer.rank.staging``); returns once the bytes are there, with the
+        chunk seal (``protocol.chunkseal``) of the bytes read, taken where they were read."""
         ...
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
@@ -112,7 +114,7 @@ class ContractOnlySource:
         raise KeyError(self._why)
 
     def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor) -> int:
         raise KeyError(self._why)
 
     def digest(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any = None,
@@ -307,14 +309,17 @@ class TensorPageSource:
         return picked.view(num_layers, planes, -1, kv_heads, head_dim)
 
     def read_into(self, physical_pages: Sequence[int], layer_start: int, layer_end: int, after: Any,
-                  out: torch.Tensor) -> None:
+                  out: torch.Tensor) -> int:
         if self._pool.is_cuda:  # a subclass reads on streams of its own (RankPageSource)
-            out.copy_(self.read(physical_pages, layer_start, layer_end, after))
-            return
+            gathered = self.read(physical_pages, layer_start, layer_end, after)
+            sealed = seal_tensor(gathered)
+            out.copy_(gathered)
+            return int(sealed.item()) & U64
         layers = self._pool[layer_start:layer_end]
         blocks = layers.reshape(layers.shape[0], layers.shape[1], self._num_pages, -1)  # as in read
         index = torch.as_tensor(list(physical_pages), dtype=torch.long)
         torch.index_select(blocks, 2, index, out=out.view(blocks.shape[0], blocks.shape[1], len(index), -1))
+        return seal(out)  # of the slot's bytes as this rank wrote them, before any relay sees them
 
     def release(self, request_id: str) -> int:
         with self._lock:

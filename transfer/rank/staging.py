@@ -4,9 +4,10 @@ A mapped relay (``relay.py``) reads the rank's pool itself, so on a GPU each rel
 is a CUDA context of its own whose gather and digest kernels time-slice the GPU
 with the rank's prefill. A staged relay never touches CUDA: it asks its rank
 (``KVTransfer.StageKV``) to read a sealed range's chunk into a slot of a /dev/shm
-file the rank made for that relay, and then digests, frames and sends the bytes
-on the CPU (``relay_staged.py``). Per byte the rank does a gather on one of its
-read streams and a device-to-host DMA into the slot (pinned with
+file the rank made for that relay, and then frames the bytes, checks them against
+the rank's seal of the chunk and sends them, on the CPU (``relay_staged.py``). Per
+byte the rank does a gather on one of its read streams, the chunk's seal there
+(``protocol.chunkseal``) and a device-to-host DMA into the slot (pinned with
 ``cudaHostRegister``), holding no GIL while the bytes move.
 
 - ``RankStaging`` makes one file per relay (``SLOTS`` slots of ``SLOT_BYTES``),
@@ -17,7 +18,7 @@ read streams and a device-to-host DMA into the slot (pinned with
 - ``StageKV`` (``service.py``) stages only for a known secret (which a staged relay's
   FetchKV also presents, ``RELAY_METADATA_KEY``, in place of an AttachPool), only pages of the
   request the rank still holds (checked again after the read, as FetchKV does),
-  and answers once the bytes are in the slot.
+  and answers once the bytes are in the slot, with their seal.
 - ``staged_mode``: staged for a GPU pool, mapped for a CPU pool (already in /dev/shm,
   no CUDA involved); ``LANEKV_RELAY_STAGED=1``/``0`` forces either (tests stage a CPU pool).
 """
@@ -28,6 +29,7 @@ import hmac
 import logging
 import os
 import secrets
+import threading
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,7 +46,8 @@ STAGED_ENV = "LANEKV_RELAY_STAGED"
 # first: it maps no pool, and the rank knows it as its own relay.
 RELAY_METADATA_KEY = "lanekv-relay"
 # Test hook: the rank flips one bit of every slot it stages for the request this names,
-# after the read (the relay's digest must catch it before any byte of the range leaves).
+# after the read and its seal (the relay must catch it before any byte of the chunk leaves);
+# "<request id>@<k>" flips only the k-th (from 0) staging of that request on this rank.
 DAMAGE_ENV = "LANEKV_TEST_DAMAGE_STAGING"
 # Slots per relay: a relay's FetchKV call takes two (the rank fills one while the relay
 # sends the other), so two calls of one relay stage at once; a third waits.
@@ -90,7 +93,9 @@ class RankStaging:
         self.areas: list[StagingArea] = []
         self._buffers: dict[str, tuple[StagingArea, torch.Tensor]] = {}  # secret -> its file's bytes, mapped here
         self._pinned: list[int] = []  # data_ptrs registered with CUDA
-        self._damage = os.environ.get(DAMAGE_ENV) or None  # a request id (test hook)
+        self._damage = _damage_spec(os.environ.get(DAMAGE_ENV, ""))  # (request id, k or None): test hook
+        self._damage_count = 0  # stagings of that request so far
+        self._damage_lock = threading.Lock()
         try:
             for i in range(count):
                 path = directory / pool_file_name(epoch, rank, f"stage{i}_{secrets.token_hex(4)}")
@@ -128,7 +133,11 @@ class RankStaging:
 
     def staged(self, slot: torch.Tensor, nbytes: int, request_id: str) -> None:
         """Called once ``nbytes`` of ``request_id`` are in ``slot`` (``DAMAGE_ENV``: flip a bit)."""
-        if request_id == self._damage and nbytes:
+        if self._damage is None or request_id != self._damage[0] or not nbytes:
+            return
+        with self._damage_lock:
+            index, self._damage_count = self._damage_count, self._damage_count + 1
+        if self._damage[1] in (None, index):
             slot[nbytes - 1] ^= 0x40
 
     def close(self) -> None:
@@ -141,6 +150,14 @@ class RankStaging:
         self._buffers.clear()
         for area in self.areas:
             remove_shared_pool(Path(area.path))
+
+
+def _damage_spec(value: str) -> tuple[str, int | None] | None:
+    """``DAMAGE_ENV``'s value as (request id, the staging to damage or None for all)."""
+    if not value:
+        return None
+    rid, at, k = value.rpartition("@")
+    return (rid, int(k)) if at and k.isdigit() else (value, None)
 
 
 def _register(buffer: torch.Tensor) -> None:

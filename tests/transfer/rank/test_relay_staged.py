@@ -20,7 +20,9 @@ from lanekv.kernels.page_digest import kv_digest
 from lanekv.proto import lanekv_pb2
 from lanekv.runtime.shmfiles import owner_of
 from lanekv.transfer.grpcfetch.client import KVClient
+from lanekv.transfer.protocol.chunkseal import seal
 from lanekv.transfer.protocol.contract import Topology
+from lanekv.transfer.protocol.wire import ChunkPlan
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.relay import RelayProcesses, RelayService, RelaySpec, serve_relay
 from lanekv.transfer.rank.relay_staged import STAGE_METHOD, StagingSlots
@@ -96,7 +98,7 @@ def test_staged_mode_is_the_gpu_default_and_the_env_forces_either(monkeypatch):
 
 
 def test_a_cpu_digest_of_runs_sums_to_the_ranks_digest_of_the_range():
-    # What the relay relies on: kv_digest of each (layer, plane) run at its place sums to the seal.
+    # kv_digest of each (layer, plane) run at its place sums to the rank's range seal.
     with _staged_rank(1) as (source, pool, _, _, _, _):
         source.add("r1", PAGES)
         physical = [p for _, p in PAGES]
@@ -110,15 +112,15 @@ def test_a_cpu_digest_of_runs_sums_to_the_ranks_digest_of_the_range():
         assert total & ((1 << 64) - 1) == sealed
 
 
-def test_the_relays_two_pass_digest_equals_kv_digest():
-    with _staged_rank(1, slot_bytes=1 << 14) as (_, _, endpoint, _, _, staging):
+def test_stage_kv_answers_the_seal_of_the_bytes_it_put_in_the_slot():
+    with _staged_rank(1) as (source, pool, endpoint, _, _, staging):
+        source.add("r1", PAGES)
         with grpc.insecure_channel(endpoint) as channel:
             slots = StagingSlots(staging.areas[0], channel)
-            g = torch.Generator().manual_seed(3)
-            for words, position in ((1, 0), (7, 1), (1000, 12345), (4096, (1 << 40) + 3), (3 * 1024 + 5, 9),
-                                    (1024, (1 << 62) + 1)):
-                run = torch.randint(-2**31, 2**31, (words,), dtype=torch.int64, generator=g).to(torch.int32)
-                assert slots.digest(run.view(torch.uint8), position) == kv_digest(run, position), (words, position)
+            staged = slots.stage(1, "r1", ChunkPlan(1, 3, (3, 0, 4)), timeout_s=5)
+            read = source.read([0, 5, 3], 1, 3)  # the physical pages of logical 3, 0, 4
+            assert staged.data.numel() == read.numel() * 2 and torch.equal(staged.data, read.reshape(-1).view(torch.uint8))
+            assert staged.seal == seal(read.contiguous())
 
 
 def test_staged_relays_carry_every_byte_and_the_rank_frames_none(monkeypatch):
@@ -145,6 +147,36 @@ def test_a_damaged_slot_is_caught_before_a_byte_leaves_and_the_rank_sends_instea
             stats = _fetch(kv, endpoint, agreement, dest, [f"127.0.0.1:{served[0].port}"])
             assert served[0].service.sent_bytes == 0
             assert stats.retries >= 1  # the fall back to the rank
+            assert same_bits(dest, _expected(pool))
+
+
+def test_a_chunk_damaged_mid_range_stops_there_and_the_rank_sends_the_rest(monkeypatch):
+    # Chunks leave one by one as each matches its seal: those before the damaged one are sent,
+    # not one byte of it, and the stream goes on at the rank for the cells it lacks.
+    monkeypatch.setenv(DAMAGE_ENV, "r1@2")  # the third staging of r1 only
+    with _staged_rank(1) as (source, pool, endpoint, agreement, kv, staging):
+        source.add("r1", PAGES)
+        with _relays(endpoint, agreement, staging) as served:
+            dest = torch.zeros(LAYERS, 2, len(PAGES) * PAGE, 2, 8, dtype=pool.dtype)
+            stats = kv.fetch({0: endpoint}, "r1", agreement.fingerprint, placer(dest, []), timeout=20,
+                             layer_end=LAYERS, pages={0: [p for p, _ in PAGES]}, streams_per_rank=1,
+                             relays={0: [f"127.0.0.1:{served[0].port}"]}, max_chunk_bytes=CHUNK)
+            assert served[0].service.sent_chunks == 2  # the two chunks staged before the damaged one
+            assert served[0].service.sent_bytes == 2 * CHUNK
+            assert stats.retries == 1 and same_bits(dest, _expected(pool))
+
+
+def test_a_stage_reply_without_a_seal_sends_nothing(monkeypatch):
+    # A rank that vouches for nothing: the relay cannot check the bytes, so none leave.
+    with _staged_rank(1) as (source, pool, endpoint, agreement, kv, staging):
+        source.add("r1", PAGES)
+        real = lanekv_pb2.StageReply.FromString
+        monkeypatch.setattr(lanekv_pb2.StageReply, "FromString",
+                            staticmethod(lambda data: lanekv_pb2.StageReply(nbytes=real(data).nbytes)))
+        with _relays(endpoint, agreement, staging) as served:
+            dest = torch.zeros(LAYERS, 2, len(PAGES) * PAGE, 2, 8, dtype=pool.dtype)
+            stats = _fetch(kv, endpoint, agreement, dest, [f"127.0.0.1:{served[0].port}"])
+            assert served[0].service.sent_bytes == 0 and stats.retries >= 1
             assert same_bits(dest, _expected(pool))
 
 
