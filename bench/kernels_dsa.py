@@ -39,7 +39,7 @@ from lanekv.kernels.dsa.indexer import (
 )
 from lanekv.kernels.dsa.pool_layout import DSARowLayout
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton, sparse_mla_prefill_triton
-from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention
 from triton.testing import do_bench
 
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from lanekv.kernels.moe.experts import prefill_tile_min_pairs
-from lanekv.kernels.prefill_attention import big_tile_min_rows
+from lanekv.kernels.prefill.config import big_tile_min_rows
 from lanekv.model.attention import kind_of
 from lanekv.model.config import ModelConfig
 
