@@ -6,7 +6,7 @@ Shapes: 64 index heads of 128 dims (fp8 index-K rows of 132 bytes), top 2048,
 - decode: the new token of each of ``batch`` requests at ``context`` keys:
   paged index scores (fp8 dequant inside) + top-k + sparse MLA decode, against
   dense MLA attention on the same shapes: the paged dense MLA decode kernel the
-  daemons run for V2/V3 (``kernels/mla_decode.py``, split over the keys), and
+  daemons run for V2/V3 (``kernels/mla/paged_decode.py``, split over the keys), and
   torch (bmm, float32 softmax, bmm) over each request's latent rows laid out
   contiguously.
 - prefill: ``queries`` rows at the end of a ``context``-token request (one

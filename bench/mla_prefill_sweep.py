@@ -8,7 +8,7 @@ v 128, causal, bf16, one sequence of each ``--tokens`` (default 8k and 32k). Row
   (128) and v zero-padded to 192 (what backends that want one head dim need; the extra
   columns are cut off). Each backend's figure is its fastest form that ran.
 - ``kernel``: ``launch_cp_prefill_attention`` with each config of ``MLA_PREFILL_SWEEP``
-  (``kernels/prefill_attention.py``; ``--configs`` to pick others, any of
+  (``kernels/prefill/config.py``; ``--configs`` to pick others, any of
   ``MLA_PREFILL_VARIANTS`` or new ones, written
   ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize][+exp_bf16]``).
 
