@@ -45,7 +45,7 @@ from lanekv.decode.engine import DecodeEngine  # noqa: E402
 from lanekv.decode.pool import PagePool, PageTable  # noqa: E402
 from lanekv.kernels.dsa.index_cache import store_index_k  # noqa: E402
 from lanekv.kernels.page_copy import gather_pages  # noqa: E402
-from lanekv.kernels.prefill_attention_ref import AttnSegments  # noqa: E402
+from lanekv.kernels.prefill.reference import AttnSegments  # noqa: E402
 from lanekv.model.attention import DSARows, pool_rows  # noqa: E402
 from lanekv.model.attention.mla import mla_prefill_attention  # noqa: E402
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402

@@ -43,22 +43,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from lanekv.kernels.dsa.sparse_mla import SparseDecodeConfig, sparse_mla_decode_triton  # noqa: E402
-from lanekv.kernels.mla_decode import (  # noqa: E402
+from lanekv.kernels.mla.absorb import (  # noqa: E402
     mla_absorb_query_ref,
     mla_absorb_query_triton,
     mla_expand_output_ref,
     mla_expand_output_triton,
-    paged_mla_decode_attention,
 )
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention  # noqa: E402
 from lanekv.kernels.moe.decode import DecodeTiles, moe_experts_decode_triton  # noqa: E402
 from lanekv.kernels.moe.experts import moe_experts_triton  # noqa: E402
 from lanekv.kernels.moe.route import moe_route_ref, moe_route_triton  # noqa: E402
-from lanekv.kernels.prefill_attention import (  # noqa: E402
-    AttnLaunchConfig,
-    AttnSegments,
-    default_config,
-    launch_cp_prefill_attention,
-)
+from lanekv.kernels.prefill.attention import launch_cp_prefill_attention  # noqa: E402
+from lanekv.kernels.prefill.config import AttnLaunchConfig, default_config  # noqa: E402
+from lanekv.kernels.prefill.reference import AttnSegments  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 from bench.mla_prefill_sweep import parse_config  # noqa: E402

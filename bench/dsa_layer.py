@@ -83,7 +83,7 @@ from lanekv.kernels.dsa.select import decode_select, first_topk, topk_of_keys  #
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton  # noqa: E402
 from lanekv.kernels.dsa.topk import radix_topk_ref, radix_topk_triton  # noqa: E402
 from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows  # noqa: E402
-from lanekv.kernels.mla_decode import paged_mla_decode_attention  # noqa: E402
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention  # noqa: E402
 
 from bench.deepseek_kernels import GRAPH_CALLS, copy_gbps, graph_us, print_rows  # noqa: E402
 

@@ -31,13 +31,12 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 import triton
-from lanekv.kernels.prefill_attention import (
-    AttnLaunchConfig,
-    AttnSegments,
+from lanekv.kernels.prefill.attention import (
     cp_prefill_attention_triton,
-    default_config,
     launch_cp_prefill_attention,
 )
+from lanekv.kernels.prefill.config import AttnLaunchConfig, default_config
+from lanekv.kernels.prefill.reference import AttnSegments
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from triton.testing import do_bench
 

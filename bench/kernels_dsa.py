@@ -6,7 +6,7 @@ Shapes: 64 index heads of 128 dims (fp8 index-K rows of 132 bytes), top 2048,
 - decode: the new token of each of ``batch`` requests at ``context`` keys:
   paged index scores (fp8 dequant inside) + top-k + sparse MLA decode, against
   dense MLA attention on the same shapes: the paged dense MLA decode kernel the
-  daemons run for V2/V3 (``kernels/mla_decode.py``, split over the keys), and
+  daemons run for V2/V3 (``kernels/mla/paged_decode.py``, split over the keys), and
   torch (bmm, float32 softmax, bmm) over each request's latent rows laid out
   contiguously.
 - prefill: ``queries`` rows at the end of a ``context``-token request (one
@@ -39,7 +39,7 @@ from lanekv.kernels.dsa.indexer import (
 )
 from lanekv.kernels.dsa.pool_layout import DSARowLayout
 from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_triton, sparse_mla_prefill_triton
-from lanekv.kernels.mla_decode import paged_mla_decode_attention
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention
 from triton.testing import do_bench
 
 INDEX_HEADS, INDEX_DIM, TOPK = 64, 128, 2048

@@ -34,20 +34,15 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lanekv.kernels.mla_decode import (  # noqa: E402
-    MLADecodeConfig,
-    default_mla_config,
-    paged_mla_decode_attention_ref,
-    paged_mla_decode_attention_triton,
-)
-from lanekv.kernels.prefill_attention import (  # noqa: E402
-    AttnLaunchConfig,
-    AttnSegments,
-    cp_prefill_attention_ref,
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention_triton  # noqa: E402
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref  # noqa: E402
+from lanekv.kernels.mla.splits import MLADecodeConfig, default_mla_config  # noqa: E402
+from lanekv.kernels.prefill.attention import (  # noqa: E402
     cp_prefill_attention_triton,
-    default_config,
     launch_cp_prefill_attention,
 )
+from lanekv.kernels.prefill.config import AttnLaunchConfig, default_config  # noqa: E402
+from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref  # noqa: E402
 
 from bench.kernels_copy import _copy_times, _times, _warm_gpu  # noqa: E402
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from lanekv.kernels.mla.expand_merge import _expand_partials_kernel  # noqa: E402
 from lanekv.kernels.mla.latent_store import _mla_rope_norm_store_kernel  # noqa: E402
-from lanekv.kernels.mla_decode import _paged_mla_decode_kernel  # noqa: E402
+from lanekv.kernels.mla.paged_decode import _paged_mla_decode_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

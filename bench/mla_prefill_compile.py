@@ -30,12 +30,9 @@ import lanekv  # noqa: F401  (the package first)
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import triton  # noqa: E402
-from lanekv.kernels.prefill_attention import (  # noqa: E402
-    MLA_PREFILL_VARIANTS,
-    AttnLaunchConfig,
-    _cp_prefill_attention_kernel,
-    kernel_constexprs,
-)
+from lanekv.kernels.prefill.attention import kernel_constexprs  # noqa: E402
+from lanekv.kernels.prefill.config import MLA_PREFILL_VARIANTS, AttnLaunchConfig  # noqa: E402
+from lanekv.kernels.prefill.kernel import _cp_prefill_attention_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 

@@ -8,7 +8,7 @@ v 128, causal, bf16, one sequence of each ``--tokens`` (default 8k and 32k). Row
   (128) and v zero-padded to 192 (what backends that want one head dim need; the extra
   columns are cut off). Each backend's figure is its fastest form that ran.
 - ``kernel``: ``launch_cp_prefill_attention`` with each config of ``MLA_PREFILL_SWEEP``
-  (``kernels/prefill_attention.py``; ``--configs`` to pick others, any of
+  (``kernels/prefill/config.py``; ``--configs`` to pick others, any of
   ``MLA_PREFILL_VARIANTS`` or new ones, written
   ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize][+exp_bf16]``).
 
@@ -57,14 +57,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
-from lanekv.kernels.prefill_attention import (  # noqa: E402
+from lanekv.kernels.prefill.attention import launch_cp_prefill_attention  # noqa: E402
+from lanekv.kernels.prefill.config import (  # noqa: E402
     LAUNCH_SWITCHES,
     MLA_PREFILL_SWEEP,
     AttnLaunchConfig,
-    AttnSegments,
-    cp_prefill_attention_ref,
-    launch_cp_prefill_attention,
 )
+from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 QK_DIM, V_DIM = 192, 128

@@ -46,12 +46,9 @@ if "--tiny" in sys.argv:  # before the kernel modules are imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from lanekv.kernels.mla_decode import (  # noqa: E402
-    MLADecodeConfig,
-    default_mla_config,
-    paged_mla_decode_attention_ref,
-    paged_mla_decode_attention_triton,
-)
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention_triton  # noqa: E402
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref  # noqa: E402
+from lanekv.kernels.mla.splits import MLADecodeConfig, default_mla_config  # noqa: E402
 from lanekv.kernels.moe.decode import (  # noqa: E402
     DOWN,
     GATE_UP,

@@ -27,11 +27,10 @@ from lanekv.kernels.fp8.quant import (
 )
 from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8_triton, rope_store_kv_fp8_triton
 from lanekv.kernels.fp8.weights import quantize_weight_blocks
+from lanekv.kernels.mla.absorb import mla_absorb_query_triton, mla_expand_output_triton
 from lanekv.kernels.mla.expand_merge import mla_expand_partials_triton
 from lanekv.kernels.mla.latent_store import mla_rope_norm_store_triton
-from lanekv.kernels.mla_decode import (
-    mla_absorb_query_triton,
-    mla_expand_output_triton,
+from lanekv.kernels.mla.paged_decode import (
     paged_mla_decode_attention_triton,
     paged_mla_decode_stage1,
 )

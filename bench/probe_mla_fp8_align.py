@@ -14,7 +14,8 @@ import sys
 CASE = r'''
 import sys, torch
 from lanekv.kernels.fp8.kv_rows import pack_mla_fp8_rows_ref
-from lanekv.kernels.mla_decode import paged_mla_decode_attention_triton, paged_mla_decode_attention_ref
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention_triton
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref
 rank, rope, dtype, pad = int(sys.argv[1]), int(sys.argv[2]), getattr(torch, sys.argv[3]), int(sys.argv[4])
 page_size, pages = 16, 8
 rows = pages * page_size

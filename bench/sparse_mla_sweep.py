@@ -47,7 +47,8 @@ from lanekv.kernels.dsa.sparse_mla import (
     sparse_mla_decode_triton,
 )
 from lanekv.kernels.fp8.kv_rows import mla_fp8_row_bytes, pack_mla_fp8_rows
-from lanekv.kernels.mla_decode import merge_mla_partials, row_stride_args
+from lanekv.kernels.mla.latent_rows import row_stride_args
+from lanekv.kernels.mla.merge import merge_mla_partials
 
 HEADS, RANK, ROPE, PAGE, TOPK, INDEX_DIM = 128, 512, 64, 64, 2048, 128
 H200_SMS = 132

@@ -39,8 +39,9 @@ import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
 from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
+from lanekv.kernels.mla.absorb import mla_absorb_query, mla_expand_output
 from lanekv.kernels.mla.expand_merge import mla_expand_partials
-from lanekv.kernels.mla_decode import MLAPartials, mla_absorb_query, mla_expand_output
+from lanekv.kernels.mla.paged_decode import MLAPartials
 from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, TOKEN_BUCKETS, moe_experts_decode
 from lanekv.kernels.moe.experts import moe_experts, prefill_tile_min_pairs
 from lanekv.kernels.moe.gate import router_logits

@@ -8,7 +8,7 @@ import sys
 import textwrap
 
 import pytest
-from lanekv.kernels.prefill_attention import MLA_PREFILL_VARIANTS, AttnLaunchConfig
+from lanekv.kernels.prefill.config import MLA_PREFILL_VARIANTS, AttnLaunchConfig
 
 from bench.mla_prefill_sweep import causal_flops, parse_config, run_jobs, summarize
 

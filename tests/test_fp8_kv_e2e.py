@@ -223,11 +223,11 @@ def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoi
     packing and store fused (GQA, MLA; MLA's decode step with the kv_a norm too), the packing
     of DSA's latent, the decode kernels dequantizing the rows as they load them, and MLA's
     split partials merged in the output's expansion."""
-    from lanekv.kernels import decode_attention, mla_decode
+    from lanekv.kernels import decode_attention
     from lanekv.kernels.backend import interpreter_enabled
     from lanekv.kernels.dsa import sparse_mla
     from lanekv.kernels.fp8 import kv_rows, rope_store
-    from lanekv.kernels.mla import expand_merge, latent_store
+    from lanekv.kernels.mla import expand_merge, latent_store, paged_decode
     from lanekv.model import deepseek
     from lanekv.model.attention import dsa, gqa, mla, rows
 
@@ -241,7 +241,7 @@ def test_the_interpreted_fp8_kernels_generate_the_single_process_tokens(checkpoi
             (mla, "mla_rope_store_fp8", rope_store.mla_rope_store_fp8_triton),
             (gqa, "paged_decode_attention", decode_attention.paged_decode_attention_triton),
             (mla, "mla_rope_norm_store", latent_store.mla_rope_norm_store_triton),
-            (mla, "paged_mla_decode_partials", mla_decode.paged_mla_decode_stage1),
+            (mla, "paged_mla_decode_partials", paged_decode.paged_mla_decode_stage1),
             (deepseek, "mla_expand_partials", expand_merge.mla_expand_partials_triton),
             (dsa, "sparse_mla_decode", sparse_mla.sparse_mla_decode_triton)):
         monkeypatch.setattr(module, name_, kernel)

@@ -30,15 +30,14 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
-from lanekv.kernels.mla_decode import (
-    MLAPartials,
-    _busy_splits,
-    busy_splits_ref,
-    merge_mla_partials,
+from lanekv.kernels.mla.absorb import (
     mla_expand_output,
     mla_expand_output_ref,
     mla_expand_output_triton,
 )
+from lanekv.kernels.mla.merge import merge_mla_partials
+from lanekv.kernels.mla.paged_decode import MLAPartials
+from lanekv.kernels.mla.splits import _busy_splits, busy_splits_ref
 from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 # Tokens run one after another in a program (each a few memory round trips: its length,

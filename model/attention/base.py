@@ -34,7 +34,7 @@ from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from lanekv.kernels.invariant.linear import RowInvariantLinear
-from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.prefill.reference import AttnSegments
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
     DEFAULT_KV_CACHE_DTYPE,

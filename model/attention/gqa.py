@@ -24,7 +24,7 @@ import torch
 import triton
 from lanekv.kernels.decode_attention import DecodeConfig, paged_decode_attention
 from lanekv.kernels.fp8.rope_store import rope_store_kv_fp8
-from lanekv.kernels.prefill_attention import cp_prefill_attention
+from lanekv.kernels.prefill.attention import cp_prefill_attention
 from lanekv.kernels.rope_store import apply_rotary, rope_store_kv
 from lanekv.kernels.store_kv import store_kv
 from lanekv.model.attention.base import (

@@ -33,9 +33,9 @@ import torch
 from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8
 from lanekv.kernels.mla.expand_merge import mla_expand_partials
 from lanekv.kernels.mla.latent_store import mla_rope_norm_store
-from lanekv.kernels.mla_decode import paged_mla_decode_attention, paged_mla_decode_partials
-from lanekv.kernels.prefill_attention import cp_prefill_attention
-from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention, paged_mla_decode_partials
+from lanekv.kernels.prefill.attention import cp_prefill_attention
+from lanekv.kernels.prefill.reference import AttnSegments
 from lanekv.kernels.store_kv import store_kv
 from lanekv.model.attention.base import (
     AnyCausalLM,

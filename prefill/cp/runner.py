@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.prefill.reference import AttnSegments
 from lanekv.kernels.rerange import rerange
 from lanekv.model.attention import AnyCausalLM, CPBatch, QuerySegment, RowLayout, kind_of
 from lanekv.model.grammar import bitmask_words, masks_from_bytes

@@ -2,7 +2,7 @@
 
 A Triton kernel compiles once per set of compile-time values, and the tile
 sizes are among them. Two launchers pick their tiles by how much work a call
-has: the attention (``kernels.prefill_attention.default_config``: 64-row
+has: the attention (``kernels.prefill.config.default_config``: 64-row
 query blocks while the chip would be short of programs, 128-row ones after)
 and the MoE experts (``kernels.moe.experts.default_moe_tiles``: thin row
 blocks for a few tokens per expert). The prefill warm-up (``prefill.warmup``)
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 from lanekv.kernels.moe.experts import prefill_tile_min_pairs
-from lanekv.kernels.prefill_attention import big_tile_min_rows
+from lanekv.kernels.prefill.config import big_tile_min_rows
 from lanekv.model.attention import kind_of
 from lanekv.model.config import ModelConfig
 

@@ -9,7 +9,8 @@ import torch
 from lanekv.decode.colocated import generate_colocated
 from lanekv.decode.engine import DecodeEngine
 from lanekv.decode.pool import PagePool
-from lanekv.kernels.mla_decode import paged_mla_decode_attention, paged_mla_decode_attention_ref
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref
 from lanekv.model.checkpoint import load_model
 from lanekv.model.sampling import SamplingParams
 

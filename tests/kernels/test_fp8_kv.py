@@ -19,10 +19,8 @@ from lanekv.kernels.fp8.kv_rows import (
     pack_mla_fp8_rows_triton,
     unpack_mla_fp8_rows,
 )
-from lanekv.kernels.mla_decode import (
-    paged_mla_decode_attention_ref,
-    paged_mla_decode_attention_triton,
-)
+from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention_triton
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref
 
 from tests.markers import requires_gpu
 

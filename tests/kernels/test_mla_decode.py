@@ -12,22 +12,25 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from lanekv.kernels.mla_decode import (
+from lanekv.kernels.mla.absorb import (
+    mla_absorb_query_ref,
+    mla_absorb_query_triton,
+    mla_expand_output_ref,
+    mla_expand_output_triton,
+)
+from lanekv.kernels.mla.latent_rows import row_stride_args, stride_align
+from lanekv.kernels.mla.merge import merge_mla_partials
+from lanekv.kernels.mla.paged_decode import (
+    paged_mla_decode_attention,
+    paged_mla_decode_attention_triton,
+)
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref
+from lanekv.kernels.mla.splits import (
     MLADecodeConfig,
     busy_splits_ref,
     choose_mla_splits,
     choose_split_keys,
     default_mla_config,
-    merge_mla_partials,
-    mla_absorb_query_ref,
-    mla_absorb_query_triton,
-    mla_expand_output_ref,
-    mla_expand_output_triton,
-    paged_mla_decode_attention,
-    paged_mla_decode_attention_ref,
-    paged_mla_decode_attention_triton,
-    row_stride_args,
-    stride_align,
 )
 
 from tests.markers import requires_gpu

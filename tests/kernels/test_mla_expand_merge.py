@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lanekv.kernels.mla.absorb import mla_expand_output_ref, mla_expand_output_triton
 from lanekv.kernels.mla.expand_merge import (
     FUSED_MERGE_MAX_TOKENS,
     merged_latent_ref,
@@ -14,16 +15,10 @@ from lanekv.kernels.mla.expand_merge import (
     mla_expand_partials_ref,
     mla_expand_partials_triton,
 )
-from lanekv.kernels.mla_decode import (
-    MLADecodeConfig,
-    MLAPartials,
-    busy_splits_ref,
-    merge_mla_partials,
-    mla_expand_output_ref,
-    mla_expand_output_triton,
-    paged_mla_decode_attention_ref,
-    paged_mla_decode_stage1,
-)
+from lanekv.kernels.mla.merge import merge_mla_partials
+from lanekv.kernels.mla.paged_decode import MLAPartials, paged_mla_decode_stage1
+from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref
+from lanekv.kernels.mla.splits import MLADecodeConfig, busy_splits_ref
 
 from tests.kernels.test_mla_decode import RANK, make_problem
 from tests.markers import requires_gpu

@@ -7,14 +7,13 @@ from typing import NamedTuple
 
 import pytest
 import torch
-from lanekv.kernels.prefill_attention import (
-    AttnLaunchConfig,
-    AttnSegments,
+from lanekv.kernels.prefill.attention import (
     cp_prefill_attention,
-    cp_prefill_attention_ref,
     cp_prefill_attention_triton,
     launch_cp_prefill_attention,
 )
+from lanekv.kernels.prefill.config import AttnLaunchConfig
+from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref
 
 from tests.markers import requires_gpu
 

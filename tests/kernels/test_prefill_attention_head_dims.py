@@ -11,13 +11,9 @@ import math
 
 import pytest
 import torch
-from lanekv.kernels.prefill_attention import (
-    AttnSegments,
-    cp_prefill_attention,
-    cp_prefill_attention_ref,
-    cp_prefill_attention_triton,
-    head_dim_split,
-)
+from lanekv.kernels.prefill.attention import cp_prefill_attention, cp_prefill_attention_triton
+from lanekv.kernels.prefill.config import head_dim_split
+from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref
 
 from tests.kernels.test_prefill_attention import (
     THREE_REQUESTS,

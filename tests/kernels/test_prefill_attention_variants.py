@@ -18,17 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from lanekv.kernels import prefill_attention
-from lanekv.kernels.prefill_attention import (
+from lanekv.kernels.prefill import attention
+from lanekv.kernels.prefill.attention import launch_cp_prefill_attention
+from lanekv.kernels.prefill.config import (
     LAUNCH_SWITCHES,
     MLA_PREFILL_DEFAULT,
     MLA_PREFILL_FALLBACK,
     MLA_PREFILL_SWEEP,
     MLA_PREFILL_VARIANTS,
     AttnLaunchConfig,
-    cp_prefill_attention_ref,
-    launch_cp_prefill_attention,
+    runnable_config,
 )
+from lanekv.kernels.prefill.reference import cp_prefill_attention_ref
 
 from tests.kernels.test_prefill_attention import (
     LSE_SENTINEL,
@@ -230,11 +231,11 @@ def test_warp_specialized_launch_sets_a_scratch_allocator_once(monkeypatch: pyte
     seen = []
     monkeypatch.setattr(triton, "set_allocator", seen.append)
     monkeypatch.setattr(_allocation, "_allocator", _allocation.ContextVar("a", default=_allocation._NULL_ALLOCATOR))
-    prefill_attention._ensure_tma_scratch()
-    assert seen == [prefill_attention._tma_scratch]
+    attention._ensure_tma_scratch()
+    assert seen == [attention._tma_scratch]
     _allocation._allocator.set(print)  # the caller's allocator
-    prefill_attention._ensure_tma_scratch()
-    assert seen == [prefill_attention._tma_scratch]
+    attention._ensure_tma_scratch()
+    assert seen == [attention._tma_scratch]
 
 
 def test_default_falls_back_where_its_switches_cannot_run() -> None:
@@ -244,13 +245,13 @@ def test_default_falls_back_where_its_switches_cannot_run() -> None:
                        page_size=3)
     masked = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=40, v_head_dim=32, dtype=torch.float32)
     for b, want in ((contig, ws), (paged, MLA_PREFILL_FALLBACK), (masked, MLA_PREFILL_FALLBACK)):
-        assert prefill_attention.runnable_config(ws, b.q, b.k, b.v, b.page_table) == want
+        assert runnable_config(ws, b.q, b.k, b.v, b.page_table) == want
     plain = AttnLaunchConfig(128, 128, 8, 2)
-    assert prefill_attention.runnable_config(plain, paged.q, paged.k, paged.v, paged.page_table) == plain
+    assert runnable_config(plain, paged.q, paged.k, paged.v, paged.page_table) == plain
 
 
 def test_heads_fast_refuses_a_grid_past_the_y_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(prefill_attention, "_MAX_GRID_Y", 4)
+    monkeypatch.setattr(attention, "_MAX_GRID_Y", 4)
     batch = make_batch(TWO_REQUESTS, hq=2, hkv=1, head_dim=32, v_head_dim=16, dtype=torch.float32)
     with pytest.raises(ValueError, match="config.heads_fast=True puts the .* query blocks on the grid's y"):
         _launch(batch, 0.2, AttnLaunchConfig(16, 16, 4, 1, heads_fast=True))

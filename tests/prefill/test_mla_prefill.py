@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from lanekv.kernels.prefill_attention_ref import AttnSegments
+from lanekv.kernels.prefill.reference import AttnSegments
 from lanekv.model.attention.mla import mla_prefill_attention
 from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine

@@ -18,7 +18,7 @@ import pytest
 import torch
 import triton
 from lanekv.kernels.moe.experts import default_moe_tiles, prefill_tile_min_pairs
-from lanekv.kernels.prefill_attention import big_tile_min_rows, default_config
+from lanekv.kernels.prefill.config import big_tile_min_rows, default_config
 from lanekv.model.config import ModelConfig
 from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine

@@ -8,7 +8,7 @@ whole K/V. A query at absolute position ``p`` attends the keys at positions
 q and k share the qk head dim, v has its own (DeepSeek MLA decompressed: 192 =
 128 nope + 64 rope for q/k, 128 for v); neither needs to be a power of two.
 
-The Triton launcher in ``kernels/prefill_attention.py`` shares these checks;
+The Triton launcher in ``kernels/prefill/attention.py`` shares these checks;
 ``cp_prefill_attention_ref`` is the float32 reference it is tested against.
 """
 
