@@ -1,6 +1,6 @@
 """Sparse MLA attention (DSA): each query attends only to its selected latent rows.
 
-The absorbed form, as ``kernels/mla_decode.py``: ``q [., H, R+P]`` (q_nope
+The absorbed form, as ``kernels/mla/paged_decode.py``: ``q [., H, R+P]`` (q_nope
 through kv_b_proj's K part, then q_pe) scores a latent row over all ``R+P``
 values, the values are the row's first ``R``, and ``out [., H, R]`` goes back
 through kv_b_proj's V part in the caller. fp32 accumulation, out in q's dtype.
@@ -22,7 +22,7 @@ trusted (checking would cost a sync per layer).
 Decode splits each request's ``K`` selected slots over ``num_splits`` programs per
 block of heads (flash-decoding): at batch 1 a DeepSeek-V3.2 layer has only two head
 blocks, so without splits two SMs of 132 would do the work. Each split writes its
-float32 partial output and log2-sum-exp, and ``kernels.mla_decode.merge_mla_partials``
+float32 partial output and log2-sum-exp, and ``kernels.mla.merge.merge_mla_partials``
 combines them. The split count depends only on shapes (``sparse_decode_grid``), so a
 captured step keeps its grid. A split takes at least ``min_split_rows`` slots (32: one
 loop step; at batch 1, 64 splits of 2048 slots for each of two 64-head blocks: 128
@@ -49,14 +49,14 @@ import torch
 import triton
 import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
-from lanekv.kernels.mla_decode import (
+from lanekv.kernels.mla.latent_rows import (
     check_latent_cache,
     dequantized_latent,
     latent_views,
     load_latent_rows,
-    merge_mla_partials,
     row_stride_args,
 )
+from lanekv.kernels.mla.merge import merge_mla_partials
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -197,7 +197,7 @@ def _sparse_mla_kernel(
     o = acc / tl.where(has_rows, l, 1.0)[:, None]
     o_mask = h_ok[:, None] & r_ok[None, :]
     if WRITE_PARTIAL:
-        # Partials as kernels/mla_decode.py lays them out: lse [B, H, S], o [B, H, S, RANK];
+        # Partials as kernels/mla/paged_decode.py lays them out: lse [B, H, S], o [B, H, S, RANK];
         # a split without rows writes only its lse (-inf), its o is never read.
         slot = (b * num_heads + h) * num_splits + split
         tl.store(part_o_ptr + slot[:, None] * RANK + r[None, :], o,
