@@ -354,7 +354,10 @@ class MoE(nn.Module):
         top_k = min(self.gate.moe.top_k, experts)
         dtype = self.shared_dtype if fp8 is not None else w13.dtype
         shared = {} if fp8 is not None else self._shared_weights(inter) or {}
-        fp8_shared = self._fp8_shared() if fp8 is self.fp8 else None  # as forward runs it
+        # the routed-only FP8 kernels (routed_experts, a TP rank's share) and, where forward
+        # fuses the shared expert in, those with its slices (another compiled variant)
+        fused_shared = self._fp8_shared() if fp8 is self.fp8 else None
+        fp8_shared = [None] + ([fused_shared] if fused_shared is not None else [])
         like = {"device": w13.device}
 
         def run(tokens: int, decode: bool) -> None:
@@ -362,8 +365,9 @@ class MoE(nn.Module):
             x, weights = torch.zeros((tokens, hidden), dtype=dtype, **like), torch.ones(ids.shape, **like)
             if fp8 is not None:
                 if decode:
-                    moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
-                                           fp8.block, shared=fp8_shared)
+                    for extra in fp8_shared:
+                        moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
+                                               fp8.block, shared=extra)
                 else:
                     moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
                                     scale_ue8m0=fp8.scale_ue8m0)
