@@ -97,17 +97,21 @@ def test_fp8_decode_refuses_tiles_across_blocks_and_batches_past_its_limit():
 
 
 @requires_gpu
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_gpu_fp8_decode_matches_reference_and_captures(tokens):
-    # DeepSeek-V2-Lite's experts: 64, top 6, hidden 2048, intermediate 1408 (11 blocks)
+def test_gpu_fp8_decode_matches_reference_and_captures(tokens, shared):
+    # DeepSeek-V2-Lite's experts: 64, top 6, hidden 2048, intermediate 1408 (11 blocks),
+    # two shared slices
     args = _inputs(tokens, 6, 64, 2048, 1408, (128, 128), device="cuda", dtype=torch.bfloat16)
     x, w13, s13, w2, s2, weights, ids = args
-    out = moe_experts_fp8_decode_triton(*args, (128, 128))
-    ref = moe_experts_fp8_decode_ref(x.float(), w13, s13, w2, s2, weights, ids, (128, 128))
+    extra = {"shared": Fp8SharedExpert(*(t.cuda() for t in _shared(2048, 1408, 2, (128, 128), 0)))
+             } if shared else {}
+    out = moe_experts_fp8_decode_triton(*args, (128, 128), **extra)
+    ref = moe_experts_fp8_decode_ref(x.float(), w13, s13, w2, s2, weights, ids, (128, 128), **extra)
     assert (out.float() - ref).norm() <= 0.02 * ref.norm()  # bf16 rounding of each product only
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = moe_experts_fp8_decode_triton(*args, (128, 128))
+        captured = moe_experts_fp8_decode_triton(*args, (128, 128), **extra)
     ids.copy_(ids.roll(1, 0))
     graph.replay()
-    torch.testing.assert_close(captured, moe_experts_fp8_decode_triton(*args, (128, 128)))
+    torch.testing.assert_close(captured, moe_experts_fp8_decode_triton(*args, (128, 128), **extra))
