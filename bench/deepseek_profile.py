@@ -20,7 +20,8 @@ Prints a table of the first dense layer, the first MoE layer and the outside par
 (kernel names with their counts and total device time), the count per layer, and
 writes everything to ``--json``; on CUDA also layer 0's kernels in launch order with
 their device times, and with ``--fp8`` the config and the quantization (inside the
-GEMM or first) each of layer 0's FP8 linears launches with at ``--batch`` rows.
+GEMM or first) each FP8 linear of layer 0 and of the first MoE layer launches with at
+``--batch`` rows.
 
 GPU:  python bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 --json prof_v2.json
       python bench/deepseek_profile.py --llama3-8b --fp8 --batch 64 --json prof_llama_fp8.json
@@ -200,8 +201,9 @@ def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[d
     first; with a w8a16 or gemv one it computes the SiLU product in its activation load:
     ``fused_silu``). Fused
     projections count once (their parts share the fused weight); experts, which run
-    the grouped MoE kernels, are left out; MLA's ``kv_b_proj``, which decode reads as
-    a dequantized matrix, is listed all the same."""
+    the grouped MoE kernels, are left out, and so is a block-FP8 shared expert that a
+    decode-sized batch runs inside the experts' kernels (``MoE._fp8_shared``); MLA's
+    ``kv_b_proj``, which decode reads as a dequantized matrix, is listed all the same."""
     from lanekv.kernels.fp8.gemm import linear_plan
     from lanekv.kernels.fp8.gemm_configs import select_config
     from lanekv.model.quant.linear import Fp8Linear
@@ -210,11 +212,18 @@ def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[d
         return (isinstance(getattr(mod, "fp8", None), Fp8Linear)
                 and getattr(mod, "weight_scale_inv", None) is not None)
 
+    from lanekv.model.deepseek import MOE_DECODE_MAX_TOKENS
+
     fused_storage = {mod.weight.untyped_storage().data_ptr() for mod in layer.modules()
                      if fused_fp8(mod)}
+    mlp = getattr(layer, "mlp", None)
+    shared_in_experts = (rows <= MOE_DECODE_MAX_TOKENS and hasattr(mlp, "_fp8_shared")
+                         and mlp._fp8_shared() is not None)
     out = []
     for name, mod in layer.named_modules():
         weight = getattr(mod, "weight", None)
+        if shared_in_experts and name.startswith("mlp.shared_experts"):
+            continue
         if fused_fp8(mod):
             block = mod.fp8.block
         elif (isinstance(mod, Fp8Linear) and ".experts." not in f".{name}." and
@@ -312,8 +321,11 @@ def main() -> None:
                                     model_dir, args.table_pages, fp8=args.fp8)
         result["dtype"] = str(dtype).removeprefix("torch.")
         layers = loaded.model.model.layers
-        if args.fp8:
-            result["fp8_plans"] = fp8_plans(layers[0], args.batch, device)
+        if args.fp8:  # layer 0 and the first MoE layer (V2-Lite's layer 0 is dense)
+            moe_at = moe_layer_index(loaded.model)
+            result["fp8_plans"] = [
+                {"layer": i, **plan} for i in sorted({0, moe_at or 0})
+                for plan in fp8_plans(layers[i], args.batch, device)]
         step()  # compile and warm up
         step()
         if device.type == "cuda":
@@ -357,11 +369,13 @@ def main() -> None:
             per.items(), key=lambda kv: (kv[0] == OUTSIDE, int(kv[0].split()[-1])
                                          if kv[0] != OUTSIDE else 0))))
     if "fp8_plans" in result:
-        print(f"\nFP8 linears of layer 0 at {args.batch} rows (config, quantization):")
+        print(f"\nFP8 linears of layer 0 and the first MoE layer at {args.batch} rows "
+              "(config, quantization):")
         for plan in result["fp8_plans"]:
             how = ("none (w8a16)" if plan["config"].endswith("W") else "inside the GEMM"
                    if plan["fused_quant"] else "first (own kernel)")
-            print(f"  {plan['linear']:>24} [{plan['n']}, {plan['k']}] {plan['config']:>26} {how}")
+            print(f"  layer {plan['layer']} {plan['linear']:>24} [{plan['n']}, {plan['k']}] "
+                  f"{plan['config']:>26} {how}")
     if "layer0_sequence" in result:
         print(f"\nlayer 0's device kernels in launch order ({name}, batch {args.batch}):")
         for event in result["layer0_sequence"]:

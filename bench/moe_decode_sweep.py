@@ -16,6 +16,11 @@ Sections (``--parts``, default all), at each ``--tokens`` (batch 1 and 16 by def
   163840 for V2-Lite: the split count the graph runs), stage 2 included; the floor is
   the latent bytes read.
 
+With ``--fp8`` the MoE sections run the block-FP8 kernels instead (``kernels/fp8/moe_decode.py``:
+e4m3 experts and shared expert, 128 x 128 scale blocks, the shared slices fused in), the
+first candidate ``fp8_decode_tiles``' pick and the others those inside one scale block;
+the floor counts one byte a weight.
+
 Every candidate's output is checked against the default's (MoE, router: the torch
 line; MLA: the torch reference) before it is timed; a config that fails to compile is
 recorded with its error. Kernels are timed as CUDA graphs of 20 calls (as the decode
@@ -24,6 +29,7 @@ printed last and written under ``best`` in ``--json``.
 
     python bench/moe_decode_sweep.py --json moe_decode_sweep.json
     python bench/moe_decode_sweep.py --parts mla --contexts 1024 32768 131072 --tokens 1 16
+    python bench/moe_decode_sweep.py --parts gate_up down --fp8 --json moe_decode_sweep_fp8.json
 
 On a CPU (``--tiny``, the Triton interpreter): tiny shapes, two candidates each, timed
 with the wall clock, to check the script.
@@ -46,6 +52,8 @@ if "--tiny" in sys.argv:  # before the kernel modules are imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from lanekv.kernels.fp8.moe_decode import fp8_decode_tiles  # noqa: E402
+from lanekv.kernels.fp8.weights import quantize_weight_blocks  # noqa: E402
 from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention_triton  # noqa: E402
 from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref  # noqa: E402
 from lanekv.kernels.mla.splits import MLADecodeConfig, default_mla_config  # noqa: E402
@@ -66,6 +74,8 @@ PARTS = ("gate_up", "down", "router", "mla")
 # experts, top_k, hidden, width, shared slices
 V2_LITE_MOE = (64, 6, 2048, 1408, 2)
 TINY_MOE = (8, 2, 48, 40, 2)
+TINY_MOE_FP8 = (8, 2, 48, 32, 2)  # the width whole 16-wide scale blocks
+FP8_BLOCK, TINY_FP8_BLOCK = (128, 128), (16, 16)
 # (block_m, block_n, block_k, num_warps, num_stages); the launcher's own pick goes first
 MOE_CANDIDATES = [DecodeTiles(16, n, k, w, s) for n, k, w, s in (
     (32, 128, 4, 3), (32, 128, 4, 4), (32, 128, 4, 2), (32, 64, 4, 4), (32, 256, 4, 2),
@@ -116,22 +126,35 @@ def _moe_inputs(shape, tokens: int, dtype, device, gen):
 
 def _moe_case(kernel: str, tokens: int, args, timer: Timer, rate: float, candidates,
               gen: torch.Generator) -> list[dict]:
-    shape = TINY_MOE if args.tiny else V2_LITE_MOE
+    shape = (TINY_MOE_FP8 if args.fp8 else TINY_MOE) if args.tiny else V2_LITE_MOE
     experts, top_k, hidden, width, shared = shape
     x, w13, w2, s13, s2, weights, ids = _moe_inputs(shape, tokens, args.dtype, args.device, gen)
     touched = int(torch.unique(ids).numel())
-    item = x.element_size()
+    item = 1 if args.fp8 else x.element_size()
     if kernel == GATE_UP:
         nbytes = (touched * w13[0].numel() + s13.numel()) * item
     else:
         nbytes = (touched * w2[0].numel() + s2.numel()) * item
-    picked = decode_tiles(x, kernel, min(experts, top_k) + shared, width, hidden)
-    h = launch_decode_gate_up(x, w13, ids, s13, picked)
+    active = min(experts, top_k) + shared
+    fp8 = {}  # the e4m3 weights' scales (block-FP8 kernels), else nothing
+    if args.fp8:
+        block = TINY_FP8_BLOCK if args.tiny else FP8_BLOCK
+        (w13, w13_s), (w2, w2_s), (s13, s13_s), (s2, s2_s) = (
+            quantize_weight_blocks(w, block) for w in (w13, w2, s13, s2))
+        up_fp8 = {"scales": w13_s, "block": block, "shared_scales": s13_s}
+        down_fp8 = {"scales": w2_s, "block": block, "shared_scales": s2_s}
+        fp8 = up_fp8 if kernel == GATE_UP else down_fp8
+        picked = fp8_decode_tiles(x, active, width, hidden, block)
+        candidates = [c for c in candidates if not (block[0] % c.block_n or block[1] % c.block_k)]
+    else:
+        up_fp8 = {}
+        picked = decode_tiles(x, kernel, active, width, hidden)
+    h = launch_decode_gate_up(x, w13, ids, s13, picked, **up_fp8)
 
     def call(tiles):
         if kernel == GATE_UP:
-            return launch_decode_gate_up(x, w13, ids, s13, tiles)
-        return launch_decode_down(x, h, w2, ids, weights, s2, tiles)
+            return launch_decode_gate_up(x, w13, ids, s13, tiles, **fp8)
+        return launch_decode_down(x, h, w2, ids, weights, s2, tiles, **fp8)
     want = call(picked)
     floor_us = nbytes / rate / 1e3
     rows = []
@@ -257,6 +280,8 @@ def main() -> int:
     ap.add_argument("--table-positions", type=int, default=163840,
                     help="positions the MLA page table spans (a graph's: the model's maximum)")
     ap.add_argument("--tiny", action="store_true", help="CPU check: tiny shapes, interpreted")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the MoE sections on block-FP8 experts (kernels/fp8/moe_decode.py)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
@@ -277,7 +302,7 @@ def main() -> int:
     moe_candidates = MOE_CANDIDATES[:2] if args.tiny else MOE_CANDIDATES
     mla_candidates = MLA_CANDIDATES[:2] if args.tiny else MLA_CANDIDATES
     result = {"device": torch.cuda.get_device_name() if cuda else "cpu (interpreter)",
-              "torch": torch.__version__,
+              "torch": torch.__version__, "fp8_experts": args.fp8,
               "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),
               "floor_gbps": rate, "graph_calls": GRAPH_CALLS if cuda else 0, "best": {}}
     runs = {

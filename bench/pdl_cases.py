@@ -19,7 +19,7 @@ from lanekv.kernels.fp8.gemm import fp8_linear_triton
 from lanekv.kernels.fp8.gemm_configs import GemmConfig
 from lanekv.kernels.fp8.gemm_gemv import gemv_linear
 from lanekv.kernels.fp8.kv_rows import kv_fp8_head_bytes, mla_fp8_row_stride
-from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode_triton
+from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode_triton
 from lanekv.kernels.fp8.quant import (
     per_token_group_quant_fp8_triton,
     silu_mul_quant_fp8_triton,
@@ -188,7 +188,9 @@ def moe_decode_fp8(dtype: torch.dtype) -> Outputs:
     g = _gen()
     x = _randn(g, 2, 32, dtype=dtype)
     (w13, s13), (w2, s2) = _fp8_weight(g, 4, 64, 32), _fp8_weight(g, 4, 32, 32)
-    return (moe_experts_fp8_decode_triton(x, w13, s13, w2, s2, *_routing(g, 2, 2, 4), BLOCK),)
+    shared = Fp8SharedExpert(*_fp8_weight(g, 128, 32), *_fp8_weight(g, 32, 64))  # two slices
+    return (moe_experts_fp8_decode_triton(x, w13, s13, w2, s2, *_routing(g, 2, 2, 4), BLOCK,
+                                          shared=shared),)
 
 
 def moe_gate_route(dtype: torch.dtype) -> Outputs:

@@ -189,10 +189,10 @@ def _count_of(ids, pid, num_tokens, num_experts):
     return tl.where(pid >= num_experts, num_tokens, routed)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+@triton.jit(do_not_specialize=["num_tokens", "num_experts", "stride_sn", "stride_ssn"])
 def _decode_gate_up_kernel(
-    x_ptr, w_ptr, ws_ptr, s_ptr, ids_ptr, h_ptr, num_tokens, num_experts, inter, hidden,
-    stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_sn, stride_ht,
+    x_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, ids_ptr, h_ptr, num_tokens, num_experts, inter, hidden,
+    stride_xt, stride_we, stride_wn, stride_wsn, stride_se, stride_sn, stride_ssn, stride_ht,
     TOP_K: tl.constexpr, SHARED: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
@@ -215,11 +215,16 @@ def _decode_gate_up_kernel(
         stride_n = stride_wsn.to(tl.int64)
         w = ws_ptr + (pid - num_experts).to(tl.int64) * inter * stride_n
         up = SHARED * inter * stride_n
-    if W_FP8:  # e4m3 routed experts (no shared slices), a scale per GROUP_N x GROUP_K block
-        n0 = tl.program_id(1) * BLOCK_N
-        scales = s_ptr + pid.to(tl.int64) * stride_se
-        gate_scales = scales + (n0 // GROUP_N) * stride_sn  # the tile lies in one block row
-        up_scales = scales + ((inter + n0) // GROUP_N) * stride_sn  # inter: whole blocks
+    if W_FP8:  # e4m3 weights, a scale per GROUP_N x GROUP_K block; the tile lies in one
+        n0 = tl.program_id(1) * BLOCK_N  # block row (inter spans whole blocks)
+        if pid < num_experts:
+            scales = s_ptr + pid.to(tl.int64) * stride_se
+            gate_scales = scales + (n0 // GROUP_N) * stride_sn
+            up_scales = scales + ((inter + n0) // GROUP_N) * stride_sn
+        else:  # shared slice s: the block rows of its gate rows s*I.. and up rows S*I + s*I..
+            first = (pid - num_experts) * inter + n0
+            gate_scales = ss_ptr + (first // GROUP_N) * stride_ssn
+            up_scales = ss_ptr + ((SHARED * inter + first) // GROUP_N) * stride_ssn
     dtype = h_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
         _, token, row, valid = _rows_of(ids, pid, num_tokens, num_experts, chunk, count,
@@ -246,10 +251,11 @@ def _decode_gate_up_kernel(
                  mask=valid[:, None] & n_ok[None, :])
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_experts"])
+@triton.jit(do_not_specialize=["num_tokens", "num_experts", "stride_sn", "stride_ssn"])
 def _decode_down_kernel(
-    h_ptr, w_ptr, ws_ptr, s_ptr, ids_ptr, weights_ptr, y_ptr, num_tokens, num_experts, hidden,
-    inter, stride_ht, stride_we, stride_wn, stride_wsn, stride_se, stride_sn, stride_yt,
+    h_ptr, w_ptr, ws_ptr, s_ptr, ss_ptr, ids_ptr, weights_ptr, y_ptr, num_tokens, num_experts,
+    hidden, inter, stride_ht, stride_we, stride_wn, stride_wsn, stride_se, stride_sn, stride_ssn,
+    stride_yt,
     TOP_K: tl.constexpr, P_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     W_FP8: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
@@ -270,8 +276,12 @@ def _decode_down_kernel(
     else:  # shared slice s: columns s*I .. (s+1)*I of shared_w2
         w = ws_ptr + (pid - num_experts).to(tl.int64) * inter
         stride_n = stride_wsn.to(tl.int64)
-    if W_FP8:  # e4m3 routed experts: the tile's block row of scales
-        scales = s_ptr + pid.to(tl.int64) * stride_se + (tl.program_id(1) * BLOCK_N // GROUP_N) * stride_sn
+    if W_FP8:  # e4m3 weights: the tile's block row of scales
+        n_block = tl.program_id(1) * BLOCK_N // GROUP_N
+        if pid < num_experts:
+            scales = s_ptr + pid.to(tl.int64) * stride_se + n_block * stride_sn
+        else:  # shared slice s: its columns s*I.. start a block column (I: whole k blocks)
+            scales = ss_ptr + n_block * stride_ssn + (pid - num_experts) * inter // GROUP_K
     dtype = y_ptr.dtype.element_ty
     for chunk in range(0, count, BLOCK_M):
         pair, _, row, valid = _rows_of(ids, pid, num_tokens, num_experts, chunk, count,
@@ -361,10 +371,12 @@ def _precision(x: torch.Tensor) -> str:
 def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
                           shared_w13: torch.Tensor | None, tiles: DecodeTiles,
                           scales: torch.Tensor | None = None,
-                          block: tuple[int, int] = (1, 1)) -> torch.Tensor:
+                          block: tuple[int, int] = (1, 1),
+                          shared_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel 1 on checked inputs (``ids`` contiguous): ``h [T*k + S*T, I]``, SiLU(gate) * up
     of every pair's expert, then of every shared slice per token. ``scales``: ``w13`` is
-    e4m3 with a float32 scale per ``block`` (no shared slices then; tiles inside blocks)."""
+    e4m3 with a float32 scale per ``block`` (tiles inside blocks), and so is ``shared_w13``
+    with ``shared_scales`` where there is one."""
     tokens, hidden = x.shape
     experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
     shared = 0 if shared_w13 is None else shared_w13.shape[0] // (2 * inter)
@@ -372,10 +384,11 @@ def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
     h = x.new_empty((tokens * top_k + shared * tokens, inter))
     programs = tokens * top_k + shared  # a slot per pair (its expert's first runs it), the slices
     s13 = w13 if scales is None else scales  # unused without scales
+    ss13 = s13 if shared_scales is None else shared_scales  # unused without shared FP8 slices
     _decode_gate_up_kernel[(programs, triton.cdiv(inter, tiles.block_n))](
-        x, w13, ws13, s13, ids, h, tokens, experts, inter, hidden,
+        x, w13, ws13, s13, ss13, ids, h, tokens, experts, inter, hidden,
         x.stride(0), w13.stride(0), w13.stride(1), ws13.stride(-2), s13.stride(0), s13.stride(1),
-        h.stride(0), TOP_K=top_k, SHARED=shared, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
+        ss13.stride(-2), h.stride(0), TOP_K=top_k, SHARED=shared, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
         W_FP8=scales is not None, GROUP_N=block[0], GROUP_K=block[1],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x),
@@ -386,20 +399,22 @@ def launch_decode_gate_up(x: torch.Tensor, w13: torch.Tensor, ids: torch.Tensor,
 def launch_decode_down(x: torch.Tensor, h: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor,
                        weights: torch.Tensor, shared_w2: torch.Tensor | None,
                        tiles: DecodeTiles, scales: torch.Tensor | None = None,
-                       block: tuple[int, int] = (1, 1)) -> torch.Tensor:
+                       block: tuple[int, int] = (1, 1),
+                       shared_scales: torch.Tensor | None = None) -> torch.Tensor:
     """Kernel 2 on checked inputs (``x`` only for its shape and dtype): ``y [T*k + S*T, H]``,
     each pair's expert output times its routing weight, then the shared slices' outputs.
-    ``scales``: ``w2`` is e4m3 with a float32 scale per ``block``, as in kernel 1."""
+    ``scales`` and ``shared_scales``: ``w2`` and ``shared_w2`` are e4m3, as in kernel 1."""
     tokens, hidden = x.shape
     experts, inter, top_k = w2.shape[0], w2.shape[2], ids.shape[1]
     shared = 0 if shared_w2 is None else shared_w2.shape[1] // inter
     ws2 = w2 if shared_w2 is None else shared_w2
     y = x.new_empty((h.shape[0], hidden))
     s2 = w2 if scales is None else scales  # unused without scales
+    ss2 = s2 if shared_scales is None else shared_scales  # unused without shared FP8 slices
     _decode_down_kernel[(tokens * top_k + shared, triton.cdiv(hidden, tiles.block_n))](
-        h, w2, ws2, s2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden, inter,
-        h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), s2.stride(0), s2.stride(1),
-        y.stride(0), TOP_K=top_k, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
+        h, w2, ws2, s2, ss2, ids, weights.reshape(-1).contiguous(), y, tokens, experts, hidden,
+        inter, h.stride(0), w2.stride(0), w2.stride(1), ws2.stride(-2), s2.stride(0),
+        s2.stride(1), ss2.stride(-2), y.stride(0), TOP_K=top_k, P_BLOCK=_p_block(x, top_k), BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, DOT_PRECISION=_precision(x),
         W_FP8=scales is not None, GROUP_N=block[0], GROUP_K=block[1],
         num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl_args(x),

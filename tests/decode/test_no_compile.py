@@ -16,6 +16,7 @@ from lanekv.model.checkpoint import load_model
 from lanekv.model.sampling import SamplingParams
 
 from tests.checkpoints import write_deepseek_v3, write_llama
+from tests.fp8_checkpoints import quantize_checkpoint
 from tests.markers import requires_gpu
 
 
@@ -51,11 +52,16 @@ def test_no_kernel_compiles_after_warm_up_gpu(tmp_path, write):
 
 
 @requires_gpu
-def test_short_ladder_deepseek_eager_batches_compile_nothing_gpu(tmp_path):
+@pytest.mark.parametrize("fp8", [False, True])
+def test_short_ladder_deepseek_eager_batches_compile_nothing_gpu(tmp_path, fp8):
     """A ladder of 1 and 2 under a batch limit of 12: eager steps of 3 to 12 requests take
     the MoE decode kernels at token buckets no captured size compiled; the capture's
-    warm-up (``DeepseekCausalLM.warm_up_decode_kernels``) compiled them."""
-    loaded = load_model(write_deepseek_v3(tmp_path / "model"), dtype=torch.bfloat16, device="cuda")
+    warm-up (``DeepseekCausalLM.warm_up_decode_kernels``) compiled them (block-FP8: the
+    decode experts with the shared expert fused in)."""
+    path = write_deepseek_v3(tmp_path / "model")
+    if fp8:
+        path = quantize_checkpoint(path, tmp_path / "fp8", (16, 16))
+    loaded = load_model(path, dtype=torch.bfloat16, device="cuda")
     pool = PagePool.for_model(loaded.config, 4096, 16, torch.bfloat16, "cuda")
     pool.tensor.normal_()
     engine = DecodeEngine(loaded.model, pool, max_batch_size=12, eos_token_ids=(),

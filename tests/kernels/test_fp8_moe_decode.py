@@ -6,6 +6,7 @@ in bfloat16 and inside a CUDA graph."""
 import pytest
 import torch
 from lanekv.kernels.fp8.moe_decode import (
+    Fp8SharedExpert,
     moe_experts_fp8_decode,
     moe_experts_fp8_decode_ref,
     moe_experts_fp8_decode_triton,
@@ -49,6 +50,43 @@ def test_fp8_decode_kernels_equal_the_dequantized_reference(tokens, top_k, exper
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
+def _shared(hidden, inter, slices, block, seed):
+    gen = torch.Generator().manual_seed(seed + 100)
+    w13, s13 = quantize_weight_blocks(torch.randn(2 * slices * inter, hidden, generator=gen)
+                                      * hidden ** -0.5, block)
+    w2, s2 = quantize_weight_blocks(torch.randn(hidden, slices * inter, generator=gen)
+                                    * (slices * inter) ** -0.5, block)
+    return Fp8SharedExpert(w13, s13, w2, s2)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,hidden,inter,block,slices", [
+    (1, 2, 8, 64, 32, (16, 32), 2),  # batch 1, two shared slices (V2-Lite's count)
+    (4, 3, 5, 40, 32, (16, 16), 1),  # hidden ends inside a block; experts picked twice
+])
+def test_fp8_decode_fuses_the_block_fp8_shared_expert(tokens, top_k, experts, hidden, inter, block,
+                                                      slices):
+    args = _inputs(tokens, top_k, experts, hidden, inter, block, seed=tokens)
+    shared = _shared(hidden, inter, slices, block, seed=tokens)
+    out = moe_experts_fp8_decode_triton(*args, block, shared=shared)
+    ref = moe_experts_fp8_decode_ref(*args, block, shared=shared)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # the shared part is really there: the routed experts alone differ from it
+    alone = moe_experts_fp8_decode_ref(*args, block)
+    assert (alone - ref).abs().max() > 1e-2
+
+
+def test_fp8_decode_refuses_a_shared_expert_across_blocks():
+    args = _inputs(2, 2, 4, 32, 16, (16, 16))
+    ragged = _shared(32, 16, 1, (16, 16), seed=0)._replace(
+        w2=torch.zeros(32, 24, dtype=torch.float8_e4m3fn))  # 1.5 slices
+    with pytest.raises(ValueError, match="shared.w2 must be"):
+        moe_experts_fp8_decode_triton(*args, (16, 16), shared=ragged)
+    # inter 16 spans whole 16-row blocks but not the 32-wide k blocks of the down GEMM
+    args = _inputs(2, 2, 4, 32, 16, (16, 32))
+    with pytest.raises(ValueError, match="multiple of both block dims"):
+        moe_experts_fp8_decode_ref(*args, (16, 32), shared=_shared(32, 16, 2, (16, 32), seed=0))
+
+
 def test_fp8_decode_refuses_tiles_across_blocks_and_batches_past_its_limit():
     args = _inputs(2, 2, 4, 32, 16, (16, 16))
     with pytest.raises(ValueError, match="must divide the weight block"):
@@ -59,17 +97,21 @@ def test_fp8_decode_refuses_tiles_across_blocks_and_batches_past_its_limit():
 
 
 @requires_gpu
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("tokens", [1, 5, 16])
-def test_gpu_fp8_decode_matches_reference_and_captures(tokens):
-    # DeepSeek-V2-Lite's experts: 64, top 6, hidden 2048, intermediate 1408 (11 blocks)
+def test_gpu_fp8_decode_matches_reference_and_captures(tokens, shared):
+    # DeepSeek-V2-Lite's experts: 64, top 6, hidden 2048, intermediate 1408 (11 blocks),
+    # two shared slices
     args = _inputs(tokens, 6, 64, 2048, 1408, (128, 128), device="cuda", dtype=torch.bfloat16)
     x, w13, s13, w2, s2, weights, ids = args
-    out = moe_experts_fp8_decode_triton(*args, (128, 128))
-    ref = moe_experts_fp8_decode_ref(x.float(), w13, s13, w2, s2, weights, ids, (128, 128))
+    extra = {"shared": Fp8SharedExpert(*(t.cuda() for t in _shared(2048, 1408, 2, (128, 128), 0)))
+             } if shared else {}
+    out = moe_experts_fp8_decode_triton(*args, (128, 128), **extra)
+    ref = moe_experts_fp8_decode_ref(x.float(), w13, s13, w2, s2, weights, ids, (128, 128), **extra)
     assert (out.float() - ref).norm() <= 0.02 * ref.norm()  # bf16 rounding of each product only
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = moe_experts_fp8_decode_triton(*args, (128, 128))
+        captured = moe_experts_fp8_decode_triton(*args, (128, 128), **extra)
     ids.copy_(ids.roll(1, 0))
     graph.replay()
-    torch.testing.assert_close(captured, moe_experts_fp8_decode_triton(*args, (128, 128)))
+    torch.testing.assert_close(captured, moe_experts_fp8_decode_triton(*args, (128, 128), **extra))

@@ -1,0 +1,99 @@
+"""Compile the block-FP8 decode experts' kernels at DeepSeek-V2-Lite's shapes for Hopper,
+without a GPU: the routed experts alone and with the shared expert fused in
+(``kernels/fp8/moe_decode.py``), at the tiles ``fp8_decode_tiles`` picks on an H200.
+
+The launcher runs on CPU tensors with its launches recorded, not run
+(``bench.pdl_compile.recording``), so each kernel is compiled with the arguments and
+constexprs a step gives it; prints shared memory, registers and local (spill) bytes per
+thread of each (``cuobjdump --dump-resource-usage``). Run with the interpreter off:
+
+    python bench/fp8_moe_decode_compile.py [--tokens 1 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import lanekv  # noqa: F401  (the package first)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode_triton  # noqa: E402
+from lanekv.kernels.fp8.weights import FP8_DTYPE  # noqa: E402
+from lanekv.kernels.moe.decode import DecodeTiles  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from bench.pdl_compile import _OPTIONS, _arg_type, recording  # noqa: E402
+
+# V2-Lite: hidden 2048, expert width 1408 (11 blocks of 128), top 6, two shared slices.
+# Eight experts stand for the 64: no kernel specializes on the count (only on strides).
+HIDDEN, INTER, TOP_K, EXPERTS, SLICES, BLOCK = 2048, 1408, 6, 8, 2, (128, 128)
+# fp8_decode_tiles on 132 SMs: 8 active experts (6 + 2 slices) x 44 column tiles of 32
+# cover the SMs twice; the k step one 128-wide scale group
+H200_TILES = DecodeTiles(16, 32, 128, 4, 4)
+
+
+def _fp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+    scales = [*shape[:-2], -(-shape[-2] // BLOCK[0]), -(-shape[-1] // BLOCK[1])]
+    return torch.zeros(shape, dtype=FP8_DTYPE), torch.ones(scales)
+
+
+def launches(tokens: int, shared: bool) -> list:
+    x = torch.zeros(tokens, HIDDEN, dtype=torch.bfloat16)
+    (w13, s13), (w2, s2) = _fp8(EXPERTS, 2 * INTER, HIDDEN), _fp8(EXPERTS, HIDDEN, INTER)
+    extra = Fp8SharedExpert(*_fp8(2 * SLICES * INTER, HIDDEN), *_fp8(HIDDEN, SLICES * INTER)) if (
+        shared) else None
+    ids = torch.arange(TOP_K).repeat(tokens, 1)
+    with recording(run=False) as seen:
+        moe_experts_fp8_decode_triton(x, w13, s13, w2, s2, torch.ones(ids.shape), ids, BLOCK,
+                                      shared=extra, config=H200_TILES)
+    return seen
+
+
+def resources(launch) -> dict:
+    fn = launch.kernel
+    sig, consts, attrs = {}, {}, {}
+    for i, param in enumerate(fn.params):
+        value = launch.args[param.name]
+        if param.is_constexpr or value is None:
+            sig[param.name], consts[param.name] = "constexpr", value
+            continue
+        sig[param.name] = _arg_type(param.name, value)
+        if isinstance(value, torch.Tensor):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    options = {k: launch.options[k] for k in _OPTIONS if k in launch.options}
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=options)
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
+                               capture_output=True, text=True, check=True).stdout
+    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
+    return dict(shared_mem=kernel.metadata.shared, registers=int(regs.group(1)) if regs else None,
+                local_bytes=int(local.group(1)) if local else None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    args = ap.parse_args()
+    print(f"triton {triton.__version__}, sm_90, tiles {H200_TILES}")
+    for tokens in args.tokens:
+        for shared in (False, True):
+            for launch in launches(tokens, shared):
+                print(f"tokens {tokens:>2} shared {'fused' if shared else 'apart':>5} "
+                      f"{launch.name:<24} {resources(launch)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
