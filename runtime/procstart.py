@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 import sys
 from collections.abc import Callable
 from multiprocessing import reduction
@@ -34,11 +35,9 @@ def worker_context(device_type: str, preload: str) -> Any:
     if device_type != "cpu" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # A worker re-runs the main module of ``python -m lanekv.cli`` as __mp_main__: with the
-    # module preloaded, its imports are there already.
-    main = getattr(getattr(sys.modules["__main__"], "__spec__", None), "name", None)
-    extra = [main] if main and not main.endswith("__main__") else []
-    ctx.set_forkserver_preload([preload, *extra])  # read when the server starts; a running one keeps its own
+    # Read when the server starts (a running one keeps its own); runtime.procserver: the
+    # server outlives a SIGTERM to the process group, so the workers' exit codes reach us.
+    ctx.set_forkserver_preload(["lanekv.runtime.procserver", preload])
     return ctx
 
 
@@ -89,6 +88,7 @@ def _run_as_started(target: Callable[..., Any], args: tuple, started: tuple) -> 
     forked, fds, environ = started
     if forked:
         _leave_fork_server()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (runtime.procserver)
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
