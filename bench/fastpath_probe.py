@@ -83,7 +83,7 @@ from lanekv.transfer.protocol.descriptors import Descriptor  # noqa: E402
 from lanekv.transfer.protocol.manifest import Manifest  # noqa: E402
 
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from bench.transfer import RAW_METHOD, _raw_server, run_raw, start, stop  # noqa: E402
+from bench.raw_grpc import RAW_METHOD, raw_server, run_raw, start, stop  # noqa: E402
 from bench.ttft import copy_ceiling, prompt, release  # noqa: E402
 
 
@@ -311,7 +311,7 @@ def probe(prefill: PrefillDaemon, decoders: dict, vocab: int, args) -> dict:
         spy(args.profile_dir / "grpc_fetch_gil.txt", lambda: grpc_once(False), idle=False, gil=True)
         spy(args.profile_dir / "rpc.txt", lambda: rpc(pool.shape[0]), idle=True)
     release(prefill, reply, call)
-    procs, conns, ports = start(_raw_server, [() for _ in owners])
+    procs, conns, ports = start(raw_server, [() for _ in owners])
     try:
         out["raw_grpc_s"] = min(run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES)["seconds"] for _ in range(args.repeat + 1))
         out["raw_grpc_16mib_s"] = min(run_raw(ports, nbytes, 16 << 20)["seconds"] for _ in range(args.repeat + 1))

@@ -181,7 +181,8 @@ def _cpu() -> float:
 
 def _cpu_server(kind: str, num_pages: int, conn) -> None:
     """``bench/transfer.py``'s raw or FetchKV server, answering "cpu" with its CPU seconds so far."""
-    from bench.transfer import _kv_server, _raw_server
+    from bench.raw_grpc import raw_server
+    from bench.transfer import _kv_server
 
     class Relay:  # the transfer server's pipe, with "cpu" answered here
         def send(self, value: object) -> None:
@@ -195,7 +196,7 @@ def _cpu_server(kind: str, num_pages: int, conn) -> None:
     keep_freed_buffers()  # as a rank process does
     torch.set_num_threads(1)
     if kind == "raw":
-        _raw_server(Relay())
+        raw_server(Relay())
     else:
         _kv_server(0, 1, num_pages, Relay())
 

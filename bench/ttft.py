@@ -95,7 +95,7 @@ from lanekv.transfer.rank.relay import check_relays  # noqa: E402
 
 from bench.nixl_transfer import nixl_alone, raw_nixl_gbps, ucx_tls  # noqa: E402
 from bench.prefill import LLAMA3_8B, TINY, add_model_args  # noqa: E402
-from bench.transfer import _raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
+from bench.raw_grpc import raw_server, run_raw, run_raw_processes, start, stop  # noqa: E402
 
 
 def prompt(vocab: int, tokens: int, seed: int) -> list[int]:
@@ -279,7 +279,7 @@ def transfer_alone(prefill: PrefillDaemon, fast: DecodeDaemon, grpc_decode: Deco
         relay_s = {n: min(grpc_once(kv=threads_only, streams=n, relayed=True) for _ in range(repeat + 1))
                    for n in fetch_streams} if relays else {}
     release(prefill, reply, call)
-    procs, conns, ports = start(_raw_server, [() for _ in owners])
+    procs, conns, ports = start(raw_server, [() for _ in owners])
     try:
         raw = min((run_raw(ports, nbytes, DEFAULT_CHUNK_BYTES) for _ in range(repeat + 1)),
                   key=lambda r: r["seconds"])

@@ -2,7 +2,7 @@
 
 ``TPGroup(spec)`` checks that the model splits over ``spec.tp_size`` ranks
 (before any process starts: ``model.parallel.tp.check_tp``, one line naming both values),
-spawns ranks 1..T-1 (``decode.tp.rank.follower_main``), joins the group as rank
+starts ranks 1..T-1 (``decode.tp.rank.follower_main``; ``runtime.procstart``), joins the group as rank
 0, loads rank 0's shard and pool, and waits until every rank said ``Ready``.
 Then a thread waits on the ranks' sentinels: a rank that exits is reported once
 to ``on_death(rank, reason)`` (the daemon fails: health NOT_SERVING, open
@@ -42,6 +42,7 @@ from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.rendezvous import host_store
 from lanekv.model.parallel.tp import check_tp
 from lanekv.runtime.daemon import how_it_ended
+from lanekv.runtime.procstart import worker_context, worker_process
 
 log = logging.getLogger("lanekv.decode.tp")
 START_TIMEOUT_S = 300.0  # every rank joined, loaded and built its pool
@@ -68,11 +69,12 @@ class TPGroup:
         spec = dataclasses.replace(spec, port=self._store.port)
         self.spec = spec
         self._on_death = on_death
-        ctx = mp.get_context("spawn")
+        # CPU followers fork from a server that imported their module once (runtime/procstart.py).
+        ctx = worker_context("cpu" if spec.device == "cpu" else "cuda", follower_main.__module__)
         self._results: Any = ctx.Queue()
         self._tasks = {rank: ctx.Queue() for rank in range(1, spec.tp_size)}
-        self._procs = {rank: ctx.Process(target=follower_main, name=f"lanekv-tp-rank{rank}", daemon=True,
-                                         args=(rank, spec, self._tasks[rank], self._results))
+        self._procs = {rank: worker_process(ctx, follower_main, (rank, spec, self._tasks[rank], self._results),
+                                            name=f"lanekv-tp-rank{rank}")
                        for rank in range(1, spec.tp_size)}
         self._lock = threading.Lock()
         self._answers: dict[int, dict[int, TaskDone]] = {}

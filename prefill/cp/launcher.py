@@ -8,7 +8,9 @@ torch.distributed (NCCL on CUDA, one GPU per rank; gloo on CPU). A rank that
 dies is reported as ``RankDiedError`` naming it, and the engine refuses
 further work instead of hanging; once started, the engine watches the rank
 processes (``prefill.cp.watch``), so a death is noticed within milliseconds,
-breaks every waiting call at once and is reported to ``on_broken``.
+breaks every waiting call at once and is reported to ``on_broken``. CPU ranks
+fork from a server that imported their module once, CUDA ranks are spawned
+(``runtime.procstart``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ from lanekv.prefill.cp.runner import PrefillBatch, RankResult
 from lanekv.prefill.cp.watch import RankWatcher, exit_reason
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.prefill.plan import plan_batch
+from lanekv.runtime.procstart import worker_context, worker_process
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import remove_shared_pool
 
@@ -307,7 +310,8 @@ class CPPrefillEngine(PrefillEngine):
         self.on_event = on_event
         self.on_broken = on_broken
         self._watcher: RankWatcher | None = None
-        ctx = mp.get_context("spawn")
+        # CPU ranks fork from a server that imported their module once (runtime/procstart.py).
+        ctx = worker_context(config.resolved_device, rank_process_main.__module__)
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]
         # The ranks' rendezvous: held here on a port the OS gives (or the configured one),
@@ -318,12 +322,11 @@ class CPPrefillEngine(PrefillEngine):
         # the file of a rank that died (SIGKILL) is removed by us (``_remove_pools``).
         self._shared_paths = [shared_pool_path(config, serve_transfer, rank) for rank in range(config.cp_size)]
         self._procs = [
-            ctx.Process(
-                target=rank_process_main,
-                args=(rank, config, port, self._commands[rank], self._results, serve_transfer,
-                      self._shared_paths[rank]),
+            worker_process(
+                ctx, rank_process_main,
+                (rank, config, port, self._commands[rank], self._results, serve_transfer,
+                 self._shared_paths[rank]),
                 name=f"lanekv-cp-rank{rank}",
-                daemon=True,
             )
             for rank in range(config.cp_size)
         ]
