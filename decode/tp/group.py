@@ -2,7 +2,7 @@
 
 ``TPGroup(spec)`` checks that the model splits over ``spec.tp_size`` ranks
 (before any process starts: ``model.parallel.tp.check_tp``, one line naming both values),
-starts ranks 1..T-1 (``decode.tp.rank.follower_main``; ``runtime.procstart``), joins the group as rank
+starts ranks 1..T-1 (``decode.tp.rank.follower_main``; ``runtime.workers.start``), joins the group as rank
 0, loads rank 0's shard and pool, and waits until every rank said ``Ready``.
 Then a thread waits on the ranks' sentinels: a rank that exits is reported once
 to ``on_death(rank, reason)`` (the daemon fails: health NOT_SERVING, open
@@ -42,7 +42,7 @@ from lanekv.model.config import ModelConfig
 from lanekv.model.parallel.rendezvous import host_store
 from lanekv.model.parallel.tp import check_tp
 from lanekv.runtime.daemon import how_it_ended
-from lanekv.runtime.procstart import worker_context, worker_process
+from lanekv.runtime.workers.start import worker_context, worker_process
 
 log = logging.getLogger("lanekv.decode.tp")
 START_TIMEOUT_S = 300.0  # every rank joined, loaded and built its pool
@@ -69,7 +69,7 @@ class TPGroup:
         spec = dataclasses.replace(spec, port=self._store.port)
         self.spec = spec
         self._on_death = on_death
-        # CPU followers fork from a server that imported their module once (runtime/procstart.py).
+        # CPU followers fork from a server that imported their module once (runtime/workers/start.py).
         ctx = worker_context("cpu" if spec.device == "cpu" else "cuda", follower_main.__module__)
         self._results: Any = ctx.Queue()
         self._tasks = {rank: ctx.Queue() for rank in range(1, spec.tp_size)}

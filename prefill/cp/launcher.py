@@ -10,7 +10,7 @@ further work instead of hanging; once started, the engine watches the rank
 processes (``prefill.cp.watch``), so a death is noticed within milliseconds,
 breaks every waiting call at once and is reported to ``on_broken``. CPU ranks
 fork from a server that imported their module once, CUDA ranks are spawned
-(``runtime.procstart``).
+(``runtime.workers.start``).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ from lanekv.prefill.cp.runner import PrefillBatch, RankResult
 from lanekv.prefill.cp.watch import RankWatcher, exit_reason
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.prefill.plan import plan_batch
-from lanekv.runtime.procstart import worker_context, worker_process
+from lanekv.runtime.workers.start import worker_context, worker_process
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import remove_shared_pool
 
@@ -310,7 +310,7 @@ class CPPrefillEngine(PrefillEngine):
         self.on_event = on_event
         self.on_broken = on_broken
         self._watcher: RankWatcher | None = None
-        # CPU ranks fork from a server that imported their module once (runtime/procstart.py).
+        # CPU ranks fork from a server that imported their module once (runtime/workers/start.py).
         ctx = worker_context(config.resolved_device, rank_process_main.__module__)
         self._results: Any = ctx.Queue()
         self._commands = [ctx.Queue() for _ in range(config.cp_size)]

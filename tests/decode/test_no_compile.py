@@ -57,7 +57,7 @@ def test_short_ladder_deepseek_eager_batches_compile_nothing_gpu(tmp_path, fp8):
     """A ladder of 1 and 2 under a batch limit of 12: eager steps of 3 to 12 requests take
     the MoE decode kernels at token buckets no captured size compiled; the capture's
     warm-up (``DeepseekCausalLM.warm_up_decode_kernels``) compiled them (block-FP8: the
-    decode experts with the shared expert fused in)."""
+    block-FP8 decode experts)."""
     path = write_deepseek_v3(tmp_path / "model")
     if fp8:
         path = quantize_checkpoint(path, tmp_path / "fp8", (16, 16))

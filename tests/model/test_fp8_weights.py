@@ -180,29 +180,3 @@ def test_a_dummy_load_of_an_fp8_config_quantizes_the_decoder_linears(originals, 
     assert torch.isfinite(_ours(model, ids)).all()
 
 
-def test_fp8_moe_decode_runs_the_shared_expert_in_the_experts_launches(originals, tmp_path,
-                                                                        monkeypatch):
-    """A decode-sized batch of a block-FP8 MoE layer (interpreted): the routed and the
-    shared experts in one ``moe_experts_fp8_decode`` call, no linear of the shared expert
-    run apart, the same output as the reference path (dequantized weights)."""
-    from lanekv.model import deepseek, llama
-
-    fp8 = quantize_checkpoint(originals["deepseek_v2"], tmp_path / "fp8", (16, 16))
-    mlp = load_model(fp8).model.model.layers[1].mlp
-    assert mlp.fp8 is not None and mlp._fp8_shared() is not None
-    calls, linears = [], []
-    real = deepseek.moe_experts_fp8_decode
-    monkeypatch.setattr(deepseek, "moe_experts_fp8_decode",
-                        lambda *a, **k: calls.append(k["shared"] is not None) or real(*a, **k))
-    real_linear = llama.fp8_linear
-    monkeypatch.setattr(llama, "fp8_linear", lambda *a, **k: linears.append(1) or real_linear(*a, **k))
-    for tokens in (1, 3):
-        x = torch.randn(tokens, 64, generator=torch.Generator().manual_seed(tokens))
-        with torch.inference_mode():
-            want = mlp(x)
-            monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
-            got = mlp(x)
-            monkeypatch.delenv("LANEKV_CPU_KERNELS")
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-    assert calls == [True, True]
-    assert len(linears) == 2  # the reference path's shared gate/up only

@@ -17,6 +17,7 @@ from lanekv.model.checkpoint import tensor_files
 from lanekv.model.parallel import weights_digest as wd
 from lanekv.prefill.cp.launcher import CPPrefillEngine, PrefillInput
 from lanekv.prefill.engine_config import EngineConfig
+from lanekv.runtime.workers.start import START_ENV
 
 from tests.checkpoints import reference_weights_digest, write_llama
 
@@ -66,6 +67,9 @@ def test_cp3_hashes_the_checkpoint_once_then_never(tmp_path, monkeypatch):
     (hook / "sitecustomize.py").write_text(HOOK)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv(LOG_ENV, str(log))
+    # The hook is a sitecustomize: it runs where an interpreter starts, so the ranks are
+    # spawned (a fork server's workers start from its already-running interpreter).
+    monkeypatch.setenv(START_ENV, "spawn")
     monkeypatch.setenv(wd.CACHE_ENV, str(tmp_path / "cache"))
     update = wd.WeightsHasher.update
 

@@ -1,4 +1,4 @@
-"""runtime.procstart: a CPU worker forked from the fork server is what a spawned one was:
+"""runtime.workers.start: a CPU worker forked from the fork server is what a spawned one was:
 the environment and fds 1-2 of its start, not those of the server's start; its parent
 (the server) goes once the starting process is gone; CUDA workers are spawned."""
 
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from lanekv.runtime.procstart import worker_context, worker_process
+from lanekv.runtime.workers.start import START_ENV, worker_context, worker_process
 
 pytestmark = pytest.mark.timeout(120)
 REPO = Path(__file__).resolve().parents[2]
@@ -33,9 +33,15 @@ def _run(ctx, tmp_path: Path, name: str) -> list[str]:
     return out.read_text().split()
 
 
-def test_the_context_follows_the_device():
+def test_the_context_follows_the_device_and_the_start_variable(monkeypatch):
+    monkeypatch.delenv(START_ENV, raising=False)
     assert worker_context("cuda", __name__).get_start_method() == "spawn"
     assert worker_context("cpu", __name__).get_start_method() == "forkserver"
+    monkeypatch.setenv(START_ENV, "spawn")
+    assert worker_context("cpu", __name__).get_start_method() == "spawn"
+    monkeypatch.setenv(START_ENV, "fork")
+    with pytest.raises(ValueError, match="LANEKV_WORKER_START must be forkserver or spawn, got 'fork'"):
+        worker_context("cpu", __name__)
 
 
 def test_a_forked_worker_has_the_environment_and_stderr_of_its_start(tmp_path, monkeypatch, capfd):
@@ -62,7 +68,7 @@ def test_the_fork_server_and_an_orphaned_worker_end_with_the_starting_process(tm
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from lanekv.runtime.procstart import worker_context, worker_process
+        from lanekv.runtime.workers.start import worker_context, worker_process
         from tests.runtime.test_procstart import _watch_parent
         if __name__ == "__main__":
             ctx = worker_context("cpu", "tests.runtime.test_procstart")

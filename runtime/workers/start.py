@@ -28,16 +28,23 @@ from collections.abc import Callable
 from multiprocessing import reduction
 from typing import Any
 
+START_ENV = "LANEKV_WORKER_START"  # forkserver (the default on CPU) or spawn
+
 
 def worker_context(device_type: str, preload: str) -> Any:
     """The multiprocessing context of a daemon's workers on ``device_type`` ("cpu" or
-    "cuda"); ``preload``: the module the fork server imports once (the workers' target's)."""
-    if device_type != "cpu" or "forkserver" not in mp.get_all_start_methods():
+    "cuda"); ``preload``: the module the fork server imports once (the workers' target's).
+    ``LANEKV_WORKER_START=spawn`` spawns CPU workers too: each then runs its interpreter's
+    start-up (``sitecustomize``, ``PYTHONSTARTUP``-style hooks) as a process of its own."""
+    method = os.environ.get(START_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{START_ENV} must be forkserver or spawn, got {method!r}")
+    if device_type != "cpu" or method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    # Read when the server starts (a running one keeps its own); runtime.procserver: the
+    # Read when the server starts (a running one keeps its own); runtime.workers.server: the
     # server outlives a SIGTERM to the process group, so the workers' exit codes reach us.
-    ctx.set_forkserver_preload(["lanekv.runtime.procserver", preload])
+    ctx.set_forkserver_preload(["lanekv.runtime.workers.server", preload])
     return ctx
 
 
@@ -88,7 +95,7 @@ def _run_as_started(target: Callable[..., Any], args: tuple, started: tuple) -> 
     forked, fds, environ = started
     if forked:
         _leave_fork_server()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (runtime.procserver)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server ignores it (runtime.workers.server)
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
