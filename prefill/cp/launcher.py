@@ -408,8 +408,10 @@ class CPPrefillEngine(PrefillEngine):
         it stops cleanly; a decode daemon's mapping of one stays valid)."""
         for rank, (proc, path) in enumerate(zip(self._procs, self._shared_paths)):
             # Its sentinel, not is_alive(): while another thread reaps the process,
-            # is_alive() here can still say True (seen under load: the file stayed).
-            if path is not None and wait([proc.sentinel], timeout=0):
+            # is_alive() here can still say True (seen under load: the file stayed). A
+            # fork-server worker's sentinel carries its exit code, which a join reads off
+            # before the server closes it: a known exit code counts as gone too.
+            if path is not None and (wait([proc.sentinel], timeout=0) or proc.exitcode is not None):
                 remove_shared_pool(path)
                 self._shared_paths[rank] = None
 
