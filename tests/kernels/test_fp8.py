@@ -102,7 +102,9 @@ def test_silu_mul_quant_equals_quantizing_the_product(rows, inter, group, dtype)
 
 
 def test_weight_blocks_round_trip_with_partial_blocks():
-    w = torch.randn(3, 70, 45) * torch.logspace(-2, 2, 45)
+    # seeded: the global generator's state depends on which tests ran before in the worker,
+    # and a draw tiny against its block's largest value rounds to zero in e4m3
+    w = torch.randn(3, 70, 45, generator=torch.Generator().manual_seed(0)) * torch.logspace(-2, 2, 45)
     q, s = quantize_weight_blocks(w, (32, 16))
     assert q.dtype == FP8_DTYPE and s.shape == (3, 3, 3)
     back = dequantize_weight_blocks(q, s, (32, 16))
