@@ -13,10 +13,7 @@ thread of each (``cuobjdump --dump-resource-usage``). Run with the interpreter o
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import lanekv  # noqa: F401  (the package first)
@@ -31,6 +28,7 @@ from lanekv.kernels.moe.decode import DecodeTiles  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from bench.mla_chain_compile import resource_usage  # noqa: E402
 from bench.pdl_compile import _OPTIONS, _arg_type, recording  # noqa: E402
 
 # V2-Lite: hidden 2048, expert width 1408 (11 blocks of 128), top 6, two shared slices.
@@ -72,15 +70,8 @@ def resources(launch) -> dict:
     options = {k: launch.options[k] for k in _OPTIONS if k in launch.options}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as tmp:
-        cubin = Path(tmp) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "--dump-resource-usage", str(cubin)],
-                               capture_output=True, text=True, check=True).stdout
-    regs, local = re.search(r"REG:(\d+)", usage), re.search(r"LOCAL:(\d+)", usage)
-    return dict(shared_mem=kernel.metadata.shared, registers=int(regs.group(1)) if regs else None,
-                local_bytes=int(local.group(1)) if local else None)
+    registers, local_bytes = resource_usage(kernel)
+    return dict(shared_mem=kernel.metadata.shared, registers=registers, local_bytes=local_bytes)
 
 
 def main() -> None:
