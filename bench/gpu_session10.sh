@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One H200, tenth session (2026-12-03): the ninth session's kernels that no GPU had run.
+# Usage (repository root, the carried wheels installed): bash bench/gpu_session10.sh PART
+#   a: PDL (kernels/pdl/): the GPU test of graph-replayed decode steps with PDL on against
+#      off; the FP8 Llama-3-8B-shaped and V2-Lite steps at batch 1 off/on. Then the FP8 gemv
+#      family: its GPU tests, the decode-row sweep (1 and 4 rows) of Llama-3-8B's linears
+#      into a table under $OUT, and the FP8 decode step at batch 1 and 16 with that table.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+part=${1:-a}
+L=/tmp/lanekv_logs; mkdir -p "$L"
+trap 'tar -C "$L" -czf "$OUT/logs_s10_$part.tgz" .' EXIT
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, \
+torch.cuda.get_device_name())"
+t0=$SECONDS
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+case "$part" in
+a)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_pdl_decode.py \
+        > "$L/gpu_pdl_decode.log" 2>&1
+    stamp "pdl decode test rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_pdl_decode.log" | cut -c1-200; tail -1 "$L/gpu_pdl_decode.log"
+    timeout 60 python3 bench/fp8.py --only decode --models llama3_8b --batches 1 --pdl both \
+        --json "$OUT/fp8_decode_pdl_h200.json" > "$L/fp8_decode_pdl.log" 2>&1
+    stamp "fp8 decode pdl rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_pdl.log" | head -8
+    timeout 60 python3 bench/deepseek.py --v2-lite --parts decode --batches 1 --pdl both \
+        --json "$OUT/deepseek_pdl_h200.json" > "$L/deepseek_pdl.log" 2>&1
+    stamp "v2-lite pdl rc=$?"; grep -E "^\| [0-9]" "$L/deepseek_pdl.log" | head -4
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_gemv.py \
+        tests/kernels/test_fp8_w8a16.py > "$L/gpu_gemv_tests.log" 2>&1
+    stamp "gemv gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_gemv_tests.log" | cut -c1-180; tail -1 "$L/gpu_gemv_tests.log"
+    cp kernels/fp8/gemm_tables/nvidia_h200.json "$OUT/nvidia_h200.json"  # merged into, not replaced
+    left=$((560 - (SECONDS - t0) - 75)); [ $left -gt 240 ] && left=240
+    timeout $((left + 20)) python3 bench/fp8.py --only gemm --sweep --rows 1 4 --models llama3_8b \
+        --jobs 14 --time-budget-s $left --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_gemv_h200.json" > "$L/fp8_sweep_gemv.log" 2>&1
+    stamp "gemv sweep rc=$? budget ${left}s"; grep -E "^ *llama" "$L/fp8_sweep_gemv.log" | cut -c1-150
+    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 70 python3 bench/fp8.py --only decode \
+        --models llama3_8b --batches 1 16 --json "$OUT/fp8_decode_gemv_h200.json" > "$L/fp8_decode_gemv.log" 2>&1
+    stamp "fp8 decode with the swept table rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_gemv.log" | head -6 ;;
+*)
+    echo "unknown part $part"; exit 2 ;;
+esac
