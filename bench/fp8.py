@@ -530,9 +530,11 @@ def record_quant_first(row: dict) -> bool:
 def write_table(path: Path, rows: list[dict], device_name: str) -> None:
     """The best config of each swept (rows, N, K): merged into the table at ``path``
     (entries of other shapes or row counts kept)."""
-    entries = {}
+    entries, note = {}, None
     if path.is_file():
-        for e in json.loads(path.read_text()).get("entries", []):
+        old = json.loads(path.read_text())
+        note = old.get("note")  # where the older entries came from: kept for the reader
+        for e in old.get("entries", []):
             entries[(e["rows"], e["n"], e["k"], tuple(e["block"]))] = e
     for r in rows:
         if r.get("tried") is not None and r.get("config_source") != "sweep":
@@ -541,7 +543,7 @@ def write_table(path: Path, rows: list[dict], device_name: str) -> None:
             r["rows"], r["n"], r["k"], (128, 128), GemmConfig(**r["config"]),
             ms=r["gemm_ms"], vs_best_torch_fp8=r["vs_best_torch_fp8"])
     table = dict(device=device_name, torch=torch.__version__,
-                 triton=triton.__version__,
+                 triton=triton.__version__, **({"note": note} if note else {}),
                  entries=sorted(entries.values(), key=lambda e: (e["n"], e["k"], e["rows"])))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

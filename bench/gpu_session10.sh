@@ -5,6 +5,10 @@
 #      off; the FP8 Llama-3-8B-shaped and V2-Lite steps at batch 1 off/on. Then the FP8 gemv
 #      family: its GPU tests, the decode-row sweep (1 and 4 rows) of Llama-3-8B's linears
 #      into a table under $OUT, and the FP8 decode step at batch 1 and 16 with that table.
+#   b: the decode steps with the committed table at batch 1/16/64, PDL off and on (FP8
+#      Llama-3-8B shapes; V2-Lite bf16), the V2-Lite decode-row sweep (1 and 4 rows) into a
+#      table under $OUT and the V2-Lite FP8 step with it, PDL off and on; then the DSA
+#      top-k: digit_topk's GPU tests and bench/dsa_layer.py at 8k and 128k, batch 1 and 16.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part=${1:-a}
@@ -37,6 +41,29 @@ a)
     LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 70 python3 bench/fp8.py --only decode \
         --models llama3_8b --batches 1 16 --json "$OUT/fp8_decode_gemv_h200.json" > "$L/fp8_decode_gemv.log" 2>&1
     stamp "fp8 decode with the swept table rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_gemv.log" | head -6 ;;
+b)
+    timeout 60 python3 bench/fp8.py --only decode --models llama3_8b --batches 1 16 64 --pdl both \
+        --json "$OUT/fp8_decode_llama_pdl_h200.json" > "$L/fp8_decode_llama_pdl.log" 2>&1
+    stamp "fp8 llama decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_llama_pdl.log"
+    timeout 60 python3 bench/deepseek.py --v2-lite --parts decode --batches 1 16 64 --pdl both \
+        --json "$OUT/deepseek_v2_lite_pdl_h200.json" > "$L/deepseek_v2_lite_pdl.log" 2>&1
+    stamp "v2-lite bf16 rc=$?"; grep -E "^\| [0-9]" "$L/deepseek_v2_lite_pdl.log" | head -6
+    cp kernels/fp8/gemm_tables/nvidia_h200.json "$OUT/nvidia_h200.json"
+    timeout 120 python3 bench/fp8.py --only gemm --sweep --rows 1 4 --models v2_lite \
+        --jobs 14 --time-budget-s 100 --write-table "$OUT/nvidia_h200.json" \
+        --json "$OUT/gemm_sweep_gemv_v2_lite_h200.json" > "$L/fp8_sweep_gemv_v2_lite.log" 2>&1
+    stamp "v2-lite gemv sweep rc=$?"; grep -E "^ *v2_lite" "$L/fp8_sweep_gemv_v2_lite.log" | cut -c1-150
+    LANEKV_FP8_GEMM_CONFIGS="$OUT/nvidia_h200.json" timeout 70 python3 bench/fp8.py --only decode \
+        --models v2_lite --batches 1 16 64 --pdl both --json "$OUT/fp8_decode_v2_lite_pdl_h200.json" \
+        > "$L/fp8_decode_v2_lite_pdl.log" 2>&1
+    stamp "fp8 v2-lite decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_v2_lite_pdl.log"
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_dsa_digit_topk.py \
+        tests/kernels/test_dsa_topk.py tests/kernels/test_dsa_select.py > "$L/gpu_dsa_topk.log" 2>&1
+    stamp "dsa top-k gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_dsa_topk.log" | cut -c1-180; tail -1 "$L/gpu_dsa_topk.log"
+    left=$((570 - (SECONDS - t0))); [ $left -gt 200 ] && left=200
+    LANEKV_DSA_TOPK=auto timeout $left python3 -m bench.dsa_layer --kv bf16 fp8 --contexts 8192 131072 \
+        --batches 1 16 --json "$OUT/dsa_layer_digit_h200.json" > "$L/dsa_layer_digit.log" 2>&1
+    stamp "dsa_layer rc=$? limit ${left}s"; grep -E "^\|" "$L/dsa_layer_digit.log" | tail -24 ;;
 *)
     echo "unknown part $part"; exit 2 ;;
 esac
