@@ -120,7 +120,7 @@ def main() -> None:
     nan = float("nan")
     for r in rows:
         eager, hfc = r.get("eager_step_ms"), r["hf_compiled_step_ms"]
-        print(f"{r['batch']:>5} {'on' if r['pdl'] else 'off':>4} {r['step_ms']:>8.2f} {eager or nan:>9.2f} "
+        print(f"{r['batch']:>5} {r['pdl']:>4} {r['step_ms']:>8.2f} {eager or nan:>9.2f} "
               f"{hfc or nan:>11.2f} {r['tokens_per_s']:>9,.0f} {r['weight_read_floor_ms'] or nan:>9.2f} "
               f"{r['step_over_floor'] or nan:>10.2f}")
     print(f"every step time: {timing_note} (ours and transformers' alike)")
@@ -159,8 +159,8 @@ def _profile(engine: DecodeEngine, pool: PagePool, batch: int, args, device) -> 
         engine.step()
 
 
-def _time_batch(loaded, pool: PagePool, batch: int, pdl: bool, args, device: torch.device) -> dict:
-    row = dict(batch=batch, context=args.context, pdl=pdl, pdl_status=pdl_label(device, pdl))
+def _time_batch(loaded, pool: PagePool, batch: int, pdl: str, args, device: torch.device) -> dict:
+    row = dict(batch=batch, context=args.context, pdl=pdl, pdl_status=pdl_label(device, pdl, batch))
     for mode in ("eager", "graph") if device.type == "cuda" else ("eager",):
         engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),
                               graph_sizes=(batch,) if mode == "graph" else ())

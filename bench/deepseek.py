@@ -263,7 +263,7 @@ def bench_decode(loaded, batches: list[int], args) -> list[dict]:
                      "graph_page_table_width": graphs.max_pages if graphs is not None else 0,
                      "cuda_graph": graphs is not None,
                      "capture_s": capture_s if graphs is not None else 0.0,
-                     "pdl": pdl, "pdl_status": pdl_label(args.device, pdl)})
+                     "pdl": pdl, "pdl_status": pdl_label(args.device, pdl, batch)})
     return rows
 
 
@@ -360,7 +360,7 @@ def main() -> None:
             print(f"| {d['batch']} | {d['step_ms']:.2f} | {d['tokens_per_s']:.0f} | "
                   f"{d['weight_bytes'] / 1e9:.2f} | {d['kv_read_bytes'] / 1e9:.3f} | "
                   f"{d['weight_floor_ms']:.2f} | {d['read_floor_ms']:.2f} | "
-                  f"{d['of_read_floor']:.2f} | {d['cuda_graph']} | {'on' if d['pdl'] else 'off'} |")
+                  f"{d['of_read_floor']:.2f} | {d['cuda_graph']} | {d['pdl']} |")
         for status in dict.fromkeys(d["pdl_status"] for d in result["decode"]):
             print(f"PDL {status}")
         if result["decode"]:

@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from lanekv.kernels.dsa.digit_topk import (  # noqa: E402
     DigitTopkConfig,
+    digit_topk_config,
     digit_topk_programs,
     digit_topk_triton,
     topk_method,
@@ -218,7 +219,7 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
            "radix_topk_w8_us": graph_us(lambda: radix_topk_triton(scores, TOPK, num_warps=8)),
            "digit_topk_us": graph_us(lambda: digit_topk_triton(scores, TOPK)),
            "topk_method": topk_method(batch, context, num_sms),
-           "digit_programs": digit_topk_programs(batch, context, num_sms, DigitTopkConfig()),
+           "digit_programs": digit_topk_programs(batch, context, num_sms, digit_topk_config(context)),
            "radix_topk_wide_us": graph_us(lambda: radix_topk_triton(wide_scores, TOPK)),
            "digit_topk_wide_us": graph_us(lambda: digit_topk_triton(wide_scores, TOPK)),
            "radix_same": radix_same, "digit_same": digit_same, "keys_same": keys_same,

@@ -584,7 +584,7 @@ def model_config(name: str, quant: str) -> dict:
 
 
 def bench_decode(models: list[str], batches: list[int], context: int, steps: int,
-                 device: torch.device, pdl: tuple[bool, ...] = (False,)) -> list[dict]:
+                 device: torch.device, pdl: tuple[str, ...] = ("auto",)) -> list[dict]:
     """Each step timed once per setting of ``pdl`` (``bench.pdl_flag``): its engine built,
     captured and timed with the switch so."""
     rate = _copy_rate(device)
@@ -605,7 +605,7 @@ def bench_decode(models: list[str], batches: list[int], context: int, steps: int
                     step_ms = _decode_step_ms(loaded, pool, batch, context, steps, device)
                 floor_ms = step_bytes(loaded.model, batch) / rate * 1e3
                 row = dict(model=name, weights=quant, batch=batch, context=context,
-                           pdl=pdl_on, pdl_status=pdl_label(device, pdl_on),
+                           pdl=pdl_on, pdl_status=pdl_label(device, pdl_on, batch),
                            step_ms=step_ms, weight_read_floor_ms=floor_ms,
                            vs_floor=step_ms / floor_ms)
                 out.append(row)

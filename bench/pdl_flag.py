@@ -14,30 +14,32 @@ import os
 from collections.abc import Iterator
 
 import torch
-from lanekv.kernels.pdl import ENV, pdl_status, requested
+from lanekv.kernels.pdl import ENV, decode_graph, mode, pdl_status
 
-CHOICES = ("off", "on", "both")
+CHOICES = ("off", "on", "auto", "both")
+_VALUE = {"off": "0", "on": "1", "auto": "auto"}
 
 
 def add_pdl_flag(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pdl", choices=CHOICES, default=None,
                     help="the decode kernels' programmatic dependent launch (LANEKV_PDL): off, "
-                         "on, or both (each step timed without, then with); default: as "
+                         "on, auto (on in decode graphs of small batches, the daemons' "
+                         "default), or both (each step timed off, then on); default: as "
                          "LANEKV_PDL says")
 
 
-def pdl_modes(flag: str | None) -> tuple[bool, ...]:
-    """The switch's settings to time, in order."""
+def pdl_modes(flag: str | None) -> tuple[str, ...]:
+    """The switch's settings to time, in order: ``"off"``, ``"on"`` or ``"auto"``."""
     if flag is None:
-        return (requested(),)
-    return {"off": (False,), "on": (True,), "both": (False, True)}[flag]
+        return (mode(),)
+    return ("off", "on") if flag == "both" else (flag,)
 
 
 @contextlib.contextmanager
-def pdl_env(on: bool) -> Iterator[None]:
-    """``LANEKV_PDL`` set to ``on`` inside, as it was after."""
+def pdl_env(setting: str) -> Iterator[None]:
+    """``LANEKV_PDL`` set to ``setting`` (off, on or auto) inside, as it was after."""
     before = os.environ.get(ENV)
-    os.environ[ENV] = "1" if on else "0"
+    os.environ[ENV] = _VALUE[setting]
     try:
         yield
     finally:
@@ -47,7 +49,7 @@ def pdl_env(on: bool) -> Iterator[None]:
             os.environ[ENV] = before
 
 
-def pdl_label(device: torch.device, on: bool) -> str:
-    """What the kernels launched with on ``device`` (the switch asked ``on``), and why."""
-    with pdl_env(on):
+def pdl_label(device: torch.device, setting: str, batch: int) -> str:
+    """What a decode graph of ``batch`` rows launched with on ``device``, and why."""
+    with pdl_env(setting), decode_graph(batch):
         return pdl_status(device).reason

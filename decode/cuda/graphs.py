@@ -46,6 +46,7 @@ from typing import NamedTuple
 import torch
 from lanekv.decode.cuda.step import step_hidden
 from lanekv.decode.pool import PagePool, PageTable
+from lanekv.kernels import pdl
 from lanekv.model.attention import AnyCausalLM
 from lanekv.model.grammar import RequestGrammar, bitmask_words, fill_bitmasks
 from lanekv.model.sampling import SamplerState, StepResult, sample_step
@@ -194,13 +195,14 @@ class DecodeGraphs:
             self._pad_all()
             for full in (False, True) if self.sampler is not None else (False,):
                 for n in reversed(self.sizes):
-                    stream.wait_stream(torch.cuda.current_stream(device))
-                    with torch.cuda.stream(stream):
-                        self._forward(n, full)
-                    torch.cuda.current_stream(device).wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                        out = self._forward(n, full)
+                    with pdl.decode_graph(n):  # warmed and captured in the launch mode it replays
+                        stream.wait_stream(torch.cuda.current_stream(device))
+                        with torch.cuda.stream(stream):
+                            self._forward(n, full)
+                        torch.cuda.current_stream(device).wait_stream(stream)
+                        graph = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(graph, pool=mempool, stream=stream):
+                            out = self._forward(n, full)
                     (self._full if full else self._graphs)[n] = out._replace(graph=graph)
             if self.sampler is not None:
                 # The eager runs and the captures counted tokens in the scratch slot only.

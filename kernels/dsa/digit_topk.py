@@ -33,8 +33,13 @@ first pass, then candidates in shared memory) search digits the same way in one 
 row; a Triton program has no such scratch, so here a row is split instead. The chooser
 (``topk_method``, with ``LANEKV_DSA_TOPK=auto``) takes this kernel only where it splits a
 row: with one program a row its passes run block after block, no shorter a chain than
-``radix_topk``'s. That rule and the split's knobs are reasoned, not yet measured:
-bench/gpu_dsa_topk.sh times them, and until it has, ``radix_topk`` stays the default.
+``radix_topk``'s. ``auto`` is the default since the H200 timed it (2026-12-03,
+bench/results/session10_h200/dsa_layer_digit_h200.json, V3.2 shapes, top-k 2048): at
+batch 1 it took the top-k from 26.5 to 22.6 us at 8k keys and from 81 to 34 us at 128k,
+at batch 16 from 27 to 23 and 109 to 89 us. The launch knobs go by the row's width
+(``digit_topk_config``), from the same run's sweep: rows of at most 16k keys split into
+1024-key spans of 4 warps (17.7 against 22.6 us at 8k, batch 1); longer rows take
+2048-key spans, two programs an SM over the batch (79 against 89 us at 128k, batch 16).
 """
 
 from __future__ import annotations
@@ -259,9 +264,9 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
     _check(scores, topk, None)
     if config is not None and not isinstance(config, DigitTopkConfig):
         raise ValueError(f"config must be a DigitTopkConfig or None, got {config!r:.80}")
-    cfg = config or DigitTopkConfig()
-    cfg.check()
     rows, cols = scores.shape
+    cfg = config or digit_topk_config(cols)
+    cfg.check()
     out = torch.empty((rows, topk), dtype=torch.int32, device=scores.device)
     if rows == 0:
         return out
@@ -286,22 +291,32 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
     return out
 
 
-TOPK_ENV = "LANEKV_DSA_TOPK"  # radix (the default until a GPU has timed digit_topk), digit or auto
+NARROW_ROW = 16384  # keys: up to here the short spans won the H200 sweep
+NARROW = DigitTopkConfig(block=1024, min_span=1024, programs_per_sm=1, max_programs=32, num_warps=4)
+WIDE = DigitTopkConfig(block=2048, min_span=2048, programs_per_sm=2, max_programs=32, num_warps=8)
+
+
+def digit_topk_config(cols: int) -> DigitTopkConfig:
+    """The launch knobs for rows of ``cols`` scores (the module doc gives the timings)."""
+    return NARROW if cols <= NARROW_ROW else WIDE
+
+
+TOPK_ENV = "LANEKV_DSA_TOPK"  # auto (the default), radix or digit
 
 
 def topk_method(rows: int, cols: int, num_sms: int) -> str:
-    """The kernel for ``[rows, cols]`` scores: ``LANEKV_DSA_TOPK``, ``radix`` when unset.
+    """The kernel for ``[rows, cols]`` scores: ``LANEKV_DSA_TOPK``, ``auto`` when unset.
     ``auto`` takes ``"digit"`` where ``digit_topk`` splits a row over several programs
     (small batches: the SMs ``radix_topk`` leaves idle), else ``"radix"``: one program a
     row runs the digit passes one block after another, no shorter a chain than
-    ``radix_topk``'s 16 counting passes over a chunk held in registers. ``digit`` forces it.
-    The default stays ``radix`` until bench/gpu_dsa_topk.sh has run the new kernel on a
-    GPU (its histograms are tested under the interpreter and compiled for sm_90 only)."""
-    choice = os.environ.get(TOPK_ENV, "radix")
+    ``radix_topk``'s 16 counting passes over a chunk held in registers. ``digit`` and
+    ``radix`` force one kernel."""
+    choice = os.environ.get(TOPK_ENV, "") or "auto"
     if choice not in ("radix", "digit", "auto"):
         raise ValueError(f"{TOPK_ENV} must be radix, digit or auto, got {choice!r}")
     if choice == "auto":
-        return "digit" if digit_topk_programs(rows, cols, num_sms, DigitTopkConfig()) > 1 else "radix"
+        programs = digit_topk_programs(rows, cols, num_sms, digit_topk_config(cols))
+        return "digit" if programs > 1 else "radix"
     return choice
 
 

@@ -11,11 +11,17 @@ earlier kernels read or write. ``griddepcontrol.launch_dependents``
 of this one has executed it or exited. Triton 3.6 (the device's) and later name both the
 same way (3.6 emits them as inline asm, later versions as ops; the PTX is the same).
 
-The switch: ``LANEKV_PDL=1`` asks for it (unset, empty or ``0``: off, the default until
-the device's measurements say otherwise; any other value is an error naming the
-variable). It is on for a launch only on a CUDA tensor of capability 9.0 or later, and
-never under the Triton interpreter (it has no grid dependency control). It is read at
-each launch, so a CUDA graph keeps what was on when it was captured.
+The switch: ``LANEKV_PDL`` is ``auto`` (unset or empty: the default), ``1`` (on for every
+launch of a converted kernel) or ``0`` (off); any other value is an error naming the
+variable. ``auto`` turns it on inside ``decode_graph(batch)`` for batches of at most
+``AUTO_MAX_BATCH`` rows, the scope the decode daemon captures its CUDA graphs in, and
+nowhere else. The H200 measured why (2026-12-03, bench/results/session10_h200/, CUDA
+graphs, off against on): at batch 1 the block-FP8 Llama-3-8B-shaped step went from 3.18
+to 2.97 ms and the DeepSeek-V2-Lite step from 2.44 to 2.33 ms; at batches 16 and 64 the
+Llama steps were 1-2% slower with it (4.36 against 4.44 ms FP8 at 16) and V2-Lite's
+within 1-2% either way. It is on for a launch only on a CUDA tensor of capability 9.0
+or later, and never under the Triton interpreter (it has no grid dependency control).
+It is read at each launch, so a CUDA graph keeps what was on when it was captured.
 
 The kernel pattern (every converted kernel, for every launch of it, prefill included):
 
@@ -43,8 +49,11 @@ the whole prerequisite grid; the kernel without PDL waits for its predecessor in
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -63,14 +72,36 @@ class PDLStatus(NamedTuple):
     reason: str
 
 
-def requested() -> bool:
-    """``LANEKV_PDL`` read strictly: unset, empty or ``0`` is off, ``1`` is on."""
+AUTO_MAX_BATCH = 4  # auto: the largest decode graph captured with PDL on
+_IN_SMALL_GRAPH = contextvars.ContextVar("lanekv_pdl_small_decode_graph", default=False)
+
+
+def mode() -> str:
+    """``LANEKV_PDL`` read strictly: ``"auto"`` (unset, empty or ``auto``), ``"on"`` (``1``)
+    or ``"off"`` (``0``)."""
     value = os.environ.get(ENV, "")
-    if value in ("", "0"):
-        return False
-    if value == "1":
-        return True
-    raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
+    if value in ("", "auto"):
+        return "auto"
+    if value in ("0", "1"):
+        return "on" if value == "1" else "off"
+    raise ValueError(f"{ENV} must be 0, 1 or auto, got {value!r}")
+
+
+def requested() -> bool:
+    """Whether launches here ask for PDL: ``1``, or ``auto`` inside a small decode graph."""
+    m = mode()
+    return _IN_SMALL_GRAPH.get() if m == "auto" else m == "on"
+
+
+@contextlib.contextmanager
+def decode_graph(batch: int) -> Iterator[None]:
+    """The scope a decode step of ``batch`` rows is captured (and warmed) in: under
+    ``auto``, PDL is on inside it when ``batch <= AUTO_MAX_BATCH``."""
+    token = _IN_SMALL_GRAPH.set(batch <= AUTO_MAX_BATCH)
+    try:
+        yield
+    finally:
+        _IN_SMALL_GRAPH.reset(token)
 
 
 @functools.cache
@@ -89,12 +120,16 @@ def device_supports(device: torch.device) -> bool:
 def pdl_status(device: torch.device | str) -> PDLStatus:
     device = torch.device(device)
     if not requested():
-        return PDLStatus(False, f"off: {ENV} is not 1")
+        if mode() == "auto":
+            return PDLStatus(False, f"off: {ENV}=auto, on only in decode graphs of batch "
+                                    f"<= {AUTO_MAX_BATCH}")
+        return PDLStatus(False, f"off: {ENV}=0")
     if interpreter_enabled():
         return PDLStatus(False, "off: the Triton interpreter is on (no grid dependency control)")
     if not device_supports(device):
         return PDLStatus(False, f"off: {device} is not a CUDA device of capability >= 9.0")
-    return PDLStatus(True, f"on: {ENV}=1 on {device}")
+    why = f"{ENV}=1" if mode() == "on" else f"{ENV}=auto in a decode graph of batch <= {AUTO_MAX_BATCH}"
+    return PDLStatus(True, f"on: {why} on {device}")
 
 
 def pdl_enabled(device: torch.device) -> bool:

@@ -1,5 +1,6 @@
-"""Decode steps replayed from CUDA graphs captured with PDL on (``kernels.pdl``) give the
-tokens of the same steps captured with it off: Llama (bf16 and block-FP8 weights) and
+"""Decode steps replayed from CUDA graphs captured with PDL on (``kernels.pdl``), and with
+it on only in the small graphs (``auto``, the default), give the tokens of the same steps
+captured with it off: Llama (bf16 and block-FP8 weights) and
 DeepSeek-V3 (MLA, MoE). The converted kernels follow cuBLAS GEMMs and torch ops launched
 without PDL as well as each other, so both kinds of edge are exercised."""
 
@@ -46,3 +47,8 @@ def test_graph_steps_with_pdl_give_the_tokens_without_it_gpu(
     assert asked and all(ln.args["USE_PDL"] and ln.options.get("launch_pdl") for ln in asked)
     assert with_pdl == plain and planned > 5
     assert len(plain) >= 12
+    monkeypatch.delenv(pdl.ENV)  # auto, the default: on in the graphs of batch <= 4 only
+    with recording(run=True) as launches:
+        auto, _ = _scenario(loaded, device, True, 16, sizes)
+    asked = {ln.args["USE_PDL"] for ln in launches if "USE_PDL" in ln.args}
+    assert asked == {True, False} and auto == plain

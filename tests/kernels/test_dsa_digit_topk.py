@@ -6,8 +6,11 @@ rows with several blocks a program), and on the GPU at V3.2's sizes."""
 import pytest
 import torch
 from lanekv.kernels.dsa.digit_topk import (
+    NARROW,
     TOPK_ENV,
+    WIDE,
     DigitTopkConfig,
+    digit_topk_config,
     digit_topk_programs,
     digit_topk_split,
     digit_topk_triton,
@@ -69,8 +72,14 @@ def test_programs_chooser_and_arguments(monkeypatch):
     assert digit_topk_split(1, 163840, 132, cfg) == (27, 6144)  # none left without a block
     assert digit_topk_split(16, 131072, 132, cfg) == (8, 16384)
     assert digit_topk_programs(200, 8192, 132, cfg) == 1
-    monkeypatch.delenv(TOPK_ENV, raising=False)
-    assert topk_method(1, 8192, 132) == topk_method(200, 8192, 132) == "radix"  # until measured
+    monkeypatch.delenv(TOPK_ENV, raising=False)  # auto: split rows take digit_topk
+    assert digit_topk_config(8192) == NARROW and digit_topk_config(16385) == WIDE
+    assert digit_topk_split(1, 8192, 132, NARROW) == (8, 1024)
+    assert digit_topk_split(16, 131072, 132, WIDE) == (16, 8192)  # 17 wanted, 16 cover it
+    assert topk_method(1, 8192, 132) == topk_method(16, 131072, 132) == "digit"
+    assert topk_method(200, 8192, 132) == topk_method(1, 1024, 132) == "radix"
+    monkeypatch.setenv(TOPK_ENV, "radix")
+    assert topk_method(1, 8192, 132) == "radix"
     monkeypatch.setenv(TOPK_ENV, "digit")
     assert topk_method(200, 8192, 132) == "digit"
     monkeypatch.setenv(TOPK_ENV, "fast")
@@ -78,7 +87,7 @@ def test_programs_chooser_and_arguments(monkeypatch):
         topk_method(1, 8192, 132)
     monkeypatch.setenv(TOPK_ENV, "auto")
     assert topk_method(1, 8192, 132) == topk_method(16, 131072, 132) == "digit"
-    assert topk_method(200, 8192, 132) == topk_method(1, 2048, 132) == "radix"
+    assert topk_method(200, 8192, 132) == topk_method(1, 1024, 132) == "radix"
     s = torch.randn(3, 50)
     assert torch.equal(exact_topk(s, 9), radix_topk_ref(s, 9))  # CPU dispatch: the reference
     assert torch.equal(exact_topk_triton(s, 9), radix_topk_ref(s, 9))

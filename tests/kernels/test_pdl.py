@@ -25,16 +25,41 @@ PDL_DIR = ROOT / "kernels" / "pdl"  # the switch itself names what it switches
 
 def test_the_switch_reads_the_env_strictly(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(pdl.ENV, raising=False)
-    assert pdl.requested() is False
-    for value, want in (("", False), ("0", False), ("1", True)):
+    assert pdl.mode() == "auto" and pdl.requested() is False  # auto: off outside a decode graph
+    for value, want in (("", "auto"), ("auto", "auto"), ("0", "off"), ("1", "on")):
         monkeypatch.setenv(pdl.ENV, value)
-        assert pdl.requested() is want
-    for bad in ("yes", "true", "2", " 1", "on"):
+        assert pdl.mode() == want
+        assert pdl.requested() is (want == "on")
+    for bad in ("yes", "true", "2", " 1", "on", "AUTO"):
         monkeypatch.setenv(pdl.ENV, bad)
-        with pytest.raises(ValueError, match=f"^LANEKV_PDL must be 0 or 1, got {bad!r}$"):
+        with pytest.raises(ValueError, match=f"^LANEKV_PDL must be 0, 1 or auto, got {bad!r}$"):
             pdl.requested()
         with pytest.raises(ValueError, match="LANEKV_PDL"):  # a launch fails the same way
             pdl.pdl_args(torch.zeros(1))
+
+
+def test_auto_asks_for_it_only_in_small_decode_graphs(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(pdl.ENV, raising=False)
+    for batch in (1, pdl.AUTO_MAX_BATCH):
+        with pdl.decode_graph(batch):
+            assert pdl.requested() is True
+            with pdl.decode_graph(pdl.AUTO_MAX_BATCH + 1):  # nested: the inner scope decides
+                assert pdl.requested() is False
+            assert pdl.requested() is True
+        assert pdl.requested() is False
+    with pdl.decode_graph(64):
+        assert pdl.requested() is False
+    monkeypatch.setenv(pdl.ENV, "0")
+    with pdl.decode_graph(1):
+        assert pdl.requested() is False  # 0 wins over the scope, and 1 is on everywhere
+    monkeypatch.setenv(pdl.ENV, "1")
+    with pdl.decode_graph(64):
+        assert pdl.requested() is True
+    with pytest.raises(RuntimeError):
+        with pdl.decode_graph(1):
+            raise RuntimeError("a capture that fails")
+    monkeypatch.delenv(pdl.ENV)
+    assert pdl.requested() is False  # the scope ended with the failure
 
 
 def test_off_under_the_interpreter_and_says_so(monkeypatch: pytest.MonkeyPatch):
@@ -43,8 +68,11 @@ def test_off_under_the_interpreter_and_says_so(monkeypatch: pytest.MonkeyPatch):
     status = pdl.pdl_status("cpu")
     assert status == (False, "off: the Triton interpreter is on (no grid dependency control)")
     assert pdl.pdl_args(torch.zeros(1)) == {"USE_PDL": False}
+    monkeypatch.setenv(pdl.ENV, "0")
+    assert pdl.pdl_status("cpu") == (False, "off: LANEKV_PDL=0")
     monkeypatch.delenv(pdl.ENV)
-    assert pdl.pdl_status("cpu") == (False, "off: LANEKV_PDL is not 1")
+    assert pdl.pdl_status("cpu") == (False, "off: LANEKV_PDL=auto, on only in decode graphs "
+                                            "of batch <= 4")
 
 
 def test_only_cuda_devices_of_capability_9(monkeypatch: pytest.MonkeyPatch):
@@ -56,6 +84,10 @@ def test_only_cuda_devices_of_capability_9(monkeypatch: pytest.MonkeyPatch):
         assert pdl.pdl_status("cuda:1").on is on
         assert pdl.pdl_enabled(torch.device("cuda", 1)) is on
     assert pdl.pdl_status("cuda:1") == (True, "on: LANEKV_PDL=1 on cuda:1")
+    monkeypatch.delenv(pdl.ENV)
+    with pdl.decode_graph(2):
+        assert pdl.pdl_status("cuda:1") == (
+            True, "on: LANEKV_PDL=auto in a decode graph of batch <= 4 on cuda:1")
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
