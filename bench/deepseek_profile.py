@@ -201,7 +201,8 @@ def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[d
     first; with a w8a16 or gemv one it computes the SiLU product in its activation load:
     ``fused_silu``). Fused
     projections count once (their parts share the fused weight); experts, which run
-    the grouped MoE kernels, are left out; MLA's
+    the grouped MoE kernels, are left out, and so is a block-FP8 shared expert that a
+    decode-sized batch runs inside the experts' kernels (``MoE._fp8_shared``); MLA's
     ``kv_b_proj``, which decode reads as a dequantized matrix, is listed all the same."""
     from lanekv.kernels.fp8.gemm import linear_plan
     from lanekv.kernels.fp8.gemm_configs import select_config
@@ -211,11 +212,18 @@ def fp8_plans(layer: torch.nn.Module, rows: int, device: torch.device) -> list[d
         return (isinstance(getattr(mod, "fp8", None), Fp8Linear)
                 and getattr(mod, "weight_scale_inv", None) is not None)
 
+    from lanekv.model.deepseek import MOE_DECODE_MAX_TOKENS
+
     fused_storage = {mod.weight.untyped_storage().data_ptr() for mod in layer.modules()
                      if fused_fp8(mod)}
+    mlp = getattr(layer, "mlp", None)
+    shared_in_experts = (rows <= MOE_DECODE_MAX_TOKENS and hasattr(mlp, "_fp8_shared")
+                         and mlp._fp8_shared() is not None)
     out = []
     for name, mod in layer.named_modules():
         weight = getattr(mod, "weight", None)
+        if shared_in_experts and name.startswith("mlp.shared_experts"):
+            continue
         if fused_fp8(mod):
             block = mod.fp8.block
         elif (isinstance(mod, Fp8Linear) and ".experts." not in f".{name}." and

@@ -23,8 +23,8 @@ so float32 logits agree with it. The router's choice after its GEMM is one launc
 pairs sorted by expert (``kernels.moe``: on CUDA without a host sync, so a decode step
 can be captured in a CUDA graph); decode batches of up to 16 tokens take the sort-free
 kernels of ``kernels/moe/decode.py`` instead, the shared expert fused in (three launches
-for the whole MLP; block-FP8 experts take ``kernels/fp8/moe_decode.py``, the shared expert
-beside them). q and kv_a are one GEMM, the absorbed form's projections one launch
+for the whole MLP), block-FP8 experts and shared expert as well
+(``kernels/fp8/moe_decode.py``). q and kv_a are one GEMM, the absorbed form's projections one launch
 each at decode sizes; residual adds are fused into the RMSNorms (``kernels.rmsnorm``),
 as in ``model.llama``.
 """
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
-from lanekv.kernels.fp8.moe_decode import moe_experts_fp8_decode
+from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode, shared_fits
 from lanekv.kernels.mla.absorb import mla_absorb_query, mla_expand_output
 from lanekv.kernels.mla.expand_merge import mla_expand_partials
 from lanekv.kernels.mla.paged_decode import MLAPartials
@@ -325,6 +325,20 @@ class MoE(nn.Module):
             return None
         return {"shared_w13": shared.gate_up.weight, "shared_w2": shared.down_proj.weight}
 
+    def _fp8_shared(self) -> Fp8SharedExpert | None:
+        """The block-FP8 shared expert as ``moe_experts_fp8_decode`` takes it (the stacked
+        experts' block, no bias, whole slices of scale blocks), or None."""
+        shared, fp8 = self.shared_experts, self.fp8
+        if shared is None or fp8 is None or shared.gate_up.fp8 is None or (
+            shared.gate_up.bias is not None or not isinstance(shared.down_proj, Fp8Linear)
+            or shared.down_proj.bias is not None or shared.down_proj.block != fp8.block
+            or shared.gate_up.fp8.block != fp8.block
+            or not shared_fits(fp8.w2.shape[2], shared.down_proj.in_features, fp8.block)
+        ):
+            return None
+        return Fp8SharedExpert(shared.gate_up.weight, shared.gate_up.weight_scale_inv,
+                               shared.down_proj.weight, shared.down_proj.weight_scale_inv)
+
     def warm_up_decode(self) -> None:
         """Compile the experts' kernels an eager decode step may take that a CUDA-graph
         ladder did not: the sort-free decode kernels for each token bucket
@@ -341,6 +355,10 @@ class MoE(nn.Module):
         top_k = min(self.gate.moe.top_k, experts)
         dtype = self.shared_dtype if fp8 is not None else w13.dtype
         shared = {} if fp8 is not None else self._shared_weights(inter) or {}
+        # the routed-only FP8 kernels and, where experts_out fuses the shared expert in,
+        # those with its slices (another compiled variant)
+        fused_shared = self._fp8_shared() if fp8 is self.fp8 else None
+        fp8_shared = [None] + ([fused_shared] if fused_shared is not None else [])
         like = {"device": w13.device}
 
         def run(tokens: int, decode: bool) -> None:
@@ -348,7 +366,9 @@ class MoE(nn.Module):
             x, weights = torch.zeros((tokens, hidden), dtype=dtype, **like), torch.ones(ids.shape, **like)
             if fp8 is not None:
                 if decode:
-                    moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block)
+                    for extra in fp8_shared:
+                        moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
+                                               fp8.block, shared=extra)
                 else:
                     moe_experts_fp8(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids, fp8.block,
                                     scale_ue8m0=fp8.scale_ue8m0)
@@ -366,12 +386,28 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        if self.w13 is not None and self._decodes(x):  # fused bf16 experts (so a fused shared one)
-            shared = self._shared_weights(self.w13.shape[1] // 2)
-            if shared is not None:  # the shared expert in the same three launches
-                return moe_experts_decode(x, self.w13, self.w2, weights, ids, **shared)
+        return self.experts_out(x, weights, ids, with_shared=self.shared_experts is not None)
+
+    def experts_out(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    with_shared: bool) -> torch.Tensor:
+        """The routed output of ``weights``, ``ids`` plus, ``with_shared``, the shared
+        expert's. At decode batches the shared expert runs inside the experts' three
+        launches where it can (bf16 fused experts; block-FP8 experts of its block), with
+        the activations unquantized like the routed ones. A TP rank's share
+        (``model.parallel.ep.ExpertShardMoE``) calls it too, rank 0 with the shared
+        expert, so the ranks' sum is what one GPU computes, kernel for kernel."""
+        if with_shared and self._decodes(x):
+            if self.w13 is not None:  # fused bf16 experts (so a fused shared one)
+                shared = self._shared_weights(self.w13.shape[1] // 2)
+                if shared is not None:  # the shared expert in the same three launches
+                    return moe_experts_decode(x, self.w13, self.w2, weights, ids, **shared)
+            fp8_shared = self._fp8_shared()
+            if fp8_shared is not None:  # block-FP8 experts, the shared one as more slices
+                fp8 = self.fp8
+                return moe_experts_fp8_decode(x, fp8.w13, fp8.s13, fp8.w2, fp8.s2, weights, ids,
+                                              fp8.block, shared=fp8_shared)
         routed = self.routed_experts(x, weights, ids)
-        return routed if self.shared_experts is None else routed + self.shared_experts(x)
+        return routed + self.shared_experts(x) if with_shared else routed
 
     def routed_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed output of the choices ``weights``, ``ids [T, k]`` over this block's

@@ -55,22 +55,18 @@ class ExpertShardMoE(MoE):
     keeps_shared: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routed = self.routed(x)
-        if self.shared_experts is not None and self.keeps_shared:
-            routed = routed + self.shared_experts(x)
-        return routed
-
-    def routed(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's experts' share of the routed output ``[T, hidden]``."""
+        """This rank's experts' share of the block's output ``[T, hidden]``, with the
+        shared expert's on the rank that keeps it."""
         weights, ids = self.gate(x)  # [T, k] over every expert
         count = len(self.experts)
         mine = (ids >= self.first) & (ids < self.first + count)
         # Another rank's choices go to local expert 0 with weight 0: the same grid on every step.
         ids = torch.where(mine, ids - self.first, torch.zeros_like(ids))
         weights = torch.where(mine, weights, torch.zeros_like(weights))
-        # The whole block's kernels for the batch (decode-sized: the sort-free ones), so the
-        # ranks' sum is what one GPU computes (block-FP8: unquantized activations at decode).
-        return self.routed_experts(x, weights, ids)
+        # The whole block's kernels for the batch (decode-sized: the sort-free ones, the
+        # shared expert fused in), so the ranks' sum is what one GPU computes.
+        return self.experts_out(x, weights, ids,
+                                with_shared=self.shared_experts is not None and self.keeps_shared)
 
 
 @dataclass
