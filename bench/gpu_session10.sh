@@ -9,6 +9,11 @@
 #      Llama-3-8B shapes; V2-Lite bf16), the V2-Lite decode-row sweep (1 and 4 rows) into a
 #      table under $OUT and the V2-Lite FP8 step with it, PDL off and on; then the DSA
 #      top-k: digit_topk's GPU tests and bench/dsa_layer.py at 8k and 128k, batch 1 and 16.
+#   c: the defaults after a and b (PDL auto, digit_topk, the gemv table entries, the block-FP8
+#      shared expert fused again): GPU tests (PDL graphs with auto, FP8 decode experts with the
+#      shared expert, TP shares on CUDA, no compile while serving); the FP8 decode steps of
+#      both models, the V2-Lite FP8 batch-1 profile, the V2-Lite and V3.2-shaped bf16 steps;
+#      the MLA prefill attention sweep against SDPA; TTFT through the staged relays as time allows.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part=${1:-a}
@@ -64,6 +69,31 @@ b)
     LANEKV_DSA_TOPK=auto timeout $left python3 -m bench.dsa_layer --kv bf16 fp8 --contexts 8192 131072 \
         --batches 1 16 --json "$OUT/dsa_layer_digit_h200.json" > "$L/dsa_layer_digit.log" 2>&1
     stamp "dsa_layer rc=$? limit ${left}s"; grep -E "^\|" "$L/dsa_layer_digit.log" | tail -24 ;;
+c)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_pdl_decode.py \
+        tests/kernels/test_fp8_moe_decode.py tests/model/test_expert_shards.py tests/decode/test_no_compile.py \
+        > "$L/gpu_tests_c.log" 2>&1
+    stamp "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_c.log" | cut -c1-200; tail -1 "$L/gpu_tests_c.log"
+    timeout 80 python3 bench/fp8.py --only decode --models llama3_8b v2_lite --batches 1 16 64 \
+        --json "$OUT/fp8_decode_defaults_h200.json" > "$L/fp8_decode_defaults.log" 2>&1
+    stamp "fp8 decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_defaults.log" | cut -c1-90
+    timeout 60 python3 bench/deepseek_profile.py --v2-lite --fp8 --batch 1 --context 1024 \
+        --json "$OUT/profile_v2_lite_fp8_b1.json" > "$L/profile_v2_lite_fp8_b1.log" 2>&1
+    stamp "profile rc=$?"; grep -E ": [0-9]+ launches|per layer:" "$L/profile_v2_lite_fp8_b1.log" | head -6
+    timeout 50 python3 bench/deepseek.py --v2-lite --parts decode --batches 1 16 64 \
+        --json "$OUT/deepseek_v2_lite_defaults.json" > "$L/deepseek_v2_lite_defaults.log" 2>&1
+    stamp "v2-lite rc=$?"; grep -E "^\| [0-9]" "$L/deepseek_v2_lite_defaults.log" | head -3
+    timeout 60 python3 bench/deepseek.py --v32 --parts decode --batches 1 16 \
+        --json "$OUT/deepseek_v32_defaults.json" > "$L/deepseek_v32_defaults.log" 2>&1
+    stamp "v3.2 rc=$?"; grep -E "^\| [0-9]" "$L/deepseek_v32_defaults.log" | head -2
+    timeout 170 python3 bench/mla_prefill_sweep.py --job-timeout 60 --precompile-timeout 90 --precompile 14 \
+        --json "$OUT/mla_prefill_sweep_h200.json" > "$L/mla_prefill_sweep.log" 2>&1
+    stamp "mla prefill sweep rc=$?"; grep -E "tokens: best|wall time" "$L/mla_prefill_sweep.log" | tail -6
+    left=$((585 - (SECONDS - t0))); echo "ttft limit ${left}s"
+    [ $left -gt 60 ] && timeout $left python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 \
+        --no-nixl --paths grpc fast --fetch-streams 4 --fetch-relays 4 \
+        --json "$OUT/ttft_relays_chunk_seals_h200.json" > "$L/ttft_relays.log" 2>&1
+    stamp "ttft rc=$?"; grep -E "^\||GB/s" "$L/ttft_relays.log" | tail -10 ;;
 *)
     echo "unknown part $part"; exit 2 ;;
 esac
