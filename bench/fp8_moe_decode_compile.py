@@ -2,17 +2,25 @@
 without a GPU: the routed experts alone and with the shared expert fused in
 (``kernels/fp8/moe_decode.py``), at the tiles ``fp8_decode_tiles`` picks on an H200.
 
+``--grouped`` compiles the grouped (prefill-size) FP8 expert kernels of
+``kernels/fp8/experts.py`` instead, at the tiles a CUDA device takes, for scale blocks of
+16 (the tiny test checkpoints: their dots run in float16, Triton's fp8 dot needing K >= 32)
+and 128, and prints each kernel's dot operand types.
+
 The launcher runs on CPU tensors with its launches recorded, not run
 (``bench.pdl_compile.recording``), so each kernel is compiled with the arguments and
 constexprs a step gives it; prints shared memory, registers and local (spill) bytes per
 thread of each (``cuobjdump --dump-resource-usage``). Run with the interpreter off:
 
     python bench/fp8_moe_decode_compile.py [--tokens 1 16]
+    python bench/fp8_moe_decode_compile.py --grouped
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -22,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
+from lanekv.kernels.fp8.experts import MoETiles, moe_experts_fp8_triton  # noqa: E402
 from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode_triton  # noqa: E402
 from lanekv.kernels.fp8.weights import FP8_DTYPE  # noqa: E402
 from lanekv.kernels.moe.decode import DecodeTiles  # noqa: E402
@@ -56,7 +65,26 @@ def launches(tokens: int, shared: bool) -> list:
     return seen
 
 
-def resources(launch) -> dict:
+def grouped_launches(block_k: int, tokens: int = 40) -> list:
+    """The grouped FP8 experts' launches at ``tokens`` (prefill sizes) with square scale
+    blocks of ``block_k``, at the decode-size tiles a CUDA device takes for them."""
+    hidden, inter, experts, top_k = 4 * block_k, 2 * block_k, 4, 2
+    block = (block_k, block_k)
+
+    def fp8(*shape: int) -> tuple[torch.Tensor, torch.Tensor]:
+        scales = [*shape[:-2], -(-shape[-2] // block_k), -(-shape[-1] // block_k)]
+        return torch.zeros(shape, dtype=FP8_DTYPE), torch.ones(scales)
+
+    (w13, s13), (w2, s2) = fp8(experts, 2 * inter, hidden), fp8(experts, hidden, inter)
+    ids = torch.arange(top_k).repeat(tokens, 1)
+    with recording(run=False) as seen:
+        moe_experts_fp8_triton(torch.zeros(tokens, hidden, dtype=torch.bfloat16), w13, s13, w2,
+                               s2, torch.ones(ids.shape), ids, block,
+                               tiles=MoETiles(16, 64, min(block_k, 128), 4, 4))
+    return [ln for ln in seen if ln.name.startswith("_fp8_")]
+
+
+def resources(launch, dots: bool = False) -> dict:
     fn = launch.kernel
     sig, consts, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
@@ -71,13 +99,24 @@ def resources(launch) -> dict:
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
     registers, local_bytes = resource_usage(kernel)
-    return dict(shared_mem=kernel.metadata.shared, registers=registers, local_bytes=local_bytes)
+    out = dict(shared_mem=kernel.metadata.shared, registers=registers, local_bytes=local_bytes)
+    if dots:  # each dot's operand element types, from the TTGIR (``tensor<MxKxTYPE, ...>``)
+        out["dot_operands"] = [re.findall(r"tensor<\d+x\d+x(\w+),", ln)[:2]
+                               for ln in kernel.asm["ttgir"].splitlines()
+                               if re.search(r"\b(tt\.dot|ttng\.warp_group_dot) ", ln)]
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--grouped", action="store_true",
+                    help="the grouped FP8 expert kernels at scale blocks of 16 and 128, as JSON")
     args = ap.parse_args()
+    if args.grouped:
+        print(json.dumps([dict(resources(ln, dots=True), kernel=ln.name, block_k=block_k)
+                          for block_k in (16, 128) for ln in grouped_launches(block_k)]))
+        return
     print(f"triton {triton.__version__}, sm_90, tiles {H200_TILES}")
     for tokens in args.tokens:
         for shared in (False, True):

@@ -47,6 +47,18 @@ def default_fp8_moe_tiles(pairs: int, num_experts: int, block: tuple[int, int],
     return MoETiles(64, 128, block_k, 8, 3)
 
 
+@triton.jit
+def _group_dot(a, b, BLOCK_K: tl.constexpr):
+    """One k step's e4m3 product in float32. Triton's fp8 dot on sm_90 needs K >= 32; a
+    narrower scale group (tiny test checkpoints) multiplies in float16 instead, which
+    holds every e4m3 value exactly, so the products and their float32 sum are the same."""
+    if BLOCK_K < 32:
+        out = tl.dot(a.to(tl.float16), b.to(tl.float16), out_dtype=tl.float32)
+    else:
+        out = tl.dot(a, b, out_dtype=tl.float32)
+    return out
+
+
 @triton.jit(do_not_specialize=["num_experts"])
 def _fp8_gate_up_kernel(
     x_ptr, xs_ptr, w_ptr, ws_ptr, order_ptr, offsets_ptr, h_ptr, num_experts, inter, hidden,
@@ -81,8 +93,8 @@ def _fp8_gate_up_kernel(
         wu = tl.load(w + (inter + n)[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
         g_s = tl.load(s_gate + group, mask=n_ok, other=0.0)
         u_s = tl.load(s_up + group, mask=n_ok, other=0.0)
-        acc_g += tl.dot(a, wg, out_dtype=tl.float32) * a_s[:, None] * g_s[None, :]
-        acc_u += tl.dot(a, wu, out_dtype=tl.float32) * a_s[:, None] * u_s[None, :]
+        acc_g += _group_dot(a, wg, BLOCK_K) * a_s[:, None] * g_s[None, :]
+        acc_u += _group_dot(a, wu, BLOCK_K) * a_s[:, None] * u_s[None, :]
     dtype = h_ptr.dtype.element_ty
     gate = acc_g.to(dtype).to(tl.float32)
     up = acc_u.to(dtype).to(tl.float32)
@@ -121,7 +133,7 @@ def _fp8_down_kernel(
         b = tl.load(w + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :],
                     other=0.0)
         b_s = tl.load(s_w + group, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b, out_dtype=tl.float32) * a_s[:, None] * b_s[None, :]
+        acc += _group_dot(a, b, BLOCK_K) * a_s[:, None] * b_s[None, :]
     dtype = out_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0)
     y = acc.to(dtype).to(tl.float32) * weight[:, None]
