@@ -14,6 +14,8 @@
 #      shared expert, TP shares on CUDA, no compile while serving); the FP8 decode steps of
 #      both models, the V2-Lite FP8 batch-1 profile, the V2-Lite and V3.2-shaped bf16 steps;
 #      the MLA prefill attention sweep against SDPA; TTFT through the staged relays as time allows.
+#   d: the no-compile GPU tests after the grouped FP8 experts' float16 dot for narrow scale
+#      groups; the block-FP8 decode experts' tiles at V2-Lite shapes (bench/moe_decode_sweep.py --fp8).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part=${1:-a}
@@ -94,6 +96,14 @@ c)
         --no-nixl --paths grpc fast --fetch-streams 4 --fetch-relays 4 \
         --json "$OUT/ttft_relays_chunk_seals_h200.json" > "$L/ttft_relays.log" 2>&1
     stamp "ttft rc=$?"; grep -E "^\||GB/s" "$L/ttft_relays.log" | tail -10 ;;
+d)
+    timeout 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_no_compile.py \
+        > "$L/gpu_no_compile_d.log" 2>&1
+    stamp "no-compile tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_no_compile_d.log" | cut -c1-200; tail -1 "$L/gpu_no_compile_d.log"
+    left=$((245 - (SECONDS - t0))); echo "sweep limit ${left}s"
+    timeout $left python3 bench/moe_decode_sweep.py --parts gate_up down --fp8 --tokens 1 16 \
+        --json "$OUT/moe_decode_sweep_fp8_h200.json" > "$L/moe_decode_sweep_fp8.log" 2>&1
+    stamp "fp8 experts sweep rc=$?"; grep -iE "best|^\| (gate_up|down) " "$L/moe_decode_sweep_fp8.log" | tail -30 | cut -c1-160 ;;
 *)
     echo "unknown part $part"; exit 2 ;;
 esac
