@@ -168,7 +168,9 @@ class DecodeGraphs:
 
     def capture(self) -> None:
         """Capture every size, largest first (smaller ones reuse its memory pool).
-        Each size runs once eagerly first (kernel compilation, lazy init)."""
+        Each size runs once eagerly first (kernel compilation, lazy init); where the
+        graph launches with PDL (``kernels.pdl.decode_graph``) and an eager step would
+        not, once in each mode, so an eager step of a small batch compiles nothing."""
         if not self.cuda:
             self._graphs = dict.fromkeys(self.sizes)
             if self.sampler is not None:
@@ -195,14 +197,18 @@ class DecodeGraphs:
             self._pad_all()
             for full in (False, True) if self.sampler is not None else (False,):
                 for n in reversed(self.sizes):
-                    with pdl.decode_graph(n):  # warmed and captured in the launch mode it replays
-                        stream.wait_stream(torch.cuda.current_stream(device))
-                        with torch.cuda.stream(stream):
-                            self._forward(n, full)
-                        torch.cuda.current_stream(device).wait_stream(stream)
-                        graph = torch.cuda.CUDAGraph()
-                        with torch.cuda.graph(graph, pool=mempool, stream=stream):
-                            out = self._forward(n, full)
+                    with pdl.decode_graph(n):
+                        graph_pdl = pdl.requested()
+                    stream.wait_stream(torch.cuda.current_stream(device))
+                    with torch.cuda.stream(stream):
+                        self._forward(n, full)  # eager first: what an eager step launches
+                        if graph_pdl != pdl.requested():  # the graph's PDL variants too
+                            with pdl.decode_graph(n):
+                                self._forward(n, full)
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with pdl.decode_graph(n), torch.cuda.graph(graph, pool=mempool, stream=stream):
+                        out = self._forward(n, full)  # captured in the launch mode it replays
                     (self._full if full else self._graphs)[n] = out._replace(graph=graph)
             if self.sampler is not None:
                 # The eager runs and the captures counted tokens in the scratch slot only.
