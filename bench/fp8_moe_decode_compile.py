@@ -43,7 +43,8 @@ from bench.pdl_compile import _OPTIONS, _arg_type, recording  # noqa: E402
 # V2-Lite: hidden 2048, expert width 1408 (11 blocks of 128), top 6, two shared slices.
 # Eight experts stand for the 64: no kernel specializes on the count (only on strides).
 HIDDEN, INTER, TOP_K, EXPERTS, SLICES, BLOCK = 2048, 1408, 6, 8, 2, (128, 128)
-# fp8_decode_tiles on 132 SMs: 8 active experts (6 + 2 slices) x 44 column tiles of 32
+# the default decode tiles on 132 SMs (fp8_decode_tiles takes its table over them where it
+# lists the kernel and bucket): 8 active experts (6 + 2 slices) x 44 column tiles of 32
 # cover the SMs twice; the k step one 128-wide scale group
 H200_TILES = DecodeTiles(16, 32, 128, 4, 4)
 

@@ -144,12 +144,14 @@ def _moe_case(kernel: str, tokens: int, args, timer: Timer, rate: float, candida
         up_fp8 = {"scales": w13_s, "block": block, "shared_scales": s13_s}
         down_fp8 = {"scales": w2_s, "block": block, "shared_scales": s2_s}
         fp8 = up_fp8 if kernel == GATE_UP else down_fp8
-        picked = fp8_decode_tiles(x, active, width, hidden, block)
+        picked = fp8_decode_tiles(x, kernel, active, width, hidden, block)
+        up_tiles = fp8_decode_tiles(x, GATE_UP, active, width, hidden, block)
         candidates = [c for c in candidates if not (block[0] % c.block_n or block[1] % c.block_k)]
     else:
         up_fp8 = {}
         picked = decode_tiles(x, kernel, active, width, hidden)
-    h = launch_decode_gate_up(x, w13, ids, s13, picked, **up_fp8)
+        up_tiles = decode_tiles(x, GATE_UP, active, width, hidden)
+    h = launch_decode_gate_up(x, w13, ids, s13, up_tiles, **up_fp8)
 
     def call(tiles):
         if kernel == GATE_UP:

@@ -26,6 +26,8 @@ reduction, the add; bench/notes_deepseek_decode.md).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import NamedTuple
 
 import torch
@@ -35,6 +37,8 @@ from lanekv.kernels.fp8.experts import _check_args
 from lanekv.kernels.fp8.gemm import check_fp8_weight
 from lanekv.kernels.fp8.weights import dequantize_weight_blocks
 from lanekv.kernels.moe.decode import (
+    DOWN,
+    GATE_UP,
     MAX_DECODE_TOKENS,
     DecodeTiles,
     _decode_combine_kernel,
@@ -42,14 +46,33 @@ from lanekv.kernels.moe.decode import (
     launch_decode_down,
     launch_decode_gate_up,
     moe_experts_decode_ref,
+    token_bucket,
 )
 from lanekv.kernels.pdl import pdl_args
 
+# Tiles by (kernel, token bucket, N, K) for e4m3 experts of 128 x 128 scale blocks on a
+# GPU; N is the GEMM's output width, K its reduction (as ``kernels.moe.decode``'s table).
+# From bench/moe_decode_sweep.py --fp8 on one H200 (2026-12-03, V2-Lite shapes: 6 routed
+# experts and 2 shared slices, bench/results/session10_h200/moe_decode_sweep_fp8_h200.json),
+# each against the default's time at the same shape; the batch-1 gate/up default won.
+FP8_DECODE_TILE_TABLE: Mapping[tuple[str, int, int, int], DecodeTiles] = MappingProxyType({
+    (GATE_UP, 16, 1408, 2048): DecodeTiles(16, 64, 64, 4, 3),  # 147 against 156 us
+    (DOWN, 1, 2048, 1408): DecodeTiles(16, 64, 64, 4, 3),  # 14.2 against 18.0 us
+    (DOWN, 16, 2048, 1408): DecodeTiles(16, 64, 128, 4, 3),  # 85.2 against 111 us
+})
 
-def fp8_decode_tiles(x: torch.Tensor, active: int, inter: int, hidden: int,
+
+def fp8_decode_tiles(x: torch.Tensor, kernel: str, active: int, inter: int, hidden: int,
                      block: tuple[int, int]) -> DecodeTiles:
-    """``kernels.moe.decode``'s tiles, each inside one scale block (one scale per tile)."""
-    cfg = default_decode_tiles(x, active, inter, hidden)
+    """The tiles of ``kernel`` (GATE_UP or DOWN): ``FP8_DECODE_TILE_TABLE``'s entry for the
+    batch's token bucket and the kernel's (N, K) where there is one (a GPU, 128 x 128
+    blocks), else ``kernels.moe.decode``'s default; each tile inside one scale block."""
+    if kernel not in (GATE_UP, DOWN):
+        raise ValueError(f"kernel={kernel!r} must be {GATE_UP!r} or {DOWN!r}")
+    n, k = (inter, hidden) if kernel == GATE_UP else (hidden, inter)
+    listed = FP8_DECODE_TILE_TABLE.get((kernel, token_bucket(max(1, x.shape[0])), n, k)) if (
+        x.is_cuda and tuple(block) == (128, 128)) else None
+    cfg = listed or default_decode_tiles(x, active, inter, hidden)
     return cfg._replace(block_n=min(cfg.block_n, block[0]), block_k=min(cfg.block_k, block[1]))
 
 
@@ -101,21 +124,25 @@ def moe_experts_fp8_decode_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch
                                   ids: torch.Tensor, block: tuple[int, int], *,
                                   shared: Fp8SharedExpert | None = None,
                                   config: DecodeTiles | None = None) -> torch.Tensor:
-    """Triton launcher; ``config`` overrides the tiles (each must lie in one scale block)."""
+    """Triton launcher; ``config`` overrides both kernels' tiles (each must lie in one
+    scale block)."""
     slices = _check_decode(x, w13, s13, w2, s2, weights, ids, block, shared)
     tokens, hidden = x.shape
     experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
-    cfg = config or fp8_decode_tiles(x, min(experts, top_k) + slices, inter, hidden, tuple(block))
-    if block[0] % cfg.block_n or block[1] % cfg.block_k:
-        raise ValueError(f"config.block_n={cfg.block_n} and config.block_k={cfg.block_k} must "
-                         f"divide the weight block {tuple(block)}")
+    active = min(experts, top_k) + slices
+    up_cfg, down_cfg = (config, config) if config is not None else (
+        fp8_decode_tiles(x, kernel, active, inter, hidden, tuple(block)) for kernel in (GATE_UP, DOWN))
+    for cfg in (up_cfg, down_cfg):
+        if block[0] % cfg.block_n or block[1] % cfg.block_k:
+            raise ValueError(f"config.block_n={cfg.block_n} and config.block_k={cfg.block_k} "
+                             f"must divide the weight block {tuple(block)}")
     ids = ids.contiguous()
     sw13, ss13, sw2, ss2 = shared if shared is not None else (None,) * 4
-    h = launch_decode_gate_up(x, w13, ids, sw13, cfg, scales=s13, block=tuple(block),
+    h = launch_decode_gate_up(x, w13, ids, sw13, up_cfg, scales=s13, block=tuple(block),
                               shared_scales=ss13)
-    y = launch_decode_down(x, h, w2, ids, weights, sw2, cfg, scales=s2, block=tuple(block),
+    y = launch_decode_down(x, h, w2, ids, weights, sw2, down_cfg, scales=s2, block=tuple(block),
                            shared_scales=ss2)
     out = torch.empty_like(x)
     combine = min(1024, max(16, triton.next_power_of_2(hidden)))

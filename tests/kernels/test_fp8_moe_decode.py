@@ -12,13 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 from lanekv.kernels.fp8.moe_decode import (
+    FP8_DECODE_TILE_TABLE,
     Fp8SharedExpert,
+    fp8_decode_tiles,
     moe_experts_fp8_decode,
     moe_experts_fp8_decode_ref,
     moe_experts_fp8_decode_triton,
 )
 from lanekv.kernels.fp8.weights import quantize_weight_blocks
-from lanekv.kernels.moe.decode import MAX_DECODE_TOKENS, DecodeTiles
+from lanekv.kernels.moe.decode import DOWN, GATE_UP, MAX_DECODE_TOKENS, DecodeTiles
 
 from tests.markers import requires_gpu
 
@@ -142,3 +144,31 @@ def test_grouped_fp8_experts_compile_for_sm_90_with_scale_groups_of_16():
     for rec in recs:
         assert rec["local_bytes"] == 0 and rec["dot_operands"], rec
         assert all(d in (["f16", "f16"], ["f8E4M3FN", "f8E4M3FN"]) for d in rec["dot_operands"]), rec
+
+
+def test_fp8_decode_tiles_take_the_measured_table_per_kernel_and_bucket(monkeypatch):
+    """On a GPU with 128 x 128 blocks the table's tiles for the kernel and the batch's
+    token bucket (V2-Lite shapes), else ``kernels.moe.decode``'s default, cut to one
+    scale block; on the CPU the interpreter's small tiles."""
+    class Props:
+        multi_processor_count = 132
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Props())
+
+    class OnGpu:  # what fp8_decode_tiles reads of x
+        is_cuda, device, dtype = True, torch.device("cuda"), torch.bfloat16
+
+        def __init__(self, tokens: int):
+            self.shape = (tokens, 2048)
+
+    args = (8, 1408, 2048, (128, 128))
+    assert fp8_decode_tiles(OnGpu(1), DOWN, *args) == FP8_DECODE_TILE_TABLE[(DOWN, 1, 2048, 1408)]
+    for tokens in (5, 16):  # the bucket of 16
+        assert fp8_decode_tiles(OnGpu(tokens), GATE_UP, *args) == DecodeTiles(16, 64, 64, 4, 3)
+        assert fp8_decode_tiles(OnGpu(tokens), DOWN, *args) == DecodeTiles(16, 64, 128, 4, 3)
+    default = fp8_decode_tiles(OnGpu(1), GATE_UP, *args)  # not listed: the default
+    assert default == DecodeTiles(16, 32, 128, 4, 4)
+    assert fp8_decode_tiles(OnGpu(1), DOWN, 8, 1408, 2048, (64, 64)).block_k == 64  # not listed
+    assert fp8_decode_tiles(torch.zeros(1, 2048), DOWN, *args) == DecodeTiles(16, 16, 16, 4, 1)
+    with pytest.raises(ValueError, match="kernel='up' must be 'gate_up' or 'down'"):
+        fp8_decode_tiles(OnGpu(1), "up", *args)
