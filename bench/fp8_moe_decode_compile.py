@@ -2,6 +2,9 @@
 without a GPU: the routed experts alone and with the shared expert fused in
 (``kernels/fp8/moe_decode.py``), at the tiles ``fp8_decode_tiles`` picks on an H200.
 
+``--gemv`` compiles the one-token CUDA-core experts (``kernels/fp8/moe_gemv.py``) at the
+same shapes and tiles ``MoEGemvTiles()``, the shared slices fused, as JSON.
+
 ``--grouped`` compiles the grouped (prefill-size) FP8 expert kernels of
 ``kernels/fp8/experts.py`` instead, at the tiles a CUDA device takes, for scale blocks of
 16 (the tiny test checkpoints: their dots run in float16, Triton's fp8 dot needing K >= 32)
@@ -14,6 +17,7 @@ thread of each (``cuobjdump --dump-resource-usage``). Run with the interpreter o
 
     python bench/fp8_moe_decode_compile.py [--tokens 1 16]
     python bench/fp8_moe_decode_compile.py --grouped
+    python bench/fp8_moe_decode_compile.py --gemv
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 from lanekv.kernels.fp8.experts import MoETiles, moe_experts_fp8_triton  # noqa: E402
 from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode_triton  # noqa: E402
+from lanekv.kernels.fp8.moe_gemv import moe_experts_fp8_gemv  # noqa: E402
 from lanekv.kernels.fp8.weights import FP8_DTYPE  # noqa: E402
 from lanekv.kernels.moe.decode import DecodeTiles  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
@@ -66,6 +71,17 @@ def launches(tokens: int, shared: bool) -> list:
     return seen
 
 
+def gemv_launches() -> list:
+    """The one-token CUDA-core experts' launches at V2-Lite's shapes, shared slices in."""
+    x = torch.zeros(1, HIDDEN, dtype=torch.bfloat16)
+    (w13, s13), (w2, s2) = _fp8(EXPERTS, 2 * INTER, HIDDEN), _fp8(EXPERTS, HIDDEN, INTER)
+    extra = Fp8SharedExpert(*_fp8(2 * SLICES * INTER, HIDDEN), *_fp8(HIDDEN, SLICES * INTER))
+    ids = torch.arange(TOP_K)[None]
+    with recording(run=False) as seen:
+        moe_experts_fp8_gemv(x, w13, s13, w2, s2, torch.ones(ids.shape), ids, BLOCK, shared=extra)
+    return [ln for ln in seen if "gemv" in ln.name]
+
+
 def grouped_launches(block_k: int, tokens: int = 40) -> list:
     """The grouped FP8 experts' launches at ``tokens`` (prefill sizes) with square scale
     blocks of ``block_k``, at the decode-size tiles a CUDA device takes for them."""
@@ -94,14 +110,16 @@ def resources(launch, dots: bool = False) -> dict:
             sig[param.name], consts[param.name] = "constexpr", value
             continue
         sig[param.name] = _arg_type(param.name, value)
-        if isinstance(value, torch.Tensor):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        if isinstance(value, torch.Tensor) or (
+                isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0):
+            attrs[(i,)] = [["tt.divisibility", 16]]  # as a launch specializes them
     options = {k: launch.options[k] for k in _OPTIONS if k in launch.options}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=options)
     registers, local_bytes = resource_usage(kernel)
     out = dict(shared_mem=kernel.metadata.shared, registers=registers, local_bytes=local_bytes)
-    if dots:  # each dot's operand element types, from the TTGIR (``tensor<MxKxTYPE, ...>``)
+    if dots:  # each dot's operand element types (TTGIR ``tensor<MxKxTYPE, ...>``), 16-byte loads
+        out["vector_loads"] = len(re.findall(r"ld\.global[^\n]*\.v4\.", kernel.asm["ptx"]))
         out["dot_operands"] = [re.findall(r"tensor<\d+x\d+x(\w+),", ln)[:2]
                                for ln in kernel.asm["ttgir"].splitlines()
                                if re.search(r"\b(tt\.dot|ttng\.warp_group_dot) ", ln)]
@@ -111,9 +129,14 @@ def resources(launch, dots: bool = False) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--gemv", action="store_true",
+                    help="the one-token CUDA-core FP8 experts at V2-Lite shapes, as JSON")
     ap.add_argument("--grouped", action="store_true",
                     help="the grouped FP8 expert kernels at scale blocks of 16 and 128, as JSON")
     args = ap.parse_args()
+    if args.gemv:
+        print(json.dumps([dict(resources(ln, dots=True), kernel=ln.name) for ln in gemv_launches()]))
+        return
     if args.grouped:
         print(json.dumps([dict(resources(ln, dots=True), kernel=ln.name, block_k=block_k)
                           for block_k in (16, 128) for ln in grouped_launches(block_k)]))

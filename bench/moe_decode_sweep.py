@@ -10,6 +10,9 @@ Sections (``--parts``, default all), at each ``--tokens`` (batch 1 and 16 by def
   bytes of the experts the batch touches plus the shared expert's, at the copy rate;
 - ``router``: ``router_logits`` (one launch) against ``F.linear(x.float(), w)``, the
   V2-Lite (64 x 2048) and V3 (256 x 7168) gates;
+- ``gemv`` (with ``--fp8`` only): one token's whole block-FP8 experts, the tensor-core
+  decode kernels against the CUDA-core GEMVs of ``kernels/fp8/moe_gemv.py`` at each
+  ``GEMV_CANDIDATES`` entry;
 - ``mla``: the paged MLA decode (16 heads, latent 512 + 64, pages of 64) at each
   ``--contexts`` for every ``MLADecodeConfig`` of ``MLA_CANDIDATES`` (the first is
   the default), with the page table as wide as a captured graph's (``--table-positions``,
@@ -52,7 +55,12 @@ if "--tiny" in sys.argv:  # before the kernel modules are imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from lanekv.kernels.fp8.moe_decode import fp8_decode_tiles  # noqa: E402
+from lanekv.kernels.fp8.moe_decode import (  # noqa: E402
+    Fp8SharedExpert,
+    fp8_decode_tiles,
+    moe_experts_fp8_decode_triton,
+)
+from lanekv.kernels.fp8.moe_gemv import MoEGemvTiles, gemv_fits, moe_experts_fp8_gemv  # noqa: E402
 from lanekv.kernels.fp8.weights import quantize_weight_blocks  # noqa: E402
 from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention_triton  # noqa: E402
 from lanekv.kernels.mla.paged_decode_ref import paged_mla_decode_attention_ref  # noqa: E402
@@ -70,7 +78,11 @@ from lanekv.kernels.moe.gate import router_logits_ref, router_logits_triton  # n
 from bench.deepseek import copy_rate  # noqa: E402
 from bench.deepseek_kernels import GRAPH_CALLS, graph_us  # noqa: E402
 
-PARTS = ("gate_up", "down", "router", "mla")
+PARTS = ("gate_up", "down", "router", "mla", "gemv")
+# the one-token CUDA-core FP8 experts' launch knobs (block_n of gate/up, of down, warps)
+GEMV_CANDIDATES = [MoEGemvTiles(u, d, w) for u, d, w in (
+    (32, 32, 4), (16, 16, 4), (64, 64, 4), (32, 32, 2), (32, 32, 8), (64, 32, 4), (16, 32, 2),
+    (128, 128, 8))]
 # experts, top_k, hidden, width, shared slices
 V2_LITE_MOE = (64, 6, 2048, 1408, 2)
 TINY_MOE = (8, 2, 48, 40, 2)
@@ -180,6 +192,50 @@ def bench_moe(kernel: str, args, timer: Timer, rate: float, candidates) -> list[
     gen = torch.Generator(device=args.device).manual_seed(0)
     return [row for tokens in args.tokens
             for row in _moe_case(kernel, tokens, args, timer, rate, candidates, gen)]
+
+
+def bench_gemv(args, timer: Timer, rate: float) -> list[dict]:
+    """One token's block-FP8 experts, shared slices in, whole (three launches each): the
+    tensor-core decode kernels at their tiles against the CUDA-core GEMVs
+    (``kernels/fp8/moe_gemv.py``) at each of ``GEMV_CANDIDATES``; the floor is the e4m3
+    bytes of the touched experts and the shared expert."""
+    shape = TINY_MOE_FP8 if args.tiny else V2_LITE_MOE
+    block = TINY_FP8_BLOCK if args.tiny else FP8_BLOCK
+    experts, top_k, hidden, width, slices = shape
+    gen = torch.Generator(device=args.device).manual_seed(2)
+    x, w13, w2, s13, s2, weights, ids = _moe_inputs(shape, 1, args.dtype, args.device, gen)
+    (w13, w13_s), (w2, w2_s), (s13, s13_s), (s2, s2_s) = (
+        quantize_weight_blocks(w, block) for w in (w13, w2, s13, s2))
+    shared = Fp8SharedExpert(s13, s13_s, s2, s2_s)
+    nbytes = (top_k + slices) * 3 * width * hidden  # one byte a weight, scales apart
+    floor_us = nbytes / rate / 1e3
+
+    def tensor_cores():
+        return moe_experts_fp8_decode_triton(x, w13, w13_s, w2, w2_s, weights, ids, block,
+                                             shared=shared, config=fp8_decode_tiles(
+                                                 x, GATE_UP, top_k + slices, width, hidden, block))
+    want = tensor_cores()
+    rows = [{"path": "tensor cores", "tiles": "decode default", "us": timer(tensor_cores),
+             "floor_us": floor_us, "rel_err": 0.0, "ok": True}]
+    for tiles in GEMV_CANDIDATES:
+        key = {"path": "gemv", "tiles": ",".join(map(str, tiles))}
+        if not gemv_fits(1, width, hidden, block, tiles):
+            rows.append(dict(key, error="does not fit the shapes"))
+            continue
+
+        def call(tiles=tiles):
+            return moe_experts_fp8_gemv(x, w13, w13_s, w2, w2_s, weights, ids, block,
+                                        shared=shared, tiles=tiles)
+        try:
+            err = _rel(call(), want)
+            rows.append(dict(key, us=timer(call), floor_us=floor_us, rel_err=err, ok=err < 2e-2))
+        except Exception as exc:  # a launch config that does not compile: recorded
+            rows.append(dict(key, error=f"{type(exc).__name__}: {str(exc)[:120]}"))
+    for row in rows:
+        if "us" in row:
+            row["of_floor"] = floor_us / row["us"]
+            row["vs_tensor_cores"] = rows[0]["us"] / row["us"]
+    return rows
 
 
 def bench_router(args, timer: Timer) -> list[dict]:
@@ -315,9 +371,10 @@ def main() -> int:
         "router": (lambda: bench_router(args, timer), None, None),
         "mla": (lambda: bench_mla(args, timer, rate, mla_candidates), ("batch", "context"),
                 "default"),
+        "gemv": (lambda: bench_gemv(args, timer, rate), None, None),
     }
     for part in PARTS:
-        if part not in args.parts:
+        if part not in args.parts or (part == "gemv" and not args.fp8):
             continue
         run, group, label = runs[part]
         result[part] = run()

@@ -22,6 +22,9 @@ where ``I`` spans whole scale blocks both ways (each slice's tiles then lie in i
 blocks). Run apart they took six more launches a layer at V2-Lite's shapes (the gate/up
 GEMM and its split-K reduction, the product's quantization, the down GEMM and its
 reduction, the add; bench/notes_deepseek_decode.md).
+
+One token with ``LANEKV_FP8_MOE_GEMV=1`` takes ``moe_gemv.py``'s CUDA-core GEMVs instead
+(same three launches, same slots; off by default until a GPU has timed them).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import triton
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.fp8.experts import _check_args
 from lanekv.kernels.fp8.gemm import check_fp8_weight
+from lanekv.kernels.fp8.moe_gemv import gemv_fits, gemv_requested, moe_experts_fp8_gemv
 from lanekv.kernels.fp8.weights import dequantize_weight_blocks
 from lanekv.kernels.moe.decode import (
     DOWN,
@@ -131,6 +135,8 @@ def moe_experts_fp8_decode_triton(x: torch.Tensor, w13: torch.Tensor, s13: torch
     experts, inter, top_k = w13.shape[0], w13.shape[1] // 2, ids.shape[1]
     if tokens == 0:
         return torch.zeros_like(x)
+    if config is None and gemv_requested() and gemv_fits(tokens, inter, hidden, tuple(block)):
+        return moe_experts_fp8_gemv(x, w13, s13, w2, s2, weights, ids, tuple(block), shared=shared)
     active = min(experts, top_k) + slices
     up_cfg, down_cfg = (config, config) if config is not None else (
         fp8_decode_tiles(x, kernel, active, inter, hidden, tuple(block)) for kernel in (GATE_UP, DOWN))
