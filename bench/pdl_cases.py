@@ -20,6 +20,7 @@ from lanekv.kernels.fp8.gemm_configs import GemmConfig
 from lanekv.kernels.fp8.gemm_gemv import gemv_linear
 from lanekv.kernels.fp8.kv_rows import kv_fp8_head_bytes, mla_fp8_row_stride
 from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode_triton
+from lanekv.kernels.fp8.moe_gemv import MoEGemvTiles, moe_experts_fp8_gemv
 from lanekv.kernels.fp8.quant import (
     per_token_group_quant_fp8_triton,
     silu_mul_quant_fp8_triton,
@@ -193,6 +194,16 @@ def moe_decode_fp8(dtype: torch.dtype) -> Outputs:
                                           shared=shared),)
 
 
+def moe_gemv_fp8(dtype: torch.dtype) -> Outputs:
+    """One token's block-FP8 experts on the CUDA cores, two shared slices."""
+    g = _gen()
+    x = _randn(g, 1, 32, dtype=dtype)
+    (w13, s13), (w2, s2) = _fp8_weight(g, 4, 64, 32), _fp8_weight(g, 4, 32, 32)
+    shared = Fp8SharedExpert(*_fp8_weight(g, 128, 32), *_fp8_weight(g, 32, 64))
+    return (moe_experts_fp8_gemv(x, w13, s13, w2, s2, *_routing(g, 1, 2, 4), BLOCK,
+                                 shared=shared, tiles=MoEGemvTiles(16, 16, 4)),)
+
+
 def moe_gate_route(dtype: torch.dtype) -> Outputs:
     g = _gen()
     logits = router_logits_triton(_randn(g, 2, 32, dtype=dtype), torch.randn(8, 32, generator=g))
@@ -249,6 +260,7 @@ CASES: dict[str, Callable[[torch.dtype], Outputs]] = {
     fn.__name__: fn for fn in (
         add_rmsnorm, rope_store_kv, mla_rope, store_kv, rope_store_kv_fp8, mla_rope_store_fp8,
         paged_decode_attention, paged_decode_attention_fp8, quant, fp8_gemm_split_k,
-        fp8_gemm_w8a16, fp8_gemv_silu, moe_decode, moe_decode_fp8, moe_gate_route, mla_rope_norm_store,
+        fp8_gemm_w8a16, fp8_gemv_silu, moe_decode, moe_decode_fp8, moe_gemv_fp8, moe_gate_route,
+        mla_rope_norm_store,
         mla_rope_norm_store_fp8, mla_decode, mla_decode_expand, mla_absorb)
 }
