@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One H200: what the tenth session built after its device time was spent.
+# Usage (repository root, the carried wheels installed): bash bench/gpu_session11.sh PART
+#   a: GPU tests (no compile while serving with PDL auto and the float16 grouped FP8 dots;
+#      the one-token FP8 expert GEMVs); the one-token FP8 experts, tensor cores against the
+#      GEMVs at each launch config; the V2-Lite FP8 step at batch 1 and 16 with the FP8
+#      expert tile table, GEMVs off and on; the DSA layer with digit_topk's width-chosen knobs.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+part=${1:-a}
+L=/tmp/lanekv_logs; mkdir -p "$L"
+trap 'tar -C "$L" -czf "$OUT/logs_s11_$part.tgz" .' EXIT
+t0=$SECONDS
+stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+case "$part" in
+a)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_no_compile.py \
+        tests/kernels/test_fp8_moe_gemv.py tests/kernels/test_fp8_moe_decode.py > "$L/gpu_tests_a.log" 2>&1
+    stamp "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_a.log" | cut -c1-200; tail -1 "$L/gpu_tests_a.log"
+    timeout 90 python3 bench/moe_decode_sweep.py --fp8 --parts gemv --tokens 1 \
+        --json "$OUT/moe_gemv_sweep_h200.json" > "$L/moe_gemv_sweep.log" 2>&1
+    stamp "gemv sweep rc=$?"; grep -E "^\| (tensor|gemv)" "$L/moe_gemv_sweep.log" | cut -c1-150
+    for on in 0 1; do
+        LANEKV_FP8_MOE_GEMV=$on timeout 60 python3 bench/fp8.py --only decode --models v2_lite \
+            --batches 1 16 --json "$OUT/fp8_decode_v2_lite_gemv$on.json" > "$L/fp8_decode_gemv$on.log" 2>&1
+        stamp "v2-lite fp8 decode, gemv=$on rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_gemv$on.log" | cut -c1-90
+    done
+    timeout 150 python3 -m bench.dsa_layer --kv bf16 --contexts 8192 131072 --batches 1 16 \
+        --score-configs --topk-configs --json "$OUT/dsa_layer_h200.json" > "$L/dsa_layer.log" 2>&1
+    stamp "dsa layer rc=$?"; grep -E "dense" "$L/dsa_layer.log" | head -4 ;;
+*)
+    echo "unknown part $part"; exit 2 ;;
+esac
