@@ -68,18 +68,19 @@ def test_kernel_sequence_keeps_launch_order_and_the_launch_shape():
     assert [e["name"] for e in kernel_sequence(trace, "outside")] == ["argmax"]
 
 
-def test_fp8_plans_list_the_shared_experts_linears_at_every_batch(tmp_path):
-    """A block-FP8 MoE layer runs its shared expert as its own linears (the decode experts'
-    kernel can take it, the model does not yet): the plans list them at 16 and 64 rows."""
+def test_fp8_plans_leave_out_a_shared_expert_the_decode_experts_run(tmp_path):
+    """A block-FP8 MoE layer at a decode batch runs its shared expert inside the experts'
+    kernels: no linear of it is listed; past the decode batches it runs apart, listed."""
     cfg = dict(CONFIGS["v2_lite"], hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                moe_intermediate_size=128, n_routed_experts=4, num_experts_per_tok=2,
                n_shared_experts=2, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=128,
                vocab_size=300, quantization_config=FP8_CONFIG)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     layer = load_dummy_model(tmp_path, dtype=torch.float32).model.model.layers[1]
+    assert layer.mlp._fp8_shared() is not None
     cpu = torch.device("cpu")
-    for rows in (16, 64):
-        listed = [p["linear"] for p in fp8_plans(layer, rows, cpu)]
-        assert "self_attn.o_proj" in listed
-        assert sorted(n for n in listed if "shared_experts" in n) == [
-            "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_up"]
+    at16 = [p["linear"] for p in fp8_plans(layer, 16, cpu)]
+    assert "self_attn.o_proj" in at16 and not [n for n in at16 if "shared_experts" in n]
+    at64 = [p["linear"] for p in fp8_plans(layer, 64, cpu)]
+    assert sorted(n for n in at64 if "shared_experts" in n) == [
+        "mlp.shared_experts.down_proj", "mlp.shared_experts.gate_up"]
