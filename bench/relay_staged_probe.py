@@ -67,7 +67,7 @@ def _rank(args: argparse.Namespace, relays: int, conn) -> None:
     from lanekv.runtime.security import SecurityConfig
     from lanekv.transfer.protocol.contract import Topology
     from lanekv.transfer.rank.relay import RelayProcesses, RelaySpec
-    from lanekv.transfer.rank.service import serve
+    from lanekv.transfer.rank.server import serve
     from lanekv.transfer.rank.sources import TensorPageSource
     from lanekv.transfer.rank.staging import RankStaging
 

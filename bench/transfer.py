@@ -48,7 +48,7 @@ from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
 from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology  # noqa: E402
 from lanekv.transfer.protocol.wire import WIRE_VERSION  # noqa: E402
-from lanekv.transfer.rank.service import serve  # noqa: E402
+from lanekv.transfer.rank.server import serve  # noqa: E402
 from lanekv.transfer.rank.sources import TensorPageSource  # noqa: E402
 
 from bench.raw_grpc import gbps, raw_server, run_raw, start, stop  # noqa: E402

@@ -68,7 +68,8 @@ from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.errors import ContractMismatch
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, format_diff
-from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.server import add_transfer_service
+from lanekv.transfer.rank.service import KVTransferService
 from lanekv.transfer.rank.sources import ContractOnlySource
 
 if TYPE_CHECKING:

@@ -72,7 +72,8 @@ from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, refusals
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, new_capability
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
 from lanekv.transfer.protocol.manifest import Manifest
-from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.server import add_transfer_service
+from lanekv.transfer.rank.service import KVTransferService
 from lanekv.transfer.rank.sources import ContractOnlySource
 
 log = logging.getLogger("lanekv.prefill")

@@ -84,7 +84,7 @@ from lanekv.transfer.protocol.descriptors import (
 )
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.relay import RelayProcesses, RelaySpec
-from lanekv.transfer.rank.service import Served, serve
+from lanekv.transfer.rank.server import Served, serve
 from lanekv.transfer.rank.staging import RankStaging, staged_mode
 
 # A test hook: ``<layer>:<seconds>`` makes every prefill sleep once that layer is written.

@@ -42,7 +42,7 @@ from lanekv.runtime.gcpause import GcClock
 if TYPE_CHECKING:
     from lanekv.model.parallel.ep import ExpertExchange
     from lanekv.prefill.cp.page_source import RankPageSource
-    from lanekv.transfer.rank.service import Served
+    from lanekv.transfer.rank.server import Served
 
 
 @dataclass(frozen=True)

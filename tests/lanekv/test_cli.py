@@ -22,7 +22,7 @@ from lanekv.model.checkpoint import load_model
 from lanekv.model.sampling import SamplingParams
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.transfer.protocol.contract import LayoutContract
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from lanekv.cli import main as lanekv

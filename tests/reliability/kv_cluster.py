@@ -21,7 +21,7 @@ from lanekv.proto import lanekv_pb2
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology
 from lanekv.transfer.protocol.wire import WIRE_VERSION
-from lanekv.transfer.rank.service import Served, serve
+from lanekv.transfer.rank.server import Served, serve
 from lanekv.transfer.rank.sources import TensorPageSource
 
 LAYERS, HEADS, DIM, PAGE = 4, 2, 8, 4

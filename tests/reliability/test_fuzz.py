@@ -38,7 +38,8 @@ from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
 from lanekv.transfer.protocol.contract import Agreement, LayoutContract, agreement_of
 from lanekv.transfer.protocol.manifest import Manifest
 from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk
-from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.server import add_transfer_service
+from lanekv.transfer.rank.service import KVTransferService
 
 from tests.checkpoints import VOCAB_SIZE, write_llama
 from tests.reliability import hostile_inputs as hostile

@@ -27,7 +27,8 @@ from lanekv.runtime.requests import MalformedRequestInterceptor
 from lanekv.runtime.rpc_metrics import lanekv_metrics
 from lanekv.runtime.security import OPEN_SERVICES, SecurityConfig, open_channel
 from lanekv.runtime.status import HealthServicer
-from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.server import add_transfer_service
+from lanekv.transfer.rank.service import KVTransferService
 
 from tests.reliability.kv_cluster import make_agreement, start_servers, status_of, wait_until
 from tests.tls import make_certs

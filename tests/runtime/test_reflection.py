@@ -10,7 +10,8 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 from lanekv.runtime.security import SecurityConfig, bind, make_server, open_channel
 from lanekv.runtime.status import HealthServicer
-from lanekv.transfer.rank.service import KVTransferService, add_transfer_service
+from lanekv.transfer.rank.server import add_transfer_service
+from lanekv.transfer.rank.service import KVTransferService
 from lanekv.transfer.rank.sources import ContractOnlySource
 
 from tests.reflection import list_services

@@ -19,7 +19,7 @@ from lanekv.transfer.fastpath.rankfetch import FastRequest, FastStats, RankPages
 from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.protocol.contract import Agreement, Topology
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of

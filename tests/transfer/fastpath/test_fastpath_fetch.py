@@ -29,7 +29,8 @@ from lanekv.transfer.protocol.descriptors import (
 )
 from lanekv.transfer.protocol.wire import frame_chunk
 from lanekv.transfer.rank.progress import LayerProgress
-from lanekv.transfer.rank.service import KVTransferService, serve
+from lanekv.transfer.rank.server import serve
+from lanekv.transfer.rank.service import KVTransferService
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.markers import requires_gpu

@@ -22,7 +22,7 @@ from lanekv.transfer.fastpath.rankfetch import DigestMismatch, FastRequest, Rank
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient
 from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import SHM
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.markers import requires_gpu

@@ -29,7 +29,7 @@ from lanekv.transfer.protocol.descriptors import (
     shared_cpu_pool,
 )
 from lanekv.transfer.rank.progress import LayerProgress
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.reliability.kv_cluster import LAYERS, PAGE, make_agreement, rows_of

@@ -22,7 +22,7 @@ from lanekv.transfer.nixl.export import NixlExport
 from lanekv.transfer.nixl.runs import PoolRegion, staged_pairs
 from lanekv.transfer.nixl.staging import ALIGN_BYTES, StagingArena, StagingFull
 from lanekv.transfer.protocol.contract import Topology
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.reliability.kv_cluster import (

@@ -223,7 +223,7 @@ def test_a_relay_exits_when_its_parent_does(tmp_path):
 def test_relay_processes_map_a_gpu_pool_by_cuda_ipc_and_send_its_pages():
     # The GPU path of a relay: CUDA IPC, gather_pages and the digest on the device.
     from lanekv.transfer.protocol.contract import Topology
-    from lanekv.transfer.rank.service import serve
+    from lanekv.transfer.rank.server import serve
     from lanekv.transfer.rank.sources import TensorPageSource
 
     from tests.reliability.kv_cluster import make_agreement

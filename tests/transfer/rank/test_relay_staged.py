@@ -26,7 +26,7 @@ from lanekv.transfer.protocol.wire import ChunkPlan
 from lanekv.transfer.rank.progress import LayerProgress
 from lanekv.transfer.rank.relay import RelayProcesses, RelayService, RelaySpec, serve_relay
 from lanekv.transfer.rank.relay_staged import STAGE_METHOD, StagingSlots
-from lanekv.transfer.rank.service import serve
+from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource
 from lanekv.transfer.rank.staging import DAMAGE_ENV, STAGED_ENV, RankStaging, staged_mode
 

@@ -19,7 +19,8 @@ from lanekv.transfer.grpcfetch.client import (
     release,
 )
 from lanekv.transfer.protocol.wire import WIRE_VERSION
-from lanekv.transfer.rank.service import KVTransferService, serve
+from lanekv.transfer.rank.server import serve
+from lanekv.transfer.rank.service import KVTransferService
 from lanekv.transfer.rank.sources import TensorPageSource
 
 from tests.reliability.kv_cluster import (
