@@ -125,19 +125,24 @@ def test_gpu_fp8_decode_matches_reference_and_captures(tokens, shared):
     torch.testing.assert_close(captured, moe_experts_fp8_decode_triton(*args, (128, 128), **extra))
 
 
+def compiled_for_sm90(flag: str) -> list[dict]:
+    """``bench/fp8_moe_decode_compile.py FLAG``'s records (the interpreter off, a process
+    of its own)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "fp8_moe_decode_compile.py"),
+                           flag], env=env, capture_output=True, text=True, timeout=280, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.timeout(300)
 def test_grouped_fp8_experts_compile_for_sm_90_with_scale_groups_of_16():
     """The grouped (prefill-size) FP8 expert kernels compiled for sm_90 offline: with the
     tiny test checkpoints' 16-wide scale groups Triton refuses an fp8 dot (K >= 32), so
     their dots are widened to float16 in the kernel (exact for e4m3 values) and compile
     at K = 16. An H200 found that case failing in an FP8 DeepSeek's decode warm-up."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(root / "bench" / "fp8_moe_decode_compile.py"),
-                           "--grouped"], env=env, capture_output=True, text=True, timeout=280,
-                          cwd=root)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    recs = json.loads(proc.stdout.strip().splitlines()[-1])
+    recs = compiled_for_sm90("--grouped")
     assert sorted((r["kernel"], r["block_k"]) for r in recs) == [
         ("_fp8_down_kernel", 16), ("_fp8_down_kernel", 128),
         ("_fp8_gate_up_kernel", 16), ("_fp8_gate_up_kernel", 128)]

@@ -6,12 +6,6 @@ and on a GPU captured in a CUDA graph that follows the routing on the device."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from lanekv.kernels.fp8 import moe_decode
@@ -28,7 +22,7 @@ from lanekv.kernels.fp8.moe_gemv import (
     moe_experts_fp8_gemv,
 )
 
-from tests.kernels.test_fp8_moe_decode import _inputs, _shared
+from tests.kernels.test_fp8_moe_decode import _inputs, _shared, compiled_for_sm90
 from tests.markers import requires_gpu
 
 SMALL = MoEGemvTiles(16, 16, 4)  # several column programs at the tests' widths
@@ -97,13 +91,7 @@ def test_the_decode_launcher_takes_it_for_one_token_when_asked(monkeypatch, toke
 
 @pytest.mark.timeout(300)
 def test_gemv_compiles_for_sm_90_into_vector_loads_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, str(root / "bench" / "fp8_moe_decode_compile.py"),
-                           "--gemv"], env=env, capture_output=True, text=True, timeout=280,
-                          cwd=root)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    recs = json.loads(proc.stdout.strip().splitlines()[-1])
+    recs = compiled_for_sm90("--gemv")
     assert sorted(r["kernel"] for r in recs) == ["_down_gemv_kernel", "_gate_up_gemv_kernel"]
     for rec in recs:  # CUDA cores only, the e4m3 rows in 16-byte loads
         assert rec["local_bytes"] == 0 and rec["dot_operands"] == [] and rec["vector_loads"] > 0, rec
