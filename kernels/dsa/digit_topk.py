@@ -33,13 +33,11 @@ first pass, then candidates in shared memory) search digits the same way in one 
 row; a Triton program has no such scratch, so here a row is split instead. The chooser
 (``topk_method``, with ``LANEKV_DSA_TOPK=auto``) takes this kernel only where it splits a
 row: with one program a row its passes run block after block, no shorter a chain than
-``radix_topk``'s. ``auto`` is the default since the H200 timed it (2026-12-03,
-bench/results/session10_h200/dsa_layer_digit_h200.json, V3.2 shapes, top-k 2048): at
-batch 1 it took the top-k from 26.5 to 22.6 us at 8k keys and from 81 to 34 us at 128k,
-at batch 16 from 27 to 23 and 109 to 89 us. The launch knobs go by the row's width
-(``digit_topk_config``), from the same run's sweep: rows of at most 16k keys split into
-1024-key spans of 4 warps (17.7 against 22.6 us at 8k, batch 1); longer rows take
-2048-key spans, two programs an SM over the batch (79 against 89 us at 128k, batch 16).
+``radix_topk``'s. ``auto`` is the default since an H200 timed it faster than
+``radix_topk`` at 8k and 128k keys, batch 1 and 16 (BENCHMARKS.md, tenth session). The
+launch knobs go by the row's width (``digit_topk_config``), from the same run's sweep:
+rows of at most 16k keys split into 1024-key spans of 4 warps; longer rows take 2048-key
+spans, two programs an SM over the batch.
 """
 
 from __future__ import annotations

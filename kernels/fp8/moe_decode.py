@@ -56,13 +56,13 @@ from lanekv.kernels.pdl import pdl_args
 
 # Tiles by (kernel, token bucket, N, K) for e4m3 experts of 128 x 128 scale blocks on a
 # GPU; N is the GEMM's output width, K its reduction (as ``kernels.moe.decode``'s table).
-# From bench/moe_decode_sweep.py --fp8 on one H200 (2026-12-03, V2-Lite shapes: 6 routed
-# experts and 2 shared slices, bench/results/session10_h200/moe_decode_sweep_fp8_h200.json),
-# each against the default's time at the same shape; the batch-1 gate/up default won.
+# The winners of bench/moe_decode_sweep.py --fp8 on one H200 over the default tiles
+# (V2-Lite shapes: 6 routed experts and 2 shared slices; BENCHMARKS.md, tenth session);
+# at batch 1 the default gate/up tiles won.
 FP8_DECODE_TILE_TABLE: Mapping[tuple[str, int, int, int], DecodeTiles] = MappingProxyType({
-    (GATE_UP, 16, 1408, 2048): DecodeTiles(16, 64, 64, 4, 3),  # 147 against 156 us
-    (DOWN, 1, 2048, 1408): DecodeTiles(16, 64, 64, 4, 3),  # 14.2 against 18.0 us
-    (DOWN, 16, 2048, 1408): DecodeTiles(16, 64, 128, 4, 3),  # 85.2 against 111 us
+    (GATE_UP, 16, 1408, 2048): DecodeTiles(16, 64, 64, 4, 3),
+    (DOWN, 1, 2048, 1408): DecodeTiles(16, 64, 64, 4, 3),
+    (DOWN, 16, 2048, 1408): DecodeTiles(16, 64, 128, 4, 3),
 })
 
 

@@ -1,11 +1,10 @@
 """The block-FP8 experts of one decode token on the CUDA cores: ``moe_experts_fp8_gemv``.
 
 At batch 1 the decode experts' tensor-core kernels (``moe_decode.py``) multiply a
-single row in 16-row tiles: the H200 measured V2-Lite's e4m3 gate/up at 43% and the
-down projection at 29% of the copy rate (bench/results/session10_h200/), no faster
-than the bf16 experts that read twice the bytes. A GEMV's k loop is the weight's loads
-and one FMA per byte, the dense layers' ``gemm_gemv.py`` runs at up to 3.5 TB/s, so
-the single token's experts take the same form here:
+single row in 16-row tiles: on an H200 V2-Lite's e4m3 experts ran well under the copy
+rate, no faster than the bf16 experts that read twice the bytes (BENCHMARKS.md, tenth
+session). A GEMV's k loop is the weight's loads and one FMA per byte, as the dense
+layers' ``gemm_gemv.py`` streams them, so the single token's experts take that form:
 
 1. ``_gate_up_gemv_kernel``: a program per (slot, ``BLOCK_N`` columns of the expert
    width), a slot being one of the token's ``k`` routed choices (its expert read from

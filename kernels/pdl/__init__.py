@@ -15,11 +15,9 @@ The switch: ``LANEKV_PDL`` is ``auto`` (unset or empty: the default), ``1`` (on 
 launch of a converted kernel) or ``0`` (off); any other value is an error naming the
 variable. ``auto`` turns it on inside ``decode_graph(batch)`` for batches of at most
 ``AUTO_MAX_BATCH`` rows, the scope the decode daemon captures its CUDA graphs in, and
-nowhere else. The H200 measured why (2026-12-03, bench/results/session10_h200/, CUDA
-graphs, off against on): at batch 1 the block-FP8 Llama-3-8B-shaped step went from 3.18
-to 2.97 ms and the DeepSeek-V2-Lite step from 2.44 to 2.33 ms; at batches 16 and 64 the
-Llama steps were 1-2% slower with it (4.36 against 4.44 ms FP8 at 16) and V2-Lite's
-within 1-2% either way. It is on for a launch only on a CUDA tensor of capability 9.0
+nowhere else: on an H200 it shortened the batch-1 steps and was no faster, for Llama
+slower, at batches 16 and 64 (BENCHMARKS.md, tenth session: off against on, CUDA
+graphs, in one run). It is on for a launch only on a CUDA tensor of capability 9.0
 or later, and never under the Triton interpreter (it has no grid dependency control).
 It is read at each launch, so a CUDA graph keeps what was on when it was captured.
 

@@ -396,7 +396,7 @@ def test_decode_linears_on_an_h200_quantize_as_the_sweep_timed_fastest(rows, mon
     the quantization kernel first (``quant_first``) or inside the GEMM; at 64 rows 64-row
     tiles quantize first (fused, every one of the 96-224 column tiles repeated the rows'
     quantization: BENCHMARKS.md, issue 33). At 1 row every linear takes the gemv (the
-    tenth session's sweep: 33.6 us for gate_up against 36.3 quantizing first)."""
+    tenth session's sweep timed it fastest at each)."""
     monkeypatch.delenv(TABLE_ENV, raising=False)
     kinds = {}
     for name, (n, k) in LLAMA3_8B_LINEARS.items():
