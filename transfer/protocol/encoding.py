@@ -84,8 +84,8 @@ def plain(value: Any) -> Any:
 
 
 def pack(value: Any) -> bytes:
+    """The canonical msgpack bytes of a (frozen or plain) value: what fingerprints hash."""
     return msgpack.packb(plain(value), use_bin_type=True, use_single_float=False)
-
 
 
 def unpack_contract(data: bytes, what: str) -> dict:
