@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lanekv.transfer.connector.placement import place_chunk  # noqa: E402
 from lanekv.transfer.grpcfetch.client import KVClient  # noqa: E402
-from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology  # noqa: E402
+from lanekv.transfer.protocol.agreement import POOL_LAYOUT, Agreement  # noqa: E402
+from lanekv.transfer.protocol.contract import Topology  # noqa: E402
 from lanekv.transfer.protocol.wire import WIRE_VERSION  # noqa: E402
 from lanekv.transfer.rank.server import serve  # noqa: E402
 from lanekv.transfer.rank.sources import TensorPageSource  # noqa: E402

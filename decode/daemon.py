@@ -67,7 +67,9 @@ from lanekv.transfer.connector.base import KVTransport, TransportContext
 from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.errors import ContractMismatch
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
-from lanekv.transfer.protocol.contract import Agreement, LayoutContract, format_diff
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract
+from lanekv.transfer.protocol.fielddiff import format_diff
 from lanekv.transfer.rank.server import add_transfer_service
 from lanekv.transfer.rank.service import KVTransferService
 from lanekv.transfer.rank.sources import ContractOnlySource

@@ -70,7 +70,7 @@ from lanekv.runtime.status import Refusal
 from lanekv.transfer.connector.base import FetchJob, KVFetchError
 from lanekv.transfer.connector.fetcher import FetchStats, KVFetcher
 from lanekv.transfer.protocol.access import access_ticket
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 
 log = logging.getLogger("lanekv.decode")
 Code = grpc.StatusCode

@@ -26,7 +26,7 @@ from lanekv.model.pool_sizing import GIB, PoolSize, page_bytes, pool_line, size_
 from lanekv.runtime.daemon import serve_until_signal
 from lanekv.runtime.security import SecurityConfig
 from lanekv.transfer.grpcfetch.client import ContractMismatch, TransferError
-from lanekv.transfer.protocol.contract import format_diff
+from lanekv.transfer.protocol.fielddiff import format_diff
 
 log = logging.getLogger("lanekv.decode")
 # The decode loop shares this process's GIL with one gRPC thread per open stream.

@@ -26,7 +26,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.security import SecurityConfig, open_channel
 from lanekv.runtime.status import CONTRACT_METADATA_KEY, TRANSFER_SERVICE
-from lanekv.transfer.protocol.contract import Agreement, LayoutContract, diff, format_diff
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract
+from lanekv.transfer.protocol.fielddiff import diff, format_diff
 
 PREFILL_SERVICE = lanekv_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name
 _PROBE_TIMEOUT_S = 2.0  # what generate spends finding out what a wrong --decode port is

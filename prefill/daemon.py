@@ -70,7 +70,8 @@ from lanekv.runtime.requests import (
 from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.status import TRANSFER_SERVICE, Refusal, refusals
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, new_capability
-from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract, Topology
 from lanekv.transfer.protocol.manifest import Manifest
 from lanekv.transfer.rank.server import add_transfer_service
 from lanekv.transfer.rank.service import KVTransferService

@@ -11,7 +11,8 @@ import json
 import pytest
 import torch
 from lanekv.model.config import ModelConfig
-from lanekv.transfer.protocol.contract import Agreement, diff
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.fielddiff import diff
 
 from tests.checkpoints import (
     EOS_TOKEN_ID,

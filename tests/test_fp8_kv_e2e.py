@@ -33,7 +33,7 @@ from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.transfer.errors import ContractMismatch
-from lanekv.transfer.protocol.contract import format_diff
+from lanekv.transfer.protocol.fielddiff import format_diff
 
 from tests.checkpoints import VOCAB_SIZE, write_deepseek_v3, write_deepseek_v32, write_llama
 from tests.daemons import generate_concurrently, running_pair, start_pair

@@ -8,7 +8,7 @@ chunk that arrived damaged DATA_LOSS, a server's status its own code.
 from __future__ import annotations
 
 import grpc
-from lanekv.transfer.protocol.contract import FieldDiff
+from lanekv.transfer.protocol.fielddiff import FieldDiff
 
 Code = grpc.StatusCode
 

@@ -41,7 +41,7 @@ from lanekv.transfer.connector.fetcher import Fetched, KVFetcher
 from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.grpcfetch.fetch import RetryPolicy
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.stats import FetchStats, RankStats
 
 Code = grpc.StatusCode

@@ -17,7 +17,7 @@ from lanekv.decode.tp.fetch import FetchSetup, TPFetcher
 from lanekv.decode.tp.group import TPGroup
 from lanekv.decode.tp.rank import TPSpec
 from lanekv.transfer.connector.fetcher import KVFetcher
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 
 if TYPE_CHECKING:
     from lanekv.decode.config import DecodeConfig

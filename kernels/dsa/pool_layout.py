@@ -36,7 +36,7 @@ def _round_up(n: int, to: int) -> int:
 
 def dsa_row_elements(latent_dim: int, itemsize: int, index_row_bytes: int) -> int:
     """Pool elements per row holding ``latent_dim`` values then ``index_row_bytes`` bytes
-    (``transfer.protocol.contract`` checks an agreement's ``head_dim`` by the same rule)."""
+    (``transfer.protocol.agreement`` checks an agreement's ``head_dim`` by the same rule)."""
     return _round_up(_round_up(latent_dim * itemsize, 4) + index_row_bytes, 16) // itemsize
 
 

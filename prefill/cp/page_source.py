@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from lanekv.kernels.page_copy import gather_pages
 from lanekv.runtime.status import DEFAULT_CHUNK_BYTES
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.chunkseal import U64, seal_tensor
-from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.rank.sources import TensorPageSource
 
 

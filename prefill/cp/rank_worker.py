@@ -75,7 +75,7 @@ from lanekv.runtime.security import SecurityConfig
 from lanekv.runtime.shmfiles import pool_file_name
 from lanekv.runtime.status import TRANSFER_SERVICE, bounded, one_line
 from lanekv.transfer.nixl.export import NixlExport
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.descriptors import (
     SHM_DIR,
     remove_shared_pool,

@@ -21,7 +21,8 @@ from lanekv.decode.generate import (
 from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.errors import ContractMismatch
-from lanekv.transfer.protocol.contract import FieldDiff, Topology
+from lanekv.transfer.protocol.contract import Topology
+from lanekv.transfer.protocol.fielddiff import FieldDiff
 
 Code = grpc.StatusCode
 SERVING = health_pb2.HealthCheckResponse.SERVING

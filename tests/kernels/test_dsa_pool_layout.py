@@ -22,7 +22,7 @@ from lanekv.kernels.dsa.sparse_mla import sparse_mla_decode_ref, sparse_mla_deco
 from lanekv.kernels.kv_layout import KVCacheSpec
 from lanekv.kernels.page_copy import gather_pages
 from lanekv.kernels.page_digest import page_digest
-from lanekv.transfer.protocol.contract import dsa_row_elements as contract_row_elements
+from lanekv.transfer.protocol.agreement import dsa_row_elements as contract_row_elements
 from lanekv.transfer.protocol.wire import encode_chunk
 
 from tests.markers import requires_gpu

@@ -16,7 +16,7 @@ except in the test of an ``if`` whose body only raises (a class refusing a
 config that is not its own, a config checking its fields against its
 architecture). Two modules are allowed by name: ``lanekv.model.config``, which
 declares the fields a kind is read from and checks them, and
-``lanekv.transfer.protocol.contract``, which checks a peer's ``Agreement`` (the
+``lanekv.transfer.protocol.agreement``, which checks a peer's ``Agreement`` (the
 wire contract names its ``attention``; it is not a model).
 """
 
@@ -51,7 +51,7 @@ from tests.test_layers import project_modules
 KIND_PACKAGE = "lanekv.model.attention"
 ALLOWED = {
     "lanekv.model.config": "declares mla/dsa/moe and checks them against the architecture",
-    "lanekv.transfer.protocol.contract": "checks a peer's Agreement (attention is a wire field)",
+    "lanekv.transfer.protocol.agreement": "checks a peer's Agreement (attention is a wire field)",
 }
 KIND_ATTRS = frozenset({"mla", "dsa"})
 KIND_NAMES = frozenset({"gqa", "mla", "dsa"})

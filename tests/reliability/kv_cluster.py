@@ -19,7 +19,8 @@ import grpc
 import torch
 from lanekv.proto import lanekv_pb2
 from lanekv.runtime.security import SecurityConfig
-from lanekv.transfer.protocol.contract import POOL_LAYOUT, Agreement, Topology
+from lanekv.transfer.protocol.agreement import POOL_LAYOUT, Agreement
+from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.wire import WIRE_VERSION
 from lanekv.transfer.rank.server import Served, serve
 from lanekv.transfer.rank.sources import TensorPageSource

@@ -35,7 +35,8 @@ from lanekv.proto import lanekv_pb2_grpc
 from lanekv.runtime.requests import MalformedRequestInterceptor
 from lanekv.runtime.status import grpc_options
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, access_ticket
-from lanekv.transfer.protocol.contract import Agreement, LayoutContract, agreement_of
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract, agreement_of
 from lanekv.transfer.protocol.manifest import Manifest
 from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk
 from lanekv.transfer.rank.server import add_transfer_service

@@ -25,7 +25,7 @@ from lanekv.runtime.metrics import Counter
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.errors import CorruptChunk, RemoteError, TransferError
 from lanekv.transfer.grpcfetch.client import KVClient
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.stats import RankStats
 
 __all__ = ["RankStats"]  # each transport reports a rank it fetched as one

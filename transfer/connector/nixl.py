@@ -70,7 +70,7 @@ from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.nixl.agent import Agent, NixlTransferError, NixlUnavailable, memory_kind
 from lanekv.transfer.nixl.runs import PoolRegion
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY, start_of
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.wire import kv_dtype
 
 NIXL = "nixl"

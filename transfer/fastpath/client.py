@@ -27,7 +27,7 @@ from lanekv.transfer.fastpath.sidestreams import StreamSet
 from lanekv.transfer.fastpath.tuning import DEFAULT_FAST_PATH, FastPathTuning
 from lanekv.transfer.grpcfetch.client import KVClient
 from lanekv.transfer.protocol.access import epoch_metadata, start_of
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.descriptors import (
     CUDA_IPC,
     SHM,

@@ -32,7 +32,7 @@ from lanekv.transfer.fastpath.sidestreams import Streams, StreamSet, streams_for
 from lanekv.transfer.fastpath.tuning import FastPathTuning
 from lanekv.transfer.grpcfetch.client import FETCH_METHOD, KVClient
 from lanekv.transfer.protocol.access import epoch_metadata
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.descriptors import Descriptor, as_u64
 
 log = logging.getLogger("lanekv.transfer")

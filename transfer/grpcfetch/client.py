@@ -47,7 +47,9 @@ from lanekv.transfer.grpcfetch.receivers import ReceiverPool
 from lanekv.transfer.grpcfetch.remotefetch import RemoteRankFetch
 from lanekv.transfer.grpcfetch.spans import Span
 from lanekv.transfer.protocol.access import epoch_metadata
-from lanekv.transfer.protocol.contract import Agreement, FieldDiff, LayoutContract, diff
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract
+from lanekv.transfer.protocol.fielddiff import FieldDiff, diff
 from lanekv.transfer.protocol.stats import FetchStats, RankStats
 from lanekv.transfer.protocol.wire import ChunkHeader
 

@@ -26,7 +26,8 @@ import grpc
 from lanekv.runtime.limits import peer_host
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
-from lanekv.transfer.protocol.contract import Agreement, LayoutContract
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract
 from lanekv.transfer.protocol.wire import MAX_REQUEST_ID_LEN
 from lanekv.transfer.rank.sources import PageSource
 from lanekv.transfer.rank.staging import RELAY_METADATA_KEY, RankStaging

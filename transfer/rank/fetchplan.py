@@ -20,7 +20,7 @@ import grpc
 import torch
 from lanekv.proto import lanekv_pb2
 from lanekv.runtime.status import Refusal
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.wire import ChunkPlan, kv_dtype, plan_chunks
 
 Code = grpc.StatusCode

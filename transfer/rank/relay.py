@@ -59,7 +59,7 @@ from lanekv.runtime.status import (
     refusals,
 )
 from lanekv.transfer.protocol.access import EPOCH_METADATA_KEY
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.descriptors import (
     TRANSPORTS,
     Descriptor,

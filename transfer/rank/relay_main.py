@@ -20,7 +20,7 @@ import threading
 
 import torch
 from lanekv.runtime.hostmem import keep_freed_buffers
-from lanekv.transfer.protocol.contract import Agreement
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.rank.relay import RelayService, RelaySpec, serve_relay
 
 PR_SET_PDEATHSIG = 1

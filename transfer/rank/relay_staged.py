@@ -32,8 +32,8 @@ import grpc
 import torch
 from lanekv.proto import lanekv_pb2
 from lanekv.runtime.status import TRANSFER_SERVICE
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.chunkseal import SealSum
-from lanekv.transfer.protocol.contract import Agreement
 from lanekv.transfer.protocol.descriptors import Descriptor
 from lanekv.transfer.protocol.wire import (
     ChunkPlan,

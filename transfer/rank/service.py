@@ -29,8 +29,9 @@ from lanekv.runtime.status import (
 from lanekv.transfer.nixl.agent import NixlUnavailable
 from lanekv.transfer.nixl.export import NixlExport
 from lanekv.transfer.nixl.staging import Lease
-from lanekv.transfer.protocol.contract import agreement_of, diff, format_diff
+from lanekv.transfer.protocol.contract import agreement_of
 from lanekv.transfer.protocol.descriptors import MAX_TRANSPORTS, host_id
+from lanekv.transfer.protocol.fielddiff import diff, format_diff
 from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk, frame_chunk, kv_dtype
 from lanekv.transfer.rank.admission import Admission, key_message
 from lanekv.transfer.rank.descriptor_ranges import Ready, descriptor_ranges, stage_lease

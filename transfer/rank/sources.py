@@ -20,8 +20,9 @@ from typing import Any, Protocol
 
 import torch
 from lanekv.kernels.page_digest import PageDigest, head_slice_digest, page_digest
+from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.chunkseal import U64, seal, seal_tensor
-from lanekv.transfer.protocol.contract import Agreement, LayoutContract, Topology
+from lanekv.transfer.protocol.contract import LayoutContract, Topology
 from lanekv.transfer.protocol.descriptors import PoolHandle, as_u64, share_pool
 from lanekv.transfer.protocol.wire import kv_dtype
 from lanekv.transfer.rank.progress import LayerProgress

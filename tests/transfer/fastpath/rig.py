@@ -17,7 +17,8 @@ import torch
 from lanekv.transfer.fastpath.client import FastPath
 from lanekv.transfer.fastpath.rankfetch import FastRequest, FastStats, RankPages
 from lanekv.transfer.grpcfetch.client import KVClient
-from lanekv.transfer.protocol.contract import Agreement, Topology
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import Topology
 from lanekv.transfer.protocol.descriptors import SHM_DIR, remove_shared_pool, shared_cpu_pool
 from lanekv.transfer.rank.server import serve
 from lanekv.transfer.rank.sources import TensorPageSource

@@ -7,17 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from lanekv.transfer.protocol import contract as contract_module
-from lanekv.transfer.protocol.contract import (
-    Agreement,
-    FieldDiff,
-    LayoutContract,
-    Topology,
-    agreement_of,
-    diff,
-    format_diff,
-    source_digest,
-)
+from lanekv.transfer.protocol import source_digest as source_digest_module
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.contract import LayoutContract, Topology, agreement_of
+from lanekv.transfer.protocol.fielddiff import FieldDiff, diff, format_diff
+from lanekv.transfer.protocol.source_digest import source_digest
 from lanekv.transfer.protocol.wire import WIRE_VERSION
 
 pytestmark = pytest.mark.timeout(60)
@@ -245,8 +239,8 @@ def test_source_digest(tmp_path, monkeypatch):
         source_digest(["lanekv.prefill.layout"], one)
     with pytest.raises(ValueError, match="not a module of lanekv"):
         source_digest(["prefill.plan"], one)
-    monkeypatch.setattr(contract_module, "CONTRACT_SOURCES", tuple(modules))
-    monkeypatch.setattr(contract_module, "PACKAGE_ROOT", one)
+    monkeypatch.setattr(source_digest_module, "CONTRACT_SOURCES", tuple(modules))
+    monkeypatch.setattr(source_digest_module, "PACKAGE_ROOT", one)
     assert Agreement.from_model(MODEL_FIELDS, "w", "bfloat16", 64).source_digest == digest
 
 
@@ -254,7 +248,7 @@ FINGERPRINT_SCRIPT = """
 import sys
 sys.path.insert(0, {root!r})
 from tests.transfer.protocol.test_contract import make_agreement
-from lanekv.transfer.protocol.contract import source_digest
+from lanekv.transfer.protocol.source_digest import source_digest
 digest = source_digest(["lanekv.transfer.protocol.wire", "lanekv.transfer.protocol.contract"])
 print(make_agreement(source_digest=digest, model_config={{str(i): i for i in range(50)}}).fingerprint)
 """

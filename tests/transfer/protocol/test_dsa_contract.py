@@ -10,7 +10,8 @@ import pytest
 import torch
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.config import ModelConfig
-from lanekv.transfer.protocol.contract import DSA_INT_FIELDS, Agreement, diff, dsa_row_elements
+from lanekv.transfer.protocol.agreement import DSA_INT_FIELDS, Agreement, dsa_row_elements
+from lanekv.transfer.protocol.fielddiff import diff
 
 from tests.checkpoints import write_deepseek_v3, write_deepseek_v32
 

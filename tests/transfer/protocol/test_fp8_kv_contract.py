@@ -8,7 +8,8 @@ import torch
 from lanekv.model.attention import pool_contract_fields, pool_rows
 from lanekv.model.attention.rows import FP8MLARows
 from lanekv.model.config import ModelConfig
-from lanekv.transfer.protocol.contract import Agreement, diff, format_diff
+from lanekv.transfer.protocol.agreement import Agreement
+from lanekv.transfer.protocol.fielddiff import diff, format_diff
 
 from tests.checkpoints import write_deepseek_v3, write_deepseek_v32, write_llama
 
@@ -93,8 +94,8 @@ def test_an_fp8_mla_row_is_padded_to_16_bytes_and_says_so():
 def test_the_contract_sizes_fp8_mla_rows_as_the_kernels_lay_them_out():
     """The protocol does not import the kernels: its copies of the row sizes must agree."""
     from lanekv.kernels.fp8 import kv_rows
-    from lanekv.transfer.protocol import contract
+    from lanekv.transfer.protocol import agreement
 
     for rank, rope in ((512, 64), (32, 8), (48, 16), (128, 64)):
-        assert contract.mla_fp8_row_bytes(rank, rope) == kv_rows.mla_fp8_row_bytes(rank, rope)
-        assert contract.mla_fp8_row_stride(rank, rope) == kv_rows.mla_fp8_row_stride(rank, rope)
+        assert agreement.mla_fp8_row_bytes(rank, rope) == kv_rows.mla_fp8_row_bytes(rank, rope)
+        assert agreement.mla_fp8_row_stride(rank, rope) == kv_rows.mla_fp8_row_stride(rank, rope)

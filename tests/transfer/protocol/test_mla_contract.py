@@ -8,7 +8,8 @@ import pytest
 import torch
 from lanekv.model.attention import pool_contract_fields
 from lanekv.model.config import ModelConfig
-from lanekv.transfer.protocol.contract import MLA_FIELDS, Agreement, diff
+from lanekv.transfer.protocol.agreement import MLA_FIELDS, Agreement
+from lanekv.transfer.protocol.fielddiff import diff
 from lanekv.transfer.protocol.wire import ChunkHeader, encode_chunk, payload_to_tensor
 
 from tests.checkpoints import DEEPSEEK_WRITERS, write_llama
