@@ -20,7 +20,7 @@ import pytest
 from lanekv.proto import lanekv_pb2 as pb
 from lanekv.proto import lanekv_pb2_grpc
 from lanekv.runtime.status import CONTRACT_METADATA_KEY, MAX_DETAILS_CHARS
-from lanekv.transfer.protocol import agreement, encoding, fielddiff
+from lanekv.transfer.protocol import agreement, contract, encoding, fielddiff
 from lanekv.transfer.protocol.agreement import Agreement
 from lanekv.transfer.protocol.contract import LayoutContract
 from lanekv.transfer.protocol.encoding import (
@@ -128,7 +128,7 @@ def test_nesting_past_the_bound_is_refused(stub):
 def _lines_run(call) -> int:
     """Python lines executed in the contract modules by ``call()`` (deterministic, unlike time)."""
     count = 0
-    files = {agreement.__file__, encoding.__file__, fielddiff.__file__}
+    files = {m.__file__ for m in (agreement, contract, encoding, fielddiff)}
 
     def tracer(frame, event, arg):
         nonlocal count
