@@ -52,6 +52,7 @@ from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.mla.latent_rows import (
     check_latent_cache,
     dequantized_latent,
+    latent_out,
     latent_views,
     load_latent_rows,
     row_stride_args,
@@ -248,15 +249,7 @@ def _check_common(q, latent, indices, softmax_scale, kv_lora_rank, out, latent_n
     if (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))
             or not math.isfinite(softmax_scale) or softmax_scale <= 0):
         raise ValueError(f"softmax_scale must be a finite number > 0, got {softmax_scale!r}")
-    shape = (rows, heads, kv_lora_rank)
-    if out is None:
-        out = q.new_empty(shape)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
-        raise ValueError(f"out is {got}, expected {shape} {q.dtype}")
-    if kv_lora_rank > 1 and out.stride(2) != 1:
-        raise ValueError(f"out must have a dense last dim, got strides {out.stride()}")
-    return out
+    return latent_out(q, out, (rows, heads, kv_lora_rank))
 
 
 def _check_range(name: str, values: torch.Tensor, limit: int, what: str) -> None:

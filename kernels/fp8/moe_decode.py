@@ -50,7 +50,7 @@ from lanekv.kernels.moe.decode import (
     launch_decode_down,
     launch_decode_gate_up,
     moe_experts_decode_ref,
-    token_bucket,
+    table_tiles,
 )
 from lanekv.kernels.pdl import pdl_args
 
@@ -71,11 +71,9 @@ def fp8_decode_tiles(x: torch.Tensor, kernel: str, active: int, inter: int, hidd
     """The tiles of ``kernel`` (GATE_UP or DOWN): ``FP8_DECODE_TILE_TABLE``'s entry for the
     batch's token bucket and the kernel's (N, K) where there is one (a GPU, 128 x 128
     blocks), else ``kernels.moe.decode``'s default; each tile inside one scale block."""
-    if kernel not in (GATE_UP, DOWN):
-        raise ValueError(f"kernel={kernel!r} must be {GATE_UP!r} or {DOWN!r}")
-    n, k = (inter, hidden) if kernel == GATE_UP else (hidden, inter)
-    listed = FP8_DECODE_TILE_TABLE.get((kernel, token_bucket(max(1, x.shape[0])), n, k)) if (
-        x.is_cuda and tuple(block) == (128, 128)) else None
+    listed = table_tiles(kernel, x.shape[0], inter, hidden, FP8_DECODE_TILE_TABLE)
+    if not (x.is_cuda and tuple(block) == (128, 128)):
+        listed = None  # the table's tiles were timed on a GPU at 128 x 128 blocks
     cfg = listed or default_decode_tiles(x, active, inter, hidden)
     return cfg._replace(block_n=min(cfg.block_n, block[0]), block_k=min(cfg.block_k, block[1]))
 

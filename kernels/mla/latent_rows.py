@@ -127,3 +127,16 @@ def check_latent_cache(latent_cache: torch.Tensor, q: torch.Tensor, kv_lora_rank
     if latent_cache.shape[1] != width:
         raise ValueError(f"latent_cache must be [rows, {width}] (q.shape[2]), got "
                          f"{tuple(latent_cache.shape)}")
+
+
+def latent_out(q: torch.Tensor, out: torch.Tensor | None, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The ``[rows, heads, kv_lora_rank]`` output of an MLA decode in q's dtype: ``out``
+    checked (dense last dim), or a new one."""
+    if out is None:
+        return q.new_empty(shape)
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
+        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
+        raise ValueError(f"out is {got}, expected {shape} {q.dtype}")
+    if shape[2] > 1 and out.stride(2) != 1:
+        raise ValueError(f"out must have a dense last dim, got strides {out.stride()}")
+    return out

@@ -19,6 +19,7 @@ from lanekv.kernels.mla.latent_rows import (
     MAX_ROPE_DIM,
     check_latent_cache,
     dequantized_latent,
+    latent_out,
 )
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,14 +77,7 @@ def check_paged_decode_args(q, latent_cache, page_table, seq_lens, page_size, so
     if seq_lens.shape[0] != batch or page_table.shape[0] != batch:
         raise ValueError(f"seq_lens has {seq_lens.shape[0]} entries and page_table "
                          f"{page_table.shape[0]} rows, but q has batch {batch}")
-    shape = (batch, heads, kv_lora_rank)
-    if out is None:
-        out = q.new_empty(shape)
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
-        got = f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else repr(out)
-        raise ValueError(f"out is {got}, expected {shape} {q.dtype}")
-    if kv_lora_rank > 1 and out.stride(2) != 1:
-        raise ValueError(f"out must have a dense last dim, got strides {out.stride()}")
+    out = latent_out(q, out, (batch, heads, kv_lora_rank))
     if not seq_lens.is_cuda and batch > 0:
         check_page_table(page_table, seq_lens, page_size, rows // page_size, "latent_cache")
     return out

@@ -130,12 +130,15 @@ def decode_tiles(x: torch.Tensor, kernel: str, active: int, inter: int,
     return tiles._replace(block_m=max(tiles.block_m, min(token_bucket(max(1, x.shape[0])), 64)))
 
 
-def table_tiles(kernel: str, tokens: int, inter: int, hidden: int) -> DecodeTiles | None:
-    """``DECODE_TILE_TABLE``'s tiles for ``kernel`` at ``tokens``' bucket, or None."""
+def table_tiles(kernel: str, tokens: int, inter: int, hidden: int,
+                table: Mapping[tuple[str, int, int, int], DecodeTiles] = DECODE_TILE_TABLE,
+                ) -> DecodeTiles | None:
+    """``table``'s tiles for ``kernel`` at ``tokens``' bucket, or None (tables are keyed
+    as ``DECODE_TILE_TABLE``; block-FP8 experts have their own)."""
     if kernel not in (GATE_UP, DOWN):
         raise ValueError(f"kernel={kernel!r} must be {GATE_UP!r} or {DOWN!r}")
     n, k = (inter, hidden) if kernel == GATE_UP else (hidden, inter)
-    return DECODE_TILE_TABLE.get((kernel, token_bucket(max(1, tokens)), n, k))
+    return table.get((kernel, token_bucket(max(1, tokens)), n, k))
 
 
 @triton.jit
