@@ -7,6 +7,9 @@ asked for it with ``LANEKV_CPU_KERNELS=triton``: then the interpreted Triton
 kernels run on CPU tensors too. End-to-end tests use that to push a small run
 through the real kernels without a GPU.
 
+``env_choice`` reads the kernels' switches (``LANEKV_PDL``, ``LANEKV_DSA_TOPK``,
+``LANEKV_FP8_MOE_GEMV``) the same strict way.
+
 ``recording_compiles`` counts the Triton compiles of a block
 (``triton.knobs.runtime.jit_cache_hook``: called whenever a launch finds no
 compiled kernel in memory for its specialisation, before it compiles or loads
@@ -31,6 +34,16 @@ def use_triton(tensor: torch.Tensor) -> bool:
     if tensor.is_cuda:
         return True
     return interpreter_enabled() and os.environ.get("LANEKV_CPU_KERNELS") == "triton"
+
+
+def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """A kernel switch read strictly: the variable's value (unset or empty: ``default``),
+    or a one-line error naming it and the values it takes."""
+    value = os.environ.get(name, "") or default
+    if value not in choices:
+        allowed = f"{', '.join(choices[:-1])} or {choices[-1]}"
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    return value
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

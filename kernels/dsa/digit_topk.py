@@ -42,13 +42,12 @@ spans, two programs an SM over the batch.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from lanekv.kernels.backend import use_triton
+from lanekv.kernels.backend import env_choice, use_triton
 from lanekv.kernels.dsa.topk import _check, radix_topk_ref, radix_topk_triton
 
 DIGITS = tl.constexpr(4)  # 8-bit digits of the 32-bit pattern
@@ -309,9 +308,7 @@ def topk_method(rows: int, cols: int, num_sms: int) -> str:
     row runs the digit passes one block after another, no shorter a chain than
     ``radix_topk``'s 16 counting passes over a chunk held in registers. ``digit`` and
     ``radix`` force one kernel."""
-    choice = os.environ.get(TOPK_ENV, "") or "auto"
-    if choice not in ("radix", "digit", "auto"):
-        raise ValueError(f"{TOPK_ENV} must be radix, digit or auto, got {choice!r}")
+    choice = env_choice(TOPK_ENV, ("radix", "digit", "auto"), "auto")
     if choice == "auto":
         programs = digit_topk_programs(rows, cols, num_sms, digit_topk_config(cols))
         return "digit" if programs > 1 else "radix"

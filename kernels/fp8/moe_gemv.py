@@ -30,12 +30,12 @@ it (tested under the interpreter, compiled offline for sm_90 only).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+from lanekv.kernels.backend import env_choice
 from lanekv.kernels.fp8.quant import silu_mul_tile
 from lanekv.kernels.moe.decode import _decode_combine_kernel
 from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
@@ -56,10 +56,7 @@ DEFAULT_TILES = MoEGemvTiles()
 
 def gemv_requested() -> bool:
     """``LANEKV_FP8_MOE_GEMV`` read strictly: unset, empty or ``0`` off, ``1`` on."""
-    value = os.environ.get(GEMV_ENV, "")
-    if value in ("", "0", "1"):
-        return value == "1"
-    raise ValueError(f"{GEMV_ENV} must be 0 or 1, got {value!r}")
+    return env_choice(GEMV_ENV, ("0", "1"), "0") == "1"
 
 
 def gemv_fits(tokens: int, inter: int, hidden: int, block: tuple[int, int],

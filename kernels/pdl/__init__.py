@@ -50,14 +50,13 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import os
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from lanekv.kernels.backend import interpreter_enabled
+from lanekv.kernels.backend import env_choice, interpreter_enabled
 
 ENV = "LANEKV_PDL"
 MIN_CAPABILITY = (9, 0)  # Hopper: the first with grid dependency control
@@ -77,12 +76,7 @@ _IN_SMALL_GRAPH = contextvars.ContextVar("lanekv_pdl_small_decode_graph", defaul
 def mode() -> str:
     """``LANEKV_PDL`` read strictly: ``"auto"`` (unset, empty or ``auto``), ``"on"`` (``1``)
     or ``"off"`` (``0``)."""
-    value = os.environ.get(ENV, "")
-    if value in ("", "auto"):
-        return "auto"
-    if value in ("0", "1"):
-        return "on" if value == "1" else "off"
-    raise ValueError(f"{ENV} must be 0, 1 or auto, got {value!r}")
+    return {"0": "off", "1": "on", "auto": "auto"}[env_choice(ENV, ("0", "1", "auto"), "auto")]
 
 
 def requested() -> bool:
