@@ -24,8 +24,10 @@ shapes fill 132 SMs), no atomics, nothing read on the host, so a step captures.
 Shapes: one token, every dimension whole scale groups (``gemv_fits``), which the
 DeepSeek and Qwen3 FP8 checkpoints' 128 x 128 blocks give; the caller
 (``moe_experts_fp8_decode``) takes the tensor-core path otherwise, and for every
-batch while ``LANEKV_FP8_MOE_GEMV`` is not ``1``: the default until a GPU has timed
-it (tested under the interpreter, compiled offline for sm_90 only).
+batch when ``LANEKV_FP8_MOE_GEMV=0``. On by default since the H200 timed it
+(BENCHMARKS.md, eleventh session): V2-Lite's one-token experts 29.9 us against 46.9 on
+the tensor cores at the default tiles (32 columns a program, 8 warps; the sweep's best),
+the FP8 step at batch 1 2.27 ms against 2.56.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from lanekv.kernels.fp8.quant import silu_mul_tile
 from lanekv.kernels.moe.decode import _decode_combine_kernel
 from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
-GEMV_ENV = "LANEKV_FP8_MOE_GEMV"  # 1: one-token FP8 expert steps take this module's kernels
+GEMV_ENV = "LANEKV_FP8_MOE_GEMV"  # 0: one-token FP8 expert steps stay on the tensor cores
 
 
 class MoEGemvTiles(NamedTuple):
@@ -48,15 +50,15 @@ class MoEGemvTiles(NamedTuple):
 
     block_n_up: int = 32
     block_n_down: int = 32
-    num_warps: int = 4
+    num_warps: int = 8
 
 
 DEFAULT_TILES = MoEGemvTiles()
 
 
 def gemv_requested() -> bool:
-    """``LANEKV_FP8_MOE_GEMV`` read strictly: unset, empty or ``0`` off, ``1`` on."""
-    return env_choice(GEMV_ENV, ("0", "1"), "0") == "1"
+    """``LANEKV_FP8_MOE_GEMV`` read strictly: unset, empty or ``1`` on, ``0`` off."""
+    return env_choice(GEMV_ENV, ("0", "1"), "1") == "1"
 
 
 def gemv_fits(tokens: int, inter: int, hidden: int, block: tuple[int, int],

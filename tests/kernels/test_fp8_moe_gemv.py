@@ -66,8 +66,8 @@ def test_fits_and_the_switch(monkeypatch: pytest.MonkeyPatch):
     assert not gemv_fits(1, 1408, 2000, (128, 128))
     assert not gemv_fits(1, 64, 64, (16, 16))  # columns of a program across scale blocks
     monkeypatch.delenv(GEMV_ENV, raising=False)
-    assert gemv_requested() is False
-    for value, want in (("0", False), ("1", True), ("", False)):
+    assert gemv_requested() is True  # on by default since the H200 timed it
+    for value, want in (("0", False), ("1", True), ("", True)):
         monkeypatch.setenv(GEMV_ENV, value)
         assert gemv_requested() is want
     monkeypatch.setenv(GEMV_ENV, "yes")
