@@ -23,7 +23,7 @@ context, pages shuffled over the pool), the new token of each request:
   ``kernels/dsa/digit_topk.py``'s ``digit_topk`` (the same output: 8-bit digit passes,
   the row split over ``digit_programs`` programs; ``digit_same``), ``topk_method`` the
   kernel ``exact_topk`` (the decode step's) takes at the shape, ``digit_topk_wide_us``
-  / ``radix_topk_wide_us`` both over the wide table's scores (below);
+  (with the rows' lengths) / ``radix_topk_wide_us`` over the wide table's scores (below);
 - ``launches_*``: the GPU operations one eager call launches (torch.profiler): the
   keys' top-k, ``radix_topk``, ``digit_topk``, and the two chains;
 - ``sparse_us``: the sparse MLA decode over the selected rows (auto splits; its launch
@@ -40,7 +40,8 @@ context, pages shuffled over the pool), the new token of each request:
 ``*_wide_us``: the dense kernel and both chains over a page table as wide as a
 captured decode step's (``--graph-positions``, V3.2's 163840 by default; the rows past
 each request's pages are page 0, never read): what the step pays under CUDA graphs,
-where the scores and the top-k run over the table's whole width.
+where the scores run over the table's whole width and ``digit_topk`` reads each row's
+own ``seq_lens`` keys (``radix_topk`` the whole width).
 
 ``--score-configs`` (block_n,programs_per_sm,warps,stages) times the scoring kernel
 under each launch config too (table ``score_sweep``), ``--topk-configs``
@@ -204,7 +205,7 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
 
     wide_same = bool(torch.equal(dsa_wide(), dsa()))
     wide_scores = paged_index_scores_triton(qi, w, index, wide, lens, PAGE, iscale, spec)
-    wide_same = wide_same and bool(torch.equal(digit_topk_triton(wide_scores, TOPK), want_sel))
+    wide_same = wide_same and bool(torch.equal(digit_topk_triton(wide_scores, TOPK, lens=lens), want_sel))
     dense_wide_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, wide, lens, PAGE,
                                                                 ascale, RANK))
     dsa_wide_us, dsa_radix_wide_us = graph_us(dsa_wide), graph_us(dsa_radix_wide)
@@ -221,7 +222,7 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
            "topk_method": topk_method(batch, context, num_sms),
            "digit_programs": digit_topk_programs(batch, context, num_sms, digit_topk_config(context)),
            "radix_topk_wide_us": graph_us(lambda: radix_topk_triton(wide_scores, TOPK)),
-           "digit_topk_wide_us": graph_us(lambda: digit_topk_triton(wide_scores, TOPK)),
+           "digit_topk_wide_us": graph_us(lambda: digit_topk_triton(wide_scores, TOPK, lens=lens)),
            "radix_same": radix_same, "digit_same": digit_same, "keys_same": keys_same,
            "launches_topk": kernel_count(lambda: topk_of_keys(keys, TOPK)),
            "launches_radix": kernel_count(lambda: radix_topk_triton(scores, TOPK)),

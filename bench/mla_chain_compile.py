@@ -41,8 +41,9 @@ def _ints(*names: str) -> dict[str, str]:
 def compile_kernel(fn, sig: dict[str, str], consts: dict, num_warps: int, num_stages: int = 2,
                    **options) -> dict:
     """``fn`` compiled for sm_90 with every pointer 16-byte aligned (as torch allocates);
-    ``USE_PDL`` (``kernels.pdl``) off unless ``consts`` says."""
-    consts = {**consts, "USE_PDL": consts.get("USE_PDL", False)}
+    ``USE_PDL`` (``kernels.pdl``), where the kernel has it, off unless ``consts`` says."""
+    if "USE_PDL" in fn.arg_names:
+        consts = {**consts, "USE_PDL": consts.get("USE_PDL", False)}
     sig = {**sig, **{name: "constexpr" for name in consts}}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()

@@ -34,22 +34,25 @@ CFG = DigitTopkConfig()
 
 
 def row_kernel() -> dict:
-    sig = dict(src_ptr="*fp32", out_ptr="*i32", **_ints("n_cols", "topk", "stride_s",
-                                                         "stride_o"))
-    return compile_kernel(_digit_topk_row_kernel, sig, dict(BLOCK=CFG.block), CFG.num_warps)
-
-
-def pass_kernel(digit: int) -> dict:
-    sig = dict(src_ptr="*fp32", hist_ptr="*i32", above_ptr="*i32", state_ptr="*i64",
-               **_ints("n_cols", "topk", "span", "stride_s"))
-    return compile_kernel(_digit_pass_kernel, sig, dict(DIGIT=digit, BLOCK=CFG.block),
+    sig = dict(src_ptr="*fp32", lens_ptr="*i32", out_ptr="*i32",
+               **_ints("n_cols", "topk", "stride_s", "stride_o"))
+    return compile_kernel(_digit_topk_row_kernel, sig, dict(HAS_LENS=True, BLOCK=CFG.block),
                           CFG.num_warps)
 
 
+def pass_kernel(digit: int) -> dict:
+    sig = dict(src_ptr="*fp32", lens_ptr="*i32", hist_ptr="*i32", above_ptr="*i32",
+               state_ptr="*i64", **_ints("n_cols", "topk", "span", "stride_s"))
+    return compile_kernel(_digit_pass_kernel, sig,
+                          dict(HAS_LENS=True, DIGIT=digit, BLOCK=CFG.block), CFG.num_warps)
+
+
 def select_kernel() -> dict:
-    sig = dict(src_ptr="*fp32", hist_ptr="*i32", above_ptr="*i32", state_ptr="*i64",
-               out_ptr="*i32", **_ints("n_cols", "topk", "span", "stride_s", "stride_o"))
-    return compile_kernel(_digit_select_kernel, sig, dict(BLOCK=CFG.block), CFG.num_warps)
+    sig = dict(src_ptr="*fp32", lens_ptr="*i32", hist_ptr="*i32", above_ptr="*i32",
+               state_ptr="*i64", out_ptr="*i32",
+               **_ints("n_cols", "topk", "span", "stride_s", "stride_o"))
+    return compile_kernel(_digit_select_kernel, sig, dict(HAS_LENS=True, BLOCK=CFG.block),
+                          CFG.num_warps)
 
 
 def radix_first_level() -> dict:

@@ -28,6 +28,15 @@ If a row has fewer finite scores than ``topk``, no digit reaches the count and t
 search settles on the lowest pattern with more ties to take than there are: every
 finite score is selected.
 
+``lens`` (``[N]`` int32 on the device, optional): row ``r``'s scores from ``lens[r]`` on
+are not read, as if ``-inf`` (the decode selection's are: keys past ``seq_lens``). A
+captured step's score table is as wide as the pool allows, so its split is chosen for
+that width; without ``lens`` most programs then histogram ``-inf`` rows (an H200 ran
+the 8k batch-1 top-k in 42.6 us at a 160k-wide table against 18.2 at its own width,
+BENCHMARKS.md eleventh session). With ``lens`` each row's programs share its own
+``lens[r]`` keys (spans a multiple of 64, read on the device), so the graph's
+selection costs what the row holds. The output is the same either way.
+
 TensorRT-LLM's indexer top-k (11/11/10-bit digits) and SGLang's fast_topk (an 8-bit
 first pass, then candidates in shared memory) search digits the same way in one CTA a
 row; a Triton program has no such scratch, so here a row is split instead. The chooser
@@ -104,15 +113,14 @@ def _patterns(x):
 
 
 @triton.jit
-def _span_histogram(src_ptr, start, stop, n_cols, prefix, SHIFT: tl.constexpr,
-                    BLOCK: tl.constexpr):
-    """[256] counts of digit ``u >> SHIFT & 255`` over the span's finite scores whose
-    higher bits equal ``prefix``, and the count of those whose higher bits exceed it."""
+def _span_histogram(src_ptr, start, stop, prefix, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    """[256] counts of digit ``u >> SHIFT & 255`` over the finite scores of ``[start,
+    stop)`` whose higher bits equal ``prefix``, and the count of those above it."""
     i = tl.arange(0, BLOCK)
     hist = tl.zeros([256], tl.int32)
     above = tl.zeros([], tl.int32)
     for s in range(start, stop, BLOCK):
-        x = tl.load(src_ptr + s + i, mask=s + i < n_cols, other=float("-inf"))
+        x = tl.load(src_ptr + s + i, mask=s + i < stop, other=float("-inf"))
         u, valid = _patterns(x)
         high = u >> (SHIFT + 8)
         hist += tl.histogram(((u >> SHIFT) & 255).to(tl.int32), 256,
@@ -145,12 +153,12 @@ def _summed(hist_ptr, n_progs):
 
 
 @triton.jit
-def _span_select(src_ptr, out_ptr, start, stop, n_cols, thr, ties, tie_base, slot,
-                 BLOCK: tl.constexpr):
-    """Writes the span's selected positions from ``slot`` on; returns the slot after."""
+def _span_select(src_ptr, out_ptr, start, stop, thr, ties, tie_base, slot, BLOCK: tl.constexpr):
+    """Writes the selected positions of ``[start, stop)`` from ``slot`` on; returns the
+    slot after."""
     i = tl.arange(0, BLOCK)
     for s in range(start, stop, BLOCK):
-        x = tl.load(src_ptr + s + i, mask=s + i < n_cols, other=float("-inf"))
+        x = tl.load(src_ptr + s + i, mask=s + i < stop, other=float("-inf"))
         u, valid = _patterns(x)
         eq = (valid & (u == thr)).to(tl.int32)
         rank = tie_base + tl.cumsum(eq, 0) - eq  # among the row's ties
@@ -162,6 +170,23 @@ def _span_select(src_ptr, out_ptr, start, stop, n_cols, thr, ties, tie_base, slo
 
 
 @triton.jit
+def _row_cols(lens_ptr, row, n_cols, HAS_LENS: tl.constexpr):
+    """The scores row ``row`` holds: ``n_cols``, or ``lens[row]`` clamped to ``[0, n_cols]``."""
+    if HAS_LENS:
+        return tl.maximum(tl.minimum(tl.load(lens_ptr + row), n_cols), 0)
+    return n_cols + tl.zeros([], tl.int32)
+
+
+@triton.jit
+def _row_span(cols, span, n_progs, HAS_LENS: tl.constexpr):
+    """A split row's span: the host's whole blocks, or (``lens``) the row's own keys
+    over its programs in multiples of 64."""
+    if HAS_LENS:
+        return (tl.cdiv(cols, n_progs) + 63) // 64 * 64
+    return span + tl.zeros([], tl.int32)
+
+
+@triton.jit
 def _pad(out_ptr, first, topk, BLOCK: tl.constexpr):
     i = tl.arange(0, BLOCK)
     for s in range(0, topk, BLOCK):
@@ -170,25 +195,27 @@ def _pad(out_ptr, first, topk, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["n_cols", "topk", "stride_s", "stride_o"])
-def _digit_topk_row_kernel(src_ptr, out_ptr, n_cols, topk, stride_s, stride_o,
-                           BLOCK: tl.constexpr):
+def _digit_topk_row_kernel(src_ptr, lens_ptr, out_ptr, n_cols, topk, stride_s, stride_o,
+                           HAS_LENS: tl.constexpr, BLOCK: tl.constexpr):
     """One program per row: the four passes and the selection in one launch."""
     row = tl.program_id(0).to(tl.int64)
+    cols = _row_cols(lens_ptr, row, n_cols, HAS_LENS)
     src = src_ptr + row * stride_s
     prefix = tl.zeros([], tl.int64)
     need = topk + tl.zeros([], tl.int32)
     for d in tl.static_range(DIGITS):
-        hist, _ = _span_histogram(src, 0, n_cols, n_cols, prefix, 24 - 8 * d, BLOCK)
+        hist, _ = _span_histogram(src, 0, cols, prefix, 24 - 8 * d, BLOCK)
         prefix, need = _next_prefix(hist, prefix, need)
     out = out_ptr + row * stride_o
     zero = tl.zeros([], tl.int32)
-    count = _span_select(src, out, 0, n_cols, n_cols, prefix, need, zero, zero, BLOCK)
+    count = _span_select(src, out, 0, cols, prefix, need, zero, zero, BLOCK)
     _pad(out, count, topk, BLOCK)
 
 
 @triton.jit(do_not_specialize=["n_cols", "topk", "span", "stride_s", "stride_o"])
-def _digit_pass_kernel(src_ptr, hist_ptr, above_ptr, state_ptr, n_cols, topk, span,
-                       stride_s, DIGIT: tl.constexpr, BLOCK: tl.constexpr):
+def _digit_pass_kernel(src_ptr, lens_ptr, hist_ptr, above_ptr, state_ptr, n_cols, topk, span,
+                       stride_s, HAS_LENS: tl.constexpr, DIGIT: tl.constexpr,
+                       BLOCK: tl.constexpr):
     """Pass ``DIGIT`` of a split row: the prefix from the last pass's histograms, then
     this span's histogram of the next digit (and, at the last digit, its count above)."""
     row = tl.program_id(0).to(tl.int64)
@@ -209,17 +236,20 @@ def _digit_pass_kernel(src_ptr, hist_ptr, above_ptr, state_ptr, n_cols, topk, sp
         if pid == 0:  # the pass after reads it (a later launch, so it is visible)
             tl.store(state + 2, prefix)
             tl.store(state + 3, need.to(tl.int64))
-    start = pid * span
-    hist, above = _span_histogram(src_ptr + row * stride_s, start, tl.minimum(start + span, n_cols),
-                                  n_cols, prefix, 24 - 8 * DIGIT, BLOCK)
+    cols = _row_cols(lens_ptr, row, n_cols, HAS_LENS)
+    start = pid * _row_span(cols, span, n_progs, HAS_LENS)
+    stop = tl.minimum(start + _row_span(cols, span, n_progs, HAS_LENS), cols)
+    hist, above = _span_histogram(src_ptr + row * stride_s, start, stop, prefix,
+                                  24 - 8 * DIGIT, BLOCK)
     tl.store(hist_ptr + ((DIGIT * rows + row) * n_progs + pid) * 256 + tl.arange(0, 256), hist)
     if DIGIT == DIGITS - 1:
         tl.store(above_ptr + row * n_progs + pid, above)
 
 
 @triton.jit(do_not_specialize=["n_cols", "topk", "span", "stride_s", "stride_o"])
-def _digit_select_kernel(src_ptr, hist_ptr, above_ptr, state_ptr, out_ptr, n_cols, topk, span,
-                         stride_s, stride_o, BLOCK: tl.constexpr):
+def _digit_select_kernel(src_ptr, lens_ptr, hist_ptr, above_ptr, state_ptr, out_ptr, n_cols,
+                         topk, span, stride_s, stride_o, HAS_LENS: tl.constexpr,
+                         BLOCK: tl.constexpr):
     """The selection of a split row: the threshold from the last digit's histograms, this
     span's output offset from the earlier spans' counts above it and ties at it."""
     row = tl.program_id(0).to(tl.int64)
@@ -247,18 +277,22 @@ def _digit_select_kernel(src_ptr, hist_ptr, above_ptr, state_ptr, out_ptr, n_col
         gt_all += tl.sum(gt, 0)
         eq_all += tl.sum(eq, 0)
     out = out_ptr + row * stride_o
-    start = pid * span
-    _span_select(src_ptr + row * stride_s, out, start, tl.minimum(start + span, n_cols), n_cols,
-                 thr, ties, eq_before, gt_before + tl.minimum(eq_before, ties), BLOCK)
+    cols = _row_cols(lens_ptr, row, n_cols, HAS_LENS)
+    start = pid * _row_span(cols, span, n_progs, HAS_LENS)
+    stop = tl.minimum(start + _row_span(cols, span, n_progs, HAS_LENS), cols)
+    _span_select(src_ptr + row * stride_s, out, start, stop, thr, ties, eq_before,
+                 gt_before + tl.minimum(eq_before, ties), BLOCK)
     if pid == 0:
         _pad(out, gt_all + tl.minimum(eq_all, ties), topk, BLOCK)
 
 
-def digit_topk_triton(scores: torch.Tensor, topk: int, *,
+def digit_topk_triton(scores: torch.Tensor, topk: int, *, lens: torch.Tensor | None = None,
                       config: DigitTopkConfig | None = None) -> torch.Tensor:
-    """Triton launcher: ``radix_topk``'s output; ``config`` (tests, bench) sets the
-    block, the split and the warps, ``None`` the defaults."""
+    """Triton launcher: ``radix_topk``'s output (of the scores before ``lens``, if given);
+    ``config`` (tests, bench) sets the block, the split and the warps, ``None`` the
+    defaults."""
     _check(scores, topk, None)
+    _check_lens(scores, lens)
     if config is not None and not isinstance(config, DigitTopkConfig):
         raise ValueError(f"config must be a DigitTopkConfig or None, got {config!r:.80}")
     rows, cols = scores.shape
@@ -270,8 +304,10 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
     if cols == 0:
         return out.fill_(-1)
     progs, span = digit_topk_split(rows, cols, _num_sms(scores.device), cfg)
+    lens_arg = scores if lens is None else lens  # a pointer the kernels never read without lens
     if progs == 1:
-        _digit_topk_row_kernel[(rows,)](scores, out, cols, topk, scores.stride(0), out.stride(0),
+        _digit_topk_row_kernel[(rows,)](scores, lens_arg, out, cols, topk, scores.stride(0),
+                                        out.stride(0), HAS_LENS=lens is not None,
                                         BLOCK=cfg.block, num_warps=cfg.num_warps)
         return out
     dev = scores.device
@@ -279,11 +315,12 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *,
     above = torch.empty((rows, progs), dtype=torch.int32, device=dev)
     state = torch.empty((rows, DIGITS.value, 2), dtype=torch.int64, device=dev)
     for digit in range(DIGITS.value):
-        _digit_pass_kernel[(rows, progs)](scores, hist, above, state, cols, topk, span,
-                                          scores.stride(0), DIGIT=digit, BLOCK=cfg.block,
-                                          num_warps=cfg.num_warps)
-    _digit_select_kernel[(rows, progs)](scores, hist, above, state, out, cols, topk, span,
-                                        scores.stride(0), out.stride(0), BLOCK=cfg.block,
+        _digit_pass_kernel[(rows, progs)](scores, lens_arg, hist, above, state, cols, topk, span,
+                                          scores.stride(0), HAS_LENS=lens is not None,
+                                          DIGIT=digit, BLOCK=cfg.block, num_warps=cfg.num_warps)
+    _digit_select_kernel[(rows, progs)](scores, lens_arg, hist, above, state, out, cols, topk,
+                                        span, scores.stride(0), out.stride(0),
+                                        HAS_LENS=lens is not None, BLOCK=cfg.block,
                                         num_warps=cfg.num_warps)
     return out
 
@@ -321,14 +358,39 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def exact_topk_triton(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """The kernel ``topk_method`` picks for ``scores``' shape."""
+def exact_topk_triton(scores: torch.Tensor, topk: int,
+                      lens: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel ``topk_method`` picks for ``scores``' shape (``radix_topk`` reads the
+    whole width: the scores past ``lens`` must be ``-inf`` for it)."""
     _check(scores, topk, None)
+    _check_lens(scores, lens)
     if topk_method(scores.shape[0], scores.shape[1], _num_sms(scores.device)) == "radix":
         return radix_topk_triton(scores, topk)
-    return digit_topk_triton(scores, topk)
+    return digit_topk_triton(scores, topk, lens=lens)
 
 
-def exact_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """The positions of each row's ``topk`` largest finite scores, ascending, ``-1`` padded."""
-    return (exact_topk_triton if use_triton(scores) else radix_topk_ref)(scores, topk)
+def exact_topk_ref(scores: torch.Tensor, topk: int,
+                   lens: torch.Tensor | None = None) -> torch.Tensor:
+    """``radix_topk_ref`` of the scores before each row's ``lens`` (the rest as ``-inf``)."""
+    _check(scores, topk, None)
+    _check_lens(scores, lens)
+    if lens is not None:
+        past = torch.arange(scores.shape[1], device=scores.device)[None, :] >= lens[:, None]
+        scores = scores.masked_fill(past, float("-inf"))
+    return radix_topk_ref(scores, topk)
+
+
+def exact_topk(scores: torch.Tensor, topk: int, lens: torch.Tensor | None = None) -> torch.Tensor:
+    """The positions of each row's ``topk`` largest finite scores (of those before
+    ``lens[r]``, if given), ascending, ``-1`` padded."""
+    return (exact_topk_triton if use_triton(scores) else exact_topk_ref)(scores, topk, lens)
+
+
+def _check_lens(scores: torch.Tensor, lens: torch.Tensor | None) -> None:
+    if lens is None:
+        return
+    if (not isinstance(lens, torch.Tensor) or lens.dtype != torch.int32
+            or tuple(lens.shape) != (scores.shape[0],) or lens.device != scores.device
+            or (lens.numel() > 1 and lens.stride(0) != 1)):
+        raise ValueError(f"lens must be a dense [{scores.shape[0]}] int32 tensor on "
+                         f"{scores.device}, got {lens!r:.80}")

@@ -66,10 +66,11 @@ def select_fixed_width(q: torch.Tensor, weights: torch.Tensor, index_pool: torch
                        softmax_scale: float, topk: int, spec: IndexCacheSpec) -> torch.Tensor:
     """``decode_select``'s CUDA path on any device: the float32 scores over the page
     table's whole width (``-inf`` past each ``seq_len``), then ``exact_topk``'s
-    positions in ascending order: ``exact_topk(paged_index_scores(...), topk)``."""
+    positions in ascending order: ``exact_topk(paged_index_scores(...), topk, seq_lens)``
+    (the split top-k reads each row's own ``seq_lens`` keys, not the table's width)."""
     scores = paged_index_scores(q, weights, index_pool, page_table, seq_lens, page_size,
                                 softmax_scale, spec)
-    return exact_topk(scores, topk)
+    return exact_topk(scores, topk, seq_lens)
 
 
 _NEG_INF_ORDER = -2139095041  # score_key's high word of -inf

@@ -15,6 +15,7 @@ from lanekv.kernels.dsa.digit_topk import (
     digit_topk_split,
     digit_topk_triton,
     exact_topk,
+    exact_topk_ref,
     exact_topk_triton,
     topk_method,
 )
@@ -63,6 +64,28 @@ def test_split_and_single_agree_on_wide_rows_and_ties():
         assert torch.equal(digit_topk_triton(s, k, config=SPLIT), want)
         assert torch.equal(digit_topk_triton(s, k, config=SPLIT._replace(max_programs=1)), want)
         assert torch.equal(radix_topk_triton(s, k, chunk=256), want)  # as radix_topk selects
+
+
+@pytest.mark.parametrize("config", [SPLIT, SPLIT._replace(max_programs=1)])
+def test_lens_reads_only_each_rows_own_keys(config):
+    """A captured step's table is wider than its rows: with ``lens`` the programs share
+    each row's own keys, and what lies past them (finite here) is never selected."""
+    gen = torch.Generator().manual_seed(11)
+    s = torch.randn(7, 700, generator=gen)
+    s[1, ::3] = 0.0  # ties at the cut
+    s[3] = s[3].round()  # few distinct values: ties at every digit's cut
+    lens = torch.tensor([650, 60, 0, 700, 900, -4, 129], dtype=torch.int32)
+    for k in (5, 64, 700):
+        want = exact_topk_ref(s, k, lens)
+        padded = s.masked_fill(torch.arange(700)[None, :] >= lens[:, None], float("-inf"))
+        assert torch.equal(want, radix_topk_ref(padded, k))
+        assert torch.equal(digit_topk_triton(s, k, lens=lens, config=config), want), (k, config)
+        assert torch.equal(digit_topk_triton(padded, k, config=config), want), (k, config)
+    assert torch.equal(exact_topk(s, 9, lens), exact_topk_ref(s, 9, lens))  # CPU: the reference
+    with pytest.raises(ValueError, match=r"^lens must be a dense \[7\] int32 tensor on cpu"):
+        digit_topk_triton(s, 3, lens=lens.long())
+    with pytest.raises(ValueError, match=r"^lens must be a dense \[7\] int32 tensor"):
+        exact_topk(s, 3, lens[:3])
 
 
 def test_programs_chooser_and_arguments(monkeypatch):
@@ -122,3 +145,8 @@ def test_gpu_equals_reference_at_v32_sizes():
                 got = digit_topk_triton(s, k, config=cfg)
                 assert torch.equal(got, want), (rows, cols, k, cfg)
             assert torch.equal(exact_topk(s, k), want), (rows, cols, k)
+            lens = torch.full((rows,), cols, dtype=torch.int32, device="cuda")
+            lens[0] = cols // 2
+            junk = s.clone()
+            junk[0, cols // 2 :] = 7.0  # past lens: never read
+            assert torch.equal(exact_topk(junk, k, lens), want), (rows, cols, k)
