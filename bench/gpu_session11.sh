@@ -5,8 +5,9 @@
 #      the one-token FP8 expert GEMVs); the one-token FP8 experts, tensor cores against the
 #      GEMVs at each launch config; the V2-Lite FP8 step at batch 1 and 16 with the FP8
 #      expert tile table, GEMVs off and on; the DSA layer with digit_topk's width-chosen knobs.
-#   b: TTFT over gRPC with more streams and relays a rank (the tenth session's relays ran at
-#      about 60% of their rate alone while the prefill ran: BENCHMARKS.md), 4 and 8 each.
+#   b [N...]: TTFT over gRPC with more streams and relays a rank (the tenth session's relays
+#      ran at about 60% of their rate alone while the prefill ran: BENCHMARKS.md), 4 and 8
+#      each unless named.
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part=${1:-a}
@@ -31,7 +32,7 @@ a)
         --score-configs --topk-configs --json "$OUT/dsa_layer_h200.json" > "$L/dsa_layer.log" 2>&1
     stamp "dsa layer rc=$?"; grep -E "dense" "$L/dsa_layer.log" | head -4 ;;
 b)
-    for n in 4 8; do
+    for n in ${2:-4 8}; do
         timeout 270 python3 bench/ttft.py --llama3-8b --cp 1 --tokens 8192 32768 --repeat 2 --no-nixl \
             --paths grpc fast --fetch-streams $n --fetch-relays $n \
             --json "$OUT/ttft_streams$n.json" > "$L/ttft_streams$n.log" 2>&1
