@@ -8,6 +8,10 @@
 #   b [N...]: TTFT over gRPC with more streams and relays a rank (the tenth session's relays
 #      ran at about 60% of their rate alone while the prefill ran: BENCHMARKS.md), 4 and 8
 #      each unless named.
+#   c: the GPU tests of digit_topk with lens; the DSA layer again (the captured width now
+#      reads each row's own keys); the V2-Lite FP8 step at batch 1/16/64 with its defaults.
+#   t1: the Llama-3-8B decode step of the tree before decode TP (969a749^) and of this
+#      tree, alternating, in one call (issue 35: T=1 as fast as before).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 part=${1:-a}
@@ -38,6 +42,35 @@ b)
             --json "$OUT/ttft_streams$n.json" > "$L/ttft_streams$n.log" 2>&1
         stamp "ttft with $n streams and relays rc=$?"; grep -E "^ +[0-9]+ +(colocated|grpc|fast)" "$L/ttft_streams$n.log"
     done ;;
+c)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_dsa_digit_topk.py \
+        > "$L/gpu_tests_c.log" 2>&1
+    stamp "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_c.log" | cut -c1-200; tail -1 "$L/gpu_tests_c.log"
+    timeout 120 python3 -m bench.dsa_layer --kv bf16 --contexts 8192 131072 --batches 1 16 \
+        --json "$OUT/dsa_layer_lens_h200.json" > "$L/dsa_layer_lens.log" 2>&1
+    stamp "dsa layer rc=$?"; grep -E "dense" "$L/dsa_layer_lens.log" | head -4
+    timeout 90 python3 bench/fp8.py --only decode --models v2_lite --batches 1 16 64 \
+        --json "$OUT/fp8_decode_v2_lite_defaults.json" > "$L/fp8_decode_defaults.log" 2>&1
+    stamp "v2-lite fp8 decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_defaults.log" | cut -c1-90 ;;
+t1)
+    # Issue 35's T=1 check in one run: the tree before decode TP landed (969a749^, put in
+    # .extra/baseline by `git archive`) against this one, same bench, same process setup.
+    old=/tmp/old_tree; mkdir -p $old/src && cp -r .extra/baseline/bench $old/src/
+    python3 -m pip install -q --no-deps --no-build-isolation --no-compile --target $old/site \
+        ./.extra/baseline > "$L/old_install.log" 2>&1; stamp "old tree installed rc=$?"
+    for tree in old new old new; do
+        if [ $tree = old ]; then
+            (cd $old/src && PYTHONPATH=$old/site:$PYTHONPATH timeout 150 python3 bench/decode_step.py \
+                --llama3-8b --batches 1 16 64 --context 1024 --runs 5 \
+                --json "$OUT/decode_step_$tree$((SECONDS % 1000)).json" > "$L/decode_step_$tree.$SECONDS.log" 2>&1)
+        else
+            timeout 150 python3 bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 \
+                --runs 5 --json "$OUT/decode_step_$tree$((SECONDS % 1000)).json" \
+                > "$L/decode_step_$tree.$SECONDS.log" 2>&1
+        fi
+        stamp "decode step, $tree tree rc=$?"
+    done
+    grep -H -E "^ +(1|16|64) +(on|off|auto|-)? " "$L"/decode_step_*.log | sed "s|.*decode_step_||" ;;
 *)
     echo "unknown part $part"; exit 2 ;;
 esac
