@@ -61,11 +61,11 @@ t1)
     for tree in old new old new; do
         if [ $tree = old ]; then
             (cd $old/src && PYTHONPATH=$old/site:$PYTHONPATH timeout 150 python3 bench/decode_step.py \
-                --llama3-8b --batches 1 16 64 --context 1024 --runs 5 \
+                --llama3-8b --batches 1 16 64 --context 1024 --runs 5 --hf-batches \
                 --json "$OUT/decode_step_$tree$((SECONDS % 1000)).json" > "$L/decode_step_$tree.$SECONDS.log" 2>&1)
         else
             timeout 150 python3 bench/decode_step.py --llama3-8b --batches 1 16 64 --context 1024 \
-                --runs 5 --json "$OUT/decode_step_$tree$((SECONDS % 1000)).json" \
+                --runs 5 --hf-batches --json "$OUT/decode_step_$tree$((SECONDS % 1000)).json" \
                 > "$L/decode_step_$tree.$SECONDS.log" 2>&1
         fi
         stamp "decode step, $tree tree rc=$?"
