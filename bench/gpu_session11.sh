@@ -9,7 +9,8 @@
 #      ran at about 60% of their rate alone while the prefill ran: BENCHMARKS.md), 4 and 8
 #      each unless named.
 #   c: the GPU tests of digit_topk with lens; the DSA layer again (the captured width now
-#      reads each row's own keys); the V2-Lite FP8 step at batch 1/16/64 with its defaults.
+#      reads each row's own keys); the V2-Lite FP8 step at batch 1/16/64 with its defaults;
+#      where the warp-specialized prefill attention goes wrong (bench/probe_ws_prefill.py).
 #   t1: the Llama-3-8B decode step of the tree before decode TP (969a749^) and of this
 #      tree, alternating, in one call (issue 35: T=1 as fast as before).
 set -u
@@ -51,7 +52,9 @@ c)
     stamp "dsa layer rc=$?"; grep -E "dense" "$L/dsa_layer_lens.log" | head -4
     timeout 90 python3 bench/fp8.py --only decode --models v2_lite --batches 1 16 64 \
         --json "$OUT/fp8_decode_v2_lite_defaults.json" > "$L/fp8_decode_defaults.log" 2>&1
-    stamp "v2-lite fp8 decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_defaults.log" | cut -c1-90 ;;
+    stamp "v2-lite fp8 decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_defaults.log" | cut -c1-90
+    timeout 120 python3 bench/probe_ws_prefill.py > "$L/probe_ws.log" 2>&1
+    stamp "ws probe rc=$?"; cut -c1-170 "$L/probe_ws.log" | grep -v Warning | tail -16 ;;
 t1)
     # Issue 35's T=1 check in one run: the tree before decode TP landed (969a749^, put in
     # .extra/baseline by `git archive`) against this one, same bench, same process setup.

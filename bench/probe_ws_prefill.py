@@ -1,0 +1,100 @@
+"""Where the warp-specialized prefill attention goes wrong on a GPU (issue 37, item 3).
+
+The H200 sweep of the tenth session found every ``warp_specialize`` variant wrong on its
+reference check (``bench/mla_prefill_sweep.py``: the output, filled with NaN first, kept
+NaN somewhere), while the interpreter tests pass. This probe runs one small batch per
+variant with the output filled with NaN and prints, per segment, how many rows x heads
+stayed unwritten, how many were written non-finite, and the error of the written ones
+against the torch reference; then the same with a plain single-segment request, with
+qk 128 (no tail part) and with the grid's heads on the fast axis. A few lines each.
+
+Usage (a GPU): python3 bench/probe_ws_prefill.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+from lanekv.kernels.prefill.attention import launch_cp_prefill_attention  # noqa: E402
+from lanekv.kernels.prefill.config import AttnLaunchConfig  # noqa: E402
+from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref  # noqa: E402
+
+
+def probe(config: AttnLaunchConfig, segs, kv_starts, tk, heads, qk_dim, v_dim) -> dict:
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    tq = sum(s[2] for s in segs)
+    q = torch.randn(tq, heads, qk_dim, generator=gen, device="cuda").bfloat16()
+    k = torch.randn(tk, heads, qk_dim, generator=gen, device="cuda").bfloat16()
+    v = torch.randn(tk, heads, v_dim, generator=gen, device="cuda").bfloat16()
+    starts, row = [], 0
+    for s in segs:
+        starts.append(row)
+        row += s[2]
+    cols = (starts, [s[2] for s in segs], [s[1] for s in segs], [kv_starts[s[0]] for s in segs])
+    seg = AttnSegments(*(torch.tensor(c, dtype=torch.int32, device="cuda") for c in cols))
+    scale = qk_dim**-0.5
+    out = torch.full((tq, heads, v_dim), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((tq, heads), float("nan"), dtype=torch.float32, device="cuda")
+    try:
+        launch_cp_prefill_attention(q, k, v, seg, scale, None, 0, out, lse, config)
+        torch.cuda.synchronize()
+    except Exception as exc:  # noqa: BLE001 - a probe reports every failure
+        return {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    want = cp_prefill_attention_ref(q, k, v, seg, scale, return_lse=True)
+    rows = []
+    for i, (start, s) in enumerate(zip(starts, segs, strict=True)):
+        o, w = out[start:start + s[2]].float(), want.out[start:start + s[2]].float()
+        nan_rows = o.isnan().all(-1)  # [rows, heads] never written (or all NaN)
+        some_nan = o.isnan().any(-1) & ~nan_rows
+        ok = ~o.isnan().any(-1)
+        err = ((o - w).abs().amax(-1)[ok].max().item() if ok.any() else None)
+        first_bad = nan_rows.any(-1).nonzero()
+        rows.append({"segment": i, "rows": s[2], "unwritten": int(nan_rows.sum()),
+                     "partly_nan": int(some_nan.sum()), "max_abs_err": err,
+                     "first_unwritten_row": int(first_bad[0]) if len(first_bad) else None,
+                     "lse_nan": int(lse[start:start + s[2]].isnan().sum())})
+    return {"segments": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    two_requests = ([(0, 0, 300), (0, 437, 263), (1, 299, 34)], (0, 705), 1041)
+    one_request = ([(0, 0, 512)], (0,), 512)
+    ws = dict(tma=True, warp_specialize=True)
+    cases = {
+        "ws 128x128 qk192 two requests": (AttnLaunchConfig(128, 128, 4, 2, **ws), two_requests, 192),
+        "ws 128x64 qk192 two requests": (AttnLaunchConfig(128, 64, 4, 2, **ws), two_requests, 192),
+        "ws 128x64 qk192 one request": (AttnLaunchConfig(128, 64, 4, 2, **ws), one_request, 192),
+        "ws 128x64 qk128 one request": (AttnLaunchConfig(128, 64, 4, 2, **ws), one_request, 128),
+        "ws 128x64 qk192 heads fast": (AttnLaunchConfig(128, 64, 4, 2, heads_fast=True, **ws),
+                                       one_request, 192),
+        "ws 64x64 qk192 one request": (AttnLaunchConfig(64, 64, 4, 2, **ws), one_request, 192),
+        "ws 128x64 8 warps qk192": (AttnLaunchConfig(128, 64, 8, 2, **ws), one_request, 192),
+        "tma 128x64 qk192 two requests": (AttnLaunchConfig(128, 64, 4, 2, tma=True), two_requests, 192),
+    }
+    results = {}
+    for name, (cfg, (segs, kv_starts, tk), qk) in cases.items():
+        res = probe(cfg, segs, kv_starts, tk, 4, qk, 128)
+        results[name] = res
+        if "error" in res:
+            print(f"{name}: {res['error']}")
+            continue
+        for r in res["segments"]:
+            print(f"{name} seg {r['segment']} ({r['rows']} rows x 4 heads): unwritten "
+                  f"{r['unwritten']}, partly NaN {r['partly_nan']}, first unwritten row "
+                  f"{r['first_unwritten_row']}, lse NaN {r['lse_nan']}, max abs err of the rest "
+                  f"{r['max_abs_err']}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
