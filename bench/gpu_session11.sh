@@ -54,7 +54,10 @@ c)
         --json "$OUT/fp8_decode_v2_lite_defaults.json" > "$L/fp8_decode_defaults.log" 2>&1
     stamp "v2-lite fp8 decode rc=$?"; grep -E " batch +[0-9]+:" "$L/fp8_decode_defaults.log" | cut -c1-90
     timeout 120 python3 bench/probe_ws_prefill.py > "$L/probe_ws.log" 2>&1
-    stamp "ws probe rc=$?"; cut -c1-170 "$L/probe_ws.log" | grep -v Warning | tail -16 ;;
+    stamp "ws probe rc=$?"; cut -c1-170 "$L/probe_ws.log" | grep -v Warning | tail -40 ;;
+ws)
+    timeout 200 python3 bench/probe_ws_prefill.py --json "$OUT/probe_ws.json" > "$L/probe_ws.log" 2>&1
+    stamp "ws probe rc=$?"; cut -c1-170 "$L/probe_ws.log" | grep -v Warning | tail -40 ;;
 t1)
     # Issue 35's T=1 check in one run: the tree before decode TP landed (969a749^, put in
     # .extra/baseline by `git archive`) against this one, same bench, same process setup.
