@@ -253,12 +253,17 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
         key = {"kv": kv, "batch": batch, "context": context, "config": ",".join(map(str, tcfg))}
         try:
             same = bool(torch.equal(digit_topk_triton(scores, TOPK, config=tcfg), want_sel))
+            same = same and bool(torch.equal(
+                digit_topk_triton(wide_scores, TOPK, lens=lens, config=tcfg), want_sel))
             us = graph_us(lambda tcfg=tcfg: digit_topk_triton(scores, TOPK, config=tcfg))
+            wide_us = graph_us(lambda tcfg=tcfg: digit_topk_triton(wide_scores, TOPK, lens=lens,
+                                                                   config=tcfg))
         except Exception as exc:  # a config that does not fit: recorded, not fatal
             topk_sweep.append(dict(key, error=type(exc).__name__))
             continue
         topk_sweep.append(dict(key, topk_us=us, of_default=us / row["digit_topk_us"],
-                               of_radix=us / row["radix_topk_us"], same=same))
+                               of_radix=us / row["radix_topk_us"], wide_lens_us=wide_us,
+                               wide_of_default=wide_us / row["digit_topk_wide_us"], same=same))
     del plane
     torch.cuda.empty_cache()
     return row, sweep, topk_sweep

@@ -58,6 +58,14 @@ c)
 ws)
     timeout 200 python3 bench/probe_ws_prefill.py --json "$OUT/probe_ws.json" > "$L/probe_ws.log" 2>&1
     stamp "ws probe rc=$?"; cut -c1-170 "$L/probe_ws.log" | grep -v Warning | tail -40 ;;
+topk)
+    # digit_topk's launch knobs over a captured step's wide table with the rows' lengths
+    timeout 240 python3 -m bench.dsa_layer --kv bf16 --contexts 8192 32768 131072 --batches 1 16 \
+        --score-configs --topk-configs 1024,1024,1,32,4 2048,2048,2,32,8 512,512,1,32,4 \
+        512,512,1,64,4 1024,1024,2,32,4 1024,1024,1,16,4 2048,2048,1,32,8 \
+        --json "$OUT/dsa_topk_lens_sweep.json" > "$L/dsa_topk_lens.log" 2>&1
+    stamp "dsa topk sweep rc=$?"; grep -E "dense" "$L/dsa_topk_lens.log" | head -6
+    grep -A60 "digit_topk launch configs" "$L/dsa_topk_lens.log" | cut -d'|' -f2-12 | grep -v "^---" ;;
 t1)
     # Issue 35's T=1 check in one run: the tree before decode TP landed (969a749^, put in
     # .extra/baseline by `git archive`) against this one, same bench, same process setup.
