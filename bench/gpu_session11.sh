@@ -66,6 +66,13 @@ topk)
         --json "$OUT/dsa_topk_lens_sweep.json" > "$L/dsa_topk_lens.log" 2>&1
     stamp "dsa topk sweep rc=$?"; grep -E "dense" "$L/dsa_topk_lens.log" | head -6
     grep -A60 "digit_topk launch configs" "$L/dsa_topk_lens.log" | cut -d'|' -f2-12 | grep -v "^---" ;;
+dsa)
+    timeout 60 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_dsa_digit_topk.py \
+        > "$L/gpu_tests_dsa.log" 2>&1
+    stamp "gpu tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_dsa.log" | cut -c1-200; tail -1 "$L/gpu_tests_dsa.log"
+    timeout 150 python3 -m bench.dsa_layer --kv bf16 --contexts 8192 32768 131072 --batches 1 16 \
+        --score-configs --topk-configs --json "$OUT/dsa_layer_lens_knobs.json" > "$L/dsa_layer_knobs.log" 2>&1
+    stamp "dsa layer rc=$?"; grep -E "dense" "$L/dsa_layer_knobs.log" | head -6 ;;
 t1)
     # Issue 35's T=1 check in one run: the tree before decode TP landed (969a749^, put in
     # .extra/baseline by `git archive`) against this one, same bench, same process setup.

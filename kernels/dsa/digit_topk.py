@@ -46,7 +46,8 @@ row: with one program a row its passes run block after block, no shorter a chain
 ``radix_topk`` at 8k and 128k keys, batch 1 and 16 (BENCHMARKS.md, tenth session). The
 launch knobs go by the row's width (``digit_topk_config``), from the same run's sweep:
 rows of at most 16k keys split into 1024-key spans of 4 warps; longer rows take 2048-key
-spans, two programs an SM over the batch.
+spans, two programs an SM over the batch. Rows read to ``lens`` past 16k columns take the
+knobs of a second sweep, over a captured step's table (``LENS_FEW`` / ``LENS_MANY``).
 """
 
 from __future__ import annotations
@@ -296,7 +297,7 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *, lens: torch.Tensor | N
     if config is not None and not isinstance(config, DigitTopkConfig):
         raise ValueError(f"config must be a DigitTopkConfig or None, got {config!r:.80}")
     rows, cols = scores.shape
-    cfg = config or digit_topk_config(cols)
+    cfg = config or digit_topk_config(cols, rows, lens is not None)
     cfg.check()
     out = torch.empty((rows, topk), dtype=torch.int32, device=scores.device)
     if rows == 0:
@@ -328,17 +329,31 @@ def digit_topk_triton(scores: torch.Tensor, topk: int, *, lens: torch.Tensor | N
 NARROW_ROW = 16384  # keys: up to here the short spans won the H200 sweep
 NARROW = DigitTopkConfig(block=1024, min_span=1024, programs_per_sm=1, max_programs=32, num_warps=4)
 WIDE = DigitTopkConfig(block=2048, min_span=2048, programs_per_sm=2, max_programs=32, num_warps=8)
+# Wide tables read to each row's ``lens`` (a captured step's): the row's keys are unknown
+# on the host, so one knob set must do at every length. The H200 sweep over a 160k-wide
+# table (BENCHMARKS.md, eleventh session), us at 8k / 32k / 128k keys:
+#   batch 1:  512-key blocks, 32 programs 18.9 / 22.5 / 44.1; WIDE 24.8 / 24.8 / 42.8
+#   batch 16: 1024-key blocks, 2 an SM    22.3 / 32.5 / 81.7; WIDE 34.5 / 35.0 / 80.1
+LENS_SMALL_BATCH = 4  # rows: up to here LENS_FEW, beyond LENS_MANY
+LENS_FEW = DigitTopkConfig(block=512, min_span=512, programs_per_sm=1, max_programs=32, num_warps=4)
+LENS_MANY = DigitTopkConfig(block=1024, min_span=1024, programs_per_sm=2, max_programs=32,
+                            num_warps=4)
 
 
-def digit_topk_config(cols: int) -> DigitTopkConfig:
-    """The launch knobs for rows of ``cols`` scores (the module doc gives the timings)."""
-    return NARROW if cols <= NARROW_ROW else WIDE
+def digit_topk_config(cols: int, rows: int = 1, lens: bool = False) -> DigitTopkConfig:
+    """The launch knobs for ``rows`` rows of ``cols`` scores, read to ``lens`` or not (the
+    module doc and the table above give the timings)."""
+    if cols <= NARROW_ROW:
+        return NARROW
+    if not lens:
+        return WIDE
+    return LENS_FEW if rows <= LENS_SMALL_BATCH else LENS_MANY
 
 
 TOPK_ENV = "LANEKV_DSA_TOPK"  # auto (the default), radix or digit
 
 
-def topk_method(rows: int, cols: int, num_sms: int) -> str:
+def topk_method(rows: int, cols: int, num_sms: int, lens: bool = False) -> str:
     """The kernel for ``[rows, cols]`` scores: ``LANEKV_DSA_TOPK``, ``auto`` when unset.
     ``auto`` takes ``"digit"`` where ``digit_topk`` splits a row over several programs
     (small batches: the SMs ``radix_topk`` leaves idle), else ``"radix"``: one program a
@@ -347,7 +362,7 @@ def topk_method(rows: int, cols: int, num_sms: int) -> str:
     ``radix`` force one kernel."""
     choice = env_choice(TOPK_ENV, ("radix", "digit", "auto"), "auto")
     if choice == "auto":
-        programs = digit_topk_programs(rows, cols, num_sms, digit_topk_config(cols))
+        programs = digit_topk_programs(rows, cols, num_sms, digit_topk_config(cols, rows, lens))
         return "digit" if programs > 1 else "radix"
     return choice
 
@@ -364,7 +379,7 @@ def exact_topk_triton(scores: torch.Tensor, topk: int,
     whole width: the scores past ``lens`` must be ``-inf`` for it)."""
     _check(scores, topk, None)
     _check_lens(scores, lens)
-    if topk_method(scores.shape[0], scores.shape[1], _num_sms(scores.device)) == "radix":
+    if topk_method(*scores.shape, _num_sms(scores.device), lens is not None) == "radix":
         return radix_topk_triton(scores, topk)
     return digit_topk_triton(scores, topk, lens=lens)
 

@@ -6,6 +6,8 @@ rows with several blocks a program), and on the GPU at V3.2's sizes."""
 import pytest
 import torch
 from lanekv.kernels.dsa.digit_topk import (
+    LENS_FEW,
+    LENS_MANY,
     NARROW,
     TOPK_ENV,
     WIDE,
@@ -97,6 +99,12 @@ def test_programs_chooser_and_arguments(monkeypatch):
     assert digit_topk_programs(200, 8192, 132, cfg) == 1
     monkeypatch.delenv(TOPK_ENV, raising=False)  # auto: split rows take digit_topk
     assert digit_topk_config(8192) == NARROW and digit_topk_config(16385) == WIDE
+    assert digit_topk_config(8192, 1, lens=True) == NARROW  # a table no wider than 16k
+    assert digit_topk_config(163840, 4, lens=True) == LENS_FEW
+    assert digit_topk_config(163840, 5, lens=True) == LENS_MANY
+    assert digit_topk_split(1, 163840, 132, LENS_FEW) == (32, 5120)
+    assert topk_method(4, 163840, 132, lens=True) == "digit"
+    assert topk_method(300, 163840, 132, lens=True) == "radix"  # one program a row
     assert digit_topk_split(1, 8192, 132, NARROW) == (8, 1024)
     assert digit_topk_split(16, 131072, 132, WIDE) == (16, 8192)  # 17 wanted, 16 cover it
     assert topk_method(1, 8192, 132) == topk_method(16, 131072, 132) == "digit"
