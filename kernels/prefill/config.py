@@ -79,7 +79,8 @@ MLA_PREFILL_FALLBACK = AttnLaunchConfig(128, 128, 8, 2)
 # (num_warps=4 per group: one TMA producer warpgroup and two 64-row consumer warpgroups,
 # 384 threads; consumers get 232 registers by setmaxnreg) at the tiles whose sm_90 compile
 # does not spill (bench/mla_prefill_compile.py; 256x64 spills 908 bytes and is left out),
-# and the 8-warp TMA loop, never timed before.
+# and the 8-warp TMA loop, never timed before. On the H200 the specialized ones race: NaN
+# blocks at random (bench/notes_prefill_attention.md), so none is a default.
 MLA_PREFILL_SWEEP = (
     AttnLaunchConfig(128, 128, 8, 2),
     AttnLaunchConfig(128, 128, 4, 2, tma=True, warp_specialize=True),  # 229,776 B shared
