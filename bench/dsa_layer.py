@@ -205,7 +205,8 @@ def _case(kv: str, batch: int, context: int, rate: float, configs, topk_configs,
 
     wide_same = bool(torch.equal(dsa_wide(), dsa()))
     wide_scores = paged_index_scores_triton(qi, w, index, wide, lens, PAGE, iscale, spec)
-    wide_same = wide_same and bool(torch.equal(digit_topk_triton(wide_scores, TOPK, lens=lens), want_sel))
+    wide_same = wide_same and bool(torch.equal(digit_topk_triton(wide_scores, TOPK, lens=lens),
+                                               want_sel))
     dense_wide_us = graph_us(lambda: paged_mla_decode_attention(qa, latent, wide, lens, PAGE,
                                                                 ascale, RANK))
     dsa_wide_us, dsa_radix_wide_us = graph_us(dsa_wide), graph_us(dsa_radix_wide)

@@ -2,11 +2,11 @@
 
 The H200 sweep of the tenth session found every ``warp_specialize`` variant wrong on its
 reference check (``bench/mla_prefill_sweep.py``: the output, filled with NaN first, kept
-NaN somewhere), while the interpreter tests pass. This probe runs one small batch per
-variant with the output filled with NaN and prints, per segment, how many rows x heads
-stayed unwritten, how many were written non-finite, and the error of the written ones
-against the torch reference; then the same with a plain single-segment request, with
-qk 128 (no tail part) and with the grid's heads on the fast axis. A few lines each.
+NaN somewhere), while the interpreter tests pass. This probe launches each variant three
+times with the output filled with a sentinel and names every (segment, query block, head)
+left unstored, holding NaN or wrong against the torch reference, and the worst error of
+the good ones: at 2 and 3 stages, qk 128 (no tail part), heads on the grid's fast axis,
+128x128 tiles, and one 8k request.
 
 Usage (a GPU): python3 bench/probe_ws_prefill.py [--json OUT.json]
 """
@@ -26,10 +26,10 @@ from lanekv.kernels.prefill.config import AttnLaunchConfig  # noqa: E402
 from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref  # noqa: E402
 
 SENTINEL = 7.0  # the output's fill: rows still holding it were never stored
+REPEATS = 3  # launches per variant: the failures differ from launch to launch
 
 
-def probe(config: AttnLaunchConfig, segs, kv_starts, tk, heads, qk_dim, v_dim,
-          repeats: int = 1) -> dict:
+def probe(config: AttnLaunchConfig, segs, kv_starts, tk, heads, qk_dim, v_dim) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(3)
     tq = sum(s[2] for s in segs)
     q = torch.randn(tq, heads, qk_dim, generator=gen, device="cuda").bfloat16()
@@ -43,8 +43,8 @@ def probe(config: AttnLaunchConfig, segs, kv_starts, tk, heads, qk_dim, v_dim,
     seg = AttnSegments(*(torch.tensor(c, dtype=torch.int32, device="cuda") for c in cols))
     scale = qk_dim**-0.5
     want = cp_prefill_attention_ref(q, k, v, seg, scale, return_lse=True)
-    bad_blocks = []
-    for rep in range(repeats):
+    bad_blocks, worst_good = [], 0.0
+    for rep in range(REPEATS):
         out = torch.full((tq, heads, v_dim), SENTINEL, dtype=torch.bfloat16, device="cuda")
         lse = torch.full((tq, heads), SENTINEL, dtype=torch.float32, device="cuda")
         try:
@@ -60,22 +60,12 @@ def probe(config: AttnLaunchConfig, segs, kv_starts, tk, heads, qk_dim, v_dim,
                     err = (o - want.out[rows, h].float()).abs().amax().item()
                     kind = ("unstored" if bool((o == SENTINEL).all()) else
                             "nan" if bool(o.isnan().any()) else "wrong" if err > 0.1 else None)
-                    if kind:
+                    if not kind:
+                        worst_good = max(worst_good, err)
+                    else:
                         bad_blocks.append(f"rep {rep} seg {i} block {b0 // config.block_m} head {h}: "
                                           f"{kind} (lse {lse[rows, h][:2].tolist()})")
-    rows = []
-    for i, (start, s) in enumerate(zip(starts, segs, strict=True)):
-        o, w = out[start:start + s[2]].float(), want.out[start:start + s[2]].float()
-        nan_rows = o.isnan().all(-1) | (o == SENTINEL).all(-1)  # [rows, heads] NaN or unstored
-        some_nan = o.isnan().any(-1) & ~nan_rows
-        ok = ~o.isnan().any(-1)
-        err = ((o - w).abs().amax(-1)[ok].max().item() if ok.any() else None)
-        first_bad = nan_rows.any(-1).nonzero()
-        rows.append({"segment": i, "rows": s[2], "unwritten": int(nan_rows.sum()),
-                     "partly_nan": int(some_nan.sum()), "max_abs_err": err,
-                     "first_unwritten_row": int(first_bad[0]) if len(first_bad) else None,
-                     "lse_nan": int(lse[start:start + s[2]].isnan().sum())})
-    return {"segments": rows, "bad_blocks": bad_blocks}
+    return {"bad_blocks": bad_blocks, "max_abs_err_good": worst_good}
 
 
 def main() -> None:
@@ -98,14 +88,13 @@ def main() -> None:
     }
     results = {}
     for name, (cfg, (segs, kv_starts, tk), qk) in cases.items():
-        res = probe(cfg, segs, kv_starts, tk, 4, qk, 128, repeats=3)
+        res = probe(cfg, segs, kv_starts, tk, 4, qk, 128)
         results[name] = res
         if "error" in res:
             print(f"{name}: {res['error']}")
             continue
-        errs = [r["max_abs_err"] for r in res["segments"] if r["max_abs_err"] is not None]
-        print(f"{name}: {len(res['bad_blocks'])} bad (block, head) over 3 launches; "
-              f"max abs err of the good rows {max(errs, default=None)}")
+        print(f"{name}: {len(res['bad_blocks'])} bad (block, head) over {REPEATS} launches; "
+              f"max abs err of the good blocks {res['max_abs_err_good']}")
         for line in res["bad_blocks"][:6]:
             print(f"  {name}: {line}")
     if args.json:

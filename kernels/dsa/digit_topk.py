@@ -179,12 +179,14 @@ def _row_cols(lens_ptr, row, n_cols, HAS_LENS: tl.constexpr):
 
 
 @triton.jit
-def _row_span(cols, span, n_progs, HAS_LENS: tl.constexpr):
-    """A split row's span: the host's whole blocks, or (``lens``) the row's own keys
-    over its programs in multiples of 64."""
+def _program_span(lens_ptr, row, pid, n_progs, n_cols, span, HAS_LENS: tl.constexpr):
+    """``[start, stop)`` of program ``pid`` of a split row: the host's ``span`` (whole
+    blocks), or (``lens``) the row's own keys over its programs in multiples of 64."""
+    cols = _row_cols(lens_ptr, row, n_cols, HAS_LENS)
     if HAS_LENS:
-        return (tl.cdiv(cols, n_progs) + 63) // 64 * 64
-    return span + tl.zeros([], tl.int32)
+        span = (tl.cdiv(cols, n_progs) + 63) // 64 * 64
+    start = pid * span
+    return start, tl.minimum(start + span, cols)
 
 
 @triton.jit
@@ -237,9 +239,7 @@ def _digit_pass_kernel(src_ptr, lens_ptr, hist_ptr, above_ptr, state_ptr, n_cols
         if pid == 0:  # the pass after reads it (a later launch, so it is visible)
             tl.store(state + 2, prefix)
             tl.store(state + 3, need.to(tl.int64))
-    cols = _row_cols(lens_ptr, row, n_cols, HAS_LENS)
-    start = pid * _row_span(cols, span, n_progs, HAS_LENS)
-    stop = tl.minimum(start + _row_span(cols, span, n_progs, HAS_LENS), cols)
+    start, stop = _program_span(lens_ptr, row, pid, n_progs, n_cols, span, HAS_LENS)
     hist, above = _span_histogram(src_ptr + row * stride_s, start, stop, prefix,
                                   24 - 8 * DIGIT, BLOCK)
     tl.store(hist_ptr + ((DIGIT * rows + row) * n_progs + pid) * 256 + tl.arange(0, 256), hist)
@@ -278,9 +278,7 @@ def _digit_select_kernel(src_ptr, lens_ptr, hist_ptr, above_ptr, state_ptr, out_
         gt_all += tl.sum(gt, 0)
         eq_all += tl.sum(eq, 0)
     out = out_ptr + row * stride_o
-    cols = _row_cols(lens_ptr, row, n_cols, HAS_LENS)
-    start = pid * _row_span(cols, span, n_progs, HAS_LENS)
-    stop = tl.minimum(start + _row_span(cols, span, n_progs, HAS_LENS), cols)
+    start, stop = _program_span(lens_ptr, row, pid, n_progs, n_cols, span, HAS_LENS)
     _span_select(src_ptr + row * stride_s, out, start, stop, thr, ties, eq_before,
                  gt_before + tl.minimum(eq_before, ties), BLOCK)
     if pid == 0:

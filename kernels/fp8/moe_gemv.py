@@ -26,8 +26,8 @@ DeepSeek and Qwen3 FP8 checkpoints' 128 x 128 blocks give; the caller
 (``moe_experts_fp8_decode``) takes the tensor-core path otherwise, and for every
 batch when ``LANEKV_FP8_MOE_GEMV=0``. On by default since the H200 timed it
 (BENCHMARKS.md, eleventh session): V2-Lite's one-token experts 29.9 us against 46.9 on
-the tensor cores at the default tiles (32 columns a program, 8 warps; the sweep's best),
-the FP8 step at batch 1 2.27 ms against 2.56.
+the tensor cores at the default tiles (32 columns a program, 8 warps; the sweep's best);
+the FP8 step at batch 1 2.27 ms against 2.56 at 4 warps in one run, 2.12 at 8 in the next.
 """
 
 from __future__ import annotations
