@@ -24,6 +24,7 @@ from lanekv.runtime.requests import (
     request_id_from_proto,
     sampling_from_proto,
 )
+from lanekv.runtime.rpc_metrics import left_code
 from lanekv.runtime.status import Refusal, refusals
 
 Code = grpc.StatusCode
@@ -147,7 +148,7 @@ def _ended_with(context: grpc.ServicerContext | None, outcome: str) -> tuple[grp
         details = details.decode("utf-8", "replace")
     if outcome == "cancelled" and code in (None, Code.CANCELLED):
         # gRPC ends a call whose deadline passed as it ends one the client left.
-        if context.time_remaining() <= 0:
+        if left_code(context) == Code.DEADLINE_EXCEEDED:
             return Code.DEADLINE_EXCEEDED, "the client's deadline passed"
         return Code.CANCELLED, details or "the client went away"
     return (Code.UNKNOWN if code is None else code), details

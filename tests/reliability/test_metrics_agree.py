@@ -25,6 +25,7 @@ from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.metrics import Registry, serve_metrics
+from lanekv.runtime.rpc_metrics import DEADLINE_SLACK_S, left_code
 from lanekv.runtime.security import SecurityConfig
 
 from tests.checkpoints import write_llama
@@ -133,3 +134,39 @@ def test_metrics_take_the_daemons_tls_and_token(tmp_path):
         assert _get(url, with_cert)[0] == 200
     finally:
         endpoint.close()
+
+
+class _Left:
+    """A servicer context whose client has gone: gRPC's code is CANCELLED either way."""
+
+    def __init__(self, remaining: float | None) -> None:
+        self.remaining = remaining
+
+    def code(self):
+        return Code.CANCELLED
+
+    def time_remaining(self):
+        return self.remaining
+
+
+@pytest.mark.parametrize(("remaining", "expected"), [
+    (-0.2, Code.DEADLINE_EXCEEDED),  # the server's copy of the deadline has passed too
+    (0.3, Code.DEADLINE_EXCEEDED),  # the client's clock ran out first: it started the call earlier
+    (DEADLINE_SLACK_S + 0.5, Code.CANCELLED),  # the client left well before its deadline
+    (None, Code.CANCELLED),  # no deadline at all
+])
+def test_a_left_call_is_judged_by_its_deadline(remaining, expected):
+    assert left_code(_Left(remaining)) == expected
+
+
+def test_the_first_verdict_on_a_call_is_kept():
+    # Every count asks at its own moment; a call judged CANCELLED stays so when its
+    # deadline passes a little later, and the other way round.
+    left = _Left(DEADLINE_SLACK_S + 0.01)
+    assert left_code(left) == Code.CANCELLED
+    left.remaining = 0.0
+    assert left_code(left) == Code.CANCELLED
+    expired = _Left(0.0)
+    assert left_code(expired) == Code.DEADLINE_EXCEEDED
+    expired.remaining = 30.0
+    assert left_code(expired) == Code.DEADLINE_EXCEEDED
