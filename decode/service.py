@@ -24,8 +24,7 @@ from lanekv.runtime.requests import (
     request_id_from_proto,
     sampling_from_proto,
 )
-from lanekv.runtime.rpc_metrics import left_code
-from lanekv.runtime.status import Refusal, refusals
+from lanekv.runtime.status import Refusal, left_code, refusals
 
 Code = grpc.StatusCode
 MAX_STOP_TOKEN_IDS = 1024

@@ -8,9 +8,7 @@ method and final status code, aborted and streaming calls included.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +16,7 @@ from typing import Any
 import grpc
 from lanekv.runtime.limits import is_non_blocking, same_kind
 from lanekv.runtime.metrics import Counter, Gauge, Histogram, Registry
+from lanekv.runtime.status import left_code
 
 log = logging.getLogger(__name__)
 
@@ -120,38 +119,6 @@ def _watched(
         raise
     finally:
         record(code)
-
-
-# A client's deadline reaches the server as a plain cancellation: the client's
-# gRPC cancels the call when its own clock runs out, and the server's copy of the
-# deadline started when the call arrived, so it passes a little later (under
-# load, hundreds of milliseconds later). A client that leaves within this much
-# of its deadline is counted as expired.
-DEADLINE_SLACK_S = 1.0
-_verdicts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_verdicts_lock = threading.Lock()
-
-
-def left_code(context: grpc.ServicerContext) -> grpc.StatusCode:
-    """The code of a call its client left: DEADLINE_EXCEEDED once its deadline has passed
-    (within ``DEADLINE_SLACK_S``), else CANCELLED (whatever gRPC set: it ends an
-    expired call as it ends a cancelled one).
-
-    The one rule for every count (calls by code here, the daemons' failures by
-    cause, the status a stream is logged with): the first verdict on a call is
-    kept, so they agree on every call even when asked at different moments.
-    """
-    code = context.code()
-    if code not in (None, Code.CANCELLED, Code.DEADLINE_EXCEEDED):
-        return code
-    with _verdicts_lock:
-        verdict = _verdicts.get(context)
-        if verdict is None:
-            remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
-            verdict = Code.DEADLINE_EXCEEDED if expired else Code.CANCELLED
-            _verdicts[context] = verdict
-        return verdict
 
 
 def _final_code(context: grpc.ServicerContext, fallback: grpc.StatusCode) -> grpc.StatusCode:

@@ -79,7 +79,39 @@ def refusals(context: grpc.ServicerContext) -> Iterator[None]:
     try:
         yield
     except Refusal as refusal:
-        context.abort(refusal.code, refusal.message)
+        code = refusal.code
+        if code == grpc.StatusCode.CANCELLED:  # a handler's word for "the client left"
+            code = left_code(context)  # which is an expiry when its deadline passed
+        context.abort(code, refusal.message)
+
+
+# A client's deadline reaches the server as a plain cancellation: the client's
+# gRPC cancels the call when its own clock runs out, and the server's copy of the
+# deadline started when the call arrived, so it passes a little later (under
+# load, hundreds of milliseconds later). A client that leaves within this much
+# of its deadline is counted as expired.
+DEADLINE_SLACK_S = 1.0
+
+
+def left_code(context: grpc.ServicerContext) -> grpc.StatusCode:
+    """The code of a call its client left: DEADLINE_EXCEEDED once its deadline has passed
+    (within ``DEADLINE_SLACK_S``), else CANCELLED.
+
+    gRPC sets no code when a client leaves, for an expiry or a cancellation
+    alike. The first verdict is written into the call's status (nothing is sent:
+    the client is gone) and returned from then on, so every count (calls by code,
+    the daemons' failures by cause, the logged status) agrees on the call even
+    when each asks at its own moment. A code the handler set is kept; a handler's
+    CANCELLED for a client that left takes this verdict (``refusals``).
+    """
+    code = context.code()
+    if code is not None:
+        return code
+    remaining = context.time_remaining()
+    expired = remaining is not None and remaining <= DEADLINE_SLACK_S
+    verdict = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+    context.set_code(verdict)
+    return verdict
 
 
 def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:

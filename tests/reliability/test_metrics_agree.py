@@ -6,7 +6,7 @@ each side saw the call), so calls that ran out of time were counted as
 CANCELLED by the call counter and as ``deadline`` failures by the daemon (8
 expiries: CANCELLED 6, DEADLINE_EXCEEDED 2, failures{cause="deadline"} 8).
 Both now take the daemon's verdict, which uses one rule
-(``runtime.rpc_metrics.left_code``). /metrics was plain HTTP without the
+(``runtime.status.left_code``). /metrics was plain HTTP without the
 token even when every gRPC port required TLS and the token.
 """
 
@@ -25,8 +25,8 @@ from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.proto import lanekv_pb2, lanekv_pb2_grpc
 from lanekv.runtime.metrics import Registry, serve_metrics
-from lanekv.runtime.rpc_metrics import DEADLINE_SLACK_S, left_code
 from lanekv.runtime.security import SecurityConfig
+from lanekv.runtime.status import DEADLINE_SLACK_S, Refusal, left_code, refusals
 
 from tests.checkpoints import write_llama
 from tests.daemons import start_pair, stop_pair
@@ -137,13 +137,17 @@ def test_metrics_take_the_daemons_tls_and_token(tmp_path):
 
 
 class _Left:
-    """A servicer context whose client has gone: gRPC's code is CANCELLED either way."""
+    """A servicer context whose client has gone: gRPC sets no code, expiry or cancellation."""
 
     def __init__(self, remaining: float | None) -> None:
         self.remaining = remaining
+        self.status = None
 
     def code(self):
-        return Code.CANCELLED
+        return self.status
+
+    def set_code(self, code) -> None:
+        self.status = code
 
     def time_remaining(self):
         return self.remaining
@@ -170,3 +174,27 @@ def test_the_first_verdict_on_a_call_is_kept():
     assert left_code(expired) == Code.DEADLINE_EXCEEDED
     expired.remaining = 30.0
     assert left_code(expired) == Code.DEADLINE_EXCEEDED
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _Aborting(_Left):
+    def abort(self, code, details):
+        self.status = code
+        raise _Aborted(details)
+
+
+@pytest.mark.parametrize(("remaining", "expected"), [(0.2, Code.DEADLINE_EXCEEDED), (30.0, Code.CANCELLED)])
+def test_a_handlers_cancelled_takes_the_deadline_verdict(remaining, expected):
+    # The decode pipeline ends a call its client left with Refusal(CANCELLED); the call
+    # ends with the same verdict the counters give it.
+    context = _Aborting(remaining)
+    with pytest.raises(_Aborted), refusals(context):
+        raise Refusal(Code.CANCELLED, "the client went away")
+    assert context.status == expected and left_code(context) == expected
+    other = _Aborting(0.2)
+    with pytest.raises(_Aborted), refusals(other):
+        raise Refusal(Code.UNAVAILABLE, "stopping")
+    assert other.status == Code.UNAVAILABLE
