@@ -1,76 +1,16 @@
 """The continuous-batching decode engine.
 
-Each ``step`` runs one token for every running request, as four verbs:
-**schedule** (admit waiting requests while the pool can hold them to the end,
-secure a slot for every running one), **prepare** (input ids, positions, the
-new slots' rows and the page-table tensors), **run** (``decode.cuda.step``: the model
-with an attention callback that stores the new K/V, or MLA latent row, and
-calls paged decode attention)
-and **postprocess** (sample, emit, finish, free).
-
-Sampling: a request that is plain greedy (no logits processor, no logprobs)
-takes the step's argmax. Any other holds a slot of the engine's
-``SamplerState`` from its admission to its end (its parameters, prompt and
-output token counts on the device); a step with such a request runs the full
-step (``model.sampling.sample_step``: processors, the draw from a uniform
-number the host stages per row, the raw logprobs, the counts updated on the
-device), captured like the rest on CUDA.
-
-On CUDA, ``capture_graphs`` (called at daemon start) captures the whole step
-for a ladder of batch sizes (``decode.cuda.graphs``); a step then pads to the next
-captured size and replays it, and a batch above the ladder runs eager. The
-CPU path is always eager. Either way the sampled ids are the step's one read
-from the device. With graphs the loop overlaps (``decode.cuda.overlap``, the
-object that holds the staging sides, the staged step and the step launched
-ahead): once step n is launched, the host admits, secures slots and stages step n+1 (positions, slots, page-table
-rows into the graphs' other staging side) while the GPU runs, then waits for
-step n's ids. Step n+1 uses that plan only if nothing changed meanwhile (no
-request ended by a stop token, was cancelled or could be admitted); else it
-is prepared as usual. Requests that end by length in step n are left out of
-the plan, so no slot is taken for a step that never runs. When step n+1 runs
-the same greedy requests in the same rows, it is queued on the GPU behind
-step n before step n's ids are read: its input ids are step n's greedy ids,
-fed on the device, so the GPU does not wait for the host between steps; a
-request that samples its stop token in step n then runs once more in step
-n+1, its row dropped and its pages freed when that step lands, as for a
-cancelled one. Otherwise a plan that holds is launched once step n's ids are
-read, before ``step`` returns step n's events. Either way the daemon hands the
-events to their streams while the GPU runs step n+1 (64 stream threads woken
-before the launch had held the loop up); a request that arrives meanwhile is
-admitted a step later.
-
-Structured output: a request with a grammar (``model.grammar``) holds its matcher.
-Each step's mask rows are filled by the matchers on the host when the step is
-launched (``_run``), after the previous step's tokens were read and accepted,
-and applied on the device inside the (captured) full step; rows without a
-grammar allow every token. So a step of such a request is never queued
-behind the one before it (that would need its mask before the token it
-follows is known): with a grammar in the batch, the overlap still stages the
-next step's positions and pages while the GPU runs, but launches it only
-once the ids are read and accepted. A request ends with ``stop`` when its
-matcher terminates (its end-of-sequence token accepted after a complete
-output); one cut by ``max_new_tokens`` ends with ``length`` and its output may
-be incomplete, as vLLM's is.
-
-A request enters with its prompt's KV already in the pool through its
-``PageTable`` (placed by the transfer client, or by ``prefill_into_pool``) and
-with ``last_token``, the first output token sampled by prefill, whose KV is
-not in the cache yet: the first decode step feeds it at position ``seq_len``.
-
-Admission reserves by arithmetic, not by pages: a request is admitted only if
-the free pages cover every page it may still need (up to ``max_new_tokens``)
-plus every page the running requests may still need. So running requests
-never run out of pages among themselves, and a request that does not fit
-waits in FIFO order until others finish. Pages are still taken one at a time
-as the sequence grows, so a request that stops early never holds pages it did
-not use. If something outside the engine empties the pool, a running request
-that cannot get its slot sits the step out (it is never given a wrong row).
-
-Threads: the daemon calls ``add``/``cancel`` from gRPC threads and ``step``
-from one loop thread. One lock guards all state; the model runs outside it.
-A request cancelled while its step runs is dropped at once and its pages are
-freed when that step lands (no kernel writes into a freed page); ``cancel``'s
-``on_freed`` runs then, which is when the daemon gives back its page budget.
+``step`` runs one token for every running request as four verbs: schedule
+(admit while the pool can hold a request to its end; a slot for every running
+one), prepare, run (``decode.cuda.step``) and postprocess (sample, emit,
+finish, free). Invariants: admission reserves by arithmetic, so running
+requests never run out of pages among themselves; no kernel writes into a
+freed page (a request cancelled or stopped during a step in flight has its
+pages freed when that step lands); a step launched ahead of the host uses its
+plan only if nothing changed meanwhile. ``add``/``cancel`` come from gRPC
+threads, ``step`` from one loop thread; one lock guards the state and the
+model runs outside it. docs/structure.md "The decode engine" tells the whole
+of it: sampling slots, CUDA graphs and the overlap, grammars, admission.
 """
 
 from __future__ import annotations
