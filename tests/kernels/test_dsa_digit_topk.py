@@ -77,12 +77,13 @@ def test_lens_reads_only_each_rows_own_keys(config):
     s[1, ::3] = 0.0  # ties at the cut
     s[3] = s[3].round()  # few distinct values: ties at every digit's cut
     lens = torch.tensor([650, 60, 0, 700, 900, -4, 129], dtype=torch.int32)
+    padded = s.masked_fill(torch.arange(700)[None, :] >= lens[:, None], float("-inf"))
     for k in (5, 64, 700):
         want = exact_topk_ref(s, k, lens)
-        padded = s.masked_fill(torch.arange(700)[None, :] >= lens[:, None], float("-inf"))
         assert torch.equal(want, radix_topk_ref(padded, k))
         assert torch.equal(digit_topk_triton(s, k, lens=lens, config=config), want), (k, config)
-        assert torch.equal(digit_topk_triton(padded, k, config=config), want), (k, config)
+    # Without lens, the same rows padded with -inf select the same (one k: the interpreter is slow).
+    assert torch.equal(digit_topk_triton(padded, 64, config=config), exact_topk_ref(s, 64, lens))
     assert torch.equal(exact_topk(s, 9, lens), exact_topk_ref(s, 9, lens))  # CPU: the reference
     with pytest.raises(ValueError, match=r"^lens must be a dense \[7\] int32 tensor on cpu"):
         digit_topk_triton(s, 3, lens=lens.long())
