@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,9 @@ from lanekv.transfer.connector.registry import TRANSPORTS
 from lanekv.transfer.grpcfetch.client import RetryPolicy
 from lanekv.transfer.grpcfetch.layerwise import MAX_STREAMS_PER_RANK
 
+# The most receiver processes the default sizes (each imports torch and grpc, and maps
+# its slots of /dev/shm); --fetch-processes sets more.
+AUTO_FETCH_PROCESSES = 16
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -46,7 +50,9 @@ class DecodeConfig:
     max_inflight_bytes: int = 256 << 20  # received but not yet placed, per request
     fetch_chunk_bytes: int = 0  # largest chunk asked of a rank; 0: the rank's default
     # Processes that receive ranks' gRPC streams outside this process's GIL
-    # (transfer.grpcfetch.receivers); None: 4 when the pool is on a GPU, else 0 (threads here).
+    # (transfer.grpcfetch.receivers); None: with the pool on a GPU, 4 while the model
+    # loads, then one per stream of a fetch (fetch_streams x the largest CP among the
+    # prefill daemons, at most AUTO_FETCH_PROCESSES); else 0 (threads here).
     fetch_processes: int | None = None
     # gRPC streams from each owner rank, each a run of its pages, every layer as it is
     # written (transfer.grpcfetch.layerwise); None: 2 when the pool is on a GPU, else 1.
@@ -165,6 +171,15 @@ class DecodeConfig:
         if self.fetch_processes is not None:
             return self.fetch_processes
         return 4 if self.resolved_device == "cuda" else 0
+
+    def fetch_processes_for(self, cp_sizes: Sequence[int]) -> int:
+        """Receiver processes once the prefill daemons' CP sizes are known: the setting,
+        else (on a GPU) enough that no stream of one fetch is received in a thread of
+        the daemon, where it would share the GIL with the placement of every stream."""
+        if self.fetch_processes is not None or not self.resolved_fetch_processes:
+            return self.resolved_fetch_processes
+        streams = self.resolved_fetch_streams * max(cp_sizes, default=1)
+        return max(self.resolved_fetch_processes, min(streams, AUTO_FETCH_PROCESSES))
 
     @property
     def resolved_fetch_streams(self) -> int:

@@ -149,6 +149,7 @@ class DecodeDaemon:
                       config.kv_cache_dtype).dtype, config.page_size
         )
         contracts = self._handshake_all()
+        self._size_receivers(contracts)
         # Ours, as KVTransfer.Handshake serves it, names the first accepting daemon's topology.
         self.prefill_contract = next(c for c in contracts.values() if c is not None)
         targets = []
@@ -203,6 +204,14 @@ class DecodeDaemon:
         self._loop = threading.Thread(target=self._decode_loop, name="lanekv-decode-loop", daemon=True)
         self._loop.start()
         self._serve()
+
+    def _size_receivers(self, contracts: dict[str, LayoutContract | None]) -> None:
+        """One receiver process per stream of a fetch, now that the prefill daemons' CP is
+        known (``DecodeConfig.fetch_processes_for``); they start while the model warms up.
+        A daemon that joins later with a larger CP gets threads for the streams beyond."""
+        want = self.config.fetch_processes_for([c.topology.cp_size for c in contracts.values() if c is not None])
+        if self.kv.receivers is not None and want > self.kv.receivers.size:
+            log.info("receiver processes: %d, one per gRPC stream of a fetch", self.kv.receivers.grow_to(want))
 
     @property
     def fastpath(self) -> FastPath | None:

@@ -239,7 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "same-host fast path, gRPC or NIXL (default: 1)")
     p.add_argument("--fetch-processes", type=int, default=None,
                    help="processes that receive prefill ranks' gRPC streams, each outside this process's GIL "
-                        "(default: 4 with a GPU pool, else 0: threads of the daemon)")
+                        "(default with a GPU pool: one per stream of a fetch, --fetch-streams x the largest "
+                        "prefill CP, at least 4, at most 16; else 0: threads of the daemon)")
     p.add_argument("--fetch-streams", type=int, default=None,
                    help="gRPC streams from each prefill rank, each a run of its pages sent layer by layer as "
                         "the prefill writes them (default: 2 with a GPU pool, else 1)")

@@ -13,11 +13,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
-from lanekv.decode.config import DecodeConfig
+from lanekv.decode.config import AUTO_FETCH_PROCESSES, DecodeConfig
 from lanekv.decode.daemon import DecodeDaemon
 from lanekv.prefill.daemon import DaemonConfig, PrefillDaemon
 from lanekv.prefill.engine_config import EngineConfig
@@ -264,3 +266,35 @@ def test_health_says_not_serving_while_no_prefill_daemon_can_take_a_prompt(check
         if lonely is not None:
             lonely.stop(grace_s=1.0)
         own_prefill.stop()
+
+
+def test_receiver_processes_are_sized_to_the_streams_of_a_fetch(checkpoint, monkeypatch):
+    """On a GPU, by default, no stream of one fetch is received in a thread of the daemon:
+    fetch_streams x the largest prefill CP processes, at least the 4 started at load."""
+    config = DecodeConfig(str(checkpoint), "127.0.0.1:1", page_size=PAGE_SIZE, device="cpu")
+    assert config.fetch_processes_for([4]) == 0  # CPU pools: threads here
+    monkeypatch.setattr(DecodeConfig, "resolved_device", property(lambda self: "cuda"))
+    assert config.resolved_fetch_processes == 4 and config.resolved_fetch_streams == 2
+    assert config.fetch_processes_for([]) == 4
+    assert config.fetch_processes_for([1, 2]) == 4
+    assert config.fetch_processes_for([2, 3]) == 6
+    assert config.fetch_processes_for([16]) == AUTO_FETCH_PROCESSES
+    assert replace(config, fetch_streams=4).fetch_processes_for([3]) == 12
+    assert replace(config, fetch_processes=2).fetch_processes_for([8]) == 2  # the setting wins
+
+    class Pool:
+        size = 4
+
+        def grow_to(self, count):
+            self.size = count
+            return count
+
+    def sized(contracts, receivers):
+        fake = SimpleNamespace(config=config, kv=SimpleNamespace(receivers=receivers))
+        DecodeDaemon._size_receivers(fake, contracts)
+        return receivers
+
+    topology = SimpleNamespace(topology=SimpleNamespace(cp_size=3))
+    assert sized({"a:1": topology, "b:2": None}, Pool()).size == 6  # a daemon not reached counts nothing
+    assert sized({"a:1": None}, Pool()).size == 4
+    assert sized({"a:1": topology}, None) is None  # no receivers: nothing to grow

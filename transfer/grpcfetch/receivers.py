@@ -161,9 +161,22 @@ class ReceiverPool:
         self._all: set[Receiver] = set()
         self._closed = False
         self.taken = 0  # rank parts handed to a receiver so far
+        self.size = count  # processes kept: started, starting, or replacing a dropped one
         self._lock = threading.Lock()
         for _ in range(count):
             self._start()
+
+    def grow_to(self, count: int) -> int:
+        """Keep at least ``count`` processes (the new ones start in the background); the size."""
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"count must be an integer >= 0, got count={count!r}")
+        with self._lock:
+            if self._closed:
+                return self.size
+            extra, self.size = max(0, count - self.size), max(self.size, count)
+        for _ in range(extra):
+            self._start()
+        return self.size
 
     def _start(self) -> None:
         threading.Thread(target=self._starting, name="lanekv-receiver-start", daemon=True).start()
@@ -173,6 +186,8 @@ class ReceiverPool:
             receiver = Receiver(self._security, self._slots, self._slot_bytes)
         except (OSError, ValueError) as err:
             log.warning("receiver process: cannot start (%s); fetching in threads", err)
+            with self._lock:
+                self.size -= 1
             return
         with self._lock:
             closed = self._closed
@@ -184,6 +199,8 @@ class ReceiverPool:
         if not receiver.wait_ready(START_TIMEOUT_S):
             log.warning("receiver process %d did not start; fetching in threads", receiver.process.pid)
             self._drop(receiver)
+            with self._lock:
+                self.size -= 1
             return
         self.give_back(receiver)
 

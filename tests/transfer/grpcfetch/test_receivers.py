@@ -275,3 +275,20 @@ def test_bad_arguments_hand_the_receivers_back(pool, cluster):
     for bad in (-1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="receivers"):
             KVClient(receivers=bad)
+
+
+def test_grow_to_starts_more_and_never_shrinks():
+    receivers = ReceiverPool(1, SecurityConfig(), slot_bytes=SLOT_BYTES, slots=2)
+    try:
+        assert receivers.grow_to(3) == 3 and receivers.size == 3
+        assert receivers.wait_started(3, 90), "the added receiver processes did not start"
+        started = list(receivers._idle)
+        assert len({r.process.pid for r in started}) == 3
+        assert receivers.grow_to(2) == 3  # never fewer: a fetch may be using them
+        assert set(receivers._idle) == set(started)
+        with pytest.raises(ValueError, match=r"^count must be an integer >= 0, got count=-1$"):
+            receivers.grow_to(-1)
+    finally:
+        receivers.close()
+    assert receivers.grow_to(5) == 3 and not receivers._all  # closed: nothing starts
+    assert all(r.process.poll() is not None for r in started)
