@@ -68,7 +68,7 @@ from lanekv.transfer.connector.registry import make_fetcher
 from lanekv.transfer.errors import ContractMismatch
 from lanekv.transfer.grpcfetch.client import KVClient, RemoteError, channel_options
 from lanekv.transfer.protocol.agreement import Agreement
-from lanekv.transfer.protocol.contract import LayoutContract
+from lanekv.transfer.protocol.contract import LayoutContract, Topology
 from lanekv.transfer.protocol.fielddiff import format_diff
 from lanekv.transfer.rank.server import add_transfer_service
 from lanekv.transfer.rank.service import KVTransferService
@@ -162,7 +162,7 @@ class DecodeDaemon:
                                          memory=PrefixMemory(self.agreement.fingerprint, config.page_size)
                                          if config.prefix_cache else None))
         self.prefills = PrefillPool(targets, interval_s=config.prefill_health_interval_s,
-                                    rejoin=lambda endpoint: self._handshake(endpoint, patient=False).topology,
+                                    rejoin=self._rejoin,
                                     on_available=self._prefill_available)
         self.fetcher = make_fetcher(config.transports, TransportContext(
             self.kv, self.agreement, self.metrics.failures, config.max_inflight_bytes, config.fetch_chunk_bytes,
@@ -207,11 +207,17 @@ class DecodeDaemon:
 
     def _size_receivers(self, contracts: dict[str, LayoutContract | None]) -> None:
         """One receiver process per stream of a fetch, now that the prefill daemons' CP is
-        known (``DecodeConfig.fetch_processes_for``); they start while the model warms up.
-        A daemon that joins later with a larger CP gets threads for the streams beyond."""
+        known (``DecodeConfig.fetch_processes_for``); they start while the model warms up,
+        and a daemon that joins later with a larger CP adds its own (``_rejoin``)."""
         want = self.config.fetch_processes_for([c.topology.cp_size for c in contracts.values() if c is not None])
         if self.kv.receivers is not None and want > self.kv.receivers.size:
             log.info("receiver processes: %d, one per gRPC stream of a fetch", self.kv.receivers.grow_to(want))
+
+    def _rejoin(self, endpoint: str) -> Topology:
+        """The topology of a prefill daemon that joins (or comes back) after start."""
+        contract = self._handshake(endpoint, patient=False)
+        self._size_receivers({endpoint: contract})
+        return contract.topology
 
     @property
     def fastpath(self) -> FastPath | None:

@@ -298,3 +298,9 @@ def test_receiver_processes_are_sized_to_the_streams_of_a_fetch(checkpoint, monk
     assert sized({"a:1": topology, "b:2": None}, Pool()).size == 6  # a daemon not reached counts nothing
     assert sized({"a:1": None}, Pool()).size == 4
     assert sized({"a:1": topology}, None) is None  # no receivers: nothing to grow
+    # A prefill daemon that joins after start, with a larger CP, adds its streams' receivers.
+    joined = SimpleNamespace(topology=SimpleNamespace(cp_size=5))
+    fake = SimpleNamespace(config=config, kv=SimpleNamespace(receivers=Pool()),
+                           _handshake=lambda endpoint, patient: joined)
+    fake._size_receivers = lambda contracts: DecodeDaemon._size_receivers(fake, contracts)
+    assert DecodeDaemon._rejoin(fake, "c:3") is joined.topology and fake.kv.receivers.size == 10
