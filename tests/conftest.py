@@ -22,6 +22,10 @@ if not torch.cuda.is_available():
 os.environ["LANEKV_CACHE_DIR"] = tempfile.mkdtemp(prefix="lanekv-test-cache-")
 atexit.register(shutil.rmtree, os.environ["LANEKV_CACHE_DIR"], True)
 
+# Before any test module imports transformers: the checkout's root is on sys.path here,
+# and its kernels/ folder must not shadow the kernels distribution transformers imports
+# (lanekv/__init__.py).
+import lanekv  # noqa: E402, F401
 
 # Tests that start daemons end to end: ``slow`` (``make test-fast`` leaves them out).
 SLOW_PATHS = ("tests/reliability/", "tests/lanekv/http/test_front.py", "tests/lanekv/http/test_xpyd.py",
