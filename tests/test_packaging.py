@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -38,3 +39,31 @@ def test_every_package_folder_is_in_the_wheel(wheel_names):
     assert "lanekv/proto/lanekv.proto" in wheel_names
     tops = [line for line in wheel_names if line.endswith("top_level.txt")]
     assert tops, "the wheel names its top-level packages"
+
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("root_as", ["cwd", "PYTHONPATH"])
+def test_the_checkouts_folders_do_not_shadow_a_distribution_of_the_same_name(tmp_path, root_as):
+    """transformers 5.25 imports the ``kernels`` distribution by name. With the checkout's
+    root on sys.path before it (as the current directory of ``python -c``/``-m``, or in
+    PYTHONPATH), importing lanekv leaves the name to the distribution."""
+    site = tmp_path / "site"
+    (site / "kernels").mkdir(parents=True)
+    (site / "kernels" / "__init__.py").write_text("WHOSE = 'distribution'\n")
+    (site / "kernels-0.19.1.dist-info").mkdir()
+    (site / "kernels-0.19.1.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    probe = "import lanekv, kernels, lanekv.kernels; print(kernels.WHOSE, lanekv.kernels.__name__)"
+    path = [str(site)] if root_as == "cwd" else [str(ROOT), str(site)]
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT if root_as == "cwd" else tmp_path,
+                         env={"PYTHONPATH": os.pathsep.join(path), "PATH": os.environ.get("PATH", "")},
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["distribution", "lanekv.kernels"]
+    # Without lanekv's import first, the checkout's folder wins: what transformers met.
+    shadowed = subprocess.run([sys.executable, "-c", "import kernels; print(getattr(kernels, 'WHOSE', 'ours'))"],
+                              cwd=ROOT if root_as == "cwd" else tmp_path,
+                              env={"PYTHONPATH": os.pathsep.join(path), "PATH": os.environ.get("PATH", "")},
+                              capture_output=True, text=True, timeout=100)
+    assert shadowed.stdout.split() == ["ours"], shadowed.stderr[-2000:]
