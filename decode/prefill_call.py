@@ -72,6 +72,7 @@ class PrefillCall:
         self.seconds = 0.0  # from the call to its last message
         self.epoch: str | None = None  # the prefill daemon start that pinned the pages
         self._done: Future = Future()
+        self._closed = False  # we cancelled the call (close)
         self._stream = client.stub.PrefillStream(request, timeout=timeout_s)
 
     def started(self) -> lanekv_pb2.PrefillReply:
@@ -112,6 +113,7 @@ class PrefillCall:
             pass
 
     def close(self) -> None:
+        self._closed = True
         self._stream.cancel()  # after the last message: does nothing
 
     def _wait_done(self) -> None:
@@ -133,6 +135,12 @@ class PrefillCall:
         try:
             return next(self._stream)
         except grpc.RpcError as err:
+            if err.code() == Code.CANCELLED and not self._closed:
+                # Not ours: the prefill daemon's server cut the call (it is stopping). Our
+                # client did not leave, so it must not read CANCELLED; it is the daemon's
+                # loss, which another prefill daemon (or its next start) may not have.
+                raise Refusal(Code.UNAVAILABLE, f"prefill daemon {self._endpoint} cancelled the call "
+                              f"(stopping?): {err.details()}") from err
             raise Refusal(err.code(), f"prefill daemon {self._endpoint}: {err.details()}") from err
         except StopIteration:
             raise Refusal(Code.INTERNAL, f"prefill daemon {self._endpoint} ended the call without "

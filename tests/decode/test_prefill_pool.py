@@ -18,7 +18,8 @@ from lanekv.decode.generate import (
     GenerateSpec,
     Prepared,
 )
-from lanekv.decode.prefill_call import PrefillClient, PrefillPool, PrefillTarget
+from lanekv.decode.prefill_call import RETRY_CODES, PrefillClient, PrefillPool, PrefillTarget
+from lanekv.proto import lanekv_pb2
 from lanekv.runtime.status import Refusal
 from lanekv.transfer.errors import ContractMismatch
 from lanekv.transfer.protocol.contract import Topology
@@ -360,3 +361,39 @@ def test_a_slow_health_check_leaves_only_after_several_in_a_row():
         assert not a.healthy and "UNAVAILABLE" in a.problem
     finally:
         pool.close()
+
+
+class _Cut(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.CANCELLED
+
+    def details(self):
+        return "Cancelled"
+
+
+class _CutStream:
+    """A PrefillStream whose server cancels it before its first message."""
+
+    def __next__(self):
+        raise _Cut()
+
+    def cancel(self) -> bool:
+        return True
+
+
+def test_a_prefill_call_the_prefill_daemon_cancels_is_its_loss_not_the_clients():
+    # A prefill daemon that stops cuts its calls with CANCELLED; the decode daemon's client
+    # did not leave, so its Generate must not end CANCELLED (seen on CI in
+    # tests/reliability/test_prefill_restart.py) but UNAVAILABLE, which is retried.
+    client = PrefillClient(SimpleNamespace(PrefillStream=lambda request, timeout: _CutStream()), "10.0.0.9:7000")
+    call = client.stream("r1", [1, 2, 3], lanekv_pb2.SamplingParams(), timeout_s=5.0)
+    with pytest.raises(Refusal) as refused:
+        call.started()
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE and refused.value.code in RETRY_CODES
+    assert refused.value.message == "prefill daemon 10.0.0.9:7000 cancelled the call (stopping?): Cancelled"
+    # Cancelled by us (our client left, or the call is done with): CANCELLED as it was.
+    ours = client.stream("r2", [1, 2, 3], lanekv_pb2.SamplingParams(), timeout_s=5.0)
+    ours.close()
+    with pytest.raises(Refusal) as refused:
+        ours.started()
+    assert refused.value.code == grpc.StatusCode.CANCELLED
