@@ -403,16 +403,16 @@ def main() -> None:
             DaemonConfig(lease_s=600, max_batch_tokens=max(args.tokens), prefix_cache=False),
         )
         decoders = {}
-        # The gRPC rows set the streams per rank after start: one receiver process per
-        # stream of the most they set, as the daemon sizes them for its own --fetch-streams.
-        receivers = max(args.fetch_streams) * args.cp if torch.cuda.is_available() else None
+        # The gRPC rows set the streams per rank after start; the daemon sizes its receiver
+        # processes for the most they set (DecodeConfig.fetch_processes_for).
         try:
             for name, transport in paths:
                 decoders[name] = DecodeDaemon(DecodeConfig(d, prefill.endpoint, page_size=args.page_size,
                                                            dtype=dtype, load_format="dummy", pool_pages=pages,
                                                            transport=transport, request_timeout_s=900,
                                                            prefix_cache=False,
-                                                           fetch_processes=receivers if name == "grpc" else None))
+                                                           fetch_streams=max(args.fetch_streams) if name == "grpc"
+                                                           else None))
                 if transport == "nixl":
                     with ucx_tls(NIXL_TLS[name]):  # its agent starts now, with these transports
                         decoders[name].nixl._agent_here()

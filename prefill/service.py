@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import time
 from concurrent import futures
-from typing import Any, Protocol
+from typing import Protocol
 
 import grpc
 from lanekv.model.grammar import Grammars
 from lanekv.model.sampling import SamplingParams
+from lanekv.model.tokenizer import Tokenizer
 from lanekv.prefill.allocator import OutOfPagesError
 from lanekv.prefill.cp.launcher import PrefillInput, PrefillResult, RankDiedError
 from lanekv.prefill.prefix_cache import PrefillPrefixCache
@@ -45,6 +46,10 @@ _CAUSES = {
 }
 
 
+class _Timeouts(Protocol):
+    request_timeout_s: float  # a Prefill without a client deadline waits this long
+
+
 class PrefillHost(Protocol):
     """What the service needs of the prefill daemon."""
 
@@ -53,12 +58,12 @@ class PrefillHost(Protocol):
     topology: Topology
     relays: list[tuple[str, ...]]  # each rank's sender relays
     metrics: LanekvMetrics
-    tokenizer: Any
+    tokenizer: Tokenizer | None
     vocab_size: int
     max_tokens: int
     cache: PrefillPrefixCache
     grammars: Grammars | None
-    config: Any  # DaemonConfig: request_timeout_s
+    config: _Timeouts  # the daemon's DaemonConfig
 
     def submit(self, inp: PrefillInput) -> tuple[str, futures.Future, futures.Future]: ...
 
