@@ -36,9 +36,11 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from lanekv.kernels.arrivals import arrived_last, counters, reset
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.fp8.kv_rows import dequantize_kv_fp8_rows, kv_fp8_head_bytes, kv_fp8_views
 from lanekv.kernels.kv_layout import check_page_table
+from lanekv.kernels.mla.splits import _busy_splits
 from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -54,33 +56,104 @@ class DecodeConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     # Auto split count: aim for this many stage-1 programs per SM, but never
-    # give a split fewer than min_split_keys keys (merging costs a pass).
+    # give a split fewer than min_split_keys keys (merging costs a pass); on the
+    # device a request uses only the splits its own length fills this much.
     programs_per_sm: int = 2
     min_split_keys: int = 256
+    # Keys a busy split takes where (request, KV head) programs are few (at most one
+    # per 16 SMs: batch 1 and 2 at 8 KV heads on an H200): one key block, so that a
+    # short context still spreads over the SMs; 0: min_split_keys at every batch.
+    few_programs_split_keys: int = 64
+
+
+def choose_split_keys(programs: int, num_sms: int, config: DecodeConfig) -> int:
+    """Fewest keys a busy split takes (whole key blocks), from shapes alone."""
+    few = config.few_programs_split_keys > 0 and 0 < programs * 16 <= num_sms
+    keys = config.few_programs_split_keys if few else config.min_split_keys
+    return triton.cdiv(max(1, keys), config.block_n) * config.block_n
 
 
 def choose_num_splits(
-    batch: int, kv_heads: int, max_kv_len: int, num_sms: int, config: DecodeConfig
+    batch: int, kv_heads: int, max_kv_len: int, num_sms: int, config: DecodeConfig,
+    split_keys: int | None = None,
 ) -> int:
-    """Splits per (request, kv head) so that stage 1 has enough programs."""
+    """Splits per (request, kv head) so that stage 1 has enough programs; a split never
+    gets fewer than ``split_keys`` keys (``config.min_split_keys`` when None)."""
     if batch * kv_heads == 0 or max_kv_len <= 0:
         return 1
+    keys = config.min_split_keys if split_keys is None else split_keys
     wanted = triton.cdiv(num_sms * config.programs_per_sm, batch * kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
+    return max(1, min(wanted, triton.cdiv(max_kv_len, keys)))
+
+
+def merge_chunk(wide: int) -> int:
+    """Splits a merge loads at once: ``[chunk, wide]`` float32 is 64 values a thread at 4
+    warps."""
+    return max(1, 8192 // wide)
+
+
+@triton.jit
+def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_heads, num_splits,
+                 stride_ob, stride_oh, UNCACHED: tl.constexpr, GROUP: tl.constexpr,
+                 GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CHUNK: tl.constexpr):
+    """The ``busy`` partials of one (request, KV head) merged into its ``GROUP`` query
+    heads' output: their log2-sum-exps' maximum first, then the weighted sum chunk by
+    chunk of splits, in split order (``UNCACHED``: loads past L1, for partials other
+    programs of this launch wrote). Heads and columns lie along one axis
+    (``GROUP_P``, GROUP's next power of two, times ``BLOCK_D`` values), so a chunk of
+    splits is ``[CHUNK, GROUP_P * BLOCK_D]`` (``merge_chunk``)."""
+    WIDE: tl.constexpr = GROUP_P * BLOCK_D
+    i = tl.arange(0, WIDE)
+    head = i // BLOCK_D
+    d = i % BLOCK_D
+    h_ok = head < GROUP
+    q_head = kv_head * GROUP + tl.where(h_ok, head, 0)
+    first = (b * num_q_heads + q_head) * num_splits  # [WIDE]: each value's head's split 0
+    c = tl.arange(0, CHUNK)
+    top = tl.full([WIDE], float("-inf"), tl.float32)
+    for s0 in range(0, busy, CHUNK):
+        ok = (s0 + c < busy)[:, None] & h_ok[None, :]
+        at = part_lse_ptr + first[None, :] + (s0 + c)[:, None]
+        if UNCACHED:
+            lse = tl.load(at, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        else:
+            lse = tl.load(at, mask=ok, other=float("-inf"))
+        top = tl.maximum(top, tl.max(lse, 0))
+    top = tl.where(top > float("-inf"), top, 0.0)  # heads past GROUP: never stored
+    acc = tl.zeros([WIDE], tl.float32)
+    total = tl.zeros([WIDE], tl.float32)
+    for s0 in range(0, busy, CHUNK):
+        ok = (s0 + c < busy)[:, None] & h_ok[None, :]
+        slot = first[None, :] + (s0 + c)[:, None]
+        o_ok = ok & (d < HEAD_DIM)[None, :]  # rows are padded to BLOCK_D, never written there
+        if UNCACHED:
+            lse = tl.load(part_lse_ptr + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :], mask=o_ok, other=0.0,
+                        cache_modifier=".cg")
+        else:
+            lse = tl.load(part_lse_ptr + slot, mask=ok, other=float("-inf"))
+            o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :], mask=o_ok, other=0.0)
+        weight = tl.exp2(lse - top[None, :])  # 0 past the busy splits
+        acc += tl.sum(weight * o, 0)
+        total += tl.sum(weight, 0)
+    merged = acc / tl.where(total > 0.0, total, 1.0)
+    dst = out_ptr + b * stride_ob + q_head * stride_oh + d
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=h_ok & (d < HEAD_DIM))
 
 
 # Values that vary per step are never specialised on (no compile per batch shape).
-@triton.jit(do_not_specialize=["max_kv_len", "num_splits", "stride_tb"])
+@triton.jit(do_not_specialize=["max_kv_len", "num_splits", "split_keys", "stride_tb"])
 def _paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    scale_log2, max_kv_len, num_q_heads, num_splits,
+    count_ptr, scale_log2, max_kv_len, num_q_heads, num_kv_heads, num_splits, split_keys,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
     stride_ksr, stride_ksh, stride_vsr, stride_vsh, stride_tb,
     stride_ob, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, LAST_MERGES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
@@ -88,97 +161,104 @@ def _paged_decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
-    # Each request's own keys are cut into num_splits whole key blocks, so the
-    # grid can be fixed (a captured step) while the lengths vary.
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    # Each request uses only the splits its own length fills (at least one, which
+    # writes zeros for an empty request), whole key blocks each, so a fixed grid (a
+    # captured step) serves any lengths; the other programs write nothing.
+    busy, split_len = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
+    busy = tl.maximum(busy, 1)
+    if split < busy:
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
 
-    h = tl.arange(0, BLOCK_H)
-    d = tl.arange(0, BLOCK_D)
-    q_head = kv_head * GROUP + h
-    h_ok = h < GROUP
-    d_ok = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
-        mask=h_ok[:, None] & d_ok[None, :], other=0.0,
-    )  # [BLOCK_H, BLOCK_D]
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    for n0 in range(start, end, BLOCK_N):
-        t = n0 + tl.arange(0, BLOCK_N)
-        t_ok = t < end
-        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
-        row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
-        kv_mask = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:  # one float32 scale per row and head; one rounding to q's dtype
-            k_scale = tl.load(ks_ptr + kv_head * stride_ksh + row * stride_ksr, mask=t_ok,
-                              other=0.0)
-            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-        if IEEE_DOT:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        q_head = kv_head * GROUP + h
+        h_ok = h < GROUP
+        d_ok = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
+            mask=h_ok[:, None] & d_ok[None, :], other=0.0,
+        )  # [BLOCK_H, BLOCK_D]
+        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
+        for n0 in range(start, end, BLOCK_N):
+            t = n0 + tl.arange(0, BLOCK_N)
+            t_ok = t < end
+            page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
+            row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
+            kv_mask = t_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:  # one float32 scale per row and head; one rounding to q's dtype
+                k_scale = tl.load(ks_ptr + kv_head * stride_ksh + row * stride_ksr, mask=t_ok,
+                                  other=0.0)
+                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+            if IEEE_DOT:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+            m_new = tl.maximum(m, tl.max(s, 1))
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l = l * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + row[:, None] * stride_vr + d[None, :], mask=kv_mask, other=0.0)
+            if KV_FP8:
+                v_scale = tl.load(vs_ptr + kv_head * stride_vsh + row * stride_vsr, mask=t_ok,
+                                  other=0.0)
+                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+            if IEEE_DOT:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+
+        has_keys = l > 0.0  # false only for seq_len 0
+        o = acc / tl.where(has_keys, l, 1.0)[:, None]
+        o_mask = h_ok[:, None] & d_ok[None, :]
+        direct = True
+        if WRITE_PARTIAL:
+            direct = busy == 1
+        if direct:
+            dst = out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :]
+            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
         else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + row[:, None] * stride_vr + d[None, :], mask=kv_mask, other=0.0)
-        if KV_FP8:
-            v_scale = tl.load(vs_ptr + kv_head * stride_vsh + row * stride_vsr, mask=t_ok,
-                              other=0.0)
-            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-        if IEEE_DOT:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-
-    has_keys = l > 0.0  # false only for an empty split (or seq_len 0)
-    o = acc / tl.where(has_keys, l, 1.0)[:, None]
-    o_mask = h_ok[:, None] & d_ok[None, :]
-    if WRITE_PARTIAL:
-        # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o).
-        slot = (b * num_q_heads + q_head) * num_splits + split
-        tl.store(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + slot, lse, mask=h_ok)
-    else:
-        dst = out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+            # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o).
+            slot = (b * num_q_heads + q_head) * num_splits + split
+            tl.store(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
+            tl.store(part_lse_ptr + slot, m + tl.log2(l), mask=h_ok)
+            if LAST_MERGES:  # the (request, KV head)'s last split merges (kernels.arrivals)
+                group = b * num_kv_heads + kv_head
+                if arrived_last(count_ptr, group, busy):
+                    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy,
+                                 num_q_heads, num_splits, stride_ob, stride_oh, True, GROUP,
+                                 GROUP_P, HEAD_DIM, BLOCK_D, CHUNK)
+                    reset(count_ptr, group)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "max_kv_len", "split_keys"])
 def _paged_decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr = False,
+    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, num_q_heads, num_splits, max_kv_len, split_keys,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    """Stage 2 where stage 1 did not merge: one program per (request, KV head), the same
+    merge (``_merge_group``) over the busy splits; a request of one busy split was
+    written by stage 1."""
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    s_ok = s < num_splits
-    slot = (b * num_q_heads + head) * num_splits + s
-    lse = tl.load(part_lse_ptr + slot, mask=s_ok, other=float("-inf"))
-    top = tl.max(lse, 0)
-    live = lse > float("-inf")
-    weight = tl.where(live, tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
-    total = tl.sum(weight, 0)
-    d_ok = d < HEAD_DIM  # partial rows are padded to BLOCK_D; the padding is never written
-    o = tl.load(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :],
-                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    merged = tl.sum(o * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
-    dst = out_ptr + b * stride_ob + head * stride_oh + d
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
+    kv_head = tl.program_id(1)
+    seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
+    busy, _ = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
+    if busy > 1:
+        _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_heads,
+                     num_splits, stride_ob, stride_oh, False, GROUP, GROUP_P, HEAD_DIM, BLOCK_D,
+                     CHUNK)
 
 
 def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,
@@ -254,8 +334,12 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
+    last_merges: bool = True,
 ) -> torch.Tensor:
-    """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them)."""
+    """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them).
+    Each (request, KV head)'s last split merges the partials where counters can be had
+    (``kernels.arrivals``), else (and with ``last_merges=False``) a second launch does, the
+    same merge."""
     out = _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,
                       num_splits)
     cfg = config or DecodeConfig()
@@ -264,21 +348,26 @@ def paged_decode_attention_triton(
     if out.numel() == 0:
         return out
     max_kv_len = page_table.shape[1] * page_size
+    num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+               if q.is_cuda else 1)  # the interpreter runs programs one by one
+    split_keys = choose_split_keys(batch * kv_heads, num_sms, cfg)
     if num_splits is None:
-        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                   if q.is_cuda else 1)  # the interpreter runs programs one by one
-        num_splits = choose_num_splits(batch, kv_heads, max_kv_len, num_sms, cfg)
+        num_splits = choose_num_splits(batch, kv_heads, max_kv_len, num_sms, cfg, split_keys)
     # Splits are whole key blocks (the kernel cuts each request's keys).
     num_splits = max(1, min(num_splits, triton.cdiv(max_kv_len, cfg.block_n)))
     group = q_heads // kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
+    group_p = triton.next_power_of_2(group)
+    chunk = merge_chunk(group_p * block_d)
     write_partial = num_splits > 1
+    count = None
     if write_partial:
         part_o = torch.empty((batch, q_heads, num_splits, block_d), dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32,
                                device=q.device)
+        count = counters(q.device, batch * kv_heads) if last_merges else None
     else:
         part_o = part_lse = out  # unused
     fp8 = k_cache.dtype == torch.uint8
@@ -289,21 +378,24 @@ def paged_decode_attention_triton(
         k_vals, v_vals, k_scales, v_scales = k_cache, v_cache, k_cache, v_cache
     _paged_decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_vals, v_vals, k_scales, v_scales, page_table, seq_lens, part_o, part_lse, out,
-        softmax_scale * _LOG2E, max_kv_len, q_heads, num_splits,
+        count if count is not None else seq_lens, softmax_scale * _LOG2E, max_kv_len, q_heads,
+        kv_heads, num_splits, split_keys,
         q.stride(0), q.stride(1), k_vals.stride(0), k_vals.stride(1),
         v_vals.stride(0), v_vals.stride(1), k_scales.stride(0), k_scales.stride(1),
         v_scales.stride(0), v_scales.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
-        WRITE_PARTIAL=write_partial, IEEE_DOT=q.dtype == torch.float32, KV_FP8=fp8,
+        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=cfg.block_n, CHUNK=chunk,
+        WRITE_PARTIAL=write_partial, LAST_MERGES=count is not None,
+        IEEE_DOT=q.dtype == torch.float32, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
-    if write_partial:
-        _paged_decode_merge_kernel[(batch, q_heads)](
-            part_o, part_lse, out, q_heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl_args(q),
+    if write_partial and count is None:
+        _paged_decode_merge_kernel[(batch, kv_heads)](
+            part_o, part_lse, out, seq_lens, q_heads, num_splits, max_kv_len, split_keys,
+            out.stride(0), out.stride(1),
+            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_N=cfg.block_n, CHUNK=chunk, **pdl_args(q),
         )
     return out
 

@@ -20,8 +20,10 @@ the last, ragged scale group of a K that is not a multiple of ``GROUP_K`` masks 
 loads; the others load unmasked vectors. With ``num_stages > 1`` (``PREFETCH``; the
 k step then one scale group) the next group's weight tile is loaded before this
 group's FMAs run, a register double buffer, so two tiles a program are in flight. Split-K writes float32 partials ``[SPLIT_K,
-M, N]`` that ``_gemv_reduce_kernel`` adds in split order with the bias (deterministic,
-no atomics), as the tensor-core GEMMs' reduction does.
+M, N]``; the last split of each column tile to finish adds them in split order with
+the bias (``kernels.arrivals``: one counter a tile, the sum deterministic), or, where no
+counters can be had, ``_gemv_reduce_kernel`` does in a launch of its own, the same sums
+in the same order, as the tensor-core GEMMs' reduction does.
 
 ``silu=True`` (the down projection of a gated MLP): ``x`` is the gate/up GEMM's
 output ``[M, 2K]`` (gate half, then up half) and each chunk is ``silu(gate) * up``
@@ -50,6 +52,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from lanekv.kernels.arrivals import arrived_last, counters, reset
 from lanekv.kernels.backend import check_same_device, on_device
 from lanekv.kernels.fp8.gemm_configs import GEMV_MAX_ROWS, GemmConfig, check_config
 from lanekv.kernels.fp8.quant import silu_mul_tile
@@ -136,11 +139,11 @@ def _finish_row(acc, row, split, n, n_ok, bias, out_ptr, part_ptr, cols, stride_
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, cols, depth,
+    x_ptr, w_ptr, ws_ptr, bias_ptr, out_ptr, part_ptr, count_ptr, cols, depth,
     stride_x, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
-    PREFETCH: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr, LAST_REDUCES: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """``BLOCK_N`` columns of every row over one k slice of whole scale groups."""
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
@@ -213,6 +216,29 @@ def _gemv_kernel(
     if ROWS > 3:
         _finish_row(acc3, 3, split, n, n_ok, bias, out_ptr, part_ptr, cols, stride_out, ROWS,
                     SPLIT_K, HAS_BIAS)
+    if LAST_REDUCES:  # the column tile's last split adds the partials (kernels.arrivals)
+        if arrived_last(count_ptr, pid_n, SPLIT_K):
+            for row in tl.static_range(ROWS):
+                _reduce_row(part_ptr, bias_ptr, out_ptr, row, n, n_ok, cols, stride_out,
+                            ROWS, SPLIT_K, HAS_BIAS, True)
+            reset(count_ptr, pid_n)
+
+
+@triton.jit
+def _reduce_row(part_ptr, bias_ptr, out_ptr, row, n, ok, cols, stride_out, ROWS: tl.constexpr,
+                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, UNCACHED: tl.constexpr):
+    """``out[row, n] = sum(partials[:, row, n]) + bias[n]`` in float32, the splits in
+    order (``UNCACHED``: loads past L1, for partials other programs of this launch wrote)."""
+    acc = tl.zeros(n.shape, tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        at = part_ptr + (s * ROWS + row) * cols + n
+        if UNCACHED:
+            acc += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
+        else:
+            acc += tl.load(at, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -224,14 +250,8 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, cols, stride_out, ROWS: tl.
     pdl_launch_dependents(USE_PDL)
     row = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    ok = n < cols
-    acc = tl.zeros([BLOCK], tl.float32)
-    for s in tl.static_range(SPLIT_K):
-        acc += tl.load(part_ptr + (s * ROWS + row) * cols + n, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row.to(tl.int64) * stride_out + n, acc.to(out_ptr.dtype.element_ty),
-             mask=ok)
+    _reduce_row(part_ptr, bias_ptr, out_ptr, row.to(tl.int64), n, n < cols, cols, stride_out,
+                ROWS, SPLIT_K, HAS_BIAS, False)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
@@ -273,9 +293,11 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
                 block: tuple[int, int], bias: torch.Tensor | None, config: GemmConfig, *,
-                silu: bool = False) -> torch.Tensor:
+                silu: bool = False, last_reduces: bool = True) -> torch.Tensor:
     """``x [M, K]`` (``silu``: ``gate_up [M, 2K]``), ``M <= GEMV_MAX_ROWS`` -> ``[M, N]``
-    in x's dtype, with the gemv ``config``'s tiles."""
+    in x's dtype, with the gemv ``config``'s tiles. Split-K partials are added by each
+    column tile's last split (``kernels.arrivals``) where counters can be had, else (and
+    with ``last_reduces=False``) by a launch of their own; the result is the same."""
     block = (int(block[0]), int(block[1]))
     _check(x, weight, weight_scale_inv, block, bias, config, silu)
     rows, cols = x.shape[0], weight.shape[0]
@@ -290,16 +312,19 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
     part = (torch.empty((split, rows, cols), dtype=torch.float32, device=x.device)
             if split > 1 else out)
     bias_arg = bias if bias is not None else weight_scale_inv
+    tiles = triton.cdiv(cols, config.block_n)
+    count = counters(x.device, tiles) if split > 1 and last_reduces else None
     with on_device(x.device):
-        _gemv_kernel[(triton.cdiv(cols, config.block_n) * split,)](
-            x, weight, weight_scale_inv, bias_arg, out, part, cols, depth, x.stride(0),
+        _gemv_kernel[(tiles * split,)](
+            x, weight, weight_scale_inv, bias_arg, out, part,
+            count if count is not None else part, cols, depth, x.stride(0),
             weight.stride(0), weight_scale_inv.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None, ROWS=rows,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, SILU=silu,
-            PREFETCH=config.num_stages > 1, num_warps=config.num_warps, num_stages=config.num_stages,
-            **pdl_args(x),
+            PREFETCH=config.num_stages > 1, LAST_REDUCES=count is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x),
         )
-        if split > 1:
+        if split > 1 and count is None:
             reduce_block = min(1024, triton.next_power_of_2(cols))
             _gemv_reduce_kernel[(triton.cdiv(cols, reduce_block), rows)](
                 part, bias_arg, out, cols, out.stride(0), ROWS=rows, SPLIT_K=split,

@@ -13,7 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from lanekv.kernels import arrivals
 from lanekv.kernels.fp8 import gemm as gemm_module
+from lanekv.kernels.fp8 import gemm_gemv as gemv_module
 from lanekv.kernels.fp8.gemm import (
     block_fp8_matmul_triton,
     fp8_linear_ref,
@@ -98,6 +100,42 @@ def test_gemv_linear_equals_the_reference(case, rows, split, stages, dtype):
         ref32 = fp8_linear_ref(x.float(), w, w_scale, block, None if b is None else b.float())
         tol = 1e-5 if dtype == torch.float32 else 1e-3
         torch.testing.assert_close(out.float(), ref32, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("rows,split,stages", [(1, 3, 1), (4, 16, 1), (2, 2, 2), (3, 5, 2)])
+def test_the_last_split_adds_the_partials_as_the_reduce_launch_did(rows, split, stages,
+                                                                    monkeypatch):
+    """Split-K partials added by each column tile's last split (``kernels.arrivals``)
+    equal the separate reduce launch's bit for bit (same float32 sums in the same order),
+    with and without bias, in one launch: the reduce kernel never runs; and the counters
+    are back at zero for the next launch."""
+    cols, depth, block, block_n, _ = GEMV_CASES[1]  # 130 columns: a ragged last tile
+    x, w, w_scale, bias = _inputs(rows, cols, depth, block, F32, seed=11 * rows + split)
+    cfg = _gemv(block_n, 128, split, stages=stages)
+    apart = [gemv_linear(x, w, w_scale, block, b, cfg, last_reduces=False) for b in (None, bias)]
+    held = []
+
+    def counting(device, groups):
+        held.append(torch.zeros(groups, dtype=torch.int32))
+        return held[-1]
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("the separate reduce kernel was launched")
+
+    monkeypatch.setattr(gemv_module, "counters", counting)
+    monkeypatch.setattr(gemv_module, "_gemv_reduce_kernel", NoLaunch())
+    for b, expected in zip((None, bias), apart):
+        assert torch.equal(gemv_linear(x, w, w_scale, block, b, cfg), expected)
+    assert [c.shape[0] for c in held] == [3, 3]  # one counter a column tile: 130 / 64
+    assert all(not c.any() for c in held)
+
+
+def test_arrival_counters_are_the_devices_and_refuse_too_many_groups():
+    """On a CPU each call gets zeroed counters of its own; more groups than the slots
+    ask for the separate launch (None)."""
+    assert torch.equal(arrivals.counters(torch.device("cpu"), 7), torch.zeros(7, dtype=torch.int32))
+    assert arrivals.counters(torch.device("cpu"), arrivals.SLOTS + 1) is None
 
 
 def test_gemv_reads_the_weight_once_for_all_rows_and_quantizes_nothing(monkeypatch):
@@ -358,3 +396,36 @@ def test_gpu_gemv_and_the_fused_silu_down_equal_the_reference(rows):
             # the float32 reference does not round silu(gate) * up to bf16: near, by norm
             ref = silu_mul_fp8_linear_ref(gate_up.float(), w, w_scale, block, bias.float())
             assert (fused.float() - ref).norm() <= 1e-2 * ref.norm(), cfg.name()
+
+
+@requires_gpu
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_gpu_last_split_reduction_replays_in_a_cuda_graph(pdl, monkeypatch):
+    """Compiled, in a captured graph replayed on new inputs (with and without PDL): the
+    last split's reduction equals the separate reduce launch bit for bit at every replay,
+    back to back with a second GEMV sharing the counters, and the counters are zero
+    after."""
+    monkeypatch.setenv("LANEKV_PDL", pdl)
+    block = (128, 128)
+    x, w, w_scale, _ = _inputs(2, 4096, 4096, block, torch.bfloat16, seed=3, device="cuda")
+    w2, w2_scale = w[:576], w_scale[:5]  # a ragged column tile, 5 scale rows
+    cfg, cfg2 = _gemv(64, 128, 8), _gemv(32, 128, 4, stages=2)
+    gemv_linear(x, w, w_scale, block, None, cfg)  # eager: compiles, makes the counters
+    gemv_linear(x, w2, w2_scale, block, None, cfg2)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        gemv_linear(x, w, w_scale, block, None, cfg)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = gemv_linear(x, w, w_scale, block, None, cfg)
+        second = gemv_linear(x, w2, w2_scale, block, None, cfg2)
+    for seed in range(4):
+        x.copy_(torch.randn(x.shape, generator=torch.Generator().manual_seed(seed)).to(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(first, gemv_linear(x, w, w_scale, block, None, cfg, last_reduces=False))
+        assert torch.equal(second, gemv_linear(x, w2, w2_scale, block, None, cfg2,
+                                               last_reduces=False))
+    assert not arrivals.counters(x.device, 1).any()
