@@ -56,7 +56,7 @@ from lanekv.kernels.fp8.gemm_configs import (  # noqa: E402
     candidate_configs,
     config_for_device,
 )
-from lanekv.kernels.fp8.gemm_gemv import _gemv_kernel  # noqa: E402
+from lanekv.kernels.fp8.gemm_gemv import _gemv_kernel, _register_cap  # noqa: E402
 from lanekv.kernels.fp8.gemm_w8a16 import _w8a16_kernel  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
@@ -149,7 +149,8 @@ def _compile_gemv(cfg: GemmConfig, *, rows: int, silu: bool, even_k: bool,
              and (ints is None or ints.get(renamed.get(n, n), 0) % 16 == 0)}
     kernel = triton.compile(ASTSource(_gemv_kernel, sig, consts, attrs),
                             target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                            options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                         **_register_cap(cfg, cfg.split_k > 1)))
     rec = _report(cfg, kernel, cfg.block_n * cfg.block_k)
     ptx = kernel.asm["ptx"]
     # the weight's widest load in bytes: plain (ld.global.v4.b32: 16) or pipelined through

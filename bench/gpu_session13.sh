@@ -5,6 +5,8 @@
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session13.sh PART
 #   t: the GPU tests of the two kernels (graph replays with and without PDL) and the
 #      no-compile test of the decode daemon.
+#   m: bench/split_reductions.py: each kernel's variants (the reduce or merge launch, the
+#      last split's, its knobs), Llama-3-8B shapes, batch 1/2/16/64.
 #   d: the FP8 decode step (Llama-3-8B and V2-Lite shapes, batch 1/16/64, our bf16 step and
 #      the FP8 floor in the same run), then the batch-1 kernel profile of both Llama steps
 #      at a captured graph's table width.
@@ -20,6 +22,9 @@ t)
     timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_gemv.py \
         tests/kernels/test_decode_attention.py tests/decode/test_no_compile.py > "$L/gpu_tests_t.log" 2>&1
     stamp "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_t.log" | cut -c1-200; tail -1 "$L/gpu_tests_t.log" ;;
+m)
+    timeout 300 python3 bench/split_reductions.py --json "$OUT/split_reductions.json" > "$L/split_reductions.log" 2>&1
+    stamp "split reductions rc=$?"; grep -v -i warn "$L/split_reductions.log" | tail -16 ;;
 d)
     timeout 300 python3 bench/fp8.py --only decode --models llama3_8b v2_lite --batches 1 16 64 \
         --json "$OUT/fp8_decode_last_split.json" > "$L/fp8_decode.log" 2>&1
@@ -31,5 +36,5 @@ d)
         stamp "profile $n rc=$?"
     done ;;
 *)
-    echo "unknown part: $part (t, d)" >&2; exit 2 ;;
+    echo "unknown part: $part (t, m, d)" >&2; exit 2 ;;
 esac

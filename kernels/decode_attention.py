@@ -64,6 +64,10 @@ class DecodeConfig(NamedTuple):
     # per 16 SMs: batch 1 and 2 at 8 KV heads on an H200): one key block, so that a
     # short context still spreads over the SMs; 0: min_split_keys at every batch.
     few_programs_split_keys: int = 64
+    # The merge of a group's splits loads at most this many float32 values at once
+    # (``merge_chunk``; its registers count for the whole kernel): 16 splits of 4 heads
+    # x 128 at once, so a batch-1 step's 1k-token request merges in one step.
+    merge_values: int = 8192
 
 
 def choose_split_keys(programs: int, num_sms: int, config: DecodeConfig) -> int:
@@ -86,10 +90,12 @@ def choose_num_splits(
     return max(1, min(wanted, triton.cdiv(max_kv_len, keys)))
 
 
-def merge_chunk(wide: int) -> int:
-    """Splits a merge loads at once: ``[chunk, wide]`` float32 is 64 values a thread at 4
-    warps."""
-    return max(1, 8192 // wide)
+def merge_chunk(num_splits: int, wide: int, config: DecodeConfig) -> int:
+    """Splits a merge loads at once: all ``num_splits`` (rounded up to a power of two) in
+    one step, unless ``[chunk, wide]`` float32 would exceed ``config.merge_values`` (the
+    last split merges after one round trip to L2 per step; each step is a dependent one)."""
+    most = max(1, triton.next_power_of_2(max(1, config.merge_values // wide) + 1) // 2)
+    return min(triton.next_power_of_2(num_splits), most)
 
 
 @triton.jit
@@ -98,11 +104,11 @@ def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_head
                  GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
                  CHUNK: tl.constexpr):
     """The ``busy`` partials of one (request, KV head) merged into its ``GROUP`` query
-    heads' output: their log2-sum-exps' maximum first, then the weighted sum chunk by
-    chunk of splits, in split order (``UNCACHED``: loads past L1, for partials other
-    programs of this launch wrote). Heads and columns lie along one axis
-    (``GROUP_P``, GROUP's next power of two, times ``BLOCK_D`` values), so a chunk of
-    splits is ``[CHUNK, GROUP_P * BLOCK_D]`` (``merge_chunk``)."""
+    heads' output in one pass, ``CHUNK`` splits at a time in split order, with a running
+    maximum of their log2-sum-exps (``UNCACHED``: loads past L1, for partials other
+    programs of this launch wrote). Heads and columns lie along one axis (``GROUP_P``,
+    GROUP's next power of two, times ``BLOCK_D`` values), so a chunk of splits is
+    ``[CHUNK, GROUP_P * BLOCK_D]`` (``merge_chunk``)."""
     WIDE: tl.constexpr = GROUP_P * BLOCK_D
     i = tl.arange(0, WIDE)
     head = i // BLOCK_D
@@ -112,31 +118,28 @@ def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_head
     first = (b * num_q_heads + q_head) * num_splits  # [WIDE]: each value's head's split 0
     c = tl.arange(0, CHUNK)
     top = tl.full([WIDE], float("-inf"), tl.float32)
-    for s0 in range(0, busy, CHUNK):
-        ok = (s0 + c < busy)[:, None] & h_ok[None, :]
-        at = part_lse_ptr + first[None, :] + (s0 + c)[:, None]
-        if UNCACHED:
-            lse = tl.load(at, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        else:
-            lse = tl.load(at, mask=ok, other=float("-inf"))
-        top = tl.maximum(top, tl.max(lse, 0))
-    top = tl.where(top > float("-inf"), top, 0.0)  # heads past GROUP: never stored
     acc = tl.zeros([WIDE], tl.float32)
     total = tl.zeros([WIDE], tl.float32)
     for s0 in range(0, busy, CHUNK):
-        ok = (s0 + c < busy)[:, None] & h_ok[None, :]
+        split_ok = (s0 + c < busy)[:, None]
         slot = first[None, :] + (s0 + c)[:, None]
-        o_ok = ok & (d < HEAD_DIM)[None, :]  # rows are padded to BLOCK_D, never written there
+        o_ok = split_ok & (h_ok & (d < HEAD_DIM))[None, :]  # rows padded to BLOCK_D, unwritten
+        # past GROUP: a finite 0, so those (never stored) lanes stay finite
+        lse_other = tl.where(h_ok, float("-inf"), 0.0)[None, :]
         if UNCACHED:
-            lse = tl.load(part_lse_ptr + slot, mask=ok, other=float("-inf"), cache_modifier=".cg")
+            lse = tl.load(part_lse_ptr + slot, mask=split_ok & h_ok[None, :], other=lse_other,
+                          cache_modifier=".cg")
             o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :], mask=o_ok, other=0.0,
                         cache_modifier=".cg")
         else:
-            lse = tl.load(part_lse_ptr + slot, mask=ok, other=float("-inf"))
+            lse = tl.load(part_lse_ptr + slot, mask=split_ok & h_ok[None, :], other=lse_other)
             o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :], mask=o_ok, other=0.0)
-        weight = tl.exp2(lse - top[None, :])  # 0 past the busy splits
-        acc += tl.sum(weight * o, 0)
-        total += tl.sum(weight, 0)
+        new_top = tl.maximum(top, tl.max(lse, 0))  # finite: split s0 is busy
+        rescale = tl.exp2(top - new_top)
+        weight = tl.exp2(lse - new_top[None, :])  # 0 past the busy splits
+        acc = acc * rescale + tl.sum(weight * o, 0)
+        total = total * rescale + tl.sum(weight, 0)
+        top = new_top
     merged = acc / tl.where(total > 0.0, total, 1.0)
     dst = out_ptr + b * stride_ob + q_head * stride_oh + d
     tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=h_ok & (d < HEAD_DIM))
@@ -166,77 +169,81 @@ def _paged_decode_attention_kernel(
     # captured step) serves any lengths; the other programs write nothing.
     busy, split_len = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
     busy = tl.maximum(busy, 1)
-    if split < busy:
-        start = split * split_len
-        end = tl.minimum(start + split_len, seq_len)
+    mine = split < busy  # past the busy splits: no keys, nothing stored
+    start = split * split_len
+    end = tl.where(mine, tl.minimum(start + split_len, seq_len), start)
 
-        h = tl.arange(0, BLOCK_H)
-        d = tl.arange(0, BLOCK_D)
-        q_head = kv_head * GROUP + h
-        h_ok = h < GROUP
-        d_ok = d < HEAD_DIM
-        q = tl.load(
-            q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
-            mask=h_ok[:, None] & d_ok[None, :], other=0.0,
-        )  # [BLOCK_H, BLOCK_D]
-        m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_vh
-        for n0 in range(start, end, BLOCK_N):
-            t = n0 + tl.arange(0, BLOCK_N)
-            t_ok = t < end
-            page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
-            row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
-            kv_mask = t_ok[:, None] & d_ok[None, :]
-            k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:  # one float32 scale per row and head; one rounding to q's dtype
-                k_scale = tl.load(ks_ptr + kv_head * stride_ksh + row * stride_ksr, mask=t_ok,
-                                  other=0.0)
-                k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
-            if IEEE_DOT:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-            s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l = l * alpha + tl.sum(p, 1)
-            v = tl.load(v_base + row[:, None] * stride_vr + d[None, :], mask=kv_mask, other=0.0)
-            if KV_FP8:
-                v_scale = tl.load(vs_ptr + kv_head * stride_vsh + row * stride_vsr, mask=t_ok,
-                                  other=0.0)
-                v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
-            if IEEE_DOT:
-                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m = m_new
-
-        has_keys = l > 0.0  # false only for seq_len 0
-        o = acc / tl.where(has_keys, l, 1.0)[:, None]
-        o_mask = h_ok[:, None] & d_ok[None, :]
-        direct = True
-        if WRITE_PARTIAL:
-            direct = busy == 1
-        if direct:
-            dst = out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :]
-            tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    q_head = kv_head * GROUP + h
+    # a program past the busy splits loads and stores nothing (the split compared as a
+    # vector: the interpreter cannot mask with a scalar and a vector anded)
+    h_ok = (h < GROUP) & (h * 0 + split < busy)
+    d_ok = d < HEAD_DIM
+    q = tl.load(
+        q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
+        mask=h_ok[:, None] & d_ok[None, :], other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        t = n0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        page = tl.load(table_ptr + b * stride_tb + t // PAGE_SIZE, mask=t_ok, other=0)
+        row = page.to(tl.int64) * PAGE_SIZE + t % PAGE_SIZE
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + row[:, None] * stride_kr + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:  # one float32 scale per row and head; one rounding to q's dtype
+            k_scale = tl.load(ks_ptr + kv_head * stride_ksh + row * stride_ksr, mask=t_ok,
+                              other=0.0)
+            k = (k.to(tl.float32) * k_scale[:, None]).to(q.dtype)
+        if IEEE_DOT:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
-            # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o).
-            slot = (b * num_q_heads + q_head) * num_splits + split
-            tl.store(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
-            tl.store(part_lse_ptr + slot, m + tl.log2(l), mask=h_ok)
-            if LAST_MERGES:  # the (request, KV head)'s last split merges (kernels.arrivals)
-                group = b * num_kv_heads + kv_head
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(t_ok[None, :], s * scale_log2, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + row[:, None] * stride_vr + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            v_scale = tl.load(vs_ptr + kv_head * stride_vsh + row * stride_vsr, mask=t_ok,
+                              other=0.0)
+            v = (v.to(tl.float32) * v_scale[:, None]).to(q.dtype)
+        if IEEE_DOT:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+
+    has_keys = l > 0.0  # false only for seq_len 0
+    o = acc / tl.where(has_keys, l, 1.0)[:, None]
+    o_mask = h_ok[:, None] & d_ok[None, :]
+    if WRITE_PARTIAL:
+        # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o), also
+        # for a request of one busy split (its merge copies it: one store here, as a
+        # second, direct one would hold its addresses in 24 registers more). An empty
+        # request's lse is 0, its o zeros: it merges to zeros.
+        slot = (b * num_q_heads + q_head) * num_splits + split
+        tl.store(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), 0.0)
+        tl.store(part_lse_ptr + slot, lse, mask=h_ok)
+        if LAST_MERGES:  # the group's last split merges (kernels.arrivals)
+            group = b * num_kv_heads + kv_head
+            if mine:
                 if arrived_last(count_ptr, group, busy):
                     _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy,
                                  num_q_heads, num_splits, stride_ob, stride_oh, True, GROUP,
                                  GROUP_P, HEAD_DIM, BLOCK_D, CHUNK)
                     reset(count_ptr, group)
+    else:
+        dst = out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
 @triton.jit(do_not_specialize=["num_splits", "max_kv_len", "split_keys"])
@@ -247,18 +254,16 @@ def _paged_decode_merge_kernel(
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """Stage 2 where stage 1 did not merge: one program per (request, KV head), the same
-    merge (``_merge_group``) over the busy splits; a request of one busy split was
-    written by stage 1."""
+    merge (``_merge_group``) over the busy splits."""
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
     busy, _ = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
-    if busy > 1:
-        _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_heads,
-                     num_splits, stride_ob, stride_oh, False, GROUP, GROUP_P, HEAD_DIM, BLOCK_D,
-                     CHUNK)
+    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, tl.maximum(busy, 1), num_q_heads,
+                 num_splits, stride_ob, stride_oh, False, GROUP, GROUP_P, HEAD_DIM, BLOCK_D,
+                 CHUNK)
 
 
 def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,
@@ -359,7 +364,7 @@ def paged_decode_attention_triton(
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
     group_p = triton.next_power_of_2(group)
-    chunk = merge_chunk(group_p * block_d)
+    chunk = merge_chunk(num_splits, group_p * block_d, cfg)
     write_partial = num_splits > 1
     count = None
     if write_partial:

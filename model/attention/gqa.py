@@ -131,11 +131,11 @@ class GQA(AttentionKind):
         return attention
 
     def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
-        """The split count decides at compile time whether partials are written (and merged
-        by each group's last split), so one split and the most the pool allows run once,
-        reading nothing (``seq_lens`` 0) and writing only their own output; the first
-        eager launch also makes the device's arrival counters (``kernels.arrivals``),
-        which a graph capture cannot."""
+        """The split count decides two compile-time values (whether partials are written, and
+        how many splits the merge loads at once), so each split count up to the most the pool
+        allows runs once, reading nothing (``seq_lens`` 0) and writing only its own output;
+        the first eager launch also makes the device's arrival counters
+        (``kernels.arrivals``), which a graph capture cannot."""
         rows, page_size, tensor = pool.rows, pool.page_size, pool.tensor
         width = table_width(pool, config.max_position_embeddings)
         # The most splits the launcher picks: enough programs for every SM, and no
@@ -148,9 +148,13 @@ class GQA(AttentionKind):
                         device=tensor.device)
         table = torch.zeros((1, width), dtype=torch.int32, device=tensor.device)
         lens = torch.zeros(1, dtype=torch.int32, device=tensor.device)
-        for splits in sorted({1, most}):
+        splits = 1
+        while True:  # 1, 2, 3, 5, 9, ...: every merge chunk, and no merge at all
             paged_decode_attention(q, tensor[0, 0], tensor[0, 1], table, lens, page_size, 1.0,
                                    num_splits=splits)
+            if splits >= most:
+                break
+            splits = min(most, 2 * splits - 1 if splits > 1 else 2)
 
 
 def _fp8_cp_prefill(batch: CPBatch, scale: float) -> AttentionFn:
