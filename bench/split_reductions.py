@@ -8,10 +8,15 @@ step's table of 128 pages). Each variant is timed as microseconds per call, repl
 a CUDA graph of 20 calls with PDL on (as the batch-1 step runs them, ``graph_us``).
 
 GEMV variants: ``apart`` (the reduce launch), ``last`` (the last split adds, registers
-capped where ``LAST_REDUCE_REGISTERS`` says), ``last_uncapped``. Attention variants:
-``apart_256`` (the merge launch; 256 keys a busy split at every batch, as before the busy
-splits took one key block at small batches), ``apart`` (the merge launch), ``last`` (the
-default), ``last_m<N>`` (the merge loading at most N float32 values at once).
+capped where ``LAST_REDUCE_REGISTERS`` says), ``last_uncapped``. Attention variants (the
+merge is a launch of its own): ``keys_256`` (256 keys a busy split at every batch),
+``busy`` (the default: one 64-key block a busy split at small batches), ``busy_m<N>``
+(the merge loading at most N float32 values at once).
+
+Kernel by kernel these do not add up to a step: in the batch-1 Llama-3-8B step the
+last-split GEMVs were faster than GEMV plus reduce for all four linears (the step's
+profile, ``bench/deepseek_profile.py``), while here, 20 launches of one GEMV back to
+back, two of them were slower. The step (``bench/fp8.py --only decode``) decides.
 
     python bench/split_reductions.py --json split_reductions.json
 """
@@ -37,6 +42,14 @@ from bench.deepseek_kernels import graph_us  # noqa: E402
 
 LLAMA = [("qkv", 6144, 4096, False), ("o", 4096, 4096, False), ("gate_up", 28672, 4096, False),
          ("down", 4096, 14336, True)]
+
+
+ATTENTION_VARIANTS = {
+    "keys_256": DecodeConfig(few_programs_split_keys=0),
+    "busy": DecodeConfig(),
+    "busy_m2048": DecodeConfig(merge_values=2048),
+    "busy_m512": DecodeConfig(merge_values=512),
+}
 
 
 def gemv_rows(device: torch.device) -> list[dict]:
@@ -77,19 +90,11 @@ def attention_rows(device: torch.device, batches: list[int], contexts: list[int]
             table = torch.randperm(pages, device=device).to(torch.int32).view(batch, width)
             lens = torch.full((batch,), context, dtype=torch.int32, device=device)
             q = torch.randn(batch, heads, dim, device=device, dtype=torch.bfloat16)
-            ref = paged_decode_attention_triton(q, k, v, table, lens, page, 0.088,
-                                                last_merges=False)
+            ref = paged_decode_attention_triton(q, k, v, table, lens, page, 0.088)
             row = dict(batch=batch, context=context, kv_bytes=2 * batch * context * kv_heads * dim * 2)
-            variants = {
-                "apart_256": (False, DecodeConfig(few_programs_split_keys=0)),
-                "apart": (False, DecodeConfig()),
-                "last": (True, DecodeConfig()),
-                "last_m2048": (True, DecodeConfig(merge_values=2048)),
-                "last_m512": (True, DecodeConfig(merge_values=512)),
-            }
-            for variant, (last, cfg) in variants.items():
+            for variant, cfg in ATTENTION_VARIANTS.items():
                 call = functools.partial(paged_decode_attention_triton, q, k, v, table, lens,
-                                         page, 0.088, config=cfg, last_merges=last)
+                                         page, 0.088, config=cfg)
                 got = call()
                 err = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
                 row[variant] = dict(us=graph_us(call), rel_err=err)
@@ -117,7 +122,7 @@ def main() -> None:
     for r in result["gemv"]:
         print(f"{r['linear']:>8} {r['config']:>24} {r['apart']['us']:7.2f} {r['last']['us']:7.2f} "
               f"{r['last_uncapped']['us']:9.2f}  {r['last']['equal'] and r['last_uncapped']['equal']}")
-    names = ["apart_256", "apart", "last", "last_m2048", "last_m512"]
+    names = list(ATTENTION_VARIANTS)
     print("GQA paged decode attention, us a call (table of 128 pages, PDL on):")
     print(f"{'batch':>5} {'context':>7} " + " ".join(f"{n:>10}" for n in names) + "  max rel err")
     for r in result["attention"]:

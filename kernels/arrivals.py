@@ -1,10 +1,10 @@
 """Arrival counters: a split reduction finished by the split that arrives last.
 
-A split-K GEMV and a split-KV decode attention have several programs write float32
-partials of one output, and a second launch add them. In a batch-1 decode step that
-launch (1-3 us on an H200: its ramp and the tail of the kernel before it) lasts as long
-as the work it does, and a Llama layer ran five of them. Here the programs of one
-split group finish it themselves: each stores its partial, waits for all of its
+A split-K GEMV has several programs write float32 partials of one output, and a
+second launch add them. In a batch-1 decode step that launch (1-3 us on an H200: its
+ramp and the tail of the kernel before it) lasts as long as the work it does, and a
+Llama-3-8B FP8 layer ran four of them. Here the programs of one split group finish it
+themselves: each stores its partial, waits for all of its
 threads (``tl.debug_barrier``), and increments the group's counter with one atomic
 (acquire-release, GPU scope, so every store before it is visible to whichever program
 reads after a later increment). The program whose increment returns ``splits - 1``
@@ -23,7 +23,8 @@ prefill rank's GEMMs take more rows than the GEMV), and under PDL a kernel touch
 memory before the kernel ahead of it has completed (``kernels.pdl``). ``counters``
 answers ``None`` where it cannot give them (during a capture before any exist, more
 groups than ``SLOTS``): the launcher then adds the partials with the separate
-launch, as before. On a CPU (the Triton interpreter, which runs a launch's programs
+launch, as before. (The GQA decode attention's merge done this way was slower in the
+step: ``kernels/decode_attention.py``.) On a CPU (the Triton interpreter, which runs a launch's programs
 one after another) each call gets zeroed counters of its own.
 """
 
@@ -33,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-# Groups one launch may count (a GEMV's column tiles; a decode attention's requests x KV
-# heads): 256 KiB of int32 per device.
+# Groups one launch may count (a GEMV's column tiles): 256 KiB of int32 per device.
 SLOTS = 1 << 16
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}

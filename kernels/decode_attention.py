@@ -11,11 +11,16 @@ dtype. A request with ``seq_lens[b] == 0`` gets zeros (not NaN).
 Split-KV ("flash decoding"): stage 1 runs one program per (request, kv head,
 split of the keys); it reads that split's K/V once for all the query heads of
 the group and writes a partial output and its log-sum-exp; stage 2 merges the
-splits. The split count is chosen from the batch and the page table's width
-(known on the host, so no sync) so that a few long requests still fill the
-GPU; each request's own ``seq_lens[b]`` keys are cut into that many splits in
-the kernel, so a fixed grid (a captured step) serves any lengths. With one
-split stage 1 writes the output directly.
+splits. The split count (the grid's) is chosen from the batch and the page
+table's width (known on the host, so no sync) so that a few long requests still
+fill the GPU; in the kernel each request uses only the splits its own
+``seq_lens[b]`` fills with ``split_keys`` keys each (``kernels/mla/splits.py``'s
+busy splits: one 64-key block a split where (request, KV head) programs are few,
+256 keys otherwise; ``choose_split_keys``), so a fixed grid (a captured step)
+serves any lengths, and the merge reads only those. With one split stage 1
+writes the output directly. (Merging in the last split to arrive, as the FP8
+GEMV reduces, ``kernels.arrivals``, was slower in a batch-1 Llama-3-8B step on an
+H200: 19.9 us against 7.2 for the two launches; BENCHMARKS.md, thirteenth session.)
 
 FP8 rows (``kv_cache_dtype=fp8_e4m3``): uint8 caches ``[R, Hkv, D + 4]``, each
 head's D e4m3 values then its float32 scale (``kernels/fp8/kv_rows.py``); the
@@ -36,7 +41,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from lanekv.kernels.arrivals import arrived_last, counters, reset
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.fp8.kv_rows import dequantize_kv_fp8_rows, kv_fp8_head_bytes, kv_fp8_views
 from lanekv.kernels.kv_layout import check_page_table
@@ -64,9 +68,9 @@ class DecodeConfig(NamedTuple):
     # per 16 SMs: batch 1 and 2 at 8 KV heads on an H200): one key block, so that a
     # short context still spreads over the SMs; 0: min_split_keys at every batch.
     few_programs_split_keys: int = 64
-    # The merge of a group's splits loads at most this many float32 values at once
-    # (``merge_chunk``; its registers count for the whole kernel): 16 splits of 4 heads
-    # x 128 at once, so a batch-1 step's 1k-token request merges in one step.
+    # The merge of a (request, KV head)'s splits loads at most this many float32 values
+    # at once (``merge_chunk``): 16 splits of 4 heads x 128, so a batch-1 step's
+    # 1k-token request merges in one step.
     merge_values: int = 8192
 
 
@@ -92,21 +96,19 @@ def choose_num_splits(
 
 def merge_chunk(num_splits: int, wide: int, config: DecodeConfig) -> int:
     """Splits a merge loads at once: all ``num_splits`` (rounded up to a power of two) in
-    one step, unless ``[chunk, wide]`` float32 would exceed ``config.merge_values`` (the
-    last split merges after one round trip to L2 per step; each step is a dependent one)."""
+    one step, unless ``[chunk, wide]`` float32 would exceed ``config.merge_values`` (each
+    step waits on its loads before the next issues)."""
     most = max(1, triton.next_power_of_2(max(1, config.merge_values // wide) + 1) // 2)
     return min(triton.next_power_of_2(num_splits), most)
 
 
 @triton.jit
 def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_heads, num_splits,
-                 stride_ob, stride_oh, UNCACHED: tl.constexpr, GROUP: tl.constexpr,
-                 GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CHUNK: tl.constexpr):
+                 stride_ob, stride_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
     """The ``busy`` partials of one (request, KV head) merged into its ``GROUP`` query
     heads' output in one pass, ``CHUNK`` splits at a time in split order, with a running
-    maximum of their log2-sum-exps (``UNCACHED``: loads past L1, for partials other
-    programs of this launch wrote). Heads and columns lie along one axis (``GROUP_P``,
+    maximum of their log2-sum-exps. Heads and columns lie along one axis (``GROUP_P``,
     GROUP's next power of two, times ``BLOCK_D`` values), so a chunk of splits is
     ``[CHUNK, GROUP_P * BLOCK_D]`` (``merge_chunk``)."""
     WIDE: tl.constexpr = GROUP_P * BLOCK_D
@@ -123,17 +125,11 @@ def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_head
     for s0 in range(0, busy, CHUNK):
         split_ok = (s0 + c < busy)[:, None]
         slot = first[None, :] + (s0 + c)[:, None]
-        o_ok = split_ok & (h_ok & (d < HEAD_DIM))[None, :]  # rows padded to BLOCK_D, unwritten
         # past GROUP: a finite 0, so those (never stored) lanes stay finite
-        lse_other = tl.where(h_ok, float("-inf"), 0.0)[None, :]
-        if UNCACHED:
-            lse = tl.load(part_lse_ptr + slot, mask=split_ok & h_ok[None, :], other=lse_other,
-                          cache_modifier=".cg")
-            o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :], mask=o_ok, other=0.0,
-                        cache_modifier=".cg")
-        else:
-            lse = tl.load(part_lse_ptr + slot, mask=split_ok & h_ok[None, :], other=lse_other)
-            o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :], mask=o_ok, other=0.0)
+        lse = tl.load(part_lse_ptr + slot, mask=split_ok & h_ok[None, :],
+                      other=tl.where(h_ok, float("-inf"), 0.0)[None, :])
+        o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :],
+                    mask=split_ok & (h_ok & (d < HEAD_DIM))[None, :], other=0.0)
         new_top = tl.maximum(top, tl.max(lse, 0))  # finite: split s0 is busy
         rescale = tl.exp2(top - new_top)
         weight = tl.exp2(lse - new_top[None, :])  # 0 past the busy splits
@@ -149,13 +145,13 @@ def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_head
 @triton.jit(do_not_specialize=["max_kv_len", "num_splits", "split_keys", "stride_tb"])
 def _paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    count_ptr, scale_log2, max_kv_len, num_q_heads, num_kv_heads, num_splits, split_keys,
+    scale_log2, max_kv_len, num_q_heads, num_splits, split_keys,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
     stride_ksr, stride_ksh, stride_vsr, stride_vsh, stride_tb,
     stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, LAST_MERGES: tl.constexpr, IEEE_DOT: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr,
     KV_FP8: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
@@ -226,21 +222,13 @@ def _paged_decode_attention_kernel(
     o_mask = h_ok[:, None] & d_ok[None, :]
     if WRITE_PARTIAL:
         # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o), also
-        # for a request of one busy split (its merge copies it: one store here, as a
-        # second, direct one would hold its addresses in 24 registers more). An empty
-        # request's lse is 0, its o zeros: it merges to zeros.
+        # for a request of one busy split (the merge copies it: one store here, as a
+        # second, direct one would hold its addresses in 24 registers more, Triton 3.6 on
+        # sm_90). An empty request's lse is 0, its o zeros: it merges to zeros.
         slot = (b * num_q_heads + q_head) * num_splits + split
         tl.store(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), 0.0)
         tl.store(part_lse_ptr + slot, lse, mask=h_ok)
-        if LAST_MERGES:  # the group's last split merges (kernels.arrivals)
-            group = b * num_kv_heads + kv_head
-            if mine:
-                if arrived_last(count_ptr, group, busy):
-                    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy,
-                                 num_q_heads, num_splits, stride_ob, stride_oh, True, GROUP,
-                                 GROUP_P, HEAD_DIM, BLOCK_D, CHUNK)
-                    reset(count_ptr, group)
     else:
         dst = out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
@@ -253,8 +241,8 @@ def _paged_decode_merge_kernel(
     GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
-    """Stage 2 where stage 1 did not merge: one program per (request, KV head), the same
-    merge (``_merge_group``) over the busy splits."""
+    """Stage 2: one program per (request, KV head) merges its busy splits
+    (``_merge_group``)."""
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
@@ -262,8 +250,7 @@ def _paged_decode_merge_kernel(
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
     busy, _ = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
     _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, tl.maximum(busy, 1), num_q_heads,
-                 num_splits, stride_ob, stride_oh, False, GROUP, GROUP_P, HEAD_DIM, BLOCK_D,
-                 CHUNK)
+                 num_splits, stride_ob, stride_oh, GROUP, GROUP_P, HEAD_DIM, BLOCK_D, CHUNK)
 
 
 def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,
@@ -339,12 +326,8 @@ def paged_decode_attention_triton(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: DecodeConfig | None = None,
-    last_merges: bool = True,
 ) -> torch.Tensor:
-    """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them).
-    Each (request, KV head)'s last split merges the partials where counters can be had
-    (``kernels.arrivals``), else (and with ``last_merges=False``) a second launch does, the
-    same merge."""
+    """Triton launcher; ``config`` overrides the launch knobs (benchmarks sweep them)."""
     out = _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,
                       num_splits)
     cfg = config or DecodeConfig()
@@ -366,13 +349,11 @@ def paged_decode_attention_triton(
     group_p = triton.next_power_of_2(group)
     chunk = merge_chunk(num_splits, group_p * block_d, cfg)
     write_partial = num_splits > 1
-    count = None
     if write_partial:
         part_o = torch.empty((batch, q_heads, num_splits, block_d), dtype=torch.float32,
                              device=q.device)
         part_lse = torch.empty((batch, q_heads, num_splits), dtype=torch.float32,
                                device=q.device)
-        count = counters(q.device, batch * kv_heads) if last_merges else None
     else:
         part_o = part_lse = out  # unused
     fp8 = k_cache.dtype == torch.uint8
@@ -383,19 +364,17 @@ def paged_decode_attention_triton(
         k_vals, v_vals, k_scales, v_scales = k_cache, v_cache, k_cache, v_cache
     _paged_decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_vals, v_vals, k_scales, v_scales, page_table, seq_lens, part_o, part_lse, out,
-        count if count is not None else seq_lens, softmax_scale * _LOG2E, max_kv_len, q_heads,
-        kv_heads, num_splits, split_keys,
+        softmax_scale * _LOG2E, max_kv_len, q_heads, num_splits, split_keys,
         q.stride(0), q.stride(1), k_vals.stride(0), k_vals.stride(1),
         v_vals.stride(0), v_vals.stride(1), k_scales.stride(0), k_scales.stride(1),
         v_scales.stride(0), v_scales.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1),
-        GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=cfg.block_n, CHUNK=chunk,
-        WRITE_PARTIAL=write_partial, LAST_MERGES=count is not None,
-        IEEE_DOT=q.dtype == torch.float32, KV_FP8=fp8,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=cfg.block_n,
+        WRITE_PARTIAL=write_partial, IEEE_DOT=q.dtype == torch.float32, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
-    if write_partial and count is None:
+    if write_partial:
         _paged_decode_merge_kernel[(batch, kv_heads)](
             part_o, part_lse, out, seq_lens, q_heads, num_splits, max_kv_len, split_keys,
             out.stride(0), out.stride(1),

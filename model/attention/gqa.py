@@ -133,9 +133,7 @@ class GQA(AttentionKind):
     def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
         """The split count decides two compile-time values (whether partials are written, and
         how many splits the merge loads at once), so each split count up to the most the pool
-        allows runs once, reading nothing (``seq_lens`` 0) and writing only its own output;
-        the first eager launch also makes the device's arrival counters
-        (``kernels.arrivals``), which a graph capture cannot."""
+        allows runs once, reading nothing (``seq_lens`` 0) and writing only its own output."""
         rows, page_size, tensor = pool.rows, pool.page_size, pool.tensor
         width = table_width(pool, config.max_position_embeddings)
         # The most splits the launcher picks: enough programs for every SM, and no
