@@ -24,8 +24,8 @@ memory before the kernel ahead of it has completed (``kernels.pdl``). ``counters
 answers ``None`` where it cannot give them (during a capture before any exist, more
 groups than ``SLOTS``): the launcher then adds the partials with the separate
 launch, as before. (The GQA decode attention's merge done this way was slower in the
-step: ``kernels/decode_attention.py``.) On a CPU (the Triton interpreter, which runs a launch's programs
-one after another) each call gets zeroed counters of its own.
+step: ``kernels/decode_attention.py``.) On a CPU (the Triton interpreter, which runs a
+launch's programs one after another) each call gets zeroed counters of its own.
 """
 
 from __future__ import annotations
