@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One H200: the thirteenth session's split reductions finished by their last split
-# (kernels/arrivals.py: the FP8 GEMV's split-K reduce and the GQA decode's merge, no
-# launch of their own).
+# (kernels/arrivals.py: the FP8 GEMV's split-K reduce, no launch of its own).
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session13.sh PART
 #   t: the GPU tests of the two kernels (graph replays with and without PDL) and the
 #      no-compile test of the decode daemon.
-#   m: bench/split_reductions.py: each kernel's variants (the reduce or merge launch, the
-#      last split's, its knobs), Llama-3-8B shapes, batch 1/2/16/64.
+#   m: bench/split_reductions.py: the GEMV with the reduce launch and with the last split's
+#      reduction, Llama-3-8B's linears at one row. (Run on 55c974e it also timed the GQA
+#      decode attention's variants of that commit, since reverted.)
 #   d: the FP8 decode step (Llama-3-8B and V2-Lite shapes, batch 1/16/64, our bf16 step and
 #      the FP8 floor in the same run), then the batch-1 kernel profile of both Llama steps
 #      at a captured graph's table width.

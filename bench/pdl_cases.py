@@ -161,13 +161,16 @@ def fp8_gemm_w8a16(dtype: torch.dtype) -> Outputs:
 
 
 def fp8_gemv_silu(dtype: torch.dtype) -> Outputs:
-    """The gemv family over two k splits and their reduction, the SiLU product fused in;
-    and the plain SiLU-and-multiply kernel."""
+    """The gemv family over two k splits, the SiLU product fused in, reduced by the last
+    split and by the reduce launch (where no arrival counters can be had); and the plain
+    SiLU-and-multiply kernel."""
     g = _gen()
     w, s = _fp8_weight(g, 32, 64)
     gate_up = _randn(g, 3, 128, dtype=dtype)
     config = GemmConfig(16, 16, 16, split_k=2, num_stages=1, gemv=True)
-    return gemv_linear(gate_up, w, s, BLOCK, None, config, silu=True), silu_mul_triton(gate_up)
+    return (gemv_linear(gate_up, w, s, BLOCK, None, config, silu=True),
+            gemv_linear(gate_up, w, s, BLOCK, None, config, silu=True, last_reduces=False),
+            silu_mul_triton(gate_up))
 
 
 def _routing(gen: torch.Generator, tokens: int, top_k: int, experts: int):

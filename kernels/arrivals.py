@@ -23,8 +23,9 @@ prefill rank's GEMMs take more rows than the GEMV), and under PDL a kernel touch
 memory before the kernel ahead of it has completed (``kernels.pdl``). ``counters``
 answers ``None`` where it cannot give them (during a capture before any exist, more
 groups than ``SLOTS``): the launcher then adds the partials with the separate
-launch, as before. (The GQA decode attention's merge done this way was slower in the
-step: ``kernels/decode_attention.py``.) On a CPU (the Triton interpreter, which runs a
+launch, as before. (The GQA decode attention's merge done this way was slower in a
+batch-1 Llama-3-8B step on an H200, 19.9 us against 7.2 for the kernel and its merge
+launch: BENCHMARKS.md, thirteenth session.) On a CPU (the Triton interpreter, which runs a
 launch's programs one after another) each call gets zeroed counters of its own.
 """
 

@@ -11,16 +11,11 @@ dtype. A request with ``seq_lens[b] == 0`` gets zeros (not NaN).
 Split-KV ("flash decoding"): stage 1 runs one program per (request, kv head,
 split of the keys); it reads that split's K/V once for all the query heads of
 the group and writes a partial output and its log-sum-exp; stage 2 merges the
-splits. The split count (the grid's) is chosen from the batch and the page
-table's width (known on the host, so no sync) so that a few long requests still
-fill the GPU; in the kernel each request uses only the splits its own
-``seq_lens[b]`` fills with ``split_keys`` keys each (``kernels/mla/splits.py``'s
-busy splits: one 64-key block a split where (request, KV head) programs are few,
-256 keys otherwise; ``choose_split_keys``), so a fixed grid (a captured step)
-serves any lengths, and the merge reads only those. With one split stage 1
-writes the output directly. (Merging in the last split to arrive, as the FP8
-GEMV reduces, ``kernels.arrivals``, was slower in a batch-1 Llama-3-8B step on an
-H200: 19.9 us against 7.2 for the two launches; BENCHMARKS.md, thirteenth session.)
+splits. The split count is chosen from the batch and the page table's width
+(known on the host, so no sync) so that a few long requests still fill the
+GPU; each request's own ``seq_lens[b]`` keys are cut into that many splits in
+the kernel, so a fixed grid (a captured step) serves any lengths. With one
+split stage 1 writes the output directly.
 
 FP8 rows (``kv_cache_dtype=fp8_e4m3``): uint8 caches ``[R, Hkv, D + 4]``, each
 head's D e4m3 values then its float32 scale (``kernels/fp8/kv_rows.py``); the
@@ -44,7 +39,6 @@ import triton.language as tl
 from lanekv.kernels.backend import check_same_device, use_triton
 from lanekv.kernels.fp8.kv_rows import dequantize_kv_fp8_rows, kv_fp8_head_bytes, kv_fp8_views
 from lanekv.kernels.kv_layout import check_page_table
-from lanekv.kernels.mla.splits import _busy_splits
 from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,99 +54,33 @@ class DecodeConfig(NamedTuple):
     num_warps: int = 4
     num_stages: int = 3
     # Auto split count: aim for this many stage-1 programs per SM, but never
-    # give a split fewer than min_split_keys keys (merging costs a pass); on the
-    # device a request uses only the splits its own length fills this much.
+    # give a split fewer than min_split_keys keys (merging costs a pass).
     programs_per_sm: int = 2
     min_split_keys: int = 256
-    # Keys a busy split takes where (request, KV head) programs are few (at most one
-    # per 16 SMs: batch 1 and 2 at 8 KV heads on an H200): one key block, so that a
-    # short context still spreads over the SMs; 0: min_split_keys at every batch.
-    few_programs_split_keys: int = 64
-    # The merge of a (request, KV head)'s splits loads at most this many float32 values
-    # at once (``merge_chunk``): 16 splits of 4 heads x 128, so a batch-1 step's
-    # 1k-token request merges in one step.
-    merge_values: int = 8192
-
-
-def choose_split_keys(programs: int, num_sms: int, config: DecodeConfig) -> int:
-    """Fewest keys a busy split takes (whole key blocks), from shapes alone."""
-    few = config.few_programs_split_keys > 0 and 0 < programs * 16 <= num_sms
-    keys = config.few_programs_split_keys if few else config.min_split_keys
-    return triton.cdiv(max(1, keys), config.block_n) * config.block_n
 
 
 def choose_num_splits(
-    batch: int, kv_heads: int, max_kv_len: int, num_sms: int, config: DecodeConfig,
-    split_keys: int | None = None,
+    batch: int, kv_heads: int, max_kv_len: int, num_sms: int, config: DecodeConfig
 ) -> int:
-    """Splits per (request, kv head) so that stage 1 has enough programs; a split never
-    gets fewer than ``split_keys`` keys (``config.min_split_keys`` when None)."""
+    """Splits per (request, kv head) so that stage 1 has enough programs."""
     if batch * kv_heads == 0 or max_kv_len <= 0:
         return 1
-    keys = config.min_split_keys if split_keys is None else split_keys
     wanted = triton.cdiv(num_sms * config.programs_per_sm, batch * kv_heads)
-    return max(1, min(wanted, triton.cdiv(max_kv_len, keys)))
-
-
-def merge_chunk(num_splits: int, wide: int, config: DecodeConfig) -> int:
-    """Splits a merge loads at once: all ``num_splits`` (rounded up to a power of two) in
-    one step, unless ``[chunk, wide]`` float32 would exceed ``config.merge_values`` (each
-    step waits on its loads before the next issues)."""
-    most = max(1, triton.next_power_of_2(max(1, config.merge_values // wide) + 1) // 2)
-    return min(triton.next_power_of_2(num_splits), most)
-
-
-@triton.jit
-def _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, busy, num_q_heads, num_splits,
-                 stride_ob, stride_oh, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
-    """The ``busy`` partials of one (request, KV head) merged into its ``GROUP`` query
-    heads' output in one pass, ``CHUNK`` splits at a time in split order, with a running
-    maximum of their log2-sum-exps. Heads and columns lie along one axis (``GROUP_P``,
-    GROUP's next power of two, times ``BLOCK_D`` values), so a chunk of splits is
-    ``[CHUNK, GROUP_P * BLOCK_D]`` (``merge_chunk``)."""
-    WIDE: tl.constexpr = GROUP_P * BLOCK_D
-    i = tl.arange(0, WIDE)
-    head = i // BLOCK_D
-    d = i % BLOCK_D
-    h_ok = head < GROUP
-    q_head = kv_head * GROUP + tl.where(h_ok, head, 0)
-    first = (b * num_q_heads + q_head) * num_splits  # [WIDE]: each value's head's split 0
-    c = tl.arange(0, CHUNK)
-    top = tl.full([WIDE], float("-inf"), tl.float32)
-    acc = tl.zeros([WIDE], tl.float32)
-    total = tl.zeros([WIDE], tl.float32)
-    for s0 in range(0, busy, CHUNK):
-        split_ok = (s0 + c < busy)[:, None]
-        slot = first[None, :] + (s0 + c)[:, None]
-        # past GROUP: a finite 0, so those (never stored) lanes stay finite
-        lse = tl.load(part_lse_ptr + slot, mask=split_ok & h_ok[None, :],
-                      other=tl.where(h_ok, float("-inf"), 0.0)[None, :])
-        o = tl.load(part_o_ptr + slot * BLOCK_D + d[None, :],
-                    mask=split_ok & (h_ok & (d < HEAD_DIM))[None, :], other=0.0)
-        new_top = tl.maximum(top, tl.max(lse, 0))  # finite: split s0 is busy
-        rescale = tl.exp2(top - new_top)
-        weight = tl.exp2(lse - new_top[None, :])  # 0 past the busy splits
-        acc = acc * rescale + tl.sum(weight * o, 0)
-        total = total * rescale + tl.sum(weight, 0)
-        top = new_top
-    merged = acc / tl.where(total > 0.0, total, 1.0)
-    dst = out_ptr + b * stride_ob + q_head * stride_oh + d
-    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=h_ok & (d < HEAD_DIM))
+    return max(1, min(wanted, triton.cdiv(max_kv_len, config.min_split_keys)))
 
 
 # Values that vary per step are never specialised on (no compile per batch shape).
-@triton.jit(do_not_specialize=["max_kv_len", "num_splits", "split_keys", "stride_tb"])
+@triton.jit(do_not_specialize=["max_kv_len", "num_splits", "stride_tb"])
 def _paged_decode_attention_kernel(
     q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, lens_ptr, part_o_ptr, part_lse_ptr, out_ptr,
-    scale_log2, max_kv_len, num_q_heads, num_splits, split_keys,
+    scale_log2, max_kv_len, num_q_heads, num_splits,
     stride_qb, stride_qh, stride_kr, stride_kh, stride_vr, stride_vh,
     stride_ksr, stride_ksh, stride_vsr, stride_vsh, stride_tb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr,
-    KV_FP8: tl.constexpr, USE_PDL: tl.constexpr = False,
+    WRITE_PARTIAL: tl.constexpr, IEEE_DOT: tl.constexpr, KV_FP8: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
@@ -160,21 +88,16 @@ def _paged_decode_attention_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
-    # Each request uses only the splits its own length fills (at least one, which
-    # writes zeros for an empty request), whole key blocks each, so a fixed grid (a
-    # captured step) serves any lengths; the other programs write nothing.
-    busy, split_len = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
-    busy = tl.maximum(busy, 1)
-    mine = split < busy  # past the busy splits: no keys, nothing stored
+    # Each request's own keys are cut into num_splits whole key blocks, so the
+    # grid can be fixed (a captured step) while the lengths vary.
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
-    end = tl.where(mine, tl.minimum(start + split_len, seq_len), start)
+    end = tl.minimum(start + split_len, seq_len)
 
     h = tl.arange(0, BLOCK_H)
     d = tl.arange(0, BLOCK_D)
     q_head = kv_head * GROUP + h
-    # a program past the busy splits loads and stores nothing (the split compared as a
-    # vector: the interpreter cannot mask with a scalar and a vector anded)
-    h_ok = (h < GROUP) & (h * 0 + split < busy)
+    h_ok = h < GROUP
     d_ok = d < HEAD_DIM
     q = tl.load(
         q_ptr + b * stride_qb + q_head[:, None] * stride_qh + d[None, :],
@@ -217,40 +140,45 @@ def _paged_decode_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m = m_new
 
-    has_keys = l > 0.0  # false only for seq_len 0
+    has_keys = l > 0.0  # false only for an empty split (or seq_len 0)
     o = acc / tl.where(has_keys, l, 1.0)[:, None]
     o_mask = h_ok[:, None] & d_ok[None, :]
     if WRITE_PARTIAL:
-        # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o), also
-        # for a request of one busy split (the merge copies it: one store here, as a
-        # second, direct one would hold its addresses in 24 registers more, Triton 3.6 on
-        # sm_90). An empty request's lse is 0, its o zeros: it merges to zeros.
+        # Partials are [B, Hq, num_splits] (lse) and [B, Hq, num_splits, BLOCK_D] (o).
         slot = (b * num_q_heads + q_head) * num_splits + split
         tl.store(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :], o, mask=o_mask)
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), 0.0)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + slot, lse, mask=h_ok)
     else:
         dst = out_ptr + b * stride_ob + q_head[:, None] * stride_oh + d[None, :]
         tl.store(dst, o.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit(do_not_specialize=["num_splits", "max_kv_len", "split_keys"])
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_merge_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, lens_ptr, num_q_heads, num_splits, max_kv_len, split_keys,
-    stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, USE_PDL: tl.constexpr = False,
+    part_o_ptr, part_lse_ptr, out_ptr, num_q_heads, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
-    """Stage 2: one program per (request, KV head) merges its busy splits
-    (``_merge_group``)."""
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
     b = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1)
-    seq_len = tl.minimum(tl.load(lens_ptr + b), max_kv_len)
-    busy, _ = _busy_splits(seq_len, num_splits, split_keys, BLOCK_N)
-    _merge_group(part_o_ptr, part_lse_ptr, out_ptr, b, kv_head, tl.maximum(busy, 1), num_q_heads,
-                 num_splits, stride_ob, stride_oh, GROUP, GROUP_P, HEAD_DIM, BLOCK_D, CHUNK)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    s_ok = s < num_splits
+    slot = (b * num_q_heads + head) * num_splits + s
+    lse = tl.load(part_lse_ptr + slot, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    live = lse > float("-inf")
+    weight = tl.where(live, tl.exp2(lse - tl.where(top > float("-inf"), top, 0.0)), 0.0)
+    total = tl.sum(weight, 0)
+    d_ok = d < HEAD_DIM  # partial rows are padded to BLOCK_D; the padding is never written
+    o = tl.load(part_o_ptr + slot[:, None] * BLOCK_D + d[None, :],
+                mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    merged = tl.sum(o * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    dst = out_ptr + b * stride_ob + head * stride_oh + d
+    tl.store(dst, merged.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
 def _check_args(q, k_cache, v_cache, page_table, seq_lens, page_size, softmax_scale, out,
@@ -336,18 +264,15 @@ def paged_decode_attention_triton(
     if out.numel() == 0:
         return out
     max_kv_len = page_table.shape[1] * page_size
-    num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
-               if q.is_cuda else 1)  # the interpreter runs programs one by one
-    split_keys = choose_split_keys(batch * kv_heads, num_sms, cfg)
     if num_splits is None:
-        num_splits = choose_num_splits(batch, kv_heads, max_kv_len, num_sms, cfg, split_keys)
+        num_sms = (torch.cuda.get_device_properties(q.device).multi_processor_count
+                   if q.is_cuda else 1)  # the interpreter runs programs one by one
+        num_splits = choose_num_splits(batch, kv_heads, max_kv_len, num_sms, cfg)
     # Splits are whole key blocks (the kernel cuts each request's keys).
     num_splits = max(1, min(num_splits, triton.cdiv(max_kv_len, cfg.block_n)))
     group = q_heads // kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, triton.next_power_of_2(group))  # tl.dot needs 16 rows
-    group_p = triton.next_power_of_2(group)
-    chunk = merge_chunk(num_splits, group_p * block_d, cfg)
     write_partial = num_splits > 1
     if write_partial:
         part_o = torch.empty((batch, q_heads, num_splits, block_d), dtype=torch.float32,
@@ -364,7 +289,7 @@ def paged_decode_attention_triton(
         k_vals, v_vals, k_scales, v_scales = k_cache, v_cache, k_cache, v_cache
     _paged_decode_attention_kernel[(batch, kv_heads, num_splits)](
         q, k_vals, v_vals, k_scales, v_scales, page_table, seq_lens, part_o, part_lse, out,
-        softmax_scale * _LOG2E, max_kv_len, q_heads, num_splits, split_keys,
+        softmax_scale * _LOG2E, max_kv_len, q_heads, num_splits,
         q.stride(0), q.stride(1), k_vals.stride(0), k_vals.stride(1),
         v_vals.stride(0), v_vals.stride(1), k_scales.stride(0), k_scales.stride(1),
         v_scales.stride(0), v_scales.stride(1), page_table.stride(0),
@@ -375,11 +300,10 @@ def paged_decode_attention_triton(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     if write_partial:
-        _paged_decode_merge_kernel[(batch, kv_heads)](
-            part_o, part_lse, out, seq_lens, q_heads, num_splits, max_kv_len, split_keys,
-            out.stride(0), out.stride(1),
-            GROUP=group, GROUP_P=group_p, HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_N=cfg.block_n, CHUNK=chunk, **pdl_args(q),
+        _paged_decode_merge_kernel[(batch, q_heads)](
+            part_o, part_lse, out, q_heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), **pdl_args(q),
         )
     return out
 

@@ -5,8 +5,9 @@ sizes and captures the graphs. ``warm_up_kernels`` compiles what is left:
 
 - the eager paged decode attention at every launch shape an eager step (a
   batch above the ladder) can pick: the model's attention kind says which
-  (``AttentionKind.warm_up_decode``: for GQA the kernel with and without
-  partials, for MLA and DSA the latent-space kernel with and without partials);
+  (``AttentionKind.warm_up_decode``: for GQA every merge block of the split
+  counts up to the most the pool allows, for MLA and DSA the latent-space
+  kernel with and without partials);
 - the transfer side: ``scatter_pages`` (a fetched chunk placed in pages) and
   the page digest (a fast-path copy checked), once each on two pages taken
   from the pool and given back (pages are never read past a request's

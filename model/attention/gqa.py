@@ -131,9 +131,9 @@ class GQA(AttentionKind):
         return attention
 
     def warm_up_decode(self, config: ModelConfig, pool: Pool) -> None:
-        """The split count decides two compile-time values (whether partials are written, and
-        how many splits the merge loads at once), so each split count up to the most the pool
-        allows runs once, reading nothing (``seq_lens`` 0) and writing only its own output."""
+        """The split count decides two compile-time values (whether partials are written,
+        and the merge's block), so each split count up to the most the pool allows runs
+        once, reading nothing (``seq_lens`` 0) and writing only its own output."""
         rows, page_size, tensor = pool.rows, pool.page_size, pool.tensor
         width = table_width(pool, config.max_position_embeddings)
         # The most splits the launcher picks: enough programs for every SM, and no
@@ -147,7 +147,7 @@ class GQA(AttentionKind):
         table = torch.zeros((1, width), dtype=torch.int32, device=tensor.device)
         lens = torch.zeros(1, dtype=torch.int32, device=tensor.device)
         splits = 1
-        while True:  # 1, 2, 3, 5, 9, ...: every merge chunk, and no merge at all
+        while True:  # 1, 2, 3, 5, 9, ...: every merge block size, and no merge at all
             paged_decode_attention(q, tensor[0, 0], tensor[0, 1], table, lens, page_size, 1.0,
                                    num_splits=splits)
             if splits >= most:

@@ -7,7 +7,6 @@ import torch
 from lanekv.kernels.decode_attention import (
     DecodeConfig,
     choose_num_splits,
-    choose_split_keys,
     paged_decode_attention,
     paged_decode_attention_ref,
     paged_decode_attention_triton,
@@ -70,18 +69,15 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("q_heads,kv_heads,head_dim,page_size,seq_lens", CASES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("split_keys", [256, 16])
 def test_decode_matches_float64(dtype, q_heads, kv_heads, head_dim, page_size, seq_lens,
-                                num_splits, split_keys):
-    """``split_keys`` 16: a request uses as many of the splits as its length fills with 16
-    keys (1 to 3 here), merged by its last split; 256: one busy split each."""
+                                num_splits):
     args = _problem(len(seq_lens), q_heads, kv_heads, head_dim, page_size, seq_lens, dtype,
                     seed=page_size * 10 + q_heads)
     scale = head_dim ** -0.5
     want = _naive_decode(*args, page_size, scale)
     out = torch.full_like(args[0], float("nan"))
     got = paged_decode_attention_triton(*args, page_size, scale, out=out, num_splits=num_splits,
-                                        config=DecodeConfig(block_n=16, min_split_keys=split_keys))
+                                        config=DecodeConfig(block_n=16))
     assert got is out
     assert not torch.isnan(out).any()
     # fp16 rounds the probabilities before the PV product (as flash decoding does).
@@ -110,38 +106,6 @@ def test_decode_into_strided_out_and_default_config():
     paged_decode_attention_triton(*args, 16, 0.25, out=out)
     assert _rel_err(out, want) < 1e-5
     assert torch.isnan(wide[:, :, :8]).all() and torch.isnan(wide[:, :, 24:]).all()
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_a_fixed_grid_serves_any_lengths_with_its_busy_splits(dtype):
-    """A fixed grid of 6 splits serves requests of 0 to 6 busy splits (16 keys each), near
-    the float64 reference, and a page table four times as wide (a captured step's) gives
-    the same output bit for bit: each request cuts only its own keys."""
-    seq_lens = [0, 5, 16, 17, 90, 1]
-    args = _problem(len(seq_lens), 8, 2, 32, 4, seq_lens, dtype, seed=3)
-    cfg = DecodeConfig(block_n=16, min_split_keys=16)
-    got = paged_decode_attention_triton(*args, 4, 0.2, num_splits=6, config=cfg)
-    q, k, v, table, lens = args
-    wide = torch.cat([table, table.new_zeros(table.shape[0], 3 * table.shape[1])], dim=1)
-    assert torch.equal(paged_decode_attention_triton(q, k, v, wide, lens, 4, 0.2, num_splits=6,
-                                                     config=cfg), got)
-    assert torch.equal(got[0], torch.zeros_like(got[0]))
-    want = _naive_decode(*args, 4, 0.2)
-    assert _rel_err(got, want) < (2e-3 if dtype == torch.float16 else 1e-5)
-    # the merge in chunks of fewer splits than busy: the same up to float32 rounding
-    chunked = paged_decode_attention_triton(*args, 4, 0.2, num_splits=6,
-                                            config=cfg._replace(merge_values=64))
-    assert _rel_err(chunked, got.double()) < (2e-3 if dtype == torch.float16 else 1e-6)
-
-
-def test_choose_split_keys_spreads_few_programs():
-    cfg = DecodeConfig()
-    # batch 1 on 8 KV heads: one 64-key block a busy split, so 1k keys take 16 splits ...
-    assert choose_split_keys(8, 132, cfg) == 64
-    # ... and busier steps min_split_keys
-    assert choose_split_keys(128, 132, cfg) == 256
-    assert choose_split_keys(8, 132, cfg._replace(few_programs_split_keys=0)) == 256
-    assert choose_num_splits(1, 8, 8192, 132, cfg, 64) == 33
 
 
 def test_choose_num_splits_fills_the_gpu():
@@ -194,27 +158,3 @@ def test_decode_gpu_bf16(page_size, batch, max_len):
     for num_splits in (None, 1, 7):
         got = paged_decode_attention_triton(*args, page_size, 128 ** -0.5, num_splits=num_splits)
         assert _rel_err(got, want.cpu()) < 1e-2
-
-
-@requires_gpu
-@pytest.mark.parametrize("pdl", ["0", "1"])
-def test_gpu_busy_splits_replay_in_a_cuda_graph(pdl, monkeypatch):
-    """Compiled, in a graph captured with a wide page table and replayed on new lengths:
-    each replay equals an eager launch on the same lengths bit for bit and is near the
-    reference."""
-    monkeypatch.setenv("LANEKV_PDL", pdl)
-    seq_lens = [1000, 3, 64, 4000]
-    q, k, v, table, lens = _problem(4, 32, 8, 128, 64, seq_lens, torch.bfloat16, seed=9,
-                                    device="cuda")
-    wide = torch.cat([table, table.new_zeros(4, 128 - table.shape[1])], dim=1)
-    paged_decode_attention_triton(q, k, v, wide, lens, 64, 0.09)  # compiles
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = paged_decode_attention_triton(q, k, v, wide, lens, 64, 0.09)
-    for n in ([1000, 3, 64, 4000], [1, 2000, 129, 0], [4000, 4000, 4000, 65]):
-        lens.copy_(torch.tensor(n, dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, paged_decode_attention_triton(q, k, v, wide, lens, 64, 0.09)), n
-        want = paged_decode_attention_ref(q, k, v, wide, lens, 64, 0.09).double()
-        assert _rel_err(out, want.cpu()) < 1e-2, n
