@@ -1,18 +1,17 @@
 """Arrival counters: a split reduction finished by the split that arrives last.
 
-A split-K GEMV has several programs write float32 partials of one output, and a
-second launch add them. In a batch-1 decode step that launch (1-3 us on an H200: its
-ramp and the tail of the kernel before it) lasts as long as the work it does, and a
-Llama-3-8B FP8 layer ran four of them. Here the programs of one split group finish it
-themselves: each stores its partial, waits for all of its
-threads (``tl.debug_barrier``), and increments the group's counter with one atomic
-(acquire-release, GPU scope, so every store before it is visible to whichever program
-reads after a later increment). The program whose increment returns ``splits - 1``
-arrives last and sees every partial: it adds them in split order (the same float32
-operations in the same order as the separate launch, so the result is the same bit for
-bit), writes the output and puts the counter back to 0 for the next launch (a CUDA
-graph replays the same counters). Its loads bypass L1 (``.cg``), which is not kept
-coherent with the other SMs' stores.
+A split-K GEMV has several programs write float32 partials of one output, and a second
+launch add them. In a batch-1 decode step that launch (1-3 us on an H200: its ramp and
+the tail of the kernel before it) lasts as long as the work it does, and a Llama-3-8B
+FP8 layer ran four of them. Here the programs of one split group finish it themselves:
+each stores its partial, waits for all of its threads (``tl.debug_barrier``), and
+increments the group's counter with one atomic (acquire-release, GPU scope, so every
+store before it is visible to whichever program reads after a later increment). The
+program whose increment returns ``splits - 1`` arrives last and sees every partial: it
+adds them in split order (the same float32 operations in the same order as the separate
+launch, so the result is the same bit for bit), writes the output and puts the counter
+back to 0 for the next launch (a CUDA graph replays the same counters). Its loads bypass
+L1 (``.cg``), which is not kept coherent with the other SMs' stores.
 
 The counters are one zeroed int32 tensor per device, made only outside a CUDA graph
 capture (by the first eager call there; the decode engine runs every batch size it
