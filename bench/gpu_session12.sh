@@ -5,13 +5,7 @@
 #      process per stream (the eleventh session's 8-stream rows received 4 of them in
 #      threads of the decode daemon); 4 and 8 unless named.
 #   t: the GPU tests of the receiver processes and the layer-wise gRPC fetch.
-set -u
-export PYTHONUNBUFFERED=1
-part=${1:-b}
-L=/tmp/lanekv_logs; mkdir -p "$L"
-trap 'tar -C "$L" -czf "$OUT/logs_s12_$part.tgz" .' EXIT
-t0=$SECONDS
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+source bench/gpu_common.sh s12 b "$@"
 case "$part" in
 b)
     shift || true

@@ -2,21 +2,15 @@
 # One H200: the thirteenth session's split reductions finished by their last split
 # (kernels/arrivals.py: the FP8 GEMV's split-K reduce, no launch of its own).
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session13.sh PART
-#   t: the GPU tests of the two kernels (graph replays with and without PDL) and the
+#   t: the GPU tests of the GEMV and the GQA decode attention (graph replays with and without PDL) and the
 #      no-compile test of the decode daemon.
 #   m: bench/split_reductions.py: the GEMV with the reduce launch and with the last split's
-#      reduction, Llama-3-8B's linears at one row. (Run on 55c974e it also timed the GQA
-#      decode attention's variants of that commit, since reverted.)
+#      reduction, Llama-3-8B's linears at one row. (Its runs on ab1bc75 and ad2a12b also
+#      timed the GQA decode attention's variants of those commits, since reverted.)
 #   d: the FP8 decode step (Llama-3-8B and V2-Lite shapes, batch 1/16/64, our bf16 step and
 #      the FP8 floor in the same run), then the batch-1 kernel profile of both Llama steps
 #      at a captured graph's table width.
-set -u
-export PYTHONUNBUFFERED=1
-part=${1:-t}
-L=/tmp/lanekv_logs; mkdir -p "$L"
-trap 'tar -C "$L" -czf "$OUT/logs_s13_$part.tgz" .' EXIT
-t0=$SECONDS
-stamp() { echo "[$((SECONDS - t0)) s] $*"; }
+source bench/gpu_common.sh s13 t "$@"
 case "$part" in
 t)
     timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_gemv.py \

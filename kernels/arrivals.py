@@ -47,8 +47,6 @@ def counters(device: torch.device, groups: int) -> torch.Tensor | None:
         return None
     if device.type != "cuda":
         return torch.zeros(groups, dtype=torch.int32, device=device)
-    device = torch.device("cuda", device.index if device.index is not None
-                          else torch.cuda.current_device())
     made = _COUNTERS.get(device)
     if made is None:
         if torch.cuda.is_current_stream_capturing():

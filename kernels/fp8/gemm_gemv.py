@@ -220,22 +220,20 @@ def _gemv_kernel(
         if arrived_last(count_ptr, pid_n, SPLIT_K):
             for row in tl.static_range(ROWS):
                 _reduce_row(part_ptr, bias_ptr, out_ptr, row, n, n_ok, cols, stride_out,
-                            ROWS, SPLIT_K, HAS_BIAS, True)
+                            ROWS, SPLIT_K, HAS_BIAS)
             reset(count_ptr, pid_n)
 
 
 @triton.jit
 def _reduce_row(part_ptr, bias_ptr, out_ptr, row, n, ok, cols, stride_out, ROWS: tl.constexpr,
-                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr, UNCACHED: tl.constexpr):
+                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     """``out[row, n] = sum(partials[:, row, n]) + bias[n]`` in float32, the splits in
-    order (``UNCACHED``: loads past L1, for partials other programs of this launch wrote)."""
+    order. The loads pass L1 by (``.cg``): in the last split, other SMs wrote the partials;
+    each value is read once either way."""
     acc = tl.zeros(n.shape, tl.float32)
     for s in tl.static_range(SPLIT_K):
-        at = part_ptr + (s * ROWS + row) * cols + n
-        if UNCACHED:
-            acc += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-        else:
-            acc += tl.load(at, mask=ok, other=0.0)
+        acc += tl.load(part_ptr + (s * ROWS + row) * cols + n, mask=ok, other=0.0,
+                       cache_modifier=".cg")
     if HAS_BIAS:
         acc += tl.load(bias_ptr + n, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=ok)
@@ -251,7 +249,7 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, cols, stride_out, ROWS: tl.
     row = tl.program_id(1)
     n = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     _reduce_row(part_ptr, bias_ptr, out_ptr, row.to(tl.int64), n, n < cols, cols, stride_out,
-                ROWS, SPLIT_K, HAS_BIAS, False)
+                ROWS, SPLIT_K, HAS_BIAS)
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
