@@ -130,18 +130,16 @@ def _compile_w8a16(cfg: GemmConfig, *, even_k: bool, block: tuple[int, int],
 
 def _compile_gemv(cfg: GemmConfig, *, rows: int, silu: bool, even_k: bool,
                   block: tuple[int, int], ints: dict[str, int] | None) -> dict:
-    """``_gemv_kernel`` as ``gemv_linear`` launches it on bf16 activations in a small
-    decode graph: PDL on, each program's weight slice asked of L2 before the wait where
-    the rows are 16-byte aligned; ``even_k`` False compiles the same kernel (its ragged
-    last group is a runtime branch) with a K that is not 16-divisible (no prefetch)."""
+    """``_gemv_kernel`` as ``gemv_linear`` launches it on bf16 activations; ``even_k``
+    False compiles the same kernel (its ragged last group is a runtime branch) with a K
+    that is not 16-divisible."""
     sig = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", bias_ptr="*fp32",
                out_ptr="*bf16", part_ptr="*fp32", count_ptr="*i32", cols="i32", depth="i32",
                stride_x="i32", stride_w="i32", stride_ws="i32", stride_out="i32")
     # split-K as it runs on a GPU: the last split of a column tile adds the partials
     consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, ROWS=rows,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU=silu,
-                  PREFETCH=cfg.num_stages > 1, LAST_REDUCES=cfg.split_k > 1, L2_PREFETCH=even_k,
-                  USE_PDL=True)
+                  PREFETCH=cfg.num_stages > 1, LAST_REDUCES=cfg.split_k > 1, USE_PDL=False)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     renamed = {"x_ptr": "a_ptr", "stride_x": "stride_a"}

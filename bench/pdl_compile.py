@@ -5,9 +5,7 @@ forced on and its launches recorded instead of run (the arguments, constexprs an
 options each kernel gets: the signature comes from the launcher, not from a copy of
 it). Every launch must carry ``USE_PDL=True`` and ``launch_pdl=True``; each is then
 compiled for ``sm_90`` with Triton's own toolchain, and its PTX must hold
-``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``, the wait first (with
-``--control``, also: neither with ``USE_PDL=False``, the trigger first in the ``EARLY``
-order). Prints one line per
+``griddepcontrol.wait`` and ``griddepcontrol.launch_dependents``. Prints one line per
 kernel and exits 1 on a miss. Run with the interpreter off:
 
     python bench/pdl_compile.py [--only add_rmsnorm] [--json out.json]
@@ -40,7 +38,6 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 from bench.pdl_cases import CASES  # noqa: E402
 
 WAIT, LAUNCH = "griddepcontrol.wait", "griddepcontrol.launch_dependents"
-PREFETCH = "cp.async.bulk.prefetch.L2"
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
           torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.int8: "i8",
           torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv"}
@@ -116,10 +113,9 @@ def _arg_type(name: str, value: Any) -> str:
     raise TypeError(f"{name}: no compile signature for a {type(value).__name__}")
 
 
-def compile_ptx(launch: Launch, *, use_pdl: bool | int = True) -> str:
+def compile_ptx(launch: Launch, *, use_pdl: bool = True) -> str:
     """``launch``'s kernel compiled for sm_90 with its arguments' types and constexprs
-    (``USE_PDL`` as given: False, True or ``pdl.EARLY``), every 16-byte aligned tensor
-    declared so; its PTX."""
+    (``USE_PDL`` as given), every 16-byte aligned tensor declared so; its PTX."""
     fn: JITFunction = launch.kernel
     sig, consts, attrs = {}, {}, {}
     for i, param in enumerate(fn.params):
@@ -140,30 +136,20 @@ def compile_ptx(launch: Launch, *, use_pdl: bool | int = True) -> str:
     return kernel.asm["ptx"]
 
 
-def _first(ptx: str, a: str, b: str) -> bool:
-    """Whether ``a`` comes before ``b`` in ``ptx`` (both present)."""
-    return a in ptx and b in ptx and ptx.index(a) < ptx.index(b)
-
-
 def check_case(name: str, control: bool = False) -> list[dict]:
-    """A row per launch of the case (``prefetch_l2``: its PTX asks L2 for bytes before the
-    wait); ``control``: each also compiled with ``USE_PDL=False`` (whose PTX must hold
-    neither instruction: the constexpr is the switch) and in the ``EARLY`` order (the
-    trigger, then the wait)."""
+    """A row per launch of the case; ``control``: each also compiled with ``USE_PDL=False``
+    (whose PTX must hold neither instruction: the constexpr is the switch)."""
     rows = []
     for launch in record_case(name):
         start = time.perf_counter()
         ptx = compile_ptx(launch)
         row = dict(case=name, kernel=launch.name, use_pdl=launch.args.get("USE_PDL"),
                    launch_pdl=launch.options.get("launch_pdl"), wait=WAIT in ptx,
-                   launch_dependents=LAUNCH in ptx, wait_first=_first(ptx, WAIT, LAUNCH),
-                   prefetch_l2=PREFETCH in ptx,
+                   launch_dependents=LAUNCH in ptx,
                    compile_s=round(time.perf_counter() - start, 2))
         if control:
             off = compile_ptx(launch, use_pdl=False)
-            early = compile_ptx(launch, use_pdl=pdl.EARLY)
-            row.update(wait_when_off=WAIT in off, launch_dependents_when_off=LAUNCH in off,
-                       trigger_first_when_early=_first(early, LAUNCH, WAIT))
+            row.update(wait_when_off=WAIT in off, launch_dependents_when_off=LAUNCH in off)
         rows.append(row)
     return rows
 
@@ -187,9 +173,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     bad = [r for r in rows if not (r["use_pdl"] is True and r["launch_pdl"] is True and r["wait"]
-                                   and r["launch_dependents"] and r["wait_first"])
-           or r.get("wait_when_off") or r.get("launch_dependents_when_off")
-           or r.get("trigger_first_when_early") is False]
+                                   and r["launch_dependents"]) or r.get("wait_when_off")
+           or r.get("launch_dependents_when_off")]
     print(f"triton {triton.__version__}, sm_90: {len(rows)} launches of "
           f"{len({r['kernel'] for r in rows})} kernels, {len(bad)} missing PDL")
     sys.exit(1 if bad else 0)

@@ -58,13 +58,7 @@ from lanekv.kernels.fp8.gemm_configs import GEMV_MAX_ROWS, GemmConfig, check_con
 from lanekv.kernels.fp8.quant import silu_mul_tile
 from lanekv.kernels.fp8.tile_order import tile_coords
 from lanekv.kernels.fp8.weights import FP8_DTYPE, scale_shape
-from lanekv.kernels.pdl import (
-    pdl_args,
-    pdl_launch_dependents,
-    pdl_wait,
-    prefetch_l2,
-    prefetch_requested,
-)
+from lanekv.kernels.pdl import pdl_args, pdl_launch_dependents, pdl_wait
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -149,22 +143,17 @@ def _gemv_kernel(
     stride_x, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
-    PREFETCH: tl.constexpr, LAST_REDUCES: tl.constexpr, L2_PREFETCH: tl.constexpr = False,
-    USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr, LAST_REDUCES: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
     """``BLOCK_N`` columns of every row over one k slice of whole scale groups."""
+    pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
+    pdl_launch_dependents(USE_PDL)
     _, pid_n, split, g_lo, g_hi = tile_coords(tl.program_id(0), ROWS, cols, depth, ROWS,
                                               BLOCK_N, GROUP_K, 1, SPLIT_K)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < cols
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)  # loads clamped, stores masked
     w_rows = w_ptr + n_safe * stride_w
-    full = depth // GROUP_K  # scale groups wholly inside K: unmasked loads
-    g_end = tl.minimum(g_hi, full)
-    if L2_PREFETCH:  # the slice's weight bytes asked of L2 while the kernel ahead drains
-        prefetch_l2(w_rows + g_lo * GROUP_K, (tl.maximum(g_end - g_lo, 0) * GROUP_K).to(tl.int32))
-    pdl_wait(USE_PDL)  # before any load or store (kernels.pdl)
-    pdl_launch_dependents(USE_PDL)
     SCALAR_WS: tl.constexpr = GROUP_N % BLOCK_N == 0  # the tile inside one scale block
     if SCALAR_WS:
         ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * stride_ws
@@ -174,6 +163,8 @@ def _gemv_kernel(
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
     acc3 = tl.zeros([BLOCK_N], tl.float32)
+    full = depth // GROUP_K  # scale groups wholly inside K: unmasked loads
+    g_end = tl.minimum(g_hi, full)
     if PREFETCH:  # the slice's first tile here; each step then loads the next group's
         kk = tl.arange(0, BLOCK_K)
         # (a splatted scalar condition: uniform along K, the loads stay 16-byte vectors)
@@ -334,10 +325,6 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
     bias_arg = bias if bias is not None else weight_scale_inv
     tiles = triton.cdiv(cols, config.block_n)
     count = counters(x.device, tiles) if split > 1 and last_reduces else None
-    launch = pdl_args(x)
-    # the weight slices to L2 before the PDL wait, where each row's start is 16-byte aligned
-    l2 = bool(launch["USE_PDL"]) and prefetch_requested() and (
-        weight.data_ptr() % 16 == 0 and weight.stride(0) % 16 == 0 and block[1] % 16 == 0)
     with on_device(x.device):
         _gemv_kernel[(tiles * split,)](
             x, weight, weight_scale_inv, bias_arg, out, part,
@@ -345,8 +332,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
             weight.stride(0), weight_scale_inv.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None, ROWS=rows,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, SILU=silu,
-            PREFETCH=config.num_stages > 1, LAST_REDUCES=count is not None, L2_PREFETCH=l2,
-            num_warps=config.num_warps, num_stages=config.num_stages, **launch,
+            PREFETCH=config.num_stages > 1, LAST_REDUCES=count is not None,
+            num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x),
             **_register_cap(config, count is not None and x.is_cuda),
         )
         if split > 1 and count is None:

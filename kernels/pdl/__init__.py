@@ -33,20 +33,9 @@ on the device: a kernel that wrote early could overwrite what the draining kerne
 reads. Letting dependents launch right after the wait is safe wherever it stands,
 because every converted kernel waits before it touches memory, and the trigger fires
 only once all of this kernel's programs are resident, so the next kernel cannot crowd
-out this one's later programs. Loads stay after the wait; what may come before it is ``prefetch_l2``, a
-request that the L2 cache fetch bytes this kernel will read (``cp.async.bulk.prefetch.L2``:
-nothing reaches a register or L1, and L2 is the one cache every SM's loads and stores go
-through, so a line fetched early holds whatever the draining kernel writes to it later).
-The FP8 GEMV asks for its program's weight slice there: in a batch-1 step the bytes stream
-in while the short kernel ahead (RMSNorm, attention's merge) drains, instead of after it
-(``LANEKV_PDL_PREFETCH=0`` turns that off, to measure it).
-
-``LANEKV_PDL_EARLY=1`` swaps the order to trigger, then wait: the next kernel may then
-launch as soon as this one's programs are all resident, not once they have waited, so a
-chain of short kernels is resident at once and a GEMV behind attention prefetches its
-weights while attention runs. It stays safe for the same reason (the dependents wait
-before they load; the trigger fires only once all of this kernel's programs are
-resident); whether it pays is measured (off by default until then).
+out this one's later programs. Nothing is prefetched before the wait (CUTLASS prefetches
+weights there): the launchers are generic ops whose weights are arguments, and a
+prefetch would oblige every caller never to hand in a tensor the previous kernel wrote.
 
 A kernel not converted is never launched with ``launch_pdl``. A converted kernel after a
 kernel launched without PDL (cuBLAS, torch elementwise ops, copies) is still correct:
@@ -140,49 +129,22 @@ def pdl_enabled(device: torch.device) -> bool:
     return requested() and not interpreter_enabled() and device_supports(device)
 
 
-PREFETCH_ENV = "LANEKV_PDL_PREFETCH"  # 1 (default): GEMVs prefetch their weights to L2
-EARLY_ENV = "LANEKV_PDL_EARLY"  # 1: trigger the dependents before the wait (default 0)
-EARLY = 2  # ``USE_PDL``'s value for the trigger-first order (True: wait first)
-
-
-def prefetch_requested() -> bool:
-    return env_choice(PREFETCH_ENV, ("0", "1"), "1") == "1"
-
-
 def pdl_args(tensor: torch.Tensor) -> dict[str, Any]:
-    """The launch keywords of a converted kernel whose inputs live beside ``tensor``:
-    ``USE_PDL`` False (off), True (wait, then trigger) or ``EARLY`` (trigger, then wait)."""
+    """The launch keywords of a converted kernel whose inputs live beside ``tensor``."""
     if pdl_enabled(tensor.device):
-        early = env_choice(EARLY_ENV, ("0", "1"), "0") == "1"
-        return {"USE_PDL": EARLY if early else True, "launch_pdl": True}
+        return {"USE_PDL": True, "launch_pdl": True}
     return {"USE_PDL": False}
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the previous kernel in the stream to complete (a PDL launch's first act;
-    in the ``EARLY`` order the trigger comes just before it)."""
-    if USE_PDL == 2:  # EARLY
-        tl.extra.cuda.gdc_launch_dependents()
+    """Wait for the previous kernel in the stream to complete (a PDL launch's first act)."""
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
 
 
 @triton.jit
 def pdl_launch_dependents(USE_PDL: tl.constexpr):
-    """Let the next kernel launch once every program of this one got here or exited
-    (in the ``EARLY`` order ``pdl_wait`` did)."""
-    if USE_PDL and USE_PDL != 2:  # not EARLY
+    """Let the next kernel launch once every program of this one got here or exited."""
+    if USE_PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def prefetch_l2(starts, nbytes):
-    """Ask L2 for ``nbytes`` (int32, a multiple of 16; 0: nothing) at each of the pointer
-    tensor ``starts`` (16-byte aligned). Before a PDL wait only (module docstring); never
-    under the interpreter, which has no inline PTX."""
-    sizes = nbytes + tl.zeros(starts.shape, tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
-        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [starts, sizes], dtype=tl.int32, is_pure=False, pack=1)

@@ -11,7 +11,6 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -91,28 +90,6 @@ def test_only_cuda_devices_of_capability_9(monkeypatch: pytest.MonkeyPatch):
             True, "on: LANEKV_PDL=auto in a decode graph of batch <= 4 on cuda:1")
 
 
-def test_the_order_and_prefetch_switches_read_strictly(monkeypatch: pytest.MonkeyPatch):
-    """``LANEKV_PDL_EARLY=1`` gives launches ``USE_PDL=EARLY`` (trigger, then wait);
-    ``LANEKV_PDL_PREFETCH`` defaults on; each takes 0 or 1 and names itself otherwise."""
-    monkeypatch.setenv(pdl.ENV, "1")
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    monkeypatch.setattr(pdl, "_capability", lambda index: (9, 0))
-    on_gpu = SimpleNamespace(device=torch.device("cuda", 1))
-    monkeypatch.delenv(pdl.EARLY_ENV, raising=False)
-    monkeypatch.delenv(pdl.PREFETCH_ENV, raising=False)
-    assert pdl.pdl_args(on_gpu) == {"USE_PDL": True, "launch_pdl": True}
-    assert pdl.prefetch_requested() is True
-    monkeypatch.setenv(pdl.EARLY_ENV, "1")
-    monkeypatch.setenv(pdl.PREFETCH_ENV, "0")
-    assert pdl.pdl_args(on_gpu) == {"USE_PDL": pdl.EARLY, "launch_pdl": True}
-    assert pdl.prefetch_requested() is False
-    for env in (pdl.EARLY_ENV, pdl.PREFETCH_ENV):
-        monkeypatch.setenv(env, "yes")
-        with pytest.raises(ValueError, match=f"^{env} must be 0 or 1, got 'yes'$"):
-            pdl.pdl_args(on_gpu) if env == pdl.EARLY_ENV else pdl.prefetch_requested()
-        monkeypatch.setenv(env, "0")
-
-
 def _same(a: torch.Tensor, b: torch.Tensor) -> None:
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
@@ -146,36 +123,14 @@ def _converted_kernels() -> dict[str, list[ast.stmt]]:
     return found
 
 
-# What a converted kernel may call before its PDL wait: index arithmetic on its program
-# id and scalar arguments, and the L2 prefetch (kernels.pdl). No load, store or atomic.
-BEFORE_WAIT = {"tile_coords", "tl.program_id", "tl.arange", "tl.where", "tl.minimum",
-               "tl.maximum", "prefetch_l2", "to"}
-
-
-def _called(call: ast.Call) -> str:
-    """``tl.load``, ``prefetch_l2``; a method call by its name alone (``x.to(...)``: ``to``)."""
-    if isinstance(call.func, ast.Attribute) and not (
-            isinstance(call.func.value, ast.Name) and call.func.value.id == "tl"):
-        return call.func.attr
-    return ast.unparse(call.func)
-
-
 def test_converted_kernels_wait_before_anything_else():
     kernels = _converted_kernels()
     assert len(kernels) == 29
-    early = {}
     for name, body in kernels.items():
         if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
             body = body[1:]  # the docstring
-        lines = [ast.unparse(s) for s in body]
-        at = lines.index("pdl_wait(USE_PDL)")
-        assert lines[at + 1] == "pdl_launch_dependents(USE_PDL)", name
-        calls = {_called(c) for s in body[:at] for c in ast.walk(s) if isinstance(c, ast.Call)}
-        assert calls <= BEFORE_WAIT, (name, calls - BEFORE_WAIT)
-        if at:
-            early[name] = calls
-    # only the FP8 GEMV does anything first: its tile's coordinates, then the prefetch
-    assert list(early) == ["_gemv_kernel"] and "prefetch_l2" in early["_gemv_kernel"]
+        first = [ast.unparse(s) for s in body[:2]]
+        assert first == ["pdl_wait(USE_PDL)", "pdl_launch_dependents(USE_PDL)"], name
 
 
 def test_every_converted_kernel_launches_with_pdl_when_on():
@@ -207,20 +162,13 @@ def test_offline_sm90_compile_holds_the_grid_dependency_control(tmp_path: Path):
     out = tmp_path / "rows.json"
     done = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "pdl_compile.py"), "--only", "add_rmsnorm",
-         "--only", "quant", "--only", "moe_gate_route", "--only", "fp8_gemv_silu", "--control",
-         "--json", str(out)],
+         "--only", "quant", "--only", "moe_gate_route", "--control", "--json", str(out)],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = json.loads(out.read_text())
-    kernels = [r["kernel"] for r in rows]
-    assert kernels[:5] == [
+    assert [r["kernel"] for r in rows] == [
         "_add_rmsnorm_kernel", "_per_token_group_quant_kernel", "_silu_mul_quant_kernel",
         "_router_logits_kernel", "_route_kernel"]
-    assert kernels[5:] == ["_gemv_kernel", "_gemv_kernel", "_gemv_reduce_kernel",
-                           "_silu_mul_kernel"]
     for r in rows:
         assert r["wait"] and r["launch_dependents"] and r["launch_pdl"] and r["use_pdl"], r
-        assert r["wait_first"] and r["trigger_first_when_early"], r
         assert r["wait_when_off"] is False and r["launch_dependents_when_off"] is False, r
-        # only the GEMV asks L2 for its weight before the wait
-        assert r["prefetch_l2"] is (r["kernel"] == "_gemv_kernel"), r
