@@ -127,6 +127,20 @@ def _group_sums(x_ptr, stride_x, w_rows, k0, depth, ROWS: tl.constexpr, GROUP_K:
 
 
 @triton.jit
+def _scaled_add(acc0, acc1, acc2, acc3, s0, s1, s2, s3, ws_row, ws_cols, g,
+                SCALED: tl.constexpr, SCALAR_WS: tl.constexpr):
+    """Each row's total plus its scale group ``g``'s sum times the group's weight scale
+    (one a tile, or one a column; an unscaled weight: the sum itself)."""
+    if SCALED:
+        if SCALAR_WS:
+            w_s = tl.load(ws_row + g)
+        else:
+            w_s = tl.load(ws_cols + g)
+        return acc0 + s0 * w_s, acc1 + s1 * w_s, acc2 + s2 * w_s, acc3 + s3 * w_s
+    return acc0 + s0, acc1 + s1, acc2 + s2, acc3 + s3
+
+
+@triton.jit
 def _finish_row(acc, row, split, n, n_ok, bias, out_ptr, part_ptr, cols, stride_out,
                 ROWS: tl.constexpr, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
     if SPLIT_K > 1:  # float32 partials; the reduction adds the bias and casts
@@ -143,9 +157,11 @@ def _gemv_kernel(
     stride_x, stride_w, stride_ws, stride_out,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU: tl.constexpr,
-    PREFETCH: tl.constexpr, LAST_REDUCES: tl.constexpr, USE_PDL: tl.constexpr = False,
+    PREFETCH: tl.constexpr, LAST_REDUCES: tl.constexpr, SCALED: tl.constexpr = True,
+    USE_PDL: tl.constexpr = False,
 ):
-    """``BLOCK_N`` columns of every row over one k slice of whole scale groups."""
+    """``BLOCK_N`` columns of every row over one k slice of whole scale groups (an
+    unscaled 16-bit weight: ``GROUP_K`` is the k step, and no scale is read)."""
     pdl_wait(USE_PDL)  # first, before any load or store (kernels.pdl)
     pdl_launch_dependents(USE_PDL)
     _, pid_n, split, g_lo, g_hi = tile_coords(tl.program_id(0), ROWS, cols, depth, ROWS,
@@ -155,10 +171,8 @@ def _gemv_kernel(
     n_safe = tl.where(n_ok, n, 0).to(tl.int64)  # loads clamped, stores masked
     w_rows = w_ptr + n_safe * stride_w
     SCALAR_WS: tl.constexpr = GROUP_N % BLOCK_N == 0  # the tile inside one scale block
-    if SCALAR_WS:
-        ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * stride_ws
-    else:
-        ws_cols = ws_ptr + (n_safe // GROUP_N) * stride_ws
+    ws_row = ws_ptr + ((pid_n * BLOCK_N) // GROUP_N).to(tl.int64) * stride_ws
+    ws_cols = ws_ptr + (n_safe // GROUP_N) * stride_ws
     acc0 = tl.zeros([BLOCK_N], tl.float32)
     acc1 = tl.zeros([BLOCK_N], tl.float32)
     acc2 = tl.zeros([BLOCK_N], tl.float32)
@@ -182,25 +196,13 @@ def _gemv_kernel(
         else:
             s0, s1, s2, s3 = _group_sums(x_ptr, stride_x, w_rows, g * GROUP_K, depth, ROWS,
                                          GROUP_K, BLOCK_N, BLOCK_K, SILU, False)
-        if SCALAR_WS:
-            w_s = tl.load(ws_row + g)
-        else:
-            w_s = tl.load(ws_cols + g)
-        acc0 += s0 * w_s
-        acc1 += s1 * w_s
-        acc2 += s2 * w_s
-        acc3 += s3 * w_s
+        acc0, acc1, acc2, acc3 = _scaled_add(acc0, acc1, acc2, acc3, s0, s1, s2, s3, ws_row,
+                                              ws_cols, g, SCALED, SCALAR_WS)
     if (full >= g_lo) & (full < g_hi):  # this slice holds the ragged last group
         s0, s1, s2, s3 = _group_sums(x_ptr, stride_x, w_rows, full * GROUP_K, depth, ROWS,
                                      GROUP_K, BLOCK_N, BLOCK_K, SILU, True)
-        if SCALAR_WS:
-            w_s = tl.load(ws_row + full)
-        else:
-            w_s = tl.load(ws_cols + full)
-        acc0 += s0 * w_s
-        acc1 += s1 * w_s
-        acc2 += s2 * w_s
-        acc3 += s3 * w_s
+        acc0, acc1, acc2, acc3 = _scaled_add(acc0, acc1, acc2, acc3, s0, s1, s2, s3, ws_row,
+                                              ws_cols, full, SCALED, SCALAR_WS)
 
     bias = tl.zeros([BLOCK_N], tl.float32)
     if HAS_BIAS:
@@ -252,7 +254,7 @@ def _gemv_reduce_kernel(part_ptr, bias_ptr, out_ptr, cols, stride_out, ROWS: tl.
                 ROWS, SPLIT_K, HAS_BIAS)
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
+def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None,
            block: tuple[int, int], bias: torch.Tensor | None, config: GemmConfig,
            silu: bool) -> None:
     if not isinstance(config, GemmConfig) or not check_config(config).gemv:
@@ -269,10 +271,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
     if silu and x.shape[1] % 2:
         raise ValueError(f"gate_up must be [M, 2 * I], got {tuple(x.shape)}")
     depth = x.shape[1] // 2 if silu else x.shape[1]
-    if not isinstance(weight, torch.Tensor) or weight.dtype != FP8_DTYPE or weight.dim() != 2 or (
+    want = FP8_DTYPE if weight_scale_inv is not None else x.dtype
+    if not isinstance(weight, torch.Tensor) or weight.dtype != want or weight.dim() != 2 or (
             weight.shape[1] != depth or weight.stride(1) != 1):
-        raise ValueError(f"weight must be a dense {FP8_DTYPE} [N, {depth}], got "
+        raise ValueError(f"weight must be a dense {want} [N, {depth}], got "
                          f"{getattr(weight, 'dtype', weight)} {tuple(getattr(weight, 'shape', ()))}")
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
+        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
+    if weight_scale_inv is None:  # a 16-bit weight in x's dtype: no scales, no block
+        check_same_device(x=x, weight=weight, bias=bias)
+        return
     expected = scale_shape(tuple(weight.shape), block)
     if weight_scale_inv.dtype != torch.float32 or tuple(weight_scale_inv.shape) != expected or (
             weight_scale_inv.stride(-1) != 1):
@@ -284,8 +292,6 @@ def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor
         raise ValueError(f"config.num_stages={config.num_stages} prefetches the next scale "
                          f"group's tile: it needs config.block_k={config.block_k} to equal "
                          f"block_k={block[1]}")
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.shape[0]):
-        raise ValueError(f"bias must be [{weight.shape[0]}], got {tuple(bias.shape)}")
     check_same_device(x=x, weight=weight, weight_scale_inv=weight_scale_inv, bias=bias)
 
 
@@ -302,14 +308,17 @@ def _register_cap(config: GemmConfig, last_reduces: bool) -> dict:
     return {} if cap is None else {"maxnreg": cap}
 
 
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor,
-                block: tuple[int, int], bias: torch.Tensor | None, config: GemmConfig, *,
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.Tensor | None,
+                block: tuple[int, int] | None, bias: torch.Tensor | None, config: GemmConfig, *,
                 silu: bool = False, last_reduces: bool = True) -> torch.Tensor:
     """``x [M, K]`` (``silu``: ``gate_up [M, 2K]``), ``M <= GEMV_MAX_ROWS`` -> ``[M, N]``
     in x's dtype, with the gemv ``config``'s tiles. Split-K partials are added by each
     column tile's last split (``kernels.arrivals``) where counters can be had, else (and
-    with ``last_reduces=False``) by a launch of their own; the result is the same."""
-    block = (int(block[0]), int(block[1]))
+    with ``last_reduces=False``) by a launch of their own; the result is the same.
+    ``weight_scale_inv=None`` (and ``block=None``): ``weight`` is a 16-bit ``[N, K]`` in
+    x's dtype, unscaled, read in k steps of ``config.block_k`` (``dense_gemv``)."""
+    scaled = weight_scale_inv is not None
+    block = (int(block[0]), int(block[1])) if scaled else (config.block_n, config.block_k)
     _check(x, weight, weight_scale_inv, block, bias, config, silu)
     rows, cols = x.shape[0], weight.shape[0]
     depth = weight.shape[1]
@@ -322,17 +331,18 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
     split = min(config.split_k, triton.cdiv(depth, block[1]))
     part = (torch.empty((split, rows, cols), dtype=torch.float32, device=x.device)
             if split > 1 else out)
-    bias_arg = bias if bias is not None else weight_scale_inv
+    bias_arg = bias if bias is not None else weight_scale_inv if scaled else out
+    ws_arg = weight_scale_inv if scaled else out
     tiles = triton.cdiv(cols, config.block_n)
     count = counters(x.device, tiles) if split > 1 and last_reduces else None
     with on_device(x.device):
         _gemv_kernel[(tiles * split,)](
-            x, weight, weight_scale_inv, bias_arg, out, part,
+            x, weight, ws_arg, bias_arg, out, part,
             count if count is not None else part, cols, depth, x.stride(0),
-            weight.stride(0), weight_scale_inv.stride(0), out.stride(0),
+            weight.stride(0), ws_arg.stride(0), out.stride(0),
             GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=bias is not None, ROWS=rows,
             BLOCK_N=config.block_n, BLOCK_K=config.block_k, SPLIT_K=split, SILU=silu,
-            PREFETCH=config.num_stages > 1, LAST_REDUCES=count is not None,
+            PREFETCH=config.num_stages > 1, LAST_REDUCES=count is not None, SCALED=scaled,
             num_warps=config.num_warps, num_stages=config.num_stages, **pdl_args(x),
             **_register_cap(config, count is not None and x.is_cuda),
         )
