@@ -139,7 +139,8 @@ def _compile_gemv(cfg: GemmConfig, *, rows: int, silu: bool, even_k: bool,
     # split-K as it runs on a GPU: the last split of a column tile adds the partials
     consts = dict(GROUP_N=block[0], GROUP_K=block[1], HAS_BIAS=False, ROWS=rows,
                   BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, SILU=silu,
-                  PREFETCH=cfg.num_stages > 1, LAST_REDUCES=cfg.split_k > 1, USE_PDL=False)
+                  PREFETCH=cfg.num_stages > 1, LAST_REDUCES=cfg.split_k > 1, SCALED=True,
+                  USE_PDL=False)
     sig.update({name: "constexpr" for name in consts})
     names = list(sig)
     renamed = {"x_ptr": "a_ptr", "stride_x": "stride_a"}

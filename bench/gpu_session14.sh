@@ -11,6 +11,9 @@
 #      so did a run of 0, 1, 2 and 4 prefetched scale groups a program.
 #   s: bench/dense_gemv.py (the GEMV on bf16 weights against cuBLAS, one row), then the
 #      bf16 V2-Lite step's kernels at batch 16 and 64 (bench/deepseek_profile.py).
+#   d: the GPU tests of the GEMV (the 16-bit weight's too) and the no-compile test, then the
+#      decode step (bench/fp8.py: Llama-3-8B and V2-Lite, bf16 and FP8, batch 1/16/64), V2-Lite
+#      at 16 and 64 with the sort-free experts up to 64 tokens, the V2-Lite bf16 b1 profile.
 source bench/gpu_common.sh s14 t "$@"
 case "$part" in
 t)
@@ -34,6 +37,22 @@ s)  # the 16-bit GEMV against cuBLAS at one row, then V2-Lite's bf16 step profil
             --table-pages 2560 --json "$OUT/prof_v2_lite_b${b}_bf16.json" > "$L/prof_v2_b$b.log" 2>&1
         stamp "profile v2-lite b$b rc=$?"
     done ;;
+d)  # the decode step with the 16-bit GEMV in the bf16 linears, the GPU tests first
+    timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_gemv.py \
+        tests/decode/test_no_compile.py > "$L/gpu_tests_d.log" 2>&1
+    stamp "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_d.log" | cut -c1-200; tail -1 "$L/gpu_tests_d.log"
+    timeout 300 python3 bench/fp8.py --only decode --models llama3_8b v2_lite --batches 1 16 64 \
+        --json "$OUT/fp8_decode_dense_gemv.json" > "$L/fp8_decode.log" 2>&1
+    stamp "fp8 decode rc=$?"; grep -E "batch +[0-9]+: step" "$L/fp8_decode.log" | cut -c1-62
+    # V2-Lite at 64 with the sort-free experts (MOE_DECODE_MAX_TOKENS 64, not 16), same run
+    timeout 200 python3 -c "import runpy, sys; import lanekv.model.deepseek as d; \
+d.MOE_DECODE_MAX_TOKENS = 64; sys.argv = ['bench/fp8.py', '--only', 'decode', '--models', 'v2_lite', \
+'--batches', '16', '64', '--json', '$OUT/v2_lite_decode_sortfree64.json']; \
+runpy.run_path('bench/fp8.py', run_name='__main__')" > "$L/sortfree64.log" 2>&1
+    stamp "sort-free at 64 rc=$?"; grep -E "batch +[0-9]+: step" "$L/sortfree64.log" | cut -c1-62
+    timeout 100 python3 bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 \
+        --table-pages 2560 --json "$OUT/prof_v2_lite_b1_bf16.json" > "$L/prof_v2_b1.log" 2>&1
+    stamp "profile v2-lite b1 rc=$?" ;;
 *)
-    echo "unknown part: $part (t, o, s)" >&2; exit 2 ;;
+    echo "unknown part: $part (t, o, s, d)" >&2; exit 2 ;;
 esac

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from lanekv.kernels.backend import use_triton
 from lanekv.kernels.fp8.experts import moe_experts_fp8
+from lanekv.kernels.fp8.gemm_gemv import dense_linear
 from lanekv.kernels.fp8.moe_decode import Fp8SharedExpert, moe_experts_fp8_decode, shared_fits
 from lanekv.kernels.mla.absorb import mla_absorb_query, mla_expand_output
 from lanekv.kernels.mla.expand_merge import mla_expand_partials
@@ -54,6 +55,7 @@ from lanekv.model.llama import (
     FusedLinear,
     RMSNorm,
     causal_attention,
+    project,
     silu_mul_down,
     unset_embedding,
 )
@@ -191,7 +193,7 @@ class MLAAttention(nn.Module):
         if tuple(o.shape) != expected:
             raise ValueError(f"attention callback returned shape {tuple(o.shape)} for layer "
                              f"{self.layer_index}, expected {expected}")
-        return self.o_proj(o.reshape(num_tokens, self.num_heads * v_head_dim))
+        return project(self.o_proj, o.reshape(num_tokens, self.num_heads * v_head_dim))
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj's K part ``[H, qk_nope, R]`` and V part ``[H, v_head_dim, R]``."""
@@ -529,7 +531,7 @@ class DeepseekCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return dense_linear(hidden, weight).float()
 
 
 def mla_causal_attention(model: DeepseekCausalLM) -> MLAAttentionFn:

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from lanekv.kernels.fp8.gemm import fp8_linear
+from lanekv.kernels.fp8.gemm_gemv import dense_linear
 from lanekv.kernels.invariant.attention import blocked_attention
 from lanekv.kernels.rmsnorm import add_rmsnorm
 from lanekv.kernels.rope_store import apply_rotary, rotate_half  # noqa: F401 (the model's RoPE ops)
@@ -152,15 +153,27 @@ class FusedLinear(nn.Module):
         if self.weight_scale_inv is not None:
             return fp8_linear(x, self.weight, self.weight_scale_inv, self.fp8.block, self.bias,
                               scale_ue8m0=self.fp8.quant.scale_ue8m0)
-        return F.linear(x, self.weight, self.bias)
+        return dense_linear(x, self.weight, self.bias)
+
+
+def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)``; a plain ``nn.Linear`` without hooks (tensor parallelism's
+    all-reduce is one: ``model.parallel.tp``) through ``dense_linear`` (the GEMV where its
+    shape is in the device's table at decode's row count)."""
+    if type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks):
+        return dense_linear(x, linear.weight, linear.bias)
+    return linear(x)
 
 
 def silu_mul_down(down_proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     """``down_proj(silu(gate) * up)`` for ``gate_up [T, 2I]``; a block-FP8 down
     projection computes the product itself (quantized in one pass for a w8a8 GEMM, in
-    the GEMM's activation load for a w8a16 or gemv one: ``silu_mul_fp8_linear``)."""
+    the GEMM's activation load for a w8a16 or gemv one: ``silu_mul_fp8_linear``), and so
+    does a plain one where ``dense_linear`` runs the GEMV."""
     if isinstance(down_proj, Fp8Linear):
         return down_proj.silu_mul(gate_up)
+    if type(down_proj) is nn.Linear:
+        return dense_linear(gate_up, down_proj.weight, down_proj.bias, silu=True)
     gate, up = gate_up.chunk(2, dim=-1)
     return down_proj(F.silu(gate) * up)
 
@@ -223,7 +236,7 @@ class Attention(nn.Module):
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """``o [T, Hq, D]`` -> ``[T, hidden]``."""
-        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+        return project(self.o_proj, o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -352,7 +365,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[n, hidden]`` -> float32 ``[n, vocab]``."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return dense_linear(hidden, weight).float()
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

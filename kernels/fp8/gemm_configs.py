@@ -360,6 +360,36 @@ def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConf
     return cfg
 
 
+# The split-K GEMV on unscaled 16-bit weights (``gemm_gemv.dense_linear``), by device name
+# then (N, K, SiLU fused into the activation load): the bf16 shapes at one row where the
+# fastest candidate beat cuBLAS (``bench/dense_gemv.py``, H200, 2026-12-03: 0.77-0.98x
+# cuBLAS's time; Llama-3-8B's gate/up, 1.02x, is left to cuBLAS). A shape or row count
+# not here runs ``F.linear``.
+DENSE_GEMV_TABLE: dict[str, dict[tuple[int, int, bool], GemmConfig]] = {
+    "NVIDIA H200": {
+        (6144, 4096, False): GemmConfig(16, 16, 128, 1, 4, 4, 1, gemv=True),  # Llama qkv
+        (4096, 4096, False): GemmConfig(16, 32, 128, 1, 8, 8, 1, gemv=True),  # Llama o
+        (4096, 14336, True): GemmConfig(16, 32, 128, 1, 16, 4, 1, gemv=True),  # Llama down
+        (128256, 4096, False): GemmConfig(16, 32, 128, 1, 1, 8, 1, gemv=True),  # Llama lm_head
+        (3648, 2048, False): GemmConfig(16, 32, 128, 1, 4, 8, 1, gemv=True),  # V2-Lite q/kv_a
+        (2048, 2048, False): GemmConfig(16, 32, 128, 1, 8, 8, 1, gemv=True),  # V2-Lite o
+        (102400, 2048, False): GemmConfig(16, 16, 128, 1, 1, 2, 1, gemv=True),  # V2-Lite lm_head
+    },
+}
+DENSE_GEMV_ROWS = 1  # the row count the table was measured at
+DENSE_GEMV_DTYPE = torch.bfloat16
+
+
+def dense_gemv_config(rows: int, n: int, k: int, silu: bool, dtype: torch.dtype,
+                      device: torch.device) -> GemmConfig | None:
+    """The GEMV config for a 16-bit linear of this shape on this device, or None
+    (``F.linear``)."""
+    if device.type != "cuda" or rows != DENSE_GEMV_ROWS or dtype != DENSE_GEMV_DTYPE:
+        return None
+    table = DENSE_GEMV_TABLE.get(torch.cuda.get_device_name(device))
+    return None if table is None else table.get((n, k, silu))
+
+
 def config_for_device(rows: int, n: int, k: int, block: tuple[int, int], device_name: str,
                       sms: int) -> GemmConfig:
     """What ``select_config`` picks on a CUDA device of this name and SM count: the

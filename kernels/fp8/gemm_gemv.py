@@ -45,16 +45,27 @@ the k loop longer and takes more registers; the sweep times that trade.
 Which shapes run it is the tuned table's choice (``gemm_configs.py``); ``fp8_linear``
 and ``silu_mul_fp8_linear`` (``gemm.py``) call ``gemv_linear`` when the config says
 ``gemv``.
+
+The same kernel runs an unscaled 16-bit weight (``weight_scale_inv=None``: ``SCALED``
+off, the k step ``config.block_k`` elements, no scale read): ``dense_linear`` sends a bf16
+linear there where ``gemm_configs.DENSE_GEMV_TABLE`` names its shape (decode's one row on
+an H200, where it beat cuBLAS: ``bench/dense_gemv.py``), and to ``F.linear`` otherwise.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 from lanekv.kernels.arrivals import arrived_last, counters, reset
 from lanekv.kernels.backend import check_same_device, on_device
-from lanekv.kernels.fp8.gemm_configs import GEMV_MAX_ROWS, GemmConfig, check_config
+from lanekv.kernels.fp8.gemm_configs import (
+    GEMV_MAX_ROWS,
+    GemmConfig,
+    check_config,
+    dense_gemv_config,
+)
 from lanekv.kernels.fp8.quant import silu_mul_tile
 from lanekv.kernels.fp8.tile_order import tile_coords
 from lanekv.kernels.fp8.weights import FP8_DTYPE, scale_shape
@@ -352,3 +363,21 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
                 part, bias_arg, out, cols, out.stride(0), ROWS=rows, SPLIT_K=split,
                 HAS_BIAS=bias is not None, BLOCK=reduce_block, num_warps=4, **pdl_args(x))
     return out
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 silu: bool = False) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` of a 16-bit weight (``silu``: of ``silu(gate) * up``
+    for ``x = gate_up [M, 2K]``), through the GEMV where the device's table names a config
+    for this shape at x's row count (``gemm_configs.DENSE_GEMV_TABLE``: decode's one row on
+    an H200, where it measured faster than cuBLAS), else through torch."""
+    config = None
+    if x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype:
+        config = dense_gemv_config(x.shape[0], weight.shape[0], weight.shape[1], silu, x.dtype,
+                                   x.device)
+    if config is not None and x.stride(-1) == 1 and weight.stride(-1) == 1:
+        return gemv_linear(x, weight, None, None, bias, config, silu=silu)
+    if silu:
+        gate, up = x.chunk(2, dim=-1)
+        x = F.silu(gate) * up
+    return F.linear(x, weight, bias)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lanekv.kernels import arrivals
 from lanekv.kernels.fp8 import gemm as gemm_module
 from lanekv.kernels.fp8 import gemm_gemv as gemv_module
@@ -29,6 +30,7 @@ from lanekv.kernels.fp8.gemm_configs import (
     TABLE_ENV,
     GemmConfig,
     candidate_configs,
+    check_config,
     config_family,
     load_table,
     select_config,
@@ -429,3 +431,94 @@ def test_gpu_last_split_reduction_replays_in_a_cuda_graph(pdl, monkeypatch):
         assert torch.equal(second, gemv_linear(x, w2, w2_scale, block, None, cfg2,
                                                last_reduces=False))
     assert not arrivals.counters(x.device, 1).any()
+
+
+# The GEMV on an unscaled 16-bit weight (``gemv_linear`` with no scales; the interpreter
+# has no bfloat16: float32 here, bf16 on the GPU below)
+@pytest.mark.parametrize("rows,cols,depth", [(1, 96, 200), (3, 40, 256), (4, 70, 96)])
+def test_unscaled_weight_gemv_equals_f_linear(rows, cols, depth):
+    """Odd column counts (ragged tiles), a K with a ragged last k step, 1 to 4 rows, with
+    and without bias, split-K reduced by the last split and by the reduce launch, the
+    register prefetch, and the SiLU product fused into the activation load."""
+    g = torch.Generator().manual_seed(rows * depth)
+    x = torch.randn(rows, depth, generator=g)
+    w = torch.randn(cols, depth, generator=g)
+    bias = torch.randn(cols, generator=g)
+    gate_up = torch.randn(rows, 2 * depth, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    for cfg in (_gemv(32, 64, 1, 2), _gemv(16, 32, 3, 2), _gemv(32, 64, 2, 2, stages=2)):
+        for b in (None, bias):
+            for last in (True, False):
+                out = gemv_linear(x, w, None, None, b, cfg, last_reduces=last)
+                torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+        fused = gemv_linear(gate_up, w, None, None, None, cfg, silu=True)
+        torch.testing.assert_close(fused, F.linear(F.silu(gate) * up, w), rtol=1e-5, atol=1e-4)
+
+
+def test_unscaled_weight_gemv_refuses_a_weight_not_in_x_dtype():
+    x = torch.randn(1, 64)
+    with pytest.raises(ValueError, match=r"^weight must be a dense torch.float32 \[N, 64\], got "
+                                         r"torch.float16 \(8, 64\)$"):
+        gemv_linear(x, torch.randn(8, 64).half(), None, None, None, _gemv(16, 32, 1, 2))
+    with pytest.raises(ValueError, match=r"^bias must be \[8\], got \(7,\)$"):
+        gemv_linear(x, torch.randn(8, 64), None, None, torch.randn(7), _gemv(16, 32, 1, 2))
+
+
+def test_dense_linear_takes_the_gemv_only_where_the_table_names_the_shape(monkeypatch):
+    """``dense_linear`` runs the GEMV with the table's config for a listed (N, K, SiLU) at
+    the table's row count and dtype, and ``F.linear`` for anything else; both agree."""
+    seen = []
+    real = gemv_module.gemv_linear
+
+    def recording(*args, **kwargs):
+        seen.append(args[5])
+        return real(*args, **kwargs)
+
+    cfg = _gemv(16, 32, 2, 2)
+    monkeypatch.setattr(gemv_module, "gemv_linear", recording)
+    monkeypatch.setattr(gemv_module, "dense_gemv_config",
+                        lambda rows, n, k, silu, dtype, device: cfg
+                        if (rows, n, k, silu, dtype) == (1, 40, 96, False, torch.float32) else None)
+    w = torch.randn(40, 96)
+    for x in (torch.randn(1, 96), torch.randn(2, 96)):
+        torch.testing.assert_close(gemv_module.dense_linear(x, w), F.linear(x, w), rtol=1e-5,
+                                   atol=1e-4)
+    assert seen == [cfg]  # one row: the GEMV; two rows: torch
+    gate_up = torch.randn(1, 192)
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(gemv_module.dense_linear(gate_up, w, silu=True),
+                               F.linear(F.silu(gate) * up, w), rtol=1e-5, atol=1e-4)
+    assert seen == [cfg]  # (40, 96, SiLU) is not listed
+
+
+def test_the_dense_gemv_table_lists_only_gemv_configs_at_one_row():
+    from lanekv.kernels.fp8 import gemm_configs
+
+    for device, table in gemm_configs.DENSE_GEMV_TABLE.items():
+        for (n, k, _silu), cfg in table.items():
+            assert cfg.gemv and check_config(cfg) == cfg and cfg.block_k == 128, (device, n, k)
+    # a CPU tensor, another row count or dtype: never the GEMV
+    assert gemm_configs.dense_gemv_config(1, 4096, 4096, False, torch.bfloat16,
+                                          torch.device("cpu")) is None
+
+
+@requires_gpu
+def test_gpu_dense_linear_equals_f_linear_in_bf16():
+    """Compiled, bf16, one row, each of the H200 table's configs on a shape of its own
+    family (and the Llama o shape through ``dense_linear``): near cuBLAS's bf16 result."""
+    from lanekv.kernels.fp8 import gemm_configs
+
+    torch.manual_seed(0)
+    for (n, k, silu), cfg in gemm_configs.DENSE_GEMV_TABLE["NVIDIA H200"].items():
+        n = min(n, 8192)  # the lm_head configs on fewer columns: same tiles
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * k ** -0.5
+        x = torch.randn(1, 2 * k if silu else k, device="cuda", dtype=torch.bfloat16)
+        ref = (F.linear(F.silu(x[:, :k].float()) * x[:, k:].float(), w.float()) if silu
+               else F.linear(x.float(), w.float()))
+        out = gemv_linear(x, w, None, None, None, cfg, silu=silu)
+        assert (out.float() - ref).norm() <= 1e-2 * ref.norm(), (n, k, cfg.name())
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16) * 4096 ** -0.5
+    x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
+    out = gemv_module.dense_linear(x, w)
+    ref = F.linear(x.float(), w.float())
+    assert (out.float() - ref).norm() <= 1e-2 * ref.norm()
