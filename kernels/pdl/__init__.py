@@ -34,8 +34,13 @@ reads. Letting dependents launch right after the wait is safe wherever it stands
 because every converted kernel waits before it touches memory, and the trigger fires
 only once all of this kernel's programs are resident, so the next kernel cannot crowd
 out this one's later programs. Nothing is prefetched before the wait (CUTLASS prefetches
-weights there): the launchers are generic ops whose weights are arguments, and a
-prefetch would oblige every caller never to hand in a tensor the previous kernel wrote.
+weights there): a load into registers would oblige every caller never to hand in a
+tensor the previous kernel wrote. A request that L2 fetch the bytes would not (L2 is where
+every SM's stores land), but measured it did not pay: the FP8 GEMV asking for its weight
+slice with ``cp.async.bulk.prefetch.L2`` before the wait made the batch-1 Llama-3-8B FP8
+step slower at every amount (2.87 ms without, 2.94 with one scale group a program, 4.15
+with the whole slice), and so did triggering the dependents before the wait (3.44 ms):
+BENCHMARKS.md, fourteenth session.
 
 A kernel not converted is never launched with ``launch_pdl``. A converted kernel after a
 kernel launched without PDL (cuBLAS, torch elementwise ops, copies) is still correct:
