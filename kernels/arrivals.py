@@ -17,8 +17,10 @@ The counters are one zeroed int32 tensor per device, made only outside a CUDA gr
 capture (by the first eager call there; the decode engine runs every batch size it
 captures eagerly first, so its graphs find them made). A launch takes slots ``[0,
 groups)``: two launches that share them must not run at the same time. Every launch of
-these kernels in a lanekv process is on one stream per device (the decode step's; a
-prefill rank's GEMMs take more rows than the GEMV), and under PDL a kernel touches no
+these kernels in a lanekv process is on one stream per device (the decode step's, or the
+stream a prefill rank runs its forward on, whose only GEMVs are one-row products: the
+logits of a single request and a one-token prompt's linears; a colocated prefill runs on
+the decode step's stream, between steps), and under PDL a kernel touches no
 memory before the kernel ahead of it has completed (``kernels.pdl``). ``counters``
 answers ``None`` where it cannot give them (during a capture before any exist, more
 groups than ``SLOTS``): the launcher then adds the partials with the separate
