@@ -327,7 +327,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
     column tile's last split (``kernels.arrivals``) where counters can be had, else (and
     with ``last_reduces=False``) by a launch of their own; the result is the same.
     ``weight_scale_inv=None`` (and ``block=None``): ``weight`` is a 16-bit ``[N, K]`` in
-    x's dtype, unscaled, read in k steps of ``config.block_k`` (``dense_gemv``)."""
+    x's dtype, unscaled, read in k steps of ``config.block_k`` (``dense_linear``)."""
     scaled = weight_scale_inv is not None
     block = (int(block[0]), int(block[1])) if scaled else (config.block_n, config.block_k)
     _check(x, weight, weight_scale_inv, block, bias, config, silu)
