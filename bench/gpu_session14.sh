@@ -14,6 +14,8 @@
 #   d: the GPU tests of the GEMV (the 16-bit weight's too) and the no-compile test, then the
 #      decode step (bench/fp8.py: Llama-3-8B and V2-Lite, bf16 and FP8, batch 1/16/64), V2-Lite
 #      at 16 and 64 with the sort-free experts up to 64 tokens, the V2-Lite bf16 b1 profile.
+#   e: the GPU tests of decode steps through the 16-bit GEMV (graphs against eager) and of
+#      PDL in the decode step, and the GEMV's 16-bit GPU test.
 source bench/gpu_common.sh s14 t "$@"
 case "$part" in
 t)
@@ -53,6 +55,11 @@ runpy.run_path('bench/fp8.py', run_name='__main__')" > "$L/sortfree64.log" 2>&1
     timeout 100 python3 bench/deepseek_profile.py --v2-lite --batch 1 --context 1024 \
         --table-pages 2560 --json "$OUT/prof_v2_lite_b1_bf16.json" > "$L/prof_v2_b1.log" 2>&1
     stamp "profile v2-lite b1 rc=$?" ;;
+e)  # the GPU tests of the dense GEMV in the decode step, and the PDL decode tests
+    timeout 400 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_dense_gemv_decode.py \
+        tests/decode/test_pdl_decode.py tests/kernels/test_fp8_gemv.py -k "dense or unscaled or pdl" \
+        > "$L/gpu_tests_e.log" 2>&1
+    stamp "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_e.log" | cut -c1-200; tail -1 "$L/gpu_tests_e.log" ;;
 *)
-    echo "unknown part: $part (t, o, s, d)" >&2; exit 2 ;;
+    echo "unknown part: $part (t, o, s, d, e)" >&2; exit 2 ;;
 esac

@@ -156,11 +156,16 @@ class FusedLinear(nn.Module):
         return dense_linear(x, self.weight, self.bias)
 
 
+def _plain(linear: nn.Module) -> bool:
+    """A plain ``nn.Linear`` without hooks (tensor parallelism's all-reduce is one:
+    ``model.parallel.tp``), which ``dense_linear`` may run in place of its forward."""
+    return type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks)
+
+
 def project(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)``; a plain ``nn.Linear`` without hooks (tensor parallelism's
-    all-reduce is one: ``model.parallel.tp``) through ``dense_linear`` (the GEMV where its
-    shape is in the device's table at decode's row count)."""
-    if type(linear) is nn.Linear and not (linear._forward_hooks or linear._forward_pre_hooks):
+    """``linear(x)``; a plain one through ``dense_linear`` (the GEMV where its shape is in
+    the device's table at decode's row count)."""
+    if _plain(linear):
         return dense_linear(x, linear.weight, linear.bias)
     return linear(x)
 
@@ -172,7 +177,7 @@ def silu_mul_down(down_proj: nn.Module, gate_up: torch.Tensor) -> torch.Tensor:
     does a plain one where ``dense_linear`` runs the GEMV."""
     if isinstance(down_proj, Fp8Linear):
         return down_proj.silu_mul(gate_up)
-    if type(down_proj) is nn.Linear:
+    if _plain(down_proj):
         return dense_linear(gate_up, down_proj.weight, down_proj.bias, silu=True)
     gate, up = gate_up.chunk(2, dim=-1)
     return down_proj(F.silu(gate) * up)
