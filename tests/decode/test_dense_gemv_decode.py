@@ -46,10 +46,11 @@ def test_graph_steps_through_the_dense_gemv_give_the_eager_tokens_gpu(tmp_path, 
     real = gemv_module.gemv_linear
     monkeypatch.setattr(gemv_module, "gemv_linear",
                         lambda *a, **k: calls.append(a[1].shape) or real(*a, **k))
-    for requests in (1, 6):
+    # (the scenario's tokens a request: 5 for one alone; 42 over six, one cancelled)
+    for requests, tokens in ((1, 5), (6, 42)):
         eager, _ = _scenario(loaded, device, False, requests, (1, 2, 4, 8))
         graphed, _ = _scenario(loaded, device, True, requests, (1, 2, 4, 8))
         assert graphed == eager, requests
-        assert sum(len(t) for t in eager.values()) >= 6
+        assert sum(len(t) for t in eager.values()) == tokens
     # every listed shape went through the GEMV
     assert {tuple(s) for s in calls} == {(n, k) for n, k, _ in shapes}
