@@ -38,9 +38,8 @@ weights there): a load into registers would oblige every caller never to hand in
 tensor the previous kernel wrote. A request that L2 fetch the bytes would not (L2 is where
 every SM's stores land), but measured it did not pay: the FP8 GEMV asking for its weight
 slice with ``cp.async.bulk.prefetch.L2`` before the wait made the batch-1 Llama-3-8B FP8
-step slower at every amount (one call: 2.83 ms without, 4.15 with the whole slice, 3.44
-with the dependents triggered before the wait instead; another: 2.87 without, 2.94 with
-one scale group a program): BENCHMARKS.md, fourteenth session.
+step slower at every amount tried, and so did triggering the dependents before the wait
+(BENCHMARKS.md, fourteenth session).
 
 A kernel not converted is never launched with ``launch_pdl``. A converted kernel after a
 kernel launched without PDL (cuBLAS, torch elementwise ops, copies) is still correct:
