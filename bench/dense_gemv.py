@@ -33,7 +33,7 @@ from lanekv.kernels.fp8.gemm_configs import gemv_candidates  # noqa: E402
 from lanekv.kernels.fp8.gemm_gemv import gemv_linear  # noqa: E402
 
 from bench.deepseek_kernels import copy_gbps  # noqa: E402
-from bench.fp8 import _copies, _rotating  # noqa: E402
+from bench.fp8 import _copies, _rotating, _timer  # noqa: E402
 
 SHAPES = [  # (model, linear, N, K, silu)
     ("llama3_8b", "qkv", 6144, 4096, False),
@@ -47,9 +47,11 @@ SHAPES = [  # (model, linear, N, K, silu)
 ]
 
 
-def _graph_us(fn, rep: int = 60) -> float:
-    ms = triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
-    return ms * 1e3
+_graph_ms = _timer("graph", 60)  # the median replay of a CUDA graph of the calls
+
+
+def _graph_us(fn) -> float:
+    return _graph_ms(fn) * 1e3
 
 
 def candidates(n: int, sms: int) -> list:

@@ -386,8 +386,14 @@ def dense_gemv_config(rows: int, n: int, k: int, silu: bool, dtype: torch.dtype,
     (``F.linear``)."""
     if device.type != "cuda" or rows != DENSE_GEMV_ROWS or dtype != DENSE_GEMV_DTYPE:
         return None
-    table = DENSE_GEMV_TABLE.get(torch.cuda.get_device_name(device))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    table = DENSE_GEMV_TABLE.get(_device_name(index))
     return None if table is None else table.get((n, k, silu))
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)  # fixed per device: asked once, not per linear
 
 
 def config_for_device(rows: int, n: int, k: int, block: tuple[int, int], device_name: str,

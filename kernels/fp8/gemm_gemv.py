@@ -342,8 +342,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale_inv: torch.T
     split = min(config.split_k, triton.cdiv(depth, block[1]))
     part = (torch.empty((split, rows, cols), dtype=torch.float32, device=x.device)
             if split > 1 else out)
-    bias_arg = bias if bias is not None else weight_scale_inv if scaled else out
-    ws_arg = weight_scale_inv if scaled else out
+    ws_arg = weight_scale_inv if scaled else out  # unread without scales
+    bias_arg = bias if bias is not None else ws_arg  # unread without a bias
     tiles = triton.cdiv(cols, config.block_n)
     count = counters(x.device, tiles) if split > 1 and last_reduces else None
     with on_device(x.device):
