@@ -11,6 +11,9 @@ STAMP := $(VENV)/.installed
 # starter already holds (model/parallel/rendezvous.py), and /dev/shm files are named by pid, so
 # the two processes' tests do not meet.
 TEST_JOBS ?= 2
+# A test process that dies is not replaced: the run ends at once, naming the test it died
+# in. (pytest-xdist 3.8 can wait for ever at the end of a --dist loadfile run that replaced one.)
+XDIST := -n $(TEST_JOBS) --dist loadfile --max-worker-restart 0
 
 .PHONY: install test test-fast lint bench proto demo tiny-model clean
 
@@ -26,12 +29,12 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=25 -n $(TEST_JOBS) --dist loadfile tests
+	$(PY) -m pytest -q -ra --durations=25 $(XDIST) tests
 
 # The unit tests: everything but the end-to-end tests that start daemons (marked slow
 # by tests/conftest.py) and the GPU tests.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -ra -n $(TEST_JOBS) --dist loadfile -m "not slow and not gpu" tests
+	$(PY) -m pytest -q -ra $(XDIST) -m "not slow and not gpu" tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -83,16 +83,31 @@ class _Stoppable:
         return self.failed
 
 
+def _sigterm_once_handled(before) -> threading.Event:
+    """SIGTERM to this process once a handler other than ``before`` is in (a signal sent
+    earlier would end the test process), then 0.3 s more; setting the event sends nothing."""
+    cancel = threading.Event()
+
+    def send() -> None:
+        while signal.getsignal(signal.SIGTERM) is before:
+            if cancel.wait(0.01):
+                return
+        if not cancel.wait(0.3):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=send, daemon=True, name="sigterm-sender").start()
+    return cancel
+
+
 @pytest.mark.timeout(30)
 def test_serve_until_signal_writes_the_ready_file_and_stops_on_sigterm(tmp_path, capsys):
     daemon, ready = _Stoppable(), tmp_path / "ready"
     saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    sender = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM))
+    sender = _sigterm_once_handled(saved[signal.SIGTERM])
     try:
-        sender.start()
         code = serve_until_signal(daemon, "the banner", str(ready), 2.5, logging.getLogger("test"), "draining")
     finally:
-        sender.cancel()
+        sender.set()
         for sig, handler in saved.items():
             signal.signal(sig, handler)
     assert code == 0 and daemon.stopped_with == 2.5
