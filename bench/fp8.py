@@ -602,7 +602,7 @@ def bench_decode(models: list[str], batches: list[int], context: int, steps: int
             pool.tensor.normal_()
             for batch, pdl_on in ((b, p) for b in batches for p in pdl):
                 with pdl_env(pdl_on):
-                    step_ms = _decode_step_ms(loaded, pool, batch, context, steps, device)
+                    step_ms = decode_step_ms(loaded, pool, batch, context, steps, device)
                 floor_ms = step_bytes(loaded.model, batch) / rate * 1e3
                 row = dict(model=name, weights=quant, batch=batch, context=context,
                            pdl=pdl_on, pdl_status=pdl_label(device, pdl_on, batch),
@@ -622,7 +622,7 @@ def bench_decode(models: list[str], batches: list[int], context: int, steps: int
     return out
 
 
-def _decode_step_ms(loaded, pool: PagePool, batch: int, context: int, steps: int,
+def decode_step_ms(loaded, pool: PagePool, batch: int, context: int, steps: int,
                     device: torch.device) -> float:
     """A captured step of ``batch`` requests of ``context`` tokens, ms per step."""
     engine = DecodeEngine(loaded.model, pool, max_batch_size=batch, eos_token_ids=(),

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One H200: the fifteenth session had 252 s of device time left, so one call: the GPU tests
+# of the decode step's GEMVs as they landed (the dense GEMV's table looked up once per
+# device, f1bb816, had not run on a GPU), its graph-replay test and PDL in the step.
+#   w: not run this session (no device time was left): the step's GEMV configs tuned in the
+#      step (bench/gemv_in_step.py), Llama-3-8B at batch 1, FP8 weights then bf16.
+# Usage (repository root, the carried wheels installed): bash bench/gpu_session15.sh PART
+source bench/gpu_common.sh s15 v "$@"
+case "$part" in
+v)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/decode/test_dense_gemv_decode.py \
+        tests/decode/test_pdl_decode.py tests/kernels/test_fp8_gemv.py -k "dense or unscaled or pdl" \
+        > "$L/gpu_tests_v.log" 2>&1
+    stamp "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_v.log" | cut -c1-200; tail -1 "$L/gpu_tests_v.log" ;;
+w)
+    timeout 330 python3 bench/gemv_in_step.py --model llama3_8b --weights fp8 --batch 1 \
+        --time-budget-s 300 --json "$OUT/gemv_in_step_llama_fp8_b1.json" \
+        --write-table "$OUT/gemv_in_step_llama_fp8_b1_table.json" > "$L/in_step_fp8.log" 2>&1
+    stamp "fp8 rc=$?"; tail -8 "$L/in_step_fp8.log"
+    timeout 230 python3 bench/gemv_in_step.py --model llama3_8b --weights bf16 --batch 1 \
+        --time-budget-s 200 --json "$OUT/gemv_in_step_llama_bf16_b1.json" > "$L/in_step_bf16.log" 2>&1
+    stamp "bf16 rc=$?"; tail -8 "$L/in_step_bf16.log" ;;
+*)
+    echo "unknown part: $part (v, w)" >&2; exit 2 ;;
+esac
