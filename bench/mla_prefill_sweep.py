@@ -10,7 +10,10 @@ v 128, causal, bf16, one sequence of each ``--tokens`` (default 8k and 32k). Row
 - ``kernel``: ``launch_cp_prefill_attention`` with each config of ``MLA_PREFILL_SWEEP``
   (``kernels/prefill/config.py``; ``--configs`` to pick others, any of
   ``MLA_PREFILL_VARIANTS`` or new ones, written
-  ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize][+exp_bf16]``).
+  ``block_m,block_n,warps,stages[+tma][+overlap][+heads_fast][+warp_specialize][+exp_bf16]``),
+  and (with the cuDNN backend) lanekv's cuDNN path, ``sdpa_prefill_attention``
+  (``kernels/prefill/sdpa.py``) as the model calls it with ``LANEKV_PREFILL_ATTENTION=cudnn``:
+  host segments, the output in ``[N, H, 128]``.
 
 FLOPs count the causal work at v 128: ``2 * H * (192 + 128) * N * (N + 1) / 2``, the same
 count for every row (a padded SDPA run does more work than it is credited with).
@@ -64,12 +67,15 @@ from lanekv.kernels.prefill.config import (  # noqa: E402
     AttnLaunchConfig,
 )
 from lanekv.kernels.prefill.reference import AttnSegments, cp_prefill_attention_ref  # noqa: E402
+from lanekv.kernels.prefill.sdpa import sdpa_prefill_attention  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 QK_DIM, V_DIM = 192, 128
 MAX_REL_ERR = 1e-2
 BACKENDS = ("cudnn", "flash")
 TARGET = 1.0  # x the fastest SDPA (issue 37)
+# lanekv's cuDNN path (kernels/prefill/sdpa.py), timed beside the kernel configs
+PATH_JOB, PATH_LABEL = "path:cudnn", "sdpa_prefill_attention (cuDNN)"
 
 
 def parse_config(text: str) -> AttnLaunchConfig:
@@ -152,9 +158,24 @@ def _randn(gen, env: Env, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, device=env.device).to(env.dtype)
 
 
-def _check_small(config: AttnLaunchConfig, heads: int, env: Env) -> dict:
-    """The variant against the torch reference on a small batch: two requests, three
-    segments of odd lengths (a chunk from 0, a later chunk, a request's tail)."""
+def _triton(config: AttnLaunchConfig):
+    """A check's call of the Triton kernel with ``config``."""
+    def run(q, k, v, seg, host, scale, out, lse):
+        return launch_cp_prefill_attention(q, k, v, seg, scale, None, 0, out, lse, config)
+    return run
+
+
+def _cudnn_path(q, k, v, seg, host, scale, out, lse):
+    """A check's call of lanekv's cuDNN path (``sdpa_prefill_attention``) on host segments."""
+    got = sdpa_prefill_attention(q, k, v, host, scale, return_lse=True)
+    out.copy_(got.out)
+    lse.copy_(got.lse)
+
+
+def _check_small(run, heads: int, env: Env) -> dict:
+    """A variant (``run``: ``_triton(config)`` or ``_cudnn_path``) against the torch reference
+    on a small batch: two requests, three segments of odd lengths (a chunk from 0, a later
+    chunk, a request's tail)."""
     gen = torch.Generator(device=env.device).manual_seed(11)
     kv0, kv1 = env.check_kv
     segs = [(0, 0, kv0 * 3 // 7), (0, kv0 * 5 // 8, kv0 - kv0 * 5 // 8),
@@ -174,7 +195,7 @@ def _check_small(config: AttnLaunchConfig, heads: int, env: Env) -> dict:
     scale = QK_DIM**-0.5
     out = torch.full((tq, heads, V_DIM), float("nan"), dtype=env.dtype, device=env.device)
     lse = torch.empty(tq, heads, dtype=torch.float32, device=env.device)
-    launch_cp_prefill_attention(q, k, v, seg, scale, None, 0, out, lse, config)
+    run(q, k, v, seg, list(zip(*cols, strict=True)), scale, out, lse)
     want = cp_prefill_attention_ref(q, k, v, seg, scale, return_lse=True)
     out_err = rel_err(out, want.out) if not out.isnan().any() else float("nan")
     lse_err = (lse - want.lse).abs().max().item()
@@ -230,11 +251,13 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict, env: En
             rows.append(dict(row, ms=ms, tflops=flops / ms / 1e9, rel_err=err, ok=err < MAX_REL_ERR))
             del got
         return rows
+    if job == PATH_JOB:
+        return [_run_path(n, heads, tensors, want, checked, env, flops)]
     config = parse_config(job.split(":", 1)[1])
     row = {"tokens": n, "kind": "kernel", "config": config.label, "form": "v 128"}
     try:
         if config.label not in checked:
-            checked[config.label] = _check_small(config, heads, env)
+            checked[config.label] = _check_small(_triton(config), heads, env)
         row.update(checked[config.label])
         seg = AttnSegments(*(torch.tensor([x], dtype=torch.int32, device=env.device)
                              for x in (0, n, 0, 0)))
@@ -252,6 +275,27 @@ def _run_job(job: str, n: int, heads: int, tensors, want, checked: dict, env: En
         return [row]
     ok = bool(err < MAX_REL_ERR and row.get("ref_ok", False))
     return [dict(row, ms=ms, tflops=flops / ms / 1e9, rel_err=err, ok=ok)]
+
+
+def _run_path(n: int, heads: int, tensors, want, checked: dict, env: Env, flops: float) -> dict:
+    """lanekv's cuDNN path as the model calls it on one whole prompt (host segments; its
+    output in [N, H, 128], so a copy from SDPA's layout counts where one is made)."""
+    q, k, v = tensors
+    row = {"tokens": n, "kind": "kernel", "config": PATH_LABEL, "form": "v 128"}
+    try:
+        if PATH_LABEL not in checked:
+            checked[PATH_LABEL] = _check_small(_cudnn_path, heads, env)
+        row.update(checked[PATH_LABEL])
+
+        def call():
+            return sdpa_prefill_attention(q, k, v, [(0, n, 0, 0)], QK_DIM**-0.5)
+        err = rel_err(call(), want)
+        ms = time_ms(call, env.device)
+    except Exception as exc:  # noqa: BLE001 - a backend that refuses these shapes: recorded
+        row["error"] = _one_line(exc)
+        return row
+    return dict(row, ms=ms, tflops=flops / ms / 1e9, rel_err=err,
+                ok=bool(err < MAX_REL_ERR and row.get("ref_ok", False)))
 
 
 def _compiled_facts(kernel) -> dict:
@@ -295,7 +339,7 @@ def _precompile(jobs: list[str], heads: int, env: Env, tokens: int) -> int:
         t0 = time.perf_counter()
         rec = {"config": config.label}
         try:
-            rec.update(_check_small(config, heads, env))
+            rec.update(_check_small(_triton(config), heads, env))
             q, k, v = tensors
             seg = AttnSegments(*(torch.tensor([x], dtype=torch.int32, device=env.device)
                                  for x in (0, tokens, 0, 0)))
@@ -516,6 +560,8 @@ def main() -> int:
             print(f"--tokens must be >= 1, got {n}", file=sys.stderr)
             return 2
     jobs = [f"sdpa:{b}" for b in args.backends] + [f"kernel:{c.label}" for c in args.configs]
+    if "cudnn" in args.backends:
+        jobs.append(PATH_JOB)
     head = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "cudnn": torch.backends.cudnn.version(),
             "when": datetime.datetime.now(datetime.timezone.utc).isoformat(),

@@ -111,19 +111,23 @@ def test_worker_dry_run_on_cpu(capsys):
 
     if not interpreter_enabled():
         pytest.skip("the dry run launches the kernel on CPU tensors, which needs TRITON_INTERPRET=1")
-    jobs = ["sdpa:flash", "kernel:16,16,4,1", "kernel:32,16,4,1+tma+exp_bf16"]
+    from bench.mla_prefill_sweep import PATH_JOB, PATH_LABEL
+
+    jobs = ["sdpa:flash", "kernel:16,16,4,1", "kernel:32,16,4,1+tma+exp_bf16", PATH_JOB]
     spec = {"jobs": jobs, "tokens": [37], "heads": 2, "skip": [[37, "sdpa:flash"]],
             "device": "cpu", "dtype": "float32", "check_kv": [40, 23]}
     assert worker(spec) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [json.loads(x[6:]) for x in lines if x.startswith("START ")] == [[37, j] for j in jobs[1:]]
     rows = [json.loads(x[4:]) for x in lines if x.startswith("ROW ")]
-    assert [r["config"] for r in rows] == ["16,16,4,1", "32,16,4,1+tma+exp_bf16"]
+    assert [r["config"] for r in rows] == ["16,16,4,1", "32,16,4,1+tma+exp_bf16", PATH_LABEL]
     for r in rows:
         assert r["ok"] and r["ref_ok"] and "error" not in r, r
         assert r["ms"] > 0 and r["tflops"] == pytest.approx(causal_flops(2, 37) / r["ms"] / 1e9)
     assert rows[0]["rel_err"] < 1e-5 and rows[0]["ref_err"] < 1e-5  # float32 all the way
     assert 1e-5 < rows[1]["ref_err"] < 1e-2  # p rounded to bfloat16
+    # the cuDNN path's CPU twin: float32, its split chunks merged by log-sum-exp
+    assert rows[2]["rel_err"] < 1e-5 and rows[2]["ref_err"] < 1e-5 and rows[2]["ref_lse_err"] < 1e-4
 
 
 HANGING_WORKER = textwrap.dedent("""

@@ -65,19 +65,8 @@ def out_shape(q: torch.Tensor, v: torch.Tensor) -> torch.Size:
     return torch.Size((q.shape[0], q.shape[1], v.shape[2]))
 
 
-def check_attention_args(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    segments: AttnSegments,
-    softmax_scale: float,
-    page_table: torch.Tensor | None,
-    page_size: int,
-    out: torch.Tensor | None,
-    return_lse: bool,
-    lse_out: torch.Tensor | None,
-) -> None:
-    """Layout checks that read no tensor data (no device sync)."""
+def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float) -> None:
+    """q, k, v and the scale: types, dtypes, devices, shapes (no tensor data read)."""
     if not isinstance(q, torch.Tensor):
         raise TypeError(f"q must be a torch.Tensor, got {type(q).__name__}")
     if q.dtype not in SUPPORTED_DTYPES:
@@ -101,6 +90,22 @@ def check_attention_args(
         raise TypeError(f"softmax_scale must be a float, got {type(softmax_scale).__name__}")
     if not math.isfinite(softmax_scale) or softmax_scale <= 0:
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale}")
+
+
+def check_attention_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    segments: AttnSegments,
+    softmax_scale: float,
+    page_table: torch.Tensor | None,
+    page_size: int,
+    out: torch.Tensor | None,
+    return_lse: bool,
+    lse_out: torch.Tensor | None,
+) -> None:
+    """Layout checks that read no tensor data (no device sync)."""
+    check_qkv(q, k, v, softmax_scale)
     if not isinstance(segments, AttnSegments):
         raise TypeError(f"segments must be an AttnSegments, got {type(segments).__name__}")
     num_segments = None

@@ -25,7 +25,7 @@ loads the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +36,7 @@ from lanekv.kernels.mla.latent_store import mla_rope_norm_store
 from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention, paged_mla_decode_partials
 from lanekv.kernels.prefill.attention import cp_prefill_attention
 from lanekv.kernels.prefill.reference import AttnSegments
+from lanekv.kernels.prefill.sdpa import prefill_attention_backend, sdpa_prefill_attention
 from lanekv.kernels.store_kv import store_kv
 from lanekv.model.attention.base import (
     AnyCausalLM,
@@ -44,6 +45,7 @@ from lanekv.model.attention.base import (
     CPBatch,
     DecodeStep,
     Pool,
+    QuerySegment,
     kv_fields,
     table_width,
 )
@@ -110,7 +112,7 @@ class MLA(AttentionKind):
             if batch.on_layer is not None:
                 batch.on_layer(layer)
             k, v = model.mla_layer(layer).decompress(gathered)
-            return mla_prefill_attention(q, k, v, batch.segments, scale)
+            return mla_prefill_attention(q, k, v, batch.segments, scale, batch.query_segments)
 
         return attention
 
@@ -188,10 +190,20 @@ class MLA(AttentionKind):
 
 
 def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          segments: AttnSegments, softmax_scale: float) -> torch.Tensor:
+                          segments: AttnSegments, softmax_scale: float,
+                          host: Sequence[QuerySegment] | None = None) -> torch.Tensor:
     """``cp_prefill_attention`` on MLA's decompressed heads (q/k 192 and v 128 for
     V3) as they are: the Triton kernel scores a qk dim that is no power of two as a
-    power-of-two part plus a masked tail and masks v's dim, so nothing is padded."""
+    power-of-two part plus a masked tail and masks v's dim, so nothing is padded. With
+    ``LANEKV_PREFILL_ATTENTION=cudnn``, cuDNN's kernel segment by segment instead
+    (``kernels/prefill/sdpa.py``; on the CPU its float32 torch twin), over ``host``, the
+    same segments on the host (read back from ``segments`` when not given)."""
+    if prefill_attention_backend() == "cudnn":
+        if host is None:
+            bounds = list(zip(*(t.tolist() for t in segments), strict=True))
+        else:
+            bounds = [(s.q_start, s.q_len, s.q_pos, s.kv_first) for s in host]
+        return sdpa_prefill_attention(q, k, v, bounds, softmax_scale)
     return cp_prefill_attention(q, k, v, segments, softmax_scale)
 
 
@@ -223,6 +235,6 @@ def _fp8_cp_prefill(model: AnyCausalLM, batch: CPBatch) -> LatentRopeFn:
         if batch.on_layer is not None:
             batch.on_layer(layer)
         k, v = model.mla_layer(layer).decompress(gathered)
-        return mla_prefill_attention(q, k, v, batch.segments, scale)
+        return mla_prefill_attention(q, k, v, batch.segments, scale, batch.query_segments)
 
     return LatentRopeFn(attention)

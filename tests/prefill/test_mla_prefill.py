@@ -99,3 +99,30 @@ def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
     torch.testing.assert_close(mla_prefill_attention(q, k, v, segments, 0.3), plain,
                                rtol=1e-5, atol=1e-5)
     assert seen == [(24, 24, 16)]
+
+
+@pytest.mark.parametrize("cp_size,page_size", [(2, 16), (3, 4)])
+def test_mla_cp_prefill_through_the_sdpa_path_matches_transformers(
+        checkpoint, hf_logits, single_rank_latent, cp_size, page_size, monkeypatch):
+    """LANEKV_PREFILL_ATTENTION=cudnn: each rank's chunks go through the segment-by-segment
+    path (its float32 torch twin here), split past position 0 and merged; logits and the
+    latent rows every later layer wrote are those of the Triton path's run."""
+    import lanekv.kernels.prefill.sdpa as sdpa
+
+    monkeypatch.setenv(sdpa.PREFILL_ATTENTION_ENV, "cudnn")
+    calls = []
+    real = sdpa.sdpa_prefill_attention
+    monkeypatch.setattr("lanekv.model.attention.mla.sdpa_prefill_attention",
+                        lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
+    eng = _engine(checkpoint, cp_size, page_size)
+    results = eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)], return_logits=True)
+    for res in results:
+        n = res.num_tokens
+        torch.testing.assert_close(res.logits, hf_logits[n], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(eng.read_pages([p.page for p in res.pages])[:, :, :n],
+                                   single_rank_latent[n][:, :, :n], rtol=1e-5, atol=1e-5)
+    assert calls and any(q_pos > 0 for segs in calls for _, _, q_pos, _ in segs)
+    if page_size == 4:  # a cached prefix of 9 pages of 4 (test_mla_prefix_reuse_equals_full_prompt's)
+        reused, _ = prefill_with_prefix(eng, random_prompts(PROMPT_LENS)[3], 40, 9)
+        assert reused.prefix_len == 36
+        torch.testing.assert_close(reused.logits, hf_logits[70], rtol=1e-4, atol=1e-4)

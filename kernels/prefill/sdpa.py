@@ -1,0 +1,169 @@
+"""Prefill attention through cuDNN's fused attention (torch SDPA), segment by segment.
+
+Measured on one H200 (BENCHMARKS.md), cuDNN's causal attention ran faster than
+``cp_prefill_attention``'s Triton kernel on long prompts: 0.75x its time at 32 heads
+of d128 and 16k tokens for ours, 0.82-0.83x on MLA's decompressed heads (qk 192, v
+128) at 8k and 32k. ``sdpa_prefill_attention`` hands each query segment of a rank to
+it, on contiguous K/V rows whose heads equal the queries' (MLA's decompressed heads;
+a grouped-query model keeps the Triton kernel, which reads its shared KV heads as they
+are).
+
+A segment is the rank's query rows ``[q_start, q_start + q_len)`` at positions
+``q_pos ..`` of a request whose position 0 is K/V row ``kv_start`` (``AttnSegments``,
+here as host integers: the prefill runner has them, so nothing is read back from the
+device). A query at position ``p`` sees keys ``[0, p]``:
+
+- a segment that starts at position 0 (a whole prompt; CP rank 0's first chunk) is one
+  causal call;
+- one that starts later (every other CP chunk; a prompt after a cached prefix) is two:
+  its queries against the keys before them, unmasked, and against its own keys,
+  causal. The second is a square block, so SDPA's top-left causal mask is the
+  right one. The two are merged by their log-sum-exps (natural log, float32), as the
+  decode's split partials are.
+
+CUDA runs cuDNN's kernel: torch's public SDPA with the cuDNN backend where no
+log-sum-exp is needed, ``aten._scaled_dot_product_cudnn_attention`` (which returns it)
+where one is. Elsewhere (the CPU) ``attend_ref`` runs the same calls in float32 torch,
+so the split and the merge are tested without a GPU. cuDNN builds an execution plan per
+shape the first time it sees it (torch caches it per process), and each call costs a
+launch of its own, so this suits long segments. MLA's CP prefill takes it with
+``LANEKV_PREFILL_ATTENTION=cudnn`` (``PREFILL_ATTENTION_ENV``; ``model/attention/mla.py``),
+the Triton kernel otherwise: the default stays Triton until the H200 has timed this
+path in the model (``bench/mla_prefill_sweep.py``'s ``lanekv_cudnn`` row).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from lanekv.kernels.backend import env_choice
+from lanekv.kernels.prefill.reference import AttnOutput, check_qkv, out_shape
+
+PREFILL_ATTENTION_ENV = "LANEKV_PREFILL_ATTENTION"  # triton (the default) or cudnn
+
+
+def prefill_attention_backend() -> str:
+    """``LANEKV_PREFILL_ATTENTION``: ``"triton"`` (unset) or ``"cudnn"``; else a one-line error."""
+    return env_choice(PREFILL_ATTENTION_ENV, ("triton", "cudnn"), "triton")
+
+
+def attend_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+               scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, H, L, D]`` q against ``[1, H, S, D]`` k/v in float32 (the causal mask top-left,
+    as SDPA's): the output in q's dtype and the natural-log log-sum-exp ``[1, H, L]``."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if causal:
+        keep = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float())
+    return out.to(q.dtype), lse
+
+
+def attend_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+                 with_lse: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The same call through cuDNN: the output, and the log-sum-exp when ``with_lse``."""
+    if not with_lse:
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), None
+    res = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, causal, False,
+                                                             scale=scale)
+    return res[0], res[1].reshape(q.shape[:3]).float()
+
+
+def _attend(q, k, v, causal: bool, scale: float, with_lse: bool):
+    if q.is_cuda:
+        return attend_cudnn(q, k, v, causal, scale, with_lse)
+    out, lse = attend_ref(q, k, v, causal, scale)
+    return out, lse if with_lse else None
+
+
+def merge_by_lse(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor,
+                 lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax-normalized outputs over disjoint keys ``[1, H, L, Dv]`` with their
+    log-sum-exps ``[1, H, L]`` -> the output over both keys (o1's dtype) and its log-sum-exp."""
+    top = torch.maximum(lse1, lse2)
+    w1, w2 = torch.exp(lse1 - top), torch.exp(lse2 - top)
+    total = w1 + w2
+    out = o1.float() * (w1 / total)[..., None] + o2.float() * (w2 / total)[..., None]
+    return out.to(o1.dtype), top + torch.log(total)
+
+
+def _heads(t: torch.Tensor) -> torch.Tensor:
+    """``[rows, H, D]`` -> SDPA's ``[1, H, rows, D]`` (a view)."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """SDPA's ``[1, H, rows, D]`` -> ``[rows, H, D]`` (a view)."""
+    return t[0].transpose(0, 1)
+
+
+def _check_segments(q: torch.Tensor, k: torch.Tensor,
+                    segments: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+    """Host segments as int tuples; ValueError naming the first bad one."""
+    out, rows = [], []
+    for i, seg in enumerate(segments):
+        try:
+            if len(seg) != 4 or any(isinstance(x, bool) for x in seg):
+                raise TypeError
+            seg = tuple(operator.index(x) for x in seg)
+        except TypeError:
+            raise ValueError(f"segments[{i}] must be 4 ints (q_start, q_len, q_pos, kv_start), "
+                             f"got {seg!r:.80}") from None
+        q_start, q_len, q_pos, kv_start = seg
+        if min(seg) < 0:
+            raise ValueError(f"segments[{i}] = {tuple(seg)} has a negative entry")
+        if q_start + q_len > q.shape[0]:
+            raise ValueError(f"segments[{i}]: q_start + q_len = {q_start + q_len} passes q's "
+                             f"{q.shape[0]} rows")
+        if q_len and kv_start + q_pos + q_len > k.shape[0]:
+            raise ValueError(f"segments[{i}]: its keys reach row {kv_start + q_pos + q_len} of k's "
+                             f"{k.shape[0]}")
+        if q_len:
+            rows.append((q_start, q_start + q_len))
+        out.append((q_start, q_len, q_pos, kv_start))
+    rows.sort()
+    if any(a[1] > b[0] for a, b in zip(rows, rows[1:])):
+        raise ValueError("segments: query rows of two segments overlap")
+    return out
+
+
+def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           segments: Sequence[tuple[int, int, int, int]], softmax_scale: float, *,
+                           return_lse: bool = False) -> torch.Tensor | AttnOutput:
+    """``cp_prefill_attention`` of contiguous ``q [Tq, H, D]``, ``k [Tk, H, D]``,
+    ``v [Tk, H, Dv]`` over host ``segments`` (q_start, q_len, q_pos, kv_start) -> ``[Tq, H, Dv]``
+    in q's dtype (and the float32 log-sum-exp ``[Tq, H]`` with ``return_lse``); rows no
+    segment names are left as they were allocated."""
+    check_qkv(q, k, v, softmax_scale)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"k has {k.shape[1]} heads and q {q.shape[1]}: the cuDNN path takes "
+                         "equal heads (grouped-query attention takes the Triton kernel)")
+    segs = _check_segments(q, k, segments)
+    scale = float(softmax_scale)
+    if (len(segs) == 1 and not return_lse and segs[0][0] == 0 and segs[0][1] == q.shape[0]
+            and segs[0][2] == 0):  # one whole prompt: the call's own output, no copy
+        _, q_len, _, kv_start = segs[0]
+        own = slice(kv_start, kv_start + q_len)
+        o, _ = _attend(_heads(q), _heads(k[own]), _heads(v[own]), True, scale, False)
+        return _rows(o).contiguous()
+    out = q.new_empty(out_shape(q, v))
+    lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
+    for q_start, q_len, q_pos, kv_start in segs:
+        if q_len == 0:
+            continue
+        qs = _heads(q[q_start:q_start + q_len])
+        own = slice(kv_start + q_pos, kv_start + q_pos + q_len)
+        o, s = _attend(qs, _heads(k[own]), _heads(v[own]), True, scale, q_pos > 0 or return_lse)
+        if q_pos > 0:
+            before = slice(kv_start, kv_start + q_pos)
+            o0, s0 = _attend(qs, _heads(k[before]), _heads(v[before]), False, scale, True)
+            o, s = merge_by_lse(o0, s0, o, s)
+        out[q_start:q_start + q_len] = _rows(o)
+        if lse is not None:
+            lse[q_start:q_start + q_len] = s[0].transpose(0, 1)
+    return AttnOutput(out, lse) if return_lse else out
