@@ -4,6 +4,8 @@
 # device, f1bb816, had not run on a GPU), its graph-replay test and PDL in the step.
 #   w: not run this session (no device time was left): the step's GEMV configs tuned in the
 #      step (bench/gemv_in_step.py), Llama-3-8B at batch 1, FP8 weights then bf16.
+#   x: not run either: the same for DeepSeek-V2-Lite (its q/kv_a, o, lm_head and the dense
+#      layer's MLP; the experts run their own kernels).
 #   c: not run this session either: the cuDNN prefill path (kernels/prefill/sdpa.py): its GPU
 #      tests, bench/mla_prefill_sweep.py with the default MLA tiles beside SDPA and the path,
 #      then V2-Lite's prefill (bf16 and FP8 weights, 8k and 32k) with the Triton kernel and
@@ -24,6 +26,13 @@ w)
     timeout 230 python3 bench/gemv_in_step.py --model llama3_8b --weights bf16 --batch 1 \
         --time-budget-s 200 --json "$OUT/gemv_in_step_llama_bf16_b1.json" > "$L/in_step_bf16.log" 2>&1
     stamp "bf16 rc=$?"; tail -8 "$L/in_step_bf16.log" ;;
+x)
+    for w in fp8 bf16; do
+        timeout 280 python3 bench/gemv_in_step.py --model v2_lite --weights $w --batch 1 \
+            --time-budget-s 250 --json "$OUT/gemv_in_step_v2_lite_${w}_b1.json" \
+            > "$L/in_step_v2_$w.log" 2>&1
+        stamp "v2-lite $w rc=$?"; tail -8 "$L/in_step_v2_$w.log"
+    done ;;
 c)
     timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_prefill_sdpa.py \
         > "$L/gpu_tests_c.log" 2>&1
@@ -37,5 +46,5 @@ c)
         stamp "prefill $attn rc=$?"; grep -i "tok/s" "$L/prefill_$attn.log" | cut -c1-100
     done ;;
 *)
-    echo "unknown part: $part (v, w, c)" >&2; exit 2 ;;
+    echo "unknown part: $part (v, w, x, c)" >&2; exit 2 ;;
 esac
