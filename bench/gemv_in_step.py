@@ -109,40 +109,38 @@ def table_with(entries: list[dict], rows: int, n: int, k: int, block: tuple[int,
     return {"entries": kept + [table_entry(rows, n, k, block, cfg)]}
 
 
-def record_fp8(engine_step, rows: int) -> list[Linear]:
-    """The block-FP8 shapes one eager step asks ``select_config`` for at ``rows`` rows."""
+def _record(module, name: str, engine_step, linear_of) -> list[Linear]:
+    """The linears ``engine_step`` asks ``module.name`` (a config lookup) for, in first-asked
+    order: ``linear_of(*args)`` names the linear of a call, or None to pass it over."""
     seen: dict[tuple, Linear] = {}
-    original = gemm.select_config
+    original = getattr(module, name)
 
-    def recording(rows_, n, k, block, device):
-        if rows_ == rows and rows <= GEMV_MAX_ROWS:
-            seen.setdefault((n, k, tuple(block)), Linear(rows, n, k, ("fp8", n, k, tuple(block))))
-        return original(rows_, n, k, block, device)
+    def recording(*args):
+        lin = linear_of(*args)
+        if lin is not None:
+            seen.setdefault(lin.key, lin)
+        return original(*args)
 
-    gemm.select_config = recording
+    setattr(module, name, recording)
     try:
         engine_step()
     finally:
-        gemm.select_config = original
+        setattr(module, name, original)
     return list(seen.values())
+
+
+def record_fp8(engine_step, rows: int) -> list[Linear]:
+    """The block-FP8 shapes one eager step asks ``select_config`` for at ``rows`` rows."""
+    def linear_of(rows_, n, k, block, device):
+        return Linear(rows, n, k, ("fp8", n, k, tuple(block))) if rows_ == rows <= GEMV_MAX_ROWS else None
+    return _record(gemm, "select_config", engine_step, linear_of)
 
 
 def record_dense(engine_step, rows: int) -> list[Linear]:
     """The 16-bit shapes one eager step asks ``dense_gemv_config`` for at ``rows`` rows."""
-    seen: dict[tuple, Linear] = {}
-    original = gemm_gemv.dense_gemv_config
-
-    def recording(rows_, n, k, silu, dtype, device):
-        if rows_ == rows:
-            seen.setdefault((n, k, silu), Linear(rows, n, k, ("dense", n, k, silu)))
-        return original(rows_, n, k, silu, dtype, device)
-
-    gemm_gemv.dense_gemv_config = recording
-    try:
-        engine_step()
-    finally:
-        gemm_gemv.dense_gemv_config = original
-    return list(seen.values())
+    def linear_of(rows_, n, k, silu, dtype, device):
+        return Linear(rows, n, k, ("dense", n, k, silu)) if rows_ == rows else None
+    return _record(gemm_gemv, "dense_gemv_config", engine_step, linear_of)
 
 
 class Placement:
