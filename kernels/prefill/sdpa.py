@@ -135,7 +135,7 @@ def _check_segments(q: torch.Tensor, k: torch.Tensor,
 def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            segments: Sequence[tuple[int, int, int, int]], softmax_scale: float, *,
                            return_lse: bool = False) -> torch.Tensor | AttnOutput:
-    """``cp_prefill_attention`` of contiguous ``q [Tq, H, D]``, ``k [Tk, H, D]``,
+    """``cp_prefill_attention`` of ``q [Tq, H, D]``, contiguous K/V rows ``k [Tk, H, D]`` and
     ``v [Tk, H, Dv]`` over host ``segments`` (q_start, q_len, q_pos, kv_start) -> ``[Tq, H, Dv]``
     in q's dtype (and the float32 log-sum-exp ``[Tq, H]`` with ``return_lse``); rows no
     segment names are left as they were allocated."""
