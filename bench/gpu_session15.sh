@@ -8,8 +8,8 @@
 #      layer's MLP; the experts run their own kernels).
 #   c: not run this session either: the cuDNN prefill path (kernels/prefill/sdpa.py): its GPU
 #      tests, bench/mla_prefill_sweep.py with the default MLA tiles beside SDPA and the path,
-#      then V2-Lite's prefill (bf16 and FP8 weights, 8k and 32k) with the Triton kernel and
-#      with LANEKV_PREFILL_ATTENTION=cudnn.
+#      then V2-Lite's and Llama-3-8B's prefill (bf16 and FP8 weights, 8k and 32k) with the
+#      Triton kernel and with LANEKV_PREFILL_ATTENTION=cudnn.
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session15.sh PART
 source bench/gpu_common.sh s15 v "$@"
 case "$part" in
@@ -41,8 +41,9 @@ c)
         --json "$OUT/mla_prefill_cudnn_path.json" > "$L/mla_sweep.log" 2>&1
     stamp "mla sweep rc=$?"; tail -4 "$L/mla_sweep.log"
     for attn in triton cudnn; do
-        LANEKV_PREFILL_ATTENTION=$attn timeout 300 python3 bench/fp8.py --only prefill \
-            --prefill-models v2_lite --json "$OUT/v2_lite_prefill_$attn.json" > "$L/prefill_$attn.log" 2>&1
+        LANEKV_PREFILL_ATTENTION=$attn timeout 280 python3 bench/fp8.py --only prefill \
+            --prefill-models v2_lite llama3_8b --prefill-repeat 2 \
+            --json "$OUT/prefill_attention_$attn.json" > "$L/prefill_$attn.log" 2>&1
         stamp "prefill $attn rc=$?"; grep -i "tok/s" "$L/prefill_$attn.log" | cut -c1-100
     done ;;
 *)

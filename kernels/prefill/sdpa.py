@@ -4,9 +4,10 @@ Measured on one H200 (BENCHMARKS.md), cuDNN's causal attention ran faster than
 ``cp_prefill_attention``'s Triton kernel on long prompts: 0.75x its time at 32 heads
 of d128 and 16k tokens for ours, 0.82-0.83x on MLA's decompressed heads (qk 192, v
 128) at 8k and 32k. ``sdpa_prefill_attention`` hands each query segment of a rank to
-it, on contiguous K/V rows whose heads equal the queries' (MLA's decompressed heads;
-a grouped-query model keeps the Triton kernel, which reads its shared KV heads as they
-are).
+it, on contiguous K/V rows. A grouped-query model's KV heads are repeated to the query
+heads for each call (a copy of the segment's keys and values: at 16k tokens of 8 KV
+heads of d128, 0.27 GB a layer against a few ms of attention); MLA's decompressed
+heads are the queries' already.
 
 A segment is the rank's query rows ``[q_start, q_start + q_len)`` at positions
 ``q_pos ..`` of a request whose position 0 is K/V row ``kv_start`` (``AttnSegments``,
@@ -26,10 +27,11 @@ log-sum-exp is needed, ``aten._scaled_dot_product_cudnn_attention`` (which retur
 where one is. Elsewhere (the CPU) ``attend_ref`` runs the same calls in float32 torch,
 so the split and the merge are tested without a GPU. cuDNN builds an execution plan per
 shape the first time it sees it (torch caches it per process), and each call costs a
-launch of its own, so this suits long segments. MLA's CP prefill takes it with
-``LANEKV_PREFILL_ATTENTION=cudnn`` (``PREFILL_ATTENTION_ENV``; ``model/attention/mla.py``),
-the Triton kernel otherwise: the default stays Triton until the H200 has timed this
-path in the model (``bench/mla_prefill_sweep.py``'s ``lanekv_cudnn`` row).
+launch of its own, so this suits long segments. A rank's CP prefill takes it with
+``LANEKV_PREFILL_ATTENTION=cudnn`` (``PREFILL_ATTENTION_ENV``;
+``model.attention.base.segment_attention``, GQA and MLA), the Triton kernel otherwise:
+the default stays Triton until the H200 has timed this path in the model
+(``bench/mla_prefill_sweep.py``'s ``sdpa_prefill_attention (cuDNN)`` row).
 """
 
 from __future__ import annotations
@@ -135,21 +137,24 @@ def _check_segments(q: torch.Tensor, k: torch.Tensor,
 def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            segments: Sequence[tuple[int, int, int, int]], softmax_scale: float, *,
                            return_lse: bool = False) -> torch.Tensor | AttnOutput:
-    """``cp_prefill_attention`` of ``q [Tq, H, D]``, contiguous K/V rows ``k [Tk, H, D]`` and
-    ``v [Tk, H, Dv]`` over host ``segments`` (q_start, q_len, q_pos, kv_start) -> ``[Tq, H, Dv]``
+    """``cp_prefill_attention`` of ``q [Tq, Hq, D]``, contiguous K/V rows ``k [Tk, Hkv, D]`` and
+    ``v [Tk, Hkv, Dv]`` over host ``segments`` (q_start, q_len, q_pos, kv_start) -> ``[Tq, Hq, Dv]``
     in q's dtype (and the float32 log-sum-exp ``[Tq, H]`` with ``return_lse``); rows no
     segment names are left as they were allocated."""
     check_qkv(q, k, v, softmax_scale)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"k has {k.shape[1]} heads and q {q.shape[1]}: the cuDNN path takes "
-                         "equal heads (grouped-query attention takes the Triton kernel)")
     segs = _check_segments(q, k, segments)
     scale = float(softmax_scale)
+    group = q.shape[1] // k.shape[1]  # query heads a KV head serves (check_qkv: a whole number)
+
+    def kv(t: torch.Tensor, rows: slice) -> torch.Tensor:
+        """``t``'s rows as SDPA's ``[1, Hq, rows, D]``: KV head ``h // group`` for query head ``h``."""
+        return _heads(t[rows] if group == 1 else t[rows].repeat_interleave(group, dim=1))
+
     if (len(segs) == 1 and not return_lse and segs[0][0] == 0 and segs[0][1] == q.shape[0]
             and segs[0][2] == 0):  # one whole prompt: the call's own output, no copy
         _, q_len, _, kv_start = segs[0]
         own = slice(kv_start, kv_start + q_len)
-        o, _ = _attend(_heads(q), _heads(k[own]), _heads(v[own]), True, scale, False)
+        o, _ = _attend(_heads(q), kv(k, own), kv(v, own), True, scale, False)
         return _rows(o).contiguous()
     out = q.new_empty(out_shape(q, v))
     lse = q.new_empty(q.shape[:2], dtype=torch.float32) if return_lse else None
@@ -158,10 +163,10 @@ def sdpa_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue
         qs = _heads(q[q_start:q_start + q_len])
         own = slice(kv_start + q_pos, kv_start + q_pos + q_len)
-        o, s = _attend(qs, _heads(k[own]), _heads(v[own]), True, scale, q_pos > 0 or return_lse)
+        o, s = _attend(qs, kv(k, own), kv(v, own), True, scale, q_pos > 0 or return_lse)
         if q_pos > 0:
             before = slice(kv_start, kv_start + q_pos)
-            o0, s0 = _attend(qs, _heads(k[before]), _heads(v[before]), False, scale, True)
+            o0, s0 = _attend(qs, kv(k, before), kv(v, before), False, scale, True)
             o, s = merge_by_lse(o0, s0, o, s)
         out[q_start:q_start + q_len] = _rows(o)
         if lse is not None:

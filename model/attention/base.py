@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 from lanekv.kernels.invariant.linear import RowInvariantLinear
+from lanekv.kernels.prefill.attention import cp_prefill_attention
 from lanekv.kernels.prefill.reference import AttnSegments
+from lanekv.kernels.prefill.sdpa import prefill_attention_backend, sdpa_prefill_attention
 from lanekv.model.attention.rows import (
     DEFAULT_INDEX_CACHE_DTYPE,
     DEFAULT_KV_CACHE_DTYPE,
@@ -86,6 +88,21 @@ class CPBatch:
     # every rank's rows in request order; the caller fills the owned prefix rows first.
     gather: Callable[[int, torch.Tensor], torch.Tensor]
     on_layer: Callable[[int], None] | None = None  # called once the layer's rows are stored
+
+
+def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: AttnSegments,
+                      softmax_scale: float, host: Sequence[QuerySegment] | None = None) -> torch.Tensor:
+    """A rank's prefill attention over its gathered K/V rows: ``cp_prefill_attention`` (the
+    Triton kernel), or with ``LANEKV_PREFILL_ATTENTION=cudnn`` cuDNN's kernel segment by
+    segment (``kernels/prefill/sdpa.py``; on the CPU its float32 torch twin) over ``host``,
+    the same segments on the host (read back from ``segments`` when not given)."""
+    if prefill_attention_backend() == "cudnn":
+        if host is None:
+            bounds = list(zip(*(t.tolist() for t in segments), strict=True))
+        else:
+            bounds = [(s.q_start, s.q_len, s.q_pos, s.kv_first) for s in host]
+        return sdpa_prefill_attention(q, k, v, bounds, softmax_scale)
+    return cp_prefill_attention(q, k, v, segments, softmax_scale)
 
 
 class DecodeStep(NamedTuple):

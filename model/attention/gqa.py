@@ -6,7 +6,8 @@ callbacks: the CP prefill and decode callbacks fuse it with the K/V store
 
 - CP prefill: one launch rotates q and k, stores the rank's owned rows and
   fills the block's new rows; the gather brings every rank's K/V rows in
-  request order; ``cp_prefill_attention`` attends the rank's query segments.
+  request order; ``segment_attention`` attends the rank's query segments (the Triton
+  kernel, or cuDNN's with ``LANEKV_PREFILL_ATTENTION=cudnn``).
 - Paged decode: RoPE fused with the store of the new token's K/V, then
   ``paged_decode_attention`` through the page table.
 - Colocated: RoPE, the K/V stored at the prompt's rows, plain causal attention.
@@ -24,7 +25,6 @@ import torch
 import triton
 from lanekv.kernels.decode_attention import DecodeConfig, paged_decode_attention
 from lanekv.kernels.fp8.rope_store import rope_store_kv_fp8
-from lanekv.kernels.prefill.attention import cp_prefill_attention
 from lanekv.kernels.rope_store import apply_rotary, rope_store_kv
 from lanekv.kernels.store_kv import store_kv
 from lanekv.model.attention.base import (
@@ -34,6 +34,7 @@ from lanekv.model.attention.base import (
     CPBatch,
     DecodeStep,
     Pool,
+    segment_attention,
     table_width,
 )
 from lanekv.model.attention.rows import (
@@ -92,7 +93,7 @@ class GQA(AttentionKind):
             kv = batch.gather(layer, block)  # [kv rows in request order, 2, Hkv, D]
             if batch.on_layer is not None:
                 batch.on_layer(layer)
-            return cp_prefill_attention(q, kv[:, 0], kv[:, 1], batch.segments, scale)
+            return segment_attention(q, kv[:, 0], kv[:, 1], batch.segments, scale, batch.query_segments)
 
         return attention
 
@@ -170,6 +171,6 @@ def _fp8_cp_prefill(batch: CPBatch, scale: float) -> AttentionFn:
         kv = rows.decode(batch.gather(layer, block))  # [kv rows in request order, 2, Hkv, D]
         if batch.on_layer is not None:
             batch.on_layer(layer)
-        return cp_prefill_attention(q, kv[:, 0], kv[:, 1], batch.segments, scale)
+        return segment_attention(q, kv[:, 0], kv[:, 1], batch.segments, scale, batch.query_segments)
 
     return attention

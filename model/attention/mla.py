@@ -5,7 +5,7 @@ KV, then the RoPE'd shared key, ``qk_rope_head_dim``). RoPE runs in the model.
 
 - CP prefill: the block is the latent rows, gathered like K/V rows; the rank
   stores its own and decompresses the request's rows into per-head K and V
-  (``MLAAttention.decompress``) for ``cp_prefill_attention`` (qk 192 / v 128
+  (``MLAAttention.decompress``) for the prefill attention (qk 192 / v 128
   for V3, unpadded: ``mla_prefill_attention``).
 - Paged decode (a ``RawLatentFn``: the projection before RoPE and kv_a_layernorm):
   one launch rotates q_pe, norms and rotates the latent row and stores it in the
@@ -34,9 +34,7 @@ from lanekv.kernels.fp8.rope_store import mla_rope_store_fp8
 from lanekv.kernels.mla.expand_merge import mla_expand_partials
 from lanekv.kernels.mla.latent_store import mla_rope_norm_store
 from lanekv.kernels.mla.paged_decode import paged_mla_decode_attention, paged_mla_decode_partials
-from lanekv.kernels.prefill.attention import cp_prefill_attention
 from lanekv.kernels.prefill.reference import AttnSegments
-from lanekv.kernels.prefill.sdpa import prefill_attention_backend, sdpa_prefill_attention
 from lanekv.kernels.store_kv import store_kv
 from lanekv.model.attention.base import (
     AnyCausalLM,
@@ -47,6 +45,7 @@ from lanekv.model.attention.base import (
     Pool,
     QuerySegment,
     kv_fields,
+    segment_attention,
     table_width,
 )
 from lanekv.model.attention.rows import (
@@ -192,19 +191,11 @@ class MLA(AttentionKind):
 def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           segments: AttnSegments, softmax_scale: float,
                           host: Sequence[QuerySegment] | None = None) -> torch.Tensor:
-    """``cp_prefill_attention`` on MLA's decompressed heads (q/k 192 and v 128 for
-    V3) as they are: the Triton kernel scores a qk dim that is no power of two as a
-    power-of-two part plus a masked tail and masks v's dim, so nothing is padded. With
-    ``LANEKV_PREFILL_ATTENTION=cudnn``, cuDNN's kernel segment by segment instead
-    (``kernels/prefill/sdpa.py``; on the CPU its float32 torch twin), over ``host``, the
-    same segments on the host (read back from ``segments`` when not given)."""
-    if prefill_attention_backend() == "cudnn":
-        if host is None:
-            bounds = list(zip(*(t.tolist() for t in segments), strict=True))
-        else:
-            bounds = [(s.q_start, s.q_len, s.q_pos, s.kv_first) for s in host]
-        return sdpa_prefill_attention(q, k, v, bounds, softmax_scale)
-    return cp_prefill_attention(q, k, v, segments, softmax_scale)
+    """``segment_attention`` on MLA's decompressed heads (q/k 192 and v 128 for V3) as
+    they are: the Triton kernel scores a qk dim that is no power of two as a power-of-two
+    part plus a masked tail and masks v's dim, so nothing is padded; cuDNN's kernel takes
+    both dims as they are too."""
+    return segment_attention(q, k, v, segments, softmax_scale, host)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """kernels/prefill/sdpa.py: prefill attention segment by segment through SDPA (cuDNN on a
 GPU, its float32 torch twin on the CPU), against the float64 per-row attention of
 test_prefill_attention.py: CP chunks past position 0 (split and merged by log-sum-exp),
-whole prompts (one call), MLA's unequal head dims, and the refusals."""
+whole prompts (one call), MLA's unequal head dims, grouped-query KV heads, and the
+refusals."""
 
 from __future__ import annotations
 
@@ -37,9 +38,10 @@ def _check(batch, out, lse, scale, tol, lse_tol):
     assert (lse[cov] - want_lse[cov]).abs().max() < lse_tol
 
 
-@pytest.mark.parametrize("dims", [(24, 24), (24, 16)])  # MLA's qk and v dims differ
-def test_segments_give_the_attention_and_its_log_sum_exp(dims):
-    batch = make_batch(REQUESTS, hq=4, hkv=4, head_dim=dims[0], v_head_dim=dims[1],
+@pytest.mark.parametrize("dims,hkv", [((24, 24), 4), ((24, 16), 4), ((16, 16), 2), ((16, 16), 1)])
+def test_segments_give_the_attention_and_its_log_sum_exp(dims, hkv):
+    """MLA's unequal qk and v dims; grouped-query KV heads (2 and 1 for 4 query heads)."""
+    batch = make_batch(REQUESTS, hq=4, hkv=hkv, head_dim=dims[0], v_head_dim=dims[1],
                        dtype=torch.float32, device="cpu")
     got = sdpa_prefill_attention(batch.q, batch.k, batch.v, _host(batch), 0.3, return_lse=True)
     assert got.out.shape == (batch.q.shape[0], 4, dims[1]) and got.lse.dtype == torch.float32
@@ -92,8 +94,8 @@ def test_bad_arguments_name_what_is_wrong(monkeypatch):
                             ([(0, 5, 0, 0), (4, 3, 0, 0)], "overlap")):
         with pytest.raises(ValueError, match=match):
             sdpa_prefill_attention(q, k, v, segments, 0.3)
-    with pytest.raises(ValueError, match="k has 2 heads and q 4: the cuDNN path takes equal heads"):
-        sdpa_prefill_attention(q, k[:, :2], v[:, :2], [(0, 5, 0, 0)], 0.3)
+    with pytest.raises(ValueError, match="q heads 4 must be a multiple of k heads 3"):
+        sdpa_prefill_attention(q, k[:, :3], v[:, :3], [(0, 5, 0, 0)], 0.3)
     with pytest.raises(ValueError, match="softmax_scale must be finite"):
         sdpa_prefill_attention(q, k, v, [(0, 5, 0, 0)], float("nan"))
     monkeypatch.delenv(PREFILL_ATTENTION_ENV, raising=False)
@@ -107,13 +109,16 @@ def test_bad_arguments_name_what_is_wrong(monkeypatch):
 
 @requires_gpu
 @pytest.mark.parametrize("whole", [False, True])
-def test_gpu_cudnn_segments_match_the_float64_attention(whole):
-    """MLA's decompressed dims (qk 192, v 128), bf16, through cuDNN: the split chunks'
-    merge needs its log-sum-exp, the whole prompt takes the public SDPA call."""
+@pytest.mark.parametrize("shape", ["mla", "gqa"])
+def test_gpu_cudnn_segments_match_the_float64_attention(whole, shape):
+    """bf16 through cuDNN, MLA's decompressed dims (qk 192, v 128) and Llama's grouped
+    heads (d128, 4 query heads a KV head): the split chunks' merge needs its log-sum-exp,
+    the whole prompt takes the public SDPA call."""
     requests = [(300, [(0, 300)])] if whole else [(700, [(0, 130), (500, 200)]), (333, [(97, 236)])]
-    batch = make_batch(requests, hq=16, hkv=16, head_dim=192, v_head_dim=128, dtype=torch.bfloat16,
-                       device="cuda", q_gap=0 if whole else 2)
-    scale = 192 ** -0.5
+    dims = dict(hq=16, hkv=16, head_dim=192, v_head_dim=128) if shape == "mla" else dict(
+        hq=16, hkv=4, head_dim=128, v_head_dim=128)
+    batch = make_batch(requests, **dims, dtype=torch.bfloat16, device="cuda", q_gap=0 if whole else 2)
+    scale = dims["head_dim"] ** -0.5
     if whole:
         out = sdpa_prefill_attention(batch.q, batch.k, batch.v, _host(batch), scale)
         want, _ = naive_attention(batch, scale)

@@ -54,6 +54,33 @@ def single_rank_kv(checkpoint):
     return out
 
 
+@pytest.mark.parametrize("cp_size,page_size", [(2, 4), (3, 16)])
+def test_cp_prefill_through_the_sdpa_path_matches_transformers(checkpoint, hf_logits, single_rank_kv,
+                                                               cp_size, page_size, monkeypatch):
+    """LANEKV_PREFILL_ATTENTION=cudnn: each rank's segments go through the segment-by-segment
+    path (its float32 torch twin here), the KV heads repeated to the query heads, chunks past
+    position 0 split and merged; logits and K/V are those of transformers and the cp=1 run."""
+    import lanekv.model.attention.base as base
+
+    monkeypatch.setenv("LANEKV_PREFILL_ATTENTION", "cudnn")
+    calls = []
+    real = base.sdpa_prefill_attention
+
+    def spy(q, k, v, segments, scale):
+        calls.append((q.shape[1] // k.shape[1], segments))
+        return real(q, k, v, segments, scale)
+
+    monkeypatch.setattr(base, "sdpa_prefill_attention", spy)
+    eng = _engine(checkpoint, cp_size, page_size)
+    for res in eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)], return_logits=True):
+        n = res.num_tokens
+        torch.testing.assert_close(res.logits, hf_logits[n], rtol=1e-4, atol=1e-4)
+        kv = eng.read_pages([p.page for p in res.pages])[:, :, :n]
+        torch.testing.assert_close(kv, single_rank_kv[n][:, :, :n], rtol=1e-5, atol=1e-5)
+    assert calls and all(group > 1 for group, _ in calls)  # grouped-query heads, repeated
+    assert any(q_pos > 0 for _, segs in calls for _, _, q_pos, _ in segs)
+
+
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_cp_prefill_matches_transformers_and_single_rank(checkpoint, hf_logits, single_rank_kv, cp_size, page_size):

@@ -80,7 +80,7 @@ def test_mla_prefix_reuse_equals_full_prompt(checkpoint, hf_logits):
 def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
     """qk 24 / v 16 go to the Triton kernel as they are (no padding to a power of
     two) and give the reference's attention."""
-    import lanekv.model.attention.mla as mla
+    import lanekv.model.attention.base as base
 
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(9, 4, d, generator=gen) for d in (24, 24, 16))
@@ -89,13 +89,13 @@ def test_mla_head_dims_reach_the_kernel_unpadded(monkeypatch):
     assert plain.shape == (9, 4, 16)
     monkeypatch.setenv("LANEKV_CPU_KERNELS", "triton")
     seen = []
-    real = mla.cp_prefill_attention
+    real = base.cp_prefill_attention
 
     def spy(q, k, v, *args):
         seen.append((q.shape[2], k.shape[2], v.shape[2]))
         return real(q, k, v, *args)
 
-    monkeypatch.setattr(mla, "cp_prefill_attention", spy)
+    monkeypatch.setattr(base, "cp_prefill_attention", spy)
     torch.testing.assert_close(mla_prefill_attention(q, k, v, segments, 0.3), plain,
                                rtol=1e-5, atol=1e-5)
     assert seen == [(24, 24, 16)]
@@ -112,7 +112,7 @@ def test_mla_cp_prefill_through_the_sdpa_path_matches_transformers(
     monkeypatch.setenv(sdpa.PREFILL_ATTENTION_ENV, "cudnn")
     calls = []
     real = sdpa.sdpa_prefill_attention
-    monkeypatch.setattr("lanekv.model.attention.mla.sdpa_prefill_attention",
+    monkeypatch.setattr("lanekv.model.attention.base.sdpa_prefill_attention",
                         lambda *a, **kw: calls.append(a[3]) or real(*a, **kw))
     eng = _engine(checkpoint, cp_size, page_size)
     results = eng.prefill([PrefillInput(p) for p in random_prompts(PROMPT_LENS)], return_logits=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
-import lanekv.model.attention.gqa as gqa_kind
+import lanekv.model.attention.base as attention_base
 import pytest
 import torch
 import triton
@@ -70,13 +70,13 @@ def test_tile_switch_rows_per_model(tmp_path, h200_sms):
 def _recording_attention(monkeypatch):
     """Records (segment block, rows) of every rank's attention call."""
     calls: list[tuple[int, int]] = []
-    real = gqa_kind.cp_prefill_attention
+    real = attention_base.cp_prefill_attention
 
     def record(q, k, v, segments, softmax_scale):
         calls.append((triton.next_power_of_2(segments.q_len.shape[0]), q.shape[0]))
         return real(q, k, v, segments, softmax_scale)
 
-    monkeypatch.setattr(gqa_kind, "cp_prefill_attention", record)
+    monkeypatch.setattr(attention_base, "cp_prefill_attention", record)
     return calls
 
 
