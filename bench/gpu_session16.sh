@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One H200, sixteenth session (1,800 s of device time): what the fifteenth built and could
+# not run.
+#   c: the cuDNN prefill path (kernels/prefill/sdpa.py): its GPU tests, bench/mla_prefill_sweep.py
+#      with the default MLA tiles beside SDPA and the path, then bench/prefill_attention.py:
+#      V2-Lite's and Llama-3-8B's prefill at 8k and 32k, cp 1 and 2, the Triton kernel
+#      against LANEKV_PREFILL_ATTENTION=cudnn on one engine, in A/B pairs.
+#   w: the step's GEMV configs tuned in the step (bench/gemv_in_step.py), Llama-3-8B at
+#      batch 1, FP8 weights then bf16.
+#   x: the same for DeepSeek-V2-Lite (its q/kv_a, o, lm_head and the dense layer's MLP).
+# Usage (repository root, the carried wheels installed): bash bench/gpu_session16.sh PART
+source bench/gpu_common.sh s16 c "$@"
+case "$part" in
+c)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_prefill_sdpa.py \
+        > "$L/gpu_tests_c.log" 2>&1
+    stamp "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_c.log" | cut -c1-200; tail -1 "$L/gpu_tests_c.log"
+    timeout 150 python3 bench/mla_prefill_sweep.py --configs 128,128,8,2 \
+        --json "$OUT/mla_prefill_cudnn_path.json" > "$L/mla_sweep.log" 2>&1
+    stamp "mla sweep rc=$?"; tail -12 "$L/mla_sweep.log" | cut -c1-150
+    timeout 270 python3 bench/prefill_attention.py --json "$OUT/prefill_attention.json" \
+        > "$L/prefill_attention.log" 2>&1
+    stamp "prefill attention rc=$?"; tail -10 "$L/prefill_attention.log" ;;
+w)
+    timeout 290 python3 bench/gemv_in_step.py --model llama3_8b --weights fp8 --batch 1 \
+        --time-budget-s 260 --json "$OUT/gemv_in_step_llama_fp8_b1.json" \
+        --write-table "$OUT/gemv_in_step_llama_fp8_b1_table.json" > "$L/in_step_fp8.log" 2>&1
+    stamp "fp8 rc=$?"; tail -8 "$L/in_step_fp8.log"
+    timeout 230 python3 bench/gemv_in_step.py --model llama3_8b --weights bf16 --batch 1 \
+        --time-budget-s 200 --json "$OUT/gemv_in_step_llama_bf16_b1.json" > "$L/in_step_bf16.log" 2>&1
+    stamp "bf16 rc=$?"; tail -8 "$L/in_step_bf16.log" ;;
+x)
+    for w in fp8 bf16; do
+        timeout 250 python3 bench/gemv_in_step.py --model v2_lite --weights $w --batch 1 \
+            --time-budget-s 220 --json "$OUT/gemv_in_step_v2_lite_${w}_b1.json" \
+            > "$L/in_step_v2_$w.log" 2>&1
+        stamp "v2-lite $w rc=$?"; tail -8 "$L/in_step_v2_$w.log"
+    done ;;
+*)
+    echo "unknown part: $part (c, w, x)" >&2; exit 2 ;;
+esac
