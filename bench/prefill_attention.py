@@ -81,10 +81,37 @@ def _prefill(engine: ThreadedPrefillEngine, ids: list[int], backend: str,
     return seconds, res.logits.float().flatten().cpu()
 
 
+def profile_row(engine: ThreadedPrefillEngine, ids: list[int], device: torch.device,
+                path: Path) -> None:
+    """One prefill per backend under ``torch.profiler`` (after the warm-ups): its operators
+    by device time and by host time, appended to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # The profiler records the host operators of the thread that starts it: at cp 1 the one
+    # rank runs on this thread instead of its own (at cp > 1 only device times are whole).
+    if engine.config.cp_size == 1:
+        engine.group.run = lambda fn: [fn(0)]
+    for b in BACKENDS:
+        with profile(activities=activities) as prof:
+            _prefill(engine, ids, b, device)
+        events = prof.key_averages()
+        with path.open("a") as f:
+            for key in ("self_device_time_total", "self_cpu_time_total"):
+                if key == "self_device_time_total" and device.type != "cuda":
+                    continue
+                f.write(f"\n== {b}, {len(ids)} tokens, by {key} ==\n")
+                f.write(events.table(sort_by=key, row_limit=25, max_name_column_width=70))
+    vars(engine.group).pop("run", None)
+
+
 def bench_row(engine: ThreadedPrefillEngine, ids: list[int], repeat: int,
-              device: torch.device) -> dict:
-    """One warm-up prefill per backend, then ``repeat`` A/B pairs, the order alternating."""
+              device: torch.device, profile_to: Path | None = None) -> dict:
+    """One warm-up prefill per backend, then ``repeat`` A/B pairs, the order alternating
+    (and with ``profile_to``, one profiled prefill per backend)."""
     logits = {b: _prefill(engine, ids, b, device)[1] for b in BACKENDS}
+    if profile_to is not None:
+        profile_row(engine, ids, device, profile_to)
     times: dict[str, list[float]] = {b: [] for b in BACKENDS}
     for i in range(repeat):
         for b in BACKENDS if i % 2 == 0 else BACKENDS[::-1]:
@@ -103,7 +130,7 @@ def bench_row(engine: ThreadedPrefillEngine, ids: list[int], repeat: int,
 
 
 def run(models: dict[str, dict], weights: str, tokens: list[int], cps: list[int], repeat: int,
-        page_size: int, device: torch.device) -> list[dict]:
+        page_size: int, device: torch.device, profile_to: Path | None = None) -> list[dict]:
     out = []
     for name, base in models.items():
         cfg = dict(base, **({"quantization_config": FP8_CONFIG} if weights == "fp8" else {}))
@@ -122,7 +149,7 @@ def run(models: dict[str, dict], weights: str, tokens: list[int], cps: list[int]
                     row = dict(model=name, weights=weights, cp=cp, tokens=n)
                     engine = ThreadedPrefillEngine(ecfg, loaded)
                     try:
-                        row.update(bench_row(engine, ids, repeat, device))
+                        row.update(bench_row(engine, ids, repeat, device, profile_to))
                     finally:
                         engine.close()
                         if device.type == "cuda":
@@ -157,6 +184,8 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", type=Path, default=None, help="a new file (refused if it exists)")
+    ap.add_argument("--profile", type=Path, default=None, metavar="PATH",
+                    help="also profile one prefill per backend and row; the tables go to PATH")
     args = ap.parse_args()
     for flag, values in (("--tokens", args.tokens), ("--cp", args.cp)):
         for v in values:
@@ -169,7 +198,7 @@ def main() -> None:
     device = torch.device(args.device)
     table = TINY_MODELS if args.tiny else MODELS
     rows = run({m: table[m] for m in args.models}, args.weights, args.tokens, args.cp,
-               args.repeat, args.page_size, device)
+               args.repeat, args.page_size, device, args.profile)
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   date=time.strftime("%Y-%m-%d", time.gmtime()), torch=torch.__version__,
                   command=" ".join(sys.argv), rows=rows)
