@@ -11,7 +11,11 @@ call (launched back to back, no sync) and its device time, on the path's own cal
 
 - ``same thread``: every call on the thread that made the first (the cache warm);
 - ``fresh thread``: each batch of calls on a new thread (as ``ThreadGroup.run`` does);
-- ``fresh thread, 1 call``: the first call on a new thread alone.
+- ``fresh thread, 1 call``: the first call on a new thread alone;
+- ``new lengths``: the first call at each of a few other lengths of the same power-of-two
+  bucket, on the warm thread (a new shape builds a new graph, unless torch's
+  ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` keys its cache by the bucket: run the probe with
+  and without it; torch reads it once per process).
 
     python bench/cudnn_sdpa_host.py --json out.json
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
 import time
@@ -89,13 +94,20 @@ def probe(calls: int) -> list[dict]:
         end.record()
         end.synchronize()
         device_us = start.elapsed_time(end) / calls * 1e3
+        new_us = []
+        for cut in (1, 7, 100, 1000):  # shorter prompts in the same power-of-two bucket
+            qs, ks, vs = q[:, :, cut:], k[:, :, cut:], v[:, :, cut:]
+            new_us.append(_host_us(lambda qs=qs, ks=ks, vs=vs, causal=causal, lse=lse, scale=scale:
+                                   attend_cudnn(qs, ks, vs, causal, scale, lse), 1))
         row = dict(case=name, heads=heads, qk_dim=dqk, v_dim=dv, rows=n, keys=keys, causal=causal,
                    with_lse=lse, first_call_host_us=first_us, same_thread_host_us=same_us,
                    fresh_thread_host_us=fresh_us, fresh_thread_first_call_host_us=fresh_first_us,
-                   device_us=device_us)
+                   device_us=device_us, new_length_first_call_host_us=new_us,
+                   avoid_recompile=os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE", ""))
         rows.append(row)
         print(f"{name:>32}: first {first_us:9.0f} us, same thread {same_us:7.0f} us, fresh thread "
-              f"{fresh_us:7.0f} us (its first {fresh_first_us:7.0f}), device {device_us:7.0f} us",
+              f"{fresh_us:7.0f} us (its first {fresh_first_us:7.0f}), device {device_us:7.0f} us, "
+              f"new lengths {' '.join(f'{u:.0f}' for u in new_us)} us",
               flush=True)
     return rows
 

@@ -7,6 +7,7 @@
 #      against LANEKV_PREFILL_ATTENTION=cudnn on one engine, in A/B pairs.
 #   w: the step's GEMV configs tuned in the step (bench/gemv_in_step.py), Llama-3-8B at
 #      batch 1, FP8 weights then bf16.
+#   h: bench/cudnn_sdpa_host.py without and with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, then w.
 #   x: the same for DeepSeek-V2-Lite (its q/kv_a, o, lm_head and the dense layer's MLP).
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session16.sh PART
 source bench/gpu_common.sh s16 c "$@"
@@ -21,13 +22,21 @@ c)
     timeout 270 python3 bench/prefill_attention.py --json "$OUT/prefill_attention.json" \
         > "$L/prefill_attention.log" 2>&1
     stamp "prefill attention rc=$?"; tail -10 "$L/prefill_attention.log" ;;
-w)
-    timeout 290 python3 bench/gemv_in_step.py --model llama3_8b --weights fp8 --batch 1 \
-        --time-budget-s 260 --json "$OUT/gemv_in_step_llama_fp8_b1.json" \
+h|w)
+    if [ "$part" = h ]; then
+        timeout 60 python3 bench/cudnn_sdpa_host.py --json "$OUT/cudnn_sdpa_host_dense.json" \
+            > "$L/cudnn_host_dense.log" 2>&1
+        stamp "cudnn host rc=$?"; tail -4 "$L/cudnn_host_dense.log" | cut -c1-250
+        TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 timeout 60 python3 bench/cudnn_sdpa_host.py \
+            --json "$OUT/cudnn_sdpa_host_avoid_recompile.json" > "$L/cudnn_host_ragged.log" 2>&1
+        stamp "cudnn host, avoid recompile rc=$?"; tail -4 "$L/cudnn_host_ragged.log" | cut -c1-250
+    fi
+    timeout 260 python3 bench/gemv_in_step.py --model llama3_8b --weights fp8 --batch 1 \
+        --time-budget-s 230 --json "$OUT/gemv_in_step_llama_fp8_b1.json" \
         --write-table "$OUT/gemv_in_step_llama_fp8_b1_table.json" > "$L/in_step_fp8.log" 2>&1
     stamp "fp8 rc=$?"; tail -8 "$L/in_step_fp8.log"
-    timeout 230 python3 bench/gemv_in_step.py --model llama3_8b --weights bf16 --batch 1 \
-        --time-budget-s 200 --json "$OUT/gemv_in_step_llama_bf16_b1.json" > "$L/in_step_bf16.log" 2>&1
+    timeout 180 python3 bench/gemv_in_step.py --model llama3_8b --weights bf16 --batch 1 \
+        --time-budget-s 150 --json "$OUT/gemv_in_step_llama_bf16_b1.json" > "$L/in_step_bf16.log" 2>&1
     stamp "bf16 rc=$?"; tail -8 "$L/in_step_bf16.log" ;;
 x)
     for w in fp8 bf16; do
