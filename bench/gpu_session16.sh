@@ -8,6 +8,8 @@
 #   w: the step's GEMV configs tuned in the step (bench/gemv_in_step.py), Llama-3-8B at
 #      batch 1, FP8 weights then bf16.
 #   h: bench/cudnn_sdpa_host.py without and with TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1, then w.
+#   d: the decode step with this session's GEMV tables, every model and batch, with its floor
+#      and the bf16 step (bench/fp8.py --only decode), the GEMV GPU tests first.
 #   x: the same for DeepSeek-V2-Lite (its q/kv_a, o, lm_head and the dense layer's MLP).
 # Usage (repository root, the carried wheels installed): bash bench/gpu_session16.sh PART
 source bench/gpu_common.sh s16 c "$@"
@@ -45,6 +47,14 @@ x)
             > "$L/in_step_v2_$w.log" 2>&1
         stamp "v2-lite $w rc=$?"; tail -8 "$L/in_step_v2_$w.log"
     done ;;
+d)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_fp8_gemv.py \
+        tests/decode/test_dense_gemv_decode.py > "$L/gpu_tests_d.log" 2>&1
+    stamp "tests rc=$?"; grep -E "^(FAILED|ERROR)" "$L/gpu_tests_d.log" | cut -c1-200; tail -1 "$L/gpu_tests_d.log"
+    timeout 330 python3 bench/fp8.py --only decode --models llama3_8b v2_lite --batches 1 16 64 \
+        --json "$OUT/fp8_decode_s16_tables.json" > "$L/fp8_decode.log" 2>&1
+    stamp "fp8 decode rc=$?"; grep -E "batch +[0-9]+: step" "$L/fp8_decode.log" | cut -c1-62
+    tail -12 "$L/fp8_decode.log" ;;
 *)
-    echo "unknown part: $part (c, w, x)" >&2; exit 2 ;;
+    echo "unknown part: $part (c, d, h, w, x)" >&2; exit 2 ;;
 esac
