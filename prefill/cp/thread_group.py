@@ -5,12 +5,18 @@ group provides it with a barrier, so the whole CP path (planning, compute
 padding, rerange, owner-lane writes, last-token sampling) runs in one process.
 Tests use it to cover many (cp_size, page_size) pairs in seconds; the rank
 processes of ``prefill.cp.launcher`` use torch.distributed instead.
+
+Each rank keeps one thread for the group's life, as a rank process keeps its
+main thread: state that libraries hold per thread (cuDNN's attention graphs,
+which take tens of milliseconds to build, ``kernels/prefill/sdpa.py``) is built
+once, not on every call.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import torch
@@ -25,6 +31,9 @@ class ThreadGroup:
         self.world_size = world_size
         self._slots: list[torch.Tensor | None] = [None] * world_size
         self._barrier = threading.Barrier(world_size, timeout=timeout_s)
+        self._ranks = [ThreadPoolExecutor(1, thread_name_prefix=f"lanekv-cp-rank{r}")
+                       for r in range(world_size)]
+        self._run_lock = threading.Lock()  # one run at a time: the barrier is the group's
 
     def all_gather(self, rank: int, block: torch.Tensor) -> torch.Tensor:
         self._slots[rank] = block
@@ -34,22 +43,28 @@ class ThreadGroup:
         return out
 
     def run(self, fn: Callable[[int], T]) -> list[T]:
-        """Run ``fn(rank)`` on one thread per rank; re-raise the first failure."""
-        results: list = [None] * self.world_size
+        """Run ``fn(rank)`` on each rank's thread; re-raise the first failure once every
+        rank has ended (the group stays usable)."""
         errors: list[BaseException] = []
 
-        def body(rank: int) -> None:
+        def body(rank: int) -> T | None:
             try:
-                results[rank] = fn(rank)
-            except BaseException as err:  # surfaced below, after every thread ended
+                return fn(rank)
+            except BaseException as err:  # surfaced below, after every rank ended
                 errors.append(err)
                 self._barrier.abort()  # release the other ranks instead of hanging
+                return None
 
-        threads = [threading.Thread(target=body, args=(r,)) for r in range(self.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        with self._run_lock:
+            futures = [pool.submit(body, r) for r, pool in enumerate(self._ranks)]
+            results = [f.result() for f in futures]
+            if errors:
+                self._barrier.reset()  # the next run starts with a whole barrier
+                self._slots = [None] * self.world_size
+                raise errors[0]
         return results
+
+    def close(self) -> None:
+        """End the rank threads (a run in progress finishes first)."""
+        for pool in self._ranks:
+            pool.shutdown(wait=True)

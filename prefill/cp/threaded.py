@@ -36,6 +36,10 @@ class ThreadedPrefillEngine(PrefillEngine):
         self.runners = [build_runner(loaded, config, r, self.group) for r in range(config.cp_size)]
         self.info = describe(self.runners[0], config)
 
+    def close(self) -> None:
+        """End the rank threads."""
+        self.group.close()
+
     def freeze_heap(self) -> list[int]:
         """Nothing: the ranks are threads of a process that is not theirs to freeze."""
         return []
