@@ -128,9 +128,12 @@ _MIN_BIG_TILE_PROGRAMS_PER_SM = 4
 
 def big_tile_min_rows(num_heads: int, qk_dim: int, dtype: torch.dtype, device: torch.device) -> int | None:
     """The fewest query rows for which ``default_config`` picks the 128-row tile; None
-    where the tile does not depend on the rows. Each tile is its own compiled kernel,
+    where the tile does not depend on the rows (off CUDA, float32, head dims past 192,
+    and MLA's wide heads with 64 or more of them). Each tile is its own compiled kernel,
     so the prefill warm-up (``prefill.warmup``) runs both sides of this."""
-    if device.type != "cuda" or qk_dim > 128 or dtype == torch.float32:
+    if device.type != "cuda" or qk_dim > 192 or dtype == torch.float32:
+        return None
+    if qk_dim > 128 and num_heads >= 64:
         return None
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     # cdiv(rows, 128) * num_heads >= programs, for the fewest rows
@@ -151,7 +154,11 @@ def default_config(q: torch.Tensor) -> AttnLaunchConfig:
             # (bench/deepseek_kernels.py, BENCHMARKS.md); bench/mla_prefill_sweep.py picks
             # among the variants since.
             return MLA_PREFILL_DEFAULT
-        # H200, DeepSeek-V2-Lite's 16 heads, 16k causal: 64x64 led 128x64 and 64x32 (BENCHMARKS.md).
+        # Fewer heads (DeepSeek-V2-Lite's 16): the same 128x128 tile once the chip has enough
+        # programs: H200, 16 heads, one causal sequence, 363 / 491 TFLOP/s at 8k / 32k against
+        # 64x64's 328 / 401 (bench/mla_prefill_sweep.py --heads 16, 2026-12-04); 64x64 below.
+        if q.shape[0] >= big_tile_min_rows(q.shape[1], q.shape[2], q.dtype, q.device):
+            return MLA_PREFILL_DEFAULT
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
     if q.shape[0] < big_tile_min_rows(q.shape[1], q.shape[2], q.dtype, q.device):
         return AttnLaunchConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)

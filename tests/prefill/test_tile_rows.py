@@ -47,7 +47,10 @@ def test_the_attention_tile_does_not_depend_on_rows_off_cuda_or_for_wide_heads(h
     cuda = torch.device("cuda")
     assert big_tile_min_rows(32, 128, torch.bfloat16, torch.device("cpu")) is None
     assert big_tile_min_rows(32, 128, torch.float32, cuda) is None
-    assert big_tile_min_rows(32, 192, torch.bfloat16, cuda) is None  # DeepSeek's MLA heads
+    assert big_tile_min_rows(128, 192, torch.bfloat16, cuda) is None  # DeepSeek-V3's MLA heads
+    assert big_tile_min_rows(16, 256, torch.bfloat16, cuda) is None  # past the MLA tiles
+    # fewer MLA heads (V2-Lite's 16) switch where 128-row blocks fill the chip, as GQA's do
+    assert big_tile_min_rows(16, 192, torch.bfloat16, cuda) == big_tile_min_rows(16, 128, torch.bfloat16, cuda)
 
 
 def test_tile_switch_rows_per_model(tmp_path, h200_sms):
@@ -63,7 +66,7 @@ def test_tile_switch_rows_per_model(tmp_path, h200_sms):
     assert tile_switch_rows(moe, torch.bfloat16, cuda) == (17, 131 * 128 + 1)
     experts, top_k = mla.moe.num_experts, mla.moe.top_k
     moe_rows = -(-(4 * experts + 1) // top_k)
-    attention = () if mla.mla.qk_head_dim > 128 else (131 * 128 + 1,)
+    attention = () if mla.num_heads >= 64 else (big_tile_min_rows(mla.num_heads, 192, torch.bfloat16, cuda),)
     assert tile_switch_rows(mla, torch.bfloat16, cuda) == tuple(sorted((moe_rows, *attention)))
 
 
@@ -121,11 +124,11 @@ def test_a_switch_past_the_limits_adds_nothing(tmp_path, monkeypatch):
 
 
 @requires_gpu
-@pytest.mark.parametrize("heads", [4, 32])
-def test_the_attention_switch_is_where_default_config_changes_gpu(heads):
-    rows = big_tile_min_rows(heads, 128, torch.bfloat16, torch.device("cuda"))
-    below = torch.empty((rows - 1, heads, 128), dtype=torch.bfloat16, device="cuda")
-    at = torch.empty((rows, heads, 128), dtype=torch.bfloat16, device="cuda")
+@pytest.mark.parametrize(("heads", "qk_dim"), [(4, 128), (32, 128), (16, 192)])
+def test_the_attention_switch_is_where_default_config_changes_gpu(heads, qk_dim):
+    rows = big_tile_min_rows(heads, qk_dim, torch.bfloat16, torch.device("cuda"))
+    below = torch.empty((rows - 1, heads, qk_dim), dtype=torch.bfloat16, device="cuda")
+    at = torch.empty((rows, heads, qk_dim), dtype=torch.bfloat16, device="cuda")
     assert default_config(below).block_m == 64
     assert default_config(at).block_m == 128
 
