@@ -25,13 +25,20 @@ device). A query at position ``p`` sees keys ``[0, p]``:
 CUDA runs cuDNN's kernel: torch's public SDPA with the cuDNN backend where no
 log-sum-exp is needed, ``aten._scaled_dot_product_cudnn_attention`` (which returns it)
 where one is. Elsewhere (the CPU) ``attend_ref`` runs the same calls in float32 torch,
-so the split and the merge are tested without a GPU. cuDNN builds an execution plan per
-shape the first time it sees it (torch caches it per process), and each call costs a
-launch of its own, so this suits long segments. A rank's CP prefill takes it with
+so the split and the merge are tested without a GPU. A rank's CP prefill takes it with
 ``LANEKV_PREFILL_ATTENTION=cudnn`` (``PREFILL_ATTENTION_ENV``;
-``model.attention.base.segment_attention``, GQA and MLA), the Triton kernel otherwise:
-the default stays Triton until the H200 has timed this path in the model
-(``bench/mla_prefill_sweep.py``'s ``sdpa_prefill_attention (cuDNN)`` row).
+``model.attention.base.segment_attention``, GQA and MLA), the Triton kernel otherwise.
+
+Why Triton stays the default (one H200, 2026-12-04, BENCHMARKS.md "Sixteenth session"):
+torch builds a cuDNN graph for every new shape, in a cache of the calling thread, and
+the build takes about 70 ms (``bench/cudnn_sdpa_host.py``). A prompt of a new length is
+a new shape for each of its calls, so a serving daemon would pay that on most requests;
+torch's ``TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1`` keys the cache by power-of-two lengths
+but ran the kernels 12-52% slower. With its graphs built (one engine, the same prompt
+again: ``bench/prefill_attention.py``), the path ran DeepSeek-V2-Lite's prefill 0.99x /
+1.04x the Triton kernel's at 8k / 32k and Llama-3-8B's 0.95x / 1.06x. It suits a
+workload of few, fixed lengths; bounding the shapes (padding each call to a bucket)
+would be the next step, not taken.
 """
 
 from __future__ import annotations
