@@ -643,7 +643,7 @@ def decode_step_ms(loaded, pool: PagePool, batch: int, context: int, steps: int,
     return step_ms
 
 
-def _prefill_once(engine, ids: list[int], device: torch.device) -> tuple[float, torch.Tensor]:
+def prefill_once(engine, ids: list[int], device: torch.device) -> tuple[float, torch.Tensor]:
     """Seconds of one prefill of ``ids`` (pages freed after) and its last-token logits."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
     sync(device)
@@ -676,8 +676,8 @@ def bench_prefill(models: list[str], tokens: list[int], repeat: int, page_size: 
                     engine = None
                     try:
                         engine = ThreadedPrefillEngine(ecfg, loaded)
-                        _, logits[(quant, n)] = _prefill_once(engine, ids, device)  # warm-up
-                        times = [_prefill_once(engine, ids, device)[0] for _ in range(repeat)]
+                        _, logits[(quant, n)] = prefill_once(engine, ids, device)  # warm-up
+                        times = [prefill_once(engine, ids, device)[0] for _ in range(repeat)]
                     except Exception as err:  # noqa: BLE001  (recorded; the other rows still run)
                         row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}" \
                             if str(err) else type(err).__name__

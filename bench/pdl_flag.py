@@ -36,17 +36,22 @@ def pdl_modes(flag: str | None) -> tuple[str, ...]:
 
 
 @contextlib.contextmanager
-def pdl_env(setting: str) -> Iterator[None]:
-    """``LANEKV_PDL`` set to ``setting`` (off, on or auto) inside, as it was after."""
-    before = os.environ.get(ENV)
-    os.environ[ENV] = _VALUE[setting]
+def scoped_env(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` inside, as it was after."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ[ENV]
+            del os.environ[name]
         else:
-            os.environ[ENV] = before
+            os.environ[name] = before
+
+
+def pdl_env(setting: str) -> contextlib.AbstractContextManager[None]:
+    """``LANEKV_PDL`` set to ``setting`` (off, on or auto) inside, as it was after."""
+    return scoped_env(ENV, _VALUE[setting])
 
 
 def pdl_label(device: torch.device, setting: str, batch: int) -> str:

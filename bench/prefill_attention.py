@@ -23,14 +23,11 @@ attention is the same), or the tiny ones (``--tiny``, CPU tests).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import lanekv  # noqa: F401  (the package first: the repository's lanekv/ folder alone is not it)
@@ -40,45 +37,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from lanekv.kernels.prefill.sdpa import PREFILL_ATTENTION_ENV  # noqa: E402
 from lanekv.model.checkpoint import load_dummy_model  # noqa: E402
-from lanekv.prefill.cp.launcher import PrefillInput  # noqa: E402
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine  # noqa: E402
 from lanekv.prefill.engine_config import EngineConfig  # noqa: E402
 
 from bench import deepseek, prefill  # noqa: E402
-from bench.fp8 import FP8_CONFIG  # noqa: E402
+from bench.fp8 import FP8_CONFIG, prefill_once  # noqa: E402
+from bench.pdl_flag import scoped_env  # noqa: E402
 
 MODELS = {"v2_lite": deepseek.V2_LITE, "llama3_8b": prefill.LLAMA3_8B}
 TINY_MODELS = {"v2_lite": deepseek.TINY, "llama3_8b": prefill.TINY}
 BACKENDS = ("triton", "cudnn")
 
 
-@contextlib.contextmanager
-def attention_backend(name: str) -> Iterator[None]:
-    """``LANEKV_PREFILL_ATTENTION`` set to ``name`` inside, as it was after."""
-    before = os.environ.get(PREFILL_ATTENTION_ENV)
-    os.environ[PREFILL_ATTENTION_ENV] = name
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[PREFILL_ATTENTION_ENV]
-        else:
-            os.environ[PREFILL_ATTENTION_ENV] = before
-
-
 def _prefill(engine: ThreadedPrefillEngine, ids: list[int], backend: str,
              device: torch.device) -> tuple[float, torch.Tensor]:
     """Seconds of one prefill of ``ids`` with ``backend`` (pages freed after), and its
     last-token logits."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda _device: None)
-    with attention_backend(backend):
-        sync(device)
-        t0 = time.perf_counter()
-        res = engine.prefill([PrefillInput(ids)], return_logits=True)[0]
-        sync(device)
-        seconds = time.perf_counter() - t0
-    engine.free(res.new_pages)
-    return seconds, res.logits.float().flatten().cpu()
+    with scoped_env(PREFILL_ATTENTION_ENV, backend):
+        return prefill_once(engine, ids, device)
 
 
 def profile_row(engine: ThreadedPrefillEngine, ids: list[int], device: torch.device,
