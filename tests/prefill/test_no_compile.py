@@ -1,29 +1,32 @@
 """After warm-up, a prefill engine on the GPU compiles nothing for 200 random
 prompts in batches of random composition, some of them past the row count where
-the attention changes tiles."""
+the attention changes tiles (GQA, and MLA's wide heads when fewer than 64)."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 from lanekv.kernels.backend import recording_compiles
 from lanekv.prefill.cp.launcher import PrefillInput
 from lanekv.prefill.cp.threaded import ThreadedPrefillEngine
 from lanekv.prefill.engine_config import EngineConfig
 from lanekv.prefill.warmup import warm_up
 
-from tests.checkpoints import VOCAB_SIZE, write_llama
+from tests.checkpoints import VOCAB_SIZE, write_deepseek_v2, write_llama
 from tests.markers import requires_gpu
 
 
 @requires_gpu
-def test_no_kernel_compiles_after_warm_up_gpu(tmp_path):
-    ckpt = write_llama(tmp_path / "llama")
+@pytest.mark.parametrize("write", [write_llama, write_deepseek_v2], ids=["llama", "deepseek_v2"])
+def test_no_kernel_compiles_after_warm_up_gpu(tmp_path, write):
+    ckpt = write(tmp_path / "model")
     engine = ThreadedPrefillEngine(EngineConfig(str(ckpt), cp_size=1, page_size=16,
                                                 pages_per_lane=4096, dtype="bfloat16",
                                                 device="cuda"))
     try:
         # Prompts past the attention's tile switch too (4 heads: 16,769 rows on an H200).
+        assert engine.tile_switch_rows(), "no tile switch to cross"
         switch = max(engine.tile_switch_rows())
         warm_up(engine, VOCAB_SIZE, max_tokens=switch + 4096, max_batch_tokens=65536)
         rng = random.Random(1)
