@@ -4,13 +4,14 @@ In the model, the cuDNN prefill path (``kernels/prefill/sdpa.py``) ran slower th
 Triton kernel although cuDNN's kernel is faster (bench/prefill_attention.py, sixteenth
 session): the profile showed about 1.5 ms of host time in each
 ``aten::_cudnn_attention_forward`` against about 0.2 ms of device time. torch keeps
-cuDNN's attention graphs in a per-thread cache, and the CP prefill runs each rank on a
-thread started per call (``ThreadGroup.run``). This probe times the host side of one
+cuDNN's attention graphs in a per-thread cache, and the threaded CP prefill then ran each
+rank on a thread started per call (``ThreadGroup.run``; its rank threads last since). This
+probe times the host side of one
 call (launched back to back, no sync) and its device time, on the path's own call
 (``attend_cudnn``) with ``[rows, heads, dim]`` views as the model passes them:
 
 - ``same thread``: every call on the thread that made the first (the cache warm);
-- ``fresh thread``: each batch of calls on a new thread (as ``ThreadGroup.run`` does);
+- ``fresh thread``: each batch of calls on a new thread (as ``ThreadGroup.run`` did);
 - ``fresh thread, 1 call``: the first call on a new thread alone;
 - ``new lengths``: the first call at each of a few other lengths of the same power-of-two
   bucket, on the warm thread (a new shape builds a new graph, unless torch's

@@ -3,7 +3,7 @@
 # not run.
 #   c: the cuDNN prefill path (kernels/prefill/sdpa.py): its GPU tests, bench/mla_prefill_sweep.py
 #      with the default MLA tiles beside SDPA and the path, then bench/prefill_attention.py:
-#      V2-Lite's and Llama-3-8B's prefill at 8k and 32k, cp 1 and 2, the Triton kernel
+#      V2-Lite's and Llama-3-8B's prefill at 8k and 32k, cp 1, the Triton kernel
 #      against LANEKV_PREFILL_ATTENTION=cudnn on one engine, in A/B pairs.
 #   w: the step's GEMV configs tuned in the step (bench/gemv_in_step.py), Llama-3-8B at
 #      batch 1, FP8 weights then bf16.

@@ -4,7 +4,7 @@
 (``model.attention.base.segment_attention``): ``triton`` (the CP prefill kernel) or
 ``cudnn`` (``kernels/prefill/sdpa.py``: cuDNN's kernel segment by segment, merged by
 log-sum-exp). This bench prefills one prompt of each ``--tokens`` length at each
-``--cp`` (the ranks are threads of this process: ``ThreadedPrefillEngine``, the rank code
+``--cp`` (default 1; the ranks are threads of this process: ``ThreadedPrefillEngine``, the rank code
 the daemon runs; at cp > 1 every rank but the first takes the two-call path of a later
 segment) with both backends on the same engine and weights, in A/B pairs whose order
 alternates, after one warm-up prefill of each. Per row: each backend's median prefill
@@ -23,11 +23,13 @@ attention is the same), or the tiny ones (``--tiny``, CPU tests).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import lanekv  # noqa: F401  (the package first: the repository's lanekv/ folder alone is not it)
@@ -57,28 +59,40 @@ def _prefill(engine: ThreadedPrefillEngine, ids: list[int], backend: str,
         return prefill_once(engine, ids, device)
 
 
+@contextlib.contextmanager
+def _ranks_on_this_thread(engine: ThreadedPrefillEngine) -> Iterator[None]:
+    """At cp 1, the one rank runs on the calling thread inside (the profiler records the
+    host operators of the thread that starts it); at cp > 1 nothing changes (then only the
+    device times are whole)."""
+    if engine.config.cp_size != 1:
+        yield
+        return
+    engine.group.run = lambda fn: [fn(0)]
+    try:
+        yield
+    finally:
+        del engine.group.run
+
+
 def profile_row(engine: ThreadedPrefillEngine, ids: list[int], device: torch.device,
                 path: Path) -> None:
-    """One prefill per backend under ``torch.profiler`` (after the warm-ups): its operators
-    by device time and by host time, appended to ``path``."""
+    """One prefill per backend under ``torch.profiler``, after one unprofiled on the same
+    thread (cuDNN builds its graphs per thread): its operators by device time and by host
+    time, appended to ``path``."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    # The profiler records the host operators of the thread that starts it: at cp 1 the one
-    # rank runs on this thread instead of its own (at cp > 1 only device times are whole).
-    if engine.config.cp_size == 1:
-        engine.group.run = lambda fn: [fn(0)]
-    for b in BACKENDS:
-        with profile(activities=activities) as prof:
+    keys = ("self_device_time_total",) * (device.type == "cuda") + ("self_cpu_time_total",)
+    with _ranks_on_this_thread(engine):
+        for b in BACKENDS:
             _prefill(engine, ids, b, device)
-        events = prof.key_averages()
-        with path.open("a") as f:
-            for key in ("self_device_time_total", "self_cpu_time_total"):
-                if key == "self_device_time_total" and device.type != "cuda":
-                    continue
-                f.write(f"\n== {b}, {len(ids)} tokens, by {key} ==\n")
-                f.write(events.table(sort_by=key, row_limit=25, max_name_column_width=70))
-    vars(engine.group).pop("run", None)
+            with profile(activities=activities) as prof:
+                _prefill(engine, ids, b, device)
+            events = prof.key_averages()
+            with path.open("a") as f:
+                for key in keys:
+                    f.write(f"\n== {b}, {len(ids)} tokens, by {key} ==\n")
+                    f.write(events.table(sort_by=key, row_limit=25, max_name_column_width=70))
 
 
 def bench_row(engine: ThreadedPrefillEngine, ids: list[int], repeat: int,
@@ -155,7 +169,8 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="the tiny shapes (CPU tests)")
     ap.add_argument("--weights", choices=("bf16", "fp8"), default="bf16")
     ap.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768])
-    ap.add_argument("--cp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--cp", type=int, nargs="+", default=[1],
+                    help="CP sizes (on CUDA the engine wants a GPU a rank)")
     ap.add_argument("--repeat", type=int, default=3, help="A/B pairs per row")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

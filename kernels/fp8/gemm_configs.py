@@ -366,8 +366,8 @@ def lookup(table, rows: int, n: int, k: int, block: tuple[int, int]) -> GemmConf
 # cuBLAS's time; Llama-3-8B's gate/up, 1.02x, is left to cuBLAS). Llama's o and down were
 # then tuned in the captured step (``bench/gemv_in_step.py``, H200, 2026-12-04: split-K
 # halved, each 1.1-1.3% off the step in two A/B pairs; the step 4.391 -> 4.283 ms), and
-# V2-Lite's o (split-K doubled; its step 2.248 -> 2.222 ms). A
-# shape or row count not here runs ``F.linear``.
+# V2-Lite's o (split-K doubled; its step 2.248 -> 2.222 ms). A shape or row count not
+# here runs ``F.linear``.
 DENSE_GEMV_TABLE: dict[str, dict[tuple[int, int, bool], GemmConfig]] = {
     "NVIDIA H200": {
         (6144, 4096, False): GemmConfig(16, 16, 128, 1, 4, 4, 1, gemv=True),  # Llama qkv
